@@ -1,0 +1,81 @@
+"""The `frawd` command.
+
+Each subcommand lives in its own module here and is imported only when used, so
+`frawd --help` stays fast and torch is loaded only by commands that need it. A
+`FrawdError` (bad input) becomes one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from ..errors import FrawdError
+
+# command name -> (module in frawdllm.cli, attribute, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "info": ("info", "info", "Parameters, FLOPs per token and memory of a model config."),
+    "tokenizer": ("tokenizer", "tokenizer", "Train tokenizers (BPE, char, byte)."),
+    "data": ("data", "data", "Prepare corpora into memory-mapped token shards."),
+    "pretrain": ("pretrain", "pretrain", "Pretrain a language model."),
+    "eval": ("evaluate", "evaluate", "Loss, perplexity and bits per byte of a model on held-out data."),
+    "generate": ("generate", "generate", "Generate text from a prompt."),
+    "chat": ("chat", "chat", "Chat with a model in the terminal."),
+    "sft": ("sft", "sft", "Supervised fine-tuning on chat data."),
+    "dpo": ("dpo", "dpo", "Direct preference optimisation."),
+    "serve": ("serve", "serve", "OpenAI-compatible HTTP server with a web chat page."),
+    "export": ("export", "export", "Export a model to Hugging Face transformers or GGUF."),
+    "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint."),
+    "translate": ("translate", "translate", "Encoder-decoder translation models."),
+}
+
+
+def _available(name: str) -> bool:
+    return importlib.util.find_spec(f"{__name__}.{COMMANDS[name][0]}") is not None
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if _available(name)]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS or not _available(name):
+            return None
+        module_name, attr, _ = COMMANDS[name]
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="frawdllm")
+def cli() -> None:
+    """FrawdLLM: build, train, align, serve and export small transformer language models."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="frawd", standalone_mode=False)
+    except FrawdError as exc:
+        click.echo(f"frawd: error: {exc}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)

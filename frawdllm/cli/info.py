@@ -1,0 +1,44 @@
+"""`frawd info`: what a config costs before you train it."""
+
+from __future__ import annotations
+
+import click
+
+from .options import model_config_from, preset_option, set_option
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {prefix}{unit}"
+        n /= 1024
+    return f"{n:.1f} Pi{unit}"
+
+
+@click.command()
+@preset_option()
+@set_option()
+@click.option("--seq-len", type=int, default=None, help="Sequence length for FLOPs (default: context_length).")
+def info(preset: str, overrides: tuple[str, ...], seq_len: int | None) -> None:
+    """Print a config, its exact parameter count, training FLOPs per token and memory.
+
+    The parameter count is computed from the config and equals the number of unique
+    parameters of the built model (tied embeddings counted once).
+    """
+    cfg = model_config_from(preset, overrides)
+    click.echo(f"preset: {preset}")
+    for key, value in cfg.to_dict().items():
+        click.echo(f"  {key:<18} {value}")
+    n = cfg.num_parameters
+    click.echo(f"parameters:               {n:,}")
+    click.echo(f"  embedding:              {cfg.num_embedding_parameters:,}")
+    click.echo(f"  non-embedding:          {cfg.num_non_embedding_parameters:,}")
+    seq = seq_len or cfg.context_length
+    flops = cfg.flops_per_token(seq)
+    click.echo(f"training FLOPs/token:     {flops:,} (seq_len {seq}; 6N + attention)")
+    click.echo("memory (fp32 training):")
+    click.echo(f"  weights:                {_human(4 * n)}")
+    click.echo(f"  gradients:              {_human(4 * n)}")
+    click.echo(f"  AdamW state (m, v):     {_human(8 * n)}")
+    click.echo(f"  total:                  {_human(16 * n)}  (+ activations)")
+    click.echo(f"weights in bf16:          {_human(2 * n)}")

@@ -1,0 +1,264 @@
+"""Model configuration: one dataclass describes every model in the family.
+
+`ModelConfig` holds the original FrawdLLM fields (`vocab_size, n_embd, n_layer, n_head,
+context_length, dropout, use_rope, use_rmsnorm, use_swiglu`, special token ids) plus the
+choices a modern family needs (position encoding, embedding scale, pre/post-LN, GQA,
+bias, tied head). It is validated once, at construction; the model code trusts it.
+
+`num_parameters` is computed from the config alone and is exact: it equals
+`sum(p.numel() for p in FrawdLLM(cfg).parameters())` (tied weights counted once).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .errors import ConfigError
+
+POS_ENCODINGS = ("learned", "sinusoidal", "rope", "none")
+NORM_PLACEMENTS = ("pre", "post")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8192
+    n_embd: int = 256
+    n_layer: int = 6
+    n_head: int = 8
+    context_length: int = 256
+    dropout: float = 0.0
+    # Original boolean switches; `use_rope=True` is the same as `pos_encoding="rope"`.
+    use_rope: bool = False
+    use_rmsnorm: bool = False
+    use_swiglu: bool = False
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+    eos_token_id: int = 3
+    # Modern choices.
+    pos_encoding: str | None = None  # learned | sinusoidal | rope | none (None: from use_rope)
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(n_embd), as in the paper
+    norm_placement: str = "pre"  # pre | post
+    n_kv_head: int | None = None  # None: = n_head (MHA); 1: MQA; between: GQA
+    bias: bool = True  # biases in linear layers and LayerNorm
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    rope_theta: float = 10000.0
+    mlp_hidden: int | None = None  # None: 4*n_embd (GELU) or 8/3*n_embd rounded up to 32 (SwiGLU)
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.pos_encoding is None:
+            self.pos_encoding = "rope" if self.use_rope else "learned"
+        _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
+        if self.use_rope and self.pos_encoding != "rope":
+            raise ConfigError(
+                f"use_rope=True conflicts with pos_encoding={self.pos_encoding!r}; "
+                "set pos_encoding='rope' or use_rope=False"
+            )
+        self.use_rope = self.pos_encoding == "rope"
+        _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for name in ("vocab_size", "n_embd", "n_layer", "n_head", "context_length", "n_kv_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ConfigError(f"mlp_hidden must be a positive integer or None, got {self.mlp_hidden!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if self.n_head % self.n_kv_head != 0:
+            raise ConfigError(
+                f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
+            )
+        if self.pos_encoding in ("rope", "sinusoidal") and self.head_dim % 2 != 0:
+            raise ConfigError(
+                f"head_dim = n_embd/n_head = {self.head_dim} must be even for "
+                f"pos_encoding={self.pos_encoding!r}"
+            )
+        if self.pos_encoding == "sinusoidal" and self.n_embd % 2 != 0:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be even for sinusoidal positions")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ConfigError("rope_theta and norm_eps must be positive")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name} ({value}) must be in [0, vocab_size={self.vocab_size})")
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden width of the MLP."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        if self.use_swiglu:
+            # 8/3 * d keeps SwiGLU's three matrices at the parameter cost of GELU's two.
+            return 32 * math.ceil(8 * self.n_embd / 3 / 32)
+        return 4 * self.n_embd
+
+    @property
+    def has_final_norm(self) -> bool:
+        # Post-LN blocks already end in a norm; pre-LN needs one before the head.
+        return self.norm_placement == "pre"
+
+    def _norm_params(self) -> int:
+        return self.n_embd * (1 if self.use_rmsnorm or not self.bias else 2)
+
+    @property
+    def num_embedding_parameters(self) -> int:
+        """Token embedding (+ learned positions); the tied head is counted here."""
+        count = self.vocab_size * self.n_embd
+        if self.pos_encoding == "learned":
+            count += self.context_length * self.n_embd
+        return count
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact number of unique parameters of `FrawdLLM(self)`."""
+        d, hd, b = self.n_embd, self.head_dim, int(self.bias)
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * hd
+        attn = d * qkv_out + b * qkv_out + d * d + b * d
+        h = self.ffn_dim
+        if self.use_swiglu:
+            mlp = d * 2 * h + b * 2 * h + h * d + b * d
+        else:
+            mlp = d * h + b * h + h * d + b * d
+        block = attn + mlp + 2 * self._norm_params()
+        total = self.num_embedding_parameters + self.n_layer * block
+        if self.has_final_norm:
+            total += self._norm_params()
+        if not self.tie_embeddings:
+            total += self.vocab_size * d
+        return total
+
+    @property
+    def num_non_embedding_parameters(self) -> int:
+        return self.num_parameters - self.num_embedding_parameters
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward): 6N + attention (PaLM appendix B).
+
+        N counts the parameters used in matmuls: everything but the embedding lookups,
+        plus the LM head (which is the token embedding when tied).
+        """
+        seq_len = self.context_length if seq_len is None else seq_len
+        matmul_params = self.num_non_embedding_parameters + self.vocab_size * self.n_embd
+        if not self.tie_embeddings:
+            matmul_params -= self.vocab_size * self.n_embd  # head already in non-embedding
+        return 6 * matmul_params + 12 * self.n_layer * self.n_embd * seq_len
+
+    # ---- (de)serialisation ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        """A copy with fields changed, validated again."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            if key not in data:
+                raise ConfigError(f"unknown config field {key!r}; known: {', '.join(data)}")
+            data[key] = value
+        if "use_rope" in overrides and "pos_encoding" not in overrides:
+            data["pos_encoding"] = None
+        if "n_head" in overrides and "n_kv_head" not in overrides and self.n_kv_head == self.n_head:
+            data["n_kv_head"] = None
+        return ModelConfig(**data)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+_GPT2 = dict(use_rmsnorm=False, use_swiglu=False, bias=True, tie_embeddings=True)
+_LLAMA = dict(use_rope=True, use_rmsnorm=True, use_swiglu=True, bias=False, tie_embeddings=True)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=8192, n_embd=256, n_layer=6, n_head=8, context_length=256, **_GPT2),
+    "small": dict(vocab_size=8192, n_embd=512, n_layer=8, n_head=8, context_length=512, **_GPT2),
+    "base": dict(vocab_size=8192, n_embd=768, n_layer=12, n_head=12, context_length=1024, **_GPT2),
+    "100m": dict(
+        vocab_size=32000, n_embd=768, n_layer=12, n_head=12, context_length=1024,
+        **{**_GPT2, "use_rope": True},
+    ),
+    "tiny-llama": dict(
+        vocab_size=8192, n_embd=256, n_layer=6, n_head=8, n_kv_head=4, context_length=256, **_LLAMA
+    ),
+    "small-llama": dict(
+        vocab_size=8192, n_embd=512, n_layer=8, n_head=8, n_kv_head=4, context_length=512, **_LLAMA
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """A preset by name, with fields overridden: `get_config("tiny", n_layer=2)`."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    data = dict(PRESETS[name])
+    known = {f.name for f in fields(ModelConfig)}
+    for key in overrides:
+        if key not in known:
+            raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sorted(known))}")
+    if "pos_encoding" in overrides and "use_rope" not in overrides:
+        data.pop("use_rope", None)
+    data.update(overrides)
+    return ModelConfig(**data)
+
+
+def parse_value(cls: type, name: str, text: str) -> Any:
+    """Parse `text` as the declared type of dataclass field `name` (for `--set k=v` flags)."""
+    hints = typing.get_type_hints(cls)
+    if name not in hints:
+        known = ", ".join(f.name for f in fields(cls))
+        raise ConfigError(f"unknown field {name!r}; known: {known}")
+    hint = hints[name]
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    if type(None) in options and text.lower() in ("none", "null", ""):
+        return None
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            if option is bool:
+                if text.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if text.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(text)
+            return option(text)
+        except ValueError:
+            continue
+    raise ConfigError(f"{name}: cannot parse {text!r} as {hint}")
+
+
+def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Turn `["n_layer=2", "use_rope=true"]` into typed overrides for dataclass `cls`."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"expected field=value, got {pair!r}")
+        key, text = pair.split("=", 1)
+        out[key.strip()] = parse_value(cls, key.strip(), text.strip())
+    return out
+
+
+__all__ = ["ModelConfig", "PRESETS", "get_config", "parse_overrides", "parse_value"]

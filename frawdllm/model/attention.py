@@ -1,0 +1,94 @@
+"""Causal self-attention with multi-head, grouped-query and multi-query variants.
+
+Each token's vector is projected to a query, a key and a value per head. A head's
+output at position t is the softmax(q_t · k_s / sqrt(hd))-weighted average of the values
+v_s for s <= t (causal). Heads are concatenated and projected back to D.
+
+Grouped-query attention (GQA) gives n_kv_head < n_head key/value heads, each shared by
+n_head / n_kv_head query heads: the KV cache shrinks by that factor. n_kv_head == 1 is
+multi-query attention (MQA); n_kv_head == n_head is plain multi-head attention (MHA).
+
+The attention kernel is PyTorch's `scaled_dot_product_attention` (flash / memory-efficient
+kernels where available).
+
+KV cache protocol: the inference engine passes an object with
+`update(layer_idx, k, v) -> (k_all, v_all, mask)`, which stores this step's keys and values
+(B, n_kv_head, T, hd) and returns everything to attend over (B, n_kv_head, S, hd) and a
+boolean mask (B or 1, 1, T, S), True = may attend, or None when plain causal masking is right.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .embeddings import apply_rope
+
+
+class KVCacheLike(Protocol):
+    def update(
+        self, layer_idx: int, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]: ...
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        # One matmul for q, k and v: (n_head + 2 * n_kv_head) heads of head_dim.
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.is_residual_proj = True
+        self.dropout = cfg.dropout
+
+    def forward(
+        self,
+        x: Float[Tensor, "B T D"],
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: Any = None,
+    ) -> Float[Tensor, "B T D"]:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
+            dim=-1,
+        )
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if kv_cache is not None:
+            k, v, mask = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, D)
+        return self.proj(y)
+
+
+def attend(
+    q: Float[Tensor, "B H T hd"],
+    k: Float[Tensor, "B Hkv S hd"],
+    v: Float[Tensor, "B Hkv S hd"],
+    mask: Bool[Tensor, "#B 1 T S"] | None = None,
+    dropout_p: float = 0.0,
+) -> Float[Tensor, "B H T hd"]:
+    """softmax(q k^T / sqrt(hd)) v, causal unless an explicit mask is given."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:  # GQA: each kv head serves n_rep query heads
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    if mask is None:
+        # Without a mask, queries are the last T of S keys (S == T when there is no cache).
+        T, S = q.shape[2], k.shape[2]
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        if T != S:
+            raise ValueError(f"a KV cache must give a mask when {T} queries attend {S} keys")
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

@@ -1,0 +1,124 @@
+"""FrawdLLM: a decoder-only transformer language model.
+
+token ids (B, T) -> embeddings (B, T, D) -> n_layer blocks -> final norm -> LM head
+-> logits (B, T, V). Trained to predict token t+1 from tokens <= t with cross-entropy;
+targets equal to -100 are ignored (padding, prompt tokens in SFT).
+
+Every architectural choice (positions, norm, MLP, GQA, pre/post-LN, tied head) comes from
+`ModelConfig`; this one class serves GPT-2 style and Llama style models, for training
+and, through an optional KV cache, for inference.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .block import TransformerBlock
+from .embeddings import Embeddings, rope_tables
+from .norm import make_norm
+
+IGNORE_INDEX = -100
+
+
+class FrawdLLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        self.embed = Embeddings(
+            cfg.vocab_size, cfg.n_embd, cfg.context_length, cfg.pos_encoding, cfg.scale_embeddings, cfg.dropout
+        )
+        if cfg.pos_encoding == "rope":
+            cos, sin = rope_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (C, hd/2)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layer))
+        self.norm = make_norm(cfg) if cfg.has_final_norm else nn.Identity()
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.tok.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by
+        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "is_residual_proj", False):
+                std /= math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    # ---- forward ------------------------------------------------------------------------
+    def hidden_states(
+        self,
+        token_ids: Int[Tensor, "B T"],
+        positions: Int[Tensor, "#B T"] | None = None,
+        kv_cache: Any = None,
+    ) -> Float[Tensor, "B T D"]:
+        """The final normalised hidden states (before the LM head).
+
+        positions: absolute position of each token (default 0..T-1); with a KV cache the
+        engine passes where the new tokens sit.
+        """
+        T = token_ids.shape[1]
+        if positions is None:
+            if T > self.config.context_length:
+                raise ValueError(
+                    f"sequence length {T} exceeds the model's context_length {self.config.context_length}"
+                )
+            positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
+        elif positions.numel() and int(positions.max()) >= self.config.context_length:
+            raise ValueError(
+                f"position {int(positions.max())} is past the model's context_length "
+                f"{self.config.context_length}"
+            )
+        x = self.embed(token_ids, positions)  # (B, T, D)
+        rope = None
+        if self.config.pos_encoding == "rope":
+            # (1, 1, T, hd/2) or (B, 1, T, hd/2): broadcast over heads
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        for block in self.blocks:
+            x = block(x, rope, kv_cache)
+        return self.norm(x)
+
+    def forward(
+        self,
+        token_ids: Int[Tensor, "B T"],
+        targets: Int[Tensor, "B T"] | None = None,
+        positions: Int[Tensor, "#B T"] | None = None,
+        kv_cache: Any = None,
+    ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
+        logits = self.lm_head(self.hidden_states(token_ids, positions, kv_cache))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            )
+        return logits, loss
+
+    # ---- model directory -----------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save_pretrained(self, directory: str | Path, tokenizer: Any = None) -> Path:
+        """Write config.json and model.safetensors (and tokenizer.json if given) atomically."""
+        from ..modeldir import save_model_dir
+
+        return save_model_dir(self, directory, tokenizer=tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "FrawdLLM":
+        from ..modeldir import load_model
+
+        return load_model(directory, device=device)
