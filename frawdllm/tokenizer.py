@@ -1,0 +1,273 @@
+"""Tokenizers: text <-> integer ids, stored as one Hugging Face `tokenizer.json`.
+
+Three kinds, all backed by the Rust `tokenizers` library (so encoding runs on all cores):
+
+    bpe   byte-level BPE (GPT-2 style): text -> UTF-8 bytes -> learned merges.
+          Every Unicode string round-trips exactly; the vocabulary size is chosen.
+    char  one token per character seen in the training text (the classic tiny-shakespeare
+          setup); a character never seen maps to <|unk|>.
+    byte  the 256 raw bytes, no merges: id = 7 + byte value. Round-trips everything.
+
+Seven special tokens sit at fixed ids 0..6 in every kind, so a config's pad/bos/eos ids
+line up with any tokenizer FrawdLLM trains. `encode` treats its input as plain text:
+a literal "<|eos|>" inside a document is spelled out, never turned into the control
+token. Only `render_chat` (the one chat template of the project) emits role tokens:
+
+    <|bos|><|system|>...<|eos|><|user|>...<|eos|><|assistant|>...<|eos|><|assistant|>
+
+The kind is read back from the layout of tokenizer.json alone: a WordLevel model is
+`char`; a BPE model whose byte-level pre-tokenizer does not split on a regex and that
+has no merges is `byte`; any other model is `bpe`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .errors import FrawdError
+from .io import write_text_atomic
+
+SPECIAL_TOKENS = ["<|pad|>", "<|unk|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
+PAD_ID, UNK_ID, BOS_ID, EOS_ID, USER_ID, ASSISTANT_ID, SYSTEM_ID = range(7)
+ROLES = ("system", "user", "assistant")
+KINDS = ("bpe", "char", "byte")
+TOKENIZER_FILE = "tokenizer.json"
+MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet, before any merge
+
+
+def render_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The chat template as a string: <|bos|>, then <|role|>content<|eos|> per message,
+    then <|assistant|> when the model should answer next."""
+    parts = ["<|bos|>"]
+    for i, message in enumerate(messages):
+        role, content = _role_and_content(message, i)
+        parts.append(f"<|{role}|>{content}<|eos|>")
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+def _role_and_content(message: Any, index: int) -> tuple[str, str]:
+    if not isinstance(message, dict):
+        raise FrawdError(f"chat message {index} is not an object with 'role' and 'content'")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise FrawdError(f"chat message {index}: role {role!r} is not one of {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise FrawdError(f"chat message {index}: content must be a string, got {type(content).__name__}")
+    return role, content
+
+
+class Tokenizer:
+    """A FrawdLLM tokenizer: a thin wrapper around a `tokenizers.Tokenizer` (`.backend`)."""
+
+    def __init__(self, backend: _HFTokenizer, kind: str | None = None):
+        self.backend = backend
+        self.kind = kind or _detect_kind(backend)
+        # A twin that never parses special tokens out of text (see the module docstring).
+        self._plain = _HFTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
+
+    # ---- basic properties -------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the canonical tokenizer.json text: equal fingerprints, equal tokenization."""
+        return hashlib.sha256(self.backend.to_str().encode("utf-8")).hexdigest()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def has_frawd_specials(self) -> bool:
+        """True when the seven special tokens sit at ids 0..6 (every tokenizer trained here)."""
+        return all(self.backend.token_to_id(tok) == i for i, tok in enumerate(SPECIAL_TOKENS))
+
+    # ---- encode / decode ----------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids. No special tokens are added or parsed."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many texts at once, in parallel on all cores (Rust threads, GIL released)."""
+        return [e.ids for e in self._plain.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def unknown_characters(self, text: str) -> set[str]:
+        """Characters of `text` a char-level tokenizer maps to <|unk|> (empty for bpe/byte)."""
+        if self.kind != "char":
+            return set()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return {ch for ch in set(text) if ch not in vocab}
+
+    # ---- chat -----------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template as ids.
+
+        Equal to encoding `render_chat_text(...)` with special tokens parsed, except that
+        message contents are always plain text (a literal "<|eos|>" typed by a user stays text).
+        """
+        self._require_specials()
+        ids = [BOS_ID]
+        for i, message in enumerate(messages):
+            role, content = _role_and_content(message, i)
+            ids.append(SPECIAL_TOKENS.index(f"<|{role}|>"))
+            ids.extend(self.encode(content))
+            ids.append(EOS_ID)
+        if add_generation_prompt:
+            ids.append(ASSISTANT_ID)
+        return ids
+
+    def _require_specials(self) -> None:
+        if not self.has_frawd_specials():
+            raise FrawdError("this tokenizer lacks FrawdLLM's special tokens at ids 0..6; it cannot render chats")
+
+    # ---- files ------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json atomically (`path` is the file, or a directory to hold it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        write_text_atomic(path, self.backend.to_str(pretty=True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        """Load a tokenizer.json file, or the tokenizer.json inside a directory."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise FrawdError(f"tokenizer not found: {path}")
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise FrawdError(f"{path}: not a valid tokenizer.json ({first_line})") from None
+        return cls(backend)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+
+def _detect_kind(backend: _HFTokenizer) -> str:
+    if isinstance(backend.model, models.WordLevel):
+        return "char"
+    setup = json.loads(backend.to_str())
+    pre = setup.get("pre_tokenizer") or {}
+    model = setup.get("model") or {}
+    if (model.get("type") == "BPE" and not model.get("merges")
+            and pre.get("type") == "ByteLevel" and pre.get("use_regex") is False):
+        return "byte"
+    return "bpe"
+
+
+# ---- training -------------------------------------------------------------------------------
+
+def train_tokenizer(texts: Iterable[str], kind: str = "bpe", vocab_size: int = 8192,
+                    show_progress: bool = False) -> Tokenizer:
+    """Build a tokenizer from an iterable of documents.
+
+    `vocab_size` (specials included) applies to `bpe` only: `char` takes the characters of
+    the text, `byte` is always 256 + 7.
+    """
+    if kind == "bpe":
+        return _train_bpe(texts, vocab_size, show_progress)
+    if kind == "char":
+        return _build_char(texts)
+    if kind == "byte":
+        return byte_tokenizer()
+    raise FrawdError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def _byte_level(backend: _HFTokenizer, use_regex: bool) -> None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    backend.decoder = decoders.ByteLevel()
+
+
+def _train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool) -> Tokenizer:
+    if vocab_size < MIN_BPE_VOCAB:
+        raise FrawdError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB} (7 specials + 256 bytes), got {vocab_size}")
+    backend = _HFTokenizer(models.BPE())
+    _byte_level(backend, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,  # placed first: ids 0..6
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    seen = _CountingIterator(texts)
+    backend.train_from_iterator(seen, trainer)
+    if seen.count == 0:
+        raise FrawdError("cannot train a tokenizer on an empty corpus")
+    return Tokenizer(backend, "bpe")
+
+
+def _build_char(texts: Iterable[str]) -> Tokenizer:
+    chars: set[str] = set()
+    for text in texts:
+        chars.update(text)
+    if not chars:
+        raise FrawdError("cannot build a char tokenizer from an empty corpus")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(chars):
+        vocab[ch] = len(vocab)
+    backend = _HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per char
+    backend.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return Tokenizer(backend, "char")
+
+
+def byte_tokenizer() -> Tokenizer:
+    """The raw-byte tokenizer: id = 7 + byte value, 263 ids in all. Needs no training."""
+    byte_to_char = _bytes_to_unicode()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for b in range(256):
+        vocab[byte_to_char[b]] = len(SPECIAL_TOKENS) + b
+    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    _byte_level(backend, use_regex=False)
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return Tokenizer(backend, "byte")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the alphabet of ByteLevel)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+class _CountingIterator:
+    """Pass texts through while counting them (to tell an empty corpus apart)."""
+
+    def __init__(self, texts: Iterable[str]):
+        self._it = iter(texts)
+        self.count = 0
+
+    def __iter__(self) -> "_CountingIterator":
+        return self
+
+    def __next__(self) -> str:
+        text = next(self._it)
+        self.count += 1
+        return text
