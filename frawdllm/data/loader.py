@@ -1,0 +1,100 @@
+"""Batch loaders over a token array (usually a memory-mapped shard).
+
+A language model learns to predict token t+1 from tokens 0..t, so a training example
+is a window of `context_length + 1` tokens: x is the first T of them, y the last T.
+
+- `RandomWindowLoader` (pretraining) draws window starts uniformly at random. Batch
+  `step` depends only on (seed, step), so its whole state is `{"seed", "step"}` and a
+  resumed run sees exactly the batches an uninterrupted one would. With several ranks,
+  each step draws one global batch of `batch_size * world_size` windows and rank r takes
+  its slice: the ranks together see what one process with the global batch would.
+- `SequentialLoader` (validation) walks non-overlapping windows in order, the same ones
+  on every call; rank r takes windows r, r + world_size, ... The last batch may be short.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from ..errors import FrawdError
+
+
+def _check_layout(n_tokens: int, batch_size: int, context_length: int, rank: int, world_size: int) -> None:
+    if batch_size < 1 or context_length < 1:
+        raise FrawdError(f"batch_size and context_length must be positive, got {batch_size} and {context_length}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise FrawdError(f"rank {rank} is outside world_size {world_size}")
+    if n_tokens < context_length + 1:
+        raise FrawdError(f"only {n_tokens} tokens; a window of context_length {context_length} needs "
+                         f"{context_length + 1}: use more data or a shorter context")
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray,
+             context_length: int) -> tuple[Int[Tensor, "B T"], Int[Tensor, "B T"]]:
+    index = starts[:, None] + np.arange(context_length + 1)  # (B, T+1)
+    window = torch.from_numpy(tokens[index].astype(np.int64))  # one gather from the memmap
+    return window[:, :-1], window[:, 1:]
+
+
+class RandomWindowLoader:
+    """Seeded random windows for pretraining; exactly resumable from `state_dict()`."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        _check_layout(len(tokens), batch_size, context_length, rank, world_size)
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.context_length = context_length
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.step = 0
+
+    def next_batch(self) -> tuple[Int[Tensor, "B T"], Int[Tensor, "B T"]]:
+        rng = np.random.default_rng([self.seed, self.step])
+        n_starts = len(self.tokens) - self.context_length  # last start still leaves T+1 tokens
+        starts = rng.integers(0, n_starts, size=self.batch_size * self.world_size)
+        mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        self.step += 1
+        return _windows(self.tokens, mine, self.context_length)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"seed", "step"}:
+            raise FrawdError(f"loader state must have keys seed and step, got {sorted(state)}")
+        self.seed = int(state["seed"])
+        self.step = int(state["step"])
+
+
+class SequentialLoader:
+    """Every non-overlapping window once, in order: the same batches on every pass."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int,
+                 max_batches: int | None = None, rank: int = 0, world_size: int = 1):
+        _check_layout(len(tokens), batch_size, context_length, rank, world_size)
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.context_length = context_length
+        self.max_batches = max_batches
+        n_windows = (len(tokens) - 1) // context_length
+        self.starts = np.arange(rank, n_windows, world_size) * context_length
+
+    def __len__(self) -> int:
+        n = -(-len(self.starts) // self.batch_size)
+        return n if self.max_batches is None else min(n, self.max_batches)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for b in range(len(self)):
+            starts = self.starts[b * self.batch_size:(b + 1) * self.batch_size]
+            yield _windows(self.tokens, starts, self.context_length)

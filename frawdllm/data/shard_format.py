@@ -1,0 +1,105 @@
+"""The token shard file: a 64-byte header, then the tokens as one flat little-endian array.
+
+    offset  size  field
+    0       8     magic b"FRAWDTOK"
+    8       4     format version (1)
+    12      4     bytes per token: 2 (uint16, vocab <= 65,536) or 4 (uint32)
+    16      8     number of tokens
+    24      8     vocabulary size of the tokenizer that wrote it
+    32      32    zero padding (keeps the tokens 64-byte aligned)
+
+`read_shard` memory-maps the tokens, so a shard of any size opens instantly and pages
+in only what a batch touches.
+"""
+
+from __future__ import annotations
+
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from ..errors import FrawdError
+from ..io import atomic_path
+
+MAGIC = b"FRAWDTOK"
+VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQQ")
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab <= 65,536), else uint32."""
+    return _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
+
+
+def _pack_header(n_tokens: int, dtype: np.dtype, vocab_size: int) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, dtype.itemsize, n_tokens, vocab_size).ljust(HEADER_BYTES, b"\0")
+
+
+def read_header(path: str | Path) -> dict:
+    """Validate a shard's header against its file size; return its fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise FrawdError(f"shard not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
+        raise FrawdError(f"{path}: not a FrawdLLM token shard (bad magic); run `frawd data prepare`")
+    _, version, itemsize, n_tokens, vocab_size = _HEADER.unpack(raw[:_HEADER.size])
+    if version != VERSION:
+        raise FrawdError(f"{path}: shard format version {version}, this FrawdLLM reads version {VERSION}")
+    if itemsize not in _DTYPES:
+        raise FrawdError(f"{path}: corrupt header ({itemsize} bytes per token; expected 2 or 4)")
+    expected = HEADER_BYTES + n_tokens * itemsize
+    if size != expected:
+        raise FrawdError(f"{path}: truncated or corrupt ({size} bytes; the header promises {expected})")
+    return {"version": version, "dtype": _DTYPES[itemsize], "n_tokens": n_tokens, "vocab_size": vocab_size}
+
+
+def read_shard(path: str | Path) -> np.ndarray:
+    """The tokens of a shard as a read-only memory-mapped 1-D array (uint16 or uint32)."""
+    header = read_header(path)
+    if header["n_tokens"] == 0:
+        return np.zeros(0, dtype=header["dtype"])  # mmap cannot map zero bytes
+    return np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+
+
+class ShardWriter:
+    """Append token arrays to an open shard file; the header is patched on close."""
+
+    def __init__(self, file: BinaryIO, vocab_size: int):
+        self.file = file
+        self.vocab_size = vocab_size
+        self.dtype = token_dtype(vocab_size)
+        self.n_tokens = 0
+        file.write(b"\0" * HEADER_BYTES)  # placeholder until the count is known
+
+    def write(self, tokens: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.n_tokens += len(tokens)
+
+    def finish(self) -> None:
+        self.file.flush()
+        self.file.seek(0)
+        self.file.write(_pack_header(self.n_tokens, self.dtype, self.vocab_size))
+        self.file.flush()
+
+
+@contextmanager
+def open_shard_writer(path: str | Path, vocab_size: int) -> Iterator[ShardWriter]:
+    """Write a shard atomically: it appears at `path` only when the block completes."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        writer = ShardWriter(f, vocab_size)
+        yield writer
+        writer.finish()
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Write a whole array as one shard (atomically)."""
+    with open_shard_writer(path, vocab_size) as writer:
+        writer.write(tokens)
