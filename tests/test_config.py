@@ -1,0 +1,122 @@
+"""ModelConfig: presets, validation, and the exact parameter count."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frawdllm import FrawdLLM, ModelConfig, get_config
+from frawdllm.config import PRESETS, parse_overrides
+from frawdllm.errors import ConfigError
+
+
+def count_built(cfg: ModelConfig) -> int:
+    return sum(p.numel() for p in FrawdLLM(cfg).parameters())  # .parameters() dedups tied weights
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_num_parameters_equals_built_model_for_every_preset(name):
+    cfg = get_config(name)
+    assert cfg.num_parameters == count_built(cfg)
+
+
+def test_preset_dimensions_match_the_spec():
+    spec = {"tiny": (8192, 256, 6, 8, 256), "small": (8192, 512, 8, 8, 512),
+            "base": (8192, 768, 12, 12, 1024), "100m": (32000, 768, 12, 12, 1024)}
+    for name, dims in spec.items():
+        cfg = get_config(name)
+        assert (cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.context_length) == dims
+    assert get_config("100m").pos_encoding == "rope"
+    for name in ("tiny-llama", "small-llama"):
+        cfg = get_config(name)
+        assert cfg.use_rope and cfg.use_rmsnorm and cfg.use_swiglu
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_head=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([2, 4, 6]),
+    kv_div=st.sampled_from([1, 2, 4]),
+    n_layer=st.integers(1, 3),
+    vocab=st.integers(8, 40),
+    ctx=st.integers(1, 12),
+    pos=st.sampled_from(["learned", "sinusoidal", "rope", "none"]),
+    rms=st.booleans(), swiglu=st.booleans(), bias=st.booleans(), tie=st.booleans(),
+    post=st.booleans(), scale=st.booleans(),
+    mlp_hidden=st.one_of(st.none(), st.integers(1, 20)),
+)
+def test_num_parameters_is_exact_for_any_option_combination(
+    n_head, head_dim, kv_div, n_layer, vocab, ctx, pos, rms, swiglu, bias, tie, post, scale, mlp_hidden
+):
+    n_kv = max(1, n_head // kv_div)
+    cfg = ModelConfig(
+        vocab_size=vocab, n_embd=n_head * head_dim, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv,
+        context_length=ctx, pos_encoding=pos, use_rmsnorm=rms, use_swiglu=swiglu, bias=bias,
+        tie_embeddings=tie, norm_placement="post" if post else "pre", scale_embeddings=scale,
+        mlp_hidden=mlp_hidden, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    assert cfg.num_parameters == count_built(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(n_embd=250, n_head=8), "n_embd"),
+        (dict(n_head=8, n_kv_head=3), "n_kv_head"),
+        (dict(n_embd=24, n_head=8, pos_encoding="rope"), "head_dim"),
+        (dict(pos_encoding="alibi"), "pos_encoding"),
+        (dict(norm_placement="sandwich"), "norm_placement"),
+        (dict(use_rope=True, pos_encoding="learned"), "use_rope"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(vocab_size=0), "vocab_size"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        get_config("tiny", **overrides)
+
+
+def test_enum_errors_list_allowed_values():
+    with pytest.raises(ConfigError, match="learned, sinusoidal, rope, none"):
+        get_config("tiny", pos_encoding="alibi")
+
+
+def test_unknown_preset_and_field_are_rejected():
+    with pytest.raises(ValueError, match="tiny, small"):
+        get_config("huge")
+    with pytest.raises(ValueError, match="n_layers"):
+        get_config("tiny", n_layers=3)
+
+
+def test_use_rope_and_pos_encoding_agree():
+    assert ModelConfig(use_rope=True).pos_encoding == "rope"
+    assert ModelConfig(pos_encoding="rope").use_rope is True
+    assert get_config("100m", pos_encoding="learned").use_rope is False
+
+
+def test_swiglu_hidden_defaults_to_eight_thirds_rounded():
+    cfg = get_config("tiny-llama")
+    assert cfg.ffn_dim % 32 == 0 and 0 <= cfg.ffn_dim - 8 * 256 / 3 < 32
+    assert get_config("tiny").ffn_dim == 4 * 256
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    cfg = get_config("tiny")
+    n_matmul = cfg.num_parameters - cfg.context_length * cfg.n_embd  # minus learned positions
+    assert cfg.flops_per_token(128) == 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * 128
+    untied = get_config("tiny", tie_embeddings=False)
+    assert untied.flops_per_token(128) == cfg.flops_per_token(128)  # same matmuls either way
+
+
+def test_overrides_are_parsed_by_field_type():
+    values = parse_overrides(ModelConfig, ["n_layer=2", "use_rope=true", "dropout=0.1", "n_kv_head=none"])
+    assert values == {"n_layer": 2, "use_rope": True, "dropout": 0.1, "n_kv_head": None}
+    with pytest.raises(ValueError, match="n_layer"):
+        parse_overrides(ModelConfig, ["n_layer=two"])
+
+
+def test_round_trip_through_dict():
+    cfg = get_config("tiny-llama", dropout=0.1)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert math.isclose(cfg.dropout, 0.1)

@@ -1,0 +1,168 @@
+"""FrawdLLM behaviour: causality, position encodings, attention variants, training signal."""
+
+import math
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, ModelConfig
+from frawdllm.model.embeddings import apply_rope, rope_tables, sinusoidal_table
+
+POS = ["learned", "sinusoidal", "rope", "none"]
+
+
+def small_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, context_length=32,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("pos", POS)
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_changing_token_t_never_changes_earlier_logits(pos, placement):
+    torch.manual_seed(0)
+    model = FrawdLLM(small_cfg(pos_encoding=pos, norm_placement=placement)).eval()
+    ids = torch.randint(0, 64, (2, 20))
+    changed = ids.clone()
+    t = 11
+    changed[:, t] = (ids[:, t] + 1) % 64
+    with torch.no_grad():
+        a, _ = model(ids)
+        b, _ = model(changed)
+    assert torch.equal(a[:, :t], b[:, :t])
+    assert not torch.allclose(a[:, t:], b[:, t:])
+
+
+def test_sinusoidal_table_equals_the_papers_formula():
+    n_pos, dim = 50, 16
+    table = sinusoidal_table(n_pos, dim)
+    for p in (0, 1, 7, 49):
+        for i in range(dim // 2):
+            angle = p / 10000 ** (2 * i / dim)
+            assert table[p, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[p, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_distance():
+    torch.manual_seed(0)
+    hd = 16
+    cos, sin = rope_tables(64, hd, 10000.0)
+    q = torch.randn(1, 1, 1, hd)
+    k = torch.randn(1, 1, 1, hd)
+
+    def score(m: int, n: int) -> float:
+        qm = apply_rope(q, cos[m : m + 1], sin[m : m + 1])
+        kn = apply_rope(k, cos[n : n + 1], sin[n : n + 1])
+        return (qm * kn).sum().item()
+
+    for distance in (0, 3, 10):
+        ref = score(distance, 0)
+        for shift in (1, 5, 40):
+            assert score(distance + shift, shift) == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    assert score(3, 0) != pytest.approx(score(10, 0), rel=1e-3)
+
+
+def naive_attention_forward(model: FrawdLLM, ids: torch.Tensor) -> torch.Tensor:
+    """Reference: the same model, attention written out with explicit masking and softmax."""
+    cfg = model.config
+    x = model.embed(ids, torch.arange(ids.shape[1]).unsqueeze(0))
+    T = ids.shape[1]
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    for block in model.blocks:
+        h = block.norm1(x)
+        attn = block.attn
+        q, k, v = attn.qkv(h).split([cfg.n_embd, cfg.n_kv_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim], -1)
+        q = q.view(1, T, cfg.n_head, cfg.head_dim).transpose(1, 2)
+        k = k.view(1, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+        v = v.view(1, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+        heads = []
+        for hidx in range(cfg.n_head):
+            kv = hidx // (cfg.n_head // cfg.n_kv_head)
+            scores = q[0, hidx] @ k[0, kv].T / math.sqrt(cfg.head_dim)
+            scores = scores.masked_fill(~causal, float("-inf"))
+            heads.append(scores.softmax(-1) @ v[0, kv])
+        x = x + attn.proj(torch.cat(heads, dim=-1).unsqueeze(0))
+        x = x + block.mlp(block.norm2(x))
+    return model.lm_head(model.norm(x))
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_attention_matches_a_naive_reference_for_mha_gqa_mqa(n_kv_head):
+    torch.manual_seed(0)
+    model = FrawdLLM(small_cfg(n_kv_head=n_kv_head)).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        ours, _ = model(ids)
+        ref = naive_attention_forward(model, ids)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_equals_mha_with_duplicated_kv_heads():
+    torch.manual_seed(0)
+    gqa = FrawdLLM(small_cfg(n_kv_head=2, pos_encoding="rope")).eval()
+    mha = FrawdLLM(small_cfg(n_kv_head=4, pos_encoding="rope")).eval()
+    state = gqa.state_dict()
+    hd, D = 8, 32
+    for i in range(2):
+        w = state[f"blocks.{i}.attn.qkv.weight"]
+        b = state[f"blocks.{i}.attn.qkv.bias"]
+        q_w, k_w, v_w = w.split([D, 2 * hd, 2 * hd])
+        q_b, k_b, v_b = b.split([D, 2 * hd, 2 * hd])
+        dup_w = lambda t: t.view(2, hd, D).repeat_interleave(2, 0).reshape(4 * hd, D)  # noqa: E731
+        dup_b = lambda t: t.view(2, hd).repeat_interleave(2, 0).reshape(4 * hd)  # noqa: E731
+        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q_w, dup_w(k_w), dup_w(v_w)])
+        state[f"blocks.{i}.attn.qkv.bias"] = torch.cat([q_b, dup_b(k_b), dup_b(v_b)])
+    mha.load_state_dict(state)
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(ids)[0], mha(ids)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_targets_of_minus_100_are_ignored():
+    torch.manual_seed(0)
+    model = FrawdLLM(small_cfg()).eval()
+    ids = torch.randint(0, 64, (1, 10))
+    targets = torch.randint(0, 64, (1, 10))
+    targets[0, :4] = -100
+    logits, loss = model(ids, targets)
+    expected = torch.nn.functional.cross_entropy(logits[0, 4:], targets[0, 4:])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_sequence_longer_than_context_raises_with_both_numbers():
+    model = FrawdLLM(small_cfg(context_length=8))
+    with pytest.raises(ValueError, match=r"9.*8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_embedding_scale_multiplies_by_sqrt_d():
+    torch.manual_seed(0)
+    scaled = FrawdLLM(small_cfg(pos_encoding="none", scale_embeddings=True))
+    ids = torch.tensor([[3, 4]])
+    out = scaled.embed(ids, torch.arange(2).unsqueeze(0))
+    torch.testing.assert_close(out, scaled.embed.tok(ids) * math.sqrt(32))
+
+
+def test_tied_head_shares_the_embedding_matrix():
+    model = FrawdLLM(small_cfg())
+    assert model.lm_head.weight.data_ptr() == model.embed.tok.weight.data_ptr()
+    untied = FrawdLLM(small_cfg(tie_embeddings=False))
+    assert untied.lm_head.weight.data_ptr() != untied.embed.tok.weight.data_ptr()
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_tiny_model_overfits_one_batch(pos):
+    torch.manual_seed(0)
+    model = FrawdLLM(small_cfg(pos_encoding=pos, context_length=16))
+    ids = torch.randint(3, 64, (4, 17))
+    x, y = ids[:, :-1], ids[:, 1:]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(200):
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.1:
+            break
+    assert loss.item() < 0.1, f"{pos}: loss {loss.item():.3f} after {step + 1} steps"

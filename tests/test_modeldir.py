@@ -1,0 +1,87 @@
+"""The model directory: bitwise round trip, and clean failures on bad directories."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, ModelConfig
+from frawdllm.errors import FrawdError
+from frawdllm.modeldir import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE
+
+
+def tiny(**kw) -> FrawdLLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, n_embd=16, n_layer=2, n_head=2, context_length=16,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    return FrawdLLM(cfg)
+
+
+@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": False}, {"pos_encoding": "rope", "use_rmsnorm": True,
+                                                                  "use_swiglu": True, "n_kv_head": 1}])
+def test_save_load_round_trip_is_bitwise(tmp_path, kw):
+    model = tiny(**kw)
+    model.save_pretrained(tmp_path / "m")
+    loaded = FrawdLLM.from_pretrained(tmp_path / "m")
+    assert loaded.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    if model.config.tie_embeddings:
+        assert loaded.lm_head.weight.data_ptr() == loaded.embed.tok.weight.data_ptr()
+    ids = torch.randint(0, 50, (1, 8))
+    assert torch.equal(model.eval()(ids)[0], loaded.eval()(ids)[0])
+
+
+def test_directory_holds_config_with_format_version_and_no_temp_files(tmp_path):
+    tiny().save_pretrained(tmp_path)
+    assert json.loads((tmp_path / CONFIG_FILE).read_text())["format_version"] == FORMAT_VERSION
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+
+
+class Boom:
+    def __reduce__(self):
+        return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))
+
+
+def test_pickle_named_safetensors_is_refused_without_running_it(tmp_path, monkeypatch):
+    tiny().save_pretrained(tmp_path)
+    (tmp_path / WEIGHTS_FILE).write_bytes(pickle.dumps({"w": Boom()}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FrawdError, match="safetensors"):
+        FrawdLLM.from_pretrained(tmp_path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_truncated_weights_fail_cleanly(tmp_path):
+    tiny().save_pretrained(tmp_path)
+    data = (tmp_path / WEIGHTS_FILE).read_bytes()
+    (tmp_path / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(FrawdError, match=WEIGHTS_FILE):
+        FrawdLLM.from_pretrained(tmp_path)
+
+
+def test_missing_files_and_newer_format_fail_with_a_clear_message(tmp_path):
+    with pytest.raises(FrawdError, match="not found"):
+        FrawdLLM.from_pretrained(tmp_path / "nope")
+    tiny().save_pretrained(tmp_path)
+    (tmp_path / WEIGHTS_FILE).unlink()
+    with pytest.raises(FrawdError, match="missing weights"):
+        FrawdLLM.from_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_FILE).read_text())
+    config["format_version"] = FORMAT_VERSION + 1
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(FrawdError, match="newer"):
+        FrawdLLM.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(FrawdError, match="JSON"):
+        FrawdLLM.from_pretrained(tmp_path)
+
+
+def test_config_weights_shape_mismatch_names_the_tensor(tmp_path):
+    tiny().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_FILE).read_text())
+    config["vocab_size"] = 60
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(FrawdError, match=r"embed\.tok\.weight.*\(50, 16\)"):
+        FrawdLLM.from_pretrained(tmp_path)
