@@ -1,9 +1,15 @@
 """Data: corpus sources -> tokenized, memory-mapped shards -> batch loaders.
 
-    from frawdllm.data import iter_documents, prepare_shards, read_shard, RandomWindowLoader
+    from frawdllm.data import prepare_shards, read_shard, RandomWindowLoader
+    meta = prepare_shards("stdlib", "tok/tokenizer.json", "data/stdlib")
+    loader = RandomWindowLoader(read_shard("data/stdlib/train.bin"), batch_size=8, context_length=256)
+    x, y = loader.next_batch()   # (8, 256) int64 each; y is x shifted by one token
 """
 
 from .loader import RandomWindowLoader, SequentialLoader
 from .shard_format import read_header, read_shard, write_shard
+from .shards import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards
+from .sources import SourceStats, iter_documents
 
-__all__ = ["read_shard", "read_header", "write_shard", "RandomWindowLoader", "SequentialLoader"]
+__all__ = ["iter_documents", "SourceStats", "prepare_shards", "read_shard", "read_header", "write_shard",
+           "RandomWindowLoader", "SequentialLoader", "TRAIN_FILE", "VAL_FILE", "META_FILE"]

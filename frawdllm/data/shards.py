@@ -1,0 +1,340 @@
+"""`prepare_shards`: a corpus -> train.bin, val.bin and meta.json, tokenized on all cores.
+
+Three stages overlap, so the cores stay busy with tokenization:
+
+    reader thread   documents from the source, grouped into batches of ~1 MB per core;
+                    each document goes to val or train by a hash of its text (so the
+                    split is deterministic, and duplicates never straddle it); long
+                    documents are cut into pieces at points where the tokenizer's
+                    pre-tokenizer always has a boundary, so one huge file cannot keep
+                    the other cores waiting
+    encoder thread  `encode_batch_fast` of the `tokenizers` library: Rust threads,
+                    GIL released
+    main thread     ids -> one numpy array per split (documents separated by <|eos|>),
+                    appended to the shard files; progress bar in MB/s
+
+Shards appear atomically when everything is written. A second run with the same inputs
+(source files by path, size and mtime; the tokenizer's content; the options) finds the
+matching `inputs_hash` in meta.json and reuses the shards unless `force`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+import time
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from ..errors import FrawdError
+from ..io import atomic_path, write_json_atomic
+from ..tokenizer import EOS_ID, UNK_ID, Tokenizer
+from .shard_format import HEADER_BYTES, VERSION, ShardWriter, read_header
+from .sources import SourceStats, iter_documents, resolve_files, stdlib_files
+
+TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
+PIECE_CHARS = 16_384  # long documents are encoded in pieces of about this many characters
+BATCH_CHARS_PER_THREAD = 1 << 20
+
+
+@dataclass
+class _Batch:
+    pieces: list[str] = field(default_factory=list)
+    pieces_per_doc: list[int] = field(default_factory=list)
+    doc_is_val: list[bool] = field(default_factory=list)
+    text_bytes: list[int] = field(default_factory=lambda: [0, 0])  # train, val
+    chars: int = 0
+
+
+def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path, *,
+                   val_fraction: float = 0.005, text_field: str = "text", doc_split: str = "blank",
+                   workers: int | None = None, force: bool = False, progress: bool = False) -> dict:
+    """Tokenize the corpus `data` into `out/train.bin`, `out/val.bin` and `out/meta.json`.
+
+    Returns the metadata (also written to meta.json): token counts, dtype, UTF-8 bytes of
+    text per token, the tokenizer's hash and what was replaced or unknown.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise FrawdError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if workers is not None:
+        if workers < 1:
+            raise FrawdError(f"workers must be at least 1, got {workers}")
+        # The Rust thread pool reads this when it starts (the first parallel encode of the process).
+        os.environ["RAYON_NUM_THREADS"] = str(workers)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    out = Path(out)
+    inputs_hash = _inputs_hash(data, tok, val_fraction, text_field, doc_split)
+    if not force:
+        reused = _reusable(out, inputs_hash)
+        if reused is not None:
+            return reused
+
+    stats = SourceStats()
+    documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
+    threads = workers or os.cpu_count() or 1
+    splitter = _piece_splitter(tok)
+    batches = _batches(documents, val_fraction, splitter, BATCH_CHARS_PER_THREAD * threads)
+
+    start = time.perf_counter()
+    bar = _progress_bar(progress, _source_bytes(data))
+    totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META_FILE).unlink(missing_ok=True)  # old shards stay valid only with their own meta
+    try:
+        with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp, \
+                open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
+            writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
+            for batch, encodings in _encode_ahead(_prefetch(batches), tok):
+                for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
+                    writers[split].write(tokens)
+                    totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
+                for split in (0, 1):
+                    totals["docs"][split] += batch.doc_is_val.count(bool(split))
+                    totals["bytes"][split] += batch.text_bytes[split]
+                if bar is not None:
+                    bar.update(sum(batch.text_bytes))
+            val_split = "documents"
+            if val_fraction > 0 and writers[1].n_tokens == 0:
+                _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
+                val_split = "tail"
+            for writer in writers:
+                writer.finish()
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+
+    n_train, n_val = writers[0].n_tokens, writers[1].n_tokens
+    meta = {
+        "format_version": VERSION,
+        "source": data,
+        "text_field": text_field,
+        "doc_split": doc_split,
+        "val_fraction": val_fraction,
+        "val_split": val_split,
+        "tokenizer_hash": tok.fingerprint,
+        "tokenizer_kind": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "dtype": writers[0].dtype.name,
+        "token_bytes": writers[0].dtype.itemsize,
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "train_documents": totals["docs"][0],
+        "val_documents": totals["docs"][1],
+        "train_text_bytes": totals["bytes"][0],
+        "val_text_bytes": totals["bytes"][1],
+        "bytes_per_token": round(sum(totals["bytes"]) / max(1, n_train + n_val), 6),
+        "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
+        "unk_tokens": totals["unk"],
+        "replaced_utf8_sequences": stats.replaced,
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(sum(totals["bytes"]) / 1e6 / max(seconds, 1e-9), 3),
+        "inputs_hash": inputs_hash,
+    }
+    write_json_atomic(out / META_FILE, meta)
+    meta["warnings"] = [w for w in (stats.warning(), _unk_warning(meta)) if w]
+    return meta
+
+
+def _unk_warning(meta: dict) -> str | None:
+    if not meta["unk_tokens"]:
+        return None
+    return (f"{meta['unk_tokens']} character(s) are not in the {meta['tokenizer_kind']} tokenizer's "
+            f"vocabulary and became <|unk|>")
+
+
+# ---- reuse -------------------------------------------------------------------------------------
+
+def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str, doc_split: str) -> str:
+    """Everything the shards depend on: the source files (path, size, mtime), the
+    tokenizer's content and the options. hf: sources are identified by name only."""
+    h = hashlib.sha256()
+    h.update(json.dumps([VERSION, data, tok.fingerprint, val_fraction, text_field, doc_split]).encode())
+    if not data.startswith("hf:"):
+        for path in stdlib_files() if data == "stdlib" else resolve_files(data):
+            st = path.stat()
+            h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _reusable(out: Path, inputs_hash: str) -> dict | None:
+    try:
+        meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
+        if meta.get("inputs_hash") != inputs_hash:
+            return None
+        if read_header(out / TRAIN_FILE)["n_tokens"] != meta["train_tokens"]:
+            return None
+        if read_header(out / VAL_FILE)["n_tokens"] != meta["val_tokens"]:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, FrawdError):
+        return None
+    meta["reused"] = True
+    return meta
+
+
+# ---- reading and batching ------------------------------------------------------------------------
+
+def _is_val(text_bytes: bytes, val_fraction: float) -> bool:
+    return zlib.crc32(text_bytes) < val_fraction * 2**32
+
+
+def _piece_splitter(tok: Tokenizer):
+    """A function cutting a long document into pieces that encode to the same ids.
+
+    For char and byte tokenizers any cut is safe. For byte-level BPE with the GPT-2
+    regex, a newline right after a non-space character always starts a new pre-token
+    (no pattern spans a non-space and a following newline), so cuts there are safe.
+    Other tokenizers are never cut.
+    """
+    if tok.kind in ("char", "byte"):
+        return lambda text: [text[i:i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)]
+    setup = json.loads(tok.backend.to_str())
+    pre, normalizer = setup.get("pre_tokenizer") or {}, setup.get("normalizer")
+    if not (pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space")
+            and normalizer is None and setup["model"].get("type") == "BPE"):
+        return lambda text: [text]
+    boundary = re.compile(r"(?<=\S)\n")
+
+    def split(text: str) -> list[str]:
+        pieces, start = [], 0
+        while len(text) - start > PIECE_CHARS:
+            match = boundary.search(text, start + PIECE_CHARS)
+            if match is None:
+                break
+            pieces.append(text[start:match.start()])
+            start = match.start()
+        pieces.append(text[start:])
+        return pieces
+
+    return split
+
+
+def _batches(documents: Iterable[str], val_fraction: float, splitter, batch_chars: int) -> Iterator[_Batch]:
+    batch = _Batch()
+    for doc in documents:
+        raw = doc.encode("utf-8")
+        is_val = _is_val(raw, val_fraction)
+        pieces = splitter(doc) if len(doc) > PIECE_CHARS else [doc]
+        batch.pieces.extend(pieces)
+        batch.pieces_per_doc.append(len(pieces))
+        batch.doc_is_val.append(is_val)
+        batch.text_bytes[is_val] += len(raw)
+        batch.chars += len(doc)
+        if batch.chars >= batch_chars:
+            yield batch
+            batch = _Batch()
+    if batch.pieces:
+        yield batch
+
+
+def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """Run an iterator in a background thread, `depth` items ahead; errors re-raise here."""
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        buffer.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            buffer.put((done, None))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            buffer.put((done, exc))
+
+    thread = threading.Thread(target=produce, name="frawd-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = buffer.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+
+
+def _encode_ahead(batches: Iterator[_Batch], tok: Tokenizer) -> Iterator[tuple[_Batch, list]]:
+    """Encode batch k+1 on the Rust thread pool while the caller writes batch k."""
+    encode = tok._plain.encode_batch_fast
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="frawd-encode") as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append((batch, pool.submit(encode, batch.pieces, add_special_tokens=False)))
+            if len(pending) > 1:
+                done_batch, future = pending.popleft()
+                yield done_batch, future.result()
+        while pending:
+            done_batch, future = pending.popleft()
+            yield done_batch, future.result()
+
+
+def _batch_tokens(batch: _Batch, encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The train and val tokens of a batch: each document's ids, then <|eos|>."""
+    flat: tuple[list[int], list[int]] = ([], [])
+    k = 0
+    for n_pieces, is_val in zip(batch.pieces_per_doc, batch.doc_is_val):
+        ids = flat[is_val]
+        for encoding in encodings[k:k + n_pieces]:
+            ids += encoding.ids
+        ids.append(EOS_ID)
+        k += n_pieces
+    return np.array(flat[0], dtype=dtype), np.array(flat[1], dtype=dtype)
+
+
+def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals: dict) -> None:
+    """Too few documents for a hashed split: the last `val_fraction` of train tokens become val."""
+    n = train.n_tokens
+    n_val = max(1, round(n * val_fraction)) if n > 1 else 0
+    if n_val == 0:
+        return
+    train.file.flush()
+    keep = n - n_val
+    tail = np.fromfile(train.file.name, dtype=train.dtype, count=n_val,
+                       offset=HEADER_BYTES + keep * train.dtype.itemsize)
+    val.write(tail)
+    train.file.truncate(HEADER_BYTES + keep * train.dtype.itemsize)
+    train.file.seek(0, os.SEEK_END)
+    train.n_tokens = keep
+    moved = round(totals["bytes"][0] * n_val / n)
+    totals["bytes"][0] -= moved
+    totals["bytes"][1] += moved
+
+
+# ---- progress --------------------------------------------------------------------------------------
+
+def _source_bytes(data: str) -> int | None:
+    """Total size of a plain-file source (the progress bar's 100%), else None."""
+    if data.startswith("hf:"):
+        return None
+    files = stdlib_files() if data == "stdlib" else resolve_files(data)
+    if any(p.name.lower().endswith((".gz", ".parquet")) for p in files):
+        return None
+    return sum(p.stat().st_size for p in files)
+
+
+def _progress_bar(enabled: bool, total: int | None):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="tokenizing",
+                dynamic_ncols=True)

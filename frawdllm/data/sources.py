@@ -1,0 +1,326 @@
+"""Corpus sources: every kind of input becomes a stream of documents (strings).
+
+    stdlib                       the .py files of this interpreter's standard library
+                                 (tests excluded, sorted by path; one document per file)
+    path/to/file.txt[.gz]        a text file; documents split by `doc_split`:
+                                 "blank" (a blank line, default), "line", or "file"
+    path/to/folder               every non-hidden file below it, sorted by path
+    'data/*.txt', 'data/**/*.gz' a glob (quote it in the shell), sorted
+    *.jsonl[.gz]                 one JSON object a line; its `text_field` is the document
+    *.parquet                    the `text_field` column, through pyarrow
+    hf:NAME[:CONFIG][@SPLIT]     a Hugging Face dataset through `datasets` (split: train);
+                                 NAME may be a local dataset directory
+
+Invalid UTF-8 never stops a run: each bad byte sequence becomes U+FFFD and is counted
+in a `SourceStats`, to be reported at the end. A missing path, an empty corpus or a JSON
+line without the field is a `FrawdError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import json
+import re
+import sysconfig
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator
+
+from ..errors import FrawdError
+
+DOC_SPLITS = ("blank", "line", "file")
+STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+_SEPARATORS = {"blank": re.compile(r"\n(?:[^\S\n]*\n)+"), "line": re.compile(r"\n")}
+_CHUNK_CHARS = 1 << 22
+_ERRORS = "frawd-count-replace"
+_counter = threading.local()
+
+
+def _count_and_replace(exc: UnicodeError) -> tuple[str, int]:
+    _counter.replaced = getattr(_counter, "replaced", 0) + 1
+    return "\ufffd", exc.end
+
+
+codecs.register_error(_ERRORS, _count_and_replace)
+
+
+def _replaced_so_far() -> int:
+    return getattr(_counter, "replaced", 0)
+
+
+@dataclass
+class SourceStats:
+    """What a pass over a source saw; `replaced` counts invalid UTF-8 sequences."""
+
+    documents: int = 0
+    files: int = 0
+    replaced: int = 0
+    replaced_in: list[str] = field(default_factory=list)
+
+    def note_replaced(self, n: int, where: str) -> None:
+        if n:
+            self.replaced += n
+            if where not in self.replaced_in:
+                self.replaced_in.append(where)
+
+    def warning(self) -> str | None:
+        """One line for the user about replaced bytes, or None when the text was clean."""
+        if not self.replaced:
+            return None
+        shown = ", ".join(self.replaced_in[:3]) + (", ..." if len(self.replaced_in) > 3 else "")
+        return (f"replaced {self.replaced} invalid UTF-8 sequence(s) with U+FFFD "
+                f"in {len(self.replaced_in)} file(s): {shown}")
+
+
+def iter_documents(spec: str, text_field: str = "text", doc_split: str = "blank",
+                   stats: SourceStats | None = None) -> Iterator[str]:
+    """Documents of a source, in a deterministic order. The source is checked at once;
+    an empty corpus raises when the stream ends without a document."""
+    if doc_split not in DOC_SPLITS:
+        raise FrawdError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {doc_split!r}")
+    stats = stats if stats is not None else SourceStats()
+    if spec.startswith("hf:"):
+        documents = _hf_documents(spec, text_field, stats)
+    else:
+        files = stdlib_files() if spec == "stdlib" else resolve_files(spec)
+        split = "file" if spec == "stdlib" else doc_split
+        documents = _file_documents(files, text_field, split, stats)
+    return _counted(documents, spec, stats)
+
+
+def _counted(documents: Iterator[str], spec: str, stats: SourceStats) -> Iterator[str]:
+    for doc in documents:
+        stats.documents += 1
+        yield doc
+    if stats.documents == 0:
+        raise FrawdError(f"data source {spec!r} holds no documents (no non-empty text)")
+
+
+# ---- resolving a spec to files -----------------------------------------------------------
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files without its tests, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not STDLIB_SKIP_DIRS & set(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def resolve_files(spec: str) -> list[Path]:
+    """A file, a folder (all non-hidden files below it) or a glob, as a sorted list of files."""
+    if any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise FrawdError(f"no files match {spec!r}")
+        return files
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise FrawdError(f"folder {path} holds no files")
+        return files
+    raise FrawdError(f"data source not found: {spec!r} (expected stdlib, hf:NAME, a file, a folder or a glob)")
+
+
+def _file_documents(files: list[Path], text_field: str, doc_split: str, stats: SourceStats) -> Iterator[str]:
+    for path in files:
+        stats.files += 1
+        name = path.name.lower()
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            yield from _jsonl_documents(path, text_field, stats)
+        elif name.endswith(".parquet"):
+            yield from _parquet_documents(path, text_field)
+        else:
+            yield from _text_documents(path, doc_split, stats)
+
+
+def _open_text(path: Path) -> IO[str]:
+    """Open as UTF-8 text (gunzipping .gz); bad bytes become U+FFFD and are counted.
+    newline="" keeps the text exactly as stored."""
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors=_ERRORS, newline="")
+    return open(path, encoding="utf-8", errors=_ERRORS, newline="")
+
+
+def _read(f: IO[str], size: int, path: Path, stats: SourceStats) -> str:
+    before = _replaced_so_far()
+    try:
+        text = f.read(size)
+    except (OSError, EOFError) as exc:  # a corrupt .gz
+        raise FrawdError(f"{path}: cannot read ({exc})") from None
+    stats.note_replaced(_replaced_so_far() - before, str(path))
+    return text
+
+
+# ---- text files ------------------------------------------------------------------------------
+
+def _text_documents(path: Path, doc_split: str, stats: SourceStats) -> Iterator[str]:
+    with _open_text(path) as f:
+        if doc_split == "file":
+            text = _read(f, -1, path, stats)
+            if text.strip():
+                yield text
+            return
+        yield from _split_stream(lambda: _read(f, _CHUNK_CHARS, path, stats), _SEPARATORS[doc_split])
+
+
+def _split_stream(read_chunk, separator: re.Pattern) -> Iterator[str]:
+    """Split a stream read in chunks on `separator`; a separator touching the end of the
+    buffer may continue in the next chunk, so it waits for more text."""
+    carry = ""
+    while True:
+        chunk = read_chunk()
+        buffer = carry + chunk
+        start = 0
+        for match in separator.finditer(buffer):
+            if chunk and match.end() == len(buffer):
+                break
+            yield from _nonblank(buffer[start:match.start()])
+            start = match.end()
+        carry = buffer[start:]
+        if not chunk:
+            yield from _nonblank(carry)
+            return
+
+
+def _nonblank(doc: str) -> Iterator[str]:
+    doc = doc.strip("\r\n")
+    if doc.strip():
+        yield doc
+
+
+# ---- records: JSONL, Parquet, Hugging Face datasets ------------------------------------------------
+
+def _clean(text: str, where: str, stats: SourceStats) -> str:
+    """JSON can spell lone surrogates (\\ud800) that are not text; replace and count them."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        before = _replaced_so_far()
+        cleaned = text.encode("utf-8", "surrogatepass").decode("utf-8", _ERRORS)
+        stats.note_replaced(_replaced_so_far() - before, where)
+        return cleaned
+
+
+def _record_text(record: object, text_field: str, where: str) -> str:
+    if not isinstance(record, dict):
+        raise FrawdError(f"{where}: expected a JSON object with a {text_field!r} field")
+    if text_field not in record:
+        fields = ", ".join(map(repr, list(record)[:8])) or "none"
+        raise FrawdError(f"{where}: no field {text_field!r} (fields: {fields}); choose one with --text-field")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise FrawdError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
+    return text
+
+
+def _jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
+    with _open_text(path) as f:
+        lineno = 0
+        while True:
+            before = _replaced_so_far()
+            try:
+                line = f.readline()
+            except (OSError, EOFError) as exc:
+                raise FrawdError(f"{path}: cannot read ({exc})") from None
+            stats.note_replaced(_replaced_so_far() - before, str(path))
+            if not line:
+                return
+            lineno += 1
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise FrawdError(f"{where}: not valid JSON ({exc.msg})") from None
+            text = _clean(_record_text(record, text_field, where), str(path), stats)
+            if text.strip():
+                yield text
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise FrawdError("reading Parquet needs pyarrow: pip install 'frawdllm[hf]'") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+        raise FrawdError(f"{path}: not a readable Parquet file ({exc})") from None
+    columns = parquet.schema_arrow.names
+    if text_field not in columns:
+        raise FrawdError(f"{path}: no column {text_field!r} (columns: {', '.join(columns)}); "
+                         f"choose one with --text-field")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=4096, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                raise FrawdError(f"{path}: row {row}: column {text_field!r} is "
+                                 f"{type(text).__name__}, expected a string")
+            if text.strip():
+                yield text
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
+    """'hf:NAME[:CONFIG][@SPLIT]' -> (name, config or None, split; default 'train')."""
+    rest, split = spec[len("hf:"):], "train"
+    if "@" in rest:
+        rest, split = rest.rsplit("@", 1)
+    name, _, config = rest.partition(":")
+    if not name or not split:
+        raise FrawdError(f"bad dataset spec {spec!r}; expected hf:NAME[:CONFIG][@SPLIT]")
+    return name, config or None, split
+
+
+def _hf_documents(spec: str, text_field: str, stats: SourceStats) -> Iterator[str]:
+    name, config, split = parse_hf_spec(spec)
+    try:
+        import datasets
+    except ImportError:
+        raise FrawdError("hf: sources need the datasets library: pip install 'frawdllm[hf]'") from None
+    local = Path(name)
+    saved = local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+    try:
+        if saved:  # a directory written by Dataset.save_to_disk
+            dataset = datasets.load_from_disk(str(local))
+            if isinstance(dataset, datasets.DatasetDict):
+                if split not in dataset:
+                    raise FrawdError(f"{spec}: no split {split!r} (splits: {', '.join(dataset)})")
+                dataset = dataset[split]
+        else:
+            dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+    except FrawdError:
+        raise
+    except Exception as exc:  # datasets raises many kinds (not found, offline, bad split)
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FrawdError(f"{spec}: cannot load dataset ({message})") from None
+    columns = dataset.column_names
+    if columns is not None and text_field not in columns:
+        raise FrawdError(f"{spec}: no column {text_field!r} (columns: {', '.join(columns)}); "
+                         f"choose one with --text-field")
+    return _hf_rows(dataset, spec, text_field, stats)
+
+
+def _hf_rows(dataset, spec: str, text_field: str, stats: SourceStats) -> Iterator[str]:
+    row = 0
+    for batch in dataset.iter(batch_size=1024):
+        if text_field not in batch:
+            raise FrawdError(f"{spec}: no column {text_field!r} (columns: {', '.join(batch)})")
+        for text in batch[text_field]:
+            row += 1
+            if not isinstance(text, str):
+                raise FrawdError(f"{spec}: row {row}: column {text_field!r} is "
+                                 f"{type(text).__name__}, expected a string")
+            text = _clean(text, spec, stats)
+            if text.strip():
+                yield text
