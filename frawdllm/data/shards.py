@@ -109,6 +109,8 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
                 val_split = "tail"
             for writer in writers:
                 writer.finish()
+        if bar is not None and bar.total:
+            bar.update(max(0, bar.total - bar.n))  # blank lines and JSON syntax are not document text
     finally:
         if bar is not None:
             bar.close()

@@ -1,0 +1,56 @@
+"""`frawd tokenizer train`: learn a tokenizer from a corpus and save tokenizer.json."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from .data import data_source_options
+
+
+@click.group()
+def tokenizer() -> None:
+    """Train tokenizers: byte-level BPE, char-level or raw bytes (one tokenizer.json)."""
+
+
+@tokenizer.command()
+@data_source_options
+@click.option("--kind", type=click.Choice(["bpe", "char", "byte"]), default="bpe", show_default=True,
+              help="bpe: byte-level BPE; char: one token per character of the corpus; byte: 256 bytes.")
+@click.option("--vocab-size", type=int, default=None,
+              help="BPE vocabulary size including the 7 special tokens [default: 8192]. "
+                   "char and byte tokenizers take their size from the data.")
+@click.option("--out", required=True, type=click.Path(file_okay=True, dir_okay=True),
+              help="Directory to write tokenizer.json into (or a path ending in .json).")
+def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int | None, out: str) -> None:
+    """Train a tokenizer on --data and write OUT/tokenizer.json.
+
+    \b
+    Examples:
+      frawd tokenizer train --data stdlib --vocab-size 8192 --out tok/stdlib
+      frawd tokenizer train --data shakespeare.txt --kind char --out tok/shakespeare
+    """
+    from ..data.sources import SourceStats, iter_documents
+    from ..tokenizer import TOKENIZER_FILE, train_tokenizer
+
+    path = Path(out)
+    if path.suffix != ".json":
+        path = path / TOKENIZER_FILE
+    if vocab_size is not None and kind != "bpe":
+        click.echo(f"note: --vocab-size applies to bpe only; a {kind} tokenizer takes its size from the data",
+                   err=True)
+    stats = SourceStats()
+    documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
+    start = time.perf_counter()
+    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size or 8192, show_progress=True)
+    seconds = time.perf_counter() - start
+    tok.save(path)
+    if stats.warning():
+        click.echo(f"warning: {stats.warning()}", err=True)
+    click.echo(f"kind: {tok.kind}")
+    click.echo(f"vocab_size: {tok.vocab_size} (7 special tokens at ids 0..6)")
+    click.echo(f"documents: {stats.documents}")
+    click.echo(f"train_seconds: {seconds:.2f}")
+    click.echo(f"wrote {path}")
