@@ -78,7 +78,8 @@ class FrawdLLM(nn.Module):
                     f"sequence length {T} exceeds the model's context_length {self.config.context_length}"
                 )
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
-        elif positions.numel() and int(positions.max()) >= self.config.context_length:
+        elif (not torch.compiler.is_compiling()  # a data-dependent check would break the graph
+              and positions.numel() and int(positions.max()) >= self.config.context_length):
             raise ValueError(
                 f"position {int(positions.max())} is past the model's context_length "
                 f"{self.config.context_length}"
