@@ -24,6 +24,7 @@ GPT-2 always has biases: a bias-free FrawdLLM exports zeros there (exactly equiv
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -231,15 +232,19 @@ def _ours_or_zero_bias(state: dict[str, Tensor], key: str) -> Tensor:
     raise KeyError(key)
 
 
-def to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our state dict as transformers names it (tied head omitted, as transformers saves it)."""
-    out: dict[str, Tensor] = {}
+def hf_parts(state: dict[str, Tensor], cfg: ModelConfig) -> Iterator[tuple[str, Tensor, bool]]:
+    """(transformers name, our slice for it in nn.Linear (out, in) layout, whether
+    transformers stores it transposed) for every tensor of the exported model."""
     for m in tensor_layout(cfg):
         tensor = _ours_or_zero_bias(state, m.ours)
         parts = tensor.split(list(m.sizes)) if m.sizes else (tensor,)
         for name, part in zip(m.theirs, parts):
-            out[name] = (part.t() if m.transpose else part).contiguous()
-    return out
+            yield name, part, m.transpose
+
+
+def to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Our state dict as transformers names it (tied head omitted, as transformers saves it)."""
+    return {name: (part.t() if transpose else part).contiguous() for name, part, transpose in hf_parts(state, cfg)}
 
 
 def _normalise_hf_names(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
@@ -300,5 +305,5 @@ def from_hf_model(hf_model: torch.nn.Module):
 
 __all__ = [
     "GPT2", "LLAMA", "TensorMap", "hf_architecture", "to_hf_config", "from_hf_config",
-    "tensor_layout", "to_hf_state_dict", "from_hf_state_dict", "to_hf_model", "from_hf_model",
+    "tensor_layout", "hf_parts", "to_hf_state_dict", "from_hf_state_dict", "to_hf_model", "from_hf_model",
 ]

@@ -1,0 +1,57 @@
+"""`frawd export`: a FrawdLLM model directory as a transformers directory or a GGUF file."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import click
+
+from ..errors import FrawdError
+
+FORMATS = ("hf", "gguf")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def require(module: str) -> None:
+    """One clear line instead of an ImportError when an optional dependency is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise FrawdError(f"this needs the '{module}' package: pip install 'frawdllm[hf]'")
+
+
+@click.command()
+@click.option("--model", "model_dir", required=True, metavar="DIR", help="FrawdLLM model directory to export.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="hf", show_default=True,
+              help="hf: a transformers model directory; gguf: a llama.cpp file.")
+@click.option("--out", required=True, metavar="PATH",
+              help="New directory to create (gguf: model.gguf inside it), or a path ending in .gguf.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="Precision of the weights (GGUF keeps norms and biases in float32).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing --out, only once the new export is complete.")
+def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> None:
+    """Export a model to Hugging Face transformers or GGUF (llama.cpp).
+
+    GPT-2 style configs (learned positions, LayerNorm, GELU) become GPT2LMHeadModel /
+    llama.cpp "gpt2"; Llama style configs (RoPE, RMSNorm, SwiGLU, GQA) become
+    LlamaForCausalLM / llama.cpp "llama". Other configs are refused with the nearest
+    exportable one. The hf export loads with stock transformers, no trust_remote_code:
+
+    \b
+      AutoModelForCausalLM.from_pretrained(OUT)
+      AutoTokenizer.from_pretrained(OUT)     # with our chat template
+
+    Nothing is written at --out unless the whole export succeeds.
+    """
+    require("transformers")
+    if fmt == "hf":
+        from ..export.hf_dir import export_hf
+
+        arch = export_hf(model_dir, out, dtype=dtype, overwrite=overwrite)
+        click.echo(f"exported {model_dir} as {arch} ({dtype}) to {out}")
+        click.echo(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+        return
+    require("gguf")
+    from ..export.gguf import export_gguf
+
+    path = export_gguf(model_dir, out, dtype=dtype, overwrite=overwrite, progress=True)
+    click.echo(f"exported {model_dir} as GGUF ({dtype}) to {path}")

@@ -1,0 +1,183 @@
+"""GGUF export for llama.cpp: one file holding hyperparameters, weights and tokenizer.
+
+Llama-style models become llama.cpp's `llama` architecture, GPT-2 style ones `gpt2`
+(`hf.hf_architecture` decides, and refuses the rest). Tensor names come from the `gguf`
+package's own map from transformers names, so they are the names llama.cpp reads.
+Two layout details differ from ours:
+
+- RoPE pairs. We (like transformers) rotate (x[i], x[i + hd/2]); llama.cpp's `llama`
+  rotates neighbours (x[2i], x[2i+1]). Permuting the rows of q and k inside each head,
+  new row 2i = old row i and new row 2i+1 = old row i + hd/2, gives the same
+  scores: q.k is unchanged when both sides are permuted alike, and v is untouched.
+- llama.cpp's `gpt2` reads an explicit `output.weight`, so a tied head is written out.
+
+The tokenizer goes in as llama.cpp's byte-level BPE (`gpt2` model, GPT-2 pre-tokenizer):
+our `bpe` and `byte` kinds are exactly that. Special tokens are control tokens, and the
+chat template is the Jinja one of the transformers export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..errors import FrawdError
+from ..io import atomic_dir, atomic_path
+from ..model import FrawdLLM
+from ..modeldir import load_config
+from ..tokenizer import Tokenizer
+from .hf import GPT2, hf_architecture, hf_parts
+from .hf_dir import CHAT_TEMPLATE, load_for_export
+
+GGUF_FILE = "model.gguf"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def interleave_rope_rows(weight: Float[Tensor, "rows *in"], n_heads: int) -> Float[Tensor, "rows *in"]:
+    """Rows of q or k (weight or bias) from the rotate-half layout to llama.cpp's
+    neighbour-pairs layout: per head, row i -> 2i and row i + hd/2 -> 2i + 1."""
+    half = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_tensors(model: FrawdLLM) -> list[tuple[str, Tensor]]:
+    """(llama.cpp name, tensor) for every tensor of the file, in nn.Linear (out, in) layout."""
+    import gguf
+
+    cfg: ModelConfig = model.config
+    is_gpt2 = hf_architecture(cfg) == GPT2
+    arch = gguf.MODEL_ARCH.GPT2 if is_gpt2 else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(arch, cfg.n_layer)
+    state = model.state_dict()
+    out: list[tuple[str, Tensor]] = []
+    for hf_name, part, _ in hf_parts(state, cfg):  # ignore transposition: GGUF wants (out, in)
+        if ".q_proj." in hf_name:
+            part = interleave_rope_rows(part, cfg.n_head)
+        elif ".k_proj." in hf_name:
+            part = interleave_rope_rows(part, cfg.n_kv_head)
+        out.append((names.get_name(hf_name, try_suffixes=(".weight", ".bias")), part))
+    if is_gpt2 and cfg.tie_embeddings:
+        out.append(("output.weight", state["embed.tok.weight"]))
+    return out
+
+
+def _hyperparameters(writer: Any, cfg: ModelConfig, name: str, file_type: int) -> None:
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_context_length(cfg.context_length)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_feed_forward_length(cfg.ffn_dim)
+    writer.add_block_count(cfg.n_layer)
+    writer.add_head_count(cfg.n_head)
+    writer.add_vocab_size(cfg.vocab_size)
+    if hf_architecture(cfg) == GPT2:
+        writer.add_layer_norm_eps(cfg.norm_eps)
+        return
+    writer.add_head_count_kv(cfg.n_kv_head)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+
+
+def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> None:
+    import gguf
+
+    if tokenizer is None:
+        writer.add_tokenizer_model("none")  # llama.cpp can still run token ids
+        return
+    if tokenizer.kind == "char":
+        raise FrawdError(
+            "GGUF embeds byte-level BPE tokenizers (kinds bpe, byte); this model's tokenizer is char-level. "
+            "Export --format hf instead, or train with a bpe/byte tokenizer"
+        )
+    setup = json.loads(tokenizer.backend.to_str())
+    special = {t["id"] for t in setup.get("added_tokens", []) if t.get("special")}
+    tokens, types = [], []
+    for i in range(cfg.vocab_size):
+        token = tokenizer.id_to_token(i)
+        if token is None:  # the model's embedding is larger than the vocabulary
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in setup["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    if tokenizer.token_to_id("<|unk|>") is not None:
+        writer.add_unk_token_id(tokenizer.token_to_id("<|unk|>"))
+    writer.add_add_bos_token(False)  # our encode adds no special tokens
+    writer.add_add_eos_token(False)
+    if tokenizer.has_frawd_specials():
+        writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, dtype: str = "float32",
+               name: str = "frawdllm", progress: bool = False) -> None:
+    """Write `model` (and its tokenizer) as one GGUF file at `path` (not atomically: see `export_gguf`).
+
+    float16/bfloat16 apply to the matrices; norms, biases and 1-D tensors stay float32,
+    as llama.cpp expects."""
+    import gguf
+    from gguf.quants import quantize
+
+    if dtype not in DTYPES:
+        raise FrawdError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    cfg: ModelConfig = model.config
+    arch = "gpt2" if hf_architecture(cfg) == GPT2 else "llama"
+    qtype = {"float32": gguf.GGMLQuantizationType.F32, "float16": gguf.GGMLQuantizationType.F16,
+             "bfloat16": gguf.GGMLQuantizationType.BF16}[dtype]
+    file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _hyperparameters(writer, cfg, name, int(file_type))
+    _tokenizer(writer, tokenizer, cfg)
+    for tensor_name, tensor in gguf_tensors(model):
+        data = tensor.detach().float().cpu().numpy()
+        kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor_name, np.ascontiguousarray(data))
+            continue
+        writer.add_tensor(tensor_name, quantize(data, kind), raw_dtype=kind)  # bf16 comes as bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=progress)
+    writer.close()
+
+
+def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False,
+                progress: bool = False) -> Path:
+    """Export a FrawdLLM model directory to GGUF. `out` ending in .gguf is the file itself;
+    otherwise it is a new directory holding `model.gguf`. Returns the file's path, which
+    appears only once complete."""
+    model_dir, out = Path(model_dir), Path(out)
+    hf_architecture(load_config(model_dir))  # refuse unexportable configs before touching --out
+    if out.suffix == ".gguf":
+        if out.exists() and not overwrite:
+            raise FrawdError(f"{out} exists; choose a new path (or --overwrite)")
+        model, tokenizer, _ = load_for_export(model_dir)
+        with atomic_path(out) as tmp:
+            write_gguf(model, tokenizer, tmp, dtype, model_dir.resolve().name, progress)
+        return out
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        model, tokenizer, _ = load_for_export(model_dir)
+        write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype, model_dir.resolve().name, progress)
+    return out / GGUF_FILE
+
+
+__all__ = ["GGUF_FILE", "interleave_rope_rows", "gguf_tensors", "write_gguf", "export_gguf"]

@@ -1,0 +1,192 @@
+"""Hugging Face model directories: export ours for stock `transformers`, import theirs.
+
+Export writes, in a temporary folder that is renamed onto the target only when complete:
+
+    config.json               GPT2Config or LlamaConfig (see `hf.py` for which)
+    generation_config.json    special ids and our sampling defaults
+    model.safetensors         the weights under transformers' names
+    tokenizer.json            our tokenizer, unchanged
+    tokenizer_config.json     special tokens and our chat template written as Jinja
+
+so `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)`
+load it without `trust_remote_code`.
+
+Import reads a local GPT-2 or Llama checkpoint (config.json + safetensors, never a
+pickle) into a FrawdLLM model directory, tokenizer.json included when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import FrawdError
+from ..io import atomic_dir, write_json_atomic
+from ..model import FrawdLLM
+from ..modeldir import GENERATION_CONFIG_FILE, TOKENIZER_FILE, load_config, load_model
+from ..tokenizer import Tokenizer
+from .hf import from_hf_config, from_hf_state_dict, hf_architecture, to_hf_config, to_hf_state_dict
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# `render_chat_text` of frawdllm.tokenizer, as the Jinja template transformers and llama.cpp run.
+CHAT_TEMPLATE = (
+    "{{ '<|bos|>' }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant') }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|eos|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+# Sampling defaults of ours that mean the same in transformers' GenerationConfig.
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+# ---- export ------------------------------------------------------------------------------------
+def load_for_export(model_dir: str | Path) -> tuple[FrawdLLM, Tokenizer | None, dict[str, Any]]:
+    """The model, its tokenizer (None when the directory has none) and its sampling defaults."""
+    model_dir = Path(model_dir)
+    model = load_model(model_dir).eval()
+    tokenizer = Tokenizer.load(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else None
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise FrawdError(
+            f"{model_dir}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{model.config.vocab_size}"
+        )
+    sampling: dict[str, Any] = {}
+    gen_path = model_dir / GENERATION_CONFIG_FILE
+    if gen_path.is_file():
+        try:
+            sampling = json.loads(gen_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise FrawdError(f"{gen_path}: not valid JSON ({exc})") from None
+    return model, tokenizer, sampling
+
+
+def special_token(tokenizer: Tokenizer, token_id: int, what: str) -> str:
+    token = tokenizer.id_to_token(token_id)
+    if token is None:
+        raise FrawdError(f"{what} {token_id} is not in the tokenizer's vocabulary")
+    return token
+
+
+def tokenizer_config(tokenizer: Tokenizer, cfg) -> dict[str, Any]:
+    """tokenizer_config.json: the generic fast tokenizer over our tokenizer.json."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": special_token(tokenizer, cfg.bos_token_id, "bos_token_id"),
+        "eos_token": special_token(tokenizer, cfg.eos_token_id, "eos_token_id"),
+        "pad_token": special_token(tokenizer, cfg.pad_token_id, "pad_token_id"),
+        "model_max_length": cfg.context_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    if tokenizer.token_to_id("<|unk|>") is not None:
+        config["unk_token"] = "<|unk|>"
+    if tokenizer.has_frawd_specials():  # the chat template needs the role tokens
+        config["chat_template"] = CHAT_TEMPLATE
+    return config
+
+
+def generation_config(cfg, sampling: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+    }
+    config.update({k: sampling[k] for k in _SAMPLING_KEYS if sampling.get(k) is not None})
+    if config.get("temperature", 0) > 0:
+        config["do_sample"] = True
+    else:
+        config.pop("temperature", None)
+    return config
+
+
+def write_hf_dir(model: FrawdLLM, tokenizer: Tokenizer | None, directory: Path, dtype: str = "float32",
+                 sampling: dict[str, Any] | None = None) -> None:
+    """Write the transformers files into `directory` (an empty folder; see `export_hf`)."""
+    cfg = model.config
+    hf_config = to_hf_config(cfg)
+    hf_config.dtype = dtype
+    state = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(model.state_dict(), cfg).items()}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_json_atomic(directory / "config.json", hf_config.to_dict())
+    write_json_atomic(directory / "generation_config.json", generation_config(cfg, sampling or {}))
+    if tokenizer is not None:
+        tokenizer.save(directory / TOKENIZER_FILE)
+        write_json_atomic(directory / "tokenizer_config.json", tokenizer_config(tokenizer, cfg))
+
+
+def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> str:
+    """Export a FrawdLLM model directory to a transformers directory `out`; returns the
+    architecture name. Nothing appears at `out` unless the whole export succeeds."""
+    if dtype not in DTYPES:
+        raise FrawdError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    arch = hf_architecture(load_config(model_dir))  # refuse before touching --out
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        model, tokenizer, sampling = load_for_export(model_dir)
+        write_hf_dir(model, tokenizer, tmp, dtype, sampling)
+    return arch
+
+
+# ---- import ------------------------------------------------------------------------------------
+def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    try:
+        if single.is_file():
+            return load_file(str(single))
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                state.update(load_file(str(directory / shard)))
+            return state
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
+        raise FrawdError(f"{directory}: cannot read the safetensors weights ({exc})") from None
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise FrawdError(
+            f"{directory}: only pickle weights (*.bin); FrawdLLM never unpickles. Re-save them with "
+            "model.save_pretrained(dir, safe_serialization=True)"
+        )
+    raise FrawdError(f"{directory}: no model.safetensors (or model.safetensors.index.json)")
+
+
+def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
+    """A FrawdLLM model computing what the transformers checkpoint in `hf_dir` computes."""
+    from transformers import AutoConfig
+
+    directory = Path(hf_dir)
+    if not (directory / "config.json").is_file():
+        raise FrawdError(f"{directory}: no config.json; not a transformers model directory")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise FrawdError(f"{directory}/config.json: {str(exc).splitlines()[0]}") from None
+    cfg = from_hf_config(hf_config)
+    state = from_hf_state_dict(_read_hf_weights(directory), cfg)
+    model = FrawdLLM(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise FrawdError(f"{directory}: weights do not match config.json ({str(exc).splitlines()[-1].strip()})") from None
+    return model.eval()
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> FrawdLLM:
+    """Convert a transformers checkpoint into a FrawdLLM model directory `out`."""
+    directory = Path(hf_dir)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        model = read_hf_dir(directory)
+        tokenizer = directory / TOKENIZER_FILE
+        model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
+    return model
+
+
+__all__ = [
+    "CHAT_TEMPLATE", "DTYPES", "export_hf", "import_hf", "read_hf_dir", "write_hf_dir",
+    "tokenizer_config", "generation_config", "load_for_export", "special_token",
+]
