@@ -14,7 +14,7 @@ is a window of `context_length + 1` tokens: x is the first T of them, y the last
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -17,7 +17,8 @@ from __future__ import annotations
 import struct
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import numpy as np
 

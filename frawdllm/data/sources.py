@@ -27,7 +27,8 @@ import sysconfig
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 from ..errors import FrawdError
 

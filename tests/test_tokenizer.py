@@ -1,0 +1,246 @@
+"""Tokenizers: round trips, fixed special ids, the chat template, files, and BPE against a
+naive pure-Python BPE encoder that reads the merges from tokenizer.json."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frawdllm.errors import FrawdError
+from frawdllm.tokenizer import (ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, SYSTEM_ID, UNK_ID, USER_ID,
+                                Tokenizer, byte_tokenizer, render_chat_text, train_tokenizer)
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. Ünïcödé – ça va? 日本語のテキスト 🙂\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n",
+    "Numbers 12345 and 2024-01-01, tabs\tand  double  spaces.\r\nWindows line.\n",
+] * 40
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    return train_tokenizer(CORPUS, "bpe", vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def char() -> Tokenizer:
+    return train_tokenizer(["hello world\n", "abc"], "char")
+
+
+@pytest.fixture(scope="module")
+def byte() -> Tokenizer:
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def all_kinds(bpe, char, byte) -> dict:
+    return {"bpe": bpe, "char": char, "byte": byte}
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char", "byte"])
+def test_special_tokens_sit_at_ids_0_to_6_in_every_kind(all_kinds, kind):
+    tok = all_kinds[kind]
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(7))
+    assert (BOS_ID, EOS_ID, USER_ID, ASSISTANT_ID, SYSTEM_ID, UNK_ID) == (2, 3, 4, 5, 6, 1)
+    assert tok.has_frawd_specials()
+    assert tok.decode(list(range(7))) == "".join(SPECIAL_TOKENS)
+    assert tok.decode([BOS_ID, EOS_ID], skip_special_tokens=True) == ""
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=200))
+def test_bpe_round_trips_any_unicode_string(bpe, text):
+    assert bpe.decode(bpe.encode(text)) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=200))
+def test_byte_tokenizer_is_utf8_bytes_plus_seven_and_round_trips(byte, text):
+    ids = byte.encode(text)
+    assert ids == [b + 7 for b in text.encode("utf-8")]
+    assert byte.decode(ids) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet="helo wrdabc\n", max_size=100))
+def test_char_tokenizer_round_trips_text_of_its_alphabet(char, text):
+    ids = char.encode(text)
+    assert len(ids) == len(text)
+    assert char.decode(ids) == text
+
+
+def test_char_vocab_is_specials_then_sorted_corpus_characters(char):
+    chars = sorted(set("hello world\nabc"))
+    assert char.vocab_size == 7 + len(chars)
+    assert [char.id_to_token(7 + i) for i in range(len(chars))] == chars
+
+
+def test_char_tokenizer_maps_unseen_characters_to_unk_and_says_which(char):
+    ids = char.encode("hex!")
+    assert ids[:2] == [char.token_to_id("h"), char.token_to_id("e")]
+    assert ids[2:] == [UNK_ID, UNK_ID]
+    assert char.decode(ids) == "he<|unk|><|unk|>"
+    assert char.unknown_characters("hex!") == {"x", "!"}
+
+
+def test_bpe_and_byte_have_no_unknown_characters(bpe, byte):
+    assert bpe.unknown_characters("日本 x") == set() == byte.unknown_characters("日本 x")
+    assert UNK_ID not in bpe.encode("never seen: ☃ ∰ 𝔘")
+
+
+def test_bpe_trains_to_the_requested_vocab_size():
+    tok = train_tokenizer(CORPUS, "bpe", vocab_size=300)
+    assert tok.vocab_size == 300
+
+
+def _naive_bpe_encode(tokenizer_json: dict, text: str) -> list[int]:
+    """GPT-2 byte-level BPE written out: regex pre-tokens -> byte alphabet -> lowest-rank merge first."""
+    vocab = tokenizer_json["model"]["vocab"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in tokenizer_json["model"]["merges"]]
+    rank = {pair: i for i, pair in enumerate(merges)}
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_char = {b: chr(c) for b, c in zip(bs, cs)}
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    ids = []
+    for word in pattern.findall(text):
+        symbols = [byte_char[b] for b in word.encode("utf-8")]
+        while len(symbols) > 1:
+            pairs = [(rank.get((a, b), float("inf")), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
+            best, i = min(pairs)
+            if best == float("inf"):
+                break
+            symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+        ids.extend(vocab[s] for s in symbols)
+    return ids
+
+
+def test_bpe_encoding_equals_a_naive_python_bpe_with_the_same_merges(bpe):
+    setup = json.loads(bpe.backend.to_str())
+    assert setup["model"]["merges"], "the test needs a tokenizer with merges"
+    for text in CORPUS[:4] + ["  indented\n\n\ttab  x's we'll 3.14 ½ 日本語 🙂🙂"]:
+        assert bpe.encode(text) == _naive_bpe_encode(setup, text)
+
+
+def test_encode_keeps_special_token_strings_as_plain_text(bpe, byte):
+    char = train_tokenizer(["a<|eos|>b<|user|>"], "char")  # knows the characters < | > e o s u r
+    text = "a<|eos|>b<|user|>"
+    for tok in (bpe, char, byte):
+        ids = tok.encode(text)
+        assert not set(ids) & set(range(7)), tok.kind
+        assert tok.decode(ids) == text
+    assert len(char.encode(text)) == len(text)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char", "byte"])
+def test_encode_batch_equals_encode_one_by_one(all_kinds, kind):
+    tok = all_kinds[kind]
+    texts = ["hello world", "", "abc abc\n", "hello"]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char", "byte"])
+def test_save_and_load_recover_kind_and_tokenization_from_tokenizer_json_alone(all_kinds, kind, tmp_path):
+    tok = all_kinds[kind]
+    tok.save(tmp_path)  # a directory: writes tokenizer.json inside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    loaded = Tokenizer.load(tmp_path)
+    assert loaded.kind == kind
+    assert loaded.vocab_size == tok.vocab_size
+    assert loaded.fingerprint == tok.fingerprint
+    assert loaded.encode("hello world") == tok.encode("hello world")
+    assert Tokenizer.load(tmp_path / "tokenizer.json").kind == kind
+
+
+def test_load_names_the_missing_or_corrupt_file(tmp_path):
+    with pytest.raises(FrawdError, match="tokenizer not found"):
+        Tokenizer.load(tmp_path / "nope.json")
+    with pytest.raises(FrawdError, match="tokenizer not found"):
+        Tokenizer.load(tmp_path)  # a directory without tokenizer.json
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": 3')
+    with pytest.raises(FrawdError, match="not a valid tokenizer.json"):
+        Tokenizer.load(bad)
+
+
+def test_training_rejects_bad_inputs():
+    with pytest.raises(FrawdError, match="at least 263"):
+        train_tokenizer(CORPUS, "bpe", vocab_size=100)
+    with pytest.raises(FrawdError, match="empty corpus"):
+        train_tokenizer([], "bpe")
+    with pytest.raises(FrawdError, match="empty corpus"):
+        train_tokenizer([], "char")
+    with pytest.raises(FrawdError, match="unknown tokenizer kind"):
+        train_tokenizer(CORPUS, "wordpiece")
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+
+
+def test_chat_template_text_is_bos_then_role_content_eos_then_assistant():
+    assert render_chat_text(CHAT) == ("<|bos|><|system|>Be brief.<|eos|><|user|>Hi there<|eos|>"
+                                      "<|assistant|>Hello!<|eos|><|user|>Bye<|eos|><|assistant|>")
+    assert render_chat_text(CHAT[:2], add_generation_prompt=False) == \
+        "<|bos|><|system|>Be brief.<|eos|><|user|>Hi there<|eos|>"
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_render_chat_equals_encoding_the_rendered_text_with_specials_parsed(all_kinds, kind):
+    tok = all_kinds[kind]
+    for gen in (True, False):
+        expected = tok.backend.encode(render_chat_text(CHAT, gen), add_special_tokens=False).ids
+        assert tok.render_chat(CHAT, gen) == expected
+    ids = tok.render_chat(CHAT)
+    assert ids[0] == BOS_ID and ids[1] == SYSTEM_ID and ids[-1] == ASSISTANT_ID
+    assert ids.count(EOS_ID) == 4 and ids.count(USER_ID) == 2
+
+
+def test_render_chat_keeps_special_strings_in_content_as_text(bpe):
+    ids = bpe.render_chat([{"role": "user", "content": "say <|eos|> now"}], add_generation_prompt=False)
+    assert ids.count(EOS_ID) == 1 and ids[-1] == EOS_ID
+    assert bpe.decode(ids) == "<|bos|><|user|>say <|eos|> now<|eos|>"
+
+
+def test_render_chat_rejects_bad_messages(bpe):
+    with pytest.raises(FrawdError, match="role 'bot'"):
+        bpe.render_chat([{"role": "bot", "content": "x"}])
+    with pytest.raises(FrawdError, match="content must be a string"):
+        render_chat_text([{"role": "user", "content": None}])
+
+
+def test_cli_trains_each_kind_into_out_dir(tmp_path):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import cli
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    for kind, size in (("bpe", ["--vocab-size", "300"]), ("char", []), ("byte", [])):
+        out = tmp_path / kind
+        result = CliRunner().invoke(cli, ["tokenizer", "train", "--data", str(corpus), "--kind", kind,
+                                          *size, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        tok = Tokenizer.load(out / "tokenizer.json")
+        assert tok.kind == kind
+        assert tok.vocab_size == {"bpe": 300, "char": 7 + len(set("".join(CORPUS))), "byte": 263}[kind]
+
+
+def test_cli_reports_a_missing_corpus_as_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", "tokenizer", "train", "--data",
+                           str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0
+    assert "data source not found" in proc.stderr and "missing.txt" in proc.stderr
