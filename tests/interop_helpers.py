@@ -36,9 +36,10 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return module
 
 
-def small_model(variant: str, seed: int = 0) -> FrawdLLM:
+def small_model(variant: str, seed: int = 0, **changes) -> FrawdLLM:
+    """A random model of `variant`; `changes` override SMALL and the variant's fields."""
     preset, overrides = VARIANTS[variant]
-    return randomize_(FrawdLLM(get_config(preset, **SMALL, **overrides)), seed).eval()
+    return randomize_(FrawdLLM(get_config(preset, **{**SMALL, **overrides, **changes})), seed).eval()
 
 
 def random_ids(vocab_size: int, batch: int = 2, length: int = SMALL["context_length"], seed: int = 1) -> torch.Tensor:

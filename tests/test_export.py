@@ -1,0 +1,251 @@
+"""`frawd export --format hf` and `frawd import --from-hf`, checked with stock `transformers`.
+
+Exported directories are loaded with `AutoModelForCausalLM` / `AutoTokenizer` exactly as a
+user would (no trust_remote_code) and must compute our logits (1e-4, fp32), generate our
+greedy tokens, tokenize like us and render our chat template. Imported checkpoints must
+reproduce the logits of the transformers model they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.cli import main
+from frawdllm.tokenizer import render_chat_text, train_tokenizer
+from interop_helpers import SMALL, random_ids, randomize_, small_model
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+VOCAB = 320  # a trained BPE tokenizer needs 7 specials + 256 bytes + some merges
+SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+SAMPLE = "ROMEO: But soft, what light through yonder window breaks?\n  It is the east; é, ß, 猫 and 🦙 too."
+CHAT = [
+    {"role": "system", "content": "You speak like a Shakespearean actor."},
+    {"role": "user", "content": "What light through yonder window breaks?"},
+    {"role": "assistant", "content": "It is the east, and Juliet is the sun."},
+    {"role": "user", "content": "And the moon?\nTell me."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not present")
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:40_000]
+    return train_tokenizer([text[i:i + 2000] for i in range(0, len(text), 2000)], "bpe", VOCAB)
+
+
+def make_model_dir(tmp_path: Path, tokenizer, variant: str, **changes) -> tuple[FrawdLLM, Path]:
+    model = small_model(variant, vocab_size=VOCAB, **changes)
+    directory = tmp_path / f"ours-{variant}"
+    model.save_pretrained(directory, tokenizer=tokenizer)
+    return model, directory
+
+
+def export(model_dir: Path, out: Path, *extra: str) -> None:
+    main(["export", "--model", str(model_dir), "--out", str(out), *extra])
+
+
+def entries(directory: Path) -> set[str]:
+    return set(os.listdir(directory))
+
+
+def naive_greedy(model: FrawdLLM, prompt: list[int], n_new: int, eos_id: int) -> list[int]:
+    """Reference decoding: re-run the whole sequence, take the argmax, stop at eos."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n_new):
+            logits, _ = model(torch.tensor([ids]))
+            ids.append(int(logits[0, -1].argmax()))
+            if ids[-1] == eos_id:
+                break
+    return ids
+
+
+# ---- export -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "variant, arch",
+    [("gpt2-tied", "GPT2LMHeadModel"), ("gpt2-untied", "GPT2LMHeadModel"), ("gpt2-nobias", "GPT2LMHeadModel"),
+     ("llama-gqa", "LlamaForCausalLM"), ("llama-mqa-untied", "LlamaForCausalLM"),
+     ("llama-bias-gqa", "LlamaForCausalLM")],
+)
+def test_exported_directory_loads_in_stock_transformers_with_our_logits(tmp_path, tokenizer, variant, arch):
+    model, model_dir = make_model_dir(tmp_path, tokenizer, variant)
+    export(model_dir, tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf_model).__name__ == arch
+    assert hf_model.config.tie_word_embeddings == model.config.tie_embeddings
+    ids = random_ids(VOCAB)
+    with torch.no_grad():
+        ours, _ = model(ids)
+        theirs = hf_model(ids).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"export hf {variant}: max_abs_diff={diff:.3e}")
+    assert diff < TOL
+
+
+@pytest.mark.parametrize("variant", ["gpt2-tied", "llama-gqa"])
+def test_transformers_greedy_generate_yields_our_greedy_tokens(tmp_path, tokenizer, variant):
+    model, model_dir = make_model_dir(tmp_path, tokenizer, variant)
+    export(model_dir, tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = tokenizer.encode("ROMEO: But soft")
+    n_new = SMALL["context_length"] - len(prompt)
+    ours = naive_greedy(model, prompt, n_new, model.config.eos_token_id)
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False)
+    assert theirs[0].tolist() == ours
+    assert len(ours) > len(prompt) + 5  # it really generated
+
+
+def test_exported_tokenizer_encodes_and_decodes_like_ours(tmp_path, tokenizer):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    export(model_dir, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tokenizer.encode(SAMPLE)
+    assert hf_tok(SAMPLE)["input_ids"] == ids
+    assert hf_tok.decode(ids) == tokenizer.decode(ids) == SAMPLE
+    assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token, hf_tok.unk_token) == (
+        "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>")
+    assert hf_tok.convert_tokens_to_ids(["<|bos|>", "<|eos|>", "<|pad|>"]) == [2, 3, 0]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_exported_chat_template_renders_our_chat_text_and_ids(tmp_path, tokenizer, add_generation_prompt):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    export(model_dir, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert text == render_chat_text(CHAT, add_generation_prompt)
+    ids = hf_tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=add_generation_prompt)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert ids == tokenizer.render_chat(CHAT, add_generation_prompt)
+
+
+def test_export_carries_special_ids_and_sampling_defaults_into_generation_config(tmp_path, tokenizer):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 40, "top_p": 0.9}))
+    export(model_dir, tmp_path / "hf")
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (2, 3, 0)
+    assert (gen.do_sample, gen.temperature, gen.top_k, gen.top_p) == (True, 0.7, 40, 0.9)
+
+
+def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokenizer):
+    model, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    export(model_dir, tmp_path / "hf", "--dtype", "bfloat16")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        from safetensors.torch import load_file
+
+        stored = load_file(tmp_path / "hf" / "model.safetensors")
+        assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+        ours = model.embed.tok.weight
+        assert torch.equal(hf_model.model.embed_tokens.weight, ours.to(torch.bfloat16).float())
+
+
+# ---- errors and atomicity -------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize(
+    "variant, changes, option, fix",
+    [
+        ("gpt2-tied", {"pos_encoding": "sinusoidal"}, "pos_encoding='sinusoidal'", "--set pos_encoding=learned"),
+        ("gpt2-tied", {"norm_placement": "post"}, "norm_placement='post'", "--set norm_placement=pre"),
+        ("llama-gqa", {"use_rmsnorm": False}, "use_rmsnorm=False", "--set use_rmsnorm=true"),
+    ],
+)
+def test_unexportable_variant_is_one_clear_error_and_writes_nothing(
+    tmp_path, tokenizer, capsys, fmt, variant, changes, option, fix
+):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, variant, **changes)
+    before = entries(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        export(model_dir, tmp_path / "out", "--format", fmt)
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("frawd: error:") and "\n" not in err
+    assert option in err and fix in err
+    assert entries(tmp_path) == before  # no --out, no temporary folder left behind
+
+
+def test_export_failing_midway_leaves_no_out_and_no_temporary_files(tmp_path, tokenizer, monkeypatch):
+    import frawdllm.export.hf_dir as hf_dir
+
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    real_write = hf_dir.write_hf_dir
+
+    def write_then_crash(model, tok, directory, *args, **kwargs):
+        real_write(model, tok, directory, *args, **kwargs)
+        assert (directory / "model.safetensors").is_file()  # the crash comes after real writes
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_dir, "write_hf_dir", write_then_crash)
+    before = entries(tmp_path)
+    with pytest.raises(OSError, match="disk full"):
+        hf_dir.export_hf(model_dir, tmp_path / "out")
+    assert entries(tmp_path) == before
+
+
+def test_existing_out_is_refused_unless_overwrite_then_replaced_whole(tmp_path, tokenizer, capsys):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(SystemExit):
+        export(model_dir, out)
+    assert "not empty" in capsys.readouterr().err and entries(out) == {"keep.txt"}
+    export(model_dir, out, "--overwrite")
+    assert "keep.txt" not in entries(out) and "model.safetensors" in entries(out)
+    assert not [name for name in entries(tmp_path) if name.startswith(".")]  # no old/temp folders
+
+
+# ---- import -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["gpt2-untied", "llama-gqa", "llama-bias-gqa"])
+def test_import_of_a_random_transformers_checkpoint_reproduces_its_logits(tmp_path, variant):
+    from frawdllm.export.hf import to_hf_config
+
+    hf_config = to_hf_config(small_model(variant).config)
+    hf_model = randomize_(transformers.AutoModelForCausalLM.from_config(hf_config), seed=11).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    model = FrawdLLM.from_pretrained(tmp_path / "ours").eval()
+    ids = random_ids(hf_config.vocab_size, seed=5)
+    with torch.no_grad():
+        diff = (model(ids)[0] - hf_model(ids).logits).abs().max().item()
+    print(f"import hf {variant}: max_abs_diff={diff:.3e}")
+    assert diff < TOL
+
+
+def test_import_reads_sharded_checkpoints_and_keeps_the_tokenizer(tmp_path, tokenizer):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    export(model_dir, tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    (tmp_path / "sharded" / "tokenizer.json").write_text((tmp_path / "hf" / "tokenizer.json").read_text())
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    main(["import", "--from-hf", str(tmp_path / "sharded"), "--out", str(tmp_path / "back")])
+    back = FrawdLLM.from_pretrained(tmp_path / "back")
+    for key, tensor in FrawdLLM.from_pretrained(model_dir).state_dict().items():
+        assert torch.equal(back.state_dict()[key], tensor), key
+    from frawdllm.tokenizer import Tokenizer
+
+    assert Tokenizer.load(tmp_path / "back").encode(SAMPLE) == tokenizer.encode(SAMPLE)
+
+
+def test_import_refuses_pickle_weights_without_reading_them(tmp_path, capsys):
+    from frawdllm.export.hf import to_hf_config
+
+    hf_dir = tmp_path / "hf"
+    to_hf_config(get_config("tiny-llama", **SMALL)).save_pretrained(hf_dir)
+    (hf_dir / "pytorch_model.bin").write_bytes(b"not even a pickle: it must never be opened")
+    with pytest.raises(SystemExit):
+        main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")])
+    err = capsys.readouterr().err
+    assert "never unpickles" in err and "safe_serialization=True" in err
+    assert not (tmp_path / "ours").exists()
