@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import glob
 import gzip
+import io
 import json
 import re
 import sysconfig
@@ -28,7 +29,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterator
-from typing import IO
 
 from ..errors import FrawdError
 
@@ -36,6 +36,7 @@ DOC_SPLITS = ("blank", "line", "file")
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 _SEPARATORS = {"blank": re.compile(r"\n(?:[^\S\n]*\n)+"), "line": re.compile(r"\n")}
 _CHUNK_CHARS = 1 << 22
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _ERRORS = "frawd-count-replace"
 _counter = threading.local()
 
@@ -140,7 +141,7 @@ def _file_documents(files: list[Path], text_field: str, doc_split: str, stats: S
             yield from _text_documents(path, doc_split, stats)
 
 
-def _open_text(path: Path) -> IO[str]:
+def _open_text(path: Path) -> io.TextIOBase:
     """Open as UTF-8 text (gunzipping .gz); bad bytes become U+FFFD and are counted.
     newline="" keeps the text exactly as stored."""
     if path.name.lower().endswith(".gz"):
@@ -148,7 +149,7 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8", errors=_ERRORS, newline="")
 
 
-def _read(f: IO[str], size: int, path: Path, stats: SourceStats) -> str:
+def _read(f: io.TextIOBase, size: int, path: Path, stats: SourceStats) -> str:
     before = _replaced_so_far()
     try:
         text = f.read(size)
@@ -201,14 +202,9 @@ def _clean(text: str, where: str, stats: SourceStats) -> str:
     """JSON can spell lone surrogates (\\ud800) that are not text; replace and count them."""
     if text.isascii():
         return text
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        before = _replaced_so_far()
-        cleaned = text.encode("utf-8", "surrogatepass").decode("utf-8", _ERRORS)
-        stats.note_replaced(_replaced_so_far() - before, where)
-        return cleaned
+    cleaned, n = _SURROGATE.subn("\ufffd", text)
+    stats.note_replaced(n, where)
+    return cleaned
 
 
 def _record_text(record: object, text_field: str, where: str) -> str:

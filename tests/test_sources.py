@@ -1,0 +1,212 @@
+"""Corpus sources: every kind of input, document splitting (against a one-shot re.split
+reference), invalid UTF-8 (against Python's own 'replace' decoding), and clear errors."""
+
+import gzip
+import json
+import re
+import sysconfig
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frawdllm.data import sources
+from frawdllm.data.sources import SourceStats, iter_documents, parse_hf_spec, stdlib_files
+from frawdllm.errors import FrawdError
+
+
+def _reference_split(text: str, mode: str) -> list[str]:
+    separator = {"blank": r"\n(?:[^\S\n]*\n)+", "line": r"\n"}[mode]
+    return [d.strip("\r\n") for d in re.split(separator, text) if d.strip("\r\n").strip()]
+
+
+def test_text_file_splits_documents_at_blank_lines(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("first\nstill first\n\n\nsecond\n  \t\nthird\r\n\r\nfourth\n\n", encoding="utf-8")
+    assert list(iter_documents(str(path))) == ["first\nstill first", "second", "third", "fourth"]
+
+
+def test_doc_split_line_and_file(tmp_path):
+    path = tmp_path / "a.txt"
+    text = "one\ntwo\n\nthree\n"
+    path.write_text(text, encoding="utf-8")
+    assert list(iter_documents(str(path), doc_split="line")) == ["one", "two", "three"]
+    assert list(iter_documents(str(path), doc_split="file")) == [text]
+    with pytest.raises(FrawdError, match="doc_split"):
+        iter_documents(str(path), doc_split="page")
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab \t\n\r", max_size=80), chunk=st.integers(1, 9),
+       mode=st.sampled_from(["blank", "line"]))
+def test_chunked_splitting_equals_splitting_the_whole_text_at_once(text, chunk, mode):
+    chunks = iter([text[i:i + chunk] for i in range(0, len(text), chunk)] + [""])
+    got = list(sources._split_stream(lambda: next(chunks), sources._SEPARATORS[mode]))
+    assert got == _reference_split(text, mode)
+
+
+def test_gzip_file_reads_like_the_plain_file(tmp_path):
+    text = "alpha\n\nbeta gamma\n\nδέλτα\n"
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "a.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(text)
+    assert list(iter_documents(str(tmp_path / "a.txt.gz"))) == list(iter_documents(str(tmp_path / "a.txt")))
+    assert len(list(iter_documents(str(tmp_path / "a.txt.gz")))) == 3
+
+
+def test_corrupt_gzip_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.txt.gz"
+    bad.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(FrawdError, match="bad.txt.gz: cannot read"):
+        list(iter_documents(str(bad)))
+
+
+def test_folder_reads_files_sorted_by_path_and_skips_hidden_ones(tmp_path):
+    (tmp_path / "b.txt").write_text("from b", encoding="utf-8")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("from sub/a", encoding="utf-8")
+    (tmp_path / "a.txt").write_text("from a", encoding="utf-8")
+    (tmp_path / ".hidden.txt").write_text("secret", encoding="utf-8")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "from c"}) + "\n", encoding="utf-8")
+    stats = SourceStats()
+    assert list(iter_documents(str(tmp_path), stats=stats)) == ["from a", "from b", "from c", "from sub/a"]
+    assert stats.files == 4 and stats.documents == 4
+
+
+def test_glob_matches_sorted_files_and_a_glob_without_match_is_an_error(tmp_path):
+    for name in ("x2.txt", "x1.txt", "y.md"):
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    assert list(iter_documents(str(tmp_path / "x*.txt"))) == ["x1.txt", "x2.txt"]
+    assert list(iter_documents(str(tmp_path / "**" / "*.md"))) == ["y.md"]
+    with pytest.raises(FrawdError, match="no files match"):
+        iter_documents(str(tmp_path / "*.csv"))
+
+
+def test_missing_path_is_an_error_at_once(tmp_path):
+    with pytest.raises(FrawdError, match="data source not found.*nope"):
+        iter_documents(str(tmp_path / "nope"))
+
+
+def test_empty_corpus_is_an_error_naming_the_source(tmp_path):
+    path = tmp_path / "blank.txt"
+    path.write_text("\n\n  \n\t\n", encoding="utf-8")
+    with pytest.raises(FrawdError, match="no documents"):
+        list(iter_documents(str(path)))
+
+
+def test_jsonl_reads_the_text_field_and_gz(tmp_path):
+    rows = [{"text": "one", "id": 1}, {"text": "two"}, {"text": ""}, {"body": "x", "text": "three"}]
+    lines = "\n".join(json.dumps(r) for r in rows) + "\n\n"
+    (tmp_path / "d.jsonl").write_text(lines, encoding="utf-8")
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(lines)
+    assert list(iter_documents(str(tmp_path / "d.jsonl"))) == ["one", "two", "three"]
+    assert list(iter_documents(str(tmp_path / "d.jsonl.gz"))) == ["one", "two", "three"]
+    (tmp_path / "e.jsonl").write_text(json.dumps({"body": "b"}) + "\n", encoding="utf-8")
+    assert list(iter_documents(str(tmp_path / "e.jsonl"), text_field="body")) == ["b"]
+
+
+def test_jsonl_bad_line_is_an_error_naming_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "broken\n', encoding="utf-8")
+    with pytest.raises(FrawdError, match=r"d\.jsonl:2: not valid JSON"):
+        list(iter_documents(str(path)))
+    path.write_text('{"text": "ok"}\n\n{"content": "no text"}\n', encoding="utf-8")
+    with pytest.raises(FrawdError, match=r"d\.jsonl:3: no field 'text' \(fields: 'content'\)"):
+        list(iter_documents(str(path)))
+    path.write_text('{"text": 5}\n', encoding="utf-8")
+    with pytest.raises(FrawdError, match=r"d\.jsonl:1: field 'text' is int"):
+        list(iter_documents(str(path)))
+
+
+def test_invalid_utf8_is_replaced_and_counted_like_pythons_replace_decoder(tmp_path):
+    raw = b"ok \xff\xfe there\n\nsecond \xc3( and \xe2\x82\n\nclean \xe2\x82\xac\n"
+    path = tmp_path / "bad.txt"
+    path.write_bytes(raw)
+    stats = SourceStats()
+    docs = list(iter_documents(str(path), stats=stats))
+    reference = raw.decode("utf-8", "replace")
+    assert docs == _reference_split(reference, "blank")
+    assert stats.replaced == reference.count("\ufffd") == 4
+    assert stats.replaced_in == [str(path)]
+    assert "replaced 4 invalid UTF-8" in stats.warning()
+
+
+def test_invalid_utf8_in_jsonl_and_lone_surrogates_are_replaced_and_counted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "caf\xe9"}\n{"text": "lone \\ud800 surrogate"}\n')
+    stats = SourceStats()
+    assert list(iter_documents(str(path), stats=stats)) == ["caf\ufffd", "lone \ufffd surrogate"]
+    assert stats.replaced == 2
+
+
+def test_clean_text_reports_nothing(tmp_path):
+    path = tmp_path / "ok.txt"
+    path.write_text("naïve café 日本\n", encoding="utf-8")
+    stats = SourceStats()
+    list(iter_documents(str(path), stats=stats))
+    assert stats.replaced == 0 and stats.warning() is None
+
+
+def test_parquet_reads_the_text_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["uno", "", "dos"], "n": [1, 2, 3]}), path)
+    assert list(iter_documents(str(path))) == ["uno", "dos"]
+    with pytest.raises(FrawdError, match=r"d\.parquet: no column 'body' \(columns: text, n\)"):
+        iter_documents(str(path), text_field="body").__next__()
+    pq.write_table(pa.table({"text": ["a", None]}), path)
+    with pytest.raises(FrawdError, match="row 2"):
+        list(iter_documents(str(path)))
+
+
+def test_hf_spec_parsing():
+    assert parse_hf_spec("hf:wikitext") == ("wikitext", None, "train")
+    assert parse_hf_spec("hf:wikitext:wikitext-2-raw-v1@validation") == ("wikitext", "wikitext-2-raw-v1", "validation")
+    assert parse_hf_spec("hf:/data/local@test") == ("/data/local", None, "test")
+    with pytest.raises(FrawdError, match="bad dataset spec"):
+        parse_hf_spec("hf:@train")
+
+
+def test_hf_source_reads_a_local_dataset_directory(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": ["alpha", "beta"], "label": [0, 1]}),
+        "test": datasets.Dataset.from_dict({"text": ["gamma"], "label": [1]}),
+    }).save_to_disk(str(saved))
+    assert list(iter_documents(f"hf:{saved}")) == ["alpha", "beta"]
+    assert list(iter_documents(f"hf:{saved}@test")) == ["gamma"]
+    with pytest.raises(FrawdError, match="no split 'validation'"):
+        iter_documents(f"hf:{saved}@validation")
+    with pytest.raises(FrawdError, match="no column 'body'"):
+        iter_documents(f"hf:{saved}", text_field="body")
+
+    raw = tmp_path / "raw"  # a plain folder of data files, read by datasets' json builder
+    raw.mkdir()
+    (raw / "train.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
+    assert list(iter_documents(f"hf:{raw}")) == ["one", "two"]
+
+
+def test_hf_source_that_cannot_load_is_one_clear_error(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(FrawdError, match="cannot load dataset"):
+        iter_documents(f"hf:{tmp_path / 'no-such-dataset'}")
+
+
+def test_stdlib_corpus_is_the_standard_library_without_tests_in_path_order():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files()
+    relative = [p.relative_to(root).as_posix() for p in files]
+    assert relative == sorted(relative)
+    assert all(p.suffix == ".py" for p in files)
+    assert not any(set(Path(r).parts[:-1]) & {"test", "tests", "idle_test", "site-packages"} for r in relative)
+    assert {"os.py", "json/__init__.py", "collections/__init__.py"} <= set(relative)
+    assert 5e6 < sum(p.stat().st_size for p in files) < 40e6
+    docs = iter_documents("stdlib", doc_split="blank")  # stdlib is always one document per file
+    first = next(docs)
+    assert first == files[0].read_text(encoding="utf-8")
