@@ -111,6 +111,12 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
             tokens.append(token)
             types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in setup["model"].get("merges", [])]
+    if not merges:
+        # The byte kind has no merges, but llama.cpp requires the key and gguf cannot write an
+        # empty array: a merge of two control tokens stands in. BPE symbols start as single
+        # characters and no other merge can build a longer one, so it never applies.
+        stand_in = next((t for t in tokens if len(t) > 1), "<|pad|>")
+        merges = [f"{stand_in} {stand_in}"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
