@@ -104,7 +104,8 @@ class Tokenizer:
         """Many texts at once, in parallel on all cores (Rust threads, GIL released)."""
         return [e.ids for e in self._plain.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Iterable, skip_special_tokens: bool = False) -> str:
+        """Ids (a list, numpy array or tensor) -> text."""
         ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -244,3 +244,12 @@ def test_cli_reports_a_missing_corpus_as_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0
     assert "data source not found" in proc.stderr and "missing.txt" in proc.stderr
+
+
+def test_decode_accepts_numpy_arrays_and_tensors(bpe):
+    import numpy as np
+    import torch
+
+    ids = bpe.encode("hello world")
+    assert bpe.decode(np.array(ids, dtype=np.uint16)) == "hello world"
+    assert bpe.decode(torch.tensor(ids)) == "hello world"

@@ -1,0 +1,231 @@
+"""Shards: header and contents equal to tokenizing each document directly, the split, the
+uint32 path, reuse, atomic failure, and tiny shakespeare as char-level shards."""
+
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from frawdllm.data import prepare_shards, read_header, read_shard, write_shard
+from frawdllm.data import shards as shards_module
+from frawdllm.data.shard_format import HEADER_BYTES, MAGIC
+from frawdllm.data.sources import iter_documents
+from frawdllm.errors import FrawdError
+from frawdllm.tokenizer import EOS_ID, UNK_ID, Tokenizer, byte_tokenizer, train_tokenizer
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _corpus(n_docs: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n_docs):
+        lines = [" ".join(rng.choice(WORDS, size=rng.integers(1, 12))) for _ in range(rng.integers(1, 4))]
+        docs.append(f"doc {i}: " + "\n".join(lines))
+    return docs
+
+
+def _write_corpus(path, docs):
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    return train_tokenizer(_corpus(300, seed=1) + ["ünïcödé 🙂 日本"], "bpe", vocab_size=320)
+
+
+def _documents_of(tokens: np.ndarray) -> list[list[int]]:
+    """Split a shard's tokens at <|eos|> (every document ends with one)."""
+    tokens = np.asarray(tokens).tolist()
+    assert not tokens or tokens[-1] == EOS_ID
+    docs, current = [], []
+    for t in tokens:
+        if t == EOS_ID:
+            docs.append(current)
+            current = []
+        else:
+            current.append(t)
+    return docs
+
+
+def test_shards_hold_each_document_tokenized_directly_then_eos_split_by_document(tmp_path, bpe):
+    docs = _corpus(400)
+    src = _write_corpus(tmp_path / "c.txt", docs)
+    meta = prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.2)
+    train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
+    expected = {tuple(bpe.encode(d)): i for i, d in enumerate(docs)}
+    train_docs, val_docs = _documents_of(train), _documents_of(val)
+    train_idx = [expected[tuple(d)] for d in train_docs]
+    val_idx = [expected[tuple(d)] for d in val_docs]
+    assert sorted(train_idx + val_idx) == list(range(len(docs)))  # every document exactly once
+    assert train_idx == sorted(train_idx) and val_idx == sorted(val_idx)  # in source order
+    assert 0.12 < len(val_idx) / len(docs) < 0.28
+    assert meta["train_tokens"] == len(train) and meta["val_tokens"] == len(val)
+    assert meta["train_documents"] == len(train_idx) and meta["val_documents"] == len(val_idx)
+    text_bytes = sum(len(d.encode()) for d in docs)
+    assert meta["train_text_bytes"] + meta["val_text_bytes"] == text_bytes
+    assert meta["bytes_per_token"] == pytest.approx(text_bytes / (len(train) + len(val)), rel=1e-5)
+    assert meta["dtype"] == "uint16" and train.dtype == np.uint16
+    assert meta["tokenizer_hash"] == bpe.fingerprint
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["train_tokens"] == len(train)
+
+
+def test_split_and_contents_do_not_depend_on_batching(tmp_path, bpe, monkeypatch):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(200))
+    prepare_shards(str(src), bpe, tmp_path / "a", val_fraction=0.1)
+    monkeypatch.setattr(shards_module, "BATCH_CHARS_PER_THREAD", 50)  # many tiny batches
+    prepare_shards(str(src), bpe, tmp_path / "b", val_fraction=0.1)
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char", "byte"])
+def test_long_documents_cut_into_pieces_encode_exactly_like_the_whole(tmp_path, bpe, kind, monkeypatch):
+    tok = {"bpe": bpe, "byte": byte_tokenizer()}.get(kind) or train_tokenizer(_corpus(50), "char")
+    doc = "\n".join(_corpus(60, seed=3)).replace("doc", "  doc\n\n x")  # one long document
+    src = tmp_path / "long.txt"
+    src.write_text(doc, encoding="utf-8")
+    monkeypatch.setattr(shards_module, "PIECE_CHARS", 37)
+    assert len(shards_module._piece_splitter(tok)(doc)) > 10
+    prepare_shards(str(src), tok, tmp_path / "out", val_fraction=0.0, doc_split="file")
+    assert read_shard(tmp_path / "out" / "train.bin").tolist() == tok.encode(doc) + [EOS_ID]
+
+
+def test_header_records_magic_version_dtype_count_and_vocab(tmp_path, bpe):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(20))
+    prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.0)
+    raw = (tmp_path / "out" / "train.bin").read_bytes()
+    magic, version, itemsize, n_tokens, vocab = struct.unpack("<8sIIQQ", raw[:32])
+    assert (magic, version, itemsize, vocab) == (MAGIC, 1, 2, bpe.vocab_size)
+    assert len(raw) == HEADER_BYTES + 2 * n_tokens
+    assert np.frombuffer(raw[HEADER_BYTES:], dtype="<u2").tolist() == read_shard(tmp_path / "out" / "train.bin").tolist()
+    assert read_header(tmp_path / "out" / "val.bin")["n_tokens"] == 0
+    assert read_shard(tmp_path / "out" / "val.bin").shape == (0,)
+
+
+def test_read_shard_rejects_bad_files(tmp_path):
+    path = tmp_path / "s.bin"
+    write_shard(path, np.arange(10), vocab_size=100)
+    assert read_shard(path).tolist() == list(range(10))
+    good = path.read_bytes()
+    path.write_bytes(good[:-3])
+    with pytest.raises(FrawdError, match="truncated or corrupt"):
+        read_shard(path)
+    path.write_bytes(b"NOTTOKEN" + good[8:])
+    with pytest.raises(FrawdError, match="bad magic"):
+        read_shard(path)
+    path.write_bytes(good[:8] + struct.pack("<I", 99) + good[12:])
+    with pytest.raises(FrawdError, match="format version 99"):
+        read_shard(path)
+    with pytest.raises(FrawdError, match="shard not found"):
+        read_shard(tmp_path / "missing.bin")
+
+
+def test_vocab_above_65535_is_stored_as_uint32(tmp_path):
+    alphabet = "".join(chr(c) for c in range(0x20, 0x20 + 70_000) if not 0xD800 <= c <= 0xDFFF)
+    tok = train_tokenizer([alphabet], "char")
+    assert tok.vocab_size > 65_536
+    text = alphabet[-30:] + alphabet[:30]  # ids above and below 65,535
+    src = tmp_path / "c.txt"
+    src.write_text(text, encoding="utf-8")
+    meta = prepare_shards(str(src), tok, tmp_path / "out", val_fraction=0.0)
+    tokens = read_shard(tmp_path / "out" / "train.bin")
+    assert meta["dtype"] == "uint32" and tokens.dtype == np.uint32
+    assert tokens.tolist() == tok.encode(text) + [EOS_ID]
+    assert tokens.max() > 65_535
+
+
+def test_single_document_corpus_still_gets_a_validation_tail(tmp_path, bpe):
+    doc = "\n".join(_corpus(30))
+    src = tmp_path / "one.txt"
+    src.write_text(doc, encoding="utf-8")
+    meta = prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.1, doc_split="file")
+    train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
+    everything = bpe.encode(doc) + [EOS_ID]
+    assert train.tolist() + val.tolist() == everything
+    assert len(val) == round(0.1 * len(everything))
+    assert meta["val_split"] == "tail" and meta["val_tokens"] == len(val)
+
+
+def test_rerun_reuses_matching_shards_and_rebuilds_on_change_or_force(tmp_path, bpe):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    out = tmp_path / "out"
+    first = prepare_shards(str(src), bpe, out)
+    stamp = (out / "train.bin").stat().st_mtime_ns
+    again = prepare_shards(str(src), bpe, out)
+    assert again.get("reused") and again["train_tokens"] == first["train_tokens"]
+    assert (out / "train.bin").stat().st_mtime_ns == stamp
+    assert not prepare_shards(str(src), bpe, out, force=True).get("reused")
+    assert not prepare_shards(str(src), bpe, out, val_fraction=0.3).get("reused")
+    _write_corpus(src, _corpus(31))
+    changed = prepare_shards(str(src), bpe, out, val_fraction=0.3)
+    assert not changed.get("reused")
+    assert changed["train_documents"] + changed["val_documents"] == 31
+
+
+def test_a_failure_midway_leaves_no_shard_behind(tmp_path, bpe):
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": d}) for d in _corpus(50)] + ['{"oops": 1}']
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(FrawdError, match=r"d\.jsonl:51: no field 'text'"):
+        prepare_shards(str(path), bpe, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_char_tokenizer_counts_unknown_characters(tmp_path):
+    tok = train_tokenizer(["abc "], "char")
+    src = tmp_path / "c.txt"
+    src.write_text("abc xyz cab\n\nzz", encoding="utf-8")
+    meta = prepare_shards(str(src), tok, tmp_path / "out", val_fraction=0.0)
+    tokens = read_shard(tmp_path / "out" / "train.bin")
+    assert meta["unk_tokens"] == 5 == int((tokens == UNK_ID).sum())
+    assert any("5 character(s)" in w and "<|unk|>" in w for w in meta["warnings"])
+
+
+def test_tiny_shakespeare_becomes_char_level_shards_with_65_characters(tmp_path, shared_data):
+    path = shared_data / "tinyshakespeare.txt"
+    text = path.read_text(encoding="utf-8")
+    tok = train_tokenizer(iter_documents(str(path)), "char")
+    assert tok.vocab_size == 65 + 7
+    assert len(set(text)) == 65
+    meta = prepare_shards(str(path), tok, tmp_path / "out", val_fraction=0.1)
+    train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
+    docs = list(iter_documents(str(path)))
+    n_chars = sum(len(d) for d in docs)
+    assert len(train) + len(val) == n_chars + len(docs)  # one token per character, one <|eos|> per speech
+    assert 0.07 < len(val) / (len(train) + len(val)) < 0.13
+    assert meta["unk_tokens"] == 0 and meta["vocab_size"] == 72
+    decoded = tok.decode(read_shard(tmp_path / "out" / "train.bin")[:2000])
+    assert decoded.split("<|eos|>")[0] in docs
+
+
+def test_cli_prepare_writes_train_val_and_meta(tmp_path, bpe):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import cli
+
+    src = _write_corpus(tmp_path / "c.txt", _corpus(100))
+    bpe.save(tmp_path / "tok.json")
+    out = tmp_path / "shards"
+    args = ["data", "prepare", "--data", str(src), "--tokenizer", str(tmp_path / "tok.json"), "--out", str(out),
+            "--val-fraction", "0.1", "--workers", "2"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "meta.json").read_text())
+    assert {"train_tokens", "val_tokens", "dtype", "bytes_per_token", "tokenizer_hash"} <= set(meta)
+    assert len(read_shard(out / "train.bin")) == meta["train_tokens"] > 0
+    assert len(read_shard(out / "val.bin")) == meta["val_tokens"] > 0
+    assert "reusing" in CliRunner().invoke(cli, args).output
+
+
+def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(3))
+    proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", "data", "prepare",
+                           "--data", str(src), "--tokenizer", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"frawd: error: tokenizer not found: {tmp_path / 'none.json'}"
