@@ -1,0 +1,111 @@
+"""Loaders: windows are true slices shifted by one, seeded, exactly resumable, split by
+rank, and the validation pass covers every non-overlapping window once."""
+
+import numpy as np
+import pytest
+import torch
+
+from frawdllm.data import RandomWindowLoader, SequentialLoader, read_shard, write_shard
+from frawdllm.errors import FrawdError
+
+N = 1000
+
+
+@pytest.fixture
+def tokens() -> np.ndarray:
+    return np.arange(N, dtype=np.uint32)  # token i == position i, so windows show where they start
+
+
+def test_random_windows_are_contiguous_slices_with_targets_shifted_by_one(tokens):
+    x, y = RandomWindowLoader(tokens, batch_size=8, context_length=16, seed=3).next_batch()
+    assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
+    starts = x[:, 0]
+    assert torch.equal(x, starts[:, None] + torch.arange(16))
+    assert torch.equal(y, x + 1)
+
+
+def test_random_windows_reach_every_start_including_the_last(tokens):
+    small = tokens[:20]
+    loader = RandomWindowLoader(small, batch_size=64, context_length=5, seed=0)
+    starts = set()
+    for _ in range(20):
+        x, _ = loader.next_batch()
+        starts.update(x[:, 0].tolist())
+    assert starts == set(range(20 - 5))  # the last window ends exactly at the last token
+
+
+def test_same_seed_same_batches_other_seed_other_batches(tokens):
+    a = RandomWindowLoader(tokens, 4, 8, seed=1)
+    b = RandomWindowLoader(tokens, 4, 8, seed=1)
+    c = RandomWindowLoader(tokens, 4, 8, seed=2)
+    batches_a = [a.next_batch()[0] for _ in range(3)]
+    assert all(torch.equal(p, b.next_batch()[0]) for p in batches_a)
+    assert not all(torch.equal(p, c.next_batch()[0]) for p in batches_a)
+    assert not torch.equal(batches_a[0], batches_a[1])
+
+
+def test_resume_from_state_dict_equals_an_uninterrupted_run(tokens):
+    straight = RandomWindowLoader(tokens, 4, 8, seed=7)
+    expected = [straight.next_batch() for _ in range(10)]
+    first = RandomWindowLoader(tokens, 4, 8, seed=7)
+    for _ in range(6):
+        first.next_batch()
+    state = first.state_dict()
+    assert state == {"seed": 7, "step": 6}
+    resumed = RandomWindowLoader(tokens, 4, 8, seed=0)
+    resumed.load_state_dict(state)
+    for x_exp, y_exp in expected[6:]:
+        x, y = resumed.next_batch()
+        assert torch.equal(x, x_exp) and torch.equal(y, y_exp)
+    with pytest.raises(FrawdError, match="keys seed and step"):
+        resumed.load_state_dict({"step": 1})
+
+
+def test_ranks_together_see_the_single_process_global_batch(tokens):
+    single = RandomWindowLoader(tokens, batch_size=6, context_length=8, seed=5)
+    ranks = [RandomWindowLoader(tokens, batch_size=3, context_length=8, seed=5, rank=r, world_size=2)
+             for r in range(2)]
+    for _ in range(3):
+        x_all, _ = single.next_batch()
+        parts = [loader.next_batch()[0] for loader in ranks]
+        assert torch.equal(torch.cat(parts), x_all)
+    assert not torch.equal(parts[0], parts[1])
+
+
+def test_sequential_pass_covers_non_overlapping_windows_in_order(tokens):
+    loader = SequentialLoader(tokens, batch_size=4, context_length=64)
+    xs, ys = zip(*loader)
+    x, y = torch.cat(xs), torch.cat(ys)
+    n_windows = (N - 1) // 64
+    assert x.shape == (n_windows, 64) and len(loader) == len(xs) == -(-n_windows // 4)
+    assert torch.equal(x[:, 0], torch.arange(n_windows) * 64)
+    assert torch.equal(x, x[:, :1] + torch.arange(64)) and torch.equal(y, x + 1)
+    assert xs[-1].shape[0] == n_windows - 4 * (len(xs) - 1)  # a short last batch, nothing dropped
+    again = torch.cat([b[0] for b in loader])
+    assert torch.equal(again, x)
+
+
+def test_sequential_max_batches_and_rank_split(tokens):
+    assert len(list(SequentialLoader(tokens, 2, 10, max_batches=3))) == 3
+    whole = torch.cat([b[0] for b in SequentialLoader(tokens, 5, 10)])
+    parts = [torch.cat([b[0] for b in SequentialLoader(tokens, 5, 10, rank=r, world_size=3)]) for r in range(3)]
+    assert sorted(torch.cat(parts)[:, 0].tolist()) == whole[:, 0].tolist()
+    assert torch.equal(parts[1], whole[1::3])
+
+
+def test_loaders_read_a_memory_mapped_uint16_shard(tmp_path):
+    write_shard(tmp_path / "s.bin", np.arange(300) % 250, vocab_size=250)
+    shard = read_shard(tmp_path / "s.bin")
+    assert isinstance(shard, np.memmap) and shard.dtype == np.uint16
+    x, y = RandomWindowLoader(shard, 2, 10, seed=0).next_batch()
+    assert x.dtype == torch.int64 and torch.equal(y[:, :-1], x[:, 1:])
+    assert sum(b[0].shape[0] for b in SequentialLoader(shard, 8, 10)) == 29
+
+
+def test_too_few_tokens_or_bad_rank_is_a_clear_error(tokens):
+    with pytest.raises(FrawdError, match="only 10 tokens; a window of context_length 10 needs 11"):
+        RandomWindowLoader(tokens[:10], 2, 10)
+    with pytest.raises(FrawdError, match="only 5 tokens"):
+        SequentialLoader(tokens[:5], 2, 8)
+    with pytest.raises(FrawdError, match="rank 2 is outside world_size 2"):
+        RandomWindowLoader(tokens, 2, 8, rank=2, world_size=2)
