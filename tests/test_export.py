@@ -104,6 +104,21 @@ def test_transformers_greedy_generate_yields_our_greedy_tokens(tmp_path, tokeniz
     assert len(ours) > len(prompt) + 5  # it really generated
 
 
+@pytest.mark.parametrize("variant", ["gpt2-untied", "llama-mqa-untied"])
+def test_transformers_greedy_generate_yields_our_engine_tokens(tmp_path, tokenizer, variant):
+    infer = pytest.importorskip("frawdllm.infer")  # the KV-cache engine of the inference issue
+    model, model_dir = make_model_dir(tmp_path, tokenizer, variant)
+    export(model_dir, tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = tokenizer.encode("JULIET: O Romeo")
+    n_new = SMALL["context_length"] - len(prompt)
+    done = infer.Engine(model, tokenizer).generate([prompt], infer.SamplingParams(temperature=0.0, max_new_tokens=n_new))
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False)
+    assert theirs[0].tolist() == prompt + done[0].tokens
+    assert len(done[0].tokens) > 5
+
+
 @pytest.mark.parametrize("kind", ["bpe", "char", "byte"])
 def test_exported_tokenizer_encodes_and_decodes_like_ours(tmp_path, tokenizer, kind):
     if kind == "char":  # characters never seen (é, 猫, 🦙) are <|unk|> on both sides
