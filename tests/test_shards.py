@@ -77,7 +77,7 @@ def test_shards_hold_each_document_tokenized_directly_then_eos_split_by_document
 def test_split_and_contents_do_not_depend_on_batching(tmp_path, bpe, monkeypatch):
     src = _write_corpus(tmp_path / "c.txt", _corpus(200))
     prepare_shards(str(src), bpe, tmp_path / "a", val_fraction=0.1)
-    monkeypatch.setattr(shards_module, "BATCH_CHARS_PER_THREAD", 50)  # many tiny batches
+    monkeypatch.setattr(shards_module, "BATCH_CHARS", 50)  # many tiny batches
     prepare_shards(str(src), bpe, tmp_path / "b", val_fraction=0.1)
     for name in ("train.bin", "val.bin"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

@@ -2,14 +2,14 @@
 
 Three stages overlap, so the cores stay busy with tokenization:
 
-    reader thread   documents from the source, grouped into batches of ~1 MB per core;
+    reader thread   documents from the source, grouped into batches of ~1 M characters;
                     each document goes to val or train by a hash of its text (so the
                     split is deterministic, and duplicates never straddle it); long
                     documents are cut into pieces at points where the tokenizer's
                     pre-tokenizer always has a boundary, so one huge file cannot keep
                     the other cores waiting
-    encoder thread  `encode_batch_fast` of the `tokenizers` library: Rust threads,
-                    GIL released
+    encode threads  `encode_batch_fast` of the `tokenizers` library on a few batches at
+                    once (Rust threads on all cores, GIL released)
     main thread     ids -> one numpy array per split (documents separated by <|eos|>),
                     appended to the shard files; progress bar in MB/s
 
@@ -40,11 +40,12 @@ from ..errors import FrawdError
 from ..io import atomic_path, write_json_atomic
 from ..tokenizer import EOS_ID, UNK_ID, Tokenizer
 from .shard_format import HEADER_BYTES, VERSION, ShardWriter, read_header
-from .sources import SourceStats, iter_documents, resolve_files, stdlib_files
+from .sources import SourceStats, iter_documents, source_files
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
 PIECE_CHARS = 16_384  # long documents are encoded in pieces of about this many characters
-BATCH_CHARS_PER_THREAD = 1 << 20
+BATCH_CHARS = 1 << 20  # characters per encode_batch call
+ENCODES_IN_FLIGHT = 3  # concurrent encode_batch calls: one's straggling pieces overlap the next's work
 
 
 @dataclass
@@ -81,9 +82,7 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
 
     stats = SourceStats()
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
-    threads = workers or os.cpu_count() or 1
-    splitter = _piece_splitter(tok)
-    batches = _batches(documents, val_fraction, splitter, BATCH_CHARS_PER_THREAD * threads)
+    batches = _batches(documents, val_fraction, _piece_splitter(tok), BATCH_CHARS)
 
     start = time.perf_counter()
     bar = _progress_bar(progress, _source_bytes(data))
@@ -94,7 +93,7 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
         with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp, \
                 open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
             writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
-            for batch, encodings in _encode_ahead(_prefetch(batches), tok):
+            for batch, encodings in _encode_ahead(_prefetch(batches, depth=ENCODES_IN_FLIGHT + 1), tok):
                 for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
                     writers[split].write(tokens)
                     totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
@@ -162,10 +161,9 @@ def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str
     tokenizer's content and the options. hf: sources are identified by name only."""
     h = hashlib.sha256()
     h.update(json.dumps([VERSION, data, tok.fingerprint, val_fraction, text_field, doc_split]).encode())
-    if not data.startswith("hf:"):
-        for path in stdlib_files() if data == "stdlib" else resolve_files(data):
-            st = path.stat()
-            h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for path in source_files(data) or []:
+        st = path.stat()
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 
@@ -275,13 +273,14 @@ def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
 
 
 def _encode_ahead(batches: Iterator[_Batch], tok: Tokenizer) -> Iterator[tuple[_Batch, list]]:
-    """Encode batch k+1 on the Rust thread pool while the caller writes batch k."""
+    """Encode several batches at once on the Rust thread pool while the caller writes
+    earlier ones; results come back in order."""
     encode = tok._plain.encode_batch_fast
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="frawd-encode") as pool:
+    with ThreadPoolExecutor(max_workers=ENCODES_IN_FLIGHT, thread_name_prefix="frawd-encode") as pool:
         pending: deque = deque()
         for batch in batches:
             pending.append((batch, pool.submit(encode, batch.pieces, add_special_tokens=False)))
-            if len(pending) > 1:
+            if len(pending) >= ENCODES_IN_FLIGHT:
                 done_batch, future = pending.popleft()
                 yield done_batch, future.result()
         while pending:
@@ -325,10 +324,8 @@ def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals
 
 def _source_bytes(data: str) -> int | None:
     """Total size of a plain-file source (the progress bar's 100%), else None."""
-    if data.startswith("hf:"):
-        return None
-    files = stdlib_files() if data == "stdlib" else resolve_files(data)
-    if any(p.name.lower().endswith((".gz", ".parquet")) for p in files):
+    files = source_files(data)
+    if files is None or any(p.name.lower().endswith((".gz", ".parquet")) for p in files):
         return None
     return sum(p.stat().st_size for p in files)
 

@@ -19,10 +19,12 @@ line without the field is a `FrawdError` naming the file and line.
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
 import gzip
 import io
 import json
+import os
 import re
 import sysconfig
 import threading
@@ -87,7 +89,7 @@ def iter_documents(spec: str, text_field: str = "text", doc_split: str = "blank"
     if spec.startswith("hf:"):
         documents = _hf_documents(spec, text_field, stats)
     else:
-        files = stdlib_files() if spec == "stdlib" else resolve_files(spec)
+        files = source_files(spec)
         split = "file" if spec == "stdlib" else doc_split
         documents = _file_documents(files, text_field, split, stats)
     return _counted(documents, spec, stats)
@@ -103,11 +105,26 @@ def _counted(documents: Iterator[str], spec: str, stats: SourceStats) -> Iterato
 
 # ---- resolving a spec to files -----------------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[Path, ...]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in STDLIB_SKIP_DIRS]  # prune: never walk into tests or site-packages
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
 def stdlib_files() -> list[Path]:
     """The standard library's .py files without its tests, sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not STDLIB_SKIP_DIRS & set(p.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return list(_stdlib_files())
+
+
+def source_files(spec: str) -> list[Path] | None:
+    """The files a spec reads, in reading order; None for hf: datasets."""
+    if spec.startswith("hf:"):
+        return None
+    return stdlib_files() if spec == "stdlib" else resolve_files(spec)
 
 
 def resolve_files(spec: str) -> list[Path]:
