@@ -6,6 +6,7 @@ On the stdlib corpus (default) with an 8192-token byte-level BPE trained here:
   cores (the practical limit of tokenization alone);
 - prepare: `prepare_shards` (the code `frawd data prepare` runs) end to end: listing and
   reading the files, hashing the inputs, tokenizing, writing train.bin/val.bin/meta.json;
+- bare_fast: `encode_batch_fast` (no character offsets; what prepare calls), for reference;
 - cli: the `frawd data prepare` command in a fresh process (adds interpreter start-up
   and imports; reported, not part of the ratio).
 
@@ -55,11 +56,14 @@ def main() -> None:
         tok.save(tok_path)
         bare_backend = tok.backend  # the plain tokenizers.Tokenizer
         bare_backend.encode_batch(docs[:50], add_special_tokens=False)  # start the thread pool
-        bare, prep = [], []
+        bare, bare_fast, prep = [], [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
             bare_backend.encode_batch(docs, add_special_tokens=False)
             bare.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            bare_backend.encode_batch_fast(docs, add_special_tokens=False)
+            bare_fast.append(time.perf_counter() - start)
             start = time.perf_counter()
             meta = prepare_shards(args.data, str(tok_path), Path(work) / "shards", force=True)
             prep.append(time.perf_counter() - start)
@@ -69,15 +73,18 @@ def main() -> None:
                         "--force"], check=True, capture_output=True)
         cli_seconds = time.perf_counter() - start
 
-    bare_s, prep_s = statistics.median(bare), statistics.median(prep)
+    bare_s, fast_s, prep_s = statistics.median(bare), statistics.median(bare_fast), statistics.median(prep)
     print(f"train_tokens={meta['train_tokens']}")
     print(f"val_tokens={meta['val_tokens']}")
     print(f"bare_encode_batch_seconds={bare_s:.3f}")
     print(f"bare_encode_batch_mb_per_s={text_mb / bare_s:.3f}")
+    print(f"bare_encode_batch_fast_seconds={fast_s:.3f}")
+    print(f"bare_encode_batch_fast_mb_per_s={text_mb / fast_s:.3f}")
     print(f"prepare_seconds={prep_s:.3f}")
     print(f"prepare_mb_per_s={text_mb / prep_s:.3f}")
     print(f"cli_prepare_wall_seconds={cli_seconds:.3f}")
     print(f"cli_prepare_mb_per_s={text_mb / cli_seconds:.3f}")
+    print(f"prepare_vs_bare_fast_ratio={fast_s / prep_s:.3f}")
     print(f"prepare_vs_bare_ratio={bare_s / prep_s:.3f}")
 
 
