@@ -42,8 +42,8 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
 
     Nothing is written at --out unless the whole export succeeds.
     """
-    require("transformers")
     if fmt == "hf":
+        require("transformers")
         from ..export.hf_dir import export_hf
 
         arch = export_hf(model_dir, out, dtype=dtype, overwrite=overwrite)
