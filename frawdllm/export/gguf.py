@@ -40,7 +40,7 @@ GGUF_FILE = "model.gguf"
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def interleave_rope_rows(weight: Float[Tensor, "rows *in"], n_heads: int) -> Float[Tensor, "rows *in"]:
+def interleave_rope_rows(weight: Float[Tensor, "rows *rest"], n_heads: int) -> Float[Tensor, "rows *rest"]:
     """Rows of q or k (weight or bias) from the rotate-half layout to llama.cpp's
     neighbour-pairs layout: per head, row i -> 2i and row i + hd/2 -> 2i + 1."""
     half = weight.shape[0] // n_heads // 2
