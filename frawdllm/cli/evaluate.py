@@ -1,0 +1,88 @@
+"""`frawd eval`: loss, perplexity and bits per byte of a model on held-out data."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+
+from .data import data_source_options
+
+
+@click.command("eval")
+@click.option("--model", "model_dir", required=True, metavar="DIR", help="A model directory (with tokenizer.json).")
+@data_source_options
+@click.option("--split", type=click.Choice(["val", "train"]), default="val", show_default=True,
+              help="Which split of the data to evaluate on.")
+@click.option("--val-fraction", type=float, default=0.005, show_default=True,
+              help="Raw sources: share held out as the val split (use the value the model was trained with).")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Windows per batch.")
+@click.option("--context-length", type=int, default=None, help="Window length [default: the model's context].")
+@click.option("--max-batches", type=int, default=None, help="Evaluate only the first N batches.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Autocast precision.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, mps.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of key: value lines.")
+def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: str, val_fraction: float,
+             batch_size: int, context_length: int | None, max_batches: int | None, dtype: str, device: str,
+             as_json: bool) -> None:
+    """Evaluate --model on a held-out split of --data: loss, perplexity, bits per byte.
+
+    --data is a raw source (tokenized here with the model's tokenizer; its val split is
+    chosen as in `frawd data prepare`, by --val-fraction and --doc-split) or a folder of
+    prepared shards. Every non-overlapping window of the split is scored. Bits per byte
+    divide the loss by the shard's UTF-8 bytes per token, so they compare across
+    tokenizers.
+
+    \b
+    Example:
+      frawd eval --model runs/shakespeare/model --data ../shared/data/tinyshakespeare.txt \\
+                 --doc-split file --val-fraction 0.1
+    """
+    from ..data import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards, read_shard
+    from ..errors import FrawdError
+    from ..modeldir import TOKENIZER_FILE, load_model
+    from ..tokenizer import Tokenizer
+    from ..train.device import autocast, pick_device
+    from ..train.evaluate import lm_loss, lm_metrics
+    from ..train.pretrain import is_shard_dir
+
+    tok_path = Path(model_dir) / TOKENIZER_FILE
+    dev = pick_device(device)
+    model = load_model(model_dir, device=dev).eval()
+    if not tok_path.is_file():
+        raise FrawdError(f"{model_dir} has no {TOKENIZER_FILE}; evaluation needs the model's tokenizer")
+    tok = Tokenizer.load(tok_path)
+    context = context_length or model.config.context_length
+    if not 1 <= context <= model.config.context_length:
+        raise FrawdError(f"--context-length must be in 1..{model.config.context_length}, got {context}")
+    with tempfile.TemporaryDirectory(prefix="frawd-eval-") as tmp:
+        if is_shard_dir(data):
+            shard_dir = Path(data)
+            meta = json.loads((shard_dir / META_FILE).read_text(encoding="utf-8"))
+            if meta.get("tokenizer_hash") not in (None, tok.fingerprint):
+                raise FrawdError(f"the shards in {data} were made with another tokenizer than {model_dir}'s")
+        else:
+            shard_dir = Path(tmp)
+            meta = prepare_shards(data, tok, shard_dir, val_fraction=val_fraction, text_field=text_field,
+                                  doc_split=doc_split, progress=True)
+        tokens = read_shard(shard_dir / (VAL_FILE if split == "val" else TRAIN_FILE))
+        if len(tokens) <= context:
+            raise FrawdError(f"the {split} split has {len(tokens)} tokens, too few for one window of {context}; "
+                             "use more data, a larger --val-fraction or a shorter --context-length")
+        with autocast(dev, dtype):
+            loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=True)
+    bytes_per_token = meta.get(f"{split}_bytes_per_token") if split == "val" else None
+    bytes_per_token = bytes_per_token or meta.get("bytes_per_token")
+    metrics = {**lm_metrics(loss, bytes_per_token), "tokens": count, "bytes_per_token": bytes_per_token,
+               "split": split}
+    if as_json:
+        click.echo(json.dumps(metrics))
+    else:
+        for key in ("loss", "ppl", "bpb", "tokens", "bytes_per_token", "split"):
+            if metrics.get(key) is not None:
+                value = metrics[key]
+                click.echo(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
+

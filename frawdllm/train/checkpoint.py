@@ -1,0 +1,110 @@
+"""Checkpoints: a model directory plus the training state, written so a kill never hurts.
+
+    OUT/checkpoints/step_00001000/
+        model/      a model directory (config.json, model.safetensors, tokenizer.json):
+                    usable by every command as it is
+        state.pt    optimizer moments, schedule, step/token/time counters, RNG states,
+                    data loader position: tensors and plain values only, read back with
+                    `torch.load(weights_only=True)` (never unpickled code)
+
+A checkpoint is built in a hidden temporary folder and renamed into place when complete
+(`io.atomic_dir`), so a kill at any moment leaves the earlier checkpoints intact and at
+worst a stray temporary folder, which is ignored and cleaned up at the next start. Only
+folders named step_N holding both parts count as checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from ..errors import FrawdError
+from ..io import atomic_dir
+from ..modeldir import CONFIG_FILE, WEIGHTS_FILE
+
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "state.pt"
+MODEL_SUBDIR = "model"
+_NAME = re.compile(r"step_(\d+)")
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:08d}"
+
+
+def save_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], object], state: dict) -> Path:
+    """Write checkpoint `step` atomically: `save_model(dir)` writes the model directory."""
+    path = checkpoint_path(run_dir, step)
+    with atomic_dir(path, overwrite=True) as tmp:
+        save_model(tmp / MODEL_SUBDIR)
+        torch.save(state, tmp / STATE_FILE)
+    return path
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            match = _NAME.fullmatch(path.name)
+            if match and (path / STATE_FILE).is_file() and (path / MODEL_SUBDIR / WEIGHTS_FILE).is_file() \
+                    and (path / MODEL_SUBDIR / CONFIG_FILE).is_file():
+                found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Delete temporary folders left by a checkpoint write that was killed."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if root.is_dir():
+        for path in root.glob(".step_*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:
+    """Keep the newest `keep_last` checkpoints and those of `keep_steps` (the best)."""
+    found = list_checkpoints(run_dir)
+    for step, path in found[:-keep_last] if keep_last else found:
+        if step not in keep_steps:
+            shutil.rmtree(path)
+
+
+def load_state(path: Path) -> dict:
+    file = Path(path) / STATE_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise FrawdError(f"{file}: cannot read the training state ({str(exc).splitlines()[0]})") from None
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Load a model directory's weights into `model` in place (its config must match)."""
+    file = Path(model_dir) / WEIGHTS_FILE
+    try:
+        state = load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise FrawdError(f"{file}: not a readable safetensors file ({exc})") from None
+    expected = model.state_dict()
+    # A tied head is stored once (as the embedding); it comes back through the shared tensor.
+    tied = {name for name, t in expected.items()
+            if any(t.data_ptr() == u.data_ptr() and other != name for other, u in expected.items())}
+    missing = set(expected) - set(state) - tied
+    unexpected = set(state) - set(expected)
+    bad_shape = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
+    if missing or unexpected or bad_shape:
+        raise FrawdError(f"{file}: weights do not fit this model (missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}, wrong shape {sorted(bad_shape)[:3]})")
+    model.load_state_dict(state, strict=False)

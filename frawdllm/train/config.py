@@ -1,0 +1,254 @@
+"""Training configuration: one dataclass per job, every field a CLI flag and a YAML key.
+
+`TrainConfig` holds what the shared loop needs (optimizer, schedule, budget, dtype,
+checkpoints, logging). A job extends it: `PretrainConfig` adds the model (a preset plus
+field overrides) and the data. SFT, DPO and seq2seq add their own fields the same way.
+
+A run is described by layers, later ones winning:
+
+    dataclass defaults  <  YAML file (--config FILE)  <  command-line flags
+
+and the run directory's `config.yaml` is the merged result, loadable with `--config`.
+Values are validated once, here; the loop trusts them.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with the help text its CLI flag shows."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(h|m|s)?", re.IGNORECASE)
+_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, None: 1.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds in "90", "100s", "5m", "1.5h" or "1h30m"."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        value = str(text).strip().replace(" ", "")
+        pos, seconds = 0, 0.0
+        for match in _DURATION.finditer(value):
+            if match.start() != pos:
+                break
+            seconds += float(match.group(1)) * _SECONDS[(match.group(2) or "s").lower()]
+            pos = match.end()
+        if not value or pos != len(value):
+            raise ConfigError(f"cannot read {text!r} as a duration; use e.g. 90, 100s, 5m, 1h30m")
+    if seconds <= 0:
+        raise ConfigError(f"a duration must be positive, got {text!r}")
+    return seconds
+
+
+@dataclass
+class TrainConfig:
+    """Settings of the shared training loop."""
+
+    out: str = option("runs/pretrain", "Run directory: config, metrics, checkpoints, the best model.")
+    resume: bool = option(False, "Continue the run in --out from its latest checkpoint.")
+    overwrite: bool = option(False, "Start over in an --out that already holds a run (deletes it).")
+    seed: int = option(1337, "Seed of the weights' initialisation, dropout and data order.")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps.")
+    dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = bf16 where the hardware has it.")
+    compile: bool = option(False, "torch.compile the model (a warm-up of tens of seconds on CPU).")
+    # batch and budget
+    batch_size: int = option(16, "Sequences per micro-batch.")
+    grad_accum: int = option(1, "Micro-batches per optimizer step.")
+    max_steps: int | None = option(None, "Stop after this many optimizer steps.")
+    max_tokens: int | None = option(None, "Stop after this many training tokens.")
+    max_time: str | None = option(None, "Stop after this much time, e.g. 100s, 5m, 1h30m (evals included).")
+    # optimizer
+    lr: float = option(3e-4, "Peak learning rate.")
+    min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak.")
+    schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant.")
+    warmup_steps: int = option(100, "Steps of linear warmup from 0 to the peak.")
+    decay_fraction: float = option(0.2, "wsd: the final fraction of the run spent decaying.")
+    weight_decay: float = option(0.1, "AdamW weight decay, applied to matrices only.")
+    decay_embeddings: bool = option(False, "Also apply weight decay to the embedding matrices.")
+    beta1: float = option(0.9, "AdamW beta1.")
+    beta2: float = option(0.95, "AdamW beta2.")
+    grad_clip: float = option(1.0, "Clip the gradients' global norm to this (0 = off).")
+    # evaluation, checkpoints, logging
+    eval_interval: int = option(250, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
+    eval_batches: int = option(20, "Validation batches per evaluation.")
+    keep_last: int = option(2, "Checkpoints to keep (the best one by val loss is kept too).")
+    log_interval: int = option(10, "Write a metrics line every this many steps.")
+    sample_tokens: int = option(64, "Tokens to sample at each evaluation (0 = none).")
+    sample_prompt: str = option("", "Prompt of the samples written at each evaluation.")
+    max_bad_steps: int = option(5, "Stop after this many NaN/inf losses in a row.")
+    peak_tflops: float | None = option(None, "Peak TFLOP/s for MFU (default: measure a matmul at start).")
+    progress: bool = option(True, "Show a progress bar.")
+    tensorboard: bool = option(False, "Also log to TensorBoard (OUT/tensorboard).")
+    wandb: bool = option(False, "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise).")
+    wandb_project: str = option("frawdllm", "W&B project name.")
+
+    def __post_init__(self) -> None:
+        positive = ("batch_size", "grad_accum", "eval_batches", "keep_last", "log_interval", "max_bad_steps")
+        for name in positive:
+            _require(name, getattr(self, name), lambda v: v >= 1, "a positive integer")
+        for name in ("max_steps", "max_tokens"):
+            _require(name, getattr(self, name), lambda v: v is None or v >= 1, "a positive integer")
+        for name in ("warmup_steps", "eval_interval", "sample_tokens"):
+            _require(name, getattr(self, name), lambda v: v >= 0, "an integer >= 0")
+        _require("lr", self.lr, lambda v: v > 0, "positive")
+        _require("min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _require("decay_fraction", self.decay_fraction, lambda v: 0 < v <= 1, "in (0, 1]")
+        _require("weight_decay", self.weight_decay, lambda v: v >= 0, ">= 0")
+        _require("grad_clip", self.grad_clip, lambda v: v >= 0, ">= 0")
+        for name in ("beta1", "beta2"):
+            _require(name, getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
+        _require("peak_tflops", self.peak_tflops, lambda v: v is None or v > 0, "positive")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.max_time is not None:
+            self.max_time = str(self.max_time)
+            parse_duration(self.max_time)
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues a run and --overwrite deletes it; choose one")
+
+    @property
+    def max_time_s(self) -> float | None:
+        return None if self.max_time is None else parse_duration(self.max_time)
+
+    @property
+    def has_budget(self) -> bool:
+        return any(v is not None for v in (self.max_steps, self.max_tokens, self.max_time))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        return cls(**{k: _coerce(cls, k, v) for k, v in data.items()})
+
+
+@dataclass
+class PretrainConfig(TrainConfig):
+    """`frawd pretrain`: a model (preset + overrides) on a corpus."""
+
+    preset: str = option("tiny", "Model preset: tiny, small, base, 100m, tiny-llama, small-llama.")
+    model: dict = option({}, "ModelConfig field overrides (YAML mapping; on the command line --set F=V).")
+    data: str = option("stdlib", "Corpus (stdlib, file, folder, glob, .jsonl, .parquet, hf:NAME) "
+                                 "or a folder of prepared shards (train.bin, val.bin, meta.json).")
+    text_field: str = option("text", "JSONL field / Parquet column holding the text.")
+    doc_split: str = option("blank", "How text files split into documents: blank, line or file.")
+    tokenizer: str = option("bpe", "A tokenizer kind to train on --data (bpe, char, byte) "
+                                   "or the path of a tokenizer.json (or a folder holding one).")
+    vocab_size: int | None = option(None, "BPE vocabulary size to train (default: the preset's).")
+    val_fraction: float = option(0.005, "Share of the corpus held out for validation.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, dict):
+            raise ConfigError(f"model must be a mapping of ModelConfig fields, got {self.model!r}")
+        _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
+        _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
+
+
+def _require(name: str, value: Any, ok, what: str) -> None:
+    try:
+        good = ok(value)
+    except TypeError:
+        good = False
+    if not good:
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    """YAML reads `3e-4` as a string and `1` where a float is meant: fix such values."""
+    hint = typing.get_type_hints(cls)[name]
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None or any(isinstance(value, o) and not (o is int and isinstance(value, bool))
+                            for o in options if isinstance(o, type)):
+        return value
+    for target in (float, int):
+        if target in options and isinstance(value, (str, int)) and not isinstance(value, bool):
+            try:
+                return target(value)
+            except ValueError:
+                pass
+    if str in options and isinstance(value, (int, float)):
+        return str(value)
+    raise ConfigError(f"{name}: expected {hint}, got {value!r}")
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    out = {}
+    for f in fields(cls):
+        out[f.name] = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a mapping (FrawdError on a missing or malformed file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config fields at the top level")
+    return data
+
+
+def build_config(cls: type, config_file: str | Path | None = None, flags: dict[str, Any] | None = None,
+                 model_overrides: dict[str, Any] | None = None, saved_name: str = "config.yaml") -> Any:
+    """Merge defaults < the run's saved config (when resuming) < `config_file` < `flags`.
+
+    `flags` maps field names to values, None meaning "not given". `model_overrides`
+    (from --set) are merged key by key into the `model` mapping, if `cls` has one.
+    """
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    from_file = load_yaml(config_file) if config_file else {}
+    out = flags.get("out", from_file.get("out", field_defaults(cls).get("out")))
+    resume = flags.get("resume", from_file.get("resume", False))
+    saved = load_yaml(Path(out) / saved_name) if resume and out and (Path(out) / saved_name).is_file() else {}
+    merged = {**saved, **from_file, **flags}
+    if "model" in {f.name for f in fields(cls)}:
+        layers = (saved.get("model"), from_file.get("model"), model_overrides)
+        for layer in layers:
+            if layer is not None and not isinstance(layer, dict):
+                raise ConfigError(f"model must be a mapping of ModelConfig fields, got {layer!r}")
+        merged["model"] = {k: v for layer in layers if layer for k, v in layer.items()}
+    elif model_overrides:
+        raise ConfigError(f"{cls.__name__} has no model fields to --set")
+    return cls.from_dict(merged)
+
+
+def dump_yaml(cfg: TrainConfig, header: str = "") -> str:
+    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    return header + body
+
+
+__all__ = ["TrainConfig", "PretrainConfig", "parse_duration", "load_yaml", "dump_yaml", "build_config", "option",
+           "field_defaults", "SCHEDULES", "DTYPES"]

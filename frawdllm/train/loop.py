@@ -1,0 +1,471 @@
+"""The training loop shared by pretraining, SFT, DPO and seq2seq.
+
+A job plugs in a `TrainTask`: where batches come from, how a batch becomes a loss, how
+to evaluate, what to sample, how to save the model. The `Trainer` owns everything else:
+
+    for each optimizer step, until --max-steps / --max-tokens / --max-time:
+        lr = schedule(step, progress)
+        grad_accum times: batch -> loss (autocast) -> backward
+        NaN/inf loss: skip the update (too many in a row: stop, checkpoints intact)
+        clip the gradients' global norm, AdamW step
+        every eval_interval steps (and at the end): evaluate, sample, checkpoint,
+        publish OUT/model if the validation loss is the best so far
+
+Resuming restores weights, optimizer moments, schedule, counters, RNG states and the
+task's data position, so an interrupted-and-resumed run computes exactly the losses of
+an uninterrupted one (bitwise in fp32 on CPU). SIGINT/SIGTERM finish the current step,
+save a checkpoint and return.
+
+Time is counted from the start of `fit` and includes torch.compile's warm-up,
+evaluations and checkpoints. The run stops early enough to leave time for its last
+evaluation and checkpoint (as long as the previous ones took).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import FrawdError
+from ..io import atomic_dir
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .device import (autocast, measure_matmul_flops, pick_device, resolve_dtype, rng_state,
+                     set_rng_state, synchronize)
+from .optim import build_optimizer
+from .rundir import BEST_MODEL_DIR, MetricsLog, append_samples, plot_losses, truncate_metrics
+from .schedule import LRSchedule
+
+STATE_VERSION = 1
+
+
+class TrainingDiverged(FrawdError):
+    """The loss was NaN/inf for too many steps in a row."""
+
+
+class TrainTask:
+    """What a training job plugs into the loop. Override `next_batch` and `loss`; the rest
+    has defaults. Batches are tensors or (nested) tuples/lists/dicts of tensors on the CPU;
+    the loop moves them to the device."""
+
+    flops_per_token: int | None = None  # training FLOPs per token, for MFU (None: no MFU)
+
+    def next_batch(self) -> Any:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Any) -> Tensor:
+        """The scalar loss of a batch already on the device (runs under autocast)."""
+        raise NotImplementedError
+
+    def batch_tokens(self, batch: Any) -> int:
+        """Tokens a batch counts for --max-tokens and tokens/s: its first tensor's size."""
+        first = batch
+        while isinstance(first, (tuple, list, dict)):
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        return int(first.numel())
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Validation metrics with at least `val_loss` (eval mode, no_grad, autocast); {} if none."""
+        return {}
+
+    def samples(self, model: nn.Module, device: torch.device) -> list[str]:
+        return []
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        model.save_pretrained(directory)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        if device.type == "cuda":
+            return batch.pin_memory().to(device, non_blocking=True)
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    elapsed_s: float
+    stop_reason: str  # max_steps | max_tokens | max_time | interrupted
+    last_loss: float | None
+    val_loss: float | None  # at the final evaluation
+    best_val_loss: float | None
+    best_step: int | None
+    tokens_per_s: float
+    mfu: float | None
+    checkpoint: Path | None
+    run_dir: Path
+
+    def summary(self) -> str:
+        parts = [f"{self.stop_reason}: {self.steps} steps, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s",
+                 f"{_si(self.tokens_per_s)} tok/s"]
+        if self.mfu is not None:
+            parts.append(f"MFU {100 * self.mfu:.1f}%")
+        if self.last_loss is not None:
+            parts.append(f"loss {self.last_loss:.4f}")
+        if self.val_loss is not None:
+            parts.append(f"val_loss {self.val_loss:.4f}")
+        if self.best_val_loss is not None:
+            parts.append(f"best val_loss {self.best_val_loss:.4f} at step {self.best_step}")
+        return "; ".join(parts) + f"; model in {self.run_dir / BEST_MODEL_DIR}"
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, task: TrainTask, cfg: TrainConfig, run_dir: str | Path | None = None,
+                 callbacks: list[Callable[["Trainer", dict], None]] | None = None,
+                 config_for_loggers: dict | None = None) -> None:
+        self.cfg, self.task = cfg, task
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.out)
+        self.callbacks = list(callbacks or [])
+        self.device = pick_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model = model.to(self.device)
+        self.step_model = torch.compile(model) if cfg.compile else model
+        self.optimizer = build_optimizer(model, cfg)
+        self.schedule = LRSchedule(cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # counters (saved in checkpoints)
+        self.step = 0
+        self.tokens = 0
+        self.elapsed_before = 0.0  # training time spent by earlier sessions of a resumed run
+        self.best_val_loss = math.inf
+        self.best_step: int | None = None
+        self.bad_steps = 0
+        # this session
+        self.stop_reason: str | None = None
+        self._signal: str | None = None
+        self._start = 0.0  # perf_counter at the start of this session's fit()
+        self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
+        self._reserve_s = 0.0  # time the final eval + checkpoint will take (the last one's)
+        self._step_s = 0.0  # time of the last step
+        self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
+        self._rate = 0.0  # tokens/s over that window
+        self._last_eval_step: int | None = None
+        self._last_checkpoint_step: int | None = None
+        self.last_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self.last_checkpoint: Path | None = None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_partial(self.run_dir)
+        if cfg.resume:
+            self._resume()
+        self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
+                                  config_for_loggers)
+        self.peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
+
+    # ---- the loop ---------------------------------------------------------------------
+    def request_stop(self, reason: str = "interrupted") -> None:
+        """Stop after the current step, with a checkpoint (signal handlers call this)."""
+        self._signal = reason
+
+    def fit(self) -> TrainResult:
+        cfg = self.cfg
+        if not cfg.has_budget:
+            raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+        if self.task.flops_per_token and self.peak_flops is None:
+            self.peak_flops = measure_matmul_flops(self.device, self.dtype)
+        self.model.train()
+        self._start = time.perf_counter()
+        self._window = (self._start, self.tokens)
+        self._session_step, self._session_tokens = self.step, self.tokens
+        self._session_progress = self.progress()
+        bar = _progress_bar(cfg.progress, self._session_progress)
+        restore = _install_signal_handlers(self)
+        try:
+            if self.step == 0 and cfg.eval_interval:
+                self._evaluate(save=False)  # the starting point, and the cost of an evaluation
+            while self.stop_reason is None:
+                record = self._train_step()
+                _bar_update(bar, self, record)
+                for callback in self.callbacks:
+                    callback(self, record)
+                self.stop_reason = self._check_stop()
+                # no checkpoint in the middle of a NaN streak: the last one stays the last good one
+                if self.stop_reason is None and cfg.eval_interval and self.step % cfg.eval_interval == 0 \
+                        and not self.bad_steps:
+                    self._evaluate(save=True)
+            if self.stop_reason == "interrupted":  # leave quickly: a checkpoint, no evaluation
+                if self._last_checkpoint_step != self.step:
+                    self._save_checkpoint()
+            elif self._last_eval_step != self.step or self._last_checkpoint_step != self.step:
+                self._evaluate(save=True)
+        finally:
+            restore()
+            if bar is not None:
+                bar.close()
+            self.metrics.close()
+        return self._result()
+
+    def _train_step(self) -> dict:
+        cfg = self.cfg
+        started = time.perf_counter()
+        lr = self.schedule(self.step, self.progress())
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        step_tokens = 0
+        for _ in range(cfg.grad_accum):
+            batch = to_device(self.task.next_batch(), self.device)
+            step_tokens += self.task.batch_tokens(batch)
+            with autocast(self.device, self.dtype):
+                loss = self.task.loss(self.step_model, batch)
+            self.scaler.scale(loss / cfg.grad_accum).backward()
+            total += loss.detach().float()
+        loss_value = float(total) / cfg.grad_accum
+        self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        # fp16 overflows are the scaler's business (it skips that step and lowers the scale).
+        finite = math.isfinite(loss_value) and (self.dtype == "fp16" or math.isfinite(grad_norm))
+        if finite:
+            self.scaler.step(self.optimizer)
+            self.bad_steps = 0
+        else:
+            self._bad_step(loss_value, grad_norm)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += step_tokens
+        self.last_loss = loss_value
+        record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        now = time.perf_counter()
+        self._step_s = now - started
+        since, tokens_then = self._window
+        self._rate = (self.tokens - tokens_then) / max(now - since, 1e-9)
+        if self.step % cfg.log_interval == 0:
+            record.update(self._speed(self._rate), elapsed_s=round(self.elapsed(), 3))
+            self.metrics.log(record)
+            self._window = (now, self.tokens)
+        return record
+
+    def _bad_step(self, loss_value: float, grad_norm: float) -> None:
+        self.bad_steps += 1
+        what = f"loss {loss_value}" if not math.isfinite(loss_value) else f"gradient norm {grad_norm}"
+        warnings.warn(f"step {self.step + 1}: {what}; update skipped ({self.bad_steps} in a row)", stacklevel=2)
+        if self.bad_steps >= self.cfg.max_bad_steps:
+            last = ckpt.latest_checkpoint(self.run_dir)
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+            raise TrainingDiverged(
+                f"the loss was NaN/inf for {self.bad_steps} steps in a row (up to step {self.step + 1}); "
+                f"stopped ({where}); try a lower --lr, --grad-clip or fp32")
+
+    def _speed(self, tokens_per_s: float) -> dict:
+        out = {"tokens_per_s": round(tokens_per_s, 1)}
+        if self.task.flops_per_token and self.peak_flops:
+            out["mfu"] = round(tokens_per_s * self.task.flops_per_token / self.peak_flops, 4)
+        return out
+
+    # ---- budget -------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.perf_counter() - self._start if self._start else 0.0)
+
+    def progress(self) -> float:
+        """Share of the budget used: the furthest along of steps, tokens and time."""
+        cfg, used = self.cfg, [0.0]
+        if cfg.max_steps:
+            used.append(self.step / cfg.max_steps)
+        if cfg.max_tokens:
+            used.append(self.tokens / cfg.max_tokens)
+        if cfg.max_time_s:
+            used.append(self.elapsed() / cfg.max_time_s)
+        return min(1.0, max(used))
+
+    def _check_stop(self) -> str | None:
+        cfg = self.cfg
+        if self._signal:
+            return self._signal
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            return "max_steps"
+        if cfg.max_tokens and self.tokens >= cfg.max_tokens:
+            return "max_tokens"
+        if cfg.max_time_s and self.elapsed() + self._final_eval_s() + self._step_s >= cfg.max_time_s:
+            return "max_time"
+        return None
+
+    def _final_eval_s(self) -> float:
+        """What the last evaluation and checkpoint will take: as long as the previous ones,
+        or before any, about a forward pass (a third of a step) per validation batch."""
+        if self._reserve_s:
+            return self._reserve_s
+        return self.cfg.eval_batches * self._step_s / self.cfg.grad_accum / 3
+
+    # ---- evaluation and checkpoints ----------------------------------------------------
+    def _evaluate(self, save: bool) -> None:
+        start = time.perf_counter()
+        self.model.eval()
+        try:
+            with torch.no_grad(), autocast(self.device, self.dtype):
+                results = self.task.evaluate(self.model, self.device)
+                samples = self.task.samples(self.model, self.device) if self.cfg.sample_tokens else []
+        finally:
+            self.model.train()
+            _contiguous_parameters(self.model)
+        self._last_eval_step = self.step
+        if results:
+            self.last_val_loss = results.get("val_loss")
+            self.metrics.log({"step": self.step, "tokens": self.tokens, **results,
+                              "elapsed_s": round(self.elapsed(), 3)})
+        if samples:
+            append_samples(self.run_dir, self.step, samples)
+        improved = self.last_val_loss is not None and self.last_val_loss < self.best_val_loss
+        if improved:
+            self.best_val_loss, self.best_step = self.last_val_loss, self.step
+        if improved or (not results and save):
+            self._publish_model()
+        if save:
+            self._save_checkpoint()
+        plot_losses(self.run_dir)
+        now = time.perf_counter()
+        self._reserve_s = now - start
+        self._window = (now, self.tokens)  # tokens/s measures training, not evaluation
+
+    def _publish_model(self) -> None:
+        with atomic_dir(self.run_dir / BEST_MODEL_DIR, overwrite=True) as tmp:
+            self.task.save_model(self.model, tmp)
+
+    def _save_checkpoint(self) -> None:
+        state = {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "tokens": self.tokens,
+            "elapsed_s": self.elapsed(),
+            "best_val_loss": self.best_val_loss,
+            "best_step": -1 if self.best_step is None else self.best_step,
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": rng_state(),
+            "task": self.task.state_dict(),
+        }
+        self.last_checkpoint = ckpt.save_checkpoint(self.run_dir, self.step,
+                                                    lambda d: self.task.save_model(self.model, d), state)
+        self._last_checkpoint_step = self.step
+        keep = {self.best_step} if self.best_step is not None else set()
+        ckpt.prune(self.run_dir, self.cfg.keep_last, keep)
+
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            raise FrawdError(f"{self.run_dir}: no checkpoint to resume from")
+        state = ckpt.load_state(path)
+        if state.get("version") != STATE_VERSION:
+            raise FrawdError(f"{path}: training state version {state.get('version')}; "
+                             f"this FrawdLLM reads version {STATE_VERSION}")
+        ckpt.load_weights(self.model, path / ckpt.MODEL_SUBDIR)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.task.load_state_dict(state["task"])
+        set_rng_state(state["rng"])
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.elapsed_before = state["elapsed_s"]
+        self.best_val_loss = state["best_val_loss"]
+        self.best_step = None if state["best_step"] < 0 else state["best_step"]
+        self.last_checkpoint = path
+        truncate_metrics(self.run_dir, self.step)
+
+    def _result(self) -> TrainResult:
+        elapsed = self.elapsed()
+        # the average over this session, warm-up and evaluations included
+        speed = self._speed((self.tokens - self._session_tokens) / max(elapsed - self.elapsed_before, 1e-9))
+        return TrainResult(
+            steps=self.step, tokens=self.tokens, elapsed_s=elapsed, stop_reason=self.stop_reason or "",
+            last_loss=self.last_loss, val_loss=self.last_val_loss,
+            best_val_loss=None if math.isinf(self.best_val_loss) else self.best_val_loss,
+            best_step=self.best_step, tokens_per_s=speed["tokens_per_s"], mfu=speed.get("mfu"),
+            checkpoint=self.last_checkpoint, run_dir=self.run_dir)
+
+
+def _contiguous_parameters(model: nn.Module) -> None:
+    """Undo layout changes made for inference (the Engine stores linear weights column-major
+    for fast decoding): training must see the same memory layout as a resumed run, or the
+    matmuls round differently and resuming is no longer exact."""
+    for param in model.parameters():
+        if not param.is_contiguous():
+            param.data = param.data.contiguous()
+
+
+# ---- progress bar and signals ---------------------------------------------------------------
+
+def _si(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _progress_bar(enabled: bool, progress: float):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=1000, bar_format="training {percentage:3.0f}%|{bar}| {desc}", dynamic_ncols=True)
+    bar.n = int(1000 * progress)
+    return bar
+
+
+def _bar_update(bar, trainer: Trainer, record: dict) -> None:
+    if bar is None:
+        return
+    progress, start = trainer.progress(), trainer._session_progress
+    speed = trainer._speed(trainer._rate)
+    session = trainer.elapsed() - trainer.elapsed_before
+    eta = session * (1 - progress) / (progress - start) if progress > start else math.inf
+    postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}", f"{_si(speed['tokens_per_s'])} tok/s"]
+    if "mfu" in speed:
+        postfix.append(f"MFU {100 * speed['mfu']:.0f}%")
+    postfix.append(f"ETA {_clock(eta)}")
+    bar.set_description_str(" | ".join(postfix), refresh=False)
+    bar.update(int(1000 * progress) - bar.n)  # redraws at most every bar.mininterval
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 \
+        else f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
+    """SIGINT/SIGTERM ask the trainer to stop after the current step (a second one kills)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame) -> None:
+        trainer.request_stop("interrupted")
+        for sig, old in previous.items():  # a second signal acts at once
+            signal.signal(sig, old)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore

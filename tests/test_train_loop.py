@@ -1,0 +1,273 @@
+"""The shared training loop: learning, exact resume, atomic checkpoints, NaN handling,
+the time budget, gradient accumulation and the run directory."""
+
+import collections
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.tokenizer import Tokenizer
+from frawdllm.train import PretrainConfig, Trainer, TrainingDiverged, TrainTask, run_pretraining
+from frawdllm.train.checkpoint import latest_checkpoint, list_checkpoints, load_state, load_weights
+from frawdllm.train.config import TrainConfig, load_yaml
+from frawdllm.train.rundir import read_metrics
+
+from conftest import ROOT
+
+TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "context_length": 32}
+
+
+@pytest.fixture
+def corpus(shared_data, tmp_path_factory):
+    """The first 200 kB of tiny shakespeare (a char tokenizer learns it in seconds)."""
+    path = tmp_path_factory.mktemp("corpus") / "shakespeare_head.txt"
+    path.write_text((shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    return path
+
+
+def tiny_config(corpus, out, **overrides) -> PretrainConfig:
+    values = dict(data=str(corpus), out=str(out), tokenizer="char", doc_split="file", val_fraction=0.1,
+                  model=dict(TINY_MODEL), batch_size=8, lr=3e-3, warmup_steps=5, max_steps=30, dtype="fp32",
+                  device="cpu", eval_interval=10, eval_batches=4, log_interval=1, sample_tokens=8,
+                  peak_tflops=1.0, progress=False)
+    values.update(overrides)
+    return PretrainConfig(**values)
+
+
+def train_losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def unigram_entropy(text: str) -> float:
+    """Cross-entropy (nats/char) of the best model that ignores context: character frequencies."""
+    counts = collections.Counter(text)
+    return -sum(c / len(text) * math.log(c / len(text)) for c in counts.values())
+
+
+def test_loss_decreases_on_tiny_shakespeare_in_seconds(corpus, tmp_path):
+    start = time.perf_counter()
+    result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=150, eval_interval=75,
+                                         batch_size=16, lr=1e-2))
+    assert time.perf_counter() - start < 60
+    evals = [r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert len(evals) == 3  # steps 0, 75, 150
+    assert evals[0] > math.log(50)  # about uniform over the ~60 characters at the start
+    # below what character frequencies alone give: the model uses the context
+    assert evals[-1] < unigram_entropy(corpus.read_text(encoding="utf-8")) - 0.2
+    assert result.steps == 150 and result.stop_reason == "max_steps" and result.tokens == 150 * 16 * 32
+
+
+def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path):
+    # dropout makes the torch RNG matter; the loader position and AdamW moments matter too
+    model = {**TINY_MODEL, "dropout": 0.1}
+    full = run_pretraining(tiny_config(corpus, tmp_path / "full", max_steps=12, model=model, eval_interval=4))
+
+    def stop_at_7(trainer, record):
+        if record["step"] == 7:
+            trainer.request_stop()
+
+    part = run_pretraining(tiny_config(corpus, tmp_path / "part", max_steps=12, model=model, eval_interval=4),
+                           callbacks=[stop_at_7])
+    assert part.stop_reason == "interrupted" and part.steps == 7
+    assert list_checkpoints(tmp_path / "part")[-1][0] == 7
+    resumed = run_pretraining(tiny_config(corpus, tmp_path / "part", max_steps=12, model=model, eval_interval=4,
+                                          resume=True))
+    assert resumed.steps == 12
+    assert train_losses(tmp_path / "part") == train_losses(tmp_path / "full")  # exact float equality
+    assert len(train_losses(tmp_path / "full")) == 12
+    a = FrawdLLM.from_pretrained(latest_checkpoint(tmp_path / "full") / "model").state_dict()
+    b = FrawdLLM.from_pretrained(latest_checkpoint(tmp_path / "part") / "model").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.best_val_loss == full.best_val_loss
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    from frawdllm.train import PretrainConfig, run_pretraining
+    from frawdllm.train import checkpoint
+
+    real_save = torch.save
+    saves = []
+
+    def dying_save(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:  # the second checkpoint: half-written, then killed
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, path, *args, **kwargs)
+
+    checkpoint.torch.save = dying_save
+    run_pretraining(PretrainConfig(**{config}))
+""")
+
+
+def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(corpus, tmp_path):
+    cfg = tiny_config(corpus, tmp_path / "run", max_steps=12, eval_interval=4)
+    script = KILL_SCRIPT.replace("{config}", repr(cfg.to_dict()))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    run = tmp_path / "run"
+    assert [step for step, _ in list_checkpoints(run)] == [4]  # the one written before the kill
+    leftovers = [p.name for p in (run / "checkpoints").iterdir()]
+    assert any(name.startswith(".step_00000008") for name in leftovers)  # the torn one, hidden
+    state = load_state(latest_checkpoint(run))
+    assert state["step"] == 4
+    model = FrawdLLM.from_pretrained(latest_checkpoint(run) / "model")
+    assert model.config.n_layer == 2
+    resumed = run_pretraining(tiny_config(corpus, run, max_steps=12, eval_interval=4, resume=True))
+    assert resumed.steps == 12
+    assert not any(p.name.startswith(".") for p in (run / "checkpoints").iterdir())  # cleaned up
+
+
+class ScriptedTask(TrainTask):
+    """A regression task whose loss is NaN at chosen steps (a generic TrainTask user)."""
+
+    def __init__(self, nan_steps):
+        self.nan_steps, self.calls = set(nan_steps), 0
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(16, 4, generator=gen)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 3.0, 0.5])
+
+    def next_batch(self):
+        return self.x, self.y
+
+    def loss(self, model, batch):
+        self.calls += 1
+        x, y = batch
+        loss = F.mse_loss(model(x).squeeze(-1), y)
+        return loss * float("nan") if self.calls in self.nan_steps else loss
+
+    def save_model(self, model, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+        save_file(model.state_dict(), str(directory / "model.safetensors"))
+        (directory / "config.json").write_text("{}")
+
+
+def generic_config(tmp_path, **overrides):
+    values = dict(out=str(tmp_path / "run"), device="cpu", dtype="fp32", lr=0.05, warmup_steps=0,
+                  max_steps=10, eval_interval=2, log_interval=1, progress=False, sample_tokens=0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_nan_loss_skips_the_update_with_a_warning(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    seen = {}
+
+    def snapshot(trainer, record):
+        seen[record["step"]] = model.weight.detach().clone()
+
+    trainer = Trainer(model, ScriptedTask(nan_steps={4}), generic_config(tmp_path), callbacks=[snapshot])
+    with pytest.warns(UserWarning, match="step 4: loss nan; update skipped"):
+        result = trainer.fit()
+    assert torch.equal(seen[3], seen[4])  # the NaN step changed nothing
+    assert not torch.equal(seen[4], seen[5])
+    assert result.steps == 10 and math.isfinite(result.last_loss)
+    assert torch.isfinite(model.weight).all()
+
+
+def test_many_nan_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, ScriptedTask(nan_steps=range(5, 100)), generic_config(tmp_path, max_bad_steps=3))
+    with pytest.warns(UserWarning), pytest.raises(TrainingDiverged, match="3 steps in a row.*step_00000004"):
+        trainer.fit()
+    state = load_state(latest_checkpoint(tmp_path / "run"))
+    assert state["step"] == 4
+    restored = torch.nn.Linear(4, 1)
+    load_weights(restored, latest_checkpoint(tmp_path / "run") / "model")
+    assert torch.isfinite(restored.weight).all()
+
+
+def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path):
+    budget = 4.0
+    cfg = tiny_config(corpus, tmp_path / "run", max_steps=None, max_time=f"{budget}s", eval_interval=0,
+                      eval_batches=20)
+    start_metrics = time.perf_counter()
+    result = run_pretraining(cfg)
+    wall = time.perf_counter() - start_metrics
+    assert result.stop_reason == "max_time"
+    assert result.elapsed_s <= budget + 0.5
+    assert result.steps > 5
+    assert wall < budget + 15  # data preparation and model set-up come on top
+    evals = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert evals and evals[-1]["elapsed_s"] <= budget + 0.5
+
+
+class LinearTask(ScriptedTask):
+    def __init__(self, batch_size):
+        super().__init__(nan_steps=())
+        self.batch_size, self.position = batch_size, 0
+
+    def next_batch(self):
+        rows = slice(self.position, self.position + self.batch_size)
+        self.position = (self.position + self.batch_size) % len(self.x)
+        return self.x[rows], self.y[rows]
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    def train(batch_size, accum):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        cfg = generic_config(tmp_path / f"{batch_size}x{accum}", max_steps=3, grad_accum=accum, eval_interval=0,
+                             grad_clip=0.0)
+        Trainer(model, LinearTask(batch_size), cfg).fit()
+        return model.weight.detach()
+
+    assert torch.allclose(train(16, 1), train(4, 4), atol=1e-6)
+    assert not torch.allclose(train(16, 1), train(4, 1), atol=1e-4)  # the test can tell them apart
+
+
+def test_run_directory_has_every_file(corpus, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(corpus, run, max_steps=30, eval_interval=5, keep_last=2)
+    result = run_pretraining(cfg)
+    names = {p.name for p in run.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "loss.png", "samples.txt", "checkpoints", "model",
+            "tokenizer.json", "data"} <= names
+    # config.yaml reproduces the run: the same config comes back
+    saved = PretrainConfig.from_dict(load_yaml(run / "config.yaml"))
+    assert saved == cfg
+    records = read_metrics(run)
+    train_lines = [r for r in records if "loss" in r]
+    assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s"} <= set(train_lines[0])
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 5, 10, 15, 20, 25, 30]
+    assert {"val_loss", "val_ppl", "val_bpb"} <= set(evals[0])
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "samples.txt").read_text().count("=== step") == 7
+    # the last two checkpoints and the best
+    best_step = min(evals, key=lambda r: r["val_loss"])["step"]
+    kept = {step for step, _ in list_checkpoints(run)}
+    assert kept == {25, 30} | {best_step}
+    assert result.best_step == best_step
+    # OUT/model is the best model, usable with its tokenizer
+    model = FrawdLLM.from_pretrained(run / "model")
+    best = FrawdLLM.from_pretrained(run / "checkpoints" / f"step_{best_step:08d}" / "model")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), best.state_dict().values()))
+    tok = Tokenizer.load(run / "model" / "tokenizer.json")
+    assert tok.decode(tok.encode("ROMEO:")) == "ROMEO:" and model.config.vocab_size == tok.vocab_size
+
+
+def test_existing_run_needs_resume_or_overwrite(corpus, tmp_path):
+    from frawdllm.errors import FrawdError
+
+    run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=0))
+    with pytest.raises(FrawdError, match="already holds a run"):
+        run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=0))
+    result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=3, eval_interval=0, overwrite=True))
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
+    assert result.steps == 3
