@@ -1,0 +1,123 @@
+"""KV cache: every layer's keys and values, preallocated once and written in place.
+
+Generation runs the prompt through the model once (prefill), then one token per step
+(decode). Without a cache each step would recompute keys and values for the whole
+sequence; with it a step computes them for the new token only and attends over the
+stored ones.
+
+Storage: per layer, (B, n_kv_head, max_len, head_dim) for keys and for values (separate
+tensors, so that a compiled step updates each in place without copying). A GQA model
+stores only its n_kv_head heads. Keys are stored after RoPE, so a cached key keeps the
+rotation of the position it was computed at.
+
+Slots are shared by the batch: a forward of T tokens writes slots [length, length + T) of
+every row. Prompts of different lengths are left-padded so they end at the same slot;
+`valid` marks the slots that hold real tokens and the attention mask keeps the padding
+out. Each row's absolute positions (what learned, sinusoidal and rotary encodings see)
+are the engine's business: position = slot - padding of that row.
+
+Two ways to run a decode step:
+
+- dynamic (eager): attend over the filled slots [0, length) only;
+- static (for `torch.compile`): the slot to write is a tensor and attention always spans
+  all max_len slots, future ones masked; every step has the same shapes, so one compiled
+  graph serves the whole generation.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from ..config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        static: bool = False,
+    ) -> None:
+        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # slot holds a real token
+        self.batch_size, self.max_len, self.static = batch_size, max_len, static
+        self.length = 0  # slots written so far
+        self.padded = False  # some row has padding slots
+        self._start = 0  # first slot of the current forward
+        self._mask: Tensor | None = None
+        self._slot = torch.zeros(1, dtype=torch.long, device=device)  # static mode: the slot being written
+        self._static_mask = self.valid[:, None, None, :]  # (B, 1, 1, max_len), a view: follows `valid`
+
+    def reset(self) -> None:
+        """Forget every token (storage is kept and overwritten)."""
+        self.length, self.padded, self._mask = 0, False, None
+        self.valid.zero_()
+
+    @property
+    def free(self) -> int:
+        return self.max_len - self.length
+
+    def begin(self, n_new: int, valid: Bool[Tensor, "B T"] | None = None) -> None:
+        """Announce the next forward: n_new tokens per row go to slots [length, length + n_new).
+
+        valid: which of the new tokens are real (False = left padding); default all real.
+        """
+        a, b = self.length, self.length + n_new
+        if b > self.max_len:
+            raise ValueError(f"KV cache full: {a} + {n_new} tokens > max_len {self.max_len}")
+        if valid is None:
+            self.valid[:, a:b] = True
+        else:
+            self.valid[:, a:b] = valid
+            self.padded = self.padded or not bool(valid.all())
+        self._start, self.length = a, b
+        if self.static and n_new == 1:
+            self._slot.fill_(a)
+            self._mask = self._static_mask
+        elif n_new == 1:
+            # One query per row: every filled slot is in its past; only padding is masked.
+            self._mask = self.valid[:, None, None, :b] if self.padded else None
+        elif a == 0 and not self.padded:
+            self._mask = None  # plain causal attention over the prompt
+        else:
+            self._mask = self._prefill_mask(a, b)
+
+    def _prefill_mask(self, a: int, b: int) -> Bool[Tensor, "B 1 T S"]:
+        query_slot = torch.arange(a, b, device=self.valid.device)[:, None]  # (T, 1)
+        key_slot = torch.arange(b, device=self.valid.device)[None, :]  # (1, S)
+        causal = key_slot <= query_slot  # (T, S)
+        # A padding query may look at its (padding) past too: no softmax row is empty, so
+        # no NaN is born there; real queries never see padding.
+        key_ok = self.valid[:, None, :b] | ~self.valid[:, a:b, None]  # (B, T, S)
+        return (causal & key_ok).unsqueeze(1)
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Store this forward's keys/values (B, n_kv_head, T, hd); return all to attend over."""
+        if self.static and k.shape[2] == 1:
+            self.k[layer_idx].index_copy_(2, self._slot, k)
+            self.v[layer_idx].index_copy_(2, self._slot, v)
+            return self.k[layer_idx], self.v[layer_idx], self._mask
+        a, b = self._start, self.length
+        k_all, v_all = self.k[layer_idx], self.v[layer_idx]
+        k_all[:, :, a:b] = k
+        v_all[:, :, a:b] = v
+        return k_all[:, :, :b], v_all[:, :, :b], self._mask
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only the given batch rows (finished rows dropped), in that order."""
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+        self.valid = self.valid[rows]
+        self.batch_size = len(rows)
+        self._static_mask = self.valid[:, None, None, :]
+
+
+__all__ = ["KVCache"]

@@ -1,0 +1,327 @@
+"""The generation engine: prompts in, completions out, one token per step from a KV cache.
+
+    engine = Engine(model, tokenizer)
+    engine.generate(["Once upon", "The king"], SamplingParams(temperature=0, max_new_tokens=50))
+    for chunk in engine.stream("Once upon", SamplingParams(max_new_tokens=50)):
+        print(chunk.text, end="")
+
+How a batch runs:
+
+1. prefill: prompts are left-padded to a common length and run through the model once;
+   each row's positions start at 0 at its first real token, and padding is masked out of
+   attention (see `cache.py`). Only the last position goes through the LM head.
+2. decode: each step feeds every row's newest token at its own position, samples the
+   next one (`sampling.sample_next`, the one sampler of the project) and checks the stop
+   rules. A row that finishes stops producing tokens; once half the batch has finished,
+   finished rows are dropped from the cache so they cost nothing.
+3. past the model's context: `overflow="stop"` ends the row (finish_reason "length");
+   `overflow="slide"` keeps the last 3/4 of the context and prefills it again, so every
+   position stays inside the range the model was trained on (for RoPE, learned and
+   sinusoidal positions alike) and the cache stays coherent.
+
+A decode step can run under `torch.compile` (`compile=True`): the cache is then static
+(fixed shapes, the slot to write is a tensor), so one graph serves every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from ..errors import FrawdError
+from .cache import KVCache
+from .sampling import SamplingParams, make_generator, sample_next
+from .textstream import TextStream
+
+OVERFLOW_MODES = ("stop", "slide")
+SLIDE_KEEP = 0.75  # fraction of the context kept when sliding
+
+
+@dataclass
+class Completion:
+    """One finished completion. `tokens` are the generated ids (a final stop token included)."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop": end-of-sequence, stop token or stop string; "length": token or context limit
+    prompt_tokens: int
+    prompt_index: int = 0
+    sample_index: int = 0
+
+
+@dataclass
+class StreamChunk:
+    """Text that became printable for completion `index` (= prompt_index * num_samples + sample_index)."""
+
+    index: int
+    text: str
+    token: int | None
+    finish_reason: str | None = None  # set on the last chunk of a completion
+
+
+@dataclass
+class _TokenEvent:
+    row: int
+    token: int
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        compile: bool = False,
+        overflow: str = "stop",
+    ) -> None:
+        if overflow not in OVERFLOW_MODES:
+            raise FrawdError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}; got {overflow!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.overflow = overflow
+        self.compile = compile
+        embed = model.embed.tok.weight
+        self.device, self.dtype = embed.device, embed.dtype
+        self.eos_id = self.config.eos_token_id
+        column_major_weights(model)
+        self._decode = torch.compile(decode_logits, fullgraph=True, dynamic=False) if compile else decode_logits
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text -> ids (plain text, no special tokens added); an id list passes through.
+
+        An empty prompt becomes <|eos|>: in pretraining data a document starts after one.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+            if bad:
+                raise FrawdError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        if not ids:
+            ids = [self.eos_id]
+        if len(ids) > self.config.context_length and self.overflow == "stop":
+            raise FrawdError(
+                f"the prompt has {len(ids)} tokens but the model's context is {self.config.context_length}; "
+                "shorten it or use overflow='slide' (--overflow slide)"
+            )
+        return ids
+
+    def _prompt_list(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[list[int]]:
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        if len(prompts) == 0:
+            raise FrawdError("no prompts given")
+        return [self.encode(p) for p in prompts]
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """Completions for every prompt, `params.num_samples` each, in prompt order."""
+        params = params or SamplingParams()
+        encoded = self._prompt_list(prompts)
+        n = params.num_samples
+        tokens: list[list[int]] = [[] for _ in range(len(encoded) * n)]
+        texts = [""] * len(tokens)
+        reasons = ["length"] * len(tokens)
+        for chunk in self._chunks(encoded, params, need_text=bool(params.stop)):
+            if chunk.token is not None:
+                tokens[chunk.index].append(chunk.token)
+            texts[chunk.index] += chunk.text
+            if chunk.finish_reason is not None:
+                reasons[chunk.index] = chunk.finish_reason
+        out = []
+        for i, ids in enumerate(tokens):
+            if not params.stop:  # no stop strings: decode once at the end (a stop token is not text)
+                texts[i] = self.tokenizer.decode(ids[:-1] if reasons[i] == "stop" else ids, skip_special_tokens=True)
+            out.append(Completion(texts[i], ids, reasons[i], len(encoded[i // n]), i // n, i % n))
+        return out
+
+    def stream(
+        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> Iterator[StreamChunk]:
+        """Text as it becomes printable: never half a character, never (part of) a stop string."""
+        params = params or SamplingParams()
+        yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
+
+    def _is_stop_token(self, token: int, params: SamplingParams) -> bool:
+        return (token == self.eos_id and not params.ignore_eos) or token in params.stop_token_ids
+
+    # ---- tokens -> text -----------------------------------------------------------------------
+    def _chunks(self, encoded: list[list[int]], params: SamplingParams, need_text: bool) -> Iterator[StreamChunk]:
+        run = _Run(self, encoded, params)
+        streams = [TextStream(self.tokenizer, params.stop) for _ in range(run.n_rows)] if need_text else None
+        for event in run.events():
+            text, reason = "", event.finish_reason
+            if streams is not None:
+                stream = streams[event.row]
+                if not (reason == "stop" and self._is_stop_token(event.token, params)):
+                    text = stream.push(event.token)
+                if stream.stopped:  # a stop string completed
+                    reason = "stop"
+                    run.finish(event.row)
+                if reason is not None:
+                    text += stream.finish()
+            yield StreamChunk(event.row, text, event.token, reason)
+
+
+class _Run:
+    """The token loop of one `generate`/`stream` call: prefill, then decode steps."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.engine, self.params = engine, params
+        self.model, cfg = engine.model, engine.config
+        self.context = cfg.context_length
+        self.seqs = [list(p) for p in prompts for _ in range(params.num_samples)]  # prompt + generated, per row
+        self.n_rows = len(self.seqs)
+        self.generated = [0] * self.n_rows
+        self.done = [False] * self.n_rows
+        self.slide_keep = max(1, int(self.context * SLIDE_KEEP))
+        self.prefilled = False
+        widths = [len(self._window(s)) for s in self.seqs]
+        longest = max(widths)
+        needed = longest + params.max_new_tokens - 1  # the last sampled token is never fed back
+        cap = self.context + longest - min(widths)  # every row can reach its context end
+        max_len = max(1, min(needed, cap))
+        if engine.compile:  # a few fixed cache sizes, so a new prompt length rarely means a new graph
+            max_len = max(64, 1 << (max_len - 1).bit_length())
+        self.cache = KVCache(cfg, self.n_rows, max_len, dtype=engine.dtype, device=engine.device,
+                             static=engine.compile)
+        self.rows = list(range(self.n_rows))  # batch position -> row
+        self.generator = make_generator(params.seed, engine.device) if not params.greedy else None
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(self.n_rows, cfg.vocab_size, dtype=torch.bool, device=engine.device)
+            for row, seq in enumerate(self.seqs):
+                self.seen[row, seq] = True
+
+    def finish(self, row: int) -> None:
+        """Stop a row from outside (a stop string was found in its text)."""
+        self.done[row] = True
+
+    def events(self) -> Iterator[_TokenEvent]:
+        logits = self._prefill()
+        while True:
+            next_tokens = self._sample(logits).tolist()
+            for i, row in enumerate(self.rows):
+                if self.done[row]:
+                    continue
+                token = next_tokens[i]
+                self.seqs[row].append(token)
+                self.generated[row] += 1
+                reason = self._finish_reason(row, token)
+                if reason is not None:
+                    self.done[row] = True
+                yield _TokenEvent(row, token, reason)
+            if all(self.done[row] for row in self.rows):
+                return
+            if self._needs_slide():
+                logits = self._prefill()
+            else:
+                self._drop_finished_rows()
+                logits = self._step([self.seqs[row][-1] for row in self.rows])
+
+    def _finish_reason(self, row: int, token: int) -> str | None:
+        if self.engine._is_stop_token(token, self.params):
+            return "stop"
+        if self.generated[row] >= self.params.max_new_tokens:
+            return "length"
+        # The new token would sit at position len - 1: past the context it cannot be fed.
+        if self.engine.overflow == "stop" and len(self.seqs[row]) > self.context:
+            return "length"
+        return None
+
+    def _sample(self, logits: Float[Tensor, "B V"]) -> Int[Tensor, "B"]:
+        seen = self.seen[self.rows] if self.seen is not None else None
+        tokens = sample_next(logits, self.params, self.generator, seen)
+        if self.seen is not None:
+            self.seen[self.rows, tokens] = True
+        return tokens
+
+    # ---- model calls --------------------------------------------------------------------------
+    def _window(self, seq: list[int]) -> list[int]:
+        """What of a sequence goes into the cache: all of it, or after a slide its last part."""
+        if not self.prefilled and len(seq) <= self.context:
+            return seq
+        return seq[-self.slide_keep:]
+
+    @torch.inference_mode()
+    def _prefill(self) -> Float[Tensor, "B V"]:
+        """Run every row's sequence (its window after a slide) into the emptied cache."""
+        seqs = [self._window(self.seqs[row]) for row in self.rows]
+        self.prefilled = True
+        lengths = torch.tensor([len(s) for s in seqs], device=self.engine.device)
+        width = int(lengths.max())
+        ids = torch.full((len(seqs), width), self.engine.config.pad_token_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s)
+        ids = ids.to(self.engine.device)
+        pad = (width - lengths)[:, None]  # (B, 1)
+        slots = torch.arange(width, device=self.engine.device)[None, :]  # (1, T)
+        self.cache.reset()
+        self.cache.begin(width, valid=slots >= pad)
+        positions = (slots - pad).clamp(min=0)  # (B, T); padding sits at 0 and is masked anyway
+        hidden = self.model.hidden_states(ids, positions, self.cache)  # (B, T, D)
+        self.positions = lengths[:, None].clone()  # (B, 1): where each row's next token goes
+        return self.model.lm_head(hidden[:, -1]).float()  # (B, V)
+
+    @torch.inference_mode()
+    def _step(self, last_tokens: list[int]) -> Float[Tensor, "B V"]:
+        tokens = torch.tensor(last_tokens, device=self.engine.device)[:, None]  # (B, 1)
+        self.cache.begin(1)
+        # Finished rows ride along until dropped: keep their positions inside the tables.
+        self.positions.clamp_(max=self.context - 1)
+        logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
+        self.positions += 1
+        return logits.float()
+
+    def _needs_slide(self) -> bool:
+        if self.engine.overflow != "slide":
+            return False
+        live = [i for i, row in enumerate(self.rows) if not self.done[row]]
+        return self.cache.free < 1 or int(self.positions[live].max()) >= self.context
+
+    def _drop_finished_rows(self) -> None:
+        """Remove finished rows from the batch once they are half of it (eager mode only)."""
+        if self.engine.compile:
+            return
+        keep = [i for i, row in enumerate(self.rows) if not self.done[row]]
+        if len(keep) > len(self.rows) // 2:
+            return
+        index = torch.tensor(keep, device=self.engine.device)
+        self.cache.select_rows(index)
+        self.positions = self.positions[index]
+        self.rows = [self.rows[i] for i in keep]
+
+
+def column_major_weights(model: nn.Module) -> None:
+    """Store every linear weight (out, in) column-major: same values, same Parameter objects.
+
+    A decode step multiplies a few rows by each weight matrix (a matrix-vector product
+    that streams the whole matrix from memory); with the weight transposed in memory, the
+    BLAS reads it in the order it computes and the step runs about 1.5x faster on CPU
+    (benchmarks/decode_speed.py). Training and saving are unaffected.
+    """
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and weight is not None and weight.is_contiguous():
+            weight.data = weight.data.t().contiguous().t()
+
+
+def decode_logits(
+    model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache
+) -> Float[Tensor, "B V"]:
+    """One decode step: each row's newest token in, next-token logits out."""
+    hidden = model.hidden_states(tokens, positions, cache)  # (B, 1, D)
+    return model.lm_head(hidden[:, -1])  # (B, V)
+
+
+__all__ = ["Engine", "Completion", "StreamChunk", "column_major_weights", "decode_logits", "OVERFLOW_MODES"]

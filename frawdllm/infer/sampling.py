@@ -1,0 +1,195 @@
+"""Sampling: turn the model's next-token logits into the next token.
+
+One function, `sample_next`, serves every caller (the engine, `frawd generate`, `frawd
+chat`, the HTTP server), so a setting means the same thing everywhere. Applied in order:
+
+    repetition penalty  a logit of a token already in the sequence is divided by the
+                        penalty when positive, multiplied by it when negative (CTRL)
+    temperature         logits / T; T = 0 means greedy (argmax, every filter skipped)
+    top-k               keep the k highest logits (ties with the k-th are kept)
+    top-p (nucleus)     keep the smallest set of most likely tokens whose probability
+                        reaches p (the token that crosses p is kept)
+    min-p               keep tokens whose probability is at least min_p x the top one
+
+Each filter sees the survivors of the previous one (top-p renormalises after top-k), the
+same order as Hugging Face's warpers. The draw uses a `torch.Generator`, so a seed gives
+the same tokens run after run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated at construction (`ConfigError`)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    seed: int | None = None  # None: a fresh random seed per call
+    num_samples: int = 1  # completions per prompt
+    stop: tuple[str, ...] = ()  # stop strings: generation ends before them, they are never emitted
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides end-of-sequence
+    ignore_eos: bool = False  # keep going past <|eos|> (benchmarks)
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and stored as tuples (hashable, immutable).
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int))
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_int(self.num_samples) and self.num_samples >= 1,
+               f"num_samples must be a positive integer, got {self.num_samples!r}")
+        _check(all(self.stop), "stop strings must not be empty")
+        _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        """From a mapping such as generation_config.json; unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return SamplingParams.from_dict({**self.to_dict(), **changes})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _as_tuple(name: str, value: Any, kind: type) -> tuple:
+    if isinstance(value, (str, int)):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be a list of {kind.__name__}, got {value!r}") from None
+    for item in items:
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise ConfigError(f"{name} must hold {kind.__name__} values, got {item!r}")
+    return items
+
+
+# ---- the filters, each a pure function of logits ----------------------------------------------
+
+def apply_repetition_penalty(
+    logits: Float[Tensor, "B V"], seen: Bool[Tensor, "B V"], penalty: float
+) -> Float[Tensor, "B V"]:
+    """CTRL's penalty on tokens already in the sequence: positive logits / penalty, others x penalty."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def top_k_filter(logits: Float[Tensor, "B V"], k: int) -> Float[Tensor, "B V"]:
+    """-inf outside the k highest logits of each row (a tie with the k-th survives)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Float[Tensor, "B V"], p: float) -> Float[Tensor, "B V"]:
+    """-inf outside the smallest most-likely set whose probability reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: Float[Tensor, "B V"], min_p: float) -> Float[Tensor, "B V"]:
+    """-inf where probability < min_p x the row's top probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (B, 1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def processed_logits(
+    logits: Float[Tensor, "B V"], params: SamplingParams, seen: Bool[Tensor, "B V"] | None = None
+) -> Float[Tensor, "B V"]:
+    """Logits after penalty, temperature and the filters: what `sample_next` draws from."""
+    logits = logits.float()
+    if params.repetition_penalty != 1.0 and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return logits
+    logits = logits / params.temperature
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    return min_p_filter(logits, params.min_p)
+
+
+def sample_next(
+    logits: Float[Tensor, "B V"],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    seen: Bool[Tensor, "B V"] | None = None,
+) -> Int[Tensor, "B"]:
+    """The next token of each row. `seen` marks the tokens already in each row's sequence."""
+    logits = processed_logits(logits, params, seen)
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded with `seed`, or from fresh entropy when None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+__all__ = [
+    "SamplingParams", "sample_next", "processed_logits", "make_generator",
+    "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
+]

@@ -1,0 +1,87 @@
+"""Token ids in, printable text out, one token at a time.
+
+Two things make streaming text harder than decoding at the end:
+
+- A token can hold part of a character: with byte-level tokenizers "é" is two tokens,
+  and the first one alone decodes to U+FFFD. Text ending in U+FFFD is held back until
+  the next token completes the character (or the stream ends).
+- A stop string can span several tokens ("\\n\\nUser:" = "\\n", "\\n", "User", ":"). Text
+  that could be the start of a stop string is held back until it either becomes the stop
+  string (the stream ends there and the stop string is never emitted) or cannot any more.
+
+Decoding re-reads only a short window of recent ids (`prefix`..end), so a long stream
+costs O(1) per token rather than re-decoding everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextStream:
+    """Feed token ids with `push`; it returns the text safe to show now."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] were decoded already, as _read_text
+        self._read = 0
+        self._pending = ""  # decoded, not yet emitted (a partial stop string maybe)
+        self.text = ""  # everything emitted so far
+        self.stopped = False  # a stop string was found
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly printable text ('' when held back)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        read_text = self._decode(self.ids[self._prefix:self._read])
+        full_text = self._decode(self.ids[self._prefix:])
+        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(read_text):
+            return ""  # an incomplete character: wait for the rest of its bytes
+        self._pending += full_text[len(read_text):]
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The end of the stream: flush what was held back (but never a stop string)."""
+        if self.stopped:
+            return ""
+        tail = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
+        self._pending += tail
+        self._prefix = self._read = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        text = self._pending
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._pending = text[:cut], ""
+        elif final:
+            out, self._pending = text, ""
+        else:
+            keep = _partial_stop_suffix(text, self.stop)
+            out, self._pending = text[: len(text) - keep], text[len(text) - keep:]
+        self.text += out
+        return out
+
+
+def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+__all__ = ["TextStream"]
