@@ -410,7 +410,7 @@ def _contiguous_parameters(model: nn.Module) -> None:
 
 # ---- progress bar and signals ---------------------------------------------------------------
 
-def _si(n: float) -> str:
+def _si(n: int | float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.1f}{unit}"

@@ -1,0 +1,157 @@
+"""`frawd pretrain` and `frawd eval` from the outside: config files, flags, signals, errors,
+and evaluation figures checked against a direct computation."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.cli import cli
+from frawdllm.data import prepare_shards, read_shard
+from frawdllm.tokenizer import EOS_ID, train_tokenizer
+from frawdllm.train.checkpoint import list_checkpoints
+from frawdllm.train.rundir import read_metrics
+
+from conftest import ROOT
+
+
+@pytest.fixture
+def corpus(shared_data, tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "head.txt"
+    path.write_text((shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:100_000], encoding="utf-8")
+    return path
+
+
+def write_config(tmp_path, corpus, **extra):
+    lines = [f"data: {corpus}", "tokenizer: char", "doc_split: file", "val_fraction: 0.1",
+             "model:", "  n_layer: 1", "  n_head: 2", "  n_embd: 32", "  context_length: 32",
+             "batch_size: 8", "lr: 3e-3", "warmup_steps: 2", "max_steps: 1000", "dtype: fp32", "device: cpu",
+             "eval_interval: 5", "eval_batches: 2", "log_interval: 1", "sample_tokens: 4", "peak_tflops: 1.0",
+             "progress: false"]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    path = tmp_path / "config.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_pretrain_config_file_with_flag_overrides_and_eval_lines(corpus, tmp_path):
+    config = write_config(tmp_path, corpus)
+    out = tmp_path / "run"
+    result = run_cli("pretrain", "--config", str(config), "--max-steps", "7", "--set", "n_embd=16", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "max_steps: 7 steps" in result.stdout  # the one-line summary
+    records = read_metrics(out)
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 5, 7]
+    assert max(r["step"] for r in records) == 7  # --max-steps beat the file's 1000
+    model = FrawdLLM.from_pretrained(out / "model")
+    assert model.config.n_embd == 16 and model.config.n_layer == 1  # --set merged into the file's model
+    assert (out / "model" / "tokenizer.json").is_file()
+
+
+def test_frawd_eval_figures_equal_a_direct_computation(corpus, tmp_path):
+    text = corpus.read_text(encoding="utf-8")
+    tok = train_tokenizer([text], kind="char")
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=16,
+                                vocab_size=tok.vocab_size)).eval()
+    model.save_pretrained(tmp_path / "model", tokenizer=tok)
+    # blank-line documents, a hashed 20% of them held out
+    result = run_cli("eval", "--model", str(tmp_path / "model"), "--data", str(corpus), "--val-fraction", "0.2",
+                     "--batch-size", "5", "--json")
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+
+    prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.2)
+    val = read_shard(tmp_path / "shards" / "val.bin").astype(np.int64)
+    T = 16
+    starts = range(0, (len(val) - 1) // T * T, T)
+    windows = torch.tensor(np.stack([val[s:s + T + 1] for s in starts]))  # (N, T+1)
+    with torch.no_grad():
+        logits = torch.cat([model(w[None, :-1])[0] for w in windows]).double()  # (N, T, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, windows[:, 1:, None]).squeeze(-1)
+    loss = float(-logp.mean())
+    val_bytes = len(tok.decode(val[val != EOS_ID].tolist()).encode("utf-8"))
+    bytes_per_token = val_bytes / len(val)  # <|eos|> separators count as tokens of no bytes
+    assert figures["tokens"] == windows.shape[0] * T
+    assert figures["loss"] == pytest.approx(loss, rel=1e-6)
+    assert figures["ppl"] == pytest.approx(math.exp(loss), rel=1e-6)
+    assert figures["bpb"] == pytest.approx(loss / math.log(2) / bytes_per_token, rel=1e-5)
+
+
+def test_frawd_eval_accepts_a_prepared_shard_folder_and_prints_key_values(corpus, tmp_path):
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=16, vocab_size=tok.vocab_size))
+    model.save_pretrained(tmp_path / "model", tokenizer=tok)
+    prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.2)
+    result = run_cli("eval", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "shards"),
+                     "--max-batches", "2", "--batch-size", "4")
+    assert result.exit_code == 0, result.output
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert {"loss", "ppl", "bpb", "tokens"} <= set(lines)
+    assert int(lines["tokens"]) == 2 * 4 * 16
+
+
+FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
+
+
+def frawd(*args):
+    return subprocess.run([*FRAWD, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(corpus, tmp_path):
+    config = write_config(tmp_path, corpus, max_time="5m", eval_interval=0)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*FRAWD, "pretrain", "--config", str(config),
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and len(read_metrics(out)) < 5:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted" in stderr and "--resume" in stderr
+    (step, path), = list_checkpoints(out)
+    assert step == max(r["step"] for r in read_metrics(out))
+    resumed = frawd("pretrain", "--out", str(out), "--resume", "--max-steps", str(step + 3))
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    assert steps == list(range(1, step + 4))  # continued where it stopped, nothing twice
+
+
+def test_user_errors_are_one_line(corpus, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_sise: 4\n")
+    proc = frawd("pretrain", "--config", str(bad), "--out", str(tmp_path / "x"))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert "batch_sise" in proc.stderr
+    proc = frawd("pretrain", "--out", str(tmp_path / "nothing"), "--resume")
+    assert proc.returncode == 1 and "no run to resume" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = frawd("eval", "--model", str(tmp_path / "missing"), "--data", str(corpus))
+    assert proc.returncode == 1 and "not found" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_pretrain_help_lists_every_config_field():
+    from dataclasses import fields
+
+    from frawdllm.train.config import PretrainConfig
+
+    result = run_cli("pretrain", "--help")
+    assert result.exit_code == 0
+    for f in fields(PretrainConfig):
+        if f.name != "model":
+            assert "--" + f.name.replace("_", "-") in result.output
+    assert "--config" in result.output and "--set" in result.output
