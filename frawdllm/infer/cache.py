@@ -102,14 +102,17 @@ class KVCache:
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store this forward's keys/values (B, n_kv_head, T, hd); return all to attend over."""
         if self.static and k.shape[2] == 1:
-            self.k[layer_idx].index_copy_(2, self._slot, k)
-            self.v[layer_idx].index_copy_(2, self._slot, v)
-            return self.k[layer_idx], self.v[layer_idx], self._mask
-        a, b = self._start, self.length
-        k_all, v_all = self.k[layer_idx], self.v[layer_idx]
-        k_all[:, :, a:b] = k
-        v_all[:, :, a:b] = v
-        return k_all[:, :, :b], v_all[:, :, :b], self._mask
+            self.k[layer_idx].index_copy_(2, self._slot, k.to(self.k[layer_idx].dtype))
+            self.v[layer_idx].index_copy_(2, self._slot, v.to(self.v[layer_idx].dtype))
+            k_all, v_all = self.k[layer_idx], self.v[layer_idx]
+        else:
+            a, b = self._start, self.length
+            self.k[layer_idx][:, :, a:b] = k
+            self.v[layer_idx][:, :, a:b] = v
+            k_all, v_all = self.k[layer_idx][:, :, :b], self.v[layer_idx][:, :, :b]
+        if k_all.dtype != k.dtype:  # under autocast the model computes in a lower precision
+            k_all, v_all = k_all.to(k.dtype), v_all.to(k.dtype)
+        return k_all, v_all, self._mask
 
     def select_rows(self, rows: Tensor) -> None:
         """Keep only the given batch rows (finished rows dropped), in that order."""

@@ -90,7 +90,7 @@ class Engine:
         self.device, self.dtype = embed.device, embed.dtype
         self.eos_id = self.config.eos_token_id
         column_major_weights(model)
-        self._decode = torch.compile(decode_logits, fullgraph=True, dynamic=False) if compile else decode_logits
+        self._decode = torch.compile(_decode_step, fullgraph=True, dynamic=False) if compile else decode_logits
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -320,6 +320,10 @@ def decode_logits(
     model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache
 ) -> Float[Tensor, "B V"]:
     """One decode step: each row's newest token in, next-token logits out."""
+    return _decode_step(model, tokens, positions, cache)
+
+
+def _decode_step(model, tokens, positions, cache):  # what torch.compile traces (no run-time type checks)
     hidden = model.hidden_states(tokens, positions, cache)  # (B, 1, D)
     return model.lm_head(hidden[:, -1])  # (B, V)
 

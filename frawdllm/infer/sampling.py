@@ -19,7 +19,7 @@ the same tokens run after run.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -32,16 +32,17 @@ from ..errors import ConfigError
 class SamplingParams:
     """How to pick tokens and when to stop. Validated at construction (`ConfigError`)."""
 
+    # Numbers may be given as int or float; sequences as lists or tuples (stored as tuples).
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0: greedy
+    temperature: float | int = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
-    repetition_penalty: float = 1.0  # 1: off
+    top_p: float | int = 1.0  # 1: off
+    min_p: float | int = 0.0  # 0: off
+    repetition_penalty: float | int = 1.0  # 1: off
     seed: int | None = None  # None: a fresh random seed per call
     num_samples: int = 1  # completions per prompt
-    stop: tuple[str, ...] = ()  # stop strings: generation ends before them, they are never emitted
-    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides end-of-sequence
+    stop: Sequence[str] = ()  # stop strings: generation ends before them, they are never emitted
+    stop_token_ids: Sequence[int] = ()  # extra stop tokens besides end-of-sequence
     ignore_eos: bool = False  # keep going past <|eos|> (benchmarks)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,149 @@
+"""`frawd chat`: talk to a model in the terminal.
+
+A read-eval-print loop over the chat template. Each reply streams as it is generated;
+Ctrl-C stops the reply (what was printed stays in the history) and returns to the
+prompt; Ctrl-D or /quit leaves. History that no longer fits the context is dropped,
+oldest first, and the REPL says so the first time.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+
+import click
+
+from ..errors import FrawdError
+from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
+
+PROMPT = "> "
+HELP = """commands:
+  /reset            forget the conversation (the system message stays)
+  /system TEXT      set the system message (/system alone removes it)
+  /params           show the sampling parameters; /params key=value ... changes them
+  /help             this list
+  /quit             leave (or Ctrl-D); Ctrl-C stops a reply"""
+
+
+@click.command()
+@engine_flags
+@sampling_flags
+@click.option("--system", "system_message", default=None, metavar="TEXT", help="A system message to start with.")
+def chat(model_dir: str, quantize: str, dtype: str, overflow: str, compile_model: bool, device: str,
+         threads: int | None, system_message: str | None, **sampling) -> None:
+    """Chat with the model in --model (best with a model fine-tuned on chats, `frawd sft`).
+
+    Type a message and press Enter; the reply streams back. Commands: /reset,
+    /system TEXT, /params [key=value ...], /help, /quit. Ctrl-C stops the current reply,
+    Ctrl-D leaves.
+
+    \b
+    Example:
+      frawd chat --model runs/sft/model --temperature 0.7 --top-p 0.9
+    """
+    from ..infer.chat import ROLE_TOKEN_IDS
+
+    params = params_from_flags(model_dir, sampling)
+    params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
+    engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads)
+    _Repl(engine, params, system_message, model_dir).run()
+
+
+class _Repl:
+    def __init__(self, engine, params, system_message: str | None, model_dir: str) -> None:
+        self.engine, self.params, self.model_dir = engine, params, model_dir
+        self.system = system_message
+        self.turns: list[dict] = []
+        self.told_about_dropping = False
+
+    def out(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def run(self) -> None:
+        if sys.stdin.isatty():
+            import readline  # noqa: F401  (line editing and history for input())
+        context = self.engine.config.context_length
+        self.out(f"frawd chat: {self.model_dir} (context {context} tokens). /help for commands, Ctrl-D to leave.\n")
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                self.out("\n")
+                return
+            except KeyboardInterrupt:
+                self.out("^C\n")
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if self.command(line) == "quit":
+                    return
+                continue
+            self.reply(line)
+
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/quit", "/exit"):
+            return "quit"
+        if name == "/help":
+            self.out(HELP + "\n")
+        elif name == "/reset":
+            self.turns = []
+            self.out("(conversation cleared)\n")
+        elif name == "/system":
+            self.system = arg or None
+            self.out("(system message set)\n" if arg else "(system message removed)\n")
+        elif name == "/params":
+            self.set_params(arg.split())
+        else:
+            self.out(f"unknown command {name}; /help lists them\n")
+        return None
+
+    def set_params(self, pairs: list[str]) -> None:
+        from ..config import parse_value
+        from ..infer import SamplingParams
+
+        changes = {}
+        try:
+            for pair in pairs:
+                key, sep, text = pair.partition("=")
+                if not sep or key in ("stop", "stop_token_ids"):
+                    raise FrawdError(f"expected key=value with a number, got {pair!r}")
+                changes[key] = parse_value(SamplingParams, key, text)
+            self.params = self.params.replace(**changes)
+        except FrawdError as exc:
+            self.out(f"error: {exc}\n")
+            return
+        shown = [f"{f.name}={getattr(self.params, f.name)}" for f in fields(self.params) if f.name != "stop_token_ids"]
+        self.out("  ".join(shown) + "\n")
+
+    def reply(self, text: str) -> None:
+        from ..infer.chat import fit_history, reply_reserve
+
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+        messages.append({"role": "user", "content": text})
+        context = self.engine.config.context_length
+        try:
+            ids, dropped = fit_history(self.engine.tokenizer, messages, context,
+                                       reply_reserve(context, self.params.max_new_tokens))
+        except FrawdError as exc:
+            self.out(f"error: {exc}\n")
+            return
+        if dropped:
+            self.turns = self.turns[dropped:]
+            if not self.told_about_dropping:
+                self.out(f"(the oldest turns no longer fit the {context}-token context; dropping them as we go)\n")
+                self.told_about_dropping = True
+        self.turns.append({"role": "user", "content": text})
+        reply = ""
+        try:
+            for chunk in self.engine.stream(ids, self.params):
+                reply += chunk.text
+                self.out(chunk.text)
+        except KeyboardInterrupt:
+            self.out(" [stopped]")
+        self.out("\n")
+        self.turns.append({"role": "assistant", "content": reply})

@@ -1,0 +1,98 @@
+"""`frawd generate`: text from a prompt, streamed to a terminal or as JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ..errors import FrawdError
+from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
+
+
+@click.command()
+@engine_flags
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
+              help="The prompt (repeatable: several prompts run as one batch).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the prompt from a file ('-' = standard input).")
+@sampling_flags
+@click.option("--num-samples", type=int, default=1, show_default=True, help="Completions per prompt.")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--stream/--no-stream", default=None,
+              help="Print text as it is generated [default: on when stdout is a terminal].")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per completion (text, tokens, finish_reason, ...), one per line.")
+@click.option("--echo-prompt", is_flag=True, help="Print the prompt before its completion.")
+@click.option("--stats", is_flag=True, help="Print token counts and speed on stderr.")
+def generate(model_dir: str, quantize: str, dtype: str, overflow: str, compile_model: bool, device: str,
+             threads: int | None, prompts: tuple[str, ...], prompt_file: str | None, num_samples: int,
+             ignore_eos: bool, stream: bool | None, as_json: bool, echo_prompt: bool, stats: bool,
+             **sampling) -> None:
+    """Continue --prompt with text from the model in --model.
+
+    Sampling defaults come from the model's generation_config.json when it has one;
+    flags override them. --temperature 0 is greedy and deterministic; --seed makes
+    sampling repeatable.
+
+    \b
+    Examples:
+      frawd generate --model runs/shakespeare/model --prompt "ROMEO:" --max-new-tokens 200
+      frawd generate --model DIR --prompt "def " --temperature 0 --json
+      frawd generate --model DIR --prompt-file story.txt --top-p 0.9 --stop "THE END"
+    """
+    texts = list(prompts)
+    if prompt_file is not None:
+        texts.append(_read_prompt_file(prompt_file))
+    if not texts:
+        raise FrawdError("give a prompt with --prompt TEXT or --prompt-file FILE")
+    params = params_from_flags(model_dir, sampling, num_samples=num_samples, ignore_eos=ignore_eos)
+    engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads)
+    if stream is None:
+        stream = sys.stdout.isatty() and not as_json
+    single = len(texts) == 1 and params.num_samples == 1
+    start = time.perf_counter()
+    if stream and single and not as_json:
+        if echo_prompt:
+            click.echo(texts[0], nl=False)
+        n_tokens = 0
+        for chunk in engine.stream(texts[0], params):
+            n_tokens += chunk.token is not None
+            click.echo(chunk.text, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        _report(stats, n_tokens, time.perf_counter() - start)
+        return
+    completions = engine.generate(texts, params)
+    seconds = time.perf_counter() - start
+    for c in completions:
+        if as_json:
+            record = {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason,
+                      "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.tokens),
+                      "prompt_index": c.prompt_index, "sample_index": c.sample_index}
+            click.echo(json.dumps(record, ensure_ascii=False))
+        else:
+            if not single:
+                click.echo(f"--- prompt {c.prompt_index + 1}, sample {c.sample_index + 1} ---")
+            click.echo((texts[c.prompt_index] if echo_prompt else "") + c.text)
+    _report(stats, sum(len(c.tokens) for c in completions), seconds)
+
+
+def _read_prompt_file(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    file = Path(path)
+    if not file.is_file():
+        raise FrawdError(f"prompt file not found: {file}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise FrawdError(f"{file}: not UTF-8 text") from None
+
+
+def _report(stats: bool, n_tokens: int, seconds: float) -> None:
+    if stats:
+        click.echo(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s]", err=True)

@@ -1,0 +1,113 @@
+"""Flags shared by the commands that generate text (`generate`, `chat`, `serve`).
+
+`sampling_flags` adds one flag per `SamplingParams` field; `params_from_flags` builds the
+parameters: the model's generation_config.json first, then the flags actually typed.
+`engine_flags` and `load_engine` load a model directory into an `Engine` (device, dtype,
+int8 quantization, torch.compile, overflow policy).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import FrawdError
+
+_SAMPLING = [
+    ("--max-new-tokens", "max_new_tokens", int, "Most tokens to generate per completion.  [default: 128]"),
+    ("--temperature", "temperature", float, "Sampling temperature; 0 = greedy.  [default: 1.0]"),
+    ("--top-k", "top_k", int, "Keep the k most likely tokens (0 = off).  [default: 0]"),
+    ("--top-p", "top_p", float, "Nucleus sampling: keep the most likely tokens up to this mass.  [default: 1.0]"),
+    ("--min-p", "min_p", float, "Drop tokens below min_p x the top probability.  [default: 0]"),
+    ("--repetition-penalty", "repetition_penalty", float, "Penalise tokens already present (>1).  [default: 1.0]"),
+    ("--seed", "seed", int, "Random seed: the same seed gives the same text.  [default: random]"),
+]
+
+
+def sampling_flags(command):
+    """Decorator: the sampling flags (each defaults to None = 'not given')."""
+    command = click.option("--stop", "stop", multiple=True, metavar="TEXT",
+                           help="Stop before this text (repeatable); it is never printed.")(command)
+    for flag, name, kind, help_text in reversed(_SAMPLING):
+        command = click.option(flag, name, type=kind, default=None, help=help_text)(command)
+    return command
+
+
+def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any):
+    """SamplingParams from generation_config.json (if any), then the flags given, then `extra`."""
+    from ..infer import SamplingParams
+    from ..modeldir import GENERATION_CONFIG_FILE
+
+    values: dict[str, Any] = {}
+    path = Path(model_dir) / GENERATION_CONFIG_FILE
+    if path.is_file():
+        try:
+            values.update(json.loads(path.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise FrawdError(f"{path}: not valid JSON ({exc})") from None
+    for _, name, _, _ in _SAMPLING:
+        if flags.get(name) is not None:
+            values[name] = flags[name]
+    if flags.get("stop"):
+        values["stop"] = list(flags["stop"])
+    values.update(extra)
+    return SamplingParams.from_dict(values)
+
+
+def engine_flags(command):
+    """Decorator: --model and the flags that choose how the model runs."""
+    options = [
+        click.option("--model", "model_dir", required=True, metavar="DIR",
+                     help="A model directory (config.json, model.safetensors, tokenizer.json)."),
+        click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
+                     help="int8: linear weights in int8 with per-row scales (4x smaller, faster decode)."),
+        click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                     help="Precision of the weights and the KV cache."),
+        click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,
+                     help="Past the model's context: stop, or slide (keep the last 3/4, prefill again)."),
+        click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
+                     help="torch.compile the decode step (slow to start, for long sessions)."),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps."),
+        click.option("--threads", type=int, default=None, help="CPU threads for torch [default: torch's choice]."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", overflow: str = "stop",
+                compile_model: bool = False, device: str = "cpu", threads: int | None = None):
+    """A ready Engine for a model directory; every problem is a one-line FrawdError."""
+    import torch
+
+    from ..infer import Engine
+    from ..infer.quantize import quantize_int8
+    from ..modeldir import load_model
+    from ..tokenizer import Tokenizer
+
+    if threads is not None:
+        if threads < 1:
+            raise FrawdError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError:
+        raise FrawdError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise FrawdError("--device cuda asked for, but no CUDA GPU is available")
+    model = load_model(model_dir, device=torch_device)
+    tokenizer = Tokenizer.load(model_dir)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise FrawdError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                         f"{model.config.vocab_size}")
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    if quantize == "int8":
+        quantize_int8(model)
+    return Engine(model, tokenizer, compile=compile_model, overflow=overflow)
+
+
+__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine"]

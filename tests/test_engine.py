@@ -1,0 +1,278 @@
+"""The engine against naive references: a loop that recomputes the full sequence each
+step, the full forward's logits, each prompt run alone."""
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.errors import FrawdError
+from frawdllm.infer import Engine, KVCache, SamplingParams
+from frawdllm.infer.engine import decode_logits
+from frawdllm.infer.sampling import make_generator, sample_next
+from frawdllm.tokenizer import EOS_ID, train_tokenizer
+
+VOCAB = 97
+
+CONFIGS = {
+    "learned": dict(pos_encoding="learned"),
+    "sinusoidal": dict(pos_encoding="sinusoidal", scale_embeddings=True),
+    "rope": dict(pos_encoding="rope"),
+    "none": dict(pos_encoding="none"),
+    "rope-gqa": dict(pos_encoding="rope", n_kv_head=2),
+    "learned-mqa": dict(pos_encoding="learned", n_kv_head=1),
+    "post-ln": dict(pos_encoding="learned", norm_placement="post"),
+    "llama": dict(use_rope=True, use_rmsnorm=True, use_swiglu=True, bias=False, n_kv_head=2, tie_embeddings=False),
+}
+
+
+class IdTokenizer:
+    """Decodes ids as text 'a b c' so tests can run on raw ids."""
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(i) for i in ids)
+
+
+def make_model(seed=0, vocab_size=VOCAB, context_length=48, std=0.4, **overrides):
+    torch.manual_seed(seed)
+    cfg = get_config("tiny", vocab_size=vocab_size, n_layer=2, n_embd=32, n_head=4,
+                     context_length=context_length, **overrides)
+    model = FrawdLLM(cfg).eval()
+    with torch.no_grad():  # larger weights than the init: outputs depend strongly on context
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std)
+    return model
+
+
+def prompt_ids(seed, length):
+    return torch.randint(7, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def naive_generate(model, prompt, n_new, params=None, generator=None):
+    """Full recompute of the whole sequence for every new token."""
+    params = params or SamplingParams(temperature=0)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS_ID})
+    seq, out = list(prompt), []
+    for _ in range(n_new):
+        logits = model(torch.tensor([seq]))[0][:, -1]  # (1, V)
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[0, seq] = True
+        token = int(sample_next(logits, params, generator, seen))
+        seq.append(token)
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_engine_equals_naive_full_recompute(name):
+    model = make_model(**CONFIGS[name])
+    engine = Engine(model, IdTokenizer())
+    prompt = prompt_ids(1, 9)
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    out = engine.generate([prompt], params)[0]
+    assert out.tokens == naive_generate(model, prompt, 20)
+    # With a repetition penalty greedy output varies more: a sharper check of positions.
+    penalised = params.replace(repetition_penalty=1.8)
+    tokens = engine.generate([prompt], penalised)[0].tokens
+    assert len(set(tokens)) > 5
+    assert tokens == naive_generate(model, prompt, 20, penalised)
+
+
+@pytest.mark.parametrize("name", ["rope", "learned-mqa", "llama"])
+def test_seeded_sampling_through_the_engine_equals_the_naive_loop(name):
+    model = make_model(**CONFIGS[name])
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_new_tokens=25, seed=7)
+    prompt = prompt_ids(2, 6)
+    tokens = Engine(model, IdTokenizer()).generate([prompt], params)[0].tokens
+    assert len(set(tokens)) > 5
+    assert tokens == naive_generate(model, prompt, 25, params, make_generator(7))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.no_grad()
+def test_cache_logits_equal_full_forward(name, static):
+    model = make_model(std=0.2, **CONFIGS[name])  # logits of order 1: 1e-5 is fp32 rounding
+    seq = prompt_ids(3, 30)
+    cache = KVCache(model.config, 1, 40, static=static)
+    cache.begin(12)
+    hidden = model.hidden_states(torch.tensor([seq[:12]]), torch.arange(12)[None], cache)
+    torch.testing.assert_close(model.lm_head(hidden[:, -1]), model(torch.tensor([seq[:12]]))[0][:, -1],
+                               atol=1e-5, rtol=0)
+    for t in range(12, 30):
+        cache.begin(1)
+        logits = decode_logits(model, torch.tensor([[seq[t]]]), torch.tensor([[t]]), cache)
+        full = model(torch.tensor([seq[: t + 1]]))[0][:, -1]
+        torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["learned", "rope-gqa", "sinusoidal"])
+def test_ragged_batch_rows_equal_each_prompt_alone(name):
+    model = make_model(**CONFIGS[name])
+    engine = Engine(model, IdTokenizer())
+    prompts = [prompt_ids(10, 3), prompt_ids(11, 17), prompt_ids(12, 9), prompt_ids(13, 1)]
+    params = SamplingParams(temperature=0, max_new_tokens=15, repetition_penalty=1.5, num_samples=2)
+    batch = engine.generate(prompts, params)
+    assert [(c.prompt_index, c.sample_index) for c in batch] == [(i, s) for i in range(4) for s in range(2)]
+    for c in batch:
+        alone = engine.generate([prompts[c.prompt_index]], params.replace(num_samples=1))[0]
+        assert c.tokens == alone.tokens
+        assert c.prompt_tokens == len(prompts[c.prompt_index])
+
+
+def test_rows_finish_independently_and_the_rest_continue_unchanged():
+    model = make_model(**CONFIGS["rope"])
+    engine = Engine(model, IdTokenizer())
+    prompts = [prompt_ids(20 + i, 4 + 3 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_new_tokens=16, repetition_penalty=1.5, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].tokens for p in prompts]
+    # A stop token that ends row 0 early while some other row never emits it.
+    stop = next(t for t in alone[0][:6] if any(t not in ref for ref in alone[1:]))
+    batch = engine.generate(prompts, params.replace(stop_token_ids=[stop]))
+    for c, ref in zip(batch, alone):
+        if stop in ref:
+            assert c.tokens == ref[: ref.index(stop) + 1] and c.finish_reason == "stop"
+        else:
+            assert c.tokens == ref and c.finish_reason == "length"
+    assert len(batch[0].tokens) <= 6
+
+
+def test_end_of_sequence_ends_a_completion_and_is_not_text():
+    model = make_model(**CONFIGS["learned"])
+    with torch.no_grad():  # make <|eos|> the only possible greedy choice after one token
+        model.lm_head.weight[EOS_ID] = model.lm_head.weight[EOS_ID] * 0
+    engine = Engine(model, IdTokenizer())
+    prompt = prompt_ids(4, 5)
+    ref = naive_generate(model, prompt, 30)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=30))[0]
+    assert out.tokens == ref
+    if out.tokens[-1] == EOS_ID:
+        assert out.finish_reason == "stop" and out.text == IdTokenizer().decode(out.tokens[:-1])
+    ignored = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))[0]
+    assert len(ignored.tokens) == 30 and ignored.finish_reason == "length"
+
+
+def test_overflow_stop_ends_rows_at_the_context_length():
+    model = make_model(context_length=24, **CONFIGS["rope"])
+    engine = Engine(model, IdTokenizer(), overflow="stop")
+    params = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True)
+    short, long = prompt_ids(5, 4), prompt_ids(6, 20)
+    out = engine.generate([short, long], params)
+    # The last token fed sits at position 23, so a row ends holding 24 + 1 tokens.
+    assert [len(c.tokens) for c in out] == [21, 5]
+    assert all(c.finish_reason == "length" for c in out)
+    assert out[1].tokens == naive_generate(model, long, 5, params)
+    with pytest.raises(FrawdError, match="prompt has 30 tokens but the model's context is 24"):
+        engine.generate([prompt_ids(7, 30)], params)
+
+
+@torch.no_grad()
+def naive_slide(model, prompt, n_new, keep):
+    """Recompute everything, keeping only the tokens since the last slide."""
+    context = model.config.context_length
+    seq, start, out = list(prompt), 0, []
+    if len(seq) > context:
+        start = len(seq) - keep
+    for _ in range(n_new):
+        logits = model(torch.tensor([seq[start:]]))[0][0, -1]
+        token = int(logits.argmax())
+        seq.append(token)
+        out.append(token)
+        if len(seq) - start > context:  # the new token would not fit: slide
+            start = len(seq) - keep
+    return out
+
+
+@pytest.mark.parametrize("name", ["rope", "learned", "llama"])
+def test_overflow_slide_keeps_the_cache_coherent_past_the_context(name):
+    model = make_model(context_length=16, **CONFIGS[name])
+    engine = Engine(model, IdTokenizer(), overflow="slide")
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, repetition_penalty=1.0)
+    for prompt in (prompt_ids(8, 5), prompt_ids(9, 20)):  # the second is longer than the context
+        out = engine.generate([prompt], params)[0]
+        assert len(out.tokens) == 40
+        assert out.tokens == naive_slide(model, prompt, 40, keep=12)
+
+
+COMPILE_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_engine import CONFIGS, IdTokenizer, make_model, prompt_ids
+from frawdllm.infer import Engine, SamplingParams
+torch.set_num_threads(1)
+model = make_model(**CONFIGS["rope-gqa"])
+prompts = [prompt_ids(30, 5), prompt_ids(31, 11)]
+params = SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.5)
+eager = Engine(model, IdTokenizer()).generate(prompts, params)
+compiled = Engine(model, IdTokenizer(), compile=True).generate(prompts, params)
+print([c.tokens for c in eager] == [c.tokens for c in compiled], len(set(eager[0].tokens)))
+"""
+
+
+def test_compiled_engine_equals_eager():
+    # In a fresh interpreter: the test session's run-time type checks cannot be traced by dynamo.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = COMPILE_SCRIPT.format(tests=str(Path(__file__).parent))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    same, distinct = result.stdout.split()
+    assert same == "True" and int(distinct) > 3
+
+
+# ---- text: stop strings and streaming ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def char_setup():
+    """A char-level model: every token is one printable character."""
+    tokenizer = train_tokenizer(["abcdefghij klmnop"], kind="char")
+    model = make_model(vocab_size=tokenizer.vocab_size, std=0.5, **CONFIGS["rope"])
+    return model, tokenizer
+
+
+def test_stop_string_spanning_several_tokens_stops_and_is_never_streamed(char_setup):
+    model, tokenizer = char_setup
+    engine = Engine(model, tokenizer)
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=40, ignore_eos=True)
+    full = engine.generate(["abc"], params)[0].text
+    stop = full[10:13]  # three characters, three tokens
+    expected = full[: full.index(stop)]
+    chunks = list(engine.stream("abc", params.replace(stop=[stop, "zzz"])))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == expected
+    assert chunks[-1].finish_reason == "stop"
+    # No prefix of the stop string ever showed at the end of what was printed so far.
+    shown = ""
+    for c in chunks:
+        shown += c.text
+        assert not any(shown.endswith(stop[:n]) for n in range(1, len(stop))) or shown == expected
+    done = engine.generate(["abc"], params.replace(stop=[stop]))[0]
+    assert done.text == expected and done.finish_reason == "stop"
+    assert tokenizer.decode(done.tokens, skip_special_tokens=True) == expected + stop  # it ended right there
+
+
+def test_streamed_text_equals_generated_text(char_setup):
+    model, tokenizer = char_setup
+    engine = Engine(model, tokenizer)
+    params = SamplingParams(temperature=0.9, seed=5, max_new_tokens=30, num_samples=2)
+    texts = ["", ""]
+    for chunk in engine.stream(["fed"], params):
+        texts[chunk.index] += chunk.text
+    assert texts == [c.text for c in engine.generate(["fed"], params)]
+
+
+def test_empty_prompt_starts_after_end_of_sequence():
+    model = make_model(**CONFIGS["learned"])
+    engine = Engine(model, IdTokenizer())
+    out = engine.generate([[]], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))[0]
+    assert out.tokens == naive_generate(model, [EOS_ID], 5, SamplingParams(temperature=0, ignore_eos=True))
+    with pytest.raises(FrawdError, match="outside the vocabulary"):
+        engine.generate([[VOCAB + 3]], SamplingParams())

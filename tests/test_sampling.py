@@ -1,0 +1,178 @@
+"""Sampling: the filters keep exactly the right tokens, the draw follows the distribution,
+seeds reproduce, the penalty follows its definition, bad parameters are refused clearly."""
+
+import math
+
+import pytest
+import torch
+
+from frawdllm.errors import ConfigError, FrawdError
+from frawdllm.infer.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    make_generator,
+    min_p_filter,
+    processed_logits,
+    sample_next,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+def logits_of(probs):
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def kept(logits):
+    return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+
+PROBS = [0.05, 0.5, 0.15, 0.3]  # ranks: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+
+
+@pytest.mark.parametrize("k, expected", [(1, {1}), (2, {1, 3}), (3, {1, 2, 3}), (4, {0, 1, 2, 3}), (0, {0, 1, 2, 3})])
+def test_top_k_keeps_the_k_most_likely_tokens(k, expected):
+    assert kept(top_k_filter(logits_of(PROBS), k)) == expected
+
+
+def test_top_k_keeps_ties_with_the_kth_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    assert kept(top_k_filter(logits, 2)) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("p, expected", [
+    (0.3, {1}),  # the top token alone already reaches 0.3
+    (0.5, {1}),
+    (0.55, {1, 3}),  # 0.5 < 0.55 <= 0.8
+    (0.79, {1, 3}),
+    (0.81, {1, 2, 3}),  # needs 0.5 + 0.3 + 0.15 = 0.95
+    (0.96, {0, 1, 2, 3}),
+    (1.0, {0, 1, 2, 3}),
+])
+def test_top_p_keeps_the_smallest_set_reaching_p(p, expected):
+    assert kept(top_p_filter(logits_of(PROBS), p)) == expected
+
+
+@pytest.mark.parametrize("min_p, expected", [
+    (0.0, {0, 1, 2, 3}),
+    (0.09, {0, 1, 2, 3}),  # threshold 0.045 < 0.05
+    (0.11, {1, 2, 3}),  # threshold 0.055
+    (0.29, {1, 2, 3}),  # threshold 0.145 < 0.15
+    (0.31, {1, 3}),
+    (0.61, {1}),  # threshold 0.305 > 0.3
+])
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top_probability(min_p, expected):
+    assert kept(min_p_filter(logits_of(PROBS), min_p)) == expected
+
+
+def test_filters_compose_in_order_top_k_then_top_p_renormalised():
+    # After top-k=2 the survivors {1: 0.5, 3: 0.3} renormalise to 0.625 / 0.375, so
+    # top-p=0.6 keeps only token 1 (on the full distribution it would keep 1 and 3).
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.6)
+    assert kept(processed_logits(logits_of(PROBS), params)) == {1}
+    assert kept(top_p_filter(logits_of(PROBS), 0.6)) == {1, 3}
+
+
+def test_filters_match_hugging_face_warpers_on_random_logits():
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    history = torch.randint(0, 50, (6, 12), generator=gen)
+    seen = torch.zeros(6, 50, dtype=torch.bool).scatter_(1, history, True)
+    for temperature, top_k, top_p, min_p, penalty in [
+        (0.7, 10, 1.0, 0.0, 1.0), (1.3, 0, 0.8, 0.0, 1.0), (1.0, 0, 1.0, 0.1, 1.0),
+        (0.9, 20, 0.9, 0.05, 1.3), (1.0, 5, 0.5, 0.0, 0.8),
+    ]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repetition_penalty=penalty)
+        ours = processed_logits(logits, params, seen)
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone())
+        theirs = TemperatureLogitsWarper(temperature)(history, theirs)
+        if top_k:
+            theirs = TopKLogitsWarper(top_k)(history, theirs)
+        if top_p < 1:
+            theirs = TopPLogitsWarper(top_p)(history, theirs)
+        if min_p:
+            theirs = MinPLogitsWarper(min_p)(history, theirs)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), params
+        finite = torch.isfinite(ours)
+        torch.testing.assert_close(ours[finite], theirs[finite])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([[2.0, -2.0, 3.0, -1.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, 2.0)
+    assert out.tolist() == [[1.0, -4.0, 3.0, -1.0]]
+
+
+def test_repetition_penalty_can_change_the_greedy_choice():
+    logits = torch.tensor([[5.0, 4.9, 0.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=1.1)
+    seen = torch.tensor([[True, False, False]])
+    assert sample_next(logits, params, seen=seen).item() == 1  # 5 / 1.1 = 4.55 < 4.9
+    assert sample_next(logits, params.replace(repetition_penalty=1.0), seen=seen).item() == 0
+
+
+def test_greedy_is_argmax_and_ignores_the_filters():
+    logits = torch.tensor([[0.1, 2.0, 1.9], [3.0, -1.0, 2.0]])
+    params = SamplingParams(temperature=0, top_k=1, top_p=0.1, min_p=0.9)
+    assert sample_next(logits, params).tolist() == [1, 0]
+
+
+def test_samples_follow_the_temperature_scaled_distribution():
+    logits = logits_of([0.1, 0.2, 0.3, 0.4]).repeat(20000, 1)
+    params = SamplingParams(temperature=2.0)
+    draws = sample_next(logits, params, make_generator(0))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    expected = (logits[0] / 2.0).softmax(-1)
+    assert torch.allclose(freq, expected, atol=0.012), (freq, expected)
+
+
+def test_samples_never_leave_the_kept_set():
+    logits = logits_of(PROBS).repeat(5000, 1)
+    draws = sample_next(logits, SamplingParams(temperature=1.0, top_p=0.79), make_generator(1))
+    assert set(draws.tolist()) == {1, 3}
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, top_k=50)
+    a = sample_next(logits, params, make_generator(42))
+    b = sample_next(logits, params, make_generator(42))
+    c = sample_next(logits, params, make_generator(43))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -0.1, "temperature must be >= 0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("top_k", -1, "top_k must be an integer >= 0"),
+    ("min_p", 1.2, r"min_p must be in \[0, 1\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("max_new_tokens", 0, "max_new_tokens must be a positive integer"),
+    ("num_samples", 0, "num_samples must be a positive integer"),
+    ("stop", [""], "stop strings must not be empty"),
+    ("temperature", float("nan"), "temperature must be >= 0"),
+])
+def test_invalid_parameters_raise_one_clear_error(field, value, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        SamplingParams(**{field: value})
+    assert isinstance(info.value, FrawdError) and isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value)
+
+
+def test_params_from_dict_rejects_unknown_keys_and_accepts_lists():
+    params = SamplingParams.from_dict({"stop": ["a", "bc"], "stop_token_ids": [5], "temperature": 0})
+    assert params.stop == ("a", "bc") and params.stop_token_ids == (5,) and params.greedy
+    with pytest.raises(ConfigError, match="unknown sampling parameter.*top_q"):
+        SamplingParams.from_dict({"top_q": 0.5})

@@ -1,0 +1,68 @@
+"""Streaming text: never half a character, never a partial stop string, same text as a
+one-shot decode."""
+
+import pytest
+
+from frawdllm.infer.textstream import TextStream
+from frawdllm.tokenizer import EOS_ID, byte_tokenizer, train_tokenizer
+
+TEXT = "héllo wörld € 😀 ok – ñ"
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    return byte_tokenizer()
+
+
+def push_all(stream, ids):
+    return [stream.push(i) for i in ids] + [stream.finish()]
+
+
+def test_stream_never_splits_a_multibyte_character(byte_tok):
+    ids = byte_tok.encode(TEXT)
+    assert len(ids) > len(TEXT)  # several characters take several byte tokens
+    chunks = push_all(TextStream(byte_tok), ids)
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == TEXT
+    # Each chunk is whole characters: it encodes back to exactly its bytes.
+    assert sum(len(c.encode("utf-8")) for c in chunks) == len(ids)
+
+
+def test_stream_over_bpe_equals_one_shot_decode():
+    tok = train_tokenizer([TEXT * 20, "the quick brown fox jumps over the lazy dog"] * 5, kind="bpe", vocab_size=300)
+    ids = tok.encode(TEXT + " the lazy fox")
+    assert "".join(push_all(TextStream(tok), ids)) == tok.decode(ids)
+
+
+def test_special_tokens_are_not_text(byte_tok):
+    ids = byte_tok.encode("ab") + [EOS_ID] + byte_tok.encode("c")
+    assert "".join(push_all(TextStream(byte_tok), ids)) == "abc"
+
+
+def test_partial_stop_string_is_held_back_until_it_cannot_match(byte_tok):
+    stream = TextStream(byte_tok, stop=["STOP"])
+    out = [stream.push(i) for i in byte_tok.encode("go STO")]
+    assert "".join(out) == "go "  # "STO" could still become "STOP"
+    assert stream.push(byte_tok.encode("x")[0]) == "STOx"  # now it cannot: released
+    assert not stream.stopped
+
+
+def test_stop_string_across_tokens_ends_the_stream_and_is_never_emitted(byte_tok):
+    stream = TextStream(byte_tok, stop=["\n\nUser:", "END"])
+    chunks = push_all(stream, byte_tok.encode("Hello there.\n\nUser: more text"))
+    assert "".join(chunks) == "Hello there."
+    assert stream.stopped and stream.text == "Hello there."
+    assert stream.push(byte_tok.encode("z")[0]) == ""  # nothing after a stop
+
+
+def test_the_first_stop_string_to_complete_ends_the_text(byte_tok):
+    # "cd" completes at "abcd", before "bcde" could: the text ends before "cd".
+    stream = TextStream(byte_tok, stop=["bcde", "cd"])
+    assert "".join(push_all(stream, byte_tok.encode("abcdef"))) == "ab"
+
+
+def test_held_back_text_is_flushed_at_the_end(byte_tok):
+    stream = TextStream(byte_tok, stop=["STOP"])
+    assert "".join(push_all(stream, byte_tok.encode("ends with ST"))) == "ends with ST"
+    truncated = byte_tok.encode("é")[:1]  # a lone lead byte at the very end
+    assert push_all(TextStream(byte_tok), truncated) == ["", "\ufffd"]
