@@ -1,0 +1,114 @@
+"""`frawd chat` driven as a person would: through a terminal (pexpect), typing messages
+and commands, pressing Ctrl-C in the middle of a reply and Ctrl-D to leave."""
+
+import re
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer.chat import ROLE_TOKEN_IDS
+from frawdllm.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+
+FRAWD = str(Path(sys.executable).parent / "frawd")
+ALPHABET = "abcdefghij "
+REPLY = r"[a-j ]"
+
+
+def save_chat_model(directory: Path, context_length: int) -> Path:
+    """A random model that only ever writes letters: it never ends a reply by itself."""
+    tok = train_tokenizer([ALPHABET], kind="char")
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=2, n_embd=32, n_head=4,
+                                context_length=context_length, tie_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+        model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0  # logit 0: never the greedy choice
+    model.save_pretrained(directory, tokenizer=tok)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return save_chat_model(tmp_path_factory.mktemp("chat"), context_length=128)
+
+
+def spawn(model_dir, *args):
+    child = pexpect.spawn(FRAWD, ["chat", "--model", str(model_dir), "--threads", "1", *args],
+                          encoding="utf-8", timeout=60, dimensions=(40, 2000))
+    child.expect(r"/help for commands")
+    child.expect_exact("> ")
+    return child
+
+
+def expected_reply(model_dir, messages, max_new_tokens):
+    engine = Engine(FrawdLLM.from_pretrained(model_dir), Tokenizer.load(model_dir))
+    ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, stop_token_ids=ROLE_TOKEN_IDS)
+    return engine.generate([ids], params)[0].text
+
+
+def say(child, text):
+    """Type a line; return what the REPL printed before its next prompt."""
+    child.sendline(text)
+    child.expect_exact(text + "\r\n")  # the terminal echoes what was typed
+    child.expect(r"\r\n> ")
+    return child.before
+
+
+def test_a_conversation_with_commands(chat_model):
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "12")
+    first = say(child, "hello there")
+    assert first == expected_reply(chat_model, [{"role": "user", "content": "hello there"}], 12)
+    assert re.fullmatch(REPLY + "{12}", first)
+    second = say(child, "and again")
+    history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "and again"}]
+    assert second == expected_reply(chat_model, history, 12)  # the history is part of the prompt
+
+    assert "top_k=5" in say(child, "/params top_k=5")
+    assert "error: top_p must be in (0, 1]" in say(child, "/params top_p=3")
+    assert "(system message set)" in say(child, "/system be brief")
+    assert "(conversation cleared)" in say(child, "/reset")
+    assert "unknown command /bogus" in say(child, "/bogus")
+    reply = say(child, "hello there")  # top_k does not matter at temperature 0
+    system_first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    assert reply == expected_reply(chat_model, system_first, 12)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_repl(chat_model):
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "1000000", "--overflow", "slide")
+    child.sendline("write forever")
+    child.expect_exact("write forever\r\n")
+    child.expect(REPLY + "{30}")  # the reply is streaming
+    child.sendintr()
+    child.expect_exact("[stopped]")
+    child.expect_exact("\r\n> ")
+    assert "max_new_tokens=1000000" in say(child, "/params")
+    child.sendintr()  # Ctrl-C at the prompt: a fresh prompt, still running
+    child.expect_exact("> ")
+    assert child.isalive()
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_old_turns_are_dropped_to_fit_the_context_and_said_once(tmp_path):
+    model_dir = save_chat_model(tmp_path / "small", context_length=64)
+    child = spawn(model_dir, "--temperature", "0", "--max-new-tokens", "10")
+    outputs = [say(child, f"message number {i} here") for i in range(5)]
+    notices = [o.count("no longer fit the 64-token context") for o in outputs]
+    assert sum(notices) == 1 and notices[0] == 0
+    for output in outputs:
+        assert re.search(REPLY + "{10}$", output)
+    child.sendeof()
+    child.expect(pexpect.EOF)

@@ -1,0 +1,120 @@
+"""`frawd generate`: the JSON contract, streaming, prompt files, generation_config.json
+defaults and one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.cli import main
+from frawdllm.io import write_json_atomic
+from frawdllm.tokenizer import EOS_ID, byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=2, n_embd=32, n_head=4,
+                                context_length=64))
+    directory = tmp_path_factory.mktemp("model")
+    model.save_pretrained(directory, tokenizer=tok)
+    return directory
+
+
+def run(capsys, *args):
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def naive_greedy(model_dir, prompt, n):
+    model = FrawdLLM.from_pretrained(model_dir).eval()
+    seq, out = byte_tokenizer().encode(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(torch.tensor([seq]))[0][0, -1].argmax())
+            out.append(token)
+            seq.append(token)
+            if token == EOS_ID:
+                break
+    return out
+
+
+def test_json_output_is_one_object_with_the_greedy_tokens(capsys, model_dir):
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hello", "--max-new-tokens", "12",
+                         "--temperature", "0", "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    expected = naive_greedy(model_dir, "Hello", 12)
+    assert record["tokens"] == expected
+    text_ids = expected[:-1] if expected[-1] == EOS_ID else expected
+    assert record["text"] == byte_tokenizer().decode(text_ids, skip_special_tokens=True)
+    assert record["completion_tokens"] == len(expected) and record["prompt_tokens"] == 5
+
+
+def test_streamed_output_equals_the_json_text(capsys, model_dir):
+    common = ["generate", "--model", str(model_dir), "--prompt", "abc", "--max-new-tokens", "20",
+              "--temperature", "0.8", "--seed", "4"]
+    _, out, _ = run(capsys, *common, "--json")
+    text = json.loads(out)["text"]
+    code, streamed, _ = run(capsys, *common, "--stream")
+    assert code == 0 and streamed == text + "\n"
+
+
+def test_prompt_file_and_several_prompts_and_samples(capsys, model_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("from a file", encoding="utf-8")
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "one", "--prompt-file", str(prompt),
+                         "--num-samples", "2", "--max-new-tokens", "4", "--seed", "1", "--json")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert records[2]["prompt_tokens"] == len("from a file")
+
+
+def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_dir, tmp_path):
+    import shutil
+
+    directory = tmp_path / "m"
+    shutil.copytree(model_dir, directory)
+    write_json_atomic(directory / "generation_config.json", {"max_new_tokens": 3, "temperature": 0,
+                                                              "ignore_eos": True})
+    _, out, _ = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--json")
+    assert json.loads(out)["completion_tokens"] == 3
+    _, out, _ = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--json", "--max-new-tokens", "5")
+    assert json.loads(out)["completion_tokens"] == 5
+
+
+def test_int8_flag_generates(capsys, model_dir):
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--quantize", "int8",
+                         "--max-new-tokens", "5", "--temperature", "0", "--json", "--ignore-eos")
+    assert code == 0, err
+    assert len(json.loads(out)["tokens"]) == 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "x", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    ([], "give a prompt with --prompt TEXT or --prompt-file FILE"),
+    (["--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
+    (["--prompt", "x" * 100], "prompt has 100 tokens but the model's context is 64"),
+])
+def test_bad_input_is_one_line_error(capsys, model_dir, args, message):
+    import re
+
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), *args)
+    assert code == 1
+    assert re.search(message, err) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_missing_model_directory_is_one_line_error(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert code == 1 and "model directory not found" in err and err.count("\n") == 1
