@@ -5,8 +5,9 @@ Workload (issue 5): batch-1 greedy decode of 200 new tokens after a 32-token pro
 the same dimensions (its own KV cache). Runs are interleaved (ours, theirs, ours, ...) so
 that load from other processes hits both alike; each figure is a median.
 
-Also printed: the engine eager and under torch.compile, batch-16 throughput, and the
-first-token latency for a 256-token prompt.
+Also printed: the engine eager and under torch.compile, with int8 weights (not the
+default: it changes the numbers a little, see int8_perplexity.py), batch-16 throughput,
+and the first-token latency for a 256-token prompt.
 
     .venv/bin/python benchmarks/decode_speed.py [--repeats 5] [--threads N] [--no-compile]
 
@@ -16,6 +17,7 @@ The last line is the headline: speedup_vs_hf_batch1=<ours / transformers, defaul
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -23,6 +25,7 @@ import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer.quantize import quantize_int8
 
 PROMPT_LEN, NEW_TOKENS, BATCH, LONG_PROMPT = 32, 200, 16, 256
 
@@ -57,8 +60,10 @@ def timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both engines (1: steady on a shared machine; 0: torch's choice)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
+    parser.add_argument("--no-int8", action="store_true", help="skip the int8 figures")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,6 +75,8 @@ def main() -> None:
     engines = {"eager": Engine(model, tokenizer)}
     if not args.no_compile:
         engines["compiled"] = Engine(model, tokenizer, compile=True)
+    if not args.no_int8:
+        engines["int8"] = Engine(quantize_int8(copy.deepcopy(model)), tokenizer)
     default_mode = "compiled" if Engine(model, tokenizer).compile else "eager"
 
     gen = torch.Generator().manual_seed(1)

@@ -13,6 +13,7 @@ from frawdllm import FrawdLLM, get_config
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.chat import ROLE_TOKEN_IDS
 from frawdllm.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 FRAWD = str(Path(sys.executable).parent / "frawd")
 ALPHABET = "abcdefghij "

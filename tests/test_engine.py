@@ -10,6 +10,7 @@ from frawdllm.infer import Engine, KVCache, SamplingParams
 from frawdllm.infer.engine import decode_logits
 from frawdllm.infer.sampling import make_generator, sample_next
 from frawdllm.tokenizer import EOS_ID, train_tokenizer
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 VOCAB = 97
 

@@ -10,6 +10,7 @@ from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
 from frawdllm.io import write_json_atomic
 from frawdllm.tokenizer import EOS_ID, byte_tokenizer
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")

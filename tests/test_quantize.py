@@ -8,6 +8,7 @@ from torch import nn
 from frawdllm import FrawdLLM, get_config
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.quantize import Int8Linear, int8_weight_bytes, quantize_int8, quantize_rows
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 
 def test_per_row_rounding_error_is_at_most_half_a_step():

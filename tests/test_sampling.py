@@ -17,6 +17,7 @@ from frawdllm.infer.sampling import (
     top_k_filter,
     top_p_filter,
 )
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 
 def logits_of(probs):

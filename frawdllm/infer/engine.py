@@ -196,6 +196,7 @@ class _Run:
         self.cache = KVCache(cfg, self.n_rows, max_len, dtype=engine.dtype, device=engine.device,
                              static=engine.compile)
         self.rows = list(range(self.n_rows))  # batch position -> row
+        self.warm = False  # a decode step ran in this run (compiled mode: its guards passed)
         self.generator = make_generator(params.seed, engine.device) if not params.greedy else None
         self.seen = None
         if params.repetition_penalty != 1.0:
@@ -279,7 +280,14 @@ class _Run:
         self.cache.begin(1)
         # Finished rows ride along until dropped: keep their positions inside the tables.
         self.positions.clamp_(max=self.context - 1)
-        logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
+        if self.engine.compile and self.warm:
+            # Same model, cache tensors and shapes as the previous step of this run: the
+            # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
+        else:
+            logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
+            self.warm = True
         self.positions += 1
         return logits.float()
 
