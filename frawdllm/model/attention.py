@@ -9,7 +9,11 @@ n_head / n_kv_head query heads: the KV cache shrinks by that factor. n_kv_head =
 multi-query attention (MQA); n_kv_head == n_head is plain multi-head attention (MHA).
 
 The attention kernel is PyTorch's `scaled_dot_product_attention` (flash / memory-efficient
-kernels where available).
+kernels where available). One exception: training on CPU under `torch.compile`, where the
+CPU flash kernel's backward pass is slow for short sequences. There causal attention is
+computed as plain matmuls over a few query blocks (block i attends only the keys up to its
+end, skipping most of the masked half), which torch.compile fuses into about twice the
+speed; the result is the same attention.
 
 KV cache protocol: the inference engine passes an object with
 `update(layer_idx, k, v) -> (k_all, v_all, mask)`, which stores this step's keys and values
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
@@ -90,5 +95,36 @@ def attend(
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         if T != S:
             raise ValueError(f"a KV cache must give a mask when {T} queries attend {S} keys")
+        if q.device.type == "cpu" and T <= BLOCKED_MAX_T and torch.is_grad_enabled() \
+                and torch.compiler.is_compiling():
+            return blocked_causal_attention(q, k, v, dropout_p)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+BLOCKED_MAX_T = 512  # the blocks keep (T x T) probabilities for backward: fine for short T only
+
+
+def blocked_causal_attention(
+    q: Float[Tensor, "B H T hd"], k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"],
+    dropout_p: float = 0.0, n_blocks: int = 4,
+) -> Float[Tensor, "B H T hd"]:
+    """Causal attention as matmuls: query block [a, b) attends keys [0, b) only.
+
+    The same function as causal SDPA. With 4 blocks, 5/8 of the full T x T scores are
+    computed instead of all of them; the softmax runs in fp32 (or the inputs' dtype if wider).
+    """
+    T = q.shape[2]
+    size = -(-T // n_blocks)
+    scale = q.shape[-1] ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
+    out = []
+    for a in range(0, T, size):
+        b = min(a + size, T)
+        scores = (q[:, :, a:b] @ k[:, :, :b].transpose(-1, -2)).to(softmax_dtype) * scale  # (B, H, b-a, b)
+        probs = scores.masked_fill(~causal[a:b, :b], float("-inf")).softmax(dim=-1).to(q.dtype)
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        out.append(probs @ v[:, :, :b])  # (B, H, b-a, hd)
+    return torch.cat(out, dim=2)

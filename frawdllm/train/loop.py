@@ -142,7 +142,9 @@ class Trainer:
         self.device = pick_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model = model.to(self.device)
-        self.step_model = torch.compile(model) if cfg.compile else model
+        # Compiling the task's loss (not just model.forward) lets torch.compile see the whole
+        # step: the model, a fused loss, a reference model (DPO)...
+        self.loss_fn = torch.compile(task.loss) if cfg.compile else task.loss
         self.optimizer = build_optimizer(model, cfg)
         self.schedule = LRSchedule(cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
@@ -159,7 +161,8 @@ class Trainer:
         self._signal: str | None = None
         self._start = 0.0  # perf_counter at the start of this session's fit()
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
-        self._reserve_s = 0.0  # time the final eval + checkpoint will take (the last one's)
+        self._eval_s: float | None = None  # how long the last evaluation took
+        self._save_s: float | None = None  # how long the last checkpoint (and model publish) took
         self._step_s = 0.0  # time of the last step
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
@@ -198,7 +201,7 @@ class Trainer:
             if self.step == 0 and cfg.eval_interval:
                 self._evaluate(save=False)  # the starting point, and the cost of an evaluation
             while self.stop_reason is None:
-                record = self._train_step()
+                record = self.train_step()
                 _bar_update(bar, self, record)
                 for callback in self.callbacks:
                     callback(self, record)
@@ -219,7 +222,8 @@ class Trainer:
             self.metrics.close()
         return self._result()
 
-    def _train_step(self) -> dict:
+    def train_step(self) -> dict:
+        """One optimizer step (grad_accum micro-batches); returns its metrics record."""
         cfg = self.cfg
         started = time.perf_counter()
         lr = self.schedule(self.step, self.progress())
@@ -231,7 +235,7 @@ class Trainer:
             batch = to_device(self.task.next_batch(), self.device)
             step_tokens += self.task.batch_tokens(batch)
             with autocast(self.device, self.dtype):
-                loss = self.task.loss(self.step_model, batch)
+                loss = self.loss_fn(self.model, batch)
             self.scaler.scale(loss / cfg.grad_accum).backward()
             total += loss.detach().float()
         loss_value = float(total) / cfg.grad_accum
@@ -306,11 +310,16 @@ class Trainer:
         return None
 
     def _final_eval_s(self) -> float:
-        """What the last evaluation and checkpoint will take: as long as the previous ones,
-        or before any, about a forward pass (a third of a step) per validation batch."""
-        if self._reserve_s:
-            return self._reserve_s
-        return self.cfg.eval_batches * self._step_s / self.cfg.grad_accum / 3
+        """What the final evaluation and checkpoint will take, with a 25% margin: as long as
+        the previous ones, or before any, a forward pass (a third of a step) per validation
+        batch and writing weights and AdamW moments at 100 MB/s."""
+        eval_s = self._eval_s
+        if eval_s is None:
+            eval_s = self.cfg.eval_batches * self._step_s / self.cfg.grad_accum / 3
+        save_s = self._save_s
+        if save_s is None:
+            save_s = 3 * 4 * sum(p.numel() for p in self.params) / 100e6
+        return 1.25 * (eval_s + save_s)
 
     # ---- evaluation and checkpoints ----------------------------------------------------
     def _evaluate(self, save: bool) -> None:
@@ -333,13 +342,16 @@ class Trainer:
         improved = self.last_val_loss is not None and self.last_val_loss < self.best_val_loss
         if improved:
             self.best_val_loss, self.best_step = self.last_val_loss, self.step
+        plot_losses(self.run_dir)
+        saving = time.perf_counter()
+        self._eval_s = saving - start
         if improved or (not results and save):
             self._publish_model()
         if save:
             self._save_checkpoint()
-        plot_losses(self.run_dir)
         now = time.perf_counter()
-        self._reserve_s = now - start
+        if save:
+            self._save_s = now - saving
         self._window = (now, self.tokens)  # tokens/s measures training, not evaluation
 
     def _publish_model(self) -> None:

@@ -31,6 +31,7 @@ from ..tokenizer import KINDS, TOKENIZER_FILE, Tokenizer, train_tokenizer
 from .config import PretrainConfig, dump_yaml
 from .device import seed_everything
 from .evaluate import lm_loss, lm_metrics
+from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
 from .rundir import BEST_MODEL_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE
 from .checkpoint import CHECKPOINTS_DIR
@@ -64,7 +65,9 @@ class PretrainTask(TrainTask):
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        return model(x, y)[1]
+        # = model(x, y)[1], without materialising the (B, T, V) logits
+        hidden = model.hidden_states(x)  # (B, T, D)
+        return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, y.flatten())
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         if not self.can_evaluate:

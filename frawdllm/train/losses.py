@@ -1,0 +1,83 @@
+"""The language-model loss, fused with the LM head: cross-entropy without the logits tensor.
+
+The plain way, `F.cross_entropy(hidden @ W.T, targets)`, writes the logits (N x V: 67 MB
+for 2048 tokens and a vocabulary of 8192 in fp32), reads them back for the softmax, and
+the backward pass reads and writes them again. Here the tokens are processed in chunks
+and the forward pass already computes the gradients, while a chunk's logits are hot in
+cache:
+
+    logits  = h @ W.T                     (n, V), one chunk of n tokens
+    loss    = logsumexp(logits) - logits[target]
+    dlogits = softmax(logits) - onehot(target)          the gradient of the loss
+    dh      = dlogits @ W,   dW += dlogits.T @ h
+
+The backward pass only scales the stored gradients. Same value and gradients as
+`F.cross_entropy` (targets equal to -100 are ignored; the mean is over the others); the
+matmuls run in the autocast dtype when autocast is on, the softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..model import IGNORE_INDEX
+
+CHUNK_ELEMENTS = 2**21  # logits per chunk: 8 MB in fp32, cache-sized on a CPU
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        dtype = _compute_dtype(hidden)
+        acc = torch.promote_types(dtype, torch.float32)  # softmax and sums: fp32 at least
+        h, w = hidden.to(dtype), weight.to(dtype)  # (N, D), (V, D)
+        n_tokens = hidden.shape[0]
+        keep = targets != IGNORE_INDEX  # (N,)
+        count = keep.sum().clamp(min=1)
+        safe_targets = torch.where(keep, targets, 0)
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        for a in range(0, n_tokens, chunk):
+            b = min(a + chunk, n_tokens)
+            logits = (h[a:b] @ w.T).to(acc)  # (n, V)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (n, 1)
+            target = safe_targets[a:b, None]  # (n, 1)
+            mask = keep[a:b, None]
+            loss = loss + ((lse - logits.gather(1, target)) * mask).sum()
+            dlogits = (logits - lse).exp_().scatter_add_(1, target, -torch.ones_like(lse)).mul_(mask)
+            dlogits = dlogits.to(dtype)  # (n, V)
+            grad_h[a:b] = dlogits @ w  # (n, D)
+            grad_w += (dlogits.T @ h[a:b]).to(acc)  # (V, D)
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return (grad_h * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None
+
+
+def linear_cross_entropy(
+    hidden: Float[Tensor, "N D"], weight: Float[Tensor, "V D"], targets: Int[Tensor, " N"],
+    chunk: int | None = None,
+) -> Float[Tensor, ""]:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets` (-100 = ignored).
+
+    `chunk`: tokens per chunk (default: about CHUNK_ELEMENTS logits on a CPU, all at once
+    on a GPU, where one big matmul is what runs fast).
+    """
+    if chunk is None:
+        chunk = hidden.shape[0] if hidden.device.type == "cuda" else max(16, CHUNK_ELEMENTS // weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)

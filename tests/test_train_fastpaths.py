@@ -1,0 +1,75 @@
+"""Speed paths used in training must compute the same function as the plain ones."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from frawdllm.model.attention import blocked_causal_attention
+
+
+@pytest.mark.parametrize("T, n_blocks", [(64, 4), (7, 4), (33, 4), (256, 4), (16, 1), (10, 3)])
+def test_blocked_causal_attention_equals_sdpa_values_and_gradients(T, n_blocks):
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 3, T, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 3, T, 8, generator=gen, dtype=torch.float64)
+    ours = blocked_causal_attention(q, k, v, n_blocks=n_blocks)
+    ours_grads = torch.autograd.grad(ours, (q, k, v), grad)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(ours_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_blocked_causal_attention_in_bf16_stays_close_to_fp32():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=gen) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    low = blocked_causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16()).float()
+    assert (low - ref).abs().max() < 0.05
+
+
+def test_blocked_causal_attention_dropout_zeroes_some_weights_and_keeps_the_mean():
+    torch.manual_seed(0)
+    q, k = torch.zeros(1, 1, 64, 8), torch.zeros(1, 1, 64, 8)
+    v = torch.ones(1, 1, 64, 8)
+    out = blocked_causal_attention(q, k, v, dropout_p=0.5)  # uniform weights, half dropped, rest x2
+    assert not torch.allclose(out, torch.ones_like(out))
+    assert out.mean().item() == pytest.approx(1.0, abs=0.1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 300, None])
+def test_linear_cross_entropy_equals_cross_entropy_of_logits(chunk):
+    from frawdllm.train.losses import linear_cross_entropy
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(300, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (300,), generator=gen)
+    targets[::7] = -100  # ignored positions, as in SFT
+    ours = linear_cross_entropy(hidden, weight, targets, chunk=chunk)
+    ours_grads = torch.autograd.grad(2.5 * ours, (hidden, weight))
+    ref = F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100)
+    ref_grads = torch.autograd.grad(2.5 * ref, (hidden, weight))
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(ours_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_pretraining_loss_equals_the_models_own_loss_under_bf16_autocast():
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.train.losses import linear_cross_entropy
+
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300, context_length=16))
+    x, y = torch.randint(0, 300, (2, 2, 16))
+    params = list(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = linear_cross_entropy(model.hidden_states(x).flatten(0, 1), model.lm_head.weight, y.flatten())
+        fused_grads = torch.autograd.grad(fused, params)
+        plain = model(x, y)[1]
+        plain_grads = torch.autograd.grad(plain, params)
+    assert fused.dtype == torch.float32
+    assert fused.item() == pytest.approx(plain.item(), abs=2e-3)
+    for a, b in zip(fused_grads, plain_grads):
+        assert (a - b).abs().max() < 2e-3 * max(1.0, b.abs().max().item())
