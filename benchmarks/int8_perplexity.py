@@ -1,11 +1,13 @@
 """What int8 weight-only quantization costs in held-out perplexity (and gains in decode speed).
 
-Trains a small character-level model on tiny shakespeare with `frawd pretrain`
-(configs/shakespeare_char.yaml, a short budget) unless --model names one, then scores
-its validation split (the last 10% of the text, never trained on) in fp32, in bf16
-weights and with int8 weights, and times greedy decoding of each.
+Trains a model on tiny shakespeare with `frawd pretrain` (a short budget) unless --model
+names one, then scores its validation split (the last 10% of the text, never trained on)
+in fp32, with bf16 weights and with int8 weights, and times greedy decoding of each.
+Recipes: `char` (configs/shakespeare_char.yaml: 4 layers, width 128, characters) and
+`tiny-bpe` (the `tiny` preset: 6 layers, width 256, an 8192-token BPE vocabulary).
 
-    .venv/bin/python benchmarks/int8_perplexity.py [--model DIR --data-dir DIR] [--max-steps 600]
+    .venv/bin/python benchmarks/int8_perplexity.py [--recipe char|tiny-bpe] [--max-steps 600] [--run DIR]
+    .venv/bin/python benchmarks/int8_perplexity.py --model DIR --data-dir DIR
 
 The last line is the headline: int8_ppl_change_pct=<(ppl_int8 / ppl_fp32 - 1) * 100>.
 """
@@ -33,11 +35,19 @@ from frawdllm.train.evaluate import lm_loss
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def train(out: Path, max_steps: int) -> None:
+RECIPES = {
+    "char": ["--config", str(ROOT / "configs" / "shakespeare_char.yaml")],
+    "tiny-bpe": ["--preset", "tiny", "--data", str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"),
+                 "--tokenizer", "bpe", "--doc-split", "file", "--val-fraction", "0.1", "--lr", "1e-3",
+                 "--warmup-steps", "50", "--dtype", "fp32"],
+}
+
+
+def train(out: Path, recipe: str, max_steps: int) -> None:
     frawd = str(Path(sys.executable).parent / "frawd")
-    subprocess.run([frawd, "pretrain", "--config", str(ROOT / "configs" / "shakespeare_char.yaml"),
-                    "--max-steps", str(max_steps), "--max-time", "30m", "--eval-interval", "0",
-                    "--sample-tokens", "0", "--no-progress", "--out", str(out)], check=True, cwd=ROOT)
+    subprocess.run([frawd, "pretrain", *RECIPES[recipe], "--max-steps", str(max_steps), "--max-time", "60m",
+                    "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--out", str(out)],
+                   check=True, cwd=ROOT)
 
 
 def decode_tok_s(model, tokenizer, n: int = 200) -> float:
@@ -58,6 +68,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="A model directory (default: train one).")
     parser.add_argument("--run", default=None, help="Train into (or reuse the model of) this run directory.")
     parser.add_argument("--data-dir", default=None, help="Its prepared shards (val.bin); default: the run's data/.")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="char", help="What to train.")
     parser.add_argument("--max-steps", type=int, default=600, help="Training steps when training here.")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
@@ -67,7 +78,7 @@ def main() -> None:
         if args.model is None:
             run = Path(args.run) if args.run else Path(tmp) / "run"
             if not (run / "model").is_dir():
-                train(run, args.max_steps)
+                train(run, args.recipe, args.max_steps)
             model_dir, data_dir = run / "model", run / "data"
         else:
             model_dir = Path(args.model)
@@ -84,7 +95,8 @@ def main() -> None:
             ppl[name] = math.exp(loss)
             speed[name] = decode_tok_s(model, tokenizer)
     stored, full = int8_weight_bytes(variants["int8"])
-    print(f"model={'trained here' if args.model is None else args.model}  val_tokens={count}  context={context}")
+    where = f"trained here ({args.recipe}, {args.max_steps} steps)" if args.model is None else args.model
+    print(f"model={where}  val_tokens={count}  context={context}  params={fp32.num_parameters()}")
     print(f"linear_weight_bytes_fp32={full}  linear_weight_bytes_int8={stored}")
     for name in variants:
         print(f"ppl_{name}={ppl[name]:.4f}")

@@ -277,3 +277,19 @@ def test_empty_prompt_starts_after_end_of_sequence():
     assert out.tokens == naive_generate(model, [EOS_ID], 5, SamplingParams(temperature=0, ignore_eos=True))
     with pytest.raises(FrawdError, match="outside the vocabulary"):
         engine.generate([[VOCAB + 3]], SamplingParams())
+
+
+def test_streamed_bytes_equal_the_one_shot_decode_of_the_tokens():
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    model = make_model(vocab_size=tokenizer.vocab_size, std=0.3, **CONFIGS["learned"])
+    with torch.no_grad():  # favour the bytes of "é" and "€" so that multi-byte characters appear
+        for byte in "é€".encode("utf-8"):
+            model.lm_head.weight[7 + byte] *= 4
+    params = SamplingParams(temperature=1.5, seed=11, max_new_tokens=40, ignore_eos=True)
+    engine = Engine(model, tokenizer)
+    done = engine.generate(["x"], params)[0]
+    streamed = "".join(c.text for c in engine.stream("x", params))
+    assert streamed == tokenizer.decode(done.tokens, skip_special_tokens=True) == done.text
+    assert any(ord(ch) > 127 and ch != "\ufffd" for ch in streamed)  # a real multi-byte character came through

@@ -7,6 +7,7 @@
 
 from .cache import KVCache
 from .engine import Completion, Engine, StreamChunk
+from .quantize import quantize_int8
 from .sampling import SamplingParams, sample_next
 
-__all__ = ["Engine", "SamplingParams", "Completion", "StreamChunk", "KVCache", "sample_next"]
+__all__ = ["Engine", "SamplingParams", "Completion", "StreamChunk", "KVCache", "sample_next", "quantize_int8"]

@@ -71,6 +71,13 @@ class _TokenEvent:
 
 
 class Engine:
+    """Generation for one model and its tokenizer.
+
+    Construction puts the model in eval mode and stores its linear weights column-major
+    (`column_major_weights`). `compile=True` runs decode steps under torch.compile;
+    `overflow` says what happens past the context ("stop" or "slide").
+    """
+
     def __init__(
         self,
         model: nn.Module,
@@ -278,8 +285,8 @@ class _Run:
     def _step(self, last_tokens: list[int]) -> Float[Tensor, "B V"]:
         tokens = torch.tensor(last_tokens, device=self.engine.device)[:, None]  # (B, 1)
         self.cache.begin(1)
-        # Finished rows ride along until dropped: keep their positions inside the tables.
-        self.positions.clamp_(max=self.context - 1)
+        if len(self.rows) > 1:  # finished rows ride along until dropped: keep their positions in range
+            self.positions.clamp_(max=self.context - 1)
         if self.engine.compile and self.warm:
             # Same model, cache tensors and shapes as the previous step of this run: the
             # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).
@@ -315,8 +322,9 @@ def column_major_weights(model: nn.Module) -> None:
 
     A decode step multiplies a few rows by each weight matrix (a matrix-vector product
     that streams the whole matrix from memory); with the weight transposed in memory, the
-    BLAS reads it in the order it computes and the step runs about 1.5x faster on CPU
-    (benchmarks/decode_speed.py). Training and saving are unaffected.
+    BLAS reads it in the order it computes and the step runs about 1.5x faster on CPU.
+    Values and saved files are unchanged; the training loop restores the contiguous
+    layout after sampling (`p.data = p.data.contiguous()` does it by hand).
     """
     for module in model.modules():
         weight = getattr(module, "weight", None)
