@@ -13,8 +13,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The main job: a small GPT learns Python from the standard library (about 3 minutes on
+# 2 CPU cores, its own BPE tokenizer), then completes a function signature.
 demo: $(STAMP)
-	.venv/bin/frawd info --preset tiny
+	.venv/bin/frawd pretrain --config configs/demo_stdlib.yaml --out runs/demo --overwrite
+	.venv/bin/frawd generate --model runs/demo/model --prompt "def fibonacci(n):" --echo-prompt \
+		--max-new-tokens 120 --temperature 0.7 --top-k 40 --seed 0
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -5,12 +5,16 @@ post-LN (the paper):     x = norm1(x + attn(x));   x = norm2(x + mlp(x))
 
 Pre-LN keeps an unnormalised residual stream and trains stably without warmup tricks;
 post-LN is the 2017 original.
+
+Under torch.compile (training) the layers share one compiled region, so warm-up costs
+one block, not n_layer of them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
@@ -33,6 +37,13 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
     ) -> Float[Tensor, "B T D"]:
+        if kv_cache is None and torch.compiler.is_compiling():
+            return _compiled_once(self, x, rope)
+        return self.residual_stream(x, rope, kv_cache)
+
+    def residual_stream(
+        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
+    ) -> Float[Tensor, "B T D"]:
         if self.pre_norm:
             x = x + self.drop(self.attn(self.norm1(x), rope, kv_cache))
             x = x + self.drop(self.mlp(self.norm2(x)))
@@ -40,3 +51,10 @@ class TransformerBlock(nn.Module):
             x = self.norm1(x + self.drop(self.attn(x, rope, kv_cache)))
             x = self.norm2(x + self.drop(self.mlp(x)))
         return x
+
+
+@torch.compiler.nested_compile_region
+def _compiled_once(block: TransformerBlock, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    """Under torch.compile, every layer runs this one traced region: the compiler works on
+    a single block instead of n_layer copies (a faster warm-up, the same code)."""
+    return block.residual_stream(x, rope)

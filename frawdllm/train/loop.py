@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import threading
 import time
 import warnings
@@ -163,7 +164,7 @@ class Trainer:
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
         self._eval_s: float | None = None  # how long the last evaluation took
         self._save_s: float | None = None  # how long the last checkpoint (and model publish) took
-        self._step_s = 0.0  # time of the last step
+        self._step_times: list[float] = []  # recent step durations, the session's first excluded
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
         self._last_eval_step: int | None = None
@@ -256,7 +257,8 @@ class Trainer:
         self.last_loss = loss_value
         record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
         now = time.perf_counter()
-        self._step_s = now - started
+        if self.step > self._session_step + 1:  # the first step of a session warms up (compiles)
+            self._step_times = self._step_times[-8:] + [now - started]
         since, tokens_then = self._window
         self._rate = (self.tokens - tokens_then) / max(now - since, 1e-9)
         if self.step % cfg.log_interval == 0:
@@ -305,9 +307,16 @@ class Trainer:
             return "max_steps"
         if cfg.max_tokens and self.tokens >= cfg.max_tokens:
             return "max_tokens"
-        if cfg.max_time_s and self.elapsed() + self._final_eval_s() + self._step_s >= cfg.max_time_s:
-            return "max_time"
+        if cfg.max_time_s:
+            if self.elapsed() >= cfg.max_time_s:
+                return "max_time"
+            if self._step_times and self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
+                return "max_time"  # the next step would not leave time for the final evaluation
         return None
+
+    def _step_s(self) -> float:
+        """A typical step's duration: the median of the recent ones."""
+        return statistics.median(self._step_times)
 
     def _final_eval_s(self) -> float:
         """What the final evaluation and checkpoint will take, with a 25% margin: as long as
@@ -315,7 +324,7 @@ class Trainer:
         batch and writing weights and AdamW moments at 100 MB/s."""
         eval_s = self._eval_s
         if eval_s is None:
-            eval_s = self.cfg.eval_batches * self._step_s / self.cfg.grad_accum / 3
+            eval_s = self.cfg.eval_batches * self._step_s() / self.cfg.grad_accum / 3
         save_s = self._save_s
         if save_s is None:
             save_s = 3 * 4 * sum(p.numel() for p in self.params) / 100e6
