@@ -213,6 +213,14 @@ params = SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.5
 eager = Engine(model, IdTokenizer()).generate(prompts, params)
 compiled = Engine(model, IdTokenizer(), compile=True).generate(prompts, params)
 print([c.tokens for c in eager] == [c.tokens for c in compiled], len(set(eager[0].tokens)))
+# The compiled step freezes the weights into its graph: a new Engine after a weight
+# change must see the new weights, not reuse the first engine's graph.
+with torch.no_grad():
+    for param in model.parameters():
+        param.mul_(-1.0)
+eager2 = Engine(model, IdTokenizer()).generate(prompts, params)
+compiled2 = Engine(model, IdTokenizer(), compile=True).generate(prompts, params)
+print([c.tokens for c in eager2] == [c.tokens for c in compiled2], eager2[0].tokens != eager[0].tokens)
 """
 
 
@@ -225,8 +233,9 @@ def test_compiled_engine_equals_eager():
     script = COMPILE_SCRIPT.format(tests=str(Path(__file__).parent))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    same, distinct = result.stdout.split()
+    same, distinct, same_after_change, changed = result.stdout.split()
     assert same == "True" and int(distinct) > 3
+    assert changed == "True" and same_after_change == "True"
 
 
 # ---- text: stop strings and streaming ------------------------------------------------------

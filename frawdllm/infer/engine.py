@@ -25,6 +25,7 @@ A decode step can run under `torch.compile` (`compile=True`): the cache is then 
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -38,6 +39,10 @@ from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
+# compile=True: inductor's own CPU matrix kernels (max_autotune picks them over MKL when
+# faster: for one-row products they read the weights about twice as fast) on weights
+# frozen into the graph as constants (freezing, set around the first call).
+COMPILE_OPTIONS = {"max_autotune": True}
 SLIDE_KEEP = 0.75  # fraction of the context kept when sliding
 
 
@@ -97,7 +102,10 @@ class Engine:
         self.device, self.dtype = embed.device, embed.dtype
         self.eos_id = self.config.eos_token_id
         column_major_weights(model)
-        self._decode = torch.compile(_decode_step, fullgraph=True, dynamic=False) if compile else decode_logits
+        self._decode = (
+            torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS) if compile
+            else decode_logits
+        )
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -218,7 +226,8 @@ class _Run:
     def events(self) -> Iterator[_TokenEvent]:
         logits = self._prefill()
         while True:
-            next_tokens = self._sample(logits).tolist()
+            sampled = self._sample(logits)  # (B,)
+            next_tokens = sampled.tolist()
             for i, row in enumerate(self.rows):
                 if self.done[row]:
                     continue
@@ -234,8 +243,11 @@ class _Run:
             if self._needs_slide():
                 logits = self._prefill()
             else:
-                self._drop_finished_rows()
-                logits = self._step([self.seqs[row][-1] for row in self.rows])
+                kept = self._drop_finished_rows()
+                # Feed the sampled tensor back as is (no per-step list -> tensor copy). A
+                # finished row riding along gets a token it will never use; rows do not
+                # attend to each other, so it changes nothing for the others.
+                logits = self._step(sampled if kept is None else sampled[kept])
 
     def _finish_reason(self, row: int, token: int) -> str | None:
         if self.engine._is_stop_token(token, self.params):
@@ -282,8 +294,8 @@ class _Run:
         return self.model.lm_head(hidden[:, -1]).float()  # (B, V)
 
     @torch.inference_mode()
-    def _step(self, last_tokens: list[int]) -> Float[Tensor, "B V"]:
-        tokens = torch.tensor(last_tokens, device=self.engine.device)[:, None]  # (B, 1)
+    def _step(self, last_tokens: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
+        tokens = last_tokens[:, None]  # (B, 1)
         self.cache.begin(1)
         if len(self.rows) > 1:  # finished rows ride along until dropped: keep their positions in range
             self.positions.clamp_(max=self.context - 1)
@@ -292,9 +304,14 @@ class _Run:
             # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
+        elif self.engine.compile:
+            # Freezing is read while dynamo traces (weights become constants of the graph),
+            # so it is set around the call rather than passed in torch.compile's options.
+            with torch._inductor.config.patch(freezing=True):
+                logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
+            self.warm = True
         else:
             logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
-            self.warm = True
         self.positions += 1
         return logits.float()
 
@@ -304,17 +321,21 @@ class _Run:
         live = [i for i, row in enumerate(self.rows) if not self.done[row]]
         return self.cache.free < 1 or int(self.positions[live].max()) >= self.context
 
-    def _drop_finished_rows(self) -> None:
-        """Remove finished rows from the batch once they are half of it (eager mode only)."""
-        if self.engine.compile:
-            return
+    def _drop_finished_rows(self) -> Tensor | None:
+        """Remove finished rows from the batch once they are half of it (eager mode only).
+
+        Returns the batch positions kept, or None when the batch is unchanged.
+        """
+        if self.engine.compile or len(self.rows) == 1:
+            return None
         keep = [i for i, row in enumerate(self.rows) if not self.done[row]]
         if len(keep) > len(self.rows) // 2:
-            return
+            return None
         index = torch.tensor(keep, device=self.engine.device)
         self.cache.select_rows(index)
         self.positions = self.positions[index]
         self.rows = [self.rows[i] for i in keep]
+        return index
 
 
 def column_major_weights(model: nn.Module) -> None:
@@ -342,6 +363,16 @@ def decode_logits(
 def _decode_step(model, tokens, positions, cache):  # what torch.compile traces (no run-time type checks)
     hidden = model.hidden_states(tokens, positions, cache)  # (B, 1, D)
     return model.lm_head(hidden[:, -1])  # (B, V)
+
+
+def _own_decode_step():
+    """`_decode_step` with a code object of its own, for one Engine.
+
+    Dynamo keeps compiled graphs per code object, and a frozen graph holds the weights it
+    was traced with; with a shared code object, a new Engine over weights changed in place
+    would pass the old graph's guards (same Parameter objects) and decode with stale weights.
+    """
+    return types.FunctionType(_decode_step.__code__.replace(), _decode_step.__globals__, "_decode_step")
 
 
 __all__ = ["Engine", "Completion", "StreamChunk", "column_major_weights", "decode_logits", "OVERFLOW_MODES"]
