@@ -5,9 +5,11 @@ Workload (issue 5): batch-1 greedy decode of 200 new tokens after a 32-token pro
 the same dimensions (its own KV cache). Runs are interleaved (ours, theirs, ours, ...) so
 that load from other processes hits both alike; each figure is a median.
 
-Also printed: the engine eager and under torch.compile, with int8 weights (eager and
-compiled; not the default: int8 changes the numbers a little, see int8_perplexity.py),
-batch-16 throughput, and the first-token latency for a 256-token prompt.
+Also printed: the engine eager and under torch.compile (with warm-up seconds), with
+int8 weights and with bf16 weights (eager and compiled; neither is the default: both
+change the numbers a little, see int8_perplexity.py), batch-16 throughput, and the
+first-token latency for a 256-token prompt. Both engines run with the same torch
+thread count (--threads, printed as torch_threads).
 
     .venv/bin/python benchmarks/decode_speed.py [--repeats 5] [--threads N] [--no-compile]
 
@@ -64,6 +66,7 @@ def main() -> None:
                         help="torch threads for both engines (1: steady on a shared machine; 0: torch's choice)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
     parser.add_argument("--no-int8", action="store_true", help="skip the int8 figures")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight figures")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,6 +83,11 @@ def main() -> None:
         engines["int8"] = Engine(int8_model, tokenizer)
         if not args.no_compile:
             engines["int8_compiled"] = Engine(int8_model, tokenizer, compile=True)
+    if not args.no_bf16:
+        bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+        engines["bf16"] = Engine(bf16_model, tokenizer)
+        if not args.no_compile:
+            engines["bf16_compiled"] = Engine(bf16_model, tokenizer, compile=True)
     default_mode = "compiled" if Engine(model, tokenizer).compile else "eager"
 
     gen = torch.Generator().manual_seed(1)

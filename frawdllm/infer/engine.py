@@ -42,7 +42,10 @@ OVERFLOW_MODES = ("stop", "slide")
 # compile=True: inductor's own CPU matrix kernels (max_autotune picks them over MKL when
 # faster: for one-row products they read the weights about twice as fast) on weights
 # frozen into the graph as constants (freezing, set around the first call).
-COMPILE_OPTIONS = {"max_autotune": True}
+COMPILE_OPTIONS = {
+    "max_autotune": True,
+    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,  # no timing tables on stderr
+}
 SLIDE_KEEP = 0.75  # fraction of the context kept when sliding
 
 
