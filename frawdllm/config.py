@@ -164,11 +164,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        return cls(**data)
+        return cls(**check_fields(cls, data, "config field"))
 
     def replace(self, **overrides: Any) -> "ModelConfig":
         """A copy with fields changed, validated again."""
@@ -182,6 +178,15 @@ class ModelConfig:
         if "n_head" in overrides and "n_kv_head" not in overrides and self.n_kv_head == self.n_head:
             data["n_kv_head"] = None
         return ModelConfig(**data)
+
+
+def check_fields(cls: type, data: dict[str, Any], what: str) -> dict[str, Any]:
+    """`data` unchanged if every key is a field of dataclass `cls`, else a ConfigError."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {what}(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return data
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

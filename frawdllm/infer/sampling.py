@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from ..config import check_fields
 from ..errors import ConfigError
 
 
@@ -76,11 +77,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         """From a mapping such as generation_config.json; unknown keys are an error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return cls(**check_fields(cls, data, "sampling parameter"))
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return SamplingParams.from_dict({**self.to_dict(), **changes})
