@@ -18,7 +18,7 @@ the same tokens run after run.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
