@@ -5,16 +5,20 @@ train on random token batches (batch 8, sequence 256) with AdamW (weight decay 0
 gradient clipping at 1.0, in fp32 and in bf16 autocast:
 
     ours  `frawdllm.train.Trainer.train_step`, exactly what `frawd pretrain` runs
-          (torch.compile on unless --no-compile, fused AdamW)
+          (torch.compile on unless --no-compile, fused AdamW, fused LM-head loss,
+          glibc malloc told to keep freed memory)
     hf    `transformers.GPT2LMHeadModel` (SDPA attention) in a plain PyTorch loop:
-          autocast, backward, clip, `torch.optim.AdamW` with its defaults, eager
+          autocast, backward, clip, `torch.optim.AdamW` with its defaults, eager, in a
+          process of its own with the default allocator: HF as users run it
 
-The machine may be shared and noisy, so the variants take turns: each of `--rounds`
-rounds measures the dense matmul peak (per dtype) and then `--steps` steps of every
-variant. A round's tokens/s is its median step; MFU (tokens/s x training FLOPs per token,
-6N + attention as `ModelConfig.flops_per_token` counts them, / that round's peak in the
-same dtype) and the ratios are computed per round; the printed figures are medians over
-the rounds.
+Each side runs in its own worker process (the allocator setting is per process); the
+parent sequences them. The machine may be shared and noisy, so the variants take turns:
+each of `--rounds` rounds measures the dense matmul peak (per dtype, in the parent) and
+then `--steps` steps of every variant. A round's tokens/s is its median step; MFU
+(tokens/s x training FLOPs per token, 6N + attention as `ModelConfig.flops_per_token`
+counts them, / that round's peak in the same dtype) and the ratios are computed per round;
+the printed figures are medians over the rounds. `--detail` adds HF with fused AdamW,
+HF with the same allocator setting as ours, and HF under torch.compile.
 
     .venv/bin/python benchmarks/train_throughput.py            # prints key=value lines
 """
@@ -22,46 +26,49 @@ the rounds.
 from __future__ import annotations
 
 import argparse
-import shutil
+import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 
-import torch
-
-from frawdllm import FrawdLLM, get_config
-from frawdllm.train import Trainer, TrainTask
-from frawdllm.train.config import TrainConfig
-from frawdllm.train.device import DTYPES, measure_matmul_flops
-from frawdllm.train.pretrain import PretrainTask
-
 BATCH, SEQ = 8, 256
 
 
-class RandomTokens(TrainTask):
-    def __init__(self, vocab_size: int, seed: int = 0) -> None:
-        self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
+def random_batches(vocab_size: int):
+    import torch
 
-    def next_batch(self):
-        ids = torch.randint(0, self.vocab_size, (BATCH, SEQ + 1), generator=self.generator)
-        return ids[:, :-1], ids[:, 1:]
-
-    loss = PretrainTask.loss  # the pretraining loss, exactly (fused LM head + cross-entropy)
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        ids = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=generator)
+        yield ids[:, :-1], ids[:, 1:]
 
 
 def ours(cfg, dtype: str, compile: bool, workdir: str):
+    import torch
+
+    from frawdllm import FrawdLLM
+    from frawdllm.train import Trainer, TrainTask
+    from frawdllm.train.config import TrainConfig
+    from frawdllm.train.pretrain import PretrainTask
+
+    class RandomTokens(TrainTask):
+        batches = random_batches(cfg.vocab_size)
+
+        def next_batch(self):
+            return next(self.batches)
+
+        loss = PretrainTask.loss  # the pretraining loss, exactly
+
     train_cfg = TrainConfig(out=f"{workdir}/ours_{dtype}", device="cpu", dtype=dtype, compile=compile,
                             max_steps=10**9, lr=3e-4, warmup_steps=0, weight_decay=0.1, grad_clip=1.0,
                             eval_interval=0, log_interval=10**9, progress=False, peak_tflops=1.0)
     torch.manual_seed(0)
-    trainer = Trainer(FrawdLLM(cfg), RandomTokens(cfg.vocab_size), train_cfg)
-    return trainer.train_step
+    return Trainer(FrawdLLM(cfg), RandomTokens(), train_cfg).train_step
 
 
 def hf(cfg, dtype: str, compile: bool = False, fused: bool | None = None):
+    import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -77,11 +84,11 @@ def hf(cfg, dtype: str, compile: bool = False, fused: bool | None = None):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=3e-4, betas=(0.9, 0.95), fused=fused)
     forward = torch.compile(model) if compile else model
-    data = RandomTokens(cfg.vocab_size)
-    autocast = torch.autocast("cpu", dtype=DTYPES[dtype], enabled=dtype != "fp32")
+    batches = random_batches(cfg.vocab_size)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
 
     def step():
-        x, _ = data.next_batch()
+        x, _ = next(batches)
         with autocast:
             loss = forward(input_ids=x, labels=x).loss
         loss.backward()
@@ -93,51 +100,92 @@ def hf(cfg, dtype: str, compile: bool = False, fused: bool | None = None):
     return step
 
 
+def worker(conn, specs: list[tuple[str, str, str, dict]], warmup: int, keep_memory: bool) -> None:
+    """Build the variants `specs` (name, kind, dtype, options), warm them up, then time
+    steps on request: ("run", name, n) -> list of seconds; ("stop",) ends."""
+    warnings.filterwarnings("ignore")
+    from frawdllm import get_config
+    from frawdllm.train.device import keep_freed_memory
+
+    if keep_memory:
+        keep_freed_memory()
+    cfg = get_config("tiny")
+    workdir = tempfile.mkdtemp(prefix="frawd-throughput-")
+    steps, warm = {}, {}
+    for name, kind, dtype, options in specs:
+        steps[name] = ours(cfg, dtype, workdir=workdir, **options) if kind == "ours" else hf(cfg, dtype, **options)
+        start = time.perf_counter()
+        for _ in range(warmup):
+            steps[name]()
+        warm[name] = time.perf_counter() - start
+    conn.send(warm)
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+            return
+        _, name, n = message
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            steps[name]()
+            times.append(time.perf_counter() - start)
+        conn.send(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-compile", action="store_true", help="run our model eagerly")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--detail", action="store_true",
-                        help="also time HF with fused AdamW and HF under torch.compile (bf16)")
+                        help="also time HF with fused AdamW, with our allocator setting, and compiled (bf16)")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
+    import torch
+
+    from frawdllm import get_config
+    from frawdllm.train.device import measure_matmul_flops
+
     cfg = get_config("tiny")
     dtypes = args.dtypes.split(",")
     compile = not args.no_compile
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} batch={BATCH} seq={SEQ} "
           f"params={cfg.num_parameters} compile={compile}", flush=True)
 
-    workdir = tempfile.mkdtemp(prefix="frawd-throughput-")
-    variants = {}
-    for d in dtypes:
-        variants[f"hf_{d}"] = hf(cfg, d)
-        variants[f"ours_{d}"] = ours(cfg, d, compile, workdir)
+    groups = {  # worker -> (variants, keep freed memory)
+        "hf": ([(f"hf_{d}", "hf", d, {}) for d in dtypes], False),
+        "ours": ([(f"ours_{d}", "ours", d, {"compile": compile}) for d in dtypes], True),
+    }
     if args.detail and "bf16" in dtypes:
-        variants["hf_bf16_fused_adamw"] = hf(cfg, "bf16", fused=True)
-        variants["hf_bf16_compiled"] = hf(cfg, "bf16", compile=True)
-    for name, step in variants.items():
-        start = time.perf_counter()
-        for _ in range(args.warmup):
-            step()
-        print(f"warmup_s_{name}={time.perf_counter() - start:.1f}", flush=True)
+        groups["hf_extra"] = ([("hf_bf16_fused_adamw", "hf", "bf16", {"fused": True}),
+                               ("hf_bf16_compiled", "hf", "bf16", {"compile": True})], False)
+        groups["hf_keepmem"] = ([("hf_bf16_keep_freed_memory", "hf", "bf16", {})], True)
+    ctx = mp.get_context("spawn")
+    workers, owner = {}, {}
+    for group, (specs, keep) in groups.items():
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=worker, args=(child, specs, args.warmup, keep), daemon=True)
+        process.start()
+        for warm_name, seconds in parent.recv().items():  # warm-ups run one worker at a time
+            print(f"warmup_s_{warm_name}={seconds:.1f}", flush=True)
+        workers[group] = (process, parent)
+        owner.update({name: parent for name, *_ in specs})
 
-    # Each round measures the matmul peak and then every variant, so a change in the
-    # machine's load hits a round's figures together; ratios and MFU are per round.
     rounds = []
     for _ in range(args.rounds):
         peaks = {d: measure_matmul_flops(torch.device("cpu"), d, min_seconds=0.5) for d in dtypes}
         tps = {}
-        for name, step in variants.items():
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
-            tps[name] = BATCH * SEQ / statistics.median(times)
+        for name, conn in owner.items():
+            conn.send(("run", name, args.steps))
+            tps[name] = BATCH * SEQ / statistics.median(conn.recv())
         rounds.append((peaks, tps))
+    for process, conn in workers.values():
+        conn.send(("stop",))
+        process.join(timeout=30)
 
     def median(f):
         return statistics.median(f(peaks, tps) for peaks, tps in rounds)
@@ -145,7 +193,7 @@ def main() -> None:
     flops_per_token = cfg.flops_per_token(SEQ)
     for d in dtypes:
         print(f"peak_{d}_gflops={median(lambda p, t: p[d]) / 1e9:.1f}")
-    for name in variants:
+    for name in owner:
         print(f"{name}_tokens_per_s={median(lambda p, t: t[name]):.0f}")
     for who in ("hf_", ""):
         for d in dtypes:
@@ -153,8 +201,6 @@ def main() -> None:
             print(f"mfu_{who}{d}={mfu:.3f}")
     for d in sorted(dtypes, key=lambda d: d == "bf16"):  # the headline, bf16, last
         print(f"ratio_vs_hf_{d}={median(lambda p, t: t[f'ours_{d}'] / t[f'hf_{d}']):.2f}")
-    shutil.rmtree(workdir, ignore_errors=True)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -73,3 +73,14 @@ def test_pretraining_loss_equals_the_models_own_loss_under_bf16_autocast():
     assert fused.item() == pytest.approx(plain.item(), abs=2e-3)
     for a, b in zip(fused_grads, plain_grads):
         assert (a - b).abs().max() < 2e-3 * max(1.0, b.abs().max().item())
+
+
+def test_gelu_through_sigmoid_equals_torch_tanh_gelu():
+    from frawdllm.model.mlp import gelu_tanh_via_sigmoid
+
+    x = torch.linspace(-12, 12, 20001, dtype=torch.float64)
+    torch.testing.assert_close(gelu_tanh_via_sigmoid(x), F.gelu(x, approximate="tanh"), rtol=1e-12, atol=1e-14)
+    bf = x.to(torch.bfloat16)
+    assert gelu_tanh_via_sigmoid(bf).dtype == torch.bfloat16
+    torch.testing.assert_close(gelu_tanh_via_sigmoid(bf).float(), F.gelu(bf.float(), approximate="tanh"),
+                               rtol=1e-2, atol=1e-2)

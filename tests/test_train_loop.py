@@ -271,3 +271,54 @@ def test_existing_run_needs_resume_or_overwrite(corpus, tmp_path):
     result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=3, eval_interval=0, overwrite=True))
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
     assert result.steps == 3
+
+
+def test_tensorboard_and_offline_wandb_receive_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    model = torch.nn.Linear(4, 1)
+    cfg = generic_config(tmp_path, max_steps=4, eval_interval=0, tensorboard=True, wandb=True)
+    Trainer(model, ScriptedTask(nan_steps=()), cfg).fit()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    assert losses == pytest.approx(train_losses(tmp_path / "run"))
+    offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
+
+
+def test_pretrain_on_prepared_shards_checks_their_tokenizer(corpus, tmp_path):
+    from frawdllm.data import prepare_shards
+    from frawdllm.errors import FrawdError
+    from frawdllm.tokenizer import train_tokenizer
+
+    text = corpus.read_text(encoding="utf-8")
+    tok = train_tokenizer([text], kind="char")
+    tok.save(tmp_path / "tok.json")
+    prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.1, doc_split="file")
+    result = run_pretraining(tiny_config(tmp_path / "shards", tmp_path / "run", tokenizer=str(tmp_path / "tok.json"),
+                                         max_steps=3, eval_interval=0))
+    assert result.steps == 3 and result.val_loss is not None
+    assert not (tmp_path / "run" / "data").exists()  # the shards were used where they are
+    other = train_tokenizer([text[:1000]], kind="char")
+    other.save(tmp_path / "other.json")
+    with pytest.raises(FrawdError, match="not the tokenizer the shards"):
+        run_pretraining(tiny_config(tmp_path / "shards", tmp_path / "run2", tokenizer=str(tmp_path / "other.json"),
+                                    max_steps=3, eval_interval=0))
+
+
+def test_fp16_autocast_trains_with_a_grad_scaler(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, LinearTask(8), generic_config(tmp_path, dtype="fp16", max_steps=80, eval_interval=0,
+                                                           lr=0.1))
+    assert trainer.scaler.is_enabled()
+    result = trainer.fit()
+    losses = train_losses(tmp_path / "run")
+    # the first steps overflow at the initial loss scale and are skipped by the scaler; then it learns
+    assert math.isfinite(result.last_loss) and sum(losses[-4:]) < sum(losses[:4]) / 10
+    assert trainer.scaler.get_scale() < 2.0**16

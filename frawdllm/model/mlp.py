@@ -6,6 +6,7 @@ SwiGLU: down(silu(gate(x)) * up(x))           D -> 2H (gate and up fused) -> D
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -29,5 +30,21 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = gelu_tanh(h)
         return self.down(h)
+
+
+def gelu_tanh(h: Float[Tensor, "*B H"]) -> Float[Tensor, "*B H"]:
+    """GPT-2's tanh-approximate GELU: 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3))).
+
+    Under torch.compile it is written with a sigmoid, 0.5 (1 + tanh(z)) = sigmoid(2z):
+    the same function, and the compiled CPU kernel is about twice as fast as with tanh.
+    """
+    if torch.compiler.is_compiling():
+        return gelu_tanh_via_sigmoid(h)
+    return F.gelu(h, approximate="tanh")
+
+
+def gelu_tanh_via_sigmoid(h: Float[Tensor, "*B H"]) -> Float[Tensor, "*B H"]:
+    x = h.float() if h.dtype in (torch.bfloat16, torch.float16) else h
+    return (x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))).to(h.dtype)  # 2 sqrt(2/pi)

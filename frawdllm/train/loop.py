@@ -41,8 +41,8 @@ from ..errors import FrawdError
 from ..io import atomic_dir
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .device import (autocast, measure_matmul_flops, pick_device, resolve_dtype, rng_state,
-                     set_rng_state, synchronize)
+from .device import (autocast, keep_freed_memory, measure_matmul_flops, pick_device, resolve_dtype,
+                     rng_state, set_rng_state)
 from .optim import build_optimizer
 from .rundir import BEST_MODEL_DIR, MetricsLog, append_samples, plot_losses, truncate_metrics
 from .schedule import LRSchedule
@@ -142,6 +142,8 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.device = pick_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = model.to(self.device)
         # Compiling the task's loss (not just model.forward) lets torch.compile see the whole
         # step: the model, a fused loss, a reference model (DPO)...
@@ -319,7 +321,7 @@ class Trainer:
         return statistics.median(self._step_times)
 
     def _final_eval_s(self) -> float:
-        """What the final evaluation and checkpoint will take, with a 25% margin: as long as
+        """What the final evaluation and checkpoint will take, with a 50% margin: as long as
         the previous ones, or before any, a forward pass (a third of a step) per validation
         batch and writing weights and AdamW moments at 100 MB/s."""
         eval_s = self._eval_s
@@ -328,7 +330,7 @@ class Trainer:
         save_s = self._save_s
         if save_s is None:
             save_s = 3 * 4 * sum(p.numel() for p in self.params) / 100e6
-        return 1.25 * (eval_s + save_s)
+        return 1.5 * (eval_s + save_s)
 
     # ---- evaluation and checkpoints ----------------------------------------------------
     def _evaluate(self, save: bool) -> None:
