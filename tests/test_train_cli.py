@@ -3,7 +3,6 @@ and evaluation figures checked against a direct computation."""
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys

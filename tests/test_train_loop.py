@@ -3,7 +3,6 @@ the time budget, gradient accumulation and the run directory."""
 
 import collections
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -13,9 +12,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 
-from frawdllm import FrawdLLM, get_config
+from frawdllm import FrawdLLM
 from frawdllm.tokenizer import Tokenizer
 from frawdllm.train import PretrainConfig, Trainer, TrainingDiverged, TrainTask, run_pretraining
 from frawdllm.train.checkpoint import latest_checkpoint, list_checkpoints, load_state, load_weights
@@ -55,10 +53,9 @@ def unigram_entropy(text: str) -> float:
 
 
 def test_loss_decreases_on_tiny_shakespeare_in_seconds(corpus, tmp_path):
-    start = time.perf_counter()
+    # No wall-clock assertion here: CI machines are shared, and speed has its own benchmark.
     result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=150, eval_interval=75,
                                          batch_size=16, lr=1e-2))
-    assert time.perf_counter() - start < 60
     evals = [r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r]
     assert len(evals) == 3  # steps 0, 75, 150
     assert evals[0] > math.log(50)  # about uniform over the ~60 characters at the start

@@ -44,7 +44,7 @@ from .config import TrainConfig
 from .device import (autocast, keep_freed_memory, measure_matmul_flops, pick_device, resolve_dtype,
                      rng_state, set_rng_state)
 from .optim import build_optimizer
-from .rundir import BEST_MODEL_DIR, MetricsLog, append_samples, plot_losses, truncate_metrics
+from .rundir import BEST_MODEL_DIR, MetricsLog, append_samples, load_pyplot, plot_losses, truncate_metrics
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -194,6 +194,7 @@ class Trainer:
         if self.task.flops_per_token and self.peak_flops is None:
             self.peak_flops = measure_matmul_flops(self.device, self.dtype)
         self.model.train()
+        load_pyplot()
         self._start = time.perf_counter()
         self._window = (self._start, self.tokens)
         self._session_step, self._session_tokens = self.step, self.tokens

@@ -99,12 +99,20 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
     write_text_atomic(Path(run_dir) / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
 
-def plot_losses(run_dir: Path) -> None:
-    """Draw loss.png from metrics.jsonl: the training loss and the validation points."""
+def load_pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, imported on first use (it takes
+    about a second, which the loop pays before its clock starts, not inside --max-time)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(run_dir: Path) -> None:
+    """Draw loss.png from metrics.jsonl: the training loss and the validation points."""
+    plt = load_pyplot()
 
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
