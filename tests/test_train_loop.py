@@ -319,3 +319,20 @@ def test_fp16_autocast_trains_with_a_grad_scaler(tmp_path):
     # the first steps overflow at the initial loss scale and are skipped by the scaler; then it learns
     assert math.isfinite(result.last_loss) and sum(losses[-4:]) < sum(losses[:4]) / 10
     assert trainer.scaler.get_scale() < 2.0**16
+
+
+def test_a_failing_torch_compile_falls_back_to_eager_with_a_warning(tmp_path, monkeypatch):
+    import frawdllm.train.loop as loop
+
+    def broken_compile(fn):
+        def compiled(*args):
+            raise RuntimeError("InductorError: no C++ compiler found\nmore detail")
+        return compiled
+
+    monkeypatch.setattr(loop.torch, "compile", broken_compile)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, LinearTask(8), generic_config(tmp_path, compile=True, max_steps=5, eval_interval=0))
+    with pytest.warns(UserWarning, match="torch.compile failed .*no C\\+\\+ compiler.*training without it"):
+        result = trainer.fit()
+    assert result.steps == 5 and len(train_losses(tmp_path / "run")) == 5

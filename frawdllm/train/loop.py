@@ -148,6 +148,7 @@ class Trainer:
         # Compiling the task's loss (not just model.forward) lets torch.compile see the whole
         # step: the model, a fused loss, a reference model (DPO)...
         self.loss_fn = torch.compile(task.loss) if cfg.compile else task.loss
+        self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
         self.optimizer = build_optimizer(model, cfg)
         self.schedule = LRSchedule(cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
@@ -238,10 +239,7 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             batch = to_device(self.task.next_batch(), self.device)
             step_tokens += self.task.batch_tokens(batch)
-            with autocast(self.device, self.dtype):
-                loss = self.loss_fn(self.model, batch)
-            self.scaler.scale(loss / cfg.grad_accum).backward()
-            total += loss.detach().float()
+            total += self._forward_backward(batch)
         loss_value = float(total) / cfg.grad_accum
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -269,6 +267,24 @@ class Trainer:
             self.metrics.log(record)
             self._window = (now, self.tokens)
         return record
+
+    def _forward_backward(self, batch: Any) -> Tensor:
+        """The micro-batch's loss (detached), its gradients accumulated."""
+        try:
+            with autocast(self.device, self.dtype):
+                loss = self.loss_fn(self.model, batch)
+            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+        except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
+            if self.loss_fn is self.task.loss or self._compiled_ok:
+                raise
+            # e.g. no C++ compiler on this machine: train without torch.compile
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                          "training without it", stacklevel=2)
+            self.loss_fn = self.task.loss
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._forward_backward(batch)
+        self._compiled_ok = True
+        return loss.detach().float()
 
     def _bad_step(self, loss_value: float, grad_norm: float) -> None:
         self.bad_steps += 1
@@ -323,11 +339,13 @@ class Trainer:
 
     def _final_eval_s(self) -> float:
         """What the final evaluation and checkpoint will take, with a 50% margin: as long as
-        the previous ones, or before any, a forward pass (a third of a step) per validation
-        batch and writing weights and AdamW moments at 100 MB/s."""
+        the previous ones, or before any, a forward pass per validation batch (a third of an
+        eager step; evaluation is not compiled, so a whole compiled step) and writing the
+        weights and AdamW moments at 100 MB/s."""
         eval_s = self._eval_s
         if eval_s is None:
-            eval_s = self.cfg.eval_batches * self._step_s() / self.cfg.grad_accum / 3
+            per_batch = self._step_s() / self.cfg.grad_accum / (1 if self.cfg.compile else 3)
+            eval_s = self.cfg.eval_batches * per_batch
         save_s = self._save_s
         if save_s is None:
             save_s = 3 * 4 * sum(p.numel() for p in self.params) / 100e6
