@@ -188,7 +188,7 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> Train
     model_cfg = model_config_for(cfg, data.tokenizer.vocab_size)
     seed_everything(cfg.seed)
     model = FrawdLLM(model_cfg)
-    header = (f"# frawd pretrain --config {run_dir / CONFIG_FILE}  (reruns this run)\n"
+    header = (f"# rerun: frawd pretrain --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
               f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
               f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
               f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
