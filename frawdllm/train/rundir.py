@@ -126,7 +126,8 @@ def plot_losses(run_dir: Path) -> None:
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(Path(run_dir).resolve().name)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val:
+        ax.legend()
     fig.tight_layout()
     with atomic_path(Path(run_dir) / PLOT_FILE) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
