@@ -203,8 +203,10 @@ class Trainer:
         bar = _progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
         try:
-            if self.step == 0 and cfg.eval_interval:
-                self._evaluate(save=False)  # the starting point, and the cost of an evaluation
+            if self.step == 0 and (cfg.eval_interval or cfg.max_time_s):
+                # the starting point; and what an evaluation costs, which a time budget must
+                # keep in reserve for the final one
+                self._evaluate(save=False)
             while self.stop_reason is None:
                 record = self.train_step()
                 _bar_update(bar, self, record)
