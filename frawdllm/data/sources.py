@@ -189,15 +189,16 @@ def _text_documents(path: Path, doc_split: str, stats: SourceStats) -> Iterator[
 
 
 def _split_stream(read_chunk, separator: re.Pattern) -> Iterator[str]:
-    """Split a stream read in chunks on `separator`; a separator touching the end of the
-    buffer may continue in the next chunk, so it waits for more text."""
+    """Split a stream read in chunks on `separator`; a separator followed by nothing but
+    whitespace up to the end of the buffer may continue in the next chunk, so it waits
+    for more text."""
     carry = ""
     while True:
         chunk = read_chunk()
         buffer = carry + chunk
         start = 0
         for match in separator.finditer(buffer):
-            if chunk and match.end() == len(buffer):
+            if chunk and not buffer[match.end():].strip():
                 break
             yield from _nonblank(buffer[start:match.start()])
             start = match.end()
