@@ -1,15 +1,18 @@
-"""What int8 weight-only quantization costs in held-out perplexity (and gains in decode speed).
+"""What lower-precision weights cost in held-out perplexity (and gain in decode speed).
 
 Trains a model on tiny shakespeare with `frawd pretrain` (a short budget) unless --model
 names one, then scores its validation split (the last 10% of the text, never trained on)
-in fp32, with bf16 weights and with int8 weights, and times greedy decoding of each.
+with fp32 weights, fp16-rounded linear weights (what the engine's default native decoding
+reads), bf16 weights and int8 weights, and times greedy decoding of each (fp32: native
+forward with weights="fp32"; fp16: the engine's default).
 Recipes: `char` (configs/shakespeare_char.yaml: 4 layers, width 128, characters) and
 `tiny-bpe` (the `tiny` preset: 6 layers, width 256, an 8192-token BPE vocabulary).
 
     .venv/bin/python benchmarks/int8_perplexity.py [--recipe char|tiny-bpe] [--max-steps 600] [--run DIR]
     .venv/bin/python benchmarks/int8_perplexity.py --model DIR --data-dir DIR
 
-The last line is the headline: int8_ppl_change_pct=<(ppl_int8 / ppl_fp32 - 1) * 100>.
+The last line is the headline: int8_ppl_change_pct=<(ppl_int8 / ppl_fp32 - 1) * 100>;
+fp16_ppl_change_pct is the same figure for the default native decoding.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from frawdllm.data import VAL_FILE, read_shard
 from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer.native import fp16_rounded_copy
 from frawdllm.infer.quantize import int8_weight_bytes, quantize_int8
 from frawdllm.modeldir import load_model
 from frawdllm.tokenizer import Tokenizer
@@ -50,9 +54,9 @@ def train(out: Path, recipe: str, max_steps: int) -> None:
                    check=True, cwd=ROOT)
 
 
-def decode_tok_s(model, tokenizer, n: int = 200) -> float:
+def decode_tok_s(model, tokenizer, n: int = 200, **engine_options) -> float:
     """Median greedy decode speed; past the (short) context the engine slides."""
-    engine = Engine(model, tokenizer, overflow="slide")
+    engine = Engine(model, tokenizer, overflow="slide", **engine_options)
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
     engine.generate("ROMEO:", params.replace(max_new_tokens=8))
     rates = []
@@ -87,13 +91,15 @@ def main() -> None:
         tokenizer = Tokenizer.load(model_dir)
         fp32 = load_model(model_dir).eval()
         context = fp32.config.context_length
-        variants = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
+        variants = {"fp32": fp32, "fp16": fp16_rounded_copy(fp32), "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
                     "int8": quantize_int8(copy.deepcopy(fp32))}
+        decoding = {"fp32": (fp32, dict(weights="fp32")), "fp16": (fp32, dict(weights="fp16"))}
         ppl, speed = {}, {}
         for name, model in variants.items():
             loss, count = lm_loss(model, tokens, args.batch_size, context, torch.device("cpu"))
             ppl[name] = math.exp(loss)
-            speed[name] = decode_tok_s(model, tokenizer)
+            decode_model, options = decoding.get(name, (model, {}))
+            speed[name] = decode_tok_s(decode_model, tokenizer, **options)
     stored, full = int8_weight_bytes(variants["int8"])
     where = f"trained here ({args.recipe}, {args.max_steps} steps)" if args.model is None else args.model
     print(f"model={where}  val_tokens={count}  context={context}  params={fp32.num_parameters()}")
@@ -102,6 +108,7 @@ def main() -> None:
         print(f"ppl_{name}={ppl[name]:.4f}")
     for name in variants:
         print(f"decode_tok_s_{name}={speed[name]:.1f}")
+    print(f"fp16_ppl_change_pct={(ppl['fp16'] / ppl['fp32'] - 1) * 100:.3f}")
     print(f"bf16_ppl_change_pct={(ppl['bf16'] / ppl['fp32'] - 1) * 100:.3f}")
     print(f"int8_ppl_change_pct={(ppl['int8'] / ppl['fp32'] - 1) * 100:.3f}")
 

@@ -1,12 +1,17 @@
 """The engine against naive references: a loop that recomputes the full sequence each
-step, the full forward's logits, each prompt run alone."""
+step, the full forward's logits, each prompt run alone.
+
+Every reference test runs in each decoding mode: PyTorch, and the native C forward
+reading fp32 weights or fp16 copies (the default on CPU). In fp16 mode the reference is
+the same model with its linear weights rounded to fp16, which is exactly what the C code
+multiplies by (in fp32)."""
 
 import pytest
 import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.errors import FrawdError
-from frawdllm.infer import Engine, KVCache, SamplingParams
+from frawdllm.infer import Engine, KVCache, SamplingParams, native
 from frawdllm.infer.engine import decode_logits
 from frawdllm.infer.sampling import make_generator, sample_next
 from frawdllm.tokenizer import EOS_ID, train_tokenizer
@@ -24,6 +29,18 @@ CONFIGS = {
     "post-ln": dict(pos_encoding="learned", norm_placement="post"),
     "llama": dict(use_rope=True, use_rmsnorm=True, use_swiglu=True, bias=False, n_kv_head=2, tie_embeddings=False),
 }
+
+
+MODES = {
+    "torch": dict(native=False),
+    "native-fp32": dict(native=True, weights="fp32"),
+    "native-fp16": dict(native=True, weights="fp16"),
+}
+
+
+def reference(model, engine):
+    """The model whose full forward the engine's decoding should reproduce."""
+    return native.fp16_rounded_copy(model) if engine.native and engine.weights == "fp16" else model
 
 
 class IdTokenizer:
@@ -70,29 +87,39 @@ def naive_generate(model, prompt, n_new, params=None, generator=None):
     return out
 
 
+def test_the_default_engine_decodes_natively_with_fp16_weights_on_cpu():
+    engine = Engine(make_model(), IdTokenizer())
+    assert engine.native and engine.weights == "fp16"
+    assert not Engine(make_model(), IdTokenizer(), native=False).native
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_engine_equals_naive_full_recompute(name):
+def test_greedy_engine_equals_naive_full_recompute(name, mode):
     model = make_model(**CONFIGS[name])
-    engine = Engine(model, IdTokenizer())
+    engine = Engine(model, IdTokenizer(), **MODES[mode])
+    ref = reference(model, engine)
     prompt = prompt_ids(1, 9)
     params = SamplingParams(temperature=0, max_new_tokens=20)
     out = engine.generate([prompt], params)[0]
-    assert out.tokens == naive_generate(model, prompt, 20)
+    assert out.tokens == naive_generate(ref, prompt, 20)
     # With a repetition penalty greedy output varies more: a sharper check of positions.
     penalised = params.replace(repetition_penalty=1.8)
     tokens = engine.generate([prompt], penalised)[0].tokens
     assert len(set(tokens)) > 5
-    assert tokens == naive_generate(model, prompt, 20, penalised)
+    assert tokens == naive_generate(ref, prompt, 20, penalised)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["rope", "learned-mqa", "llama"])
-def test_seeded_sampling_through_the_engine_equals_the_naive_loop(name):
+def test_seeded_sampling_through_the_engine_equals_the_naive_loop(name, mode):
     model = make_model(**CONFIGS[name])
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_new_tokens=25, seed=7)
     prompt = prompt_ids(2, 6)
-    tokens = Engine(model, IdTokenizer()).generate([prompt], params)[0].tokens
+    engine = Engine(model, IdTokenizer(), **MODES[mode])
+    tokens = engine.generate([prompt], params)[0].tokens
     assert len(set(tokens)) > 5
-    assert tokens == naive_generate(model, prompt, 25, params, make_generator(7))
+    assert tokens == naive_generate(reference(model, engine), prompt, 25, params, make_generator(7))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -113,10 +140,11 @@ def test_cache_logits_equal_full_forward(name, static):
         torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["learned", "rope-gqa", "sinusoidal"])
-def test_ragged_batch_rows_equal_each_prompt_alone(name):
+def test_ragged_batch_rows_equal_each_prompt_alone(name, mode):
     model = make_model(**CONFIGS[name])
-    engine = Engine(model, IdTokenizer())
+    engine = Engine(model, IdTokenizer(), **MODES[mode])
     prompts = [prompt_ids(10, 3), prompt_ids(11, 17), prompt_ids(12, 9), prompt_ids(13, 1)]
     params = SamplingParams(temperature=0, max_new_tokens=15, repetition_penalty=1.5, num_samples=2)
     batch = engine.generate(prompts, params)
@@ -127,9 +155,10 @@ def test_ragged_batch_rows_equal_each_prompt_alone(name):
         assert c.prompt_tokens == len(prompts[c.prompt_index])
 
 
-def test_rows_finish_independently_and_the_rest_continue_unchanged():
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_finish_independently_and_the_rest_continue_unchanged(mode):
     model = make_model(**CONFIGS["rope"])
-    engine = Engine(model, IdTokenizer())
+    engine = Engine(model, IdTokenizer(), **MODES[mode])
     prompts = [prompt_ids(20 + i, 4 + 3 * i) for i in range(4)]
     params = SamplingParams(temperature=0, max_new_tokens=16, repetition_penalty=1.5, ignore_eos=True)
     alone = [engine.generate([p], params)[0].tokens for p in prompts]
@@ -150,7 +179,7 @@ def test_end_of_sequence_ends_a_completion_and_is_not_text():
         model.lm_head.weight[EOS_ID] = model.lm_head.weight[EOS_ID] * 0
     engine = Engine(model, IdTokenizer())
     prompt = prompt_ids(4, 5)
-    ref = naive_generate(model, prompt, 30)
+    ref = naive_generate(reference(model, engine), prompt, 30)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=30))[0]
     assert out.tokens == ref
     if out.tokens[-1] == EOS_ID:
@@ -159,16 +188,17 @@ def test_end_of_sequence_ends_a_completion_and_is_not_text():
     assert len(ignored.tokens) == 30 and ignored.finish_reason == "length"
 
 
-def test_overflow_stop_ends_rows_at_the_context_length():
+@pytest.mark.parametrize("mode", MODES)
+def test_overflow_stop_ends_rows_at_the_context_length(mode):
     model = make_model(context_length=24, **CONFIGS["rope"])
-    engine = Engine(model, IdTokenizer(), overflow="stop")
+    engine = Engine(model, IdTokenizer(), overflow="stop", **MODES[mode])
     params = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True)
     short, long = prompt_ids(5, 4), prompt_ids(6, 20)
     out = engine.generate([short, long], params)
     # The last token fed sits at position 23, so a row ends holding 24 + 1 tokens.
     assert [len(c.tokens) for c in out] == [21, 5]
     assert all(c.finish_reason == "length" for c in out)
-    assert out[1].tokens == naive_generate(model, long, 5, params)
+    assert out[1].tokens == naive_generate(reference(model, engine), long, 5, params)
     with pytest.raises(FrawdError, match="prompt has 30 tokens but the model's context is 24"):
         engine.generate([prompt_ids(7, 30)], params)
 
@@ -190,15 +220,16 @@ def naive_slide(model, prompt, n_new, keep):
     return out
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["rope", "learned", "llama"])
-def test_overflow_slide_keeps_the_cache_coherent_past_the_context(name):
+def test_overflow_slide_keeps_the_cache_coherent_past_the_context(name, mode):
     model = make_model(context_length=16, **CONFIGS[name])
-    engine = Engine(model, IdTokenizer(), overflow="slide")
+    engine = Engine(model, IdTokenizer(), overflow="slide", **MODES[mode])
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, repetition_penalty=1.0)
     for prompt in (prompt_ids(8, 5), prompt_ids(9, 20)):  # the second is longer than the context
         out = engine.generate([prompt], params)[0]
         assert len(out.tokens) == 40
-        assert out.tokens == naive_slide(model, prompt, 40, keep=12)
+        assert out.tokens == naive_slide(reference(model, engine), prompt, 40, keep=12)
 
 
 COMPILE_SCRIPT = """
@@ -210,7 +241,7 @@ torch.set_num_threads(1)
 model = make_model(**CONFIGS["rope-gqa"])
 prompts = [prompt_ids(30, 5), prompt_ids(31, 11)]
 params = SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.5)
-eager = Engine(model, IdTokenizer()).generate(prompts, params)
+eager = Engine(model, IdTokenizer(), native=False).generate(prompts, params)
 compiled = Engine(model, IdTokenizer(), compile=True).generate(prompts, params)
 print([c.tokens for c in eager] == [c.tokens for c in compiled], len(set(eager[0].tokens)))
 # The compiled step freezes the weights into its graph: a new Engine after a weight
@@ -218,7 +249,7 @@ print([c.tokens for c in eager] == [c.tokens for c in compiled], len(set(eager[0
 with torch.no_grad():
     for param in model.parameters():
         param.mul_(-1.0)
-eager2 = Engine(model, IdTokenizer()).generate(prompts, params)
+eager2 = Engine(model, IdTokenizer(), native=False).generate(prompts, params)
 compiled2 = Engine(model, IdTokenizer(), compile=True).generate(prompts, params)
 print([c.tokens for c in eager2] == [c.tokens for c in compiled2], eager2[0].tokens != eager[0].tokens)
 """
@@ -283,7 +314,8 @@ def test_empty_prompt_starts_after_end_of_sequence():
     model = make_model(**CONFIGS["learned"])
     engine = Engine(model, IdTokenizer())
     out = engine.generate([[]], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))[0]
-    assert out.tokens == naive_generate(model, [EOS_ID], 5, SamplingParams(temperature=0, ignore_eos=True))
+    expected = naive_generate(reference(model, engine), [EOS_ID], 5, SamplingParams(temperature=0, ignore_eos=True))
+    assert out.tokens == expected
     with pytest.raises(FrawdError, match="outside the vocabulary"):
         engine.generate([[VOCAB + 3]], SamplingParams())
 

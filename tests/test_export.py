@@ -112,7 +112,8 @@ def test_transformers_greedy_generate_yields_our_engine_tokens(tmp_path, tokeniz
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     prompt = tokenizer.encode("JULIET: O Romeo")
     n_new = SMALL["context_length"] - len(prompt)
-    done = infer.Engine(model, tokenizer).generate([prompt], infer.SamplingParams(temperature=0.0, max_new_tokens=n_new))
+    engine = infer.Engine(model, tokenizer, weights="fp32")  # exact fp32: the parity under test
+    done = engine.generate([prompt], infer.SamplingParams(temperature=0.0, max_new_tokens=n_new))
     with torch.no_grad():
         theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False)
     assert theirs[0].tolist() == prompt + done[0].tokens

@@ -29,8 +29,8 @@ HELP = """commands:
 @engine_flags
 @sampling_flags
 @click.option("--system", "system_message", default=None, metavar="TEXT", help="A system message to start with.")
-def chat(model_dir: str, quantize: str, dtype: str, overflow: str, compile_model: bool, device: str,
-         threads: int | None, system_message: str | None, **sampling) -> None:
+def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, compile_model: bool,
+         device: str, threads: int | None, system_message: str | None, **sampling) -> None:
     """Chat with the model in --model (best with a model fine-tuned on chats, `frawd sft`).
 
     Type a message and press Enter; the reply streams back. Commands: /reset,
@@ -45,7 +45,7 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, compile_model
 
     params = params_from_flags(model_dir, sampling)
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
-    engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads)
+    engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     _Repl(engine, params, system_message, model_dir).run()
 
 

@@ -28,8 +28,8 @@ from .sampling_flags import engine_flags, load_engine, params_from_flags, sampli
               help="Print one JSON object per completion (text, tokens, finish_reason, ...), one per line.")
 @click.option("--echo-prompt", is_flag=True, help="Print the prompt before its completion.")
 @click.option("--stats", is_flag=True, help="Print token counts and speed on stderr.")
-def generate(model_dir: str, quantize: str, dtype: str, overflow: str, compile_model: bool, device: str,
-             threads: int | None, prompts: tuple[str, ...], prompt_file: str | None, num_samples: int,
+def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, compile_model: bool,
+             device: str, threads: int | None, prompts: tuple[str, ...], prompt_file: str | None, num_samples: int,
              ignore_eos: bool, stream: bool | None, as_json: bool, echo_prompt: bool, stats: bool,
              **sampling) -> None:
     """Continue --prompt with text from the model in --model.
@@ -50,7 +50,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, compile_m
     if not texts:
         raise FrawdError("give a prompt with --prompt TEXT or --prompt-file FILE")
     params = params_from_flags(model_dir, sampling, num_samples=num_samples, ignore_eos=ignore_eos)
-    engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads)
+    engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     if stream is None:
         stream = sys.stdout.isatty() and not as_json
     single = len(texts) == 1 and params.num_samples == 1

@@ -3,7 +3,7 @@
 `sampling_flags` adds one flag per `SamplingParams` field; `params_from_flags` builds the
 parameters: the model's generation_config.json first, then the flags actually typed.
 `engine_flags` and `load_engine` load a model directory into an `Engine` (device, dtype,
-int8 quantization, torch.compile, overflow policy).
+int8 quantization, the native C forward or torch.compile, overflow policy).
 """
 
 from __future__ import annotations
@@ -68,8 +68,13 @@ def engine_flags(command):
                      help="Precision of the weights and the KV cache."),
         click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,
                      help="Past the model's context: stop, or slide (keep the last 3/4, prefill again)."),
+        click.option("--native", "native", type=click.Choice(["fp16", "fp32", "off"]), default="fp16",
+                     show_default=True,
+                     help="The C forward on CPU (frawdllm/infer/native.c): fp16 reads fp16 copies of the "
+                          "weights (half the memory traffic, logits within ~1e-3), fp32 the weights as they "
+                          "are (exact), off = PyTorch. Models it cannot run (int8, bf16, GPU) use PyTorch."),
         click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
-                     help="torch.compile the decode step (slow to start, for long sessions)."),
+                     help="torch.compile the decode step instead of --native (slow to start)."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps."),
         click.option("--threads", type=int, default=None, help="CPU threads for torch [default: torch's choice]."),
     ]
@@ -79,7 +84,8 @@ def engine_flags(command):
 
 
 def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", overflow: str = "stop",
-                compile_model: bool = False, device: str = "cpu", threads: int | None = None):
+                compile_model: bool = False, device: str = "cpu", threads: int | None = None,
+                native: str = "fp16"):
     """A ready Engine for a model directory; every problem is a one-line FrawdError."""
     import torch
 
@@ -107,7 +113,9 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
         model = model.to(torch.bfloat16)
     if quantize == "int8":
         quantize_int8(model)
-    return Engine(model, tokenizer, compile=compile_model, overflow=overflow)
+    use_native = False if native == "off" or compile_model else None  # None: wherever it can run
+    return Engine(model, tokenizer, compile=compile_model, overflow=overflow, native=use_native,
+                  weights="auto" if native == "off" else native)
 
 
 __all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine"]

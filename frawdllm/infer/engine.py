@@ -27,18 +27,22 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ..errors import FrawdError
+from . import native
 from .cache import KVCache
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
+WEIGHT_MODES = ("auto", *native.WEIGHT_DTYPES)
+DEFAULT_NATIVE_WEIGHTS = "fp16"  # what weights="auto" reads in native decoding
 # compile=True: inductor's own CPU matrix kernels (max_autotune picks them over MKL when
 # faster: for one-row products they read the weights about twice as fast) on weights
 # frozen into the graph as constants (freezing, set around the first call).
@@ -93,6 +97,8 @@ class Engine:
         *,
         compile: bool = False,
         overflow: str = "stop",
+        native: bool | None = None,
+        weights: str = "auto",
     ) -> None:
         if overflow not in OVERFLOW_MODES:
             raise FrawdError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}; got {overflow!r}")
@@ -105,10 +111,34 @@ class Engine:
         self.device, self.dtype = embed.device, embed.dtype
         self.eos_id = self.config.eos_token_id
         column_major_weights(model)
+        self.native = self._use_native(native)
+        if weights not in WEIGHT_MODES:
+            raise FrawdError(f"weights must be one of {', '.join(WEIGHT_MODES)}; got {weights!r}")
+        self.weights = (DEFAULT_NATIVE_WEIGHTS if weights == "auto" else weights) if self.native else None
+        self._decoder: native.NativeDecoder | None = None
         self._decode = (
             torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS) if compile
             else decode_logits
         )
+
+    def _use_native(self, wanted: bool | None) -> bool:
+        """Decode steps in C (`native.py`): by default whenever the model qualifies."""
+        if wanted is False or (wanted is None and self.compile):
+            return False
+        if wanted and self.compile:
+            raise FrawdError("choose compile or native decoding, not both")
+        reason = native.supports(self.model)
+        if reason is None and not native.available():
+            reason = native.unavailable_reason()
+        if reason is not None and wanted:
+            raise FrawdError(f"native decoding is not possible: {reason}")
+        return reason is None
+
+    def native_decoder(self) -> native.NativeDecoder:
+        """The C forward over the model as it is now (rebuilt if its weights changed)."""
+        if self._decoder is None or not self._decoder.is_current(self.model):
+            self._decoder = native.NativeDecoder(self.model, self.weights)
+        return self._decoder
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -215,6 +245,7 @@ class _Run:
                              static=engine.compile)
         self.rows = list(range(self.n_rows))  # batch position -> row
         self.warm = False  # a decode step ran in this run (compiled mode: its guards passed)
+        self.native = engine.native_decoder() if engine.native else None
         self.generator = make_generator(params.seed, engine.device) if not params.greedy else None
         self.seen = None
         if params.repetition_penalty != 1.0:
@@ -292,8 +323,10 @@ class _Run:
         self.cache.reset()
         self.cache.begin(width, valid=slots >= pad)
         positions = (slots - pad).clamp(min=0)  # (B, T); padding sits at 0 and is masked anyway
-        hidden = self.model.hidden_states(ids, positions, self.cache)  # (B, T, D)
         self.positions = lengths[:, None].clone()  # (B, 1): where each row's next token goes
+        if self.native is not None:
+            return self.native.forward(ids, positions, self.cache)  # (B, V)
+        hidden = self.model.hidden_states(ids, positions, self.cache)  # (B, T, D)
         return self.model.lm_head(hidden[:, -1]).float()  # (B, V)
 
     @torch.inference_mode()
@@ -302,7 +335,9 @@ class _Run:
         self.cache.begin(1)
         if len(self.rows) > 1:  # finished rows ride along until dropped: keep their positions in range
             self.positions.clamp_(max=self.context - 1)
-        if self.engine.compile and self.warm:
+        if self.native is not None:
+            logits = self.native.forward(tokens, self.positions, self.cache)
+        elif self.engine.compile and self.warm:
             # Same model, cache tensors and shapes as the previous step of this run: the
             # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):

@@ -19,7 +19,8 @@ the same tokens run after run.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int

@@ -15,7 +15,8 @@ costs O(1) per token rather than re-decoding everything.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -1,0 +1,328 @@
+"""The native forward: `native.c`, compiled on first use and called through ctypes.
+
+At batch 1 a PyTorch decode step of a small model costs far more in dispatching ~150
+small operations than in arithmetic. `native.c` does the same forward as one C call
+(see its header for the why and the how); this module builds it, describes a model to it
+(pointers to the weights PyTorch already holds) and calls it for prefill and decode.
+
+Weights: "fp32" reads the model's own matrices (nothing copied; results equal PyTorch's
+up to rounding order). "fp16" reads fp16 copies of the linear weights: half the memory
+traffic, so about twice the decode speed, at a rounding of 2^-11 relative per weight
+(logits move by ~1e-3; `benchmarks/int8_perplexity.py --weights fp16` measures the
+perplexity change). The engine's default on CPU is fp16, the way inference servers run
+fp32 checkpoints in half precision; `weights="fp32"` (`--native fp32`) is exact.
+
+Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
+about a second) into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), keyed
+by the source, the compiler and the CPU, so later processes load it at once. Without a
+compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the engine uses PyTorch.
+
+What it covers: every FrawdLLM architecture (positions, norms, MLPs, GQA, pre/post-LN,
+biases, tied heads) with fp32 parameters on CPU; `supports(model)` says whether a model
+qualifies (int8 or bf16 weights, or a GPU, use PyTorch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from ..errors import FrawdError
+
+SOURCE = Path(__file__).with_name("native.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2, "rope": 3}
+_ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is past the model's context"}
+
+i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
+
+
+# ctypes mirrors of the structs in native.c (same fields, same order).
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", f32p), ("wh", ctypes.c_void_p), ("b", f32p), ("in_", i64), ("out", i64)]
+
+
+class _Norm(ctypes.Structure):
+    _fields_ = [("w", f32p), ("b", f32p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", _Norm), ("norm2", _Norm), ("qkv", _Linear), ("proj", _Linear),
+                ("up", _Linear), ("down", _Linear)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[(name, i64) for name in ("n_layer", "d", "n_head", "n_kv_head", "head_dim", "vocab", "context",
+                                   "ffn", "pos_encoding", "rmsnorm", "swiglu", "pre_norm", "final_norm")],
+        ("embed_scale", ctypes.c_float), ("eps", ctypes.c_float),
+        ("tok", f32p), ("tok_s0", i64), ("tok_s1", i64), ("pos", f32p), ("rope_cos", f32p), ("rope_sin", f32p),
+        ("final_norm_w", _Norm), ("head", _Linear), ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+_library: ctypes.CDLL | None = None
+_why_not: str | None = None  # why the library is unavailable, once we know
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FRAWD_CACHE_DIR") or Path.home() / ".cache" / "frawdllm"
+    return Path(root) / "native"
+
+
+def _cpu_signature() -> str:
+    try:  # -march=native code is only valid on the CPU it was built for
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"no C compiler ({compiler}): {e}") from None
+    key = hashlib.sha256(
+        b"\0".join(s.encode() for s in (SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_signature()))
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"native_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # compile aside, then rename: never half a file
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL:
+    """The compiled library (built on first call); raises FrawdError saying why if it cannot be."""
+    global _library, _why_not
+    if _library is None and _why_not is None:
+        if os.environ.get("FRAWD_NATIVE", "1") == "0":
+            _why_not = "FRAWD_NATIVE=0"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build()))
+                lib.frawd_forward.restype = ctypes.c_int
+                lib.frawd_forward.argtypes = [
+                    ctypes.POINTER(_Model), i64, i64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p, ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64,
+                    ctypes.c_void_p, ctypes.c_void_p, i64,
+                ]
+                lib.frawd_has_fp16.restype = ctypes.c_int
+                lib.frawd_workspace_floats.restype = i64
+                lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
+                _library = lib
+            except (RuntimeError, OSError) as e:
+                _why_not = str(e)
+    if _library is None:
+        raise FrawdError(f"the native forward is unavailable: {_why_not}")
+    return _library
+
+
+def available() -> bool:
+    """True when the compiled forward can be used in this process (building it if needed)."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """None when the compiled forward loads, else why not (no compiler, FRAWD_NATIVE=0...)."""
+    try:
+        library()
+        return None
+    except FrawdError:
+        return _why_not
+
+
+def supports(model: nn.Module) -> str | None:
+    """None when `native.c` can run this model, else the reason it cannot."""
+    from ..model.gpt import FrawdLLM
+
+    if not isinstance(model, FrawdLLM):
+        return f"{type(model).__name__} is not a FrawdLLM"
+    for name, module in model.named_modules():
+        if module.__class__.__name__ == "Int8Linear":
+            return f"{name} holds int8 weights"
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type != "cpu":
+            return f"{name} is on {tensor.device}, not the CPU"
+        if tensor.is_floating_point() and tensor.dtype != torch.float32:
+            return f"{name} is {tensor.dtype}, not float32"
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not module.weight.t().is_contiguous():
+            return f"{name}.weight is not stored column-major (see engine.column_major_weights)"
+    return None
+
+
+def fp16_rounded_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` with its linear weights rounded to fp16 (and back to fp32): the
+    model that weights="fp16" computes, for tests and perplexity measurements. The
+    embedding table stays fp32 (a tied LM head gets its own rounded copy)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        if ref.lm_head.weight is ref.embed.tok.weight:
+            ref.lm_head.weight = nn.Parameter(ref.lm_head.weight.detach().clone())
+        for module in ref.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(module.weight.half().float())
+    return ref
+
+
+def _signature(model: nn.Module) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Where each tensor lives, its in-place version counter and strides: any change
+    (an optimizer step, `p.data = ...`, a move) shows up here."""
+    return [(t.data_ptr(), t._version, t.stride()) for t in (*model.parameters(), *model.buffers())]
+
+
+WEIGHT_DTYPES = ("fp32", "fp16")
+
+
+class NativeDecoder:
+    """The C forward for one model, described by pointers into its parameters.
+
+    weights="fp32" reads the model's own matrices (nothing copied, results equal
+    PyTorch's up to rounding order); "fp16" reads fp16 copies of the linear weights,
+    half the bytes, converted back to fp32 in registers (embeddings, norms and biases
+    stay fp32; arithmetic is fp32 throughout).
+
+    The struct holds raw pointers, valid while the model's tensors stay where they are
+    and unchanged: `is_current()` says whether that still holds (the engine rebuilds the
+    decoder when it does not).
+    """
+
+    def __init__(self, model: nn.Module, weights: str = "fp32") -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise FrawdError(f"the native forward cannot run this model: {reason}")
+        if weights not in WEIGHT_DTYPES:
+            raise FrawdError(f"native weights must be one of {', '.join(WEIGHT_DTYPES)}; got {weights!r}")
+        self.lib = library()
+        if weights == "fp16" and not self.lib.frawd_has_fp16():
+            raise FrawdError("fp16 weights need a CPU with F16C (x86-64 since 2013)")
+        self.weights = weights
+        self.source = model
+        self._signature = _signature(model)
+        cfg = model.config
+        self._keep: list[Tensor] = []  # tensors whose memory the struct points into
+
+        def ptr(t: Tensor | None, as_type=f32p):
+            if t is None:
+                return None
+            t = t.detach()
+            self._keep.append(t)
+            return ctypes.cast(t.data_ptr(), as_type)
+
+        def linear(module: nn.Linear) -> _Linear:
+            w = module.weight.detach().t()  # (in, out), contiguous (checked by supports)
+            half = None
+            if weights == "fp16":
+                if float(w.abs().max()) > 65000:
+                    raise FrawdError(f"a weight of {module} is too large for fp16; use fp32 weights")
+                half = ptr(w.to(torch.float16).contiguous(), ctypes.c_void_p)
+            return _Linear(ptr(w), half, ptr(module.bias), module.in_features, module.out_features)
+
+        def norm(module: nn.Module) -> _Norm:
+            return _Norm(ptr(module.weight), ptr(getattr(module, "bias", None)))
+
+        layers = (_Layer * cfg.n_layer)(*[
+            _Layer(norm(b.norm1), norm(b.norm2), linear(b.attn.qkv), linear(b.attn.proj),
+                   linear(b.mlp.up), linear(b.mlp.down))
+            for b in model.blocks
+        ])
+        self._layers = layers
+        tok = model.embed.tok.weight.detach()
+        pos = None
+        if cfg.pos_encoding == "learned":
+            pos = model.embed.pos.weight.detach().contiguous()
+        elif cfg.pos_encoding == "sinusoidal":
+            pos = model.embed.pos_table.contiguous()
+        rope = cfg.pos_encoding == "rope"
+        self.model = _Model(
+            cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.vocab_size, cfg.context_length,
+            cfg.ffn_dim, POS_CODES[cfg.pos_encoding], int(cfg.use_rmsnorm), int(cfg.use_swiglu),
+            int(cfg.norm_placement == "pre"), int(cfg.has_final_norm),
+            model.embed.scale, cfg.norm_eps,
+            ptr(tok), tok.stride(0), tok.stride(1), ptr(pos),
+            ptr(model.rope_cos.contiguous()) if rope else None, ptr(model.rope_sin.contiguous()) if rope else None,
+            norm(model.norm) if cfg.has_final_norm else _Norm(None, None), linear(model.lm_head),
+            ctypes.cast(layers, ctypes.POINTER(_Layer)),
+        )
+        self.vocab = cfg.vocab_size
+        self._cache_k: list[Tensor] | None = None
+        self._shape: tuple[int, int, int, int] | None = None
+        self._logits: Tensor | None = None
+
+    def is_current(self, model: nn.Module) -> bool:
+        """True while `model`'s tensors are the ones this decoder was built on, unmodified."""
+        return model is self.source and _signature(model) == self._signature
+
+    def forward(
+        self, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: Any, threads: int | None = None
+    ) -> Float[Tensor, "B V"]:
+        """Logits (B, V) of each row's last token, for tokens and positions (B, T) (int64)
+        that `cache.begin(T)` has just announced: their keys and values go into the cache.
+
+        T = 1 is a decode step, T > 1 a prefill. The logits tensor is reused by the next
+        call with the same batch size.
+        """
+        B, T = tokens.shape
+        threads = threads or torch.get_num_threads()
+        if not (tokens.is_contiguous() and positions.is_contiguous()):
+            tokens, positions = tokens.contiguous(), positions.contiguous()
+        if tokens.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != tokens.shape:
+            raise TypeError("token ids and positions must be int64 tensors of the same shape (B, T)")
+        if self._cache_k is not cache.k or self._shape != (B, T, cache.max_len, threads):
+            self._prepare(cache, B, T, threads)
+        status = self.lib.frawd_forward(
+            ctypes.byref(self.model), B, T, tokens.data_ptr(), positions.data_ptr(), self._k_ptrs, self._v_ptrs,
+            cache.max_len, cache.length - T, cache.valid.data_ptr(), int(cache.padded),
+            self._logits.data_ptr(), self._work.data_ptr(), threads,
+        )
+        if status:
+            raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
+        return self._logits
+
+    def _prepare(self, cache, B: int, T: int, threads: int) -> None:
+        """Scratch memory and cache pointers, for a new cache or batch shape."""
+        for t in (*cache.k, *cache.v):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != B:
+                raise ValueError(f"the KV cache must be float32, contiguous, batch {B}")
+        n = self.lib.frawd_workspace_floats(ctypes.byref(self.model), B * T, cache.max_len, threads)
+        self._work = torch.empty(n, dtype=torch.float32)
+        if self._logits is None or self._logits.shape[0] != B:
+            self._logits = torch.empty(B, self.vocab, dtype=torch.float32)
+        self._k_ptrs = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])
+        self._v_ptrs = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
+        self._cache_k, self._shape = cache.k, (B, T, cache.max_len, threads)
+        self._cache_v = cache.v  # keep the lists (and so the tensors) alive with the pointers
+
+
+__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "available", "unavailable_reason", "supports", "library"]
+
+if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
+    print(_build() if available() else f"unavailable: {_why_not}", file=sys.stderr)

@@ -1,0 +1,186 @@
+"""The native C forward (frawdllm/infer/native.c) against PyTorch's full forward.
+
+Prefill (several tokens per row, left padding) and decode steps, every architecture,
+shapes that are not multiples of the C code's vector and tile widths, fp32 and fp16
+weights, threads, the rebuild after a weight change, and the ways it says no.
+"""
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.errors import FrawdError
+from frawdllm.infer import Engine, KVCache, SamplingParams, native, quantize_int8
+from frawdllm.infer.engine import column_major_weights
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from test_engine import CONFIGS, IdTokenizer, make_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native forward: {native.unavailable_reason()}")
+
+SHAPES = {  # widths around the C code's 16-float vectors and 128-output tiles
+    "small": dict(n_embd=32, n_head=4),  # every product narrower than a tile
+    "odd": dict(n_embd=48, n_head=4, vocab_size=131),  # head_dim 12: scalar attention; 131: a partial vector
+    "wide": dict(n_embd=160, n_head=5, vocab_size=300),  # full tiles plus partial ones
+}
+
+
+def padded_prompts(lengths, vocab, seed=0):
+    """Left-padded ids, positions and the valid mask, as the engine builds them."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(7, vocab, (n,), generator=gen)
+    pad = torch.tensor([width - n for n in lengths])[:, None]
+    slots = torch.arange(width)[None, :]
+    return ids, (slots - pad).clamp(min=0), slots >= pad
+
+
+@torch.no_grad()
+def full_logits(model, ids_row):
+    return model(torch.tensor([ids_row]))[0][0, -1]
+
+
+@torch.no_grad()
+def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threads=1, atol=1e-5):
+    """Prefill ragged rows, decode a few steps; every row's logits equal the full forward."""
+    column_major_weights(model)
+    decoder = native.NativeDecoder(model, weights)
+    ref = native.fp16_rounded_copy(model) if weights == "fp16" else model
+    cfg = model.config
+    ids, positions, valid = padded_prompts(lengths, cfg.vocab_size)
+    cache = KVCache(cfg, len(lengths), ids.shape[1] + steps)
+    cache.begin(ids.shape[1], valid=valid)
+    logits = decoder.forward(ids, positions, cache, threads=threads).clone()
+    seqs = [ids[r, ids.shape[1] - n:].tolist() for r, n in enumerate(lengths)]
+    for step in range(steps + 1):
+        for r, seq in enumerate(seqs):
+            torch.testing.assert_close(logits[r], full_logits(ref, seq), atol=atol, rtol=0)
+        if step == steps:
+            break
+        tokens = logits.argmax(-1)
+        for r, seq in enumerate(seqs):
+            seq.append(int(tokens[r]))
+        cache.begin(1)
+        positions = torch.tensor([[len(s) - 1] for s in seqs])
+        logits = decoder.forward(tokens[:, None], positions, cache, threads=threads).clone()
+    return decoder
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_and_decode_logits_equal_the_full_forward(name, weights):
+    check_against_full_forward(make_model(std=0.2, **CONFIGS[name]), weights)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["learned", "llama", "post-ln"])
+def test_widths_that_are_not_multiples_of_vectors_or_tiles(name, shape):
+    overrides = {**CONFIGS[name], **SHAPES[shape]}
+    if overrides.get("n_kv_head", 1) > 1:
+        overrides["n_kv_head"] = 1 if shape == "wide" else 2  # n_head 5 is only divisible by 1 and 5
+    torch.manual_seed(0)
+    cfg = get_config("tiny", n_layer=2, context_length=48, **{"vocab_size": 97, **overrides})
+    model = FrawdLLM(cfg).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)  # biases and norm gains too
+    check_against_full_forward(model, "fp32")
+
+
+def test_threads_split_the_work_without_changing_a_bit():
+    model = make_model(std=0.2, **CONFIGS["rope-gqa"])
+    column_major_weights(model)
+    decoder = native.NativeDecoder(model)
+    ids, positions, valid = padded_prompts((4, 7), model.config.vocab_size)
+    out = []
+    for threads in (1, 3):
+        cache = KVCache(model.config, 2, 16)
+        cache.begin(ids.shape[1], valid=valid)
+        first = decoder.forward(ids, positions, cache, threads=threads).clone()
+        cache.begin(1)
+        second = decoder.forward(first.argmax(-1)[:, None], positions[:, -1:] + 1, cache, threads=threads).clone()
+        out.append((first, second, cache.k[1].clone()))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+def test_the_tiny_preset_with_two_threads_equals_pytorch():
+    torch.manual_seed(0)
+    check_against_full_forward(FrawdLLM(get_config("tiny")).eval(), "fp32", lengths=(40, 3), steps=3, threads=2)
+
+
+def test_fp16_weights_stay_close_to_fp32():
+    model = make_model(std=0.2, **CONFIGS["learned"])
+    column_major_weights(model)
+    outs = {}
+    for weights in ("fp32", "fp16"):
+        cache = KVCache(model.config, 1, 16)
+        cache.begin(6)
+        ids = torch.arange(7, 13)[None]
+        outs[weights] = native.NativeDecoder(model, weights).forward(ids, torch.arange(6)[None], cache).clone()
+    diff = (outs["fp32"] - outs["fp16"]).abs().max()
+    assert 0 < diff < 1e-2  # fp16 rounding (relative 2^-11 per weight) shows, but only just
+
+
+def test_engine_rebuilds_the_decoder_after_the_weights_change():
+    model = make_model(**CONFIGS["rope"])
+    engine = Engine(model, IdTokenizer())
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    before = engine.generate([[9, 10, 11]], params)[0].tokens
+    assert engine.native_decoder() is engine.native_decoder()  # reused while nothing changes
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight.mul_(-1.0)  # in place: same pointer, new version
+    after = engine.generate([[9, 10, 11]], params)[0].tokens
+    assert after != before
+    assert after == Engine(model, IdTokenizer()).generate([[9, 10, 11]], params)[0].tokens
+
+
+def test_models_it_cannot_run_use_pytorch_or_fail_clearly_when_native_is_required():
+    model = quantize_int8(make_model(**CONFIGS["learned"]))
+    assert "int8" in native.supports(model)
+    assert not Engine(model, IdTokenizer()).native  # the default falls back
+    with pytest.raises(FrawdError, match="native decoding is not possible: .*int8"):
+        Engine(model, IdTokenizer(), native=True)
+    bf16 = make_model(**CONFIGS["learned"]).to(torch.bfloat16)
+    assert "bfloat16" in native.supports(bf16)
+    with pytest.raises(FrawdError, match="compile or native"):
+        Engine(make_model(), IdTokenizer(), native=True, compile=True)
+    with pytest.raises(FrawdError, match="weights must be one of"):
+        Engine(make_model(), IdTokenizer(), weights="int4")
+
+
+def test_out_of_range_tokens_and_positions_are_refused_before_any_work():
+    model = make_model(**CONFIGS["learned"])
+    column_major_weights(model)
+    decoder = native.NativeDecoder(model)
+    cache = KVCache(model.config, 1, 8)
+    cache.begin(2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decoder.forward(torch.tensor([[5, 97]]), torch.tensor([[0, 1]]), cache)
+    with pytest.raises(ValueError, match="past the model's context"):
+        decoder.forward(torch.tensor([[5, 6]]), torch.tensor([[0, 48]]), cache)
+
+
+def test_without_a_compiler_the_engine_falls_back_to_pytorch(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
+    assert not native.available()
+    assert "no C compiler" in native.unavailable_reason()
+    assert not Engine(make_model(), IdTokenizer()).native
+    with pytest.raises(FrawdError, match="native decoding is not possible: no C compiler"):
+        Engine(make_model(), IdTokenizer(), native=True)
+
+
+def test_the_compiled_library_is_cached_and_built_atomically(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    assert native.available()
+    built = list((tmp_path / "native").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_library", None)
+    assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
