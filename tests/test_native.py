@@ -137,13 +137,11 @@ def test_engine_rebuilds_the_decoder_after_the_weights_change():
 
 
 def test_models_it_cannot_run_use_pytorch_or_fail_clearly_when_native_is_required():
-    model = quantize_int8(make_model(**CONFIGS["learned"]))
-    assert "int8" in native.supports(model)
-    assert not Engine(model, IdTokenizer()).native  # the default falls back
-    with pytest.raises(FrawdError, match="native decoding is not possible: .*int8"):
-        Engine(model, IdTokenizer(), native=True)
     bf16 = make_model(**CONFIGS["learned"]).to(torch.bfloat16)
     assert "bfloat16" in native.supports(bf16)
+    assert not Engine(bf16, IdTokenizer()).native  # the default falls back
+    with pytest.raises(FrawdError, match="native decoding is not possible: .*bfloat16"):
+        Engine(bf16, IdTokenizer(), native=True)
     with pytest.raises(FrawdError, match="compile or native"):
         Engine(make_model(), IdTokenizer(), native=True, compile=True)
     with pytest.raises(FrawdError, match="weights must be one of"):
@@ -184,3 +182,17 @@ def test_the_compiled_library_is_cached_and_built_atomically(tmp_path, monkeypat
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_library", None)
     assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+@pytest.mark.parametrize("name", ["learned", "llama", "post-ln"])
+def test_int8_models_run_natively_and_equal_their_dequantized_weights(name):
+    model = quantize_int8(make_model(std=0.2, **CONFIGS[name]))
+    assert native.supports(model) is None
+    decoder = native.NativeDecoder(model)
+    ref = native.dequantized_copy(model)
+    ids, positions, valid = padded_prompts((6, 2), model.config.vocab_size)
+    cache = KVCache(model.config, 2, 12)
+    cache.begin(ids.shape[1], valid=valid)
+    logits = decoder.forward(ids, positions, cache)
+    for r, n in enumerate((6, 2)):
+        torch.testing.assert_close(logits[r], full_logits(ref, ids[r, ids.shape[1] - n:].tolist()), atol=1e-5, rtol=0)

@@ -8,6 +8,7 @@ from torch import nn
 from frawdllm import FrawdLLM, get_config
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.quantize import Int8Linear, int8_weight_bytes, quantize_int8, quantize_rows
+from frawdllm.infer.native import dequantized_copy
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 
@@ -69,12 +70,21 @@ def test_quantized_model_generates_through_the_engine():
         def decode(self, ids, skip_special_tokens=False):
             return " ".join(map(str, ids))
 
-    out = Engine(model, Ids()).generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=10,
-                                                                     ignore_eos=True))[0]
-    naive, seq = [], [5, 6, 7]
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    for engine in (Engine(model, Ids()), Engine(model, Ids(), native=False)):
+        # Native: int8 weights x fp32 activations, i.e. the dequantized model in fp32.
+        # PyTorch: the Int8Linear modules themselves (bf16 activations in the CPU kernel).
+        ref = dequantized_copy(model) if engine.native else model
+        out = engine.generate([[5, 6, 7]], params)[0]
+        assert out.tokens == naive_greedy(ref, [5, 6, 7], 10)
+    assert Engine(model, Ids()).native
+
+
+def naive_greedy(model, seq, n):
+    naive, seq = [], list(seq)
     with torch.no_grad():
-        for _ in range(10):
+        for _ in range(n):
             token = int(model(torch.tensor([seq]))[0][0, -1].argmax())
             seq.append(token)
             naive.append(token)
-    assert out.tokens == naive
+    return naive

@@ -19,7 +19,8 @@ Matrices are read as W^T, (in, out) row-major: that is how the engine stores eve
 nn.Linear weight (`column_major_weights`), so nothing is copied. A product walks the
 inputs i and adds x[i] * W^T[i, tile] into accumulators for a tile of 128 outputs and
 up to 2 rows: plain multiply-adds over contiguous memory, no horizontal sums. Weights
-can also be read from fp16 copies (half the bytes; each converted exactly to fp32).
+can also be read from fp16 copies (half the bytes) or from int8 with a scale per output
+(`--quantize int8`: a quarter), each converted exactly to fp32 in registers.
 
 Threads (OpenMP) split every product by output tiles and the attention by token and
 head; a barrier separates dependent phases. Arithmetic is fp32 throughout, as in the
@@ -52,6 +53,8 @@ enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2 };
 typedef struct {
     const float *w;     /* W^T: (in, out) row-major */
     const uint16_t *wh; /* the same as fp16, or NULL: read instead of w when set */
+    const int8_t *wq;   /* or int8 (in, out) with one scale per output: W^T[i, o] = wq[i, o] * scale[o] */
+    const float *scale;
     const float *b;     /* (out) or NULL */
     int64_t in, out;
 } Linear;
@@ -118,7 +121,13 @@ static inline v16 v_gelu(v16 x) {
 static float gelu1(float x) { v16 v = v_gelu(splat(x)); return v[0]; }
 static float silu1(float x) { v16 v = v_sigmoid(splat(x)); return x * v[0]; }
 
+enum { W_FP32 = 0, W_FP16 = 1, W_INT8 = 2 }; /* how a Linear stores its weights */
+
+static inline int storage(const Linear *L) { return L->wq ? W_INT8 : L->wh ? W_FP16 : W_FP32; }
+
+/* W^T[i, o] for flat index j = i * out + o, without the int8 scale. */
 static inline float weight(const Linear *L, int64_t j) {
+    if (L->wq) return (float)L->wq[j];
 #if defined(__F16C__)
     if (L->wh) return _cvtsh_ss(L->wh[j]);
 #endif
@@ -136,31 +145,37 @@ int frawd_has_fp16(void) {
 
 /* ---- matrix-vector products ---------------------------------------------------------- */
 
-/* 16 weights from fp32 or fp16 storage (fp16: half the bytes to read; converted exactly). */
-static inline __attribute__((always_inline)) v16 load_w(int half, const float *w, const uint16_t *wh, int64_t j) {
+/* 16 weights from fp32, fp16 or int8 storage (fewer bytes to read; converted exactly). */
+static inline __attribute__((always_inline)) v16 load_w(int kind, const Linear *L, int64_t j) {
 #if defined(__AVX512F__)
-    if (half) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wh + j)));
+    if (kind == W_FP16) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(L->wh + j)));
+    if (kind == W_INT8) return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->wq + j))));
 #elif defined(__F16C__)
-    if (half) {
-        __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wh + j)));
-        __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wh + j + 8)));
+    if (kind == W_FP16) {
+        __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(L->wh + j)));
+        __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(L->wh + j + 8)));
         v16 out;
         memcpy(&out, &lo, 32);
         memcpy((char *)&out + 32, &hi, 32);
         return out;
     }
 #endif
-    return *(const v16 *)(w + j);
+    if (kind != W_FP32) {
+        v16 out;
+        for (int k = 0; k < 16; k++) out[k] = weight(L, j + k);
+        return out;
+    }
+    return *(const v16 *)(L->w + j);
 }
 
 /* acc[r][k] = x[r] . W^T[:, c + 16k]  for R rows and one tile of 16 NV outputs starting at c. */
 static inline __attribute__((always_inline)) void tile_product(
-    int R, int NV, int half, const float *x, int64_t ldx, const Linear *L, int64_t c, v16 acc[][NV_MAX]) {
+    int R, int NV, int kind, const float *x, int64_t ldx, const Linear *L, int64_t c, v16 acc[][NV_MAX]) {
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NV; k++) acc[r][k] = splat(0.0f);
     for (int64_t i = 0, j = c; i < L->in; i++, j += L->out) {
         v16 w[NV_MAX];
-        for (int k = 0; k < NV; k++) w[k] = load_w(half, L->w, L->wh, j + 16 * k);
+        for (int k = 0; k < NV; k++) w[k] = load_w(kind, L, j + 16 * k);
         for (int r = 0; r < R; r++) {
             v16 xi = splat(x[r * ldx + i]);
             for (int k = 0; k < NV; k++) acc[r][k] += xi * w[k];
@@ -182,16 +197,18 @@ static inline __attribute__((always_inline)) void tile(const Linear *L, const fl
         v16 acc[ROWS][NV_MAX];
         const float *xr = x + r0 * ldx;
         /* constant arguments: one specialised loop each, acc kept in registers */
-        if (L->wh) {
-            if (R == 1) tile_product(1, NV, 1, xr, ldx, L, c, acc);
-            else tile_product(2, NV, 1, xr, ldx, L, c, acc);
-        } else {
-            if (R == 1) tile_product(1, NV, 0, xr, ldx, L, c, acc);
-            else tile_product(2, NV, 0, xr, ldx, L, c, acc);
+        switch (storage(L) * 2 + (R == 1)) {
+            case W_FP32 * 2 + 1: tile_product(1, NV, W_FP32, xr, ldx, L, c, acc); break;
+            case W_FP32 * 2: tile_product(2, NV, W_FP32, xr, ldx, L, c, acc); break;
+            case W_FP16 * 2 + 1: tile_product(1, NV, W_FP16, xr, ldx, L, c, acc); break;
+            case W_FP16 * 2: tile_product(2, NV, W_FP16, xr, ldx, L, c, acc); break;
+            case W_INT8 * 2 + 1: tile_product(1, NV, W_INT8, xr, ldx, L, c, acc); break;
+            default: tile_product(2, NV, W_INT8, xr, ldx, L, c, acc); break;
         }
         for (int r = 0; r < R; r++)
             for (int k = 0; k < NV; k++) {
                 v16 v = acc[r][k];
+                if (L->scale) v *= *(const v16 *)(L->scale + c + 16 * k);
                 if (L->b) v += *(const v16 *)(L->b + c + 16 * k);
                 epilogue(mode, y + (r0 + r) * ldy + c + 16 * k, v);
             }
@@ -209,8 +226,10 @@ static void linear_tiles(const Linear *L, const float *x, int64_t ldx, float *y,
     for (; c + 16 <= L->out; c += 16) tile(L, x, ldx, y, ldy, B, c, 1, mode);
     for (int64_t r = 0; r < B; r++)
         for (int64_t j = c; j < L->out; j++) {
-            float s = L->b ? L->b[j] : 0.0f;
+            float s = 0.0f;
             for (int64_t i = 0; i < L->in; i++) s += x[r * ldx + i] * weight(L, i * L->out + j);
+            if (L->scale) s *= L->scale[j];
+            if (L->b) s += L->b[j];
             float *out = y + r * ldy + j;
             *out = mode == EPI_ADD ? *out + s : mode == EPI_GELU ? gelu1(s) : s;
         }

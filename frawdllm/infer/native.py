@@ -8,8 +8,9 @@ small operations than in arithmetic. `native.c` does the same forward as one C c
 Weights: "fp32" reads the model's own matrices (nothing copied; results equal PyTorch's
 up to rounding order). "fp16" reads fp16 copies of the linear weights: half the memory
 traffic, so about twice the decode speed, at a rounding of 2^-11 relative per weight
-(logits move by ~1e-3; `benchmarks/int8_perplexity.py --weights fp16` measures the
-perplexity change). The engine's default on CPU is fp16, the way inference servers run
+(logits move by ~1e-3; `benchmarks/int8_perplexity.py` measures the perplexity change).
+A model quantized with `quantize_int8` is read as int8 with its per-row scales (a quarter
+of the bytes; the products run on fp32 activations). The engine's default on CPU is fp16, the way inference servers run
 fp32 checkpoints in half precision; `weights="fp32"` (`--native fp32`) is exact.
 
 Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
@@ -19,7 +20,7 @@ compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the engine uses P
 
 What it covers: every FrawdLLM architecture (positions, norms, MLPs, GQA, pre/post-LN,
 biases, tied heads) with fp32 parameters on CPU; `supports(model)` says whether a model
-qualifies (int8 or bf16 weights, or a GPU, use PyTorch).
+qualifies (bf16 weights or a GPU use PyTorch).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ..errors import FrawdError
+from .quantize import Int8Linear
 
 SOURCE = Path(__file__).with_name("native.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
@@ -50,7 +52,8 @@ i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
 # ctypes mirrors of the structs in native.c (same fields, same order).
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", f32p), ("wh", ctypes.c_void_p), ("b", f32p), ("in_", i64), ("out", i64)]
+    _fields_ = [("w", f32p), ("wh", ctypes.c_void_p), ("wq", ctypes.c_void_p), ("scale", f32p), ("b", f32p),
+                ("in_", i64), ("out", i64)]
 
 
 class _Norm(ctypes.Structure):
@@ -163,13 +166,10 @@ def supports(model: nn.Module) -> str | None:
 
     if not isinstance(model, FrawdLLM):
         return f"{type(model).__name__} is not a FrawdLLM"
-    for name, module in model.named_modules():
-        if module.__class__.__name__ == "Int8Linear":
-            return f"{name} holds int8 weights"
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type != "cpu":
             return f"{name} is on {tensor.device}, not the CPU"
-        if tensor.is_floating_point() and tensor.dtype != torch.float32:
+        if tensor.is_floating_point() and tensor.dtype != torch.float32 and not name.endswith("scale_bf16"):
             return f"{name} is {tensor.dtype}, not float32"
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not module.weight.t().is_contiguous():
@@ -185,11 +185,29 @@ def fp16_rounded_copy(model: nn.Module) -> nn.Module:
 
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        if ref.lm_head.weight is ref.embed.tok.weight:
+        if getattr(ref.lm_head, "weight", None) is ref.embed.tok.weight:
             ref.lm_head.weight = nn.Parameter(ref.lm_head.weight.detach().clone())
         for module in ref.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(module.weight.half().float())
+    return ref
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    """A copy of an int8 model (`quantize_int8`) with each `Int8Linear` back to an
+    `nn.Linear` holding W_q * scale: what the native forward computes for it, in fp32."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    for module in list(ref.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Int8Linear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    linear.weight.copy_(child.dequantized_weight())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                setattr(module, name, linear)
     return ref
 
 
@@ -237,14 +255,19 @@ class NativeDecoder:
             self._keep.append(t)
             return ctypes.cast(t.data_ptr(), as_type)
 
-        def linear(module: nn.Linear) -> _Linear:
+        def linear(module: nn.Module) -> _Linear:
+            bias = ptr(module.bias)
+            if isinstance(module, Int8Linear):  # int8 (out, in) -> an (in, out) copy, a quarter of fp32
+                wq = module.weight_int8.t().contiguous()
+                return _Linear(None, None, ptr(wq, ctypes.c_void_p), ptr(module.scale), bias,
+                               module.in_features, module.out_features)
             w = module.weight.detach().t()  # (in, out), contiguous (checked by supports)
             half = None
             if weights == "fp16":
                 if float(w.abs().max()) > 65000:
                     raise FrawdError(f"a weight of {module} is too large for fp16; use fp32 weights")
                 half = ptr(w.to(torch.float16).contiguous(), ctypes.c_void_p)
-            return _Linear(ptr(w), half, ptr(module.bias), module.in_features, module.out_features)
+            return _Linear(ptr(w), half, None, None, bias, module.in_features, module.out_features)
 
         def norm(module: nn.Module) -> _Norm:
             return _Norm(ptr(module.weight), ptr(getattr(module, "bias", None)))
@@ -322,7 +345,7 @@ class NativeDecoder:
         self._cache_v = cache.v  # keep the lists (and so the tensors) alive with the pointers
 
 
-__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "available", "unavailable_reason", "supports", "library"]
+__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "available", "unavailable_reason", "supports", "library"]
 
 if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
     print(_build() if available() else f"unavailable: {_why_not}", file=sys.stderr)
