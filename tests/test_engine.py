@@ -31,10 +31,11 @@ CONFIGS = {
 }
 
 
+_NO_NATIVE = pytest.mark.skipif(not native.available(), reason=f"no native forward: {native.unavailable_reason()}")
 MODES = {
     "torch": dict(native=False),
-    "native-fp32": dict(native=True, weights="fp32"),
-    "native-fp16": dict(native=True, weights="fp16"),
+    "native-fp32": pytest.param(dict(native=True, weights="fp32"), marks=_NO_NATIVE),
+    "native-fp16": pytest.param(dict(native=True, weights="fp16"), marks=_NO_NATIVE),
 }
 
 
@@ -87,17 +88,18 @@ def naive_generate(model, prompt, n_new, params=None, generator=None):
     return out
 
 
+@_NO_NATIVE
 def test_the_default_engine_decodes_natively_with_fp16_weights_on_cpu():
     engine = Engine(make_model(), IdTokenizer())
     assert engine.native and engine.weights == "fp16"
     assert not Engine(make_model(), IdTokenizer(), native=False).native
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("name", CONFIGS)
 def test_greedy_engine_equals_naive_full_recompute(name, mode):
     model = make_model(**CONFIGS[name])
-    engine = Engine(model, IdTokenizer(), **MODES[mode])
+    engine = Engine(model, IdTokenizer(), **mode)
     ref = reference(model, engine)
     prompt = prompt_ids(1, 9)
     params = SamplingParams(temperature=0, max_new_tokens=20)
@@ -110,13 +112,13 @@ def test_greedy_engine_equals_naive_full_recompute(name, mode):
     assert tokens == naive_generate(ref, prompt, 20, penalised)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("name", ["rope", "learned-mqa", "llama"])
 def test_seeded_sampling_through_the_engine_equals_the_naive_loop(name, mode):
     model = make_model(**CONFIGS[name])
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_new_tokens=25, seed=7)
     prompt = prompt_ids(2, 6)
-    engine = Engine(model, IdTokenizer(), **MODES[mode])
+    engine = Engine(model, IdTokenizer(), **mode)
     tokens = engine.generate([prompt], params)[0].tokens
     assert len(set(tokens)) > 5
     assert tokens == naive_generate(reference(model, engine), prompt, 25, params, make_generator(7))
@@ -140,11 +142,11 @@ def test_cache_logits_equal_full_forward(name, static):
         torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("name", ["learned", "rope-gqa", "sinusoidal"])
 def test_ragged_batch_rows_equal_each_prompt_alone(name, mode):
     model = make_model(**CONFIGS[name])
-    engine = Engine(model, IdTokenizer(), **MODES[mode])
+    engine = Engine(model, IdTokenizer(), **mode)
     prompts = [prompt_ids(10, 3), prompt_ids(11, 17), prompt_ids(12, 9), prompt_ids(13, 1)]
     params = SamplingParams(temperature=0, max_new_tokens=15, repetition_penalty=1.5, num_samples=2)
     batch = engine.generate(prompts, params)
@@ -155,10 +157,10 @@ def test_ragged_batch_rows_equal_each_prompt_alone(name, mode):
         assert c.prompt_tokens == len(prompts[c.prompt_index])
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_rows_finish_independently_and_the_rest_continue_unchanged(mode):
     model = make_model(**CONFIGS["rope"])
-    engine = Engine(model, IdTokenizer(), **MODES[mode])
+    engine = Engine(model, IdTokenizer(), **mode)
     prompts = [prompt_ids(20 + i, 4 + 3 * i) for i in range(4)]
     params = SamplingParams(temperature=0, max_new_tokens=16, repetition_penalty=1.5, ignore_eos=True)
     alone = [engine.generate([p], params)[0].tokens for p in prompts]
@@ -188,10 +190,10 @@ def test_end_of_sequence_ends_a_completion_and_is_not_text():
     assert len(ignored.tokens) == 30 and ignored.finish_reason == "length"
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_overflow_stop_ends_rows_at_the_context_length(mode):
     model = make_model(context_length=24, **CONFIGS["rope"])
-    engine = Engine(model, IdTokenizer(), overflow="stop", **MODES[mode])
+    engine = Engine(model, IdTokenizer(), overflow="stop", **mode)
     params = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True)
     short, long = prompt_ids(5, 4), prompt_ids(6, 20)
     out = engine.generate([short, long], params)
@@ -220,11 +222,11 @@ def naive_slide(model, prompt, n_new, keep):
     return out
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("name", ["rope", "learned", "llama"])
 def test_overflow_slide_keeps_the_cache_coherent_past_the_context(name, mode):
     model = make_model(context_length=16, **CONFIGS[name])
-    engine = Engine(model, IdTokenizer(), overflow="slide", **MODES[mode])
+    engine = Engine(model, IdTokenizer(), overflow="slide", **mode)
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, repetition_penalty=1.0)
     for prompt in (prompt_ids(8, 5), prompt_ids(9, 20)):  # the second is longer than the context
         out = engine.generate([prompt], params)[0]

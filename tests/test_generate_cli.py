@@ -8,7 +8,7 @@ import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
-from frawdllm.infer.native import fp16_rounded_copy
+from frawdllm.infer.native import available, fp16_rounded_copy
 from frawdllm.io import write_json_atomic
 from frawdllm.tokenizer import EOS_ID, byte_tokenizer
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -38,7 +38,7 @@ def run(capsys, *args):
 def naive_greedy(model_dir, prompt, n, native="fp16"):
     """Full-recompute greedy tokens of the model that `--native` computes."""
     model = FrawdLLM.from_pretrained(model_dir).eval()
-    if native == "fp16":
+    if native == "fp16" and available():  # without a C compiler the CLI decodes with PyTorch
         model = fp16_rounded_copy(model)
     seq, out = byte_tokenizer().encode(prompt), []
     with torch.no_grad():
