@@ -19,8 +19,10 @@ How a batch runs:
    position stays inside the range the model was trained on (for RoPE, learned and
    sinusoidal positions alike) and the cache stays coherent.
 
-A decode step can run under `torch.compile` (`compile=True`): the cache is then static
-(fixed shapes, the slot to write is a tensor), so one graph serves every step.
+Who computes the forward: on CPU, by default, the native C forward (`native.py`: one
+call per prefill or decode step, on fp16 copies of the weights unless weights="fp32");
+otherwise PyTorch, eager or under `torch.compile` (`compile=True`: the cache is then
+static, fixed shapes with the slot to write as a tensor, so one graph serves every step).
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ class Engine:
     """Generation for one model and its tokenizer.
 
     Construction puts the model in eval mode and stores its linear weights column-major
-    (`column_major_weights`). `compile=True` runs decode steps under torch.compile;
-    `overflow` says what happens past the context ("stop" or "slide").
+    (`column_major_weights`). `native` (None: wherever it can run) uses the C forward,
+    reading `weights` ("auto" = "fp16" copies, or "fp32"); `compile=True` runs PyTorch
+    decode steps under torch.compile instead; `overflow` says what happens past the
+    context ("stop" or "slide").
     """
 
     def __init__(
