@@ -32,6 +32,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,7 @@ class NativeDecoder:
         self._cache_k: list[Tensor] | None = None
         self._shape: tuple[int, int, int, int] | None = None
         self._logits: Tensor | None = None
+        self._lock = threading.Lock()
 
     def is_current(self, model: nn.Module) -> bool:
         """True while `model`'s tensors are the ones this decoder was built on, unmodified."""
@@ -313,6 +315,10 @@ class NativeDecoder:
         T = 1 is a decode step, T > 1 a prefill. The logits tensor is reused by the next
         call with the same batch size.
         """
+        with self._lock:  # one scratch buffer, and ctypes lets other Python threads run meanwhile
+            return self._forward(tokens, positions, cache, threads)
+
+    def _forward(self, tokens: Tensor, positions: Tensor, cache: Any, threads: int | None) -> Tensor:
         B, T = tokens.shape
         threads = threads or torch.get_num_threads()
         if not (tokens.is_contiguous() and positions.is_contiguous()):
