@@ -13,8 +13,10 @@ gradient clipping at 1.0, in fp32 and in bf16 autocast:
 
 Each side runs in its own worker process (the allocator setting is per process); the
 parent sequences them. The machine may be shared and noisy, so the variants take turns:
-each of `--rounds` rounds measures the dense matmul peak (per dtype, in the parent) and
-then `--steps` steps of every variant. A round's tokens/s is its median step; MFU
+each of `--rounds` rounds starts fresh worker processes (the same code runs ~15% faster in
+one process than in another here, every op alike, so one process per side would decide a
+whole run; `--same-workers` keeps them), measures the dense matmul peak (per dtype, in the
+parent) and then `--steps` steps of every variant. A round's tokens/s is its median step; MFU
 (tokens/s x training FLOPs per token, 6N + attention as `ModelConfig.flops_per_token`
 counts them, / that round's peak in the same dtype) and the ratios are computed per round;
 the printed figures are medians over the rounds. `--detail` adds HF with fused AdamW,
@@ -138,10 +140,12 @@ def worker(conn, specs: list[tuple[str, str, str, dict]], warmup: int, keep_memo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-compile", action="store_true", help="run our model eagerly")
     parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--same-workers", action="store_true",
+                        help="keep one worker process per side for all rounds (default: fresh ones each round)")
     parser.add_argument("--detail", action="store_true",
                         help="also time HF with fused AdamW, with our allocator setting, and compiled (bf16)")
     args = parser.parse_args()
@@ -165,27 +169,38 @@ def main() -> None:
                                ("hf_bf16_compiled", "hf", "bf16", {"compile": True})], False)
         groups["hf_keepmem"] = ([("hf_bf16_keep_freed_memory", "hf", "bf16", {})], True)
     ctx = mp.get_context("spawn")
-    workers, owner = {}, {}
-    for group, (specs, keep) in groups.items():
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=worker, args=(child, specs, args.warmup, keep), daemon=True)
-        process.start()
-        for warm_name, seconds in parent.recv().items():  # warm-ups run one worker at a time
-            print(f"warmup_s_{warm_name}={seconds:.1f}", flush=True)
-        workers[group] = (process, parent)
-        owner.update({name: parent for name, *_ in specs})
+
+    def start_workers(report: bool):
+        workers, owner = [], {}
+        for specs, keep in groups.values():
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=worker, args=(child, specs, args.warmup, keep), daemon=True)
+            process.start()
+            for warm_name, seconds in parent.recv().items():  # warm-ups run one worker at a time
+                if report:
+                    print(f"warmup_s_{warm_name}={seconds:.1f}", flush=True)
+            workers.append((process, parent))
+            owner.update({name: parent for name, *_ in specs})
+        return workers, owner
+
+    def stop_workers(workers) -> None:
+        for process, conn in workers:
+            conn.send(("stop",))
+            process.join(timeout=30)
 
     rounds = []
-    for _ in range(args.rounds):
+    workers, owner = start_workers(report=True)
+    for i in range(args.rounds):
+        if i and not args.same_workers:  # a process's speed varies from one process to the next: resample it
+            stop_workers(workers)
+            workers, owner = start_workers(report=False)
         peaks = {d: measure_matmul_flops(torch.device("cpu"), d, min_seconds=0.5) for d in dtypes}
         tps = {}
         for name, conn in owner.items():
             conn.send(("run", name, args.steps))
             tps[name] = BATCH * SEQ / statistics.median(conn.recv())
         rounds.append((peaks, tps))
-    for process, conn in workers.values():
-        conn.send(("stop",))
-        process.join(timeout=30)
+    stop_workers(workers)
 
     def median(f):
         return statistics.median(f(peaks, tps) for peaks, tps in rounds)
