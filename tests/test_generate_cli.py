@@ -8,7 +8,7 @@ import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
-from frawdllm.infer.native import available, fp16_rounded_copy
+from frawdllm.infer.native import fp16_rounded_copy, has_fp16
 from frawdllm.io import write_json_atomic
 from frawdllm.tokenizer import EOS_ID, byte_tokenizer
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -35,10 +35,10 @@ def run(capsys, *args):
     return code, out.out, out.err
 
 
-def naive_greedy(model_dir, prompt, n, native="fp16"):
+def naive_greedy(model_dir, prompt, n, native="auto"):
     """Full-recompute greedy tokens of the model that `--native` computes."""
     model = FrawdLLM.from_pretrained(model_dir).eval()
-    if native == "fp16" and available():  # without a C compiler the CLI decodes with PyTorch
+    if native in ("auto", "fp16") and has_fp16():  # without a C compiler the CLI decodes with PyTorch
         model = fp16_rounded_copy(model)
     seq, out = byte_tokenizer().encode(prompt), []
     with torch.no_grad():
@@ -53,14 +53,14 @@ def naive_greedy(model_dir, prompt, n, native="fp16"):
 
 @pytest.mark.parametrize("native", [None, "fp32", "off"])
 def test_json_output_is_one_object_with_the_greedy_tokens(capsys, model_dir, native):
-    flags = [] if native is None else ["--native", native]  # None: the default, fp16
+    flags = [] if native is None else ["--native", native]  # None: the default, auto
     code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hello", "--max-new-tokens", "12",
                          "--temperature", "0", "--json", *flags)
     assert code == 0, err
     lines = out.strip().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
-    expected = naive_greedy(model_dir, "Hello", 12, native or "fp16")
+    expected = naive_greedy(model_dir, "Hello", 12, native or "auto")
     assert record["tokens"] == expected
     text_ids = expected[:-1] if expected[-1] == EOS_ID else expected
     assert record["text"] == byte_tokenizer().decode(text_ids, skip_special_tokens=True)

@@ -16,6 +16,7 @@ from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 from test_engine import CONFIGS, IdTokenizer, make_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native forward: {native.unavailable_reason()}")
+WEIGHTS = ["fp32", pytest.param("fp16", marks=pytest.mark.skipif(not native.has_fp16(), reason="no F16C"))]
 
 SHAPES = {  # widths around the C code's 16-float vectors and 128-output tiles
     "small": dict(n_embd=32, n_head=4),  # every product narrower than a tile
@@ -67,7 +68,7 @@ def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threa
     return decoder
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prefill_and_decode_logits_equal_the_full_forward(name, weights):
     check_against_full_forward(make_model(std=0.2, **CONFIGS[name]), weights)
@@ -110,6 +111,7 @@ def test_the_tiny_preset_with_two_threads_equals_pytorch():
     check_against_full_forward(FrawdLLM(get_config("tiny")).eval(), "fp32", lengths=(40, 3), steps=3, threads=2)
 
 
+@pytest.mark.skipif(not native.has_fp16(), reason="no F16C")
 def test_fp16_weights_stay_close_to_fp32():
     model = make_model(std=0.2, **CONFIGS["learned"])
     column_major_weights(model)

@@ -68,11 +68,12 @@ def engine_flags(command):
                      help="Precision of the weights and the KV cache."),
         click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,
                      help="Past the model's context: stop, or slide (keep the last 3/4, prefill again)."),
-        click.option("--native", "native", type=click.Choice(["fp16", "fp32", "off"]), default="fp16",
+        click.option("--native", "native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto",
                      show_default=True,
                      help="The C forward on CPU (frawdllm/infer/native.c): fp16 reads fp16 copies of the "
                           "weights (half the memory traffic, logits within ~1e-3), fp32 the weights as they "
-                          "are (exact), off = PyTorch. Models it cannot run (int8, bf16, GPU) use PyTorch."),
+                          "are (exact), off = PyTorch; auto = fp16 where the CPU can read it. Models it "
+                          "cannot run (bf16, GPU) use PyTorch."),
         click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
                      help="torch.compile the decode step instead of --native (slow to start)."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps."),
@@ -85,7 +86,7 @@ def engine_flags(command):
 
 def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", overflow: str = "stop",
                 compile_model: bool = False, device: str = "cpu", threads: int | None = None,
-                native: str = "fp16"):
+                native: str = "auto"):
     """A ready Engine for a model directory; every problem is a one-line FrawdError."""
     import torch
 

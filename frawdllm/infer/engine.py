@@ -37,14 +37,14 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ..errors import FrawdError
-from . import native
+from . import native as native_forward
 from .cache import KVCache
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
-WEIGHT_MODES = ("auto", *native.WEIGHT_DTYPES)
-DEFAULT_NATIVE_WEIGHTS = "fp16"  # what weights="auto" reads in native decoding
+WEIGHT_MODES = ("auto", *native_forward.WEIGHT_DTYPES)
+DEFAULT_NATIVE_WEIGHTS = "fp16"  # what weights="auto" reads in native decoding (fp32 if the CPU cannot)
 # compile=True: inductor's own CPU matrix kernels (max_autotune picks them over MKL when
 # faster: for one-row products they read the weights about twice as fast) on weights
 # frozen into the graph as constants (freezing, set around the first call).
@@ -118,8 +118,10 @@ class Engine:
         self.native = self._use_native(native)
         if weights not in WEIGHT_MODES:
             raise FrawdError(f"weights must be one of {', '.join(WEIGHT_MODES)}; got {weights!r}")
-        self.weights = (DEFAULT_NATIVE_WEIGHTS if weights == "auto" else weights) if self.native else None
-        self._decoder: native.NativeDecoder | None = None
+        if weights == "auto":
+            weights = DEFAULT_NATIVE_WEIGHTS if native_forward.has_fp16() else "fp32"
+        self.weights = weights if self.native else None
+        self._decoder: native_forward.NativeDecoder | None = None
         self._decode = (
             torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS) if compile
             else decode_logits
@@ -131,17 +133,17 @@ class Engine:
             return False
         if wanted and self.compile:
             raise FrawdError("choose compile or native decoding, not both")
-        reason = native.supports(self.model)
-        if reason is None and not native.available():
-            reason = native.unavailable_reason()
+        reason = native_forward.supports(self.model)
+        if reason is None and not native_forward.available():
+            reason = native_forward.unavailable_reason()
         if reason is not None and wanted:
             raise FrawdError(f"native decoding is not possible: {reason}")
         return reason is None
 
-    def native_decoder(self) -> native.NativeDecoder:
+    def native_decoder(self) -> native_forward.NativeDecoder:
         """The C forward over the model as it is now (rebuilt if its weights changed)."""
         if self._decoder is None or not self._decoder.is_current(self.model):
-            self._decoder = native.NativeDecoder(self.model, self.weights)
+            self._decoder = native_forward.NativeDecoder(self.model, self.weights)
         return self._decoder
 
     # ---- prompts ------------------------------------------------------------------------------

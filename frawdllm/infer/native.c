@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) v16 load_w(int kind, const Linear *
 #if defined(__AVX512F__)
     if (kind == W_FP16) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(L->wh + j)));
     if (kind == W_INT8) return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->wq + j))));
-#elif defined(__F16C__)
+#elif defined(__F16C__) /* AVX2 machines: two halves of 8 */
     if (kind == W_FP16) {
         __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(L->wh + j)));
         __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(L->wh + j + 8)));
@@ -159,6 +159,16 @@ static inline __attribute__((always_inline)) v16 load_w(int kind, const Linear *
         memcpy((char *)&out + 32, &hi, 32);
         return out;
     }
+#if defined(__AVX2__)
+    if (kind == W_INT8) {
+        __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(L->wq + j))));
+        __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(L->wq + j + 8))));
+        v16 out;
+        memcpy(&out, &lo, 32);
+        memcpy((char *)&out + 32, &hi, 32);
+        return out;
+    }
+#endif
 #endif
     if (kind != W_FP32) {
         v16 out;

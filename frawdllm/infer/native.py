@@ -161,6 +161,11 @@ def unavailable_reason() -> str | None:
         return _why_not
 
 
+def has_fp16() -> bool:
+    """True when the compiled forward can read fp16 weights (x86 CPUs since 2013 can)."""
+    return available() and bool(library().frawd_has_fp16())
+
+
 def supports(model: nn.Module) -> str | None:
     """None when `native.c` can run this model, else the reason it cannot."""
     from ..model.gpt import FrawdLLM
@@ -351,7 +356,7 @@ class NativeDecoder:
         self._cache_v = cache.v  # keep the lists (and so the tensors) alive with the pointers
 
 
-__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "available", "unavailable_reason", "supports", "library"]
+__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "available", "unavailable_reason", "supports", "library"]
 
 if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
     print(_build() if available() else f"unavailable: {_why_not}", file=sys.stderr)
