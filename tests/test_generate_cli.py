@@ -125,3 +125,10 @@ def test_bad_input_is_one_line_error(capsys, model_dir, args, message):
 def test_missing_model_directory_is_one_line_error(capsys, tmp_path):
     code, _, err = run(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert code == 1 and "model directory not found" in err and err.count("\n") == 1
+
+
+def test_stats_say_how_fast_and_which_forward_ran(capsys, model_dir):
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--max-new-tokens", "4",
+                       "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--native", "off")
+    assert code == 0, err
+    assert "[4 tokens in " in err and "forward: PyTorch eager]" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import click
@@ -64,7 +65,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
             click.echo(chunk.text, nl=False)
             sys.stdout.flush()
         click.echo()
-        _report(stats, n_tokens, time.perf_counter() - start)
+        _report(stats, n_tokens, time.perf_counter() - start, engine)
         return
     completions = engine.generate(texts, params)
     seconds = time.perf_counter() - start
@@ -78,7 +79,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
             if not single:
                 click.echo(f"--- prompt {c.prompt_index + 1}, sample {c.sample_index + 1} ---")
             click.echo((texts[c.prompt_index] if echo_prompt else "") + c.text)
-    _report(stats, sum(len(c.tokens) for c in completions), seconds)
+    _report(stats, sum(len(c.tokens) for c in completions), seconds, engine)
 
 
 def _read_prompt_file(path: str) -> str:
@@ -93,6 +94,9 @@ def _read_prompt_file(path: str) -> str:
         raise FrawdError(f"{file}: not UTF-8 text") from None
 
 
-def _report(stats: bool, n_tokens: int, seconds: float) -> None:
+def _report(stats: bool, n_tokens: int, seconds: float, engine: Any) -> None:
     if stats:
-        click.echo(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s]", err=True)
+        forward = (f"native {engine.weights}" if engine.native else
+                   "torch.compile" if engine.compile else "PyTorch eager")
+        click.echo(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s; "
+                   f"forward: {forward}]", err=True)
