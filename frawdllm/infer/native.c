@@ -18,7 +18,8 @@ One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 Matrices are read as W^T, (in, out) row-major: that is how the engine stores every
 nn.Linear weight (`column_major_weights`), so nothing is copied. A product walks the
 inputs i and adds x[i] * W^T[i, tile] into accumulators for a tile of 128 outputs and
-up to 2 rows: plain multiply-adds over contiguous memory, no horizontal sums. Weights
+1-2 rows (or 64 outputs and 4 rows): plain multiply-adds over contiguous memory, no
+horizontal sums. Weights
 can also be read from fp16 copies (half the bytes) or from int8 with a scale per output
 (`--quantize int8`: a quarter), each converted exactly to fp32 in registers.
 
@@ -43,7 +44,7 @@ typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 
 #define NV_MAX 8  /* vectors per tile */
 #define TILE (16 * NV_MAX)  /* outputs per tile */
-#define ROWS 2    /* batch rows per pass over a tile */
+#define ROWS_MAX 4  /* rows per pass over (half) a tile */
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
@@ -199,30 +200,48 @@ static inline void epilogue(int mode, float *y, v16 value) {
     *(v16 *)y = value;
 }
 
-/* Rows [0, B) of y[:, c:c + 16 NV] (=, +=, = gelu of) x @ W^T[:, c:c + 16 NV] + b. */
+/* Rows [r0, r0 + R) of y[:, c:c + 16 NV] (=, +=, = gelu of) x @ W^T[:, c:c + 16 NV] + b. */
+static inline __attribute__((always_inline)) void rows_tile(const Linear *L, const float *x, int64_t ldx, float *y,
+                                                            int64_t ldy, int64_t r0, int R, int64_t c, int NV,
+                                                            int mode) {
+    v16 acc[ROWS_MAX][NV_MAX];
+    const float *xr = x + r0 * ldx;
+    /* constant arguments: one specialised loop each, acc kept in registers */
+    switch (storage(L) * 4 + (R == 4 ? 2 : R - 1)) {
+        case W_FP32 * 4: tile_product(1, NV, W_FP32, xr, ldx, L, c, acc); break;
+        case W_FP32 * 4 + 1: tile_product(2, NV, W_FP32, xr, ldx, L, c, acc); break;
+        case W_FP32 * 4 + 2: tile_product(4, NV, W_FP32, xr, ldx, L, c, acc); break;
+        case W_FP16 * 4: tile_product(1, NV, W_FP16, xr, ldx, L, c, acc); break;
+        case W_FP16 * 4 + 1: tile_product(2, NV, W_FP16, xr, ldx, L, c, acc); break;
+        case W_FP16 * 4 + 2: tile_product(4, NV, W_FP16, xr, ldx, L, c, acc); break;
+        case W_INT8 * 4: tile_product(1, NV, W_INT8, xr, ldx, L, c, acc); break;
+        case W_INT8 * 4 + 1: tile_product(2, NV, W_INT8, xr, ldx, L, c, acc); break;
+        default: tile_product(4, NV, W_INT8, xr, ldx, L, c, acc); break;
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NV; k++) {
+            v16 v = acc[r][k];
+            if (L->scale) v *= *(const v16 *)(L->scale + c + 16 * k);
+            if (L->b) v += *(const v16 *)(L->b + c + 16 * k);
+            epilogue(mode, y + (r0 + r) * ldy + c + 16 * k, v);
+        }
+}
+
+/* Rows [0, B) of y[:, c:c + 16 NV]. Rows go 4 at a time over half a tile (16 accumulators,
+   each weight vector used 4 times: prefill and batches), the last ones 1 or 2 at a time
+   over the whole tile. */
 static inline __attribute__((always_inline)) void tile(const Linear *L, const float *x, int64_t ldx, float *y,
                                                        int64_t ldy, int64_t B, int64_t c, int NV, int mode) {
-    for (int64_t r0 = 0; r0 < B; r0 += ROWS) {
-        int R = (int)(B - r0 < ROWS ? B - r0 : ROWS);
-        v16 acc[ROWS][NV_MAX];
-        const float *xr = x + r0 * ldx;
-        /* constant arguments: one specialised loop each, acc kept in registers */
-        switch (storage(L) * 2 + (R == 1)) {
-            case W_FP32 * 2 + 1: tile_product(1, NV, W_FP32, xr, ldx, L, c, acc); break;
-            case W_FP32 * 2: tile_product(2, NV, W_FP32, xr, ldx, L, c, acc); break;
-            case W_FP16 * 2 + 1: tile_product(1, NV, W_FP16, xr, ldx, L, c, acc); break;
-            case W_FP16 * 2: tile_product(2, NV, W_FP16, xr, ldx, L, c, acc); break;
-            case W_INT8 * 2 + 1: tile_product(1, NV, W_INT8, xr, ldx, L, c, acc); break;
-            default: tile_product(2, NV, W_INT8, xr, ldx, L, c, acc); break;
+    int64_t r0 = 0;
+    for (; r0 + 4 <= B; r0 += 4) {
+        if (NV == NV_MAX) {
+            rows_tile(L, x, ldx, y, ldy, r0, 4, c, NV_MAX / 2, mode);
+            rows_tile(L, x, ldx, y, ldy, r0, 4, c + 8 * NV_MAX, NV_MAX / 2, mode);
+        } else {
+            rows_tile(L, x, ldx, y, ldy, r0, 4, c, NV, mode);
         }
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < NV; k++) {
-                v16 v = acc[r][k];
-                if (L->scale) v *= *(const v16 *)(L->scale + c + 16 * k);
-                if (L->b) v += *(const v16 *)(L->b + c + 16 * k);
-                epilogue(mode, y + (r0 + r) * ldy + c + 16 * k, v);
-            }
     }
+    for (; r0 < B; r0 += 2) rows_tile(L, x, ldx, y, ldy, r0, B - r0 == 1 ? 1 : 2, c, NV, mode);
 }
 
 /* y[r] (=, +=, = gelu of) x[r] @ W^T + b for rows [0, B), output tiles [t0, t1).
