@@ -118,7 +118,7 @@ class Engine:
         self.native = self._use_native(native)
         if weights not in WEIGHT_MODES:
             raise FrawdError(f"weights must be one of {', '.join(WEIGHT_MODES)}; got {weights!r}")
-        if weights == "auto":
+        if self.native and weights == "auto":
             weights = DEFAULT_NATIVE_WEIGHTS if native_forward.has_fp16() else "fp32"
         self.weights = weights if self.native else None
         self._decoder: native_forward.NativeDecoder | None = None

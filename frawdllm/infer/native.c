@@ -291,6 +291,22 @@ static void norm_rows(const Model *m, const Norm *n, const float *x, float *y, i
     for (int64_t r = t; r < B; r += T) norm_row(m, n, x + r * m->d, y + r * m->d);
 }
 
+/* What a sublayer (attention, MLP) reads: pre-LN, norm(x) written to h; post-LN, x itself.
+   Called by every thread of the parallel region (the barrier is theirs). */
+static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *h, int64_t N) {
+    if (!m->pre_norm) return x;
+    norm_rows(m, n, x, h, N);
+#pragma omp barrier
+    return h;
+}
+
+/* After a residual add: post-LN normalises the stream in place; pre-LN leaves it. */
+static void after_residual(const Model *m, const Norm *n, float *x, int64_t N) {
+    if (m->pre_norm) return;
+    norm_rows(m, n, x, x, N);
+#pragma omp barrier
+}
+
 /* Rotate pairs (v[i], v[i + hd/2]) by the angles of position p (the "rotate half" layout). */
 static void rope(const Model *m, float *v, int64_t p) {
     int64_t half = m->head_dim / 2;
@@ -415,11 +431,7 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
         for (int64_t l = 0; l < m->n_layer; l++) {
             const Layer *L = &m->layers[l];
             /* attention */
-            if (m->pre_norm) {
-                norm_rows(m, &L->norm1, x, h, N);
-#pragma omp barrier
-            }
-            linear(&L->qkv, m->pre_norm ? h : x, D, qkv, qkv_w, N, EPI_STORE);
+            linear(&L->qkv, sublayer_input(m, &L->norm1, x, h, N), D, qkv, qkv_w, N, EPI_STORE);
 #pragma omp barrier
             for (int64_t task = t; task < N * nkv; task += P)
                 store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
@@ -431,16 +443,9 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
 #pragma omp barrier
             linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
 #pragma omp barrier
-            if (!m->pre_norm) {
-                norm_rows(m, &L->norm1, x, x, N);
-#pragma omp barrier
-            }
+            after_residual(m, &L->norm1, x, N);
             /* MLP */
-            if (m->pre_norm) {
-                norm_rows(m, &L->norm2, x, h, N);
-#pragma omp barrier
-            }
-            linear(&L->up, m->pre_norm ? h : x, D, ff, ff_w, N, m->swiglu ? EPI_STORE : EPI_GELU);
+            linear(&L->up, sublayer_input(m, &L->norm2, x, h, N), D, ff, ff_w, N, m->swiglu ? EPI_STORE : EPI_GELU);
 #pragma omp barrier
             if (m->swiglu) { /* ff[:, :H] <- silu(gate) * up, gate = ff[:, :H], up = ff[:, H:] */
                 for (int64_t n = t; n < N; n += P)
@@ -450,10 +455,7 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
             }
             linear(&L->down, ff, ff_w, x, D, N, EPI_ADD); /* x += MLP output */
 #pragma omp barrier
-            if (!m->pre_norm) {
-                norm_rows(m, &L->norm2, x, x, N);
-#pragma omp barrier
-            }
+            after_residual(m, &L->norm2, x, N);
         }
         /* each row's last token: final norm (or a copy) into h, then the LM head */
         for (int64_t b = t; b < B; b += P) {

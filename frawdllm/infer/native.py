@@ -25,6 +25,7 @@ qualifies (bf16 weights or a GPU use PyTorch).
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import os
@@ -175,8 +176,9 @@ def supports(model: nn.Module) -> str | None:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type != "cpu":
             return f"{name} is on {tensor.device}, not the CPU"
-        if tensor.is_floating_point() and tensor.dtype != torch.float32 and not name.endswith("scale_bf16"):
-            return f"{name} is {tensor.dtype}, not float32"
+    for name, param in model.named_parameters():  # (buffers may hold other types: int8 weights)
+        if param.dtype != torch.float32:
+            return f"{name} is {param.dtype}, not float32"
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not module.weight.t().is_contiguous():
             return f"{name}.weight is not stored column-major (see engine.column_major_weights)"
@@ -187,8 +189,6 @@ def fp16_rounded_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` with its linear weights rounded to fp16 (and back to fp32): the
     model that weights="fp16" computes, for tests and perplexity measurements. The
     embedding table stays fp32 (a tied LM head gets its own rounded copy)."""
-    import copy
-
     ref = copy.deepcopy(model)
     with torch.no_grad():
         if getattr(ref.lm_head, "weight", None) is ref.embed.tok.weight:
@@ -202,8 +202,6 @@ def fp16_rounded_copy(model: nn.Module) -> nn.Module:
 def dequantized_copy(model: nn.Module) -> nn.Module:
     """A copy of an int8 model (`quantize_int8`) with each `Int8Linear` back to an
     `nn.Linear` holding W_q * scale: what the native forward computes for it, in fp32."""
-    import copy
-
     ref = copy.deepcopy(model)
     for module in list(ref.modules()):
         for name, child in list(module.named_children()):
@@ -246,7 +244,7 @@ class NativeDecoder:
         if weights not in WEIGHT_DTYPES:
             raise FrawdError(f"native weights must be one of {', '.join(WEIGHT_DTYPES)}; got {weights!r}")
         self.lib = library()
-        if weights == "fp16" and not self.lib.frawd_has_fp16():
+        if weights == "fp16" and not has_fp16():
             raise FrawdError("fp16 weights need a CPU with F16C (x86-64 since 2013)")
         self.weights = weights
         self.source = model

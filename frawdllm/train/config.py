@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from ..config import check_fields
 from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -140,11 +141,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
+        check_fields(cls, data, f"{cls.__name__} field")
         return cls(**{k: _coerce(cls, k, v) for k, v in data.items()})
 
 
