@@ -10,8 +10,9 @@ up to rounding order). "fp16" reads fp16 copies of the linear weights: half the 
 traffic, so about twice the decode speed, at a rounding of 2^-11 relative per weight
 (logits move by ~1e-3; `benchmarks/int8_perplexity.py` measures the perplexity change).
 A model quantized with `quantize_int8` is read as int8 with its per-row scales (a quarter
-of the bytes; the products run on fp32 activations). The engine's default on CPU is fp16, the way inference servers run
-fp32 checkpoints in half precision; `weights="fp32"` (`--native fp32`) is exact.
+of the bytes; the products run on fp32 activations). The engine's default on CPU is fp16
+where the CPU converts it (F16C; else fp32), the way inference servers run fp32
+checkpoints in half precision; `weights="fp32"` (`--native fp32`) is exact.
 
 Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
 about a second) into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), keyed
