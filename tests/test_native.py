@@ -163,8 +163,8 @@ def test_out_of_range_tokens_and_positions_are_refused_before_any_work():
 
 
 def test_without_a_compiler_the_engine_falls_back_to_pytorch(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
     assert not native.available()
@@ -175,14 +175,14 @@ def test_without_a_compiler_the_engine_falls_back_to_pytorch(tmp_path, monkeypat
 
 
 def test_the_compiled_library_is_cached_and_built_atomically(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
     assert native.available()
     built = list((tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
     assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 

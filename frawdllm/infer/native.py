@@ -15,8 +15,7 @@ where the CPU converts it (F16C; else fp32), the way inference servers run fp32
 checkpoints in half precision; `weights="fp32"` (`--native fp32`) is exact.
 
 Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
-about a second) into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), keyed
-by the source, the compiler and the CPU, so later processes load it at once. Without a
+about a second; see `frawdllm.cbuild`), cached by source, compiler and CPU. Without a
 compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the engine uses PyTorch.
 
 What it covers: every FrawdLLM architecture (positions, norms, MLPs, GQA, pre/post-LN,
@@ -28,12 +27,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,11 +36,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from ..cbuild import CLibrary, build
 from ..errors import FrawdError
 from .quantize import Int8Linear
 
-SOURCE = Path(__file__).with_name("native.c")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2, "rope": 3}
 _ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is past the model's context"}
 
@@ -78,75 +71,24 @@ class _Model(ctypes.Structure):
     ]
 
 
-_library: ctypes.CDLL | None = None
-_why_not: str | None = None  # why the library is unavailable, once we know
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.frawd_forward.restype = ctypes.c_int
+    lib.frawd_forward.argtypes = [
+        ctypes.POINTER(_Model), i64, i64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64,
+        ctypes.c_void_p, ctypes.c_void_p, i64,
+    ]
+    lib.frawd_has_fp16.restype = ctypes.c_int
+    lib.frawd_workspace_floats.restype = i64
+    lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("FRAWD_CACHE_DIR") or Path.home() / ".cache" / "frawdllm"
-    return Path(root) / "native"
-
-
-def _cpu_signature() -> str:
-    try:  # -march=native code is only valid on the CPU it was built for
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC", "cc")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"no C compiler ({compiler}): {e}") from None
-    key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_signature()))
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"native_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # compile aside, then rename: never half a file
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
 
 
 def library() -> ctypes.CDLL:
     """The compiled library (built on first call); raises FrawdError saying why if it cannot be."""
-    global _library, _why_not
-    if _library is None and _why_not is None:
-        if os.environ.get("FRAWD_NATIVE", "1") == "0":
-            _why_not = "FRAWD_NATIVE=0"
-        else:
-            try:
-                lib = ctypes.CDLL(str(_build()))
-                lib.frawd_forward.restype = ctypes.c_int
-                lib.frawd_forward.argtypes = [
-                    ctypes.POINTER(_Model), i64, i64, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_void_p, ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64,
-                    ctypes.c_void_p, ctypes.c_void_p, i64,
-                ]
-                lib.frawd_has_fp16.restype = ctypes.c_int
-                lib.frawd_workspace_floats.restype = i64
-                lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
-                _library = lib
-            except (RuntimeError, OSError) as e:
-                _why_not = str(e)
-    if _library is None:
-        raise FrawdError(f"the native forward is unavailable: {_why_not}")
-    return _library
+    return LIBRARY.load()
 
 
 def available() -> bool:
@@ -156,11 +98,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """None when the compiled forward loads, else why not (no compiler, FRAWD_NATIVE=0...)."""
-    try:
-        library()
-        return None
-    except FrawdError:
-        return _why_not
+    return LIBRARY.unavailable_reason()
 
 
 def has_fp16() -> bool:
@@ -358,4 +296,4 @@ class NativeDecoder:
 __all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "available", "unavailable_reason", "supports", "library"]
 
 if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
-    print(_build() if available() else f"unavailable: {_why_not}", file=sys.stderr)
+    print(build(LIBRARY.source) if available() else f"unavailable: {unavailable_reason()}", file=sys.stderr)

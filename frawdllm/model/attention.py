@@ -9,11 +9,12 @@ n_head / n_kv_head query heads: the KV cache shrinks by that factor. n_kv_head =
 multi-query attention (MQA); n_kv_head == n_head is plain multi-head attention (MHA).
 
 The attention kernel is PyTorch's `scaled_dot_product_attention` (flash / memory-efficient
-kernels where available). One exception: training on CPU under `torch.compile`, where the
-CPU flash kernel's backward pass is slow for short sequences. There causal attention is
-computed as plain matmuls over a few query blocks (block i attends only the keys up to its
-end, skipping most of the masked half), which torch.compile fuses into about twice the
-speed; the result is the same attention.
+kernels where available), except when training on a CPU, where its backward pass is slow
+for short sequences. There, in bf16, `cpu_attention` (a fused C kernel, forward and
+backward) runs instead; in fp32 under `torch.compile`, causal attention is computed as
+plain matmuls over a few query blocks (block i attends only the keys up to its end,
+skipping most of the masked half), which torch.compile fuses into about twice the speed.
+Either way the result is the same attention.
 
 KV cache protocol: the inference engine passes an object with
 `update(layer_idx, k, v) -> (k_all, v_all, mask)`, which stores this step's keys and values
@@ -31,6 +32,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from . import cpu_attention
 from .embeddings import apply_rope
 
 
@@ -95,9 +97,11 @@ def attend(
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         if T != S:
             raise ValueError(f"a KV cache must give a mask when {T} queries attend {S} keys")
-        if q.device.type == "cpu" and T <= BLOCKED_MAX_T and torch.is_grad_enabled() \
-                and torch.compiler.is_compiling():
-            return blocked_causal_attention(q, k, v, dropout_p)
+        if q.device.type == "cpu" and torch.is_grad_enabled():  # training on a CPU
+            if cpu_attention.usable(q, k, v, dropout_p):
+                return cpu_attention.causal_attention(q, k, v)
+            if T <= BLOCKED_MAX_T and torch.compiler.is_compiling():
+                return blocked_causal_attention(q, k, v, dropout_p)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
