@@ -8,10 +8,10 @@ and keeps everything of that head in its cache: scores, probabilities and their
 gradients never leave L2, and every product uses the CPU's bf16 dot-product instruction
 (AVX512-BF16: 32 bf16 products summed pairwise into 16 fp32 lanes per instruction).
 
-Forward, per head, 8 query rows at a time (S = q k^T, all fp32 until the bf16 stores):
+Forward, per head, 8 query rows at a time (fp32 until the bf16 stores):
     S = Q K^T                               only key columns up to the block's last row
-    P = softmax(S / sqrt(hd)), causal       lse = logsumexp per row, kept for backward
-    O = P V                                 P rounded to bf16 first, as torch does
+    E = exp(S / sqrt(hd) - max), causal     lse = logsumexp per row, kept for backward
+    O = (E V) / sum(E)                      E rounded to bf16 for the product
 
 Backward (flash-attention style: P is recomputed from lse, not stored), 8 key rows at a time:
     S^T = K Q^T, P^T = exp(S^T / sqrt(hd) - lse)    query columns i >= j only
@@ -116,6 +116,18 @@ static void pack_pairs(View src, int64_t b, int64_t h, int64_t T, int64_t Tp, in
 
 static inline v16 iota(void) { return (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
+/* Lanes j0 + l <= last of a 16-lane vector starting at column j0. */
+static inline __mmask16 upto(int64_t j0, int64_t last) {
+    const int64_t n = last - j0 + 1;
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* e^x for finite x (no clamping needed: vscalefps takes 2^n to 0 or inf by itself). */
+static inline v16 exp_fast(v16 x) {
+    const __m512 n = _mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return (v16)_mm512_scalef_ps((__m512)exp_reduced(reduce_ln2(x, (v16)n)), n);
+}
+
 /* Bytes per thread, enough for either pass (see the carving at the top of each). */
 static int64_t workspace_bytes(int64_t Tp, int64_t hd) {
     return 2 * (5 * Tp * hd + Tp * Tp + 2 * R * Tp + hd) + 4 * (3 * R * C + 2 * Tp + R * Tp) + 16 * 64;
@@ -154,35 +166,32 @@ int frawd_attention_forward(View q, View k, View v, View out, float *lse, int64_
                     const int64_t ncols = round_up(i0 + R, C) < Tp ? round_up(i0 + R, C) : Tp;
                     const bf16 *a[R];
                     for (int r = 0; r < R; r++) a[r] = i0 + r < T ? at(q, b, h, i0 + r) : zero;
+                    __m512 top[R]; /* each row's largest score so far */
+                    for (int r = 0; r < R; r++) top[r] = _mm512_set1_ps(-INFINITY);
                     for (int64_t n0 = 0; n0 < ncols; n0 += C) {  /* scores */
                         tile(a, 2, kp, 2 * Tp, n0, 0, hd / 2, s);
-                        for (int r = 0; r < R; r++) memcpy(srow + r * Tp + n0, s[r], sizeof s[r]);
+                        for (int r = 0; r < R; r++) {
+                            const int64_t last = i0 + r < T ? i0 + r : T - 1; /* the last key this row sees */
+                            for (int half = 0; half < 2; half++)
+                                top[r] = _mm512_mask_max_ps(top[r], upto(n0 + 16 * half, last), top[r],
+                                                            _mm512_loadu_ps(s[r] + 16 * half));
+                            memcpy(srow + r * Tp + n0, s[r], sizeof s[r]);
+                        }
                     }
-                    for (int r = 0; r < R; r++) {  /* causal softmax of each row */
-                        const int64_t i = i0 + r;
+                    float inv[R];
+                    for (int r = 0; r < R; r++) {  /* causal softmax of each row, normalised after P V */
+                        const int64_t i = i0 + r, last = i < T ? i : T - 1;
+                        const float best = _mm512_reduce_max_ps(top[r]) * scale;
                         float *x = srow + r * Tp;
                         bf16 *p = prow + r * Tp;
-                        const int64_t last = i < T ? i : T - 1; /* the last key this row sees */
-                        v16 top = splat(-INFINITY);
-                        for (int64_t j = 0; j <= last; j += 16) {
-                            vi16 seen = iota() + splat((float)j) <= splat((float)last);
-                            v16 y = *(v16 *)(x + j);
-                            top = (v16)((seen & (vi16)(y > top) & (vi16)y) | (~(seen & (vi16)(y > top)) & (vi16)top));
-                        }
-                        float best = -INFINITY;
-                        for (int l = 0; l < 16; l++) best = fmaxf(best, top[l]);
-                        best *= scale;
                         v16 acc = {};
                         for (int64_t j = 0; j < ncols; j += 16) {
-                            v16 e = v_exp(*(v16 *)(x + j) * scale - best);
-                            e = (v16)((vi16)(iota() + splat((float)j) <= splat((float)last)) & (vi16)e); /* unseen: 0 */
-                            *(v16 *)(x + j) = e;
+                            v16 e = (v16)_mm512_maskz_mov_ps(upto(j, last), (__m512)exp_fast(*(v16 *)(x + j) * scale - best));
                             acc += e;
+                            _mm256_storeu_si256((__m256i *)(p + j), to_bf16(e));
                         }
                         const float sum = hsum(acc);
-                        const float inv = i < T ? 1.0f / sum : 0.0f;
-                        for (int64_t j = 0; j < ncols; j += 16)
-                            _mm256_storeu_si256((__m256i *)(p + j), to_bf16(*(v16 *)(x + j) * inv));
+                        inv[r] = 1.0f / sum;
                         if (i < T) lse[(b * H + h) * T + i] = best + logf(sum);
                     }
                     const bf16 *pa[R];
@@ -191,8 +200,8 @@ int frawd_attention_forward(View q, View k, View v, View out, float *lse, int64_
                         tile(pa, 2, vp, 2 * hd, d0, 0, ncols / 2, s);
                         for (int r = 0; r < R && i0 + r < T; r++) {
                             bf16 *o = at(out, b, h, i0 + r) + d0;
-                            _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)s[r]));
-                            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(s[r] + 16)));
+                            _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)s[r] * inv[r]));
+                            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(s[r] + 16) * inv[r]));
                         }
                     }
                 }
@@ -269,7 +278,7 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
                                     v16 iv = iota() + splat((float)i0);
                                     vi16 ok = (iv >= splat((float)j)) & (iv < splat((float)T)) & ((vi16){} - (j < T));
                                     v16 x = *(v16 *)(s[r + rr] + 16 * half) * scale - *(v16 *)(lse_p + i0);
-                                    v16 p = (v16)(ok & (vi16)v_exp(x));
+                                    v16 p = (v16)(ok & (vi16)exp_fast(x));
                                     v16 d = p * (*(v16 *)(dp[r + rr] + 16 * half) - *(v16 *)(dvec + i0));
                                     _mm256_storeu_si256((__m256i *)(pt + (r + rr) * Tp + i0), to_bf16(p));
                                     _mm256_storeu_si256((__m256i *)(dst + (r + rr) * Tp + i0), to_bf16(d));

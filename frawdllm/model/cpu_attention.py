@@ -8,8 +8,9 @@ compiled graph. `attend` uses it when training on a CPU in bf16 (`usable`); ever
 else (fp32, GPUs, inference, dropout, CPUs without AVX512-BF16, no C compiler,
 `FRAWD_NATIVE=0`) keeps PyTorch's attention.
 
-Results are those of bf16 attention: probabilities rounded to bf16 before they multiply
-v, as `torch.matmul` in autocast does; fp32 softmax and accumulation.
+Results are those of bf16 attention: bf16 products with fp32 accumulation, an fp32
+softmax; the (unnormalised) probabilities are rounded to bf16 before they multiply v, as
+PyTorch's own CPU flash attention does in bf16.
 """
 
 import ctypes
