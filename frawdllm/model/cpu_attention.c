@@ -1,6 +1,6 @@
 /* Causal self-attention for training on CPU in bf16: forward and backward, fused per head.
 
-Why C: for the short sequences small models train on (T <= 1024), PyTorch's causal
+Why C: for the short sequences small models train on (T of a few hundred), PyTorch's causal
 attention is a handful of small batched matmuls (head_dim 32-64: too little work per
 call to run near peak) with the T x T scores written to memory and read back by each
 softmax pass, forward and backward. Here one thread takes one (batch, head) at a time
@@ -130,7 +130,7 @@ static inline v16 exp_fast(v16 x) {
 
 /* Bytes per thread, enough for either pass (see the carving at the top of each). */
 static int64_t workspace_bytes(int64_t Tp, int64_t hd) {
-    return 2 * (5 * Tp * hd + Tp * Tp + 2 * R * Tp + hd) + 4 * (3 * R * C + 2 * Tp + R * Tp) + 16 * 64;
+    return round_up(2 * (5 * Tp * hd + Tp * Tp + 2 * R * Tp + hd) + 4 * (3 * R * C + 2 * Tp + R * Tp) + 16 * 64, 64);
 }
 
 static void *carve(char **cursor, int64_t bytes) {
