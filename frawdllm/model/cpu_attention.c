@@ -133,6 +133,28 @@ static int64_t workspace_bytes(int64_t Tp, int64_t hd) {
     return round_up(2 * (5 * Tp * hd + Tp * Tp + 2 * R * Tp + hd) + 4 * (3 * R * C + 2 * Tp + R * Tp) + 16 * 64, 64);
 }
 
+/* This thread's workspace, or NULL with *failed set. Callers pass a barrier before using
+   *failed: every thread must skip (or enter) the work-sharing loop alike. */
+static char *thread_workspace(int64_t Tp, int64_t hd, int *failed) {
+    char *ws = aligned_alloc(64, (size_t)workspace_bytes(Tp, hd));
+    if (!ws) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return ws;
+}
+
+/* Rows t0 + r < T of a tile, times scale (and row_scale[r] unless NULL), into dst[b, h, t0 + r, d0:d0+32] as bf16. */
+static inline void store_tile(View dst, int64_t b, int64_t h, int64_t t0, int64_t T, int64_t d0, float x[R][C],
+                              float scale, const float *row_scale) {
+    for (int r = 0; r < R && t0 + r < T; r++) {
+        const float m = row_scale ? scale * row_scale[r] : scale;
+        bf16 *o = at(dst, b, h, t0 + r) + d0;
+        _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)x[r] * m));
+        _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(x[r] + 16) * m));
+    }
+}
+
 static void *carve(char **cursor, int64_t bytes) {
     void *p = *cursor;
     *cursor += (bytes + 63) / 64 * 64;
@@ -147,11 +169,9 @@ int frawd_attention_forward(View q, View k, View v, View out, float *lse, int64_
     int failed = 0;
 #pragma omp parallel num_threads((int)threads)
     {
-        char *ws = aligned_alloc(64, (size_t)workspace_bytes(Tp, hd)), *cur = ws;
-        if (!ws) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
+        char *ws = thread_workspace(Tp, hd, &failed), *cur = ws;
+#pragma omp barrier
+        if (!failed) {
             bf16 *kp = carve(&cur, 2 * Tp * hd), *vp = carve(&cur, 2 * Tp * hd), *prow = carve(&cur, 2 * R * Tp);
             bf16 *zero = carve(&cur, 2 * hd); /* the row read for rows past T */
             float(*s)[C] = carve(&cur, 4 * R * C);
@@ -198,16 +218,12 @@ int frawd_attention_forward(View q, View k, View v, View out, float *lse, int64_
                     for (int r = 0; r < R; r++) pa[r] = prow + r * Tp;
                     for (int64_t d0 = 0; d0 < hd; d0 += C) {  /* O = P V */
                         tile(pa, 2, vp, 2 * hd, d0, 0, ncols / 2, s);
-                        for (int r = 0; r < R && i0 + r < T; r++) {
-                            bf16 *o = at(out, b, h, i0 + r) + d0;
-                            _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)s[r] * inv[r]));
-                            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(s[r] + 16) * inv[r]));
-                        }
+                        store_tile(out, b, h, i0, T, d0, s, 1.0f, inv);
                     }
                 }
             }
-            free(ws);
         }
+        free(ws);
     }
     return failed;
 }
@@ -220,11 +236,9 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
     int failed = 0;
 #pragma omp parallel num_threads((int)threads)
     {
-        char *ws = aligned_alloc(64, (size_t)workspace_bytes(Tp, hd)), *cur = ws;
-        if (!ws) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
+        char *ws = thread_workspace(Tp, hd, &failed), *cur = ws;
+#pragma omp barrier
+        if (!failed) {
             bf16 *qt = carve(&cur, 2 * Tp * hd), *dot = carve(&cur, 2 * Tp * hd);  /* Q^T, dO^T as B */
             bf16 *dop = carve(&cur, 2 * Tp * hd), *qp = carve(&cur, 2 * Tp * hd), *kp = carve(&cur, 2 * Tp * hd);
             bf16 *dsv = carve(&cur, 2 * Tp * Tp);  /* dS^T in pairs of key rows: [Tp/2][Tp][2] */
@@ -292,17 +306,9 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
                     }
                     for (int64_t d0 = 0; d0 < hd; d0 += C) {
                         tile(pa, 2, dop, 2 * hd, d0, c0 / 2, Tp / 2, g); /* dV = P^T dO */
-                        for (int r = 0; r < R && j0 + r < T; r++) {
-                            bf16 *o = at(dv, b, h, j0 + r) + d0;
-                            _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)g[r]));
-                            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(g[r] + 16)));
-                        }
+                        store_tile(dv, b, h, j0, T, d0, g, 1.0f, NULL);
                         tile(da, 2, qp, 2 * hd, d0, c0 / 2, Tp / 2, g); /* dK = dS^T Q */
-                        for (int r = 0; r < R && j0 + r < T; r++) {
-                            bf16 *o = at(dk, b, h, j0 + r) + d0;
-                            _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)g[r] * scale));
-                            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(g[r] + 16) * scale));
-                        }
+                        store_tile(dk, b, h, j0, T, d0, g, scale, NULL);
                     }
                 }
                 for (int64_t i0 = 0; i0 < T; i0 += R) { /* dQ = dS K: dS rows read across the pairs of dS^T */
@@ -310,16 +316,12 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
                     for (int r = 0; r < R; r++) sa[r] = dsv + 2 * (i0 + r < Tp ? i0 + r : 0);
                     for (int64_t d0 = 0; d0 < hd; d0 += C) {
                         tile(sa, 2 * Tp, kp, 2 * hd, d0, 0, (i0 + R) / 2, g);
-                        for (int r = 0; r < R && i0 + r < T; r++) {
-                            bf16 *o = at(dq, b, h, i0 + r) + d0;
-                            _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)g[r] * scale));
-                            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(g[r] + 16) * scale));
-                        }
+                        store_tile(dq, b, h, i0, T, d0, g, scale, NULL);
                     }
                 }
             }
-            free(ws);
         }
+        free(ws);
     }
     return failed;
 }
