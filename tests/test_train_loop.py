@@ -329,7 +329,7 @@ def test_a_failing_torch_compile_falls_back_to_eager_with_a_warning(tmp_path, mo
             raise RuntimeError("InductorError: no C++ compiler found\nmore detail")
         return compiled
 
-    monkeypatch.setattr(loop.torch, "compile", broken_compile)
+    monkeypatch.setattr(loop, "compile_step", broken_compile)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     trainer = Trainer(model, LinearTask(8), generic_config(tmp_path, compile=True, max_steps=5, eval_interval=0))

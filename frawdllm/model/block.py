@@ -6,8 +6,12 @@ post-LN (the paper):     x = norm1(x + attn(x));   x = norm2(x + mlp(x))
 Pre-LN keeps an unnormalised residual stream and trains stably without warmup tricks;
 post-LN is the 2017 original.
 
-Under torch.compile (training) the layers share one compiled region, so warm-up costs
-one block, not n_layer of them.
+Under torch.compile (training) the layers can share one compiled region, so warm-up costs
+one block, not n_layer of them. torch 2.13's inductor miscompiles the backward of a region
+that is called more than once when it reuses buffers (gradients off by up to 1000x), so
+the region is shared only while `torch._inductor.config.allow_buffer_reuse` is off, as
+`frawdllm.train.compile.compile_step` sets it; a plain `torch.compile(model)` inlines every
+layer (correct, a longer warm-up).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch._inductor.config as inductor_config
 from jaxtyping import Float
 from torch import Tensor, nn
 
@@ -37,7 +42,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
     ) -> Float[Tensor, "B T D"]:
-        if kv_cache is None and torch.compiler.is_compiling():
+        if kv_cache is None and torch.compiler.is_compiling() and not inductor_config.allow_buffer_reuse:
             return _compiled_once(self, x, rope)
         return self.residual_stream(x, rope, kv_cache)
 

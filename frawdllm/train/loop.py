@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from ..io import atomic_dir
 from . import checkpoint as ckpt
+from .compile import compile_step
 from .config import TrainConfig
 from .device import (autocast, keep_freed_memory, measure_matmul_flops, pick_device, resolve_dtype,
                      rng_state, set_rng_state)
@@ -147,7 +148,7 @@ class Trainer:
         self.model = model.to(self.device)
         # Compiling the task's loss (not just model.forward) lets torch.compile see the whole
         # step: the model, a fused loss, a reference model (DPO)...
-        self.loss_fn = torch.compile(task.loss) if cfg.compile else task.loss
+        self.loss_fn = compile_step(task.loss) if cfg.compile else task.loss
         self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
         self.optimizer = build_optimizer(model, cfg)
         self.schedule = LRSchedule(cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
