@@ -86,11 +86,13 @@ def load_config(directory: str | Path) -> ModelConfig:
         raise FrawdError(f"{path}: invalid config: {exc}") from None
 
 
-def load_model(directory: str | Path, device: str | torch.device = "cpu"):
+def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None):
+    """The model in `directory`; `config` builds it instead of config.json's (the weights'
+    shapes must fit it, e.g. the same model with another dropout)."""
     from .model import FrawdLLM
 
     directory = Path(directory)
-    cfg = load_config(directory)
+    cfg = load_config(directory) if config is None else config
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise FrawdError(f"{path}: missing weights file")

@@ -147,7 +147,7 @@ class TrainConfig:
 
 @dataclass
 class PretrainConfig(TrainConfig):
-    """`frawd pretrain`: a model (preset + overrides) on a corpus."""
+    """`frawd pretrain`: a model (preset + overrides, or an existing model directory) on a corpus."""
 
     preset: str = option("tiny", "Model preset: tiny, small, base, 100m, tiny-llama, small-llama.")
     model: dict = option({}, "ModelConfig field overrides (YAML mapping; on the command line --set F=V).")
@@ -155,10 +155,14 @@ class PretrainConfig(TrainConfig):
                                  "or a folder of prepared shards (train.bin, val.bin, meta.json).")
     text_field: str = option("text", "JSONL field / Parquet column holding the text.")
     doc_split: str = option("blank", "How text files split into documents: blank, line or file.")
-    tokenizer: str = option("bpe", "A tokenizer kind to train on --data (bpe, char, byte) "
-                                   "or the path of a tokenizer.json (or a folder holding one).")
+    tokenizer: str | None = option(None, "A tokenizer kind to train on --data (bpe, char, byte) or the path of "
+                                         "a tokenizer.json (or a folder holding one); default: bpe, or the "
+                                         "--init-from model's tokenizer.json.")
     vocab_size: int | None = option(None, "BPE vocabulary size to train (default: the preset's).")
     val_fraction: float = option(0.005, "Share of the corpus held out for validation.")
+    init_from: str | None = option(None, "Start from the weights of this model directory (an imported GPT-2, a "
+                                         "finished run's model/): its config.json replaces --preset, its "
+                                         "tokenizer.json is the default --tokenizer; fresh optimizer, step 0.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,10 +2,15 @@
 
 `run_pretraining(cfg)` does the whole job:
 
+0. checks: everything that can be checked without work (the budget, OUT, the data source,
+   the tokenizer, the model config) is checked first, so a bad start fails at once; a start
+   that fails later removes the OUT it created.
 1. data: a raw source (`stdlib`, files, JSONL, ...) gets a tokenizer (trained on it, or
    a given tokenizer.json) and is tokenized into OUT/data/{train,val}.bin; both are
    reused when a rerun has the same inputs. A folder of prepared shards is used as is.
-2. model: the preset with its overrides, its vocabulary sized to the tokenizer's.
+2. model: the preset with its overrides, its vocabulary sized to the tokenizer's; or, with
+   `init_from`, an existing model directory's config and weights (its tokenizer.json by
+   default; training starts at step 0 with a fresh optimizer).
 3. `PretrainTask`: random windows of the training tokens (`RandomWindowLoader`,
    resumable), the model's own cross-entropy, validation on the first `eval_batches`
    windows of val.bin, a sample at each evaluation.
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +30,12 @@ from torch import Tensor, nn
 
 from ..config import PRESETS, ModelConfig, get_config, parse_value
 from ..data import META_FILE, TRAIN_FILE, VAL_FILE, RandomWindowLoader, prepare_shards, read_shard
-from ..errors import FrawdError
+from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
-from ..tokenizer import KINDS, TOKENIZER_FILE, Tokenizer, train_tokenizer
+from ..modeldir import load_config, load_model
+from ..tokenizer import KINDS, MIN_BPE_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
 from .config import PretrainConfig, dump_yaml
-from .device import seed_everything
+from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
@@ -52,9 +58,11 @@ class PreparedData:
 
 
 class PretrainTask(TrainTask):
-    def __init__(self, data: PreparedData, model_config: ModelConfig, cfg: PretrainConfig) -> None:
+    def __init__(self, data: PreparedData, model_config: ModelConfig, cfg: PretrainConfig,
+                 context_length: int | None = None) -> None:
+        """Training windows are `context_length` tokens long (default: the model's context)."""
         self.data, self.cfg = data, cfg
-        self.context_length = model_config.context_length
+        self.context_length = context_length or model_config.context_length
         self.loader = RandomWindowLoader(data.train, cfg.batch_size, self.context_length, seed=cfg.seed)
         self.flops_per_token = model_config.flops_per_token(self.context_length)
         self.bytes_per_token = data.meta.get("val_bytes_per_token") or data.meta.get("bytes_per_token")
@@ -109,34 +117,62 @@ def tokenizer_path(spec: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def given_tokenizer(cfg: PretrainConfig) -> Tokenizer | None:
+    """The tokenizer.json to use, loaded: --tokenizer PATH, else the --init-from model's, else
+    the one beside prepared shards; None when a tokenizer kind is to be trained on --data."""
+    spec = cfg.tokenizer
+    if spec is not None and spec not in KINDS and tokenizer_path(spec) is None:
+        raise FrawdError(f"tokenizer {spec!r} is neither a kind ({', '.join(KINDS)}) nor a tokenizer.json path")
+    if spec is not None and spec not in KINDS:
+        return Tokenizer.load(tokenizer_path(spec))
+    if cfg.init_from is not None:
+        if spec is not None:
+            raise FrawdError(f"--init-from {cfg.init_from}: the model's embeddings belong to its own tokenizer; "
+                             f"give a tokenizer.json with --tokenizer (or none, for the model's), "
+                             f"not a kind to train ({spec})")
+        path = tokenizer_path(cfg.init_from)
+        if path is None:
+            raise FrawdError(f"--init-from {cfg.init_from} has no {TOKENIZER_FILE}; give the model's tokenizer "
+                             "with --tokenizer PATH")
+        return Tokenizer.load(path)
+    if is_shard_dir(cfg.data):
+        path = tokenizer_path(cfg.data)
+        if path is None:
+            raise FrawdError(f"{cfg.data} holds prepared shards; give their tokenizer with --tokenizer PATH")
+        return Tokenizer.load(path)
+    return None
+
+
+def _shard_meta(shard_dir: Path, tok: Tokenizer) -> dict:
+    meta = json.loads((shard_dir / META_FILE).read_text(encoding="utf-8"))
+    if meta.get("tokenizer_hash") not in (None, tok.fingerprint):
+        raise FrawdError(f"this tokenizer ({tok.vocab_size} tokens) is not the tokenizer the shards in {shard_dir} "
+                         "were made with")
+    return meta
+
+
 def prepare_data(cfg: PretrainConfig, run_dir: Path) -> PreparedData:
+    tok = given_tokenizer(cfg)
     if is_shard_dir(cfg.data):
         shard_dir = Path(cfg.data)
-        meta = json.loads((shard_dir / META_FILE).read_text(encoding="utf-8"))
-        path = tokenizer_path(cfg.tokenizer) or tokenizer_path(str(shard_dir))
-        if path is None:
-            raise FrawdError(f"{shard_dir} holds prepared shards; give their tokenizer with --tokenizer PATH")
-        tok = Tokenizer.load(path)
-        if meta.get("tokenizer_hash") not in (None, tok.fingerprint):
-            raise FrawdError(f"{path} is not the tokenizer the shards in {shard_dir} were made with")
+        meta = _shard_meta(shard_dir, tok)
     else:
-        tok = _source_tokenizer(cfg, run_dir)
+        tok = tok or _source_tokenizer(cfg, run_dir)
         shard_dir = run_dir / DATA_DIR
         meta = prepare_shards(cfg.data, tok, shard_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
                               doc_split=cfg.doc_split, progress=cfg.progress)
     return PreparedData(read_shard(shard_dir / TRAIN_FILE), read_shard(shard_dir / VAL_FILE), tok, meta, shard_dir)
 
 
+def _bpe_vocab_size(cfg: PretrainConfig) -> int:
+    return cfg.vocab_size or _model_overrides(cfg).get("vocab_size") or PRESETS[cfg.preset]["vocab_size"]
+
+
 def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
-    """The given tokenizer.json, or one trained on the source (reused while the source is the same)."""
-    path = tokenizer_path(cfg.tokenizer)
-    if path is not None:
-        return Tokenizer.load(path)
-    if cfg.tokenizer not in KINDS:
-        raise FrawdError(f"tokenizer {cfg.tokenizer!r} is neither a kind ({', '.join(KINDS)}) "
-                         "nor a tokenizer.json path")
-    vocab_size = cfg.vocab_size or cfg.model.get("vocab_size") or PRESETS[cfg.preset]["vocab_size"]
-    source = {"data": cfg.data, "kind": cfg.tokenizer, "vocab_size": vocab_size if cfg.tokenizer == "bpe" else None,
+    """A tokenizer of kind --tokenizer trained on the source (reused while the source is the same)."""
+    kind = cfg.tokenizer or "bpe"
+    vocab_size = _bpe_vocab_size(cfg)
+    source = {"data": cfg.data, "kind": kind, "vocab_size": vocab_size if kind == "bpe" else None,
               "text_field": cfg.text_field, "doc_split": cfg.doc_split}
     saved, record = run_dir / TOKENIZER_FILE, run_dir / DATA_DIR / TOKENIZER_SOURCE_FILE
     if saved.is_file() and record.is_file() and json.loads(record.read_text(encoding="utf-8")) == source:
@@ -144,9 +180,9 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     from ..data.sources import iter_documents
 
     if cfg.progress:
-        print(f"training a {cfg.tokenizer} tokenizer on {cfg.data} ...", flush=True)
+        print(f"training a {kind} tokenizer on {cfg.data} ...", flush=True)
     documents = iter_documents(cfg.data, text_field=cfg.text_field, doc_split=cfg.doc_split)
-    tok = train_tokenizer(documents, kind=cfg.tokenizer, vocab_size=vocab_size, show_progress=cfg.progress)
+    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size, show_progress=cfg.progress)
     tok.save(saved)
     write_json_atomic(record, source)
     return tok
@@ -154,24 +190,101 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
 
 # ---- model and run ---------------------------------------------------------------------------------
 
+def _model_overrides(cfg: PretrainConfig) -> dict:
+    return {k: parse_value(ModelConfig, k, v) if isinstance(v, str) else v for k, v in cfg.model.items()}
+
+
 def model_config_for(cfg: PretrainConfig, vocab_size: int) -> ModelConfig:
     """The preset with its overrides; the vocabulary fits the tokenizer (a larger one is kept)."""
-    overrides = {k: parse_value(ModelConfig, k, v) if isinstance(v, str) else v for k, v in cfg.model.items()}
+    overrides = _model_overrides(cfg)
     wanted = overrides.get("vocab_size")
     if wanted is not None and wanted < vocab_size:
         raise FrawdError(f"model vocab_size {wanted} is smaller than the tokenizer's {vocab_size}")
     return get_config(cfg.preset, **{**overrides, "vocab_size": wanted or vocab_size})
 
 
-def prepare_run_dir(cfg: PretrainConfig) -> Path:
-    """Check OUT: a new run needs an empty one (or --overwrite), --resume a previous run."""
+def init_model_config(cfg: PretrainConfig) -> tuple[ModelConfig, int]:
+    """The --init-from model's config (dropout as overridden) and the training windows' length.
+
+    Model settings from the config file or --set may repeat the model's values, change
+    dropout, or shorten context_length (shorter training windows; the model keeps its own)."""
+    base = load_config(cfg.init_from)
+    try:
+        wanted = base.replace(**_model_overrides(cfg))
+    except ConfigError as exc:
+        raise FrawdError(f"--init-from {cfg.init_from}: {exc}") from None
+    changed = {f.name: (getattr(base, f.name), getattr(wanted, f.name)) for f in fields(ModelConfig)
+               if getattr(base, f.name) != getattr(wanted, f.name) and f.name not in ("dropout", "context_length")}
+    if changed:
+        listed = ", ".join(f"{name}={new!r} (the model has {old!r})" for name, (old, new) in changed.items())
+        raise FrawdError(f"--init-from {cfg.init_from} fixes the model; these model settings differ from its "
+                         f"config.json: {listed}; remove them")
+    if wanted.context_length > base.context_length:
+        raise FrawdError(f"context_length {wanted.context_length} exceeds the --init-from model's "
+                         f"{base.context_length}")
+    return base.replace(dropout=wanted.dropout), wanted.context_length
+
+
+def check_pretrain(cfg: PretrainConfig) -> None:
+    """Every check that needs no real work: the budget, OUT, the device, the data source, the
+    tokenizer and the model config. A FrawdError here means nothing was written."""
+    if not cfg.has_budget:
+        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    check_run_dir(cfg)
+    pick_device(cfg.device)
+    model_cfg = init_model_config(cfg)[0] if cfg.init_from is not None else None
+    tok = given_tokenizer(cfg)
+    if is_shard_dir(cfg.data):
+        _shard_meta(Path(cfg.data), tok)
+    else:
+        _check_source(cfg)
+    if model_cfg is not None:
+        if tok.vocab_size > model_cfg.vocab_size:
+            raise FrawdError(f"the tokenizer has {tok.vocab_size} tokens but the --init-from model "
+                             f"{cfg.init_from} has vocab_size {model_cfg.vocab_size}; use the model's tokenizer")
+        return
+    model_config_for(cfg, tok.vocab_size if tok else len(SPECIAL_TOKENS))
+    if tok is None and (cfg.tokenizer or "bpe") == "bpe" and _bpe_vocab_size(cfg) < MIN_BPE_VOCAB:
+        raise FrawdError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB} (7 specials + 256 bytes), "
+                         f"got {_bpe_vocab_size(cfg)}")
+
+
+def _check_source(cfg: PretrainConfig) -> None:
+    """A raw source exists (its documents are read later)."""
+    import importlib.util
+
+    from ..data.sources import DOC_SPLITS, parse_hf_spec, source_files
+
+    if cfg.doc_split not in DOC_SPLITS:
+        raise FrawdError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {cfg.doc_split!r}")
+    if cfg.data.startswith("hf:"):
+        parse_hf_spec(cfg.data)
+        if importlib.util.find_spec("datasets") is None:
+            raise FrawdError("hf: sources need the datasets library: pip install 'frawdllm[hf]'")
+        return
+    source_files(cfg.data)
+
+
+def check_run_dir(cfg: PretrainConfig) -> None:
+    """OUT suits the run: a new run needs one without a run (or --overwrite), --resume a previous run."""
     run_dir = Path(cfg.out)
-    has_run = any((run_dir / name).exists() for name in RUN_FILES + RUN_DIRS)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FrawdError(f"--out {run_dir} is a file, not a folder")
     if cfg.resume and not (run_dir / CHECKPOINTS_DIR).is_dir():
         raise FrawdError(f"{run_dir}: no run to resume (no checkpoints folder)")
-    if has_run and not cfg.resume:
-        if not cfg.overwrite:
-            raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+    if _has_run(run_dir) and not cfg.resume and not cfg.overwrite:
+        raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+
+
+def _has_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_FILES + RUN_DIRS)
+
+
+def prepare_run_dir(cfg: PretrainConfig) -> Path:
+    """OUT, checked (`check_run_dir`), emptied of an earlier run with --overwrite, created."""
+    check_run_dir(cfg)
+    run_dir = Path(cfg.out)
+    if _has_run(run_dir) and not cfg.resume:
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         for name in RUN_DIRS:
@@ -180,20 +293,49 @@ def prepare_run_dir(cfg: PretrainConfig) -> Path:
     return run_dir
 
 
-def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> TrainResult:
-    from .. import FrawdLLM, __version__
+def build_model(cfg: PretrainConfig, tokenizer: Tokenizer) -> tuple[nn.Module, int]:
+    """The model to train (fresh from the preset, or --init-from's weights) and the length of
+    its training windows."""
+    from .. import FrawdLLM
 
-    run_dir = prepare_run_dir(cfg)
-    data = prepare_data(cfg, run_dir)
-    model_cfg = model_config_for(cfg, data.tokenizer.vocab_size)
     seed_everything(cfg.seed)
-    model = FrawdLLM(model_cfg)
-    header = (f"# rerun: frawd pretrain --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
-              f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
-              f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
-              f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
-    saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-    write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
-    task = PretrainTask(data, model_cfg, cfg)
-    trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict())
+    if cfg.init_from is None:
+        model_cfg = model_config_for(cfg, tokenizer.vocab_size)
+        return FrawdLLM(model_cfg), model_cfg.context_length
+    model_cfg, window = init_model_config(cfg)
+    return load_model(cfg.init_from, config=model_cfg), window
+
+
+def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> TrainResult:
+    from .. import __version__
+
+    check_pretrain(cfg)
+    run_dir = Path(cfg.out)
+    created = not run_dir.exists()
+    try:
+        prepare_run_dir(cfg)
+        data = prepare_data(cfg, run_dir)
+        model, window = build_model(cfg, data.tokenizer)
+        model_cfg = model.config
+        start = f"--init-from {cfg.init_from}; " if cfg.init_from else ""
+        header = (f"# rerun: frawd pretrain --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+                  f"# frawdllm {__version__}, torch {torch.__version__}; {start}model: {model_cfg.num_parameters:,} "
+                  f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
+                  f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
+        saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        task = PretrainTask(data, model_cfg, cfg, context_length=window)
+        trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict())
+    except BaseException:
+        _undo_start(cfg, run_dir, created)
+        raise
     return trainer.fit()
+
+
+def _undo_start(cfg: PretrainConfig, run_dir: Path, created: bool) -> None:
+    """A start that failed leaves nothing in the way of the next: OUT if this start made it,
+    else the config.yaml it wrote (reusable tokenizer and shards stay)."""
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():
+        (run_dir / CONFIG_FILE).unlink(missing_ok=True)

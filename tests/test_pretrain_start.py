@@ -1,0 +1,209 @@
+"""`frawd pretrain` before the first step: settings checked before any work (a bad start
+fails at once and leaves nothing on disk), and `--init-from` an existing model directory."""
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from frawdllm import FrawdLLM
+from frawdllm.cli import main
+from frawdllm.data import RandomWindowLoader, read_shard
+from frawdllm.errors import FrawdError
+from frawdllm.tokenizer import train_tokenizer
+from frawdllm.train import PretrainConfig, run_pretraining
+from frawdllm.train import pretrain as pretrain_module
+from frawdllm.train.rundir import read_metrics
+
+TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "context_length": 32}
+WORDS = "the king shall speak of war and peace to his people while rain falls on old stone".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """30 kB of sentences over a small vocabulary: a char model learns it in a few steps."""
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+             for _ in range(600)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def tiny_config(corpus, out, **overrides) -> PretrainConfig:
+    values = dict(data=str(corpus), out=str(out), tokenizer="char", doc_split="file", val_fraction=0.1,
+                  model=dict(TINY_MODEL), batch_size=8, lr=1e-2, warmup_steps=2, max_steps=30, dtype="fp32",
+                  compile=False, device="cpu", eval_interval=0, eval_batches=2, log_interval=1, sample_tokens=0,
+                  peak_tflops=1.0, progress=False)
+    values.update(overrides)
+    return PretrainConfig(**values)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if a start trains a tokenizer or tokenizes the corpus."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work started before the settings were checked")
+
+    monkeypatch.setattr(pretrain_module, "train_tokenizer", forbidden)
+    monkeypatch.setattr(pretrain_module, "prepare_shards", forbidden)
+
+
+def frawd(capsys, *args) -> tuple[int, str, float]:
+    """Run `frawd ARGS` in this process: (exit status, stderr, seconds)."""
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    elapsed = time.perf_counter() - start
+    return info.value.code, capsys.readouterr().err, elapsed
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer(corpus, tmp_path_factory):
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(path)
+    return path
+
+
+BAD_STARTS = {
+    "no budget": ([], "give a budget"),
+    "unknown --set field": (["--max-steps", "5", "--set", "n_layr=2"], "n_layr"),
+    "invalid --set value": (["--max-steps", "5", "--set", "n_head=3"], "divisible by n_head"),
+    "unparsable --set": (["--max-steps", "5", "--set", "n_layer=two"], "n_layer"),
+    "unknown preset": (["--max-steps", "5", "--preset", "huge"], "unknown preset 'huge'"),
+    "missing data": (["--max-steps", "5", "--data", "{tmp}/nowhere.txt"], "data source not found"),
+    "bad doc split": (["--max-steps", "5", "--doc-split", "page"], "doc_split"),
+    "missing tokenizer": (["--max-steps", "5", "--tokenizer", "{tmp}/tok.json"], "neither a kind"),
+    "small bpe vocab": (["--max-steps", "5", "--tokenizer", "bpe", "--vocab-size", "100"], "at least 263"),
+    "vocab below the tokenizer's": (["--max-steps", "5", "--tokenizer", "{tok}", "--set", "vocab_size=10"],
+                                    "smaller than the tokenizer's"),
+    "resume without a run": (["--max-steps", "5", "--resume"], "no run to resume"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STARTS))
+def test_a_bad_start_fails_at_once_and_writes_nothing(case, corpus, char_tokenizer, tmp_path, capsys, no_work):
+    args, message = BAD_STARTS[case]
+    args = [a.format(tmp=tmp_path, tok=char_tokenizer) for a in args]
+    out = tmp_path / "runs" / "run"
+    base = ["pretrain", "--data", str(corpus), "--tokenizer", "char", "--out", str(out), "--no-progress"]
+    code, err, seconds = frawd(capsys, *base, *args)
+    assert code == 1 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
+    assert seconds < 1.0  # checks only: nothing was tokenized (no_work) or trained
+
+
+def test_an_existing_run_or_a_file_as_out_is_refused_untouched(corpus, tmp_path, capsys, no_work):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("old\n")
+    code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--out", str(run), "--max-steps", "5")
+    assert code == 1 and "already holds a run" in err
+    assert [p.name for p in run.iterdir()] == ["config.yaml"] and (run / "config.yaml").read_text() == "old\n"
+    (tmp_path / "file").write_text("x")
+    code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--out", str(tmp_path / "file"),
+                         "--max-steps", "5")
+    assert code == 1 and "is a file" in err
+
+
+def test_a_start_that_fails_after_the_checks_leaves_nothing_in_the_way(corpus, tmp_path, monkeypatch):
+    class Broken(Exception):
+        pass
+
+    def broken_trainer(*args, **kwargs):
+        raise Broken()
+
+    monkeypatch.setattr(pretrain_module, "Trainer", broken_trainer)
+    out = tmp_path / "new"
+    with pytest.raises(Broken):
+        run_pretraining(tiny_config(corpus, out, max_steps=2))
+    assert not out.exists()  # this start made OUT: it is gone
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(Broken):
+        run_pretraining(tiny_config(corpus, existing, max_steps=2))
+    assert not (existing / "config.yaml").exists()  # the reusable tokenizer and shards may stay
+    monkeypatch.undo()
+    for directory in (out, existing):  # the retry needs no --overwrite
+        assert run_pretraining(tiny_config(corpus, directory, max_steps=2)).steps == 2
+
+
+# ---- --init-from -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A finished run's model directory: 30 steps, well below a fresh model's loss."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=30))
+    return run / "model"
+
+
+def first_batch_loss(model, run_dir, cfg: PretrainConfig, context_length: int) -> float:
+    """The loss of `model` on the first training batch of the run in `run_dir`."""
+    train = read_shard(run_dir / "data" / "train.bin")
+    x, y = RandomWindowLoader(np.asarray(train), cfg.batch_size, context_length, seed=cfg.seed).next_batch()
+    with torch.no_grad():
+        return float(model.eval()(x, y)[1])
+
+
+def test_init_from_starts_at_the_saved_models_loss_trains_and_saves(corpus, trained, tmp_path):
+    cfg = tiny_config(corpus, tmp_path / "more", tokenizer=None, model={}, init_from=str(trained), max_steps=5)
+    result = run_pretraining(cfg)
+    first = [r["loss"] for r in read_metrics(tmp_path / "more") if "loss" in r][0]
+    saved = FrawdLLM.from_pretrained(trained)
+    assert first == pytest.approx(first_batch_loss(saved, tmp_path / "more", cfg, 32), rel=1e-5)
+    torch.manual_seed(cfg.seed)
+    fresh = FrawdLLM(saved.config)
+    assert first < first_batch_loss(fresh, tmp_path / "more", cfg, 32) - 0.5  # not a fresh initialisation
+    assert result.steps == 5
+    more = FrawdLLM.from_pretrained(tmp_path / "more" / "model")
+    assert more.config == saved.config
+    assert not torch.equal(more.state_dict()["blocks.0.attn.qkv.weight"], saved.state_dict()["blocks.0.attn.qkv.weight"])
+    # the model's tokenizer came along
+    assert (tmp_path / "more" / "model" / "tokenizer.json").read_bytes() == (trained / "tokenizer.json").read_bytes()
+
+
+def test_init_from_trains_on_shorter_windows_and_keeps_the_models_context(corpus, trained, tmp_path):
+    cfg = tiny_config(corpus, tmp_path / "short", tokenizer=str(trained), model={"context_length": 16},
+                      init_from=str(trained), max_steps=2)
+    run_pretraining(cfg)
+    first = [r["loss"] for r in read_metrics(tmp_path / "short") if "loss" in r][0]
+    assert first == pytest.approx(first_batch_loss(FrawdLLM.from_pretrained(trained), tmp_path / "short", cfg, 16),
+                                  rel=1e-5)
+    assert FrawdLLM.from_pretrained(tmp_path / "short" / "model").config.context_length == 32
+
+
+def test_init_from_may_change_dropout(corpus, trained, tmp_path):
+    cfg = tiny_config(corpus, tmp_path / "drop", tokenizer=None, model={**TINY_MODEL, "dropout": 0.1},
+                      init_from=str(trained), max_steps=1)
+    run_pretraining(cfg)
+    assert FrawdLLM.from_pretrained(tmp_path / "drop" / "model").config.dropout == 0.1
+
+
+INIT_ERRORS = {
+    "conflicting --set": (["--set", "n_layer=3"], "n_layer=3 (the model has 2)"),
+    "longer context": (["--set", "context_length=64"], "context_length 64 exceeds"),
+    "a kind to train": (["--tokenizer", "bpe"], "not a kind to train"),
+    "a preset as well": (["--preset", "tiny"], "--preset and --init-from"),
+    "a bigger tokenizer": (["--tokenizer", "{big}"], "use the model's tokenizer"),
+    "no tokenizer.json": (["--init-from", "{bare}"], "has no tokenizer.json"),
+    "no model": (["--init-from", "{tmp}/nowhere"], "model directory not found"),
+}
+
+
+@pytest.mark.parametrize("case", list(INIT_ERRORS))
+def test_init_from_errors_are_one_line_before_any_work(case, corpus, trained, tmp_path, capsys, no_work):
+    big = tmp_path / "big.json"
+    train_tokenizer([corpus.read_text(encoding="utf-8") + "0123456789XYZ"], kind="char").save(big)
+    bare = tmp_path / "bare"
+    FrawdLLM.from_pretrained(trained).save_pretrained(bare)
+    args, message = INIT_ERRORS[case]
+    args = [a.format(big=big, bare=bare, tmp=tmp_path) for a in args]
+    out = tmp_path / "run"
+    code, err, seconds = frawd(capsys, "pretrain", "--data", str(corpus), "--init-from", str(trained),
+                               "--max-steps", "2", "--out", str(out), *args)
+    assert code == 1 and message in err and err.count("\n") == 1, err
+    assert not out.exists() and seconds < 1.0
