@@ -193,6 +193,14 @@ def test_byte_tokenizer_exports_as_byte_level_bpe_without_merges(tmp_path):
     assert field(reader, "tokenizer.ggml.merges") == ["<|pad|> <|pad|>"]
 
 
+def test_export_prints_one_line_and_no_progress_bar_off_a_terminal(tmp_path, capsys):
+    tok = byte_tokenizer()
+    export_gguf(tmp_path, small_model("llama-gqa", vocab_size=tok.vocab_size), tok)
+    out, err = capsys.readouterr()
+    assert out == f"exported {tmp_path / 'ours'} as GGUF (float32) to {tmp_path / 'g' / 'model.gguf'}\n"
+    assert err == ""  # neither our bar nor gguf's "Writing" bar: stderr is no terminal here
+
+
 @pytest.mark.parametrize("dtype, qtype", [("float16", "F16"), ("bfloat16", "BF16")])
 def test_half_precision_gguf_rounds_matrices_and_keeps_norms_float32(tmp_path, tokenizer, dtype, qtype):
     model = small_model("llama-gqa", vocab_size=320)

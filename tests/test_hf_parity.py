@@ -106,10 +106,21 @@ def test_unexportable_variant_error_names_the_option_and_the_nearest_config(over
     assert option in message and fix in message and "\n" not in message
 
 
-def test_llama_style_with_layernorm_suggests_the_llama_fix():
+def test_llama_style_with_layernorm_suggests_the_llama_fix_first():
     cfg = get_config("tiny-llama", **SMALL, use_rmsnorm=False)
-    with pytest.raises(FrawdError, match=r"use_rmsnorm=False.*LlamaForCausalLM with --set use_rmsnorm=true"):
+    with pytest.raises(FrawdError, match=r"exportable .*: LlamaForCausalLM \(RoPE, RMSNorm, SwiGLU MLP\) with "
+                                         r"--set use_rmsnorm=true \(this model has use_rmsnorm=False\); or GPT2"):
         to_hf_config(cfg)
+
+
+def test_rope_with_layernorm_names_what_llama_needs_not_only_learned_positions():
+    # The 100m preset: RoPE with LayerNorm and a GELU MLP. Llama computes RoPE; its norms and MLP differ.
+    with pytest.raises(FrawdError) as info:
+        to_hf_config(get_config("100m"))
+    message = str(info.value)
+    assert "GPT2LMHeadModel (learned positions, LayerNorm, GELU MLP) with --set pos_encoding=learned" in message
+    assert ("LlamaForCausalLM (RoPE, RMSNorm, SwiGLU MLP) with --set use_rmsnorm=true --set use_swiglu=true "
+            "(this model has use_rmsnorm=False, use_swiglu=False)") in message
 
 
 @pytest.mark.parametrize(

@@ -215,11 +215,13 @@ def test_cli_prepare_writes_train_val_and_meta(tmp_path, bpe):
             "--val-fraction", "0.1", "--workers", "2"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
+    assert f"wrote {out}/train.bin" in result.output and "reusing" not in result.output
     meta = json.loads((out / "meta.json").read_text())
     assert {"train_tokens", "val_tokens", "dtype", "bytes_per_token", "tokenizer_hash"} <= set(meta)
     assert len(read_shard(out / "train.bin")) == meta["train_tokens"] > 0
     assert len(read_shard(out / "val.bin")) == meta["val_tokens"] > 0
-    assert "reusing" in CliRunner().invoke(cli, args).output
+    again = CliRunner().invoke(cli, args).output
+    assert "reusing" in again and "wrote" not in again  # the second run wrote nothing
 
 
 def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path):

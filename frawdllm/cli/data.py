@@ -55,4 +55,5 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
     for key in ("train_tokens", "val_tokens", "train_documents", "val_documents", "dtype",
                 "bytes_per_token", "unk_tokens", "mb_per_s"):
         click.echo(f"{key}: {meta[key]}")
-    click.echo(f"wrote {out}/train.bin, {out}/val.bin, {out}/meta.json")
+    if not meta.get("reused"):
+        click.echo(f"wrote {out}/train.bin, {out}/val.bin, {out}/meta.json")

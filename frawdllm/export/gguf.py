@@ -138,9 +138,11 @@ def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, d
     """Write `model` (and its tokenizer) as one GGUF file at `path` (not atomically: see `export_gguf`).
 
     float16/bfloat16 apply to the matrices; norms, biases and 1-D tensors stay float32,
-    as llama.cpp expects."""
+    as llama.cpp expects. `progress`: a bar over the tensors on a terminal, gone when done
+    (gguf's own "Writing" bar stays off)."""
     import gguf
     from gguf.quants import quantize
+    from tqdm import tqdm
 
     if dtype not in DTYPES:
         raise FrawdError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
@@ -153,7 +155,10 @@ def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, d
     writer = gguf.GGUFWriter(str(path), arch)
     _hyperparameters(writer, cfg, name, int(file_type))
     _tokenizer(writer, tokenizer, cfg)
-    for tensor_name, tensor in gguf_tensors(model):
+    tensors = gguf_tensors(model)
+    bar = tqdm(tensors, desc="converting", unit="tensor", leave=False, dynamic_ncols=True,
+               disable=None if progress else True)  # None: only on a terminal
+    for tensor_name, tensor in bar:
         data = tensor.detach().float().cpu().numpy()
         kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
         if kind == gguf.GGMLQuantizationType.F32:
@@ -162,7 +167,7 @@ def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, d
         writer.add_tensor(tensor_name, quantize(data, kind), raw_dtype=kind)  # bf16 comes as bytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=progress)
+    writer.write_tensors_to_file(progress=False)
     writer.close()
 
 

@@ -43,6 +43,7 @@ _NEEDS: dict[str, dict[str, Any]] = {
     LLAMA: {"pos_encoding": "rope", "use_rmsnorm": True, "use_swiglu": True,
             "norm_placement": "pre", "scale_embeddings": False},
 }
+_COMPUTES = {GPT2: "learned positions, LayerNorm, GELU MLP", LLAMA: "RoPE, RMSNorm, SwiGLU MLP"}
 # GELU activations of transformers that are the tanh approximation we compute.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -58,19 +59,22 @@ def _mismatches(cfg: ModelConfig, arch: str) -> list[tuple[str, Any, Any]]:
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The stock architecture that computes exactly what `cfg` computes, or a FrawdError that
-    names the options in the way and the nearest exportable config."""
+    names, for each architecture (fewest changes first), the settings in its way and the
+    `--set` flags that would make the config exportable."""
     wrong = {arch: _mismatches(cfg, arch) for arch in _NEEDS}
     for arch, fields in wrong.items():
         if not fields:
             return arch
-    # Nearest: the architecture needing the fewest changes (ties go to the one that keeps
-    # the position encoding).
-    nearest = min(wrong, key=lambda a: (len(wrong[a]), _NEEDS[a]["pos_encoding"] != cfg.pos_encoding))
-    have = ", ".join(f"{k}={actual!r}" for k, _, actual in wrong[nearest])
-    sets = " ".join(f"--set {k}={str(need).lower()}" for k, need, _ in wrong[nearest])
+    # Fewest changes first (ties: the architecture that keeps the position encoding).
+    order = sorted(wrong, key=lambda a: (len(wrong[a]), _NEEDS[a]["pos_encoding"] != cfg.pos_encoding))
+    options = []
+    for arch in order:
+        have = ", ".join(f"{k}={actual!r}" for k, _, actual in wrong[arch])
+        sets = " ".join(f"--set {k}={str(need).lower()}" for k, need, _ in wrong[arch])
+        options.append(f"{arch} ({_COMPUTES[arch]}) with {sets} (this model has {have})")
     raise FrawdError(
-        f"cannot export {have}: no stock architecture (GPT-2, Llama) computes it; the nearest "
-        f"exportable config is {nearest} with {sets} (a config change needs retraining)"
+        "cannot export: no stock architecture computes this config; exportable (a config change needs "
+        "retraining): " + "; or ".join(options)
     )
 
 
