@@ -46,7 +46,7 @@ def test_linear_cross_entropy_equals_cross_entropy_of_logits(chunk):
     hidden = torch.randn(300, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (300,), generator=gen)
-    targets[::7] = -100  # ignored positions, as in SFT
+    targets[::7] = -100  # ignored positions (padding)
     ours = linear_cross_entropy(hidden, weight, targets, chunk=chunk)
     ours_grads = torch.autograd.grad(2.5 * ours, (hidden, weight))
     ref = F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100)

@@ -20,16 +20,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "info": ("info", "info", "Parameters, FLOPs per token and memory of a model config."),
     "tokenizer": ("tokenizer", "tokenizer", "Train tokenizers (BPE, char, byte)."),
     "data": ("data", "data", "Prepare corpora into memory-mapped token shards."),
-    "pretrain": ("pretrain", "pretrain", "Pretrain a language model."),
+    "pretrain": ("pretrain", "pretrain", "Pretrain a language model, or train an existing one further."),
     "eval": ("evaluate", "evaluate", "Loss, perplexity and bits per byte of a model on held-out data."),
     "generate": ("generate", "generate", "Generate text from a prompt."),
     "chat": ("chat", "chat", "Chat with a model in the terminal."),
-    "sft": ("sft", "sft", "Supervised fine-tuning on chat data."),
-    "dpo": ("dpo", "dpo", "Direct preference optimisation."),
-    "serve": ("serve", "serve", "OpenAI-compatible HTTP server with a web chat page."),
     "export": ("export", "export", "Export a model to Hugging Face transformers or GGUF."),
     "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint."),
-    "translate": ("translate", "translate", "Encoder-decoder translation models."),
 }
 
 
@@ -57,7 +53,8 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="frawdllm")
 def cli() -> None:
-    """FrawdLLM: build, train, align, serve and export small transformer language models."""
+    """FrawdLLM: build, pretrain, evaluate, generate with, chat with, export and import small
+    transformer language models."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,10 @@ HELP = """commands:
 @click.option("--system", "system_message", default=None, metavar="TEXT", help="A system message to start with.")
 def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, compile_model: bool,
          device: str, threads: int | None, system_message: str | None, **sampling) -> None:
-    """Chat with the model in --model (best with a model fine-tuned on chats, `frawd sft`).
+    """Chat with the model in --model through the chat template.
+
+    Any model with FrawdLLM's special tokens works; a model only pretrained here has
+    never seen the template, so its replies read as continuations of the text.
 
     Type a message and press Enter; the reply streams back. Commands: /reset,
     /system TEXT, /params [key=value ...], /help, /quit. Ctrl-C stops the current reply,
@@ -39,7 +42,7 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
 
     \b
     Example:
-      frawd chat --model runs/sft/model --temperature 0.7 --top-p 0.9
+      frawd chat --model runs/shakespeare/model --temperature 0.7 --top-p 0.9
     """
     from ..infer.chat import ROLE_TOKEN_IDS
 

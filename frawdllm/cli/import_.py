@@ -16,8 +16,9 @@ def import_(hf_dir: str, out: str, overwrite: bool) -> None:
     """Import a Hugging Face transformers checkpoint (GPT2LMHeadModel or LlamaForCausalLM).
 
     The result is an ordinary FrawdLLM model directory (config.json, model.safetensors,
-    and tokenizer.json when the checkpoint has one) that fine-tunes, generates and serves
-    like any other. Pickle weights (*.bin) are refused: FrawdLLM never unpickles.
+    and tokenizer.json when the checkpoint has one): `frawd generate`, `frawd eval` and
+    `frawd export` take it, and `frawd pretrain --init-from OUT` trains it further.
+    Pickle weights (*.bin) are refused: FrawdLLM never unpickles.
     """
     require("transformers")
     from ..export.hf_dir import import_hf

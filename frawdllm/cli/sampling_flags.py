@@ -1,4 +1,4 @@
-"""Flags shared by the commands that generate text (`generate`, `chat`, `serve`).
+"""Flags shared by the commands that generate text (`generate`, `chat`).
 
 `sampling_flags` adds one flag per `SamplingParams` field; `params_from_flags` builds the
 parameters: the model's generation_config.json first, then the flags actually typed.

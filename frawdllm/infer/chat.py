@@ -7,8 +7,7 @@ project):
 
 A model sees at most `context_length` tokens, and the reply needs room too. `fit_history`
 drops the oldest turns (never the system message, never the newest user message) until
-the rendered prompt leaves `reserve` tokens for the reply. `frawd chat` and the HTTP
-server both go through it.
+the rendered prompt leaves `reserve` tokens for the reply. `frawd chat` goes through it.
 
 Chat replies end at <|eos|>; a role token (<|user|>, <|system|>, <|assistant|>) inside a
 reply means the model is writing the next turn itself, so those stop a reply too.

@@ -1,4 +1,4 @@
-"""Training: the one loop shared by pretraining, SFT, DPO and seq2seq.
+"""Training: one loop (`Trainer`) and the job that runs on it, pretraining.
 
     from frawdllm.train import PretrainConfig, run_pretraining
     result = run_pretraining(PretrainConfig(data="stdlib", max_time="5m", out="runs/x"))

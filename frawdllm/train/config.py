@@ -2,7 +2,7 @@
 
 `TrainConfig` holds what the shared loop needs (optimizer, schedule, budget, dtype,
 checkpoints, logging). A job extends it: `PretrainConfig` adds the model (a preset plus
-field overrides) and the data. SFT, DPO and seq2seq add their own fields the same way.
+field overrides) and the data; another job would add its own fields the same way.
 
 A run is described by layers, later ones winning:
 

@@ -1,4 +1,4 @@
-"""The training loop shared by pretraining, SFT, DPO and seq2seq.
+"""The training loop: pretraining runs on it, and so can any job that plugs in a `TrainTask`.
 
 A job plugs in a `TrainTask`: where batches come from, how a batch becomes a loss, how
 to evaluate, what to sample, how to save the model. The `Trainer` owns everything else:
