@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from frawdllm import FrawdLLM
+from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
 from frawdllm.data import RandomWindowLoader, read_shard
 from frawdllm.errors import FrawdError
@@ -207,3 +207,25 @@ def test_init_from_errors_are_one_line_before_any_work(case, corpus, trained, tm
                                "--max-steps", "2", "--out", str(out), *args)
     assert code == 1 and message in err and err.count("\n") == 1, err
     assert not out.exists() and seconds < 1.0
+
+
+def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from frawdllm.export.hf import to_hf_config
+    from frawdllm.tokenizer import Tokenizer
+
+    assert Tokenizer.load(char_tokenizer).vocab_size < 101  # a tokenizer smaller than the model's vocabulary fits
+    hf_config = to_hf_config(get_config("tiny", vocab_size=101, n_embd=32, n_layer=2, n_head=2, context_length=32))
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(char_tokenizer.read_bytes())
+    main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")])
+    main(["pretrain", "--init-from", str(tmp_path / "imported"), "--data", str(corpus), "--doc-split", "file",
+          "--val-fraction", "0.1", "--max-steps", "2", "--batch-size", "4", "--dtype", "fp32", "--no-compile",
+          "--device", "cpu", "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0",
+          "--peak-tflops", "1", "--no-progress", "--out", str(tmp_path / "run")])
+    first = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r][0]
+    imported = FrawdLLM.from_pretrained(tmp_path / "imported")
+    cfg = PretrainConfig(batch_size=4)  # the seed and batch size the run used
+    assert first == pytest.approx(first_batch_loss(imported, tmp_path / "run", cfg, 32), rel=1e-5)
+    assert FrawdLLM.from_pretrained(tmp_path / "run" / "model").config == imported.config
