@@ -228,9 +228,9 @@ def init_model_config(cfg: PretrainConfig) -> tuple[ModelConfig, int]:
 def check_pretrain(cfg: PretrainConfig) -> None:
     """Every check that needs no real work: the budget, OUT, the device, the data source, the
     tokenizer and the model config. A FrawdError here means nothing was written."""
+    check_run_dir(cfg)
     if not cfg.has_budget:
         raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
-    check_run_dir(cfg)
     pick_device(cfg.device)
     model_cfg = init_model_config(cfg)[0] if cfg.init_from is not None else None
     tok = given_tokenizer(cfg)
