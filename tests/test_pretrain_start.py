@@ -117,10 +117,10 @@ def test_a_start_that_fails_after_the_checks_leaves_nothing_in_the_way(corpus, t
         raise Broken()
 
     monkeypatch.setattr(pretrain_module, "Trainer", broken_trainer)
-    out = tmp_path / "new"
+    out = tmp_path / "new" / "run"
     with pytest.raises(Broken):
         run_pretraining(tiny_config(corpus, out, max_steps=2))
-    assert not out.exists()  # this start made OUT: it is gone
+    assert not (tmp_path / "new").exists()  # this start made OUT and its parent: both gone
     existing = tmp_path / "existing"
     existing.mkdir()
     with pytest.raises(Broken):

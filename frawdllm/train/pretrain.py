@@ -311,7 +311,11 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> Train
 
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
-    created = not run_dir.exists()
+    created = None  # the outermost folder this start creates
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            break
+        created = folder
     try:
         prepare_run_dir(cfg)
         data = prepare_data(cfg, run_dir)
@@ -332,10 +336,10 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> Train
     return trainer.fit()
 
 
-def _undo_start(cfg: PretrainConfig, run_dir: Path, created: bool) -> None:
-    """A start that failed leaves nothing in the way of the next: OUT if this start made it,
-    else the config.yaml it wrote (reusable tokenizer and shards stay)."""
-    if created:
-        shutil.rmtree(run_dir, ignore_errors=True)
+def _undo_start(cfg: PretrainConfig, run_dir: Path, created: Path | None) -> None:
+    """A start that failed leaves nothing in the way of the next: the folders this start
+    made, else the config.yaml it wrote (reusable tokenizer and shards stay)."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
     elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():
         (run_dir / CONFIG_FILE).unlink(missing_ok=True)
