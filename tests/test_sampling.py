@@ -154,16 +154,16 @@ def test_seeded_sampling_is_reproducible():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("temperature", -0.1, "temperature must be >= 0"),
+    ("temperature", -0.1, "temperature must be 0 \\(greedy\\) or"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
     ("top_k", -1, "top_k must be an integer >= 0"),
     ("min_p", 1.2, r"min_p must be in \[0, 1\]"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in"),
     ("max_new_tokens", 0, "max_new_tokens must be a positive integer"),
     ("num_samples", 0, "num_samples must be a positive integer"),
     ("stop", [""], "stop strings must not be empty"),
-    ("temperature", float("nan"), "temperature must be >= 0"),
+    ("temperature", float("nan"), "temperature must be 0 \\(greedy\\) or"),
 ])
 def test_invalid_parameters_raise_one_clear_error(field, value, message):
     with pytest.raises(ConfigError, match=message) as info:
