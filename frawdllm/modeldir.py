@@ -183,8 +183,9 @@ def check_weights(cfg: ModelConfig, path: Path) -> None:
     if cfg.tie_embeddings and TIED_KEY in stored:
         stored.pop(TIED_KEY)  # some writers store the tied head twice; the shape is checked below
     held = sum(math.prod(shape) for _, shape in stored.values())
-    # Python integers: no overflow whatever config.json says.
-    if held != cfg.num_parameters and cfg.n_layer > len(stored):
+    # Python integers: no overflow whatever config.json says. Close counts go on to the
+    # shape comparison below (a better message), which builds the model on the meta device.
+    if held != cfg.num_parameters and (cfg.n_layer > len(stored) or cfg.num_parameters > 2 * held + 2**20):
         raise FrawdError(f"{path}: holds {held:,} weights but config.json describes a model of "
                          f"{cfg.num_parameters:,} parameters")
     if _table_bytes(cfg) > max(path.stat().st_size, TABLE_ALLOWANCE):
@@ -194,7 +195,7 @@ def check_weights(cfg: ModelConfig, path: Path) -> None:
     if bad_dtype:
         raise FrawdError(f"{path}: tensor {bad_dtype[0]} is {stored[bad_dtype[0]][0]}; weights must be "
                          f"{', '.join(WEIGHT_DTYPES)}")
-    expected = expected_shapes(cfg)  # cheap: n_layer is bounded by the tensors in the file
+    expected = expected_shapes(cfg)  # cheap: the layers and sizes are bounded by the file's
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
     if missing or unexpected:
