@@ -69,6 +69,22 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
+def _nearly_full(folder: Path) -> bool:
+    """Less than 1 MiB left where `folder` is: what a write that failed there ran into
+    (some writers report a short write without the errno)."""
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return False
+    return vfs.f_bavail * vfs.f_frsize < 2**20
+
+
+def _write_failed_for_space(exc: BaseException, folder: Path) -> bool:
+    if isinstance(exc, FrawdError) or not isinstance(exc, Exception):
+        return False
+    return is_disk_full(exc) or (isinstance(exc, OSError) and _nearly_full(folder))
+
+
 def disk_full_error(path: str | os.PathLike) -> FrawdError:
     return FrawdError(f"no space left on {_mount_point(Path(path))} while writing {path}")
 
@@ -116,7 +132,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             try:
                 yield tmp_path
             except Exception as exc:
-                if not isinstance(exc, FrawdError) and is_disk_full(exc):
+                if _write_failed_for_space(exc, path.parent):
                     raise disk_full_error(path) from None
                 raise
             _publish_mode(tmp_path, directory=False)
@@ -143,7 +159,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
             try:
                 yield tmp
             except Exception as exc:
-                if not isinstance(exc, FrawdError) and is_disk_full(exc):
+                if _write_failed_for_space(exc, path.parent):
                     raise disk_full_error(path) from None
                 raise
             _publish_mode(tmp, directory=True)
