@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -182,3 +183,26 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+# The temporary names above: .NAME.<8 random characters>.tmp (or .old for a replaced folder).
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.(?P<kind>tmp|old)")
+
+
+def clean_partial(folder: str | os.PathLike) -> None:
+    """Tidy what writes killed in `folder` left: a folder set aside for replacement whose
+    replacement never arrived is put back; other temporary files and folders are removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.iterdir()):
+        match = _PARTIAL.fullmatch(path.name)
+        if match is None:
+            continue
+        target = folder / match["name"]
+        if match["kind"] == "old" and not target.exists():
+            os.replace(path, target)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

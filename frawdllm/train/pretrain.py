@@ -34,7 +34,7 @@ from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
 from .rundir import BEST_MODEL_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE
-from .checkpoint import CHECKPOINTS_DIR
+from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 
 DATA_DIR = "data"
 TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was trained on
@@ -164,11 +164,18 @@ def model_config_for(cfg: PretrainConfig, vocab_size: int) -> ModelConfig:
 
 
 def prepare_run_dir(cfg: PretrainConfig) -> Path:
-    """Check OUT: a new run needs an empty one (or --overwrite), --resume a previous run."""
+    """Check OUT: a new run needs an empty one (or --overwrite), --resume a previous run; a
+    --resume of a run killed before its first complete checkpoint starts it over (`cfg` is
+    changed to say so)."""
     run_dir = Path(cfg.out)
     has_run = any((run_dir / name).exists() for name in RUN_FILES + RUN_DIRS)
-    if cfg.resume and not (run_dir / CHECKPOINTS_DIR).is_dir():
-        raise FrawdError(f"{run_dir}: no run to resume (no checkpoints folder)")
+    if cfg.resume and not has_run:
+        raise FrawdError(f"{run_dir}: no run to resume")
+    if cfg.resume and latest_checkpoint(run_dir) is None:
+        # killed before its first complete checkpoint: nothing to continue, so start it again
+        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
+        cfg.resume = False
+        cfg.overwrite = True
     if has_run and not cfg.resume:
         if not cfg.overwrite:
             raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
