@@ -50,6 +50,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        check_types(type(self), {f.name: getattr(self, f.name) for f in fields(self)})
         if self.pos_encoding is None:
             self.pos_encoding = "rope" if self.use_rope else "learned"
         _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
@@ -62,12 +63,10 @@ class ModelConfig:
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        for name in ("vocab_size", "n_embd", "n_layer", "n_head", "context_length", "n_kv_head"):
+        for name in ("vocab_size", "n_embd", "n_layer", "n_head", "context_length", "n_kv_head", "mlp_hidden"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.mlp_hidden is not None and self.mlp_hidden < 1:
-            raise ConfigError(f"mlp_hidden must be a positive integer or None, got {self.mlp_hidden!r}")
+            if value is not None and not 1 <= value <= MAX_DIM:
+                raise ConfigError(f"{name} must be an integer in [1, {MAX_DIM}], got {value!r}")
         if self.n_embd % self.n_head != 0:
             raise ConfigError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
@@ -85,8 +84,10 @@ class ModelConfig:
             raise ConfigError(f"n_embd ({self.n_embd}) must be even for sinusoidal positions")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ConfigError("rope_theta and norm_eps must be positive")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
@@ -164,7 +165,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return cls(**check_fields(cls, data, "config field"))
+        return cls(**check_types(cls, check_fields(cls, data, "config field")))
 
     def replace(self, **overrides: Any) -> "ModelConfig":
         """A copy with fields changed, validated again."""
@@ -177,7 +178,50 @@ class ModelConfig:
             data["pos_encoding"] = None
         if "n_head" in overrides and "n_kv_head" not in overrides and self.n_kv_head == self.n_head:
             data["n_kv_head"] = None
-        return ModelConfig(**data)
+        return ModelConfig.from_dict(data)
+
+
+# Largest size of any one dimension: tensor indices and kernels use 32-bit sizes.
+MAX_DIM = 2**31 - 1
+
+
+def _type_name(hint: Any) -> str:
+    options = typing.get_args(hint) or (hint,)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             type(None): "null"}
+    return " or ".join(names.get(o, str(o)) for o in options)
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    if typing.get_origin(kind) is not None:
+        return True
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:  # an int is a fine float; NaN is not a number anyone means
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return isinstance(value, kind)
+
+
+def check_types(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` unchanged if each holds the declared type of its field of dataclass `cls`,
+    else a ConfigError: `"no"` is not a bool, 0.5 not an int, "1" not a number, NaN not a
+    number. Generic hints (`Sequence[str]`) are left to the class's own checks."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name not in hints:
+            continue
+        options = typing.get_args(hints[name]) if _is_union(hints[name]) else (hints[name],)
+        if not any(_fits(value, o) for o in options):
+            raise ConfigError(f"{name} must be {_type_name(hints[name])}, got {value!r}")
+    return values
+
+
+def _is_union(hint: Any) -> bool:
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
 
 
 def check_fields(cls: type, data: dict[str, Any], what: str) -> dict[str, Any]:
@@ -226,7 +270,7 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     if "pos_encoding" in overrides and "use_rope" not in overrides:
         data.pop("use_rope", None)
     data.update(overrides)
-    return ModelConfig(**data)
+    return ModelConfig.from_dict(data)
 
 
 def parse_value(cls: type, name: str, text: str) -> Any:
@@ -236,7 +280,7 @@ def parse_value(cls: type, name: str, text: str) -> Any:
         known = ", ".join(f.name for f in fields(cls))
         raise ConfigError(f"unknown field {name!r}; known: {known}")
     hint = hints[name]
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
     if type(None) in options and text.lower() in ("none", "null", ""):
         return None
     for option in options:

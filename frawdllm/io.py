@@ -4,36 +4,143 @@ Every file FrawdLLM writes goes to a temporary name in the same folder first and
 renamed into place (`os.replace` is atomic on POSIX), so a crash or a kill leaves
 either the old file or the new one, never a torn one. A folder of files (an export) is
 built the same way: in a temporary folder beside the target, renamed at the end.
+
+The temporary names are private (mode 0600/0700) while being written; what is renamed
+into place gets the permissions a plain `open()` or `mkdir()` would give (0666/0777 less
+the umask). A write that fails removes its temporary file and any folder it created,
+and a full disk is reported as one line naming the device and the file.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 from .errors import FrawdError
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (threads may be writing)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish_mode(path: Path, directory: bool) -> None:
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    device = path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == device:
+        path = path.parent
+    return path
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True if `exc` (or an exception it was raised from) says the disk or the file size
+    limit is full; libraries such as safetensors wrap the OSError in their own type."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "File too large" in text or "os error 28" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _nearly_full(folder: Path) -> bool:
+    """Less than 1 MiB left where `folder` is: what a write that failed there ran into
+    (some writers report a short write without the errno)."""
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return False
+    return vfs.f_bavail * vfs.f_frsize < 2**20
+
+
+def _write_failed_for_space(exc: BaseException, folder: Path) -> bool:
+    if isinstance(exc, FrawdError) or not isinstance(exc, Exception):
+        return False
+    return is_disk_full(exc) or (isinstance(exc, OSError) and _nearly_full(folder))
+
+
+def disk_full_error(path: str | os.PathLike) -> FrawdError:
+    return FrawdError(f"no space left on {_mount_point(Path(path))} while writing {path}")
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The folders above `path` that do not exist yet, outermost first."""
+    missing = []
+    for parent in path.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing[::-1]
+
+
+@contextmanager
+def undo_on_error(path: str | os.PathLike) -> Iterator[None]:
+    """If the block fails, remove `path` and the folders above it that did not exist
+    before the block (a failed write leaves no empty folders behind); a full disk becomes
+    one clear FrawdError."""
+    path = Path(path)
+    created = _missing_parents(path) + ([] if path.exists() else [path])
+    try:
+        yield
+    except BaseException as exc:
+        for folder in reversed(created):
+            if folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder, ignore_errors=True)
+            elif folder.exists() or folder.is_symlink():
+                folder.unlink(missing_ok=True)
+        if isinstance(exc, Exception) and not isinstance(exc, FrawdError) and is_disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
 
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` if the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        os.replace(tmp_path, path)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+    with undo_on_error(path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            try:
+                yield tmp_path
+            except Exception as exc:
+                if _write_failed_for_space(exc, path.parent):
+                    raise disk_full_error(path) from None
+                raise
+            _publish_mode(tmp_path, directory=False)
+            os.replace(tmp_path, path)
+        finally:
+            if tmp_path.exists():
+                tmp_path.unlink()
 
 
 @contextmanager
@@ -46,20 +153,27 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         raise FrawdError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FrawdError(f"{path} exists and is not empty; choose a new directory (or --overwrite)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        yield tmp
-        old = None
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.replace(path, old)  # a directory onto an empty directory: allowed
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    with undo_on_error(path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        try:
+            try:
+                yield tmp
+            except Exception as exc:
+                if _write_failed_for_space(exc, path.parent):
+                    raise disk_full_error(path) from None
+                raise
+            _publish_mode(tmp, directory=True)
+            old = None
+            if path.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+                os.replace(path, old)  # a directory onto an empty directory: allowed
+            os.replace(tmp, path)
+            if old is not None:
+                shutil.rmtree(old)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -69,3 +183,26 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+# The temporary names above: .NAME.<8 random characters>.tmp (or .old for a replaced folder).
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.(?P<kind>tmp|old)")
+
+
+def clean_partial(folder: str | os.PathLike) -> None:
+    """Tidy what writes killed in `folder` left: a folder set aside for replacement whose
+    replacement never arrived is put back; other temporary files and folders are removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.iterdir()):
+        match = _PARTIAL.fullmatch(path.name)
+        if match is None:
+            continue
+        target = folder / match["name"]
+        if match["kind"] == "old" and not target.exists():
+            os.replace(path, target)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -6,23 +6,34 @@
     generation_config.json   sampling defaults (optional)
 
 Each file is written to a temporary name and renamed, so a crash never leaves a torn
-file. Loading checks everything and raises `FrawdError` with one clear line.
+file; a save that fails removes the folder it created. Loading trusts nothing in the
+folder and raises `FrawdError` with one clear line:
+
+- config.json: every field's type and range is checked (`ModelConfig`), format_version
+  must be an integer this version reads;
+- model.safetensors: its header (names, dtypes, shapes) is compared with the shapes the
+  config implies before anything is allocated, so a config that asks for more than the
+  file holds costs nothing to refuse; the position tables a config implies may not be
+  larger than the weights (or 64 MiB);
+- a file that is a symbolic link leading outside the folder is refused (links within
+  the folder are followed), so a shared folder cannot make us read files elsewhere.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
 from .errors import ConfigError, FrawdError
-from .io import atomic_path, write_json_atomic
+from .io import atomic_path, undo_on_error, write_json_atomic
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -30,23 +41,26 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TIED_KEY = "lm_head.weight"
+WEIGHT_DTYPES = ("F32", "F16", "BF16")
+TABLE_ALLOWANCE = 64 * 2**20  # position tables this size are fine whatever the weights' size
 
 
 def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any = None,
                    generation_config: dict[str, Any] | None = None) -> Path:
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.config
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop(TIED_KEY)  # the same tensor as the token embedding; stored once
-    with atomic_path(directory / WEIGHTS_FILE) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt", "frawdllm_format_version": str(FORMAT_VERSION)})
-    write_json_atomic(directory / CONFIG_FILE, {"format_version": FORMAT_VERSION, **cfg.to_dict()})
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, directory / TOKENIZER_FILE)
-    if generation_config is not None:
-        write_json_atomic(directory / GENERATION_CONFIG_FILE, generation_config)
+    with undo_on_error(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / WEIGHTS_FILE) as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt", "frawdllm_format_version": str(FORMAT_VERSION)})
+        write_json_atomic(directory / CONFIG_FILE, {"format_version": FORMAT_VERSION, **cfg.to_dict()})
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, directory / TOKENIZER_FILE)
+        if generation_config is not None:
+            write_json_atomic(directory / GENERATION_CONFIG_FILE, generation_config)
     return directory
 
 
@@ -59,31 +73,140 @@ def save_tokenizer(tokenizer: Any, path: Path) -> None:
             tokenizer.save(str(tmp))
 
 
+def model_file(directory: str | Path, name: str, required: bool = True) -> Path | None:
+    """`directory/name`, refused if it is a link leading outside `directory`; None when
+    it is absent and not `required`."""
+    directory = Path(directory)
+    path = directory / name
+    if not path.exists():
+        if path.is_symlink():
+            raise FrawdError(f"{path}: a broken symbolic link")
+        if required:
+            raise FrawdError(f"{path}: missing; a model directory holds {CONFIG_FILE}, {WEIGHTS_FILE} "
+                             f"and, for text, {TOKENIZER_FILE}")
+        return None
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise FrawdError(f"{path}: a symbolic link to {path.resolve()}, outside the model directory; "
+                         "copy the file into the folder instead")
+    if not path.is_file():
+        raise FrawdError(f"{path}: not a regular file")
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise FrawdError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise FrawdError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise FrawdError(f"{path}: cannot read ({exc.strerror})") from None
+
+
 def load_config(directory: str | Path) -> ModelConfig:
     directory = Path(directory)
     if not directory.is_dir():
         raise FrawdError(f"model directory not found: {directory}")
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise FrawdError(f"{path}: missing; a model directory needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FrawdError(f"{path}: not valid JSON ({exc})") from None
+    path = model_file(directory, CONFIG_FILE)
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise FrawdError(f"{path}: expected a JSON object")
     version = data.pop("format_version", None)
     if version is None:
         raise FrawdError(f"{path}: no format_version; not a FrawdLLM model directory")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise FrawdError(f"{path}: format_version must be a positive integer, got {version!r}")
+    if version > FORMAT_VERSION:
         raise FrawdError(
             f"{path}: format_version {version} is newer than this FrawdLLM reads ({FORMAT_VERSION}); "
             "upgrade frawdllm"
         )
     try:
         return ModelConfig.from_dict(data)
-    except (ConfigError, TypeError) as exc:
+    except ConfigError as exc:
         raise FrawdError(f"{path}: invalid config: {exc}") from None
+
+
+def load_generation_config(directory: str | Path) -> dict[str, Any]:
+    """The sampling defaults in generation_config.json ({} without one), checked as
+    `SamplingParams` so every value has the right type and range."""
+    from .infer.sampling import SamplingParams
+
+    path = model_file(directory, GENERATION_CONFIG_FILE, required=False)
+    if path is None:
+        return {}
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise FrawdError(f"{path}: expected a JSON object of sampling parameters")
+    try:
+        SamplingParams.from_dict(data)
+    except ConfigError as exc:
+        raise FrawdError(f"{path}: {exc}") from None
+    return data
+
+
+def weight_shapes(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor in a safetensors file, read from its header
+    alone (the file is mapped, no tensor is loaded)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                    for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The stored tensors' shapes `cfg` implies (a tied head is stored once, as the
+    embedding), from a model built on the meta device: no memory is allocated."""
+    from .model import FrawdLLM
+
+    with torch.device("meta"):
+        model = FrawdLLM(cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        shapes.pop(TIED_KEY)
+    return shapes
+
+
+def _table_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the position tables built at construction (computed in float64)."""
+    width = {"rope": cfg.head_dim, "sinusoidal": cfg.n_embd}.get(cfg.pos_encoding, 0)
+    return cfg.context_length * width * 8
+
+
+def check_weights(cfg: ModelConfig, path: Path) -> None:
+    """FrawdError unless the safetensors file at `path` holds exactly the tensors `cfg`
+    implies; decided from the header before any tensor or model is allocated."""
+    stored = weight_shapes(path)
+    if cfg.tie_embeddings and TIED_KEY in stored:
+        stored.pop(TIED_KEY)  # some writers store the tied head twice; the shape is checked below
+    held = sum(math.prod(shape) for _, shape in stored.values())
+    # Python integers: no overflow whatever config.json says. Close counts go on to the
+    # shape comparison below (a better message), which builds the model on the meta device.
+    if held != cfg.num_parameters and (cfg.n_layer > len(stored) or cfg.num_parameters > 2 * held + 2**20):
+        raise FrawdError(f"{path}: holds {held:,} weights but config.json describes a model of "
+                         f"{cfg.num_parameters:,} parameters")
+    if _table_bytes(cfg) > max(path.stat().st_size, TABLE_ALLOWANCE):
+        raise FrawdError(f"{path.parent / CONFIG_FILE}: context_length {cfg.context_length:,} needs position "
+                         f"tables larger than the weights themselves; refusing to build them")
+    bad_dtype = sorted(name for name, (dtype, _) in stored.items() if dtype not in WEIGHT_DTYPES)
+    if bad_dtype:
+        raise FrawdError(f"{path}: tensor {bad_dtype[0]} is {stored[bad_dtype[0]][0]}; weights must be "
+                         f"{', '.join(WEIGHT_DTYPES)}")
+    expected = expected_shapes(cfg)  # cheap: the layers and sizes are bounded by the file's
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise FrawdError(
+            f"{path}: weights do not match config.json "
+            f"(missing: {', '.join(missing[:5]) or '-'}; unexpected: {', '.join(unexpected[:5]) or '-'})"
+        )
+    for key, (_, shape) in stored.items():
+        if shape != expected[key]:
+            raise FrawdError(f"{path}: tensor {key} has shape {shape} but config.json implies {expected[key]}")
+    assert held == cfg.num_parameters  # the same names and shapes hold the same count
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None):
@@ -94,30 +217,16 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     directory = Path(directory)
     cfg = load_config(directory) if config is None else config
     path = directory / WEIGHTS_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise FrawdError(f"{path}: missing weights file")
+    path = model_file(directory, WEIGHTS_FILE)
+    check_weights(cfg, path)
     try:
         state = load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
         raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
+    if cfg.tie_embeddings:
+        state[TIED_KEY] = state["embed.tok.weight"]
     model = FrawdLLM(cfg)
-    if cfg.tie_embeddings and TIED_KEY not in state:
-        state[TIED_KEY] = state["embed.tok.weight"] if "embed.tok.weight" in state else None
-        if state[TIED_KEY] is None:
-            state.pop(TIED_KEY)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise FrawdError(
-            f"{path}: weights do not match config.json "
-            f"(missing: {', '.join(missing[:5]) or '-'}; unexpected: {', '.join(unexpected[:5]) or '-'})"
-        )
-    for key, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise FrawdError(
-                f"{path}: tensor {key} has shape {tuple(tensor.shape)} but config.json implies "
-                f"{tuple(expected[key].shape)}"
-            )
     model.load_state_dict(state)
     return model.to(device)

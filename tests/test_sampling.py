@@ -154,16 +154,16 @@ def test_seeded_sampling_is_reproducible():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("temperature", -0.1, "temperature must be >= 0"),
+    ("temperature", -0.1, "temperature must be 0 \\(greedy\\) or"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
     ("top_k", -1, "top_k must be an integer >= 0"),
     ("min_p", 1.2, r"min_p must be in \[0, 1\]"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in"),
     ("max_new_tokens", 0, "max_new_tokens must be a positive integer"),
     ("num_samples", 0, "num_samples must be a positive integer"),
     ("stop", [""], "stop strings must not be empty"),
-    ("temperature", float("nan"), "temperature must be >= 0"),
+    ("temperature", float("nan"), "temperature must be 0 \\(greedy\\) or"),
 ])
 def test_invalid_parameters_raise_one_clear_error(field, value, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -177,3 +177,25 @@ def test_params_from_dict_rejects_unknown_keys_and_accepts_lists():
     assert params.stop == ("a", "bc") and params.stop_token_ids == (5,) and params.greedy
     with pytest.raises(ConfigError, match="unknown sampling parameter.*top_q"):
         SamplingParams.from_dict({"top_q": 0.5})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 1e-40), ("temperature", float("inf")), ("repetition_penalty", 1e-40),
+    ("repetition_penalty", 1e40), ("seed", 2**64), ("seed", -1),
+])
+def test_values_that_would_overflow_are_refused(field, value):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_the_extreme_accepted_values_keep_probabilities_finite():
+    from frawdllm.infer.sampling import MAX_PENALTY, MIN_TEMPERATURE
+
+    logits = torch.tensor([[300.0, -300.0, 12.0, 0.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    for penalty in (MAX_PENALTY, 1 / MAX_PENALTY):
+        params = SamplingParams(temperature=MIN_TEMPERATURE, repetition_penalty=penalty)
+        probs = processed_logits(logits, params, seen).softmax(dim=-1)
+        assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
+        assert int(sample_next(logits, params, make_generator(0), seen)) == int(probs.argmax())
+    SamplingParams(seed=2**64 - 1)  # the largest seed torch takes

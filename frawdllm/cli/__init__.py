@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module here and is imported only when used, so
 `frawd --help` stays fast and torch is loaded only by commands that need it. A
-`FrawdError` (bad input) becomes one line on stderr and exit status 1.
+`FrawdError` (bad input) or an `OSError` (an unwritable folder, a full disk) becomes one
+line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -57,11 +58,35 @@ def cli() -> None:
     transformer language models."""
 
 
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError as one line that names the file: "permission denied: out/model"."""
+    from ..io import disk_full_error, is_disk_full
+
+    name = exc.filename if exc.filename is not None else None
+    if is_disk_full(exc) and name is not None:
+        return str(disk_full_error(name))
+    reason = (exc.strerror or str(exc) or type(exc).__name__).lower()
+    if name is None:
+        return reason
+    if exc.filename2 is not None:
+        return f"{reason}: {name} -> {exc.filename2}"
+    return f"{reason}: {name}"
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
-        click.echo(f"frawd: error: {exc}", err=True)
+        click.echo(f"frawd: error: {_one_line(exc)}", err=True)
+        sys.exit(1)
+    except BrokenPipeError:
+        sys.exit(0)
+    except OSError as exc:  # an unwritable --out, a file where a folder is needed, a full disk
+        click.echo(f"frawd: error: {_one_line(describe_os_error(exc))}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -74,5 +99,3 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
-    except BrokenPipeError:
-        sys.exit(0)

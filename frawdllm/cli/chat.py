@@ -71,12 +71,16 @@ class _Repl:
         while True:
             try:
                 line = input(PROMPT)
+                line.encode("utf-8")  # undecodable bytes come through as lone surrogates
             except EOFError:
                 self.out("\n")
                 return
             except KeyboardInterrupt:
                 self.out("^C\n")
                 continue
+            except UnicodeError:
+                self.out("\n")
+                raise FrawdError("standard input is not UTF-8 text") from None
             line = line.strip()
             if not line:
                 continue

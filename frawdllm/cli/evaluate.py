@@ -20,7 +20,7 @@ from .data import data_source_options
               help="Raw sources: share held out as the val split (use the value the model was trained with).")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Windows per batch.")
 @click.option("--context-length", type=int, default=None, help="Window length [default: the model's context].")
-@click.option("--max-batches", type=int, default=None, help="Evaluate only the first N batches.")
+@click.option("--max-batches", type=int, default=None, help="Evaluate only the first N batches (N >= 1).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="Autocast precision.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, mps.")
@@ -43,21 +43,28 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
     """
     from ..data import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards, read_shard
     from ..errors import FrawdError
-    from ..modeldir import TOKENIZER_FILE, load_model
+    from ..modeldir import TOKENIZER_FILE, load_config, load_model, model_file
     from ..tokenizer import Tokenizer
     from ..train.device import autocast, pick_device
     from ..train.evaluate import lm_loss, lm_metrics
     from ..train.pretrain import is_shard_dir
 
-    tok_path = Path(model_dir) / TOKENIZER_FILE
-    dev = pick_device(device)
-    model = load_model(model_dir, device=dev).eval()
-    if not tok_path.is_file():
+    for flag, value in (("--batch-size", batch_size), ("--max-batches", max_batches),
+                        ("--context-length", context_length)):
+        if value is not None and value < 1:
+            raise FrawdError(f"{flag} must be a positive integer, got {value}")
+    cfg = load_config(model_dir)
+    context = context_length or cfg.context_length
+    if context > cfg.context_length:
+        raise FrawdError(f"--context-length must be in 1..{cfg.context_length}, got {context}")
+    tok_path = model_file(model_dir, TOKENIZER_FILE, required=False)
+    if tok_path is None:
         raise FrawdError(f"{model_dir} has no {TOKENIZER_FILE}; evaluation needs the model's tokenizer")
     tok = Tokenizer.load(tok_path)
-    context = context_length or model.config.context_length
-    if not 1 <= context <= model.config.context_length:
-        raise FrawdError(f"--context-length must be in 1..{model.config.context_length}, got {context}")
+    if tok.vocab_size > cfg.vocab_size:
+        raise FrawdError(f"{model_dir}: the tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
+    dev = pick_device(device)
+    model = load_model(model_dir, device=dev).eval()
     with tempfile.TemporaryDirectory(prefix="frawd-eval-") as tmp:
         if is_shard_dir(data):
             shard_dir = Path(data)

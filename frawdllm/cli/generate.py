@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError
-from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
+from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_from_flags, sampling_flags
 
 
 @click.command()
@@ -21,7 +21,8 @@ from .sampling_flags import engine_flags, load_engine, params_from_flags, sampli
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
               help="Read the prompt from a file ('-' = standard input).")
 @sampling_flags
-@click.option("--num-samples", type=int, default=1, show_default=True, help="Completions per prompt.")
+@click.option("--num-samples", type=int, default=1, show_default=True,
+              help="Completions per prompt (all run as one batch: bounded by memory).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option("--stream/--no-stream", default=None,
               help="Print text as it is generated [default: on when stdout is a terminal].")
@@ -51,6 +52,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     if not texts:
         raise FrawdError("give a prompt with --prompt TEXT or --prompt-file FILE")
     params = params_from_flags(model_dir, sampling, num_samples=num_samples, ignore_eos=ignore_eos)
+    check_rows_fit(model_dir, len(texts) * params.num_samples, dtype)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     if stream is None:
         stream = sys.stdout.isatty() and not as_json

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..errors import FrawdError
 from .options import model_config_from, preset_option, set_option
 
 
@@ -25,6 +26,8 @@ def info(preset: str, overrides: tuple[str, ...], seq_len: int | None) -> None:
     The parameter count is computed from the config and equals the number of unique
     parameters of the built model (tied embeddings counted once).
     """
+    if seq_len is not None and seq_len < 1:
+        raise FrawdError(f"--seq-len must be a positive integer, got {seq_len}")
     cfg = model_config_from(preset, overrides)
     click.echo(f"preset: {preset}")
     for key, value in cfg.to_dict().items():

@@ -8,7 +8,6 @@ int8 quantization, the native C forward or torch.compile, overflow policy).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +38,10 @@ def sampling_flags(command):
 def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any):
     """SamplingParams from generation_config.json (if any), then the flags given, then `extra`."""
     from ..infer import SamplingParams
-    from ..modeldir import GENERATION_CONFIG_FILE
+    from ..modeldir import load_config, load_generation_config
 
-    values: dict[str, Any] = {}
-    path = Path(model_dir) / GENERATION_CONFIG_FILE
-    if path.is_file():
-        try:
-            values.update(json.loads(path.read_text(encoding="utf-8")))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise FrawdError(f"{path}: not valid JSON ({exc})") from None
+    load_config(model_dir)  # a missing or broken directory is named before its sampling defaults
+    values: dict[str, Any] = dict(load_generation_config(model_dir))
     for _, name, _, _ in _SAMPLING:
         if flags.get(name) is not None:
             values[name] = flags[name]
@@ -55,6 +49,32 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
         values["stop"] = list(flags["stop"])
     values.update(extra)
     return SamplingParams.from_dict(values)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_rows_fit(model_dir: str | Path, rows: int, dtype: str = "fp32") -> None:
+    """FrawdError if `rows` sequences at once (prompts x --num-samples) would need a
+    KV cache larger than the memory available; the cache is sized for the full context."""
+    from ..modeldir import load_config
+
+    cfg = load_config(model_dir)
+    item = 2 if dtype == "bf16" else 4
+    per_row = (2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.context_length + 4 * cfg.vocab_size) * item
+    need, have = rows * per_row, available_memory()
+    if have is not None and need > have:
+        raise FrawdError(f"{rows:,} sequences at once (prompts x --num-samples) need about {need / 2**30:.1f} GiB "
+                         f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")
 
 
 def engine_flags(command):
@@ -92,7 +112,7 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
 
     from ..infer import Engine
     from ..infer.quantize import quantize_int8
-    from ..modeldir import load_model
+    from ..modeldir import TOKENIZER_FILE, load_model, model_file
     from ..tokenizer import Tokenizer
 
     if threads is not None:
@@ -106,7 +126,7 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise FrawdError("--device cuda asked for, but no CUDA GPU is available")
     model = load_model(model_dir, device=torch_device)
-    tokenizer = Tokenizer.load(model_dir)
+    tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE))
     if tokenizer.vocab_size > model.config.vocab_size:
         raise FrawdError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} ids but the model only "
                          f"{model.config.vocab_size}")
@@ -119,4 +139,4 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
                   weights="auto" if native == "off" else native)
 
 
-__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine"]
+__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine", "check_rows_fit"]

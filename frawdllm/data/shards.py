@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from ..errors import FrawdError
-from ..io import atomic_path, write_json_atomic
+from ..io import atomic_path, undo_on_error, write_json_atomic
 from ..tokenizer import EOS_ID, UNK_ID, Tokenizer
 from .shard_format import HEADER_BYTES, VERSION, ShardWriter, read_header
 from .sources import SourceStats, iter_documents, source_files
@@ -84,65 +84,66 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
     batches = _batches(documents, val_fraction, _piece_splitter(tok), BATCH_CHARS)
 
-    start = time.perf_counter()
-    bar = _progress_bar(progress, _source_bytes(data))
-    totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META_FILE).unlink(missing_ok=True)  # old shards stay valid only with their own meta
-    try:
-        with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp, \
-                open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
-            writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
-            for batch, encodings in _encode_ahead(_prefetch(batches, depth=ENCODES_IN_FLIGHT + 1), tok):
-                for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
-                    writers[split].write(tokens)
-                    totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
-                for split in (0, 1):
-                    totals["docs"][split] += batch.doc_is_val.count(bool(split))
-                    totals["bytes"][split] += batch.text_bytes[split]
-                if bar is not None:
-                    bar.update(sum(batch.text_bytes))
-            val_split = "documents"
-            if val_fraction > 0 and writers[1].n_tokens == 0:
-                _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
-                val_split = "tail"
-            for writer in writers:
-                writer.finish()
-        if bar is not None and bar.total:
-            bar.update(max(0, bar.total - bar.n))  # blank lines and JSON syntax are not document text
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - start
+    with undo_on_error(out):  # a failed first run leaves no empty folder
+        out.mkdir(parents=True, exist_ok=True)
+        (out / META_FILE).unlink(missing_ok=True)  # old shards stay valid only with their own meta
+        start = time.perf_counter()
+        bar = _progress_bar(progress, _source_bytes(data))
+        totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0}
+        try:
+            with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp, \
+                    open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
+                writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
+                for batch, encodings in _encode_ahead(_prefetch(batches, depth=ENCODES_IN_FLIGHT + 1), tok):
+                    for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
+                        writers[split].write(tokens)
+                        totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
+                    for split in (0, 1):
+                        totals["docs"][split] += batch.doc_is_val.count(bool(split))
+                        totals["bytes"][split] += batch.text_bytes[split]
+                    if bar is not None:
+                        bar.update(sum(batch.text_bytes))
+                val_split = "documents"
+                if val_fraction > 0 and writers[1].n_tokens == 0:
+                    _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
+                    val_split = "tail"
+                for writer in writers:
+                    writer.finish()
+            if bar is not None and bar.total:
+                bar.update(max(0, bar.total - bar.n))  # blank lines and JSON syntax are not document text
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - start
 
-    n_train, n_val = writers[0].n_tokens, writers[1].n_tokens
-    meta = {
-        "format_version": VERSION,
-        "source": data,
-        "text_field": text_field,
-        "doc_split": doc_split,
-        "val_fraction": val_fraction,
-        "val_split": val_split,
-        "tokenizer_hash": tok.fingerprint,
-        "tokenizer_kind": tok.kind,
-        "vocab_size": tok.vocab_size,
-        "dtype": writers[0].dtype.name,
-        "token_bytes": writers[0].dtype.itemsize,
-        "train_tokens": n_train,
-        "val_tokens": n_val,
-        "train_documents": totals["docs"][0],
-        "val_documents": totals["docs"][1],
-        "train_text_bytes": totals["bytes"][0],
-        "val_text_bytes": totals["bytes"][1],
-        "bytes_per_token": round(sum(totals["bytes"]) / max(1, n_train + n_val), 6),
-        "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
-        "unk_tokens": totals["unk"],
-        "replaced_utf8_sequences": stats.replaced,
-        "seconds": round(seconds, 3),
-        "mb_per_s": round(sum(totals["bytes"]) / 1e6 / max(seconds, 1e-9), 3),
-        "inputs_hash": inputs_hash,
-    }
-    write_json_atomic(out / META_FILE, meta)
+        n_train, n_val = writers[0].n_tokens, writers[1].n_tokens
+        meta = {
+            "format_version": VERSION,
+            "source": data,
+            "text_field": text_field,
+            "doc_split": doc_split,
+            "val_fraction": val_fraction,
+            "val_split": val_split,
+            "tokenizer_hash": tok.fingerprint,
+            "tokenizer_kind": tok.kind,
+            "vocab_size": tok.vocab_size,
+            "dtype": writers[0].dtype.name,
+            "token_bytes": writers[0].dtype.itemsize,
+            "train_tokens": n_train,
+            "val_tokens": n_val,
+            "train_documents": totals["docs"][0],
+            "val_documents": totals["docs"][1],
+            "train_text_bytes": totals["bytes"][0],
+            "val_text_bytes": totals["bytes"][1],
+            "bytes_per_token": round(sum(totals["bytes"]) / max(1, n_train + n_val), 6),
+            "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
+            "unk_tokens": totals["unk"],
+            "replaced_utf8_sequences": stats.replaced,
+            "seconds": round(seconds, 3),
+            "mb_per_s": round(sum(totals["bytes"]) / 1e6 / max(seconds, 1e-9), 3),
+            "inputs_hash": inputs_hash,
+        }
+        write_json_atomic(out / META_FILE, meta)
     meta["warnings"] = [w for w in (stats.warning(), _unk_warning(meta)) if w]
     return meta
 

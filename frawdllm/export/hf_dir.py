@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import FrawdError
 from ..io import atomic_dir, write_json_atomic
 from ..model import FrawdLLM
-from ..modeldir import GENERATION_CONFIG_FILE, TOKENIZER_FILE, load_config, load_model
+from ..modeldir import TOKENIZER_FILE, load_config, load_generation_config, load_model, model_file
 from ..tokenizer import Tokenizer
 from .hf import from_hf_config, from_hf_state_dict, hf_architecture, to_hf_config, to_hf_state_dict
 
@@ -54,20 +54,14 @@ def load_for_export(model_dir: str | Path) -> tuple[FrawdLLM, Tokenizer | None, 
     """The model, its tokenizer (None when the directory has none) and its sampling defaults."""
     model_dir = Path(model_dir)
     model = load_model(model_dir).eval()
-    tokenizer = Tokenizer.load(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else None
+    tok_path = model_file(model_dir, TOKENIZER_FILE, required=False)
+    tokenizer = Tokenizer.load(tok_path) if tok_path is not None else None
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise FrawdError(
             f"{model_dir}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
             f"{model.config.vocab_size}"
         )
-    sampling: dict[str, Any] = {}
-    gen_path = model_dir / GENERATION_CONFIG_FILE
-    if gen_path.is_file():
-        try:
-            sampling = json.loads(gen_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise FrawdError(f"{gen_path}: not valid JSON ({exc})") from None
-    return model, tokenizer, sampling
+    return model, tokenizer, load_generation_config(model_dir)
 
 
 def special_token(tokenizer: Tokenizer, token_id: int, what: str) -> str:

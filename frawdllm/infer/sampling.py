@@ -26,8 +26,14 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..config import check_fields
+from ..config import check_fields, check_types
 from ..errors import ConfigError
+
+
+# Bounds that keep logits / temperature and logits x penalty finite in float32 (logits
+# are at most a few hundred): a smaller temperature is greedy in all but name.
+MIN_TEMPERATURE = 1e-4
+MAX_PENALTY = 1e3
 
 
 @dataclass(frozen=True)
@@ -53,14 +59,19 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int))
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(_is_number(self.temperature) and (self.temperature == 0
+                                                 or MIN_TEMPERATURE <= self.temperature < float("inf")),
+               f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+               f"got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_number(self.repetition_penalty)
+               and 1 / MAX_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+               f"repetition_penalty must be in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}] (1 = off), "
+               f"got {self.repetition_penalty!r}")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+               f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         _check(_is_int(self.num_samples) and self.num_samples >= 1,
                f"num_samples must be a positive integer, got {self.num_samples!r}")
         _check(all(self.stop), "stop strings must not be empty")
@@ -78,7 +89,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         """From a mapping such as generation_config.json; unknown keys are an error."""
-        return cls(**check_fields(cls, data, "sampling parameter"))
+        return cls(**check_types(cls, check_fields(cls, data, "sampling parameter")))
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return SamplingParams.from_dict({**self.to_dict(), **changes})

@@ -9,7 +9,8 @@
 
 A checkpoint is built in a hidden temporary folder and renamed into place when complete
 (`io.atomic_dir`), so a kill at any moment leaves the earlier checkpoints intact and at
-worst a stray temporary folder, which is ignored and cleaned up at the next start. Only
+worst a stray temporary folder, which is ignored and cleaned up at the next start (as
+are the best model's and every other temporary file in OUT). Only
 folders named step_N holding both parts count as checkpoints.
 """
 
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import FrawdError
-from ..io import atomic_dir
+from ..io import atomic_dir, clean_partial
 from ..modeldir import CONFIG_FILE, WEIGHTS_FILE
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -67,11 +68,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def remove_partial(run_dir: Path) -> None:
-    """Delete temporary folders left by a checkpoint write that was killed."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if root.is_dir():
-        for path in root.glob(".step_*"):
-            shutil.rmtree(path, ignore_errors=True)
+    """Tidy what killed writes left in the run directory and its checkpoints folder:
+    temporary checkpoint folders, the best model's temporary folder, half-written files."""
+    clean_partial(run_dir)
+    clean_partial(Path(run_dir) / CHECKPOINTS_DIR)
 
 
 def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..config import check_fields
+from ..config import check_fields, get_config
 from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -168,6 +168,7 @@ class PretrainConfig(TrainConfig):
         super().__post_init__()
         if not isinstance(self.model, dict):
             raise ConfigError(f"model must be a mapping of ModelConfig fields, got {self.model!r}")
+        get_config(self.preset, **self.model)  # an unknown preset or a bad field is named before any work
         _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
         _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
 
@@ -212,7 +213,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if data is None:

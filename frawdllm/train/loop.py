@@ -45,7 +45,8 @@ from .config import TrainConfig
 from .device import (autocast, keep_freed_memory, measure_matmul_flops, pick_device, resolve_dtype,
                      rng_state, set_rng_state)
 from .optim import build_optimizer
-from .rundir import BEST_MODEL_DIR, MetricsLog, append_samples, load_pyplot, plot_losses, truncate_metrics
+from .rundir import (BEST_MODEL_DIR, MetricsLog, append_samples, load_pyplot, plot_losses, truncate_metrics,
+                     truncate_samples)
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -431,6 +432,7 @@ class Trainer:
         self.best_step = None if state["best_step"] < 0 else state["best_step"]
         self.last_checkpoint = path
         truncate_metrics(self.run_dir, self.step)
+        truncate_samples(self.run_dir, self.step)
 
     def _result(self) -> TrainResult:
         elapsed = self.elapsed()

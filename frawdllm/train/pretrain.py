@@ -40,7 +40,7 @@ from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
 from .rundir import BEST_MODEL_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE
-from .checkpoint import CHECKPOINTS_DIR
+from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 
 DATA_DIR = "data"
 TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was trained on
@@ -281,9 +281,16 @@ def _has_run(run_dir: Path) -> bool:
 
 
 def prepare_run_dir(cfg: PretrainConfig) -> Path:
-    """OUT, checked (`check_run_dir`), emptied of an earlier run with --overwrite, created."""
+    """OUT, checked (`check_run_dir`), emptied of an earlier run with --overwrite, created. A
+    --resume of a run killed before its first complete checkpoint starts it over (`cfg` is
+    changed to say so)."""
     check_run_dir(cfg)
     run_dir = Path(cfg.out)
+    if cfg.resume and latest_checkpoint(run_dir) is None:
+        # killed before its first complete checkpoint: nothing to continue, so start it again
+        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
+        cfg.resume = False
+        cfg.overwrite = True
     if _has_run(run_dir) and not cfg.resume:
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,20 @@ def plot_losses(run_dir: Path) -> None:
     with atomic_path(Path(run_dir) / PLOT_FILE) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
+
+
+_SAMPLE_HEADER = re.compile(r"=== step (\d+) sample \d+ ===\n")
+
+
+def truncate_samples(run_dir: Path, after_step: int) -> None:
+    """Drop samples written after `after_step`: a resumed run writes those again."""
+    path = Path(run_dir) / SAMPLES_FILE
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8", errors="replace")
+    cut = next((m.start() for m in _SAMPLE_HEADER.finditer(text) if int(m.group(1)) > after_step), None)
+    if cut is not None:
+        write_text_atomic(path, text[:cut])
 
 
 def append_samples(run_dir: Path, step: int, samples: list[str]) -> None:

@@ -1,0 +1,185 @@
+"""Bad command-line input: every case is refused with exactly one line on stderr, a
+non-zero exit, no traceback and nothing left in --out.
+
+The matrix runs through `frawdllm.cli.main` in this process (a traceback would surface as
+an uncaught exception here); `test_matrix_cases_in_subprocess` runs a sample of it as a
+real `frawd` process to check what the user's terminal sees.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.cli import main
+from frawdllm.tokenizer import byte_tokenizer, train_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny model directory (byte tokenizer), a small text corpus and a bigger tokenizer."""
+    root = tmp_path_factory.mktemp("bad_input")
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=4,
+                                context_length=32))
+    model.save_pretrained(root / "model", tokenizer=tok)
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"line {i} of a small corpus, to the end.\n\n" for i in range(400)))
+    (root / "big_tok").mkdir()
+    big = train_tokenizer(iter([corpus.read_text()]), kind="bpe", vocab_size=400)
+    big.save(root / "big_tok" / "tokenizer.json")
+    (root / "small_model").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (root / "small_model" / name).write_bytes((root / "model" / name).read_bytes())
+    big.save(root / "small_model" / "tokenizer.json")  # more ids than the model has rows
+    (root / "bad_utf8.yaml").write_bytes(b"lr: 0.001\n# \xff\xfe not UTF-8\n")
+    (root / "rope_list.yaml").write_text("model:\n  rope_theta: [1]\n")
+    (root / "dropout_null.yaml").write_text("model:\n  dropout: null\n")
+    (root / "a_file").write_text("not a folder\n")
+    readonly = root / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    mounted = False
+    if os.geteuid() == 0:  # root writes through any mode: make the folder a read-only mount instead
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(readonly)],
+                                 capture_output=True).returncode == 0
+    yield root
+    if mounted:
+        subprocess.run(["umount", str(readonly)], check=True)
+    readonly.chmod(0o755)
+
+
+def run(capsys, *args):
+    """(exit code, stdout, stderr) of `frawd ARGS` run in this process."""
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def gen(*extra):
+    return ["generate", "--model", "{root}/model", "--prompt", "hi", "--max-new-tokens", "4", *extra]
+
+
+def ev(*extra):
+    return ["eval", "--model", "{root}/model", "--data", "{root}/corpus.txt", "--doc-split", "file",
+            "--val-fraction", "0.5", *extra]
+
+
+def pre(*extra):
+    return ["pretrain", "--data", "{root}/corpus.txt", "--tokenizer", "byte", "--max-steps", "1",
+            "--out", "{out}", *extra]
+
+
+# (case id, argv with {root}/{out} placeholders, a word the one line must contain)
+CASES = [
+    # item 8: unwritable --out for every command that writes
+    ("pretrain-out-readonly", pre()[:-2] + ["--out", "{root}/readonly/run"], "readonly"),
+    ("pretrain-out-file", pre()[:-2] + ["--out", "{root}/a_file"], "a_file"),
+    ("data-out-readonly", ["data", "prepare", "--data", "{root}/corpus.txt", "--tokenizer", "{root}/model",
+                           "--out", "{root}/readonly/data"], "readonly"),
+    ("data-out-file", ["data", "prepare", "--data", "{root}/corpus.txt", "--tokenizer", "{root}/model",
+                       "--out", "{root}/a_file/data"], "a_file"),
+    ("tokenizer-out-readonly", ["tokenizer", "train", "--data", "{root}/corpus.txt", "--kind", "byte",
+                                "--out", "{root}/readonly/tok"], "readonly"),
+    ("tokenizer-out-file", ["tokenizer", "train", "--data", "{root}/corpus.txt", "--kind", "byte",
+                            "--out", "{root}/a_file/tok"], "a_file"),
+    ("export-out-readonly", ["export", "--model", "{root}/model", "--out", "{root}/readonly/hf"],
+     "readonly"),
+    ("export-out-file", ["export", "--model", "{root}/model", "--out", "{root}/a_file"], "a_file"),
+    ("export-gguf-out-readonly", ["export", "--model", "{root}/model", "--format", "gguf",
+                                  "--out", "{root}/readonly/m.gguf"], "readonly"),
+    ("import-out-readonly", ["import", "--from-hf", "{root}/model", "--out", "{root}/readonly/imp"], ""),
+    # item 9
+    ("pretrain-preset-huge", pre("--preset", "huge"), "preset"),
+    ("pretrain-yaml-rope-list", pre("--config", "{root}/rope_list.yaml"), "rope_theta"),
+    ("pretrain-yaml-dropout-null", pre("--config", "{root}/dropout_null.yaml"), "dropout"),
+    ("pretrain-yaml-not-utf8", pre("--config", "{root}/bad_utf8.yaml"), "UTF-8"),
+    ("pretrain-set-nan", pre("--set", "norm_eps=nan"), "norm_eps"),
+    # item 10
+    ("eval-max-batches-0", ev("--max-batches", "0"), "max-batches"),
+    ("eval-max-batches-neg", ev("--max-batches", "-1"), "max-batches"),
+    ("eval-context-0", ev("--context-length", "0"), "context-length"),
+    ("eval-batch-size-0", ev("--batch-size", "0"), "batch-size"),
+    ("eval-tokenizer-too-big", ["eval", "--model", "{root}/small_model", "--data", "{root}/corpus.txt"],
+     "tokenizer"),
+    # item 11
+    ("generate-temperature-tiny", gen("--temperature", "1e-40"), "temperature"),
+    ("generate-penalty-tiny", gen("--repetition-penalty", "1e-40"), "repetition_penalty"),
+    ("generate-penalty-huge", gen("--repetition-penalty", "1e40"), "repetition_penalty"),
+    ("generate-temperature-inf", gen("--temperature", "inf"), "temperature"),
+    ("generate-seed-huge", gen("--seed", str(2**70)), "seed"),
+    ("generate-seed-negative", gen("--seed", "-1"), "seed"),
+    ("generate-num-samples-huge", gen("--num-samples", str(10**8)), "num-samples"),
+    ("generate-max-new-tokens-0", gen("--max-new-tokens", "0"), "max_new_tokens"),
+    ("generate-top-p-0", gen("--top-p", "0"), "top_p"),
+    ("generate-prompt-file-missing", gen("--prompt-file", "{root}/nope.txt"), "nope.txt"),
+    ("generate-model-missing", ["generate", "--model", "{root}/nope", "--prompt", "x"], "nope"),
+    ("generate-model-is-file", ["generate", "--model", "{root}/a_file", "--prompt", "x"], "a_file"),
+    ("generate-tokenizer-too-big", ["generate", "--model", "{root}/small_model", "--prompt", "x"], "tokenizer"),
+    ("generate-threads-0", gen("--threads", "0"), "threads"),
+    # item 12
+    ("info-seq-len-negative", ["info", "--seq-len", "-5"], "seq-len"),
+    ("info-seq-len-0", ["info", "--seq-len", "0"], "seq-len"),
+    ("info-preset-huge", ["info", "--preset", "huge"], "preset"),
+    ("info-set-bad-bool", ["info", "--set", "bias=maybe"], "bias"),
+    ("info-set-overflow", ["info", "--set", f"vocab_size={2**40}"], "vocab_size"),
+]
+
+
+@pytest.mark.parametrize("name,argv,word", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(env, tmp_path, capsys, name, argv, word):
+    out = tmp_path / "out"
+    argv = [a.format(root=env, out=out) for a in argv]
+    before = sorted(p.name for p in env.iterdir())
+    readonly_before = sorted((env / "readonly").iterdir())
+    code, _, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code != 0, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert word.lower() in lines[0].lower(), lines[0]
+    assert not out.exists(), sorted(out.rglob("*"))
+    assert sorted(p.name for p in env.iterdir()) == before
+    assert sorted((env / "readonly").iterdir()) == readonly_before
+    assert (env / "a_file").read_text() == "not a folder\n"
+
+
+def test_chat_refuses_invalid_utf8_on_stdin_in_one_line(env):
+    proc = subprocess.run([*FRAWD, "chat", "--model", str(env / "model"),
+                           "--max-new-tokens", "2"], input=b"hello \xff\xfe\n", capture_output=True,
+                          timeout=120, cwd=ROOT)
+    err = proc.stderr.decode()
+    assert proc.returncode != 0
+    assert len(err.strip().splitlines()) == 1, err
+    assert "UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["pretrain-out-readonly", "export-out-file", "generate-seed-huge",
+                                  "pretrain-yaml-not-utf8"])
+def test_matrix_cases_in_subprocess(env, tmp_path, name):
+    argv = next(c[1] for c in CASES if c[0] == name)
+    argv = [a.format(root=env, out=tmp_path / "out") for a in argv]
+    proc = subprocess.run([*FRAWD, *argv], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("frawd: error: ")
+
+
+def test_the_readonly_folder_really_is_readonly(env):
+    """The read-only cases above test something only if writing there really fails."""
+    with pytest.raises(OSError):
+        (env / "readonly" / "probe").write_text("x")

@@ -1,0 +1,146 @@
+"""Writing files: the permissions a plain open() gives, and a full disk reported in one
+line with nothing half-written and no empty folders left behind.
+
+The full disk is a 1 MiB tmpfs where this machine lets the test mount one (root on
+Linux); elsewhere those tests are skipped with the reason.
+"""
+
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.io import atomic_dir, atomic_path, write_text_atomic
+from frawdllm.tokenizer import byte_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_written_files_and_folders_get_the_umask_permissions(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        write_text_atomic(tmp_path / "new" / "a.txt", "x")
+        with atomic_dir(tmp_path / "exported") as tmp:
+            (tmp / "f").write_text("y")
+        with open(tmp_path / "plain.txt", "w") as f:  # the reference: what open() gives
+            f.write("z")
+        (tmp_path / "plain_dir").mkdir()
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "new" / "a.txt") == mode(tmp_path / "plain.txt") == 0o666 & ~umask
+    assert mode(tmp_path / "exported") == mode(tmp_path / "plain_dir") == 0o777 & ~umask
+    assert mode(tmp_path / "new") == 0o777 & ~umask
+
+
+def test_model_directory_files_are_readable_by_others_under_umask_022(tmp_path):
+    old = os.umask(0o022)
+    try:
+        FrawdLLM(get_config("tiny", vocab_size=300, n_layer=1, n_embd=32, n_head=4, context_length=16)) \
+            .save_pretrained(tmp_path / "m", tokenizer=byte_tokenizer())
+    finally:
+        os.umask(old)
+    assert {p.name: mode(p) for p in (tmp_path / "m").iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644}
+    assert mode(tmp_path / "m") == 0o755
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_no_new_folder(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "a" / "b" / "file") as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs, or a skip where this machine does not allow mounting one."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    """A model directory whose weights (about 4 MiB) do not fit on the small disk."""
+    d = tmp_path_factory.mktemp("big") / "model"
+    torch.manual_seed(0)
+    FrawdLLM(get_config("tiny", vocab_size=4096, n_layer=1, n_embd=128, n_head=4, context_length=32)) \
+        .save_pretrained(d, tokenizer=byte_tokenizer())
+    return d
+
+
+def check_full_disk(proc, disk):
+    err = proc.stderr.strip()
+    assert proc.returncode == 1, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"frawd: error: no space left on {disk} while writing "), err
+    assert sorted(p.relative_to(disk) for p in disk.rglob("*")) == []  # nothing half-written, no folders
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_export_to_a_full_disk_is_one_line_and_leaves_nothing(small_disk, big_model, fmt):
+    pytest.importorskip("gguf") if fmt == "gguf" else None
+    out = small_disk / "sub" / ("m.gguf" if fmt == "gguf" else "hf")
+    proc = subprocess.run([*FRAWD, "export", "--model", str(big_model), "--format", fmt, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # the gguf package's own "Writing" progress bar shares stderr (issue 14); the error is one line
+    proc.stderr = "\n".join(line for line in re.split("[\r\n]", re.sub(r"Writing:[^\r\n]*?\]", "", proc.stderr))
+                            if line)
+    check_full_disk(proc, small_disk)
+
+
+def test_save_pretrained_to_a_full_disk_leaves_no_folder(small_disk, big_model):
+    script = ("import sys; from frawdllm import FrawdLLM; from frawdllm.errors import FrawdError\n"
+              "m = FrawdLLM.from_pretrained(sys.argv[1])\n"
+              "try:\n    m.save_pretrained(sys.argv[2])\nexcept FrawdError as e:\n"
+              "    print('frawd: error:', e, file=sys.stderr); sys.exit(1)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(big_model), str(small_disk / "a" / "m")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    check_full_disk(proc, small_disk)
+
+
+def test_data_prepare_and_tokenizer_train_on_a_full_disk(small_disk, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i}: {'word ' * 40}\n\n" for i in range(20000)))  # ~4 MB
+    proc = subprocess.run([*FRAWD, "data", "prepare", "--data", str(corpus), "--tokenizer", "byte",
+                           "--out", str(small_disk / "data")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if "tokenizer not found" in proc.stderr:  # `--tokenizer` wants a file: give it one
+        byte_tokenizer().save(tmp_path / "tok.json")
+        proc = subprocess.run([*FRAWD, "data", "prepare", "--data", str(corpus), "--tokenizer",
+                               str(tmp_path / "tok.json"), "--out", str(small_disk / "data")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # the progress bar of the work done before the disk filled shares stderr; the error is one line
+    proc.stderr = "\n".join(line for line in re.split("[\r\n]", proc.stderr) if not line.startswith("tokenizing"))
+    check_full_disk(proc, small_disk)
+    # fill the disk so even a small tokenizer.json cannot be written
+    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    proc = subprocess.run([*FRAWD, "tokenizer", "train", "--data", str(corpus), "--kind", "char",
+                           "--out", str(small_disk / "tok")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    (small_disk / "filler").unlink()
+    check_full_disk(proc, small_disk)

@@ -1,0 +1,69 @@
+"""A run killed at a bad moment: whatever the kill left, `--resume` continues (or, before
+the first complete checkpoint, starts over), temporary folders are tidied, and resumed
+logs hold each step once."""
+
+import re
+import signal
+import subprocess
+import sys
+
+from frawdllm.io import clean_partial
+from frawdllm.train import run_pretraining
+from frawdllm.train.checkpoint import list_checkpoints
+from frawdllm.train.rundir import SAMPLES_FILE, read_metrics, truncate_samples
+
+from conftest import ROOT
+from test_train_loop import KILL_SCRIPT, corpus, tiny_config  # noqa: F401  (corpus is a fixture)
+
+
+def kill_at_checkpoint(cfg, nth: int):
+    script = KILL_SCRIPT.replace("{config}", repr(cfg.to_dict())).replace("len(saves) == 2", f"len(saves) == {nth}")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def sample_steps(run):
+    return [int(s) for s in re.findall(r"^=== step (\d+) sample 0 ===$", (run / SAMPLES_FILE).read_text(), re.M)]
+
+
+def test_kill_during_the_first_checkpoint_then_resume_starts_over(corpus, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    kill_at_checkpoint(tiny_config(corpus, run, max_steps=8, eval_interval=4), nth=1)
+    assert list_checkpoints(run) == []  # nothing complete: the kill came during the first one
+    assert any(p.name.startswith(".step_") for p in (run / "checkpoints").iterdir())
+    result = run_pretraining(tiny_config(corpus, run, max_steps=8, eval_interval=4, resume=True))
+    assert result.steps == 8
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 9))
+    assert sample_steps(run) == [0, 4, 8]
+    assert not [p.name for p in run.rglob(".*")]
+
+
+def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    kill_at_checkpoint(tiny_config(corpus, run, max_steps=12, eval_interval=4), nth=2)
+    assert sample_steps(run) == [0, 4, 8]  # step 8 was sampled, its checkpoint never completed
+    (run / ".model.abcdefgh.tmp").mkdir()  # a best-model publication killed half-way
+    (run / ".model.abcdefgh.tmp" / "model.safetensors").write_bytes(b"torn")
+    (run / ".loss.png.0123abcd.tmp").write_bytes(b"torn")
+    result = run_pretraining(tiny_config(corpus, run, max_steps=12, eval_interval=4, resume=True))
+    assert result.steps == 12
+    assert sample_steps(run) == [0, 4, 8, 12]  # step 8 once, from the resumed run
+    assert not [p.name for p in run.rglob(".*")]
+
+
+def test_clean_partial_restores_a_folder_set_aside_and_removes_temporaries(tmp_path):
+    (tmp_path / ".model.abcdefgh.old").mkdir()  # killed between the two renames of atomic_dir
+    (tmp_path / ".model.abcdefgh.old" / "config.json").write_text("{}")
+    (tmp_path / ".model.ijklmnop.tmp").mkdir()
+    (tmp_path / ".metrics.jsonl.a1b2c3d4.tmp").write_text("x")
+    (tmp_path / ".hidden_user_file").write_text("kept")  # not one of ours
+    clean_partial(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden_user_file", "model"]
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"
+
+
+def test_truncate_samples_keeps_steps_up_to_the_checkpoint(tmp_path):
+    text = "".join(f"=== step {s} sample 0 ===\ntext {s}\n\n" for s in (0, 4, 8))
+    (tmp_path / SAMPLES_FILE).write_text(text)
+    truncate_samples(tmp_path, 4)
+    assert (tmp_path / SAMPLES_FILE).read_text() == text[: text.index("=== step 8")]
