@@ -17,7 +17,7 @@ from test_engine import CONFIGS, IdTokenizer, make_model
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native forward: {native.unavailable_reason()}")
 WEIGHTS = ["fp32", pytest.param("fp16", marks=pytest.mark.skipif(not native.has_fp16(), reason="no F16C"))]
 
-SHAPES = {  # widths around the C code's 16-float vectors and 128-output tiles
+SHAPES = {  # widths around the C code's 8- or 16-float vectors and 64-output tiles
     "small": dict(n_embd=32, n_head=4),  # every product narrower than a tile
     "odd": dict(n_embd=48, n_head=4, vocab_size=131),  # head_dim 12: scalar attention; 131: a partial vector
     "wide": dict(n_embd=160, n_head=5, vocab_size=300),  # full tiles plus partial ones

@@ -34,6 +34,7 @@ cache and run state, and the native forward serves one call at a time.
 from __future__ import annotations
 
 import threading
+import time
 import types
 from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
@@ -134,6 +135,7 @@ class Engine:
         self.weights = weights if self.native else None
         self._decoder: native_forward.NativeDecoder | None = None
         self._plan: dict[str, paths.Path] | None = None
+        self._threads: dict[str, paths.ThreadChoice] = {}  # per native phase, re-decided as it runs
         self._lock = threading.Lock()  # guards the decoder, built on first use
         self._plan_lock = threading.Lock()
         self._decode = (
@@ -177,7 +179,21 @@ class Engine:
                     self._plan = {name: paths.Path("native", threads) for name in paths.PHASES}
                 else:
                     self._plan = paths.choose(self.model, self.native_decoder(), self.weights)
+                self._threads = {name: paths.ThreadChoice(p.threads, threads)
+                                 for name, p in self._plan.items() if p.kind == "native"}
             return self._plan
+
+    def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
+                       positions: Int[Tensor, "B T"], cache: KVCache, path: paths.Path) -> Float[Tensor, "B V"]:
+        """The C forward for one phase, at the thread count that phase currently runs fastest with."""
+        choice = self._threads.get(paths.phase(*tokens.shape))
+        if choice is None:
+            return decoder.forward(tokens, positions, cache, path.threads)
+        threads = choice.pick()
+        start = time.perf_counter()
+        logits = decoder.forward(tokens, positions, cache, threads)
+        choice.record(threads, time.perf_counter() - start, tokens.numel())
+        return logits
 
     def path(self, rows: int, new_tokens: int) -> paths.Path:
         """How a forward of `rows` rows of `new_tokens` tokens runs."""
@@ -378,7 +394,7 @@ class _Run:
         self.positions = lengths[:, None].clone()  # (B, 1): where each row's next token goes
         path = self.engine.path(len(seqs), width)
         if path.kind == "native":
-            return self.native.forward(ids, positions, self.cache, path.threads)  # (B, V)
+            return self.engine.native_forward(self.native, ids, positions, self.cache, path)  # (B, V)
         return paths.torch_logits(self.model, ids, positions, self.cache)  # (B, V)
 
     @torch.inference_mode()
@@ -389,7 +405,7 @@ class _Run:
             self.positions.clamp_(max=self.context - 1)
         path = self.engine.path(len(self.rows), 1)
         if path.kind == "native":
-            logits = self.native.forward(tokens, self.positions, self.cache, path.threads)
+            logits = self.engine.native_forward(self.native, tokens, self.positions, self.cache, path)
         elif path.kind == "torch":
             logits = decode_logits(self.model, tokens, self.positions, self.cache)
         elif self.warm:

@@ -115,7 +115,8 @@ static inline v16 v_gelu(v16 x) {
     return x * v_sigmoid(splat(1.5957691216057308f) * (x + splat(0.044715f) * x * x * x));
 }
 
-static inline vw vw_splat(float a) { return (vw){} + a; }
+typedef int32_t vwi __attribute__((vector_size(VW * 4)));
+static inline vw vw_splat(float a) { return __builtin_shuffle((vw){a}, (vwi){}); } /* a broadcast, no add */
 
 /* GELU of VW floats (through the 16-wide helpers of simd.h). */
 static inline vw vw_gelu(vw x) {

@@ -10,9 +10,11 @@ engine times each candidate on the real model, once, for four phases:
     batch     2-7 rows, one new token each           wide     8 rows or more
 
 Candidates: PyTorch eager at torch's thread count, the native forward at that thread
-count and at one thread (which wins when other processes keep cores busy). Each phase
-uses the fastest, so no phase is slower than PyTorch eager (up to timing noise). The
-choice is cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
+count and at one thread. Each phase uses the fastest, so no phase is slower than PyTorch
+eager (up to timing noise). Load changes while a program runs (another process takes a
+core: a team of threads then waits for its member that has no core), so a native
+phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The choice is
+cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
 C build (-march), the torch thread count, the model's shape and the weight type; a
 measurement says so on stderr (a fraction of a second for small models).
 """
@@ -48,6 +50,41 @@ class Path:
 
     def __str__(self) -> str:
         return {"torch": "PyTorch eager", "compiled": "torch.compile"}.get(self.kind, f"native ({self.threads} thr)")
+
+
+class ThreadChoice:
+    """The thread count of one native phase, re-decided from the times of its own calls.
+
+    `pick()` returns the count with the lower recent cost per token (a moving average
+    for the count in use, the latest probe for the other);
+    now and then it tries the other one, less often each time that one loses (every 8
+    calls, doubling up to every 512), so a loaded machine pays little for the probes and
+    a machine that quiets down gets its threads back.
+    """
+
+    def __init__(self, first: int, threads: int) -> None:
+        self.options = [first] + [n for n in {threads, 1} if n != first]
+        self.cost: dict[int, float] = {}
+        self.calls, self.interval = 0, 8
+
+    def pick(self) -> int:
+        untried = [n for n in self.options if n not in self.cost]
+        if untried and self.calls > 0:
+            return untried[0]
+        best = min(self.options, key=lambda n: self.cost.get(n, float("inf")))
+        self.calls += 1
+        if len(self.options) > 1 and self.calls % self.interval == 0:
+            return next(n for n in self.options if n != best)
+        return best
+
+    def record(self, threads: int, seconds: float, tokens: int) -> None:
+        per_token = seconds / max(tokens, 1)
+        was_best = min(self.options, key=lambda n: self.cost.get(n, float("inf")))
+        old = self.cost.get(threads)  # the count in use: a moving average; a probe: its fresh time
+        self.cost[threads] = per_token if old is None or threads != was_best else 0.7 * old + 0.3 * per_token
+        if threads != was_best and len(self.cost) == len(self.options):
+            won = self.cost[threads] < self.cost[was_best]
+            self.interval = 8 if won else min(512, 2 * self.interval)
 
 
 def phase(rows: int, new_tokens: int) -> str:
@@ -144,4 +181,4 @@ def measure(model: nn.Module, decoder: Any, threads: int, budget_s: float = 0.15
     return plan
 
 
-__all__ = ["Path", "PHASES", "phase", "choose", "measure", "torch_logits"]
+__all__ = ["Path", "ThreadChoice", "PHASES", "phase", "choose", "measure", "torch_logits"]
