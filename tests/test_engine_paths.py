@@ -157,8 +157,12 @@ def test_thread_choice_follows_the_cheaper_count_and_probes_less_when_probes_los
 def test_an_int8_engine_names_its_forward_int8():
     engine = Engine(quantize_int8(make_model(**CONFIGS["learned"])), IdTokenizer(), native=True)
     assert engine.weights == "int8"
-    assert engine.describe() == "native int8 (prefill, decode, batch, wide)"
-    assert Engine(make_model(), IdTokenizer(), native=False).describe() == "PyTorch eager (prefill, decode, batch, wide)"
+    assert engine.describe() == "native int8"
+    assert Engine(make_model(), IdTokenizer(), native=False).describe() == "PyTorch eager"
+    mixed = Engine(make_model(), IdTokenizer(), native=True, weights="fp32")
+    mixed._plan = {"prefill": paths.Path("torch"), "decode": paths.Path("native", 1),
+                   "batch": paths.Path("native", 1), "wide": paths.Path("torch")}
+    assert mixed.describe() == "PyTorch eager (prefill, wide); native fp32 (decode, batch)"
 
 
 def _cpu_has(flag):

@@ -200,11 +200,14 @@ class Engine:
         return self.plan()[paths.phase(rows, new_tokens)]
 
     def describe(self) -> str:
-        """What computes each phase, e.g. "native int8 (decode); PyTorch eager (prefill, batch, wide)"."""
+        """What computes the forward: "native int8", or per phase when they differ, e.g.
+        "native fp16 (decode, batch); PyTorch eager (prefill, wide)"."""
         groups: dict[str, list[str]] = {}
         for name, p in self.plan().items():
             label = f"native {self.weights}" if p.kind == "native" else str(p)
             groups.setdefault(label, []).append(name)
+        if len(groups) == 1:
+            return next(iter(groups))
         return "; ".join(f"{label} ({', '.join(names)})" for label, names in groups.items())
 
     # ---- prompts ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ eager (up to timing noise). Load changes while a program runs (another process t
 core: a team of threads then waits for its member that has no core), so a native
 phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The choice is
 cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
-C build (-march), the torch thread count, the model's shape and the weight type; a
+C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
 measurement says so on stderr (a fraction of a second for small models).
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -103,7 +104,8 @@ def torch_logits(
 
 
 def _key(model: nn.Module, weights: str, threads: int) -> str:
-    text = json.dumps([cpu_signature(), march(), torch.__version__, threads, weights, asdict(model.config)],
+    isa = [os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]  # torch's kernels
+    text = json.dumps([cpu_signature(), march(), isa, torch.__version__, threads, weights, asdict(model.config)],
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
