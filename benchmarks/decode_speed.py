@@ -25,7 +25,7 @@ batch-1 figures again with a competing process spinning one core (`*_under_load`
 Both sides run with the same torch thread count (--threads; default torch's choice, as a
 user gets it), printed as torch_threads. About 3-6 minutes on 2 cores.
 
-    .venv/bin/python benchmarks/decode_speed.py [--repeats 5] [--threads N] [--compile]
+    .venv/bin/python benchmarks/decode_speed.py [--repeats 3] [--threads N] [--compile]
 
 The last line is the headline: speedup_vs_hf_batch1=<ours / transformers, default engine>.
 """
@@ -89,7 +89,7 @@ def read_bandwidth(n_bytes: int, repeats: int = 30) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads for both sides (0: torch's choice, the default a user gets)")
     parser.add_argument("--compile", action="store_true", help="add the torch.compile figures (slow warm-up)")

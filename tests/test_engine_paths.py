@@ -88,20 +88,22 @@ def test_phases_on_different_forwards_share_the_cache_correctly(prefill, decode)
     reference = Engine(model, IdTokenizer(), native=False).generate(prompts(4, 97), GREEDY)
     engine = Engine(model, IdTokenizer(), native=True, weights="fp32")
     threads = torch.get_num_threads()
-    engine._plan = {"prefill": paths.Path(prefill, threads)} | {
+    engine._plan = {"prefill": paths.Path(prefill, threads), "long": paths.Path(prefill, threads)} | {
         name: paths.Path(decode, threads) for name in ("decode", "batch", "wide")}
     assert engine.generate(prompts(4, 97), GREEDY) == reference  # a batch: ragged prompts, padding
     assert [engine.generate([p], GREEDY)[0].tokens for p in prompts(4, 97)] == [c.tokens for c in reference]
 
 
 def test_phases_by_shape():
-    assert [paths.phase(*shape) for shape in [(1, 5), (3, 2), (1, 1), (2, 1), (7, 1), (8, 1), (64, 1)]] == [
-        "prefill", "prefill", "decode", "batch", "batch", "wide", "wide"]
+    assert [paths.phase(*shape) for shape in [(1, 5), (3, 2), (1, 64), (2, 33), (1, 256), (1, 1), (2, 1), (7, 1),
+                                              (8, 1), (64, 1)]] == [
+        "prefill", "prefill", "prefill", "long", "long", "decode", "batch", "batch", "wide", "wide"]
 
 
 @NATIVE
 def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paths, "LOUD_PARAMS", 0)
     model = make_model(**CONFIGS["rope"])
     first = Engine(model, IdTokenizer()).plan()
     assert set(first) == set(paths.PHASES)
@@ -115,7 +117,7 @@ def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
 
 def test_the_measurement_keeps_the_fastest_candidate(monkeypatch):
     model = make_model(**CONFIGS["learned"])
-    slow = {"decode": "torch", "prefill": "native"}  # make these lose by sleeping
+    slow = {"decode": "torch", "prefill": "native", "long": "native"}  # make these lose by sleeping
 
     class Decoder:
         def forward(self, tokens, positions, cache, threads):
@@ -133,7 +135,7 @@ def test_the_measurement_keeps_the_fastest_candidate(monkeypatch):
 
     monkeypatch.setattr(paths, "torch_logits", torch_logits)
     plan = paths.measure(model, Decoder(), threads=1, budget_s=0.0)
-    assert plan["decode"].kind == "native" and plan["prefill"].kind == "torch"
+    assert plan["decode"].kind == "native" and plan["prefill"].kind == "torch" and plan["long"].kind == "torch"
 
 
 def test_thread_choice_follows_the_cheaper_count_and_probes_less_when_probes_lose():
@@ -160,9 +162,9 @@ def test_an_int8_engine_names_its_forward_int8():
     assert engine.describe() == "native int8"
     assert Engine(make_model(), IdTokenizer(), native=False).describe() == "PyTorch eager"
     mixed = Engine(make_model(), IdTokenizer(), native=True, weights="fp32")
-    mixed._plan = {"prefill": paths.Path("torch"), "decode": paths.Path("native", 1),
+    mixed._plan = {"prefill": paths.Path("torch"), "long": paths.Path("torch"), "decode": paths.Path("native", 1),
                    "batch": paths.Path("native", 1), "wide": paths.Path("torch")}
-    assert mixed.describe() == "PyTorch eager (prefill, wide); native fp32 (decode, batch)"
+    assert mixed.describe() == "PyTorch eager (prefill, long, wide); native fp32 (decode, batch)"
 
 
 def _cpu_has(flag):

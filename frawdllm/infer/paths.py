@@ -6,8 +6,9 @@ GEMMs, can win where there is arithmetic to share (long prefills, wide batches),
 much depending on the CPU (AVX-512 or AVX2 only, core count) and the model. So the
 engine times each candidate on the real model, once, for four phases:
 
-    prefill   a prompt of up to 128 tokens          decode   one row, one new token
-    batch     2-7 rows, one new token each           wide     8 rows or more
+    prefill   up to 64 prompt tokens in all          long     more (timed at 256)
+    decode    one row, one new token                 batch    2-7 rows, one new token each
+    wide      8 rows or more, one new token each
 
 Candidates: PyTorch eager at torch's thread count, the native forward at that thread
 count and at one thread. Each phase uses the fastest, so no phase is slower than PyTorch
@@ -16,7 +17,8 @@ core: a team of threads then waits for its member that has no core), so a native
 phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The choice is
 cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
 C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
-measurement says so on stderr (a fraction of a second for small models).
+measurement of a model over 20M parameters says so on stderr (smaller ones take a
+fraction of a second).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from ..cbuild import cache_dir, cpu_signature, march
 from ..io import atomic_path
 from .cache import KVCache
 
-PHASES = {"prefill": (1, 128), "decode": (1, 1), "batch": (4, 1), "wide": (16, 1)}  # (rows, new tokens)
+PHASES = {"prefill": (1, 32), "long": (1, 256), "decode": (1, 1), "batch": (4, 1), "wide": (16, 1)}  # rows, tokens
 FILL = 32  # cached tokens before a timed decode step
+LOUD_PARAMS = 20_000_000  # models above this size say on stderr that they are being measured
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class ThreadChoice:
 def phase(rows: int, new_tokens: int) -> str:
     """The phase a forward of `rows` rows of `new_tokens` tokens belongs to."""
     if new_tokens > 1:
-        return "prefill"
+        return "prefill" if rows * new_tokens <= 64 else "long"
     return "decode" if rows == 1 else "batch" if rows < 8 else "wide"
 
 
@@ -131,7 +134,8 @@ def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
     cached = _load().get(key)
     if isinstance(cached, dict) and set(cached) == set(PHASES):
         return {name: Path(kind, int(n)) for name, (kind, n) in cached.items()}
-    print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr, flush=True)
+    if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
+        print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr, flush=True)
     plan = measure(model, decoder, threads)
     data = _load()
     data[key] = {name: [p.kind, p.threads] for name, p in plan.items()}
