@@ -6,18 +6,26 @@ the same dimensions (its own KV cache). Runs are interleaved (ours, theirs, ours
 that load from other processes hits both alike; each figure is a median.
 
 Engines (each figure a median; warm-up seconds printed too):
-  default      Engine(model, tokenizer): on CPU the native C forward reading fp16 copies
-               of the weights (frawdllm/infer/native.c; int8_perplexity.py measures what
-               fp16 weights cost in perplexity)
-  native_fp32  the native forward reading the fp32 weights: exact
+  default      Engine(model, tokenizer): each phase on the forward measured fastest on
+               this CPU (frawdllm/infer/paths.py), the native C forward reading fp16
+               copies of the weights where it wins (int8_perplexity.py measures what fp16
+               weights cost in perplexity); default_engine= says which ran where
+  native_fp32  the native forward everywhere, reading fp32 weights: exact
   torch        PyTorch eager (native=False)
-  compiled     PyTorch under torch.compile (--no-compile skips it and the two below)
-  int8, int8_compiled, bf16, bf16_compiled: int8 / bf16 weights through PyTorch
-Also printed: batch-16 throughput and the first-token latency for a 256-token prompt.
+  int8         int8 weights (native where it wins)
+  bf16         bf16 weights through PyTorch: only on CPUs that compute bf16 (elsewhere it
+               is emulated, ~100x slower; --bf16 forces it)
+  compiled, int8_compiled, bf16_compiled: under torch.compile, only with --compile (their
+               warm-up alone can take minutes on some CPUs)
+Also printed: batch-16 throughput, the first-token latency for a 256-token prompt, the
+CPU features, and the roofline: the read bandwidth of this machine on a buffer the size
+of the weights one default decode step streams (`buf.sum()` with the same threads), and
+roofline_fraction_batch1 = weight bytes per token x tokens/s / that bandwidth. Then the
+batch-1 figures again with a competing process spinning one core (`*_under_load`).
 Both sides run with the same torch thread count (--threads; default torch's choice, as a
-user gets it), printed as torch_threads.
+user gets it), printed as torch_threads. About 3-6 minutes on 2 cores.
 
-    .venv/bin/python benchmarks/decode_speed.py [--repeats 5] [--threads N] [--no-compile]
+    .venv/bin/python benchmarks/decode_speed.py [--repeats 3] [--threads N] [--compile]
 
 The last line is the headline: speedup_vs_hf_batch1=<ours / transformers, default engine>.
 """
@@ -26,14 +34,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 from frawdllm import FrawdLLM, get_config
+from frawdllm.cbuild import cpu_signature, march
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.quantize import quantize_int8
+from frawdllm.train.device import cpu_has_bf16
+
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "fphp")
 
 PROMPT_LEN, NEW_TOKENS, BATCH, LONG_PROMPT = 32, 200, 16, 256
 
@@ -65,13 +80,22 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def read_bandwidth(n_bytes: int, repeats: int = 30) -> float:
+    """Bytes/s that torch's threads read from an fp32 buffer of n_bytes (`sum`, best of the medians)."""
+    buf = torch.ones(max(n_bytes // 4, 1024))
+    buf.sum()
+    times = sorted(timed(buf.sum) for _ in range(repeats))
+    return buf.numel() * 4 / times[len(times) // 4]  # lower quartile: the machine's rate when not disturbed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads for both sides (0: torch's choice, the default a user gets)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
+    parser.add_argument("--compile", action="store_true", help="add the torch.compile figures (slow warm-up)")
     parser.add_argument("--no-int8", action="store_true", help="skip the int8 figures")
+    parser.add_argument("--bf16", action="store_true", help="bf16 figures even where bf16 is emulated")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight figures")
     args = parser.parse_args()
     if args.threads:
@@ -86,21 +110,25 @@ def main() -> None:
         "native_fp32": Engine(model, tokenizer, native=True, weights="fp32"),
         "torch": Engine(model, tokenizer, native=False),
     }
-    if not args.no_compile:
+    if args.compile:
         engines["compiled"] = Engine(model, tokenizer, compile=True)
     if not args.no_int8:
         int8_model = quantize_int8(copy.deepcopy(model))
         engines["int8"] = Engine(int8_model, tokenizer)
-        if not args.no_compile:
+        if args.compile:
             engines["int8_compiled"] = Engine(int8_model, tokenizer, compile=True)
-    if not args.no_bf16:
+    emulated = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")  # torch told not to use it
+    bf16 = not args.no_bf16 and (args.bf16 or (cpu_has_bf16() and not emulated))
+    if bf16:
         bf16_model = copy.deepcopy(model).to(torch.bfloat16)
         engines["bf16"] = Engine(bf16_model, tokenizer)
-        if not args.no_compile:
+        if args.compile:
             engines["bf16_compiled"] = Engine(bf16_model, tokenizer, compile=True)
     default = engines["default"]
-    default_mode = (f"native_{default.weights}" if default.native else
-                    "torch_compiled" if default.compile else "torch_eager")
+    flags = cpu_signature().split()
+    print(f"cpu_features={','.join(f for f in FEATURES if f in flags) or 'none'} native_march={march()}")
+    if not bf16 and not args.no_bf16:
+        print("bf16: skipped (this CPU emulates bf16; --bf16 to force)")
 
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(7, cfg.vocab_size, (1, PROMPT_LEN), generator=gen)
@@ -124,6 +152,12 @@ def main() -> None:
         seconds = timed(lambda: [ours(engine, x, params)() for x in (prompt, batch, long_prompt)])
         print(f"warmup_s_{name}={seconds:.1f}")
     timed(theirs(prompt, 8))
+    default_mode = default.describe()
+    if default.native:  # the bytes the default engine's batch-1 step streams (its own copies)
+        weight_bytes = default.native_decoder().weight_bytes
+    else:
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                           if isinstance(m, torch.nn.Linear))
 
     times: dict[str, list[float]] = {}
     for _ in range(args.repeats):
@@ -137,6 +171,20 @@ def main() -> None:
             times.setdefault(f"{name}_batch16", []).append(timed(ours(engine, batch, params)))
             times.setdefault(f"{name}_first_token", []).append(timed(ours(engine, long_prompt, first_token)))
     median = {key: statistics.median(values) for key, values in times.items()}
+    bandwidth = read_bandwidth(weight_bytes)
+
+    # batch 1 again, with another process spinning a core for the duration
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        for _ in range(max(2, args.repeats // 2)):
+            for name in ("default", "torch"):
+                times.setdefault(f"{name}_under_load", []).append(timed(ours(engines[name], prompt, params)))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    for name in ("default", "torch"):
+        median[f"{name}_under_load"] = statistics.median(times[f"{name}_under_load"])
 
     for name in ["hf", *engines]:
         print(f"{name}_batch1_tok_s={NEW_TOKENS / median[f'{name}_batch1']:.1f}")
@@ -144,6 +192,12 @@ def main() -> None:
         print(f"{name}_batch16_tok_s={BATCH * NEW_TOKENS / median[f'{name}_batch16']:.1f}")
     for name in ["hf", *engines]:
         print(f"{name}_first_token_ms_prompt{LONG_PROMPT}={1000 * median[f'{name}_first_token']:.1f}")
+    for name in ("default", "torch"):
+        print(f"{name}_batch1_tok_s_under_load={NEW_TOKENS / median[f'{name}_under_load']:.1f}")
+    default_tok_s = NEW_TOKENS / median["default_batch1"]
+    print(f"weight_bytes_per_token={weight_bytes}")
+    print(f"read_bandwidth_gb_s={bandwidth / 1e9:.1f}")
+    print(f"roofline_fraction_batch1={weight_bytes * default_tok_s / bandwidth:.2f}")
     for name in engines:
         print(f"speedup_vs_hf_batch1_{name}={median['hf_batch1'] / median[f'{name}_batch1']:.2f}")
     print(f"default_engine={default_mode}")

@@ -2,12 +2,16 @@
 
 Two parts of FrawdLLM are C (the inference forward, `infer/native.c`, and the CPU
 training attention, `model/cpu_attention.c`); each says why in its header. Both are built
-the same way: `cc -O3 -march=native -fopenmp` (about a second), into
-`~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), under a name keyed by the
-source (with the headers it includes), the flags, the compiler and the CPU, so later
-processes load the built file at once. The compile goes to a temporary file that is then
-renamed: a killed build never leaves half a library. Without a compiler, or with
-`FRAWD_NATIVE=0`, a library is unavailable and its callers use PyTorch instead.
+the same way: `cc -O3 -march=native -fopenmp` (seconds to half a minute, announced on
+stderr), into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), under a name
+keyed by the source (with the headers it includes), the flags, the compiler and the CPU,
+so later processes load the built file at once. The compile goes to a temporary file
+that is then renamed: a killed build never leaves half a library. Without a compiler,
+with a build that fails (a full disk...), or with `FRAWD_NATIVE=0`, a library is
+unavailable and its callers use PyTorch instead; a failure is said once on stderr.
+
+`FRAWD_MARCH` replaces `native` in `-march=` (e.g. `haswell` to run the AVX2 code on a
+newer CPU: how the AVX2 figures of docs/inference.md can be reproduced anywhere).
 
 The library links `libgomp.so.1`; in a process that imported torch that is torch's own
 OpenMP runtime (same soname), so C and PyTorch share one thread pool.
@@ -21,13 +25,19 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from .errors import FrawdError
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def march() -> str:
+    """The -march= the libraries are built for: this CPU, unless FRAWD_MARCH says otherwise."""
+    return os.environ.get("FRAWD_MARCH", "native")
 
 
 def cache_dir() -> Path:
@@ -56,25 +66,29 @@ def _sources(source: Path) -> list[Path]:
     return found
 
 
-def build(source: Path) -> Path:
-    """Compile `source` into the cache (unless already there) and return the library's path."""
+def build(source: Path, what: str = "") -> Path:
+    """Compile `source` into the cache (unless already there) and return the library's path.
+
+    A compile says so on stderr first ("compiling WHAT for this CPU (once)...")."""
     compiler = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"no C compiler ({compiler}): {e}") from None
     texts = [path.read_text() for path in _sources(source)]
+    flags = [*CFLAGS, f"-march={march()}"]
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (*texts, " ".join(CFLAGS), version, cpu_signature()))
+        b"\0".join(s.encode() for s in (*texts, " ".join(flags), version, cpu_signature()))
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}_{key}.so"
     if target.exists():
         return target
+    print(f"compiling {what or source.name} for this CPU (once)...", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # compile aside, then rename: never half a file
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed: {result.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -103,11 +117,13 @@ class CLibrary:
                 self._why_not = "FRAWD_NATIVE=0"
             else:
                 try:
-                    lib = ctypes.CDLL(str(build(self.source)))
+                    lib = ctypes.CDLL(str(build(self.source, self.what)))
                     self.declare(lib)
                     self._lib = lib
                 except (RuntimeError, OSError) as e:
                     self._why_not = str(e)
+                    print(f"{self.what} is unavailable ({self._why_not}); using PyTorch instead",
+                          file=sys.stderr, flush=True)
         if self._lib is None:
             raise FrawdError(f"{self.what} is unavailable: {self._why_not}")
         return self._lib

@@ -11,14 +11,13 @@ import torch
 from frawdllm import FrawdLLM, get_config
 from frawdllm.errors import FrawdError
 from frawdllm.infer import Engine, KVCache, SamplingParams, native, quantize_int8
-from frawdllm.infer.engine import column_major_weights
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 from test_engine import CONFIGS, IdTokenizer, make_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no native forward: {native.unavailable_reason()}")
 WEIGHTS = ["fp32", pytest.param("fp16", marks=pytest.mark.skipif(not native.has_fp16(), reason="no F16C"))]
 
-SHAPES = {  # widths around the C code's 16-float vectors and 128-output tiles
+SHAPES = {  # widths around the C code's 8- or 16-float vectors and 64-output tiles
     "small": dict(n_embd=32, n_head=4),  # every product narrower than a tile
     "odd": dict(n_embd=48, n_head=4, vocab_size=131),  # head_dim 12: scalar attention; 131: a partial vector
     "wide": dict(n_embd=160, n_head=5, vocab_size=300),  # full tiles plus partial ones
@@ -45,7 +44,6 @@ def full_logits(model, ids_row):
 @torch.no_grad()
 def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threads=1, atol=1e-5):
     """Prefill ragged rows, decode a few steps; every row's logits equal the full forward."""
-    column_major_weights(model)
     decoder = native.NativeDecoder(model, weights)
     ref = native.fp16_rounded_copy(model) if weights == "fp16" else model
     cfg = model.config
@@ -91,7 +89,6 @@ def test_widths_that_are_not_multiples_of_vectors_or_tiles(name, shape):
 
 def test_threads_split_the_work_without_changing_a_bit():
     model = make_model(std=0.2, **CONFIGS["rope-gqa"])
-    column_major_weights(model)
     decoder = native.NativeDecoder(model)
     ids, positions, valid = padded_prompts((4, 7), model.config.vocab_size)
     out = []
@@ -114,7 +111,6 @@ def test_the_tiny_preset_with_two_threads_equals_pytorch():
 @pytest.mark.skipif(not native.has_fp16(), reason="no F16C")
 def test_fp16_weights_stay_close_to_fp32():
     model = make_model(std=0.2, **CONFIGS["learned"])
-    column_major_weights(model)
     outs = {}
     for weights in ("fp32", "fp16"):
         cache = KVCache(model.config, 1, 16)
@@ -152,7 +148,6 @@ def test_models_it_cannot_run_use_pytorch_or_fail_clearly_when_native_is_require
 
 def test_out_of_range_tokens_and_positions_are_refused_before_any_work():
     model = make_model(**CONFIGS["learned"])
-    column_major_weights(model)
     decoder = native.NativeDecoder(model)
     cache = KVCache(model.config, 1, 8)
     cache.begin(2)

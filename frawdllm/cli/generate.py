@@ -98,7 +98,6 @@ def _read_prompt_file(path: str) -> str:
 
 def _report(stats: bool, n_tokens: int, seconds: float, engine: Any) -> None:
     if stats:
-        forward = (f"native {engine.weights}" if engine.native else
-                   "torch.compile" if engine.compile else "PyTorch eager")
+        forward = engine.describe()
         click.echo(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s; "
                    f"forward: {forward}]", err=True)

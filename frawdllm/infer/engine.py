@@ -19,14 +19,22 @@ How a batch runs:
    position stays inside the range the model was trained on (for RoPE, learned and
    sinusoidal positions alike) and the cache stays coherent.
 
-Who computes the forward: on CPU, by default, the native C forward (`native.py`: one
-call per prefill or decode step, on fp16 copies of the weights unless weights="fp32");
-otherwise PyTorch, eager or under `torch.compile` (`compile=True`: the cache is then
-static, fixed shapes with the slot to write as a tensor, so one graph serves every step).
+Who computes the forward: on CPU, by default, each phase (prefill, batch-1 decode,
+batched decode) runs whichever of the native C forward (`native.py`: one call per step,
+on its own fp16 copies of the weights unless weights="fp32") and PyTorch eager measured
+fastest on this machine (`paths.py`, measured once and cached). `native=True` forces the
+C forward everywhere, `native=False` PyTorch; `compile=True` runs decode steps under
+`torch.compile` (the cache is then static, fixed shapes with the slot to write as a
+tensor, so one graph serves every step). The model given is never changed.
+
+One engine may be shared by several threads (a server's requests): each call has its own
+cache and run state, and the native forward serves one call at a time.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
@@ -38,7 +46,9 @@ from torch import Tensor, nn
 
 from ..errors import FrawdError
 from . import native as native_forward
+from . import paths
 from .cache import KVCache
+from .quantize import Int8Linear
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -87,11 +97,11 @@ class _TokenEvent:
 class Engine:
     """Generation for one model and its tokenizer.
 
-    Construction puts the model in eval mode and stores its linear weights column-major
-    (`column_major_weights`). `native` (None: wherever it can run) uses the C forward,
-    reading `weights` ("auto" = "fp16" copies, or "fp32"); `compile=True` runs PyTorch
-    decode steps under torch.compile instead; `overflow` says what happens past the
-    context ("stop" or "slide").
+    Construction puts the model in eval mode and changes nothing else in it. `native`
+    (None: per phase, where it measures fastest; True: everywhere; False: never) uses the
+    C forward, reading `weights` ("auto" = "fp16" copies, or "fp32"; an int8 model is read
+    as int8); `compile=True` runs PyTorch decode steps under torch.compile instead;
+    `overflow` says what happens past the context ("stop" or "slide").
     """
 
     def __init__(
@@ -114,14 +124,20 @@ class Engine:
         embed = model.embed.tok.weight
         self.device, self.dtype = embed.device, embed.dtype
         self.eos_id = self.config.eos_token_id
-        column_major_weights(model)
         self.native = self._use_native(native)
+        self._force_native = bool(native)
         if weights not in WEIGHT_MODES:
             raise FrawdError(f"weights must be one of {', '.join(WEIGHT_MODES)}; got {weights!r}")
         if self.native and weights == "auto":
             weights = DEFAULT_NATIVE_WEIGHTS if native_forward.has_fp16() else "fp32"
+        if self.native and any(isinstance(m, Int8Linear) for m in model.modules()):
+            weights = "int8"  # every linear is int8: that is what the C forward reads
         self.weights = weights if self.native else None
         self._decoder: native_forward.NativeDecoder | None = None
+        self._plan: dict[str, paths.Path] | None = None
+        self._threads: dict[str, paths.ThreadChoice] = {}  # per native phase, re-decided as it runs
+        self._lock = threading.Lock()  # guards the decoder, built on first use
+        self._plan_lock = threading.Lock()
         self._decode = (
             torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS) if compile
             else decode_logits
@@ -142,9 +158,57 @@ class Engine:
 
     def native_decoder(self) -> native_forward.NativeDecoder:
         """The C forward over the model as it is now (rebuilt if its weights changed)."""
-        if self._decoder is None or not self._decoder.is_current(self.model):
-            self._decoder = native_forward.NativeDecoder(self.model, self.weights)
-        return self._decoder
+        with self._lock:
+            if self._decoder is None or not self._decoder.is_current(self.model):
+                weights = "fp32" if self.weights == "int8" else self.weights  # (int8 linears read as int8)
+                self._decoder = native_forward.NativeDecoder(self.model, weights)
+            return self._decoder
+
+    def plan(self) -> dict[str, paths.Path]:
+        """The path of each phase (`paths.PHASES`): measured once per CPU and model when `native`
+        was left to the engine."""
+        with self._plan_lock:
+            if self._plan is None:
+                threads = torch.get_num_threads()
+                if self.compile:
+                    self._plan = {name: paths.Path("compiled") for name in paths.PHASES}
+                    self._plan["prefill"] = paths.Path("torch")
+                elif not self.native:
+                    self._plan = {name: paths.Path("torch") for name in paths.PHASES}
+                elif self._force_native:
+                    self._plan = {name: paths.Path("native", threads) for name in paths.PHASES}
+                else:
+                    self._plan = paths.choose(self.model, self.native_decoder(), self.weights)
+                self._threads = {name: paths.ThreadChoice(p.threads, threads)
+                                 for name, p in self._plan.items() if p.kind == "native"}
+            return self._plan
+
+    def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
+                       positions: Int[Tensor, "B T"], cache: KVCache, path: paths.Path) -> Float[Tensor, "B V"]:
+        """The C forward for one phase, at the thread count that phase currently runs fastest with."""
+        choice = self._threads.get(paths.phase(*tokens.shape))
+        if choice is None:
+            return decoder.forward(tokens, positions, cache, path.threads)
+        threads = choice.pick()
+        start = time.perf_counter()
+        logits = decoder.forward(tokens, positions, cache, threads)
+        choice.record(threads, time.perf_counter() - start, tokens.numel())
+        return logits
+
+    def path(self, rows: int, new_tokens: int) -> paths.Path:
+        """How a forward of `rows` rows of `new_tokens` tokens runs."""
+        return self.plan()[paths.phase(rows, new_tokens)]
+
+    def describe(self) -> str:
+        """What computes the forward: "native int8", or per phase when they differ, e.g.
+        "native fp16 (decode, batch); PyTorch eager (prefill, wide)"."""
+        groups: dict[str, list[str]] = {}
+        for name, p in self.plan().items():
+            label = f"native {self.weights}" if p.kind == "native" else str(p)
+            groups.setdefault(label, []).append(name)
+        if len(groups) == 1:
+            return next(iter(groups))
+        return "; ".join(f"{label} ({', '.join(names)})" for label, names in groups.items())
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -251,7 +315,8 @@ class _Run:
                              static=engine.compile)
         self.rows = list(range(self.n_rows))  # batch position -> row
         self.warm = False  # a decode step ran in this run (compiled mode: its guards passed)
-        self.native = engine.native_decoder() if engine.native else None
+        plan = engine.plan()
+        self.native = engine.native_decoder() if any(p.kind == "native" for p in plan.values()) else None
         self.generator = make_generator(params.seed, engine.device) if not params.greedy else None
         self.seen = None
         if params.repetition_penalty != 1.0:
@@ -330,10 +395,10 @@ class _Run:
         self.cache.begin(width, valid=slots >= pad)
         positions = (slots - pad).clamp(min=0)  # (B, T); padding sits at 0 and is masked anyway
         self.positions = lengths[:, None].clone()  # (B, 1): where each row's next token goes
-        if self.native is not None:
-            return self.native.forward(ids, positions, self.cache)  # (B, V)
-        hidden = self.model.hidden_states(ids, positions, self.cache)  # (B, T, D)
-        return self.model.lm_head(hidden[:, -1]).float()  # (B, V)
+        path = self.engine.path(len(seqs), width)
+        if path.kind == "native":
+            return self.engine.native_forward(self.native, ids, positions, self.cache, path)  # (B, V)
+        return paths.torch_logits(self.model, ids, positions, self.cache)  # (B, V)
 
     @torch.inference_mode()
     def _step(self, last_tokens: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
@@ -341,21 +406,22 @@ class _Run:
         self.cache.begin(1)
         if len(self.rows) > 1:  # finished rows ride along until dropped: keep their positions in range
             self.positions.clamp_(max=self.context - 1)
-        if self.native is not None:
-            logits = self.native.forward(tokens, self.positions, self.cache)
-        elif self.engine.compile and self.warm:
+        path = self.engine.path(len(self.rows), 1)
+        if path.kind == "native":
+            logits = self.engine.native_forward(self.native, tokens, self.positions, self.cache, path)
+        elif path.kind == "torch":
+            logits = decode_logits(self.model, tokens, self.positions, self.cache)
+        elif self.warm:
             # Same model, cache tensors and shapes as the previous step of this run: the
             # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
-        elif self.engine.compile:
+        else:
             # Freezing is read while dynamo traces (weights become constants of the graph),
             # so it is set around the call rather than passed in torch.compile's options.
             with torch._inductor.config.patch(freezing=True):
                 logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
             self.warm = True
-        else:
-            logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
         self.positions += 1
         return logits.float()
 
@@ -382,21 +448,6 @@ class _Run:
         return index
 
 
-def column_major_weights(model: nn.Module) -> None:
-    """Store every linear weight (out, in) column-major: same values, same Parameter objects.
-
-    A decode step multiplies a few rows by each weight matrix (a matrix-vector product
-    that streams the whole matrix from memory); with the weight transposed in memory, the
-    BLAS reads it in the order it computes and the step runs about 1.5x faster on CPU.
-    Values and saved files are unchanged; the training loop restores the contiguous
-    layout after sampling (`p.data = p.data.contiguous()` does it by hand).
-    """
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) and weight is not None and weight.is_contiguous():
-            weight.data = weight.data.t().contiguous().t()
-
-
 def decode_logits(
     model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache
 ) -> Float[Tensor, "B V"]:
@@ -419,4 +470,4 @@ def _own_decode_step():
     return types.FunctionType(_decode_step.__code__.replace(), _decode_step.__globals__, "_decode_step")
 
 
-__all__ = ["Engine", "Completion", "StreamChunk", "column_major_weights", "decode_logits", "OVERFLOW_MODES"]
+__all__ = ["Engine", "Completion", "StreamChunk", "decode_logits", "OVERFLOW_MODES"]

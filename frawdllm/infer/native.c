@@ -15,47 +15,74 @@ Here a whole forward is one call doing the model's own arithmetic, in the order 
 
 One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 
-Matrices are read as W^T, (in, out) row-major: that is how the engine stores every
-nn.Linear weight (`column_major_weights`), so nothing is copied. A product walks the
-inputs i and adds x[i] * W^T[i, tile] into accumulators for a tile of 128 outputs and
-1-2 rows (or 64 outputs and 4 rows): plain multiply-adds over contiguous memory, no
-horizontal sums. Weights
-can also be read from fp16 copies (half the bytes) or from int8 with a scale per output
-(`--quantize int8`: a quarter), each converted exactly to fp32 in registers.
+Matrices are read from copies the decoder owns (`native.py` writes them; the model is
+never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
+consecutive rows of 64, so each thread's share of a product is one contiguous stream,
+which the hardware prefetcher follows and which is also prefetched a few KB ahead. A
+product walks the inputs i and adds x[i] * W^T[i, tile] into register accumulators for
+1, 2 or 4 rows (as many outputs per pass as the registers hold: 16 AVX-512 or 8 AVX2
+accumulators): plain multiply-adds, no horizontal sums, no scalar loops. Weights are
+fp32, fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a
+quarter), each converted exactly to fp32 in registers.
 
 Threads (OpenMP) split every product by output tiles and the attention by token and
-head; a barrier separates dependent phases. Arithmetic is fp32 throughout, as in the
+head; a barrier of our own separates dependent phases (it sleeps after a short spin, so
+a busy core elsewhere does not stall the team). Arithmetic is fp32 throughout, as in the
 model: with fp32 weights results equal PyTorch's up to rounding order
 (tests/test_native.py checks 1e-5 against the full forward).
 
-Vectors use GCC's vector extensions (16 floats), so the compiler emits AVX-512, AVX2 or
-SSE for the machine it runs on (the file is compiled on first use with -march=native).
+Vectors use GCC's vector extensions (16 or 8 floats), so the compiler emits AVX-512,
+AVX2, SSE or NEON for the machine it runs on (the file is compiled on first use with
+-march=native); fp16 and int8 loads use the x86 conversion instructions where present
+and the compiler's portable conversions elsewhere (aarch64).
 */
 #include <math.h>
 #include <omp.h>
-#if defined(__F16C__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
 
 #include "../simd.h"
 
-#define NV_MAX 8  /* vectors per tile */
-#define TILE (16 * NV_MAX)  /* outputs per tile */
-#define ROWS_MAX 4  /* rows per pass over (half) a tile */
+/* Vector width: 16 floats (one AVX-512 register) or 8 (AVX2, or a pair of SSE/NEON
+   registers); ACC_MAX accumulators fit beside the weights and broadcast in the register
+   file (32 or 16 registers). */
+#if defined(__AVX512F__)
+#define VW 16
+#define ACC_MAX 16
+#else
+#define VW 8
+#define ACC_MAX 8
+#endif
+typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignment */
+#define TILE 64            /* outputs per packed tile (the layout native.py writes) */
+#define NV (TILE / VW)     /* vectors per tile */
+#define PREFETCH_ROWS 16   /* how far ahead (in tile rows) the weight stream is prefetched */
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
 enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2 };
 
-/* The structs below are mirrored by ctypes in native.py: keep the two in step. */
+/* The structs below are mirrored by ctypes in native.py: keep the two in step.
+   A Linear's weights are packed by tiles of TILE outputs: W[t, i, k] = W^T[i, t TILE + k],
+   (out padded with zero columns to a whole tile), so a thread's share is one contiguous
+   stream. Bias and scale are padded to whole tiles too. */
 typedef struct {
-    const float *w;     /* W^T: (in, out) row-major */
-    const uint16_t *wh; /* the same as fp16, or NULL: read instead of w when set */
-    const int8_t *wq;   /* or int8 (in, out) with one scale per output: W^T[i, o] = wq[i, o] * scale[o] */
+    const float *w;     /* packed fp32, read when wh and wq are NULL */
+    const uint16_t *wh; /* or packed fp16 */
+    const int8_t *wq;   /* or packed int8 with one scale per output: W^T[i, o] = wq * scale[o] */
     const float *scale;
-    const float *b;     /* (out) or NULL */
+    const float *b;     /* (tiles * TILE) or NULL */
     int64_t in, out;
 } Linear;
 
@@ -88,156 +115,192 @@ static inline v16 v_gelu(v16 x) {
     return x * v_sigmoid(splat(1.5957691216057308f) * (x + splat(0.044715f) * x * x * x));
 }
 
-static float gelu1(float x) { v16 v = v_gelu(splat(x)); return v[0]; }
-static float silu1(float x) { v16 v = v_sigmoid(splat(x)); return x * v[0]; }
+typedef int32_t vwi __attribute__((vector_size(VW * 4)));
+static inline vw vw_splat(float a) { return __builtin_shuffle((vw){a}, (vwi){}); } /* a broadcast, no add */
+
+/* GELU of VW floats (through the 16-wide helpers of simd.h). */
+static inline vw vw_gelu(vw x) {
+    v16 wide = {};
+    memcpy(&wide, &x, sizeof x);
+    wide = v_gelu(wide);
+    memcpy(&x, &wide, sizeof x);
+    return x;
+}
 
 enum { W_FP32 = 0, W_FP16 = 1, W_INT8 = 2 }; /* how a Linear stores its weights */
+static const int BYTES[3] = {4, 2, 1};
 
 static inline int storage(const Linear *L) { return L->wq ? W_INT8 : L->wh ? W_FP16 : W_FP32; }
 
-/* W^T[i, o] for flat index j = i * out + o, without the int8 scale. */
-static inline float weight(const Linear *L, int64_t j) {
-    if (L->wq) return (float)L->wq[j];
-#if defined(__F16C__)
-    if (L->wh) return _cvtsh_ss(L->wh[j]);
-#endif
-    return L->w[j];
+static inline const char *packed(const Linear *L) {
+    return L->wq ? (const char *)L->wq : L->wh ? (const char *)L->wh : (const char *)L->w;
 }
 
-/* 1 when fp16 weights can be read on this machine. */
-int frawd_has_fp16(void) {
-#if defined(__F16C__)
-    return 1;
+#if defined(__F16C__) || defined(__aarch64__)
+#define HAS_FP16 1
 #else
-    return 0;
+#define HAS_FP16 0
 #endif
-}
+
+/* 1 when fp16 weights can be read on this machine (x86 with F16C, every aarch64). */
+int frawd_has_fp16(void) { return HAS_FP16; }
+
+/* Outputs per packed tile: the layout native.py writes. */
+int64_t frawd_tile(void) { return TILE; }
 
 /* ---- matrix-vector products ---------------------------------------------------------- */
 
-/* 16 weights from fp32, fp16 or int8 storage (fewer bytes to read; converted exactly). */
-static inline __attribute__((always_inline)) v16 load_w(int kind, const Linear *L, int64_t j) {
+/* VW weights from fp32, fp16 or int8 storage (fewer bytes to read; converted exactly). */
+static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) {
+    if (kind == W_FP32) return *(const vw *)p;
 #if defined(__AVX512F__)
-    if (kind == W_FP16) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(L->wh + j)));
-    if (kind == W_INT8) return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->wq + j))));
-#elif defined(__F16C__) /* AVX2 machines: two halves of 8 */
-    if (kind == W_FP16) {
-        __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(L->wh + j)));
-        __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(L->wh + j + 8)));
-        v16 out;
-        memcpy(&out, &lo, 32);
-        memcpy((char *)&out + 32, &hi, 32);
-        return out;
-    }
-#if defined(__AVX2__)
-    if (kind == W_INT8) {
-        __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(L->wq + j))));
-        __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(L->wq + j + 8))));
-        v16 out;
-        memcpy(&out, &lo, 32);
-        memcpy((char *)&out + 32, &hi, 32);
-        return out;
-    }
+    if (kind == W_FP16) return (vw)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return (vw)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+    if (kind == W_FP16) return (vw)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else /* portable: the compiler's own conversions (NEON on aarch64) */
+    typedef int8_t vq __attribute__((vector_size(VW), aligned(1)));
+#if HAS_FP16 && defined(__aarch64__)
+    typedef __fp16 vh __attribute__((vector_size(VW * 2), aligned(2)));
+    if (kind == W_FP16) return __builtin_convertvector(*(const vh *)p, vw);
 #endif
+    return __builtin_convertvector(*(const vq *)p, vw);
 #endif
-    if (kind != W_FP32) {
-        v16 out;
-        for (int k = 0; k < 16; k++) out[k] = weight(L, j + k);
-        return out;
-    }
-    return *(const v16 *)(L->w + j);
 }
 
-/* acc[r][k] = x[r] . W^T[:, c + 16k]  for R rows and one tile of 16 NV outputs starting at c. */
-static inline __attribute__((always_inline)) void tile_product(
-    int R, int NV, int kind, const float *x, int64_t ldx, const Linear *L, int64_t c, v16 acc[][NV_MAX]) {
+/* acc[r][k] = x[r] . W^T[:, chunk k] for R rows, C vectors of one tile; p = the tile's
+   first row at this chunk, rows TILE weights apart. Every row of the stream is used R
+   times from registers; the stream PREFETCH_ROWS rows ahead is requested meanwhile. */
+static inline __attribute__((always_inline)) void chunk_product(
+    int R, int C, int kind, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
     for (int r = 0; r < R; r++)
-        for (int k = 0; k < NV; k++) acc[r][k] = splat(0.0f);
-    for (int64_t i = 0, j = c; i < L->in; i++, j += L->out) {
-        v16 w[NV_MAX];
-        for (int k = 0; k < NV; k++) w[k] = load_w(kind, L, j + 16 * k);
+        for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
+    for (int64_t i = 0; i < in; i++, p += row) {
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + PREFETCH_ROWS * row + b, 0, 0);
+        vw w[ACC_MAX];
+        for (int k = 0; k < C; k++) w[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
         for (int r = 0; r < R; r++) {
-            v16 xi = splat(x[r * ldx + i]);
-            for (int k = 0; k < NV; k++) acc[r][k] += xi * w[k];
+            vw xi = vw_splat(x[r * ldx + i]);
+            for (int k = 0; k < C; k++) acc[r][k] += xi * w[k];
         }
     }
 }
 
-static inline void epilogue(int mode, float *y, v16 value) {
-    if (mode == EPI_ADD) value += *(v16 *)y;
-    else if (mode == EPI_GELU) value = v_gelu(value);
-    *(v16 *)y = value;
-}
-
-/* Rows [r0, r0 + R) of y[:, c:c + 16 NV] (=, +=, = gelu of) x @ W^T[:, c:c + 16 NV] + b. */
-static inline __attribute__((always_inline)) void rows_tile(const Linear *L, const float *x, int64_t ldx, float *y,
-                                                            int64_t ldy, int64_t r0, int R, int64_t c, int NV,
-                                                            int mode) {
-    v16 acc[ROWS_MAX][NV_MAX];
-    const float *xr = x + r0 * ldx;
-    /* constant arguments: one specialised loop each, acc kept in registers */
-    switch (storage(L) * 4 + (R == 4 ? 2 : R - 1)) {
-        case W_FP32 * 4: tile_product(1, NV, W_FP32, xr, ldx, L, c, acc); break;
-        case W_FP32 * 4 + 1: tile_product(2, NV, W_FP32, xr, ldx, L, c, acc); break;
-        case W_FP32 * 4 + 2: tile_product(4, NV, W_FP32, xr, ldx, L, c, acc); break;
-        case W_FP16 * 4: tile_product(1, NV, W_FP16, xr, ldx, L, c, acc); break;
-        case W_FP16 * 4 + 1: tile_product(2, NV, W_FP16, xr, ldx, L, c, acc); break;
-        case W_FP16 * 4 + 2: tile_product(4, NV, W_FP16, xr, ldx, L, c, acc); break;
-        case W_INT8 * 4: tile_product(1, NV, W_INT8, xr, ldx, L, c, acc); break;
-        case W_INT8 * 4 + 1: tile_product(2, NV, W_INT8, xr, ldx, L, c, acc); break;
-        default: tile_product(4, NV, W_INT8, xr, ldx, L, c, acc); break;
+/* y (=, +=, = gelu of) value for the first n of VW outputs (n < VW only in the last tile). */
+static inline void epilogue(int mode, float *y, vw value, int64_t n) {
+    if (n >= VW) {
+        if (mode == EPI_ADD) value += *(vw *)y;
+        else if (mode == EPI_GELU) value = vw_gelu(value);
+        *(vw *)y = value;
+        return;
     }
-    for (int r = 0; r < R; r++)
-        for (int k = 0; k < NV; k++) {
-            v16 v = acc[r][k];
-            if (L->scale) v *= *(const v16 *)(L->scale + c + 16 * k);
-            if (L->b) v += *(const v16 *)(L->b + c + 16 * k);
-            epilogue(mode, y + (r0 + r) * ldy + c + 16 * k, v);
-        }
+    vw old = {};
+    for (int64_t k = 0; k < n; k++) old[k] = y[k];
+    value = mode == EPI_ADD ? value + old : mode == EPI_GELU ? vw_gelu(value) : value;
+    for (int64_t k = 0; k < n; k++) y[k] = value[k];
 }
 
-/* Rows [0, B) of y[:, c:c + 16 NV]. Rows go 4 at a time over half a tile (16 accumulators,
-   each weight vector used 4 times: prefill and batches), the last ones 1 or 2 at a time
-   over the whole tile. */
-static inline __attribute__((always_inline)) void tile(const Linear *L, const float *x, int64_t ldx, float *y,
-                                                       int64_t ldy, int64_t B, int64_t c, int NV, int mode) {
-    int64_t r0 = 0;
-    for (; r0 + 4 <= B; r0 += 4) {
-        if (NV == NV_MAX) {
-            rows_tile(L, x, ldx, y, ldy, r0, 4, c, NV_MAX / 2, mode);
-            rows_tile(L, x, ldx, y, ldy, r0, 4, c + 8 * NV_MAX, NV_MAX / 2, mode);
-        } else {
-            rows_tile(L, x, ldx, y, ldy, r0, 4, c, NV, mode);
-        }
+/* Rows [r0, r0 + R) of y[:, chunk] for the chunk of C vectors at vector c0 of tile t. */
+static inline __attribute__((always_inline)) void rows_chunk(
+    int R, int C, int kind, const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t r0,
+    int64_t t, int c0, int mode) {
+    vw acc[4][ACC_MAX];
+    const char *p = packed(L) + (t * L->in * TILE + (int64_t)c0 * VW) * BYTES[kind];
+    chunk_product(R, C, kind, x + r0 * ldx, ldx, p, L->in, acc);
+    for (int k = 0; k < C; k++) {
+        int64_t o = t * TILE + (int64_t)(c0 + k) * VW; /* first output of this vector */
+        if (o >= L->out) break;
+        vw scale = L->scale ? *(const vw *)(L->scale + o) : vw_splat(1.0f);
+        vw bias = L->b ? *(const vw *)(L->b + o) : vw_splat(0.0f);
+        for (int r = 0; r < R; r++)
+            epilogue(mode, y + (r0 + r) * ldy + o, acc[r][k] * scale + bias, L->out - o);
     }
-    for (; r0 < B; r0 += 2) rows_tile(L, x, ldx, y, ldy, r0, B - r0 == 1 ? 1 : 2, c, NV, mode);
 }
 
-/* y[r] (=, +=, = gelu of) x[r] @ W^T + b for rows [0, B), output tiles [t0, t1).
-   Tile `out / TILE` is the partial one at the end: 16 outputs at a time, then single ones. */
+/* Chunk width for R rows: R x C accumulators fill the registers left for them. */
+#define CHUNK(R) (NV < ACC_MAX / (R) ? NV : ACC_MAX / (R))
+
+/* One specialised loop per (storage, rows): constant arguments keep acc in registers. */
+#define ROWS_TILE(R, KIND)                                                                       \
+    for (int c0 = 0; c0 < NV; c0 += CHUNK(R)) rows_chunk(R, CHUNK(R), KIND, L, x, ldx, y, ldy, r0, t, c0, mode)
+
+static void rows_tile(int R, const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t r0,
+                      int64_t t, int mode) {
+    switch (storage(L) * 3 + (R == 4 ? 2 : R - 1)) {
+        case W_FP32 * 3: ROWS_TILE(1, W_FP32); break;
+        case W_FP32 * 3 + 1: ROWS_TILE(2, W_FP32); break;
+        case W_FP32 * 3 + 2: ROWS_TILE(4, W_FP32); break;
+        case W_FP16 * 3: ROWS_TILE(1, W_FP16); break;
+        case W_FP16 * 3 + 1: ROWS_TILE(2, W_FP16); break;
+        case W_FP16 * 3 + 2: ROWS_TILE(4, W_FP16); break;
+        case W_INT8 * 3: ROWS_TILE(1, W_INT8); break;
+        case W_INT8 * 3 + 1: ROWS_TILE(2, W_INT8); break;
+        default: ROWS_TILE(4, W_INT8); break;
+    }
+}
+
+/* y[r] (=, +=, = gelu of) x[r] @ W^T + b for rows [0, B), tiles [t0, t1): rows 4 at a
+   time (each weight vector used 4 times: prefill and batches), the last 1 or 2 at once. */
 static void linear_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B,
                          int64_t t0, int64_t t1, int mode) {
-    int64_t full = L->out / TILE;
-    for (int64_t t = t0; t < t1 && t < full; t++) tile(L, x, ldx, y, ldy, B, t * TILE, NV_MAX, mode);
-    if (t1 <= full) return;
-    int64_t c = full * TILE;
-    for (; c + 16 <= L->out; c += 16) tile(L, x, ldx, y, ldy, B, c, 1, mode);
-    for (int64_t r = 0; r < B; r++)
-        for (int64_t j = c; j < L->out; j++) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < L->in; i++) s += x[r * ldx + i] * weight(L, i * L->out + j);
-            if (L->scale) s *= L->scale[j];
-            if (L->b) s += L->b[j];
-            float *out = y + r * ldy + j;
-            *out = mode == EPI_ADD ? *out + s : mode == EPI_GELU ? gelu1(s) : s;
-        }
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t r0 = 0;
+        for (; r0 + 4 <= B; r0 += 4) rows_tile(4, L, x, ldx, y, ldy, r0, t, mode);
+        for (; r0 < B; r0 += 2) rows_tile(B - r0 == 1 ? 1 : 2, L, x, ldx, y, ldy, r0, t, mode);
+    }
 }
 
-/* This thread's share of y = x @ W^T (+ b): output tiles split evenly between threads. */
+/* This thread's share of y = x @ W^T (+ b): tiles split evenly between threads. */
 static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, int mode) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t tiles = (L->out + TILE - 1) / TILE;
     linear_tiles(L, x, ldx, y, ldy, B, tiles * t / T, tiles * (t + 1) / T, mode);
+}
+
+/* ---- waiting for each other ------------------------------------------------------------ */
+
+/* The team's barrier between dependent phases. A thread that arrives early spins briefly
+   (a decode step's phases are microseconds apart) and then sleeps in the kernel until the
+   last one arrives: when another process keeps a core busy, a waiting thread gives its
+   core to the one it waits for instead of spinning through its time slice. (OpenMP's own
+   barrier spins for as long as the runtime was told when it started, which is torch's.) */
+#define SPINS 4000
+
+typedef struct {
+    atomic_int arrived, generation, P;
+} Barrier;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void barrier_wait(Barrier *b) {
+    int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == atomic_load_explicit(&b->P, memory_order_relaxed) - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->generation, gen + 1, memory_order_release);
+#if defined(__linux__)
+        syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#endif
+        return;
+    }
+    for (int i = 0; i < SPINS; i++) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+        cpu_relax();
+    }
+    while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen) {
+#if defined(__linux__)
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
 }
 
 /* ---- the other pieces ------------------------------------------------------------------ */
@@ -261,19 +324,33 @@ static void norm_rows(const Model *m, const Norm *n, const float *x, float *y, i
 }
 
 /* What a sublayer (attention, MLP) reads: pre-LN, norm(x) written to h; post-LN, x itself.
-   Called by every thread of the parallel region (the barrier is theirs). */
-static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *h, int64_t N) {
+   Called by every thread of the team (the barrier is theirs). */
+static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *h, int64_t N,
+                                   Barrier *team) {
     if (!m->pre_norm) return x;
     norm_rows(m, n, x, h, N);
-#pragma omp barrier
+    barrier_wait(team);
     return h;
 }
 
 /* After a residual add: post-LN normalises the stream in place; pre-LN leaves it. */
-static void after_residual(const Model *m, const Norm *n, float *x, int64_t N) {
+static void after_residual(const Model *m, const Norm *n, float *x, int64_t N, Barrier *team) {
     if (m->pre_norm) return;
     norm_rows(m, n, x, x, N);
-#pragma omp barrier
+    barrier_wait(team);
+}
+
+/* g[i] <- silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
+static void swiglu_row(float *g, int64_t H) {
+    int64_t i = 0;
+    for (; i + 16 <= H; i += 16) {
+        v16 a = *(v16 *)(g + i);
+        *(v16 *)(g + i) = a * v_sigmoid(a) * *(v16 *)(g + H + i);
+    }
+    for (; i < H; i++) {
+        v16 a = splat(g[i]);
+        g[i] = g[i] * v_sigmoid(a)[0] * g[H + i];
+    }
 }
 
 /* Rotate pairs (v[i], v[i + hd/2]) by the angles of position p (the "rotate half" layout). */
@@ -386,9 +463,11 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     float *x = work, *h = x + N * D, *att = h + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
     float *scratch = ff + N * ff_w;
 
+    Barrier team = {0, 0, 0};
 #pragma omp parallel num_threads((int)threads)
     {
         int t = omp_get_thread_num(), P = omp_get_num_threads();
+        atomic_store_explicit(&team.P, P, memory_order_relaxed); /* the same value from everyone */
         float *scores = scratch + t * (max_len + 16);
         for (int64_t n = t; n < N; n += P) { /* embeddings */
             const float *e = m->tok + token[n] * m->tok_s0;
@@ -396,35 +475,33 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
             for (int64_t i = 0; i < D; i++)
                 x[n * D + i] = e[i * m->tok_s1] * m->embed_scale + (p ? p[i] : 0.0f);
         }
-#pragma omp barrier
+        barrier_wait(&team);
         for (int64_t l = 0; l < m->n_layer; l++) {
             const Layer *L = &m->layers[l];
             /* attention */
-            linear(&L->qkv, sublayer_input(m, &L->norm1, x, h, N), D, qkv, qkv_w, N, EPI_STORE);
-#pragma omp barrier
+            linear(&L->qkv, sublayer_input(m, &L->norm1, x, h, N, &team), D, qkv, qkv_w, N, EPI_STORE);
+            barrier_wait(&team);
             for (int64_t task = t; task < N * nkv; task += P)
                 store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
                             position[task / nkv]);
-#pragma omp barrier
+            barrier_wait(&team);
             for (int64_t task = t; task < N * nh; task += P)
                 attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
                             valid, padded, scores);
-#pragma omp barrier
+            barrier_wait(&team);
             linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
-#pragma omp barrier
-            after_residual(m, &L->norm1, x, N);
+            barrier_wait(&team);
+            after_residual(m, &L->norm1, x, N, &team);
             /* MLP */
-            linear(&L->up, sublayer_input(m, &L->norm2, x, h, N), D, ff, ff_w, N, m->swiglu ? EPI_STORE : EPI_GELU);
-#pragma omp barrier
+            linear(&L->up, sublayer_input(m, &L->norm2, x, h, N, &team), D, ff, ff_w, N, m->swiglu ? EPI_STORE : EPI_GELU);
+            barrier_wait(&team);
             if (m->swiglu) { /* ff[:, :H] <- silu(gate) * up, gate = ff[:, :H], up = ff[:, H:] */
-                for (int64_t n = t; n < N; n += P)
-                    for (int64_t i = 0; i < m->ffn; i++)
-                        ff[n * ff_w + i] = silu1(ff[n * ff_w + i]) * ff[n * ff_w + m->ffn + i];
-#pragma omp barrier
+                for (int64_t n = t; n < N; n += P) swiglu_row(ff + n * ff_w, m->ffn);
+                barrier_wait(&team);
             }
             linear(&L->down, ff, ff_w, x, D, N, EPI_ADD); /* x += MLP output */
-#pragma omp barrier
-            after_residual(m, &L->norm2, x, N);
+            barrier_wait(&team);
+            after_residual(m, &L->norm2, x, N, &team);
         }
         /* each row's last token: final norm (or a copy) into h, then the LM head */
         for (int64_t b = t; b < B; b += P) {
@@ -432,8 +509,9 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
             if (m->final_norm) norm_row(m, &m->final_norm_w, last, h + b * D);
             else memcpy(h + b * D, last, D * sizeof(float));
         }
-#pragma omp barrier
+        barrier_wait(&team);
         linear(&m->head, h, D, logits, m->vocab, B, EPI_STORE);
+        barrier_wait(&team); /* everyone done: OpenMP's closing barrier then waits for no one */
     }
     return OK;
 }

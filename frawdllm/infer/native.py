@@ -3,20 +3,26 @@
 At batch 1 a PyTorch decode step of a small model costs far more in dispatching ~150
 small operations than in arithmetic. `native.c` does the same forward as one C call
 (see its header for the why and the how); this module builds it, describes a model to it
-(pointers to the weights PyTorch already holds) and calls it for prefill and decode.
+and calls it for prefill and decode.
 
-Weights: "fp32" reads the model's own matrices (nothing copied; results equal PyTorch's
-up to rounding order). "fp16" reads fp16 copies of the linear weights: half the memory
-traffic, so about twice the decode speed, at a rounding of 2^-11 relative per weight
-(logits move by ~1e-3; `benchmarks/int8_perplexity.py` measures the perplexity change).
-A model quantized with `quantize_int8` is read as int8 with its per-row scales (a quarter
-of the bytes; the products run on fp32 activations). The engine's default on CPU is fp16
-where the CPU converts it (F16C; else fp32), the way inference servers run fp32
-checkpoints in half precision; `weights="fp32"` (`--native fp32`) is exact.
+Weights: the decoder owns its copies of the linear weights, packed in the tiled layout
+`native.c` streams (the model given is never changed; embeddings and norms are read in
+place). "fp32" copies them exactly (results equal PyTorch's up to rounding order).
+"fp16" stores them as fp16: half the memory traffic, so about twice the decode speed,
+at a rounding of 2^-11 relative per weight (logits move by ~1e-3;
+`benchmarks/int8_perplexity.py` measures the perplexity change). A model quantized with
+`quantize_int8` is read as int8 with its per-row scales (a quarter of the bytes; the
+products run on fp32 activations). The engine's default on CPU is fp16 where the CPU
+converts it (F16C, aarch64; else fp32), the way inference servers run fp32 checkpoints
+in half precision; `weights="fp32"` (`--native fp32`) is exact.
 
 Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
-about a second; see `frawdllm.cbuild`), cached by source, compiler and CPU. Without a
-compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the engine uses PyTorch.
+see `frawdllm.cbuild`, which says so on stderr), cached by source, compiler and CPU.
+Without a compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the engine uses
+PyTorch.
+
+Sharing: one decoder may serve several Python threads; calls run one at a time and each
+returns logits of its own.
 
 What it covers: every FrawdLLM architecture (positions, norms, MLPs, GQA, pre/post-LN,
 biases, tied heads) with fp32 parameters on CPU; `supports(model)` says whether a model
@@ -79,6 +85,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_void_p, ctypes.c_void_p, i64,
     ]
     lib.frawd_has_fp16.restype = ctypes.c_int
+    lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
 
@@ -118,10 +125,26 @@ def supports(model: nn.Module) -> str | None:
     for name, param in model.named_parameters():  # (buffers may hold other types: int8 weights)
         if param.dtype != torch.float32:
             return f"{name} is {param.dtype}, not float32"
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not module.weight.t().is_contiguous():
-            return f"{name}.weight is not stored column-major (see engine.column_major_weights)"
     return None
+
+
+def packed_tiles(weight: Tensor, tile: int, dtype: torch.dtype) -> Tensor:
+    """W (out, in) as `native.c` reads it: (tiles, in, tile), tile t = W^T[:, t*tile:(t+1)*tile],
+    the outputs padded with zero columns to whole tiles."""
+    out, inputs = weight.shape
+    tiles = -(-out // tile)
+    padded = torch.zeros(tiles * tile, inputs, dtype=dtype)
+    padded[:out] = weight.detach()
+    return padded.view(tiles, tile, inputs).transpose(1, 2).contiguous()
+
+
+def _padded(vector: Tensor | None, tile: int) -> Tensor | None:
+    """A per-output vector (bias, scale) as a copy padded with zeros to whole tiles."""
+    if vector is None:
+        return None
+    out = torch.zeros(-(-vector.numel() // tile) * tile, dtype=torch.float32)
+    out[: vector.numel()] = vector.detach().float()
+    return out
 
 
 def fp16_rounded_copy(model: nn.Module) -> nn.Module:
@@ -164,16 +187,15 @@ WEIGHT_DTYPES = ("fp32", "fp16")
 
 
 class NativeDecoder:
-    """The C forward for one model, described by pointers into its parameters.
+    """The C forward for one model: its own packed copies of the linear weights (fp32,
+    fp16 or the model's int8), pointers into the model for embeddings and norms.
 
-    weights="fp32" reads the model's own matrices (nothing copied, results equal
-    PyTorch's up to rounding order); "fp16" reads fp16 copies of the linear weights,
-    half the bytes, converted back to fp32 in registers (embeddings, norms and biases
-    stay fp32; arithmetic is fp32 throughout).
+    weights="fp32" copies the matrices exactly (results equal PyTorch's up to rounding
+    order); "fp16" keeps half the bytes, converted back to fp32 in registers (embeddings,
+    norms and biases stay fp32; arithmetic is fp32 throughout). The model is not changed.
 
-    The struct holds raw pointers, valid while the model's tensors stay where they are
-    and unchanged: `is_current()` says whether that still holds (the engine rebuilds the
-    decoder when it does not).
+    The copies reflect the model as it was at construction: `is_current()` says whether
+    the model is still that (the engine rebuilds the decoder when it is not).
     """
 
     def __init__(self, model: nn.Module, weights: str = "fp32") -> None:
@@ -198,19 +220,29 @@ class NativeDecoder:
             self._keep.append(t)
             return ctypes.cast(t.data_ptr(), as_type)
 
+        tile = int(self.lib.frawd_tile())
+        self.weight_bytes = 0  # bytes of linear weights a batch-1 step streams
+
+        def stream(t: Tensor, scale: Tensor | None = None) -> None:
+            self.weight_bytes += t.numel() * t.element_size() + (0 if scale is None else 4 * scale.numel())
+
         def linear(module: nn.Module) -> _Linear:
-            bias = ptr(module.bias)
-            if isinstance(module, Int8Linear):  # int8 (out, in) -> an (in, out) copy, a quarter of fp32
-                wq = module.weight_int8.t().contiguous()
-                return _Linear(None, None, ptr(wq, ctypes.c_void_p), ptr(module.scale), bias,
+            bias = ptr(_padded(module.bias, tile))
+            if isinstance(module, Int8Linear):  # int8, a quarter of fp32's bytes
+                wq = packed_tiles(module.weight_int8, tile, torch.int8)
+                stream(wq, module.scale)
+                return _Linear(None, None, ptr(wq, ctypes.c_void_p), ptr(_padded(module.scale, tile)), bias,
                                module.in_features, module.out_features)
-            w = module.weight.detach().t()  # (in, out), contiguous (checked by supports)
-            half = None
             if weights == "fp16":
-                if float(w.abs().max()) > 65000:
+                if float(module.weight.detach().abs().max()) > 65000:
                     raise FrawdError(f"a weight of {module} is too large for fp16; use fp32 weights")
-                half = ptr(w.to(torch.float16).contiguous(), ctypes.c_void_p)
-            return _Linear(ptr(w), half, None, None, bias, module.in_features, module.out_features)
+                half = packed_tiles(module.weight.to(torch.float16), tile, torch.float16)
+                stream(half)
+                return _Linear(None, ptr(half, ctypes.c_void_p), None, None, bias,
+                               module.in_features, module.out_features)
+            w = packed_tiles(module.weight, tile, torch.float32)
+            stream(w)
+            return _Linear(ptr(w), None, None, None, bias, module.in_features, module.out_features)
 
         def norm(module: nn.Module) -> _Norm:
             return _Norm(ptr(module.weight), ptr(getattr(module, "bias", None)))
@@ -241,7 +273,6 @@ class NativeDecoder:
         self.vocab = cfg.vocab_size
         self._cache_k: list[Tensor] | None = None
         self._shape: tuple[int, int, int, int] | None = None
-        self._logits: Tensor | None = None
         self._lock = threading.Lock()
 
     def is_current(self, model: nn.Module) -> bool:
@@ -254,8 +285,8 @@ class NativeDecoder:
         """Logits (B, V) of each row's last token, for tokens and positions (B, T) (int64)
         that `cache.begin(T)` has just announced: their keys and values go into the cache.
 
-        T = 1 is a decode step, T > 1 a prefill. The logits tensor is reused by the next
-        call with the same batch size.
+        T = 1 is a decode step, T > 1 a prefill. Each call returns a logits tensor of its
+        own, so threads sharing the decoder never see each other's.
         """
         with self._lock:  # one scratch buffer, and ctypes lets other Python threads run meanwhile
             return self._forward(tokens, positions, cache, threads)
@@ -269,14 +300,15 @@ class NativeDecoder:
             raise TypeError("token ids and positions must be int64 tensors of the same shape (B, T)")
         if self._cache_k is not cache.k or self._shape != (B, T, cache.max_len, threads):
             self._prepare(cache, B, T, threads)
+        logits = torch.empty(B, self.vocab, dtype=torch.float32)
         status = self.lib.frawd_forward(
             ctypes.byref(self.model), B, T, tokens.data_ptr(), positions.data_ptr(), self._k_ptrs, self._v_ptrs,
             cache.max_len, cache.length - T, cache.valid.data_ptr(), int(cache.padded),
-            self._logits.data_ptr(), self._work.data_ptr(), threads,
+            logits.data_ptr(), self._work.data_ptr(), threads,
         )
         if status:
             raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
-        return self._logits
+        return logits
 
     def _prepare(self, cache, B: int, T: int, threads: int) -> None:
         """Scratch memory and cache pointers, for a new cache or batch shape."""
@@ -285,15 +317,13 @@ class NativeDecoder:
                 raise ValueError(f"the KV cache must be float32, contiguous, batch {B}")
         n = self.lib.frawd_workspace_floats(ctypes.byref(self.model), B * T, cache.max_len, threads)
         self._work = torch.empty(n, dtype=torch.float32)
-        if self._logits is None or self._logits.shape[0] != B:
-            self._logits = torch.empty(B, self.vocab, dtype=torch.float32)
         self._k_ptrs = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])
         self._v_ptrs = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
         self._cache_k, self._shape = cache.k, (B, T, cache.max_len, threads)
         self._cache_v = cache.v  # keep the lists (and so the tensors) alive with the pointers
 
 
-__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "available", "unavailable_reason", "supports", "library"]
+__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "packed_tiles", "available", "unavailable_reason", "supports", "library"]
 
 if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
     print(build(LIBRARY.source) if available() else f"unavailable: {unavailable_reason()}", file=sys.stderr)

@@ -1,0 +1,190 @@
+"""Which forward runs each phase of generation on this machine: decided by a short measurement.
+
+The native C forward (`native.py`) wins where PyTorch's per-operation overhead dominates
+(batch-1 decode of a small model); PyTorch eager, whose matrix products are MKL/oneDNN
+GEMMs, can win where there is arithmetic to share (long prefills, wide batches), by how
+much depending on the CPU (AVX-512 or AVX2 only, core count) and the model. So the
+engine times each candidate on the real model, once, for four phases:
+
+    prefill   up to 64 prompt tokens in all          long     more (timed at 256)
+    decode    one row, one new token                 batch    2-7 rows, one new token each
+    wide      8 rows or more, one new token each
+
+Candidates: PyTorch eager at torch's thread count, the native forward at that thread
+count and at one thread. Each phase uses the fastest, so no phase is slower than PyTorch
+eager (up to timing noise). Load changes while a program runs (another process takes a
+core: a team of threads then waits for its member that has no core), so a native
+phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The choice is
+cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
+C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
+measurement of a model over 20M parameters says so on stderr (smaller ones take a
+fraction of a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from ..cbuild import cache_dir, cpu_signature, march
+from ..io import atomic_path
+from .cache import KVCache
+
+PHASES = {"prefill": (1, 32), "long": (1, 256), "decode": (1, 1), "batch": (4, 1), "wide": (16, 1)}  # rows, tokens
+FILL = 32  # cached tokens before a timed decode step
+LOUD_PARAMS = 20_000_000  # models above this size say on stderr that they are being measured
+
+
+@dataclass(frozen=True)
+class Path:
+    """How one phase runs: "native" (with `threads`), "torch" (eager) or "compiled"."""
+
+    kind: str
+    threads: int = 0
+
+    def __str__(self) -> str:
+        return {"torch": "PyTorch eager", "compiled": "torch.compile"}.get(self.kind, f"native ({self.threads} thr)")
+
+
+class ThreadChoice:
+    """The thread count of one native phase, re-decided from the times of its own calls.
+
+    `pick()` returns the count with the lower recent cost per token (a moving average
+    for the count in use, the latest probe for the other);
+    now and then it tries the other one, less often each time that one loses (every 8
+    calls, doubling up to every 512), so a loaded machine pays little for the probes and
+    a machine that quiets down gets its threads back.
+    """
+
+    def __init__(self, first: int, threads: int) -> None:
+        self.options = [first] + [n for n in {threads, 1} if n != first]
+        self.cost: dict[int, float] = {}
+        self.calls, self.interval = 0, 8
+
+    def pick(self) -> int:
+        untried = [n for n in self.options if n not in self.cost]
+        if untried and self.calls > 0:
+            return untried[0]
+        best = min(self.options, key=lambda n: self.cost.get(n, float("inf")))
+        self.calls += 1
+        if len(self.options) > 1 and self.calls % self.interval == 0:
+            return next(n for n in self.options if n != best)
+        return best
+
+    def record(self, threads: int, seconds: float, tokens: int) -> None:
+        per_token = seconds / max(tokens, 1)
+        was_best = min(self.options, key=lambda n: self.cost.get(n, float("inf")))
+        old = self.cost.get(threads)  # the count in use: a moving average; a probe: its fresh time
+        self.cost[threads] = per_token if old is None or threads != was_best else 0.7 * old + 0.3 * per_token
+        if threads != was_best and len(self.cost) == len(self.options):
+            won = self.cost[threads] < self.cost[was_best]
+            self.interval = 8 if won else min(512, 2 * self.interval)
+
+
+def phase(rows: int, new_tokens: int) -> str:
+    """The phase a forward of `rows` rows of `new_tokens` tokens belongs to."""
+    if new_tokens > 1:
+        return "prefill" if rows * new_tokens <= 64 else "long"
+    return "decode" if rows == 1 else "batch" if rows < 8 else "wide"
+
+
+def torch_logits(
+    model: nn.Module, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: KVCache
+) -> Float[Tensor, "B V"]:
+    """PyTorch eager: the last token's logits of each row (keys and values go into `cache`)."""
+    hidden = model.hidden_states(tokens, positions, cache)  # (B, T, D)
+    return model.lm_head(hidden[:, -1]).float()
+
+
+def _key(model: nn.Module, weights: str, threads: int) -> str:
+    isa = [os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]  # torch's kernels
+    text = json.dumps([cpu_signature(), march(), isa, torch.__version__, threads, weights, asdict(model.config)],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _file():
+    return cache_dir() / "engine_paths.json"
+
+
+def _load() -> dict[str, Any]:
+    try:
+        data = json.loads(_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
+    """The fastest path per phase for `model` (native candidates only when `decoder` is given)."""
+    threads = torch.get_num_threads()
+    if decoder is None:
+        return {name: Path("torch") for name in PHASES}
+    key = _key(model, weights, threads)
+    cached = _load().get(key)
+    if isinstance(cached, dict) and set(cached) == set(PHASES):
+        return {name: Path(kind, int(n)) for name, (kind, n) in cached.items()}
+    if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
+        print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr, flush=True)
+    plan = measure(model, decoder, threads)
+    data = _load()
+    data[key] = {name: [p.kind, p.threads] for name, p in plan.items()}
+    try:
+        with atomic_path(_file()) as tmp:
+            tmp.write_text(json.dumps(data, indent=1))
+    except OSError:
+        pass  # an unwritable cache costs a measurement next time, nothing else
+    return plan
+
+
+@torch.inference_mode()
+def measure(model: nn.Module, decoder: Any, threads: int, budget_s: float = 0.15) -> dict[str, Path]:
+    """Time each candidate on each phase's shape (runs interleaved, medians) and keep the fastest."""
+    cfg = model.config
+    candidates = [Path("torch"), Path("native", threads)] + ([Path("native", 1)] if threads > 1 else [])
+    gen = torch.Generator().manual_seed(0)
+    plan = {}
+    for name, (rows, new) in PHASES.items():
+        new = min(new, cfg.context_length)
+        fill = 0 if new > 1 else min(FILL, cfg.context_length - 1)
+        cache = KVCache(cfg, rows, fill + new)
+        tokens = torch.randint(cfg.vocab_size, (rows, new), generator=gen)
+        positions = torch.arange(fill, fill + new).expand(rows, new).contiguous()
+        if fill:
+            cache.begin(fill)
+            torch_logits(model, torch.randint(cfg.vocab_size, (rows, fill), generator=gen),
+                         torch.arange(fill).expand(rows, fill), cache)
+
+        def run(path: Path) -> float:
+            cache.length = fill
+            cache.begin(new)
+            start = time.perf_counter()
+            if path.kind == "native":
+                decoder.forward(tokens, positions, cache, path.threads)
+            else:
+                torch_logits(model, tokens, positions, cache)
+            return time.perf_counter() - start
+
+        times: dict[Path, list[float]] = {p: [] for p in candidates}
+        for p in candidates:
+            run(p)  # warm-up
+        started = time.perf_counter()
+        while len(times[candidates[0]]) < 3 or (time.perf_counter() - started < budget_s
+                                                and len(times[candidates[0]]) < 15):
+            for p in candidates:
+                times[p].append(run(p))
+        plan[name] = min(candidates, key=lambda p: statistics.median(times[p]))
+    return plan
+
+
+__all__ = ["Path", "ThreadChoice", "PHASES", "phase", "choose", "measure", "torch_logits"]

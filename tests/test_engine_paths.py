@@ -1,0 +1,223 @@
+"""The engine's choice of forward per phase, sharing one engine between threads, the model
+left untouched, the AVX2 build of the native forward, and how a failed build is told."""
+
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from frawdllm import cbuild
+from frawdllm.infer import Engine, SamplingParams, native, paths, quantize_int8
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from test_engine import CONFIGS, IdTokenizer, make_model
+from test_native import check_against_full_forward
+
+NATIVE = pytest.mark.skipif(not native.available(), reason=f"no native forward: {native.unavailable_reason()}")
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+
+
+def prompts(n, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(7, vocab, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def _snapshot(model):
+    return [(name, p.data_ptr(), p.stride(), p.detach().clone()) for name, p in model.named_parameters()]
+
+
+@NATIVE
+@pytest.mark.parametrize("mode", [dict(native=False), dict(native=True, weights="fp32"),
+                                  dict(native=True, weights="fp16"), {}])
+def test_an_engine_never_changes_its_model_and_training_works_after_generating(mode):
+    if mode.get("weights") == "fp16" and not native.has_fp16():
+        pytest.skip("no fp16 conversion on this CPU")
+    model = make_model(**CONFIGS["llama"])
+    before = _snapshot(model)
+    engine = Engine(model, IdTokenizer(), **mode)
+    engine.generate(prompts(3, model.config.vocab_size), GREEDY)
+    for (name, ptr, stride, value), p in zip(before, model.parameters()):
+        assert (p.data_ptr(), p.stride()) == (ptr, stride), name
+        assert torch.equal(p, value), name
+    # a training step after generating equals the same step on an untouched copy
+    twin = make_model(**CONFIGS["llama"])
+    ids = torch.randint(7, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    for m in (model, twin):
+        m.train()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        logits = m(ids[:, :-1])[0]
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+@NATIVE
+@pytest.mark.parametrize("mode", ["torch", "fp32", "fp16", "auto"])
+def test_four_threads_sharing_one_engine_get_the_single_thread_outputs(mode):
+    if mode == "fp16" and not native.has_fp16():
+        pytest.skip("no fp16 conversion on this CPU")
+    kwargs = {"torch": dict(native=False), "fp32": dict(native=True, weights="fp32"),
+              "fp16": dict(native=True, weights="fp16"), "auto": {}}[mode]
+    model = make_model(**CONFIGS["rope-gqa"])
+    engine = Engine(model, IdTokenizer(), **kwargs)
+    work = prompts(80, model.config.vocab_size)
+    alone = [engine.generate([p], GREEDY)[0].tokens for p in work]
+    shared: list = [None] * len(work)
+    barrier = threading.Barrier(4)
+
+    def worker(k):
+        barrier.wait()
+        for i in range(k, len(work), 4):
+            shared[i] = engine.generate([work[i]], GREEDY)[0].tokens
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    equal = sum(a == b for a, b in zip(alone, shared))
+    assert equal == len(work), f"{equal}/{len(work)} equal"
+
+
+@NATIVE
+@pytest.mark.parametrize("prefill,decode", [("native", "torch"), ("torch", "native")])
+def test_phases_on_different_forwards_share_the_cache_correctly(prefill, decode):
+    model = make_model(**CONFIGS["learned"])
+    reference = Engine(model, IdTokenizer(), native=False).generate(prompts(4, 97), GREEDY)
+    engine = Engine(model, IdTokenizer(), native=True, weights="fp32")
+    threads = torch.get_num_threads()
+    engine._plan = {"prefill": paths.Path(prefill, threads), "long": paths.Path(prefill, threads)} | {
+        name: paths.Path(decode, threads) for name in ("decode", "batch", "wide")}
+    assert engine.generate(prompts(4, 97), GREEDY) == reference  # a batch: ragged prompts, padding
+    assert [engine.generate([p], GREEDY)[0].tokens for p in prompts(4, 97)] == [c.tokens for c in reference]
+
+
+def test_phases_by_shape():
+    assert [paths.phase(*shape) for shape in [(1, 5), (3, 2), (1, 64), (2, 33), (1, 256), (1, 1), (2, 1), (7, 1),
+                                              (8, 1), (64, 1)]] == [
+        "prefill", "prefill", "prefill", "long", "long", "decode", "batch", "batch", "wide", "wide"]
+
+
+@NATIVE
+def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paths, "LOUD_PARAMS", 0)
+    model = make_model(**CONFIGS["rope"])
+    first = Engine(model, IdTokenizer()).plan()
+    assert set(first) == set(paths.PHASES)
+    assert all(p.kind in ("native", "torch") for p in first.values())
+    assert "measuring which forward is fastest" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(paths, "measure", lambda *a, **k: calls.append(a))
+    assert Engine(model, IdTokenizer()).plan() == first
+    assert not calls and capsys.readouterr().err == ""
+
+
+def test_the_measurement_keeps_the_fastest_candidate(monkeypatch):
+    model = make_model(**CONFIGS["learned"])
+    slow = {"decode": "torch", "prefill": "native", "long": "native"}  # make these lose by sleeping
+
+    class Decoder:
+        def forward(self, tokens, positions, cache, threads):
+            if slow.get(paths.phase(*tokens.shape)) == "native":
+                import time
+                time.sleep(0.01)
+
+    real = paths.torch_logits
+
+    def torch_logits(model_, tokens, positions, cache):
+        if slow.get(paths.phase(*tokens.shape)) == "torch":
+            import time
+            time.sleep(0.01)
+        return real(model_, tokens, positions, cache)
+
+    monkeypatch.setattr(paths, "torch_logits", torch_logits)
+    plan = paths.measure(model, Decoder(), threads=1, budget_s=0.0)
+    assert plan["decode"].kind == "native" and plan["prefill"].kind == "torch" and plan["long"].kind == "torch"
+
+
+def test_thread_choice_follows_the_cheaper_count_and_probes_less_when_probes_lose():
+    choice = paths.ThreadChoice(first=2, threads=2)
+    cost = {2: 10.0, 1: 1.0}  # two threads are slow now (a busy core elsewhere)
+    picks = []
+    for _ in range(600):
+        n = choice.pick()
+        picks.append(n)
+        choice.record(n, cost[n], 1)
+    assert picks[:2] == [2, 1]  # each tried once
+    assert picks[-300:].count(2) <= 2  # then rarely probed
+    cost = {2: 0.5, 1: 1.0}  # the machine quiets down: the next probe wins it back
+    for _ in range(600):
+        n = choice.pick()
+        choice.record(n, cost[n], 1)
+    assert [choice.pick() for _ in range(5)].count(2) >= 4
+
+
+@NATIVE
+def test_an_int8_engine_names_its_forward_int8():
+    engine = Engine(quantize_int8(make_model(**CONFIGS["learned"])), IdTokenizer(), native=True)
+    assert engine.weights == "int8"
+    assert engine.describe() == "native int8"
+    assert Engine(make_model(), IdTokenizer(), native=False).describe() == "PyTorch eager"
+    mixed = Engine(make_model(), IdTokenizer(), native=True, weights="fp32")
+    mixed._plan = {"prefill": paths.Path("torch"), "long": paths.Path("torch"), "decode": paths.Path("native", 1),
+                   "batch": paths.Path("native", 1), "wide": paths.Path("torch")}
+    assert mixed.describe() == "PyTorch eager (prefill, long, wide); native fp32 (decode, batch)"
+
+
+def _cpu_has(flag):
+    try:
+        return flag in cbuild.cpu_signature().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not (_cpu_has("avx2") and _cpu_has("fma") and _cpu_has("f16c")), reason="not an x86 CPU with AVX2")
+@pytest.mark.parametrize("name", ["llama", "post-ln"])
+def test_the_avx2_build_equals_pytorch(name, tmp_path, monkeypatch):
+    """The 8-wide AVX2 code (built with -march=haswell), whatever this CPU has beyond it."""
+    monkeypatch.setenv("FRAWD_MARCH", "haswell")
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
+    assert native.available()
+    for weights in ("fp32", "fp16"):
+        check_against_full_forward(make_model(std=0.2, **CONFIGS[name]), weights, threads=2)
+
+
+def test_a_failed_build_falls_back_to_pytorch_and_says_so_once(tmp_path, monkeypatch, capsys):
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'fatal error: No space left on device' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
+    model = make_model()
+    engines = [Engine(model, IdTokenizer()) for _ in range(3)]
+    assert not any(e.native for e in engines)
+    assert engines[0].generate([[5, 6]], GREEDY)[0].tokens  # PyTorch serves
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "compiling the native forward for this CPU (once)..."
+    assert len(err) == 2 and "No space left on device" in err[1] and err[1].endswith("using PyTorch instead")
+
+
+def test_an_unwritable_cache_falls_back_to_pytorch(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
+    assert not Engine(make_model(), IdTokenizer()).native
+    err = capsys.readouterr().err
+    assert err.count("using PyTorch instead") == 1
+
+
+@pytest.mark.skipif(subprocess.run(["which", "aarch64-linux-gnu-gcc"], capture_output=True).returncode != 0,
+                    reason="no aarch64 cross compiler (apt-get install gcc-aarch64-linux-gnu)")
+def test_the_native_forward_compiles_for_aarch64(tmp_path):
+    result = subprocess.run(["aarch64-linux-gnu-gcc", *cbuild.CFLAGS, "-march=armv8.2-a", "-Wall", "-Wno-psabi",
+                             str(native.LIBRARY.source), "-o", str(tmp_path / "native.so"), "-lm"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
