@@ -9,6 +9,8 @@ traced by dynamo.
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import copy, json, sys
 import torch
@@ -61,6 +63,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.timeout(900)  # six compiles; slow on a loaded machine
 def test_compiled_training_gives_eagers_loss_and_every_gradient():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
