@@ -1,4 +1,5 @@
-"""torch.compile for training steps.
+"""torch.compile for training steps: compiling correctly, deciding whether it pays, and
+falling back when it cannot run.
 
 `compile_step(fn)` is `torch.compile(fn)` run with inductor's buffer reuse turned off.
 torch 2.13's inductor miscompiles the backward of a compiled region that is called more
@@ -8,16 +9,41 @@ activation is overwritten and gradients come out up to ~1000x too large while th
 is right. With it off, the gradients equal eager's (tests/test_compile.py pins this for
 every block style) and the step is as fast. The blocks check the same switch, so a plain
 `torch.compile(model)` inlines every layer instead and is correct too.
+
+`compile: auto` compiles only where it pays within the run's budget. Compiling costs a
+warm-up w (seconds, once) and makes each step s times faster; over R seconds of eager
+training it saves R (1 - 1/s), so it pays when that beats w (with a 20% margin). w and s
+are measured by runs on this machine and model shape and cached in
+`~/.cache/frawdllm/compile.json` (before any, a cautious guess); R comes from the eager
+steps the loop times before deciding. Kernels compiled once are reused across runs:
+inductor's FX-graph and autotune caches live in `~/.cache/frawdllm/inductor` (unless
+TORCHINDUCTOR_CACHE_DIR says otherwise). A known failure (no C++ compiler; a compile
+that failed here before) decides against compiling at once; a corrupt cache entry is
+retried once with a fresh cache folder.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
+
+from .device import machine_key, read_cache, update_cache, user_cache_dir
+
+COMPILE_FILE = "compile.json"
+# before any measurement here: a cold CPU warm-up of the small presets took 20-80 s on
+# the machines tried, and a compiled step was 1.3-2x faster
+GUESS_WARMUP_S, GUESS_SPEEDUP = 60.0, 1.5
+MARGIN = 1.2
 
 
 def compile_step(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -30,3 +56,170 @@ def compile_step(fn: Callable[..., Any]) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return step
+
+
+def use_persistent_cache() -> Path:
+    """Keep inductor's compiled kernels in the per-user cache (unless TORCHINDUCTOR_CACHE_DIR
+    is set), with its FX-graph and autotune caches on: a later run skips the warm-up."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def use_fresh_cache() -> Path:
+    """Point inductor at a new, empty cache folder (after a corrupt entry) and forget what
+    dynamo compiled so far."""
+    path = Path(tempfile.mkdtemp(prefix="frawd-inductor-"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    torch._dynamo.reset()
+    return path
+
+
+def is_cache_corruption(exc: BaseException) -> bool:
+    """A truncated or unreadable cached kernel (e.g. a run killed while writing it)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, (ImportError, EOFError)) or any(
+        s in text for s in ("file too short", "invalid ELF header", "cannot open shared object", "Unpickl"))
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use on a CPU, if there is one."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+@dataclass
+class CompileCost:
+    warmup_s: float
+    speedup: float
+    source: str  # "measured here" or "guessed"
+
+
+def shape_key(device: torch.device, dtype: str, model: torch.nn.Module, batch_shape: tuple[int, ...]) -> str:
+    """What a compile's cost depends on: machine, dtype, the model's parameter shapes, batch shape."""
+    shapes = ",".join("x".join(map(str, p.shape)) for p in model.parameters())
+    digest = hashlib.sha256(f"{shapes}|{batch_shape}".encode()).hexdigest()[:12]
+    return f"{machine_key(device)}|{dtype}|{digest}"
+
+
+def known_failure(device: torch.device, key: str | None = None) -> str | None:
+    """Why compiling cannot work here, known before trying (None: it may)."""
+    if device.type == "cpu" and cxx_compiler() is None:
+        return "no C++ compiler (g++/clang++) for inductor"
+    if device.type == "mps":
+        return "inductor does not compile training steps for mps reliably"
+    failed = read_cache(COMPILE_FILE).get(f"{machine_key(device)}|failed")
+    if isinstance(failed, str):
+        return f"it failed here before ({failed}); --compile true tries again"
+    return None
+
+
+def remember_failure(device: torch.device, reason: str) -> None:
+    update_cache(COMPILE_FILE, f"{machine_key(device)}|failed", reason[:200])
+
+
+def forget_failure(device: torch.device) -> None:
+    data = read_cache(COMPILE_FILE)
+    if f"{machine_key(device)}|failed" in data:
+        update_cache(COMPILE_FILE, f"{machine_key(device)}|failed", None)
+
+
+def _cache_dir_key(key: str) -> str:
+    return f"{key}|{os.environ.get('TORCHINDUCTOR_CACHE_DIR', '')}"
+
+
+def compile_cost(key: str) -> CompileCost:
+    """Warm-up and speedup measured by earlier runs for `key` (the warm-up of a run whose
+    inductor cache still holds the kernels, if this cache folder did), else a guess."""
+    records = read_cache(COMPILE_FILE)
+    record, warm = records.get(key), records.get(_cache_dir_key(key))
+    if not isinstance(record, dict):
+        return CompileCost(GUESS_WARMUP_S, GUESS_SPEEDUP, "guessed")
+    warmup = record.get("warmup_s", GUESS_WARMUP_S)
+    if isinstance(warm, (int, float)) and Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")).is_dir():
+        warmup = warm
+    return CompileCost(float(warmup), float(record.get("speedup", GUESS_SPEEDUP)), "measured here")
+
+
+def record_cost(key: str, warmup_s: float, speedup: float | None) -> None:
+    """Remember a compiled run's warm-up (the cold one: the largest seen) and speedup."""
+    record = read_cache(COMPILE_FILE).get(key)
+    record = dict(record) if isinstance(record, dict) else {}
+    record["warmup_s"] = round(max(warmup_s, record.get("warmup_s", 0.0)), 2)
+    if speedup is not None:
+        record["speedup"] = round(speedup, 3)
+    update_cache(COMPILE_FILE, key, record)
+    update_cache(COMPILE_FILE, _cache_dir_key(key), round(warmup_s, 2))
+
+
+def pays(cost: CompileCost, remaining_s: float) -> tuple[bool, str]:
+    """Whether compiling pays over `remaining_s` seconds of eager training, and why."""
+    gain = remaining_s * (1 - 1 / cost.speedup) if cost.speedup > 1 else 0.0
+    detail = (f"warm-up ~{cost.warmup_s:.0f} s, {cost.speedup:.2f}x faster steps ({cost.source}); "
+              f"~{remaining_s:.0f} s of training left would save ~{gain:.0f} s")
+    return gain > MARGIN * cost.warmup_s, detail
+
+
+def predicted_step_s(step_flops: float | None, peak: float | None, eager_step_s: float) -> float:
+    """A compiled step's time before any was measured: the matmuls at 75% of the peak
+    (what compiled small models reach here), no slower than eager, at most 4x faster."""
+    if not step_flops or not peak:
+        return eager_step_s / GUESS_SPEEDUP
+    return min(eager_step_s, max(eager_step_s / 4, step_flops / (0.75 * peak)))
+
+
+class AutoPlan:
+    """`dtype: auto` and `compile: auto` decided by measurement.
+
+    The loop runs its first steps eagerly, `timed` (+1 warm-up) in each candidate dtype
+    (those the hardware computes natively), then `decide` compares, for the time left,
+    how many steps each option gets done: eager R / e, compiled (R - w) / c, with the
+    eager step e timed, and the compiled step c and warm-up w measured by earlier runs
+    (`compile_cost`) or predicted. Compiling must win by `MARGIN`.
+    """
+
+    def __init__(self, dtypes: list[str], compile_setting: str, keys: dict[str, str],
+                 step_flops: float | None, peaks: dict[str, float | None], timed: int = 2) -> None:
+        self.dtypes, self.compile_setting, self.keys = dtypes, compile_setting, keys
+        self.step_flops, self.peaks, self.timed = step_flops, peaks, timed
+        self.times: dict[str, list[float]] = {d: [] for d in dtypes}
+        self._seen: dict[str, int] = {d: 0 for d in dtypes}
+
+    def next_dtype(self) -> str | None:
+        """The dtype of the next timing step, None once every candidate is timed."""
+        for d in self.dtypes:
+            if len(self.times[d]) < self.timed:
+                return d
+        return None
+
+    def record(self, dtype: str, seconds: float) -> None:
+        self._seen[dtype] += 1
+        if self._seen[dtype] > 1:  # a dtype's first step warms up (kernels, a C build)
+            self.times[dtype].append(seconds)
+
+    def eager_step_s(self, dtype: str) -> float:
+        return sorted(self.times[dtype])[len(self.times[dtype]) // 2]
+
+    def decide(self, remaining_s: float) -> tuple[str, bool, str]:
+        """(dtype, compile, why) for the `remaining_s` seconds of training left."""
+        options = []  # (steps done in remaining_s, dtype, compiled, description)
+        for d in self.dtypes:
+            e = self.eager_step_s(d)
+            options.append((remaining_s / e, d, False, f"{d} eager {1e3 * e:.0f} ms/step"))
+            if self.compile_setting == "auto":
+                cost = compile_cost(self.keys[d])
+                if cost.source == "guessed":
+                    c = predicted_step_s(self.step_flops, self.peaks.get(d), e)
+                    cost = CompileCost(cost.warmup_s, e / c, "predicted")
+                c = e / cost.speedup
+                steps = max(0.0, remaining_s - cost.warmup_s) / c / MARGIN
+                options.append((steps, d, True, f"{d} compiled ~{1e3 * c:.0f} ms/step after a "
+                                                f"~{cost.warmup_s:.0f} s warm-up ({cost.source})"))
+        steps, dtype, compiled, what = max(options, key=lambda o: o[0])
+        others = "; ".join(o[3] for o in options if o[1:3] != (dtype, compiled))
+        why = f"{what}: the most steps in the ~{remaining_s:.0f} s left" + (f" (vs {others})" if others else "")
+        return dtype, compiled, why
