@@ -61,8 +61,7 @@ def compile_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 def use_persistent_cache() -> Path:
     """Keep inductor's compiled kernels in the per-user cache (unless TORCHINDUCTOR_CACHE_DIR
     is set), with its FX-graph and autotune caches on: a later run skips the warm-up."""
-    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     inductor_config.fx_graph_cache = True
     inductor_config.autotune_local_cache = True
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -223,3 +222,14 @@ class AutoPlan:
         others = "; ".join(o[3] for o in options if o[1:3] != (dtype, compiled))
         why = f"{what}: the most steps in the ~{remaining_s:.0f} s left" + (f" (vs {others})" if others else "")
         return dtype, compiled, why
+
+
+def inductor_cache_dir() -> Path:
+    """Where compiled kernels are kept: TORCHINDUCTOR_CACHE_DIR if the user set it, else
+    the per-user cache (torch writes its own default, a folder in /tmp, into the variable)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
+        return Path(given)
+    return user_cache_dir() / "inductor"

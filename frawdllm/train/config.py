@@ -74,7 +74,7 @@ class TrainConfig:
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps.")
     dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = bf16 where the hardware computes it "
                                 "natively, else fp32.")
-    compile: str = option("auto", "torch.compile the training step: true, false, or auto = only where its "
+    compile: str | bool = option("auto", "torch.compile the training step: true, false, or auto = only where its "
                                   "warm-up pays back within the budget (measured, cached per machine).",
                           choices=COMPILE_CHOICES)
     # batch and budget

@@ -298,3 +298,52 @@ def keep_freed_memory() -> bool:
         return False  # not glibc (e.g. musl)
     # Blocks up to 32 MB (glibc's maximum) come from the heap, and the heap is never trimmed.
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**30))
+
+
+def process_started_at() -> float:
+    """When this process started, on the `time.perf_counter()` clock (Linux; elsewhere: now)."""
+    try:
+        fields_ = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields_[19]) / os.sysconf("SC_CLK_TCK")  # seconds after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter()
+    return time.perf_counter() - max(0.0, age)
+
+
+def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_setting: str = "auto",
+                    say=None) -> list[str]:
+    """What `frawd info` and `frawd pretrain --dry-run` say about this machine: the device,
+    its CPU features, the dtype and compile decisions and why, the matmul peaks (measured
+    once, cached)."""
+    from . import compile as compiling
+
+    device = pick_device(device_name)
+    chosen, why = choose_dtype(dtype, device)
+    lines = [f"device:        {device}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else
+                                           f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")]
+    lines.append(f"cpu features:  {shown_features()}")
+    if dtype == "auto" and device.type == "cpu" and cpu_has_bf16() and compile_setting != "true":
+        why += "; the first steps time bf16 and fp32 and keep the faster (compiled or not)"
+    lines.append(f"dtype:         {chosen} ({why})")
+    blocker = compiling.known_failure(device) if compile_setting != "false" else None
+    if compile_setting == "false":
+        decision = "off (compile: false)"
+    elif blocker is not None and (compile_setting == "auto" or "before" not in blocker):
+        decision = f"off: {blocker}"
+    elif compile_setting == "true":
+        decision = "on (compile: true)"
+    else:
+        decision = ("auto: decided after timing the first steps, by whether the warm-up pays back in the "
+                    f"budget left (warm-up and speedup measured by earlier runs here, else predicted; "
+                    f"kernels cached in {compiling.inductor_cache_dir()})")
+    lines.append(f"compile:       {decision}")
+    for d in dict.fromkeys([matmul_dtype(chosen, device), "fp32", *(["bf16"] if cpu_has_bf16() or
+                                                                   device.type == "cuda" else [])]):
+        cached = cached_peak(device, d)
+        peak = cached if cached is not None else peak_flops(device, d, say=say)
+        lines.append(f"peak {d}:     {peak / 1e9:,.1f} GFLOP/s ({'cached' if cached else 'measured now'}; "
+                     f"{user_cache_dir() / PEAKS_FILE})")
+    if device.type == "cpu" and not cpu_has_bf16():
+        lines.append("peak bf16:     none native (emulated bf16 matmuls; MFU of bf16 training uses fp32's peak)")
+    return lines

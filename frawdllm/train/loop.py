@@ -375,7 +375,7 @@ class Trainer:
             self.plan.record(self.dtype, now - started)
             if self.plan.next_dtype() is None:
                 self._decide()
-                self._step_times = []
+                self._step_times = [] if self._compiled else [self._eager_s[self.dtype]]
         elif warming:
             self._warmup_s = now - started
         elif self.step > self._session_step + 1:  # the first step of a session warms up (compiles)
@@ -472,7 +472,8 @@ class Trainer:
         if cfg.max_time_s:
             if self.elapsed() >= cfg.max_time_s:
                 return "max_time"
-            if self._step_times and self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
+            estimate = self._step_times or (self.plan is not None and self.plan.times.get(self.dtype))
+            if estimate and self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 

@@ -10,12 +10,16 @@
    resumable), the model's own cross-entropy, validation on the first `eval_batches`
    windows of val.bin, a sample at each evaluation.
 4. `Trainer(...).fit()`; OUT/model is the best model, tokenizer.json included.
+
+--max-time covers all of it, from the call's start (from the process's start under
+`frawd pretrain`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,8 +184,41 @@ def prepare_run_dir(cfg: PretrainConfig) -> Path:
     return run_dir
 
 
-def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> TrainResult:
+def dry_run_plan(cfg: PretrainConfig) -> list[str]:
+    """`frawd pretrain --dry-run`: the settings checked (nothing trained or written) and the plan."""
+    from .device import hardware_report
+
+    if not cfg.has_budget:
+        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    run_dir = Path(cfg.out)
+    has_run = any((run_dir / name).exists() for name in RUN_FILES + RUN_DIRS)
+    if cfg.resume and not (run_dir / CHECKPOINTS_DIR).is_dir():
+        raise FrawdError(f"{run_dir}: no run to resume (no checkpoints folder)")
+    if has_run and not cfg.resume and not cfg.overwrite:
+        raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+    model_cfg = model_config_for(cfg, cfg.vocab_size or cfg.model.get("vocab_size")
+                                 or PRESETS[cfg.preset]["vocab_size"])
+    budget = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in (("max_steps", cfg.max_steps),
+                       ("max_tokens", cfg.max_tokens), ("max_time", cfg.max_time)) if v is not None)
+    action = "resume" if cfg.resume else "overwrite" if has_run else "new run"
+    lines = [f"dry run: nothing trained, nothing written",
+             f"out:           {run_dir} ({action})",
+             f"data:          {cfg.data} (tokenizer {cfg.tokenizer})",
+             f"model:         {cfg.preset}, ~{model_cfg.num_parameters:,} parameters "
+             f"(vocabulary to fit the tokenizer), context {model_cfg.context_length}",
+             f"batch:         {cfg.batch_size} x {cfg.grad_accum} x {model_cfg.context_length} tokens per step",
+             f"budget:        {budget} (the whole command: tokenizer, data, warm-up, evaluations, save)"]
+    say = print if cfg.progress else None
+    return lines + hardware_report(cfg.device, cfg.dtype, cfg.compile, say=say)
+
+
+def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
+                    started_at: float | None = None) -> TrainResult:
+    """The whole job. --max-time counts from `started_at` (a `time.perf_counter()`; default:
+    now), so tokenizer training and data preparation are inside the budget."""
     from .. import FrawdLLM, __version__
+
+    started_at = time.perf_counter() if started_at is None else started_at
 
     run_dir = prepare_run_dir(cfg)
     data = prepare_data(cfg, run_dir)
@@ -195,5 +232,6 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> Train
     saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
     task = PretrainTask(data, model_cfg, cfg)
-    trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict())
+    trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
+                      started_at=started_at)
     return trainer.fit()
