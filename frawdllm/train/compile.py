@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 
-from .device import machine_key, read_cache, update_cache, user_cache_dir
+from . import device as device_module  # (its user_cache_dir is looked up at call time)
+from .device import machine_key, read_cache, update_cache
 
 COMPILE_FILE = "compile.json"
 # before any measurement here: a cold CPU warm-up of the small presets took 20-80 s on
@@ -232,4 +233,4 @@ def inductor_cache_dir() -> Path:
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
         return Path(given)
-    return user_cache_dir() / "inductor"
+    return device_module.user_cache_dir() / "inductor"

@@ -287,6 +287,11 @@ class Trainer:
         if compiled:
             self._use_compiled(True)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the training step runs under torch.compile (now)."""
+        return self._compiled
+
     # ---- the loop ---------------------------------------------------------------------
     def request_stop(self, reason: str = "interrupted") -> None:
         """Stop after the current step, with a checkpoint (signal handlers call this)."""
