@@ -219,7 +219,7 @@ def test_max_time_bounds_the_whole_command(tmp_path, shared_data):
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", MAX_TIME_SCRIPT, str(corpus), str(tmp_path / "run"), f"{budget}s"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "FRAWD_CACHE_DIR": str(tmp_path / "cache")})
+                          env={**os.environ, "FRAWD_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     assert "max_time" in proc.stdout

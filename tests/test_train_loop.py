@@ -198,19 +198,30 @@ def test_many_nan_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
     assert torch.isfinite(restored.weight).all()
 
 
-def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path):
-    budget = 4.0
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one_thread):
+    # the budget counts from run_pretraining's start: data preparation, evaluations and the
+    # final checkpoint are inside it. One thread: on a busy shared machine a second OpenMP
+    # thread waits for a core at every op.
+    budget = 10.0
     cfg = tiny_config(corpus, tmp_path / "run", max_steps=None, max_time=f"{budget}s", eval_interval=0,
                       eval_batches=20)
-    start_metrics = time.perf_counter()
+    start = time.perf_counter()
     result = run_pretraining(cfg)
-    wall = time.perf_counter() - start_metrics
+    wall = time.perf_counter() - start
     assert result.stop_reason == "max_time"
-    assert result.elapsed_s <= budget + 0.5
+    assert result.elapsed_s <= budget * 1.05
+    assert wall <= budget * 1.05 + 0.3
     assert result.steps > 5
-    assert wall < budget + 15  # data preparation and model set-up come on top
     evals = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
-    assert evals and evals[-1]["elapsed_s"] <= budget + 0.5
+    assert evals and evals[-1]["elapsed_s"] <= budget * 1.05
 
 
 class LinearTask(ScriptedTask):

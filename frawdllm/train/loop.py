@@ -165,6 +165,7 @@ class Trainer:
         self._compile_started: float | None = None  # when the first compiled step began
         self._compile_retried = False
         self._warmup_s: float | None = None  # the first compiled step's duration
+        self._last_step_s: float | None = None
         self._eager_s: dict[str, float] = {}  # timed eager step per dtype (auto)
         self._cost_keys: dict[str, str] = {}
         self.compile_why = "off (compile: false)"
@@ -376,6 +377,7 @@ class Trainer:
         self.last_loss = loss_value
         record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
         now = time.perf_counter()
+        self._last_step_s = now - started
         if self.plan is not None:
             self.plan.record(self.dtype, now - started)
             if self.plan.next_dtype() is None:
@@ -477,16 +479,19 @@ class Trainer:
         if cfg.max_time_s:
             if self.elapsed() >= cfg.max_time_s:
                 return "max_time"
-            estimate = self._step_times or (self.plan is not None and self.plan.times.get(self.dtype))
-            if estimate and self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
+            if self._last_step_s is not None and \
+                    self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
     def _step_s(self) -> float:
-        """A typical step's duration: the median of the recent ones (or of the timing steps)."""
-        if not self._step_times and self.plan is not None and self.plan.times.get(self.dtype):
+        """A typical step's duration: the median of the recent ones (or of the timing steps;
+        before any, the last step, a warm-up that overestimates)."""
+        if self._step_times:
+            return statistics.median(self._step_times)
+        if self.plan is not None and self.plan.times.get(self.dtype):
             return self.plan.eager_step_s(self.dtype)
-        return statistics.median(self._step_times)
+        return self._last_step_s or 0.0
 
     def _final_eval_s(self) -> float:
         """What the final evaluation and checkpoint will take, with a 50% margin: as long as
