@@ -20,19 +20,15 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-@pytest.fixture(scope="session")
-def _session_inductor_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("inductor")
-
-
 @pytest.fixture(autouse=True)
-def private_user_cache(tmp_path_factory, _session_inductor_dir, monkeypatch) -> Path:
+def private_user_cache(tmp_path_factory, monkeypatch) -> Path:
     """Each test gets its own training cache (measured peaks, compile costs and failures),
     so a test's fake CPU or failing compile never reaches the user's ~/.cache/frawdllm;
-    torch.compile's kernels go to one folder for the session."""
+    TORCHINDUCTOR_CACHE_DIR is put back after each test (training points it at that cache)."""
     import frawdllm.train.device as device
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     folder = tmp_path_factory.mktemp("frawd-cache")
     monkeypatch.setattr(device, "user_cache_dir", lambda: folder)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(_session_inductor_dir))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
     return folder
