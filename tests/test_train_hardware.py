@@ -224,3 +224,45 @@ def test_max_time_bounds_the_whole_command(tmp_path, shared_data):
     assert proc.returncode == 0, proc.stderr
     assert "max_time" in proc.stdout
     assert wall < budget * 1.1 + 1.0  # the interpreter's own exit on top
+
+
+def test_compile_flag_takes_auto_true_false_and_the_old_switches(tmp_path):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import pretrain as pretrain_cli
+
+    seen = []
+
+    def fake_dry_run(cfg):
+        seen.append(cfg.compile)
+        return []
+
+    import frawdllm.train.pretrain as pretrain_module
+
+    original = pretrain_module.dry_run_plan
+    pretrain_module.dry_run_plan = fake_dry_run
+    try:
+        runner = CliRunner()
+        base = ["--max-steps", "1", "--out", str(tmp_path / "x"), "--dry-run"]
+        for args in ([], ["--compile"], ["--no-compile"], ["--compile", "auto"], ["--compile", "false"]):
+            result = runner.invoke(pretrain_cli.pretrain, base + args)
+            assert result.exit_code == 0, result.output
+        bad = runner.invoke(pretrain_cli.pretrain, base + ["--compile", "maybe"])
+        assert bad.exit_code != 0
+    finally:
+        pretrain_module.dry_run_plan = original
+    assert seen == ["auto", "true", "false", "auto", "false"]
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import pretrain as pretrain_cli
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(pretrain_cli.pretrain, ["--max-time", "1m", "--out", str(out), "--dry-run",
+                                                        "--no-progress", "--peak-tflops", "1"])
+    assert result.exit_code == 0, result.output
+    for expected in ("cpu features:", "dtype:", "compile:", "peak fp32:", "budget:"):
+        assert expected in result.output
+    assert not out.exists()

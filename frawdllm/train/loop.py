@@ -162,7 +162,6 @@ class Trainer:
         self.model = model.to(self.device)
         self._compiled = False  # whether the step is (meant to be) compiled
         self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
-        self._compile_started: float | None = None  # when the first compiled step began
         self._compile_retried = False
         self._warmup_s: float | None = None  # the first compiled step's duration
         self._last_step_s: float | None = None
@@ -351,7 +350,6 @@ class Trainer:
         warming = self._compiled and not self._compiled_ok
         if warming:
             self._say("torch.compile warm-up (first step)...")
-            self._compile_started = started
         total = torch.zeros((), device=self.device)
         step_tokens = 0
         for _ in range(cfg.grad_accum):
