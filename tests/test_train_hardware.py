@@ -266,3 +266,12 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     for expected in ("cpu features:", "dtype:", "compile:", "peak fp32:", "budget:"):
         assert expected in result.output
     assert not out.exists()
+
+
+def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_user_cache):
+    key = device.machine_key(CPU) + "|fp32|shape-a"
+    assert compiling.compile_cost(key).warmup_s == compiling.GUESS_WARMUP_S
+    compiling.record_cost(key, warmup_s=12.5, speedup=2.0)
+    other = device.machine_key(CPU) + "|fp32|shape-b"
+    assert compiling.compile_cost(other).warmup_s == 12.5 and compiling.compile_cost(other).source == "guessed"
+    assert compiling.compile_cost(key).speedup == 2.0 and compiling.compile_cost(key).source == "measured here"

@@ -52,7 +52,7 @@ def dataclass_options(cls: type, skip: tuple[str, ...] = ()):
                                            default=False, help=f"Same as {flag} false.")(command)
                 command = click.option(flag, f.name, type=click.Choice(choices, case_sensitive=False),
                                        is_flag=False, flag_value="true", default=None,
-                                       help=help_text + f"  [default: {default}; {flag} alone = true]")(command)
+                                       help=help_text + f"  ({flag} alone = true)")(command)
             elif kind is bool:
                 decl = f"{flag}/--no-{f.name.replace('_', '-')}"
                 command = click.option(decl, f.name, default=None, help=help_text + (

@@ -134,11 +134,14 @@ def _cache_dir_key(key: str) -> str:
 
 def compile_cost(key: str) -> CompileCost:
     """Warm-up and speedup measured by earlier runs for `key` (the warm-up of a run whose
-    inductor cache still holds the kernels, if this cache folder did), else a guess."""
+    inductor cache still holds the kernels, if this cache folder did), else a guess (the
+    warm-up: the slowest measured here for any model, or GUESS_WARMUP_S)."""
     records = read_cache(COMPILE_FILE)
     record, warm = records.get(key), records.get(_cache_dir_key(key))
     if not isinstance(record, dict):
-        return CompileCost(GUESS_WARMUP_S, GUESS_SPEEDUP, "guessed")
+        machine = records.get(_machine_key(key))  # the slowest cold warm-up of any model here
+        return CompileCost(float(machine) if isinstance(machine, (int, float)) else GUESS_WARMUP_S,
+                           GUESS_SPEEDUP, "guessed")
     warmup = record.get("warmup_s", GUESS_WARMUP_S)
     if isinstance(warm, (int, float)) and Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")).is_dir():
         warmup = warm
@@ -154,6 +157,13 @@ def record_cost(key: str, warmup_s: float, speedup: float | None) -> None:
         record["speedup"] = round(speedup, 3)
     update_cache(COMPILE_FILE, key, record)
     update_cache(COMPILE_FILE, _cache_dir_key(key), round(warmup_s, 2))
+    machine = read_cache(COMPILE_FILE).get(_machine_key(key))
+    update_cache(COMPILE_FILE, _machine_key(key), round(max(warmup_s, machine if isinstance(machine, (int, float)) else 0.0), 2))
+
+
+def _machine_key(key: str) -> str:
+    """The machine part of a cost key (machine|threads|torch), for what is known of any model."""
+    return "|".join(key.split("|")[:3]) + "|any-model-warmup_s"
 
 
 def pays(cost: CompileCost, remaining_s: float) -> tuple[bool, str]:
