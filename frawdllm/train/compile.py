@@ -10,12 +10,12 @@ is right. With it off, the gradients equal eager's (tests/test_compile.py pins t
 every block style) and the step is as fast. The blocks check the same switch, so a plain
 `torch.compile(model)` inlines every layer instead and is correct too.
 
-`compile: auto` compiles only where it pays within the run's budget. Compiling costs a
-warm-up w (seconds, once) and makes each step s times faster; over R seconds of eager
-training it saves R (1 - 1/s), so it pays when that beats w (with a 20% margin). w and s
-are measured by runs on this machine and model shape and cached in
-`~/.cache/frawdllm/compile.json` (before any, a cautious guess); R comes from the eager
-steps the loop times before deciding. Kernels compiled once are reused across runs:
+`compile: auto` compiles only where it pays within the run's budget (`AutoPlan`).
+Compiling costs a warm-up w (seconds, once) and makes a step take c instead of e; in the
+R seconds left, eager training does R / e steps and compiled (R - w) / c, which must be
+20% more. e is timed on the run's first steps; w and c are measured by earlier runs on
+this machine and model shape and cached in `~/.cache/frawdllm/compile.json` (before
+any, predicted: w the slowest warm-up seen here or 60 s, c from the step's FLOPs). Kernels compiled once are reused across runs:
 inductor's FX-graph and autotune caches live in `~/.cache/frawdllm/inductor` (unless
 TORCHINDUCTOR_CACHE_DIR says otherwise). A known failure (no C++ compiler; a compile
 that failed here before) decides against compiling at once; a corrupt cache entry is
@@ -95,8 +95,9 @@ def cxx_compiler() -> str | None:
 @dataclass
 class CompileCost:
     warmup_s: float
-    speedup: float
+    speedup: float | None  # compiled vs eager step, measured in one run
     source: str  # "measured here" or "guessed"
+    step_s: float | None = None  # a compiled step's time, measured
 
 
 def shape_key(device: torch.device, dtype: str, model: torch.nn.Module, batch_shape: tuple[int, ...]) -> str:
@@ -145,16 +146,21 @@ def compile_cost(key: str) -> CompileCost:
     warmup = record.get("warmup_s", GUESS_WARMUP_S)
     if isinstance(warm, (int, float)) and Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")).is_dir():
         warmup = warm
-    return CompileCost(float(warmup), float(record.get("speedup", GUESS_SPEEDUP)), "measured here")
+    speedup, step_s = record.get("speedup"), record.get("step_s")
+    return CompileCost(float(warmup), float(speedup) if speedup else None, "measured here",
+                       float(step_s) if step_s else None)
 
 
-def record_cost(key: str, warmup_s: float, speedup: float | None) -> None:
-    """Remember a compiled run's warm-up (the cold one: the largest seen) and speedup."""
+def record_cost(key: str, warmup_s: float, speedup: float | None, step_s: float | None = None) -> None:
+    """Remember a compiled run's warm-up (the cold one: the largest seen), its step time
+    and its speedup over eager (when the run timed both)."""
     record = read_cache(COMPILE_FILE).get(key)
     record = dict(record) if isinstance(record, dict) else {}
     record["warmup_s"] = round(max(warmup_s, record.get("warmup_s", 0.0)), 2)
     if speedup is not None:
         record["speedup"] = round(speedup, 3)
+    if step_s is not None:
+        record["step_s"] = round(step_s, 5)
     update_cache(COMPILE_FILE, key, record)
     update_cache(COMPILE_FILE, _cache_dir_key(key), round(warmup_s, 2))
     machine = read_cache(COMPILE_FILE).get(_machine_key(key))
@@ -164,14 +170,6 @@ def record_cost(key: str, warmup_s: float, speedup: float | None) -> None:
 def _machine_key(key: str) -> str:
     """The machine part of a cost key (machine|threads|torch), for what is known of any model."""
     return "|".join(key.split("|")[:3]) + "|any-model-warmup_s"
-
-
-def pays(cost: CompileCost, remaining_s: float) -> tuple[bool, str]:
-    """Whether compiling pays over `remaining_s` seconds of eager training, and why."""
-    gain = remaining_s * (1 - 1 / cost.speedup) if cost.speedup > 1 else 0.0
-    detail = (f"warm-up ~{cost.warmup_s:.0f} s, {cost.speedup:.2f}x faster steps ({cost.source}); "
-              f"~{remaining_s:.0f} s of training left would save ~{gain:.0f} s")
-    return gain > MARGIN * cost.warmup_s, detail
 
 
 def predicted_step_s(step_flops: float | None, peak: float | None, eager_step_s: float) -> float:
@@ -222,10 +220,13 @@ class AutoPlan:
             options.append((remaining_s / e, d, False, f"{d} eager {1e3 * e:.0f} ms/step"))
             if self.compile_setting == "auto":
                 cost = compile_cost(self.keys[d])
-                if cost.source == "guessed":
+                if cost.speedup:
+                    c = e / cost.speedup
+                elif cost.step_s:
+                    c = min(e, cost.step_s)
+                else:
                     c = predicted_step_s(self.step_flops, self.peaks.get(d), e)
-                    cost = CompileCost(cost.warmup_s, e / c, "predicted")
-                c = e / cost.speedup
+                    cost.source = "predicted" if cost.source == "guessed" else cost.source
                 steps = max(0.0, remaining_s - cost.warmup_s) / c / MARGIN
                 options.append((steps, d, True, f"{d} compiled ~{1e3 * c:.0f} ms/step after a "
                                                 f"~{cost.warmup_s:.0f} s warm-up ({cost.source})"))

@@ -430,7 +430,7 @@ class Trainer:
         key = self._cost_keys.get(self.dtype)
         if key is not None:
             compiling.record_cost(key, max(0.0, self._warmup_s - compiled_s),
-                                  eager_s / compiled_s if eager_s else None)
+                                  eager_s / compiled_s if eager_s else None, compiled_s)
             compiling.forget_failure(self.device)
 
     def _bad_step(self, loss_value: float, grad_norm: float) -> None:
