@@ -232,7 +232,7 @@ class Trainer:
             self.compile_why = f"off: {blocker}"
         candidates = [self.dtype]
         if cfg.dtype == "auto" and self.device.type == "cpu" and cpu_has_bf16() and cfg.compile != "true":
-            candidates = ["bf16", "fp32"]  # both native: eager bf16 can be slower than fp32 on a CPU
+            candidates = ["bf16", "fp32"]  # both native: eager bf16 (casts) is not always the faster
         if (cfg.compile == "auto" and blocker is None) or len(candidates) > 1:
             setting = "auto" if cfg.compile == "auto" and blocker is None else "false"
             self.plan = compiling.AutoPlan(candidates, setting, self._cost_keys, None, {})
