@@ -1,10 +1,11 @@
 """Character-level tiny shakespeare in a fixed wall-clock budget (default 100 s).
 
 The classic setup: the whole text, one token per character, the last 10% held out for
-validation. The recipe is `configs/shakespeare_char.yaml`; this script runs it with
-`--max-time` (the budget covers torch.compile's warm-up, evaluations and checkpoints;
-tokenizing the 1 MB of text comes before it), then scores the best model on the whole
-validation split in fp32.
+validation. The recipe is `configs/shakespeare_char.yaml` (dtype and compile auto); this
+script runs it with `--max-time` (the budget covers the whole job: tokenizing the 1 MB
+of text, the dtype/compile timing steps, torch.compile's warm-up if auto compiles,
+evaluations and checkpoints), then scores the best model on the whole validation split in
+fp32. It prints the CPU's features, what auto chose and why, and the peak used for MFU.
 
 torch.compile keeps compiled kernels in a disk cache; by default this script points it
 at a fresh folder, so the warm-up is paid in full as on a first run (`--warm-cache`
@@ -35,6 +36,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     parser.add_argument("--warm-cache", action="store_true", help="reuse torch.compile's kernel cache")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--data", default=None, help="the tinyshakespeare.txt to use (default: the recipe's)")
+    parser.add_argument("--dtype", default=None, help="override the recipe's dtype (auto)")
+    parser.add_argument("--compile", default=None, help="override the recipe's compile (auto)")
     args = parser.parse_args()
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="frawd-inductor-")
@@ -44,16 +48,21 @@ def main() -> None:
 
     from frawdllm import FrawdLLM
     from frawdllm.data import VAL_FILE, read_shard
-    from frawdllm.train import PretrainConfig, build_config, run_pretraining
+    from frawdllm.train import PretrainConfig, Trainer, build_config, run_pretraining
+    from frawdllm.train.device import process_started_at, shown_features
     from frawdllm.train.evaluate import lm_loss
     from frawdllm.train.pretrain import DATA_DIR
 
     out = args.out or tempfile.mkdtemp(prefix="frawd-shakespeare-")
     cfg = build_config(PretrainConfig, args.config, {"max_time": args.max_time, "out": out, "overwrite": True,
-                                                      "progress": args.progress})
-    start = time.perf_counter()
-    result = run_pretraining(cfg)
+                                                      "progress": args.progress, "data": args.data,
+                                                      "dtype": args.dtype, "compile": args.compile})
+    start = process_started_at()
+    seen = {}
+    result = run_pretraining(cfg, callbacks=[lambda trainer, record: seen.update(trainer=trainer)],
+                             started_at=start)
     wall = time.perf_counter() - start
+    trainer: Trainer = seen["trainer"]
     load = os.getloadavg()[0]
 
     model = FrawdLLM.from_pretrained(Path(out) / "model").eval()
@@ -62,9 +71,15 @@ def main() -> None:
 
     print(f"recipe={Path(args.config).name} dtype={cfg.dtype} compile={cfg.compile} "
           f"params={model.config.num_parameters} context={model.config.context_length} batch={cfg.batch_size}")
+    print(f"cpu_features={shown_features().replace(' ', ',')}")
+    print(f"dtype_used={trainer.dtype} ({trainer.dtype_why})")
+    print(f"compile_used={trainer.compiled} ({trainer.compile_why})")
+    peak = trainer.peak_flops
+    print(f"peak_used_gflops={peak / 1e9:.1f}" if peak else "peak_used_gflops=n/a")
+    print(f"mfu={result.mfu:.3f}" if result.mfu is not None else "mfu=n/a")
     print(f"budget_s={cfg.max_time_s:.0f}")
     print(f"train_s={result.elapsed_s:.1f}")
-    print(f"wall_s={wall:.1f}")
+    print(f"wall_s={wall:.1f}")  # from the process start: data preparation included
     print(f"load_average={load:.2f}")
     print(f"steps={result.steps}")
     print(f"tokens={result.tokens}")

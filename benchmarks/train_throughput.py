@@ -2,7 +2,9 @@
 
 Both models have the same dimensions (6 layers, width 256, 8 heads, vocabulary 8192),
 train on random token batches (batch 8, sequence 256) with AdamW (weight decay 0.1) and
-gradient clipping at 1.0, in fp32 and in bf16 autocast:
+gradient clipping at 1.0, in the dtype `dtype: auto` picks on this machine (bf16 autocast
+where the CPU computes bf16 natively, else fp32; `--dtypes fp32,bf16` for both; bf16 is
+skipped where it would be emulated, ~100x slower, unless `--allow-emulated`):
 
     ours  `frawdllm.train.Trainer.train_step`, exactly what `frawd pretrain` runs
           (torch.compile on unless --no-compile, fused AdamW, fused LM-head loss,
@@ -19,7 +21,8 @@ whole run; `--same-workers` keeps them), measures the dense matmul peak (per dty
 parent) and then `--steps` steps of every variant. A round's tokens/s is its median step; MFU
 (tokens/s x training FLOPs per token, 6N + attention as `ModelConfig.flops_per_token`
 counts them, / that round's peak in the same dtype) and the ratios are computed per round;
-the printed figures are medians over the rounds. `--detail` adds HF with fused AdamW,
+the printed figures are medians over the rounds. The CPU's features and the peak used
+for MFU (that of the dtype that really computes the matmuls) are printed first. `--detail` adds HF with fused AdamW,
 HF with the same allocator setting as ours, and HF under torch.compile.
 
     .venv/bin/python benchmarks/train_throughput.py            # prints key=value lines
@@ -143,7 +146,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-compile", action="store_true", help="run our model eagerly")
-    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--dtypes", default="auto", help="comma-separated; auto = what dtype: auto picks here")
+    parser.add_argument("--allow-emulated", action="store_true", help="also run bf16 where it is emulated")
     parser.add_argument("--same-workers", action="store_true",
                         help="keep one worker process per side for all rounds (default: fresh ones each round)")
     parser.add_argument("--detail", action="store_true",
@@ -152,10 +156,17 @@ def main() -> None:
     import torch
 
     from frawdllm import get_config
-    from frawdllm.train.device import measure_matmul_flops
+    from frawdllm.train.device import matmul_dtype, measure_matmul_flops, resolve_dtype, shown_features
 
+    cpu = torch.device("cpu")
     cfg = get_config("tiny")
-    dtypes = args.dtypes.split(",")
+    auto = resolve_dtype("auto", cpu)
+    dtypes = list(dict.fromkeys(auto if d == "auto" else d for d in args.dtypes.split(",")))
+    print(f"cpu_features={shown_features().replace(' ', ',')}")
+    print(f"auto_dtype={auto}")
+    for d in [d for d in dtypes if matmul_dtype(d, cpu) != d and not args.allow_emulated]:
+        print(f"skipped_{d}=emulated on this CPU (--allow-emulated runs it)")
+        dtypes.remove(d)
     compile = not args.no_compile
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} batch={BATCH} seq={SEQ} "
           f"params={cfg.num_parameters} compile={compile}", flush=True)
@@ -194,7 +205,7 @@ def main() -> None:
         if i and not args.same_workers:  # a process's speed varies from one process to the next: resample it
             stop_workers(workers)
             workers, owner = start_workers(report=False)
-        peaks = {d: measure_matmul_flops(torch.device("cpu"), d, min_seconds=0.5) for d in dtypes}
+        peaks = {d: measure_matmul_flops(cpu, matmul_dtype(d, cpu), min_seconds=0.5) for d in dtypes}
         tps = {}
         for name, conn in owner.items():
             conn.send(("run", name, args.steps))
@@ -207,7 +218,7 @@ def main() -> None:
 
     flops_per_token = cfg.flops_per_token(SEQ)
     for d in dtypes:
-        print(f"peak_{d}_gflops={median(lambda p, t: p[d]) / 1e9:.1f}")
+        print(f"peak_{d}_gflops={median(lambda p, t: p[d]) / 1e9:.1f} (measured in {matmul_dtype(d, cpu)})")
     for name in owner:
         print(f"{name}_tokens_per_s={median(lambda p, t: t[name]):.0f}")
     for who in ("hf_", ""):

@@ -64,9 +64,16 @@ def test_loss_decreases_on_tiny_shakespeare_in_seconds(corpus, tmp_path):
     assert result.steps == 150 and result.stop_reason == "max_steps" and result.tokens == 150 * 16 * 32
 
 
-def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path):
-    # dropout makes the torch RNG matter; the loader position and AdamW moments matter too
+@pytest.mark.parametrize("peak_tflops", [1.0, None], ids=["given-peak", "measured-peak"])
+def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path, peak_tflops, private_user_cache):
+    # dropout makes the torch RNG matter; the loader position and AdamW moments matter too.
+    # With the peak measured (a matmul of random inputs) in the resumed run, nothing may
+    # draw from the restored RNG streams before the first step.
     model = {**TINY_MODEL, "dropout": 0.1}
+
+    def tiny_config(*args, **kwargs):
+        return globals()["tiny_config"](*args, peak_tflops=peak_tflops, **kwargs)
+
     full = run_pretraining(tiny_config(corpus, tmp_path / "full", max_steps=12, model=model, eval_interval=4))
 
     def stop_at_7(trainer, record):
@@ -77,6 +84,8 @@ def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path):
                            callbacks=[stop_at_7])
     assert part.stop_reason == "interrupted" and part.steps == 7
     assert list_checkpoints(tmp_path / "part")[-1][0] == 7
+    for cached in private_user_cache.glob("peaks.json"):
+        cached.unlink()  # the resumed run measures the peak again
     resumed = run_pretraining(tiny_config(corpus, tmp_path / "part", max_steps=12, model=model, eval_interval=4,
                                           resume=True))
     assert resumed.steps == 12
@@ -189,19 +198,30 @@ def test_many_nan_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
     assert torch.isfinite(restored.weight).all()
 
 
-def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path):
-    budget = 4.0
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one_thread):
+    # the budget counts from run_pretraining's start: data preparation, evaluations and the
+    # final checkpoint are inside it. One thread: on a busy shared machine a second OpenMP
+    # thread waits for a core at every op.
+    budget = 10.0
     cfg = tiny_config(corpus, tmp_path / "run", max_steps=None, max_time=f"{budget}s", eval_interval=0,
                       eval_batches=20)
-    start_metrics = time.perf_counter()
+    start = time.perf_counter()
     result = run_pretraining(cfg)
-    wall = time.perf_counter() - start_metrics
+    wall = time.perf_counter() - start
     assert result.stop_reason == "max_time"
-    assert result.elapsed_s <= budget + 0.5
+    assert result.elapsed_s <= budget * 1.05
+    assert wall <= budget * 1.05 + 0.3
     assert result.steps > 5
-    assert wall < budget + 15  # data preparation and model set-up come on top
     evals = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
-    assert evals and evals[-1]["elapsed_s"] <= budget + 0.5
+    assert evals and evals[-1]["elapsed_s"] <= budget * 1.05
 
 
 class LinearTask(ScriptedTask):
@@ -322,17 +342,23 @@ def test_fp16_autocast_trains_with_a_grad_scaler(tmp_path):
 
 
 def test_a_failing_torch_compile_falls_back_to_eager_with_a_warning(tmp_path, monkeypatch):
-    import frawdllm.train.loop as loop
+    import frawdllm.train.compile as compiling
 
     def broken_compile(fn):
         def compiled(*args):
-            raise RuntimeError("InductorError: no C++ compiler found\nmore detail")
+            raise RuntimeError("InductorError: CppCompileError: g++ failed\nmore detail")
         return compiled
 
-    monkeypatch.setattr(loop, "compile_step", broken_compile)
+    monkeypatch.setattr(compiling, "compile_step", broken_compile)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     trainer = Trainer(model, LinearTask(8), generic_config(tmp_path, compile=True, max_steps=5, eval_interval=0))
-    with pytest.warns(UserWarning, match="torch.compile failed .*no C\\+\\+ compiler.*training without it"):
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match="torch.compile failed .*CppCompileError.*training without it"):
         result = trainer.fit()
+    assert time.perf_counter() - start < 10  # falls back at once, in bounded time
     assert result.steps == 5 and len(train_losses(tmp_path / "run")) == 5
+    # remembered: the next `auto` run does not try again
+    again = Trainer(torch.nn.Linear(4, 1), LinearTask(8), generic_config(tmp_path / "b", compile="auto"))
+    assert again.plan is None or again.plan.compile_setting == "false"
+    assert "failed here before" in again.compile_why and "CppCompileError" in again.compile_why

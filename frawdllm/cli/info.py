@@ -21,7 +21,9 @@ def _human(n: float, unit: str = "B") -> str:
 @set_option()
 @click.option("--seq-len", type=int, default=None, help="Sequence length for FLOPs (default: context_length).")
 def info(preset: str, overrides: tuple[str, ...], seq_len: int | None) -> None:
-    """Print a config, its exact parameter count, training FLOPs per token and memory.
+    """Print a config, its exact parameter count, training FLOPs per token and memory,
+    and this machine: device, CPU features, the dtype and compile `auto` picks and why,
+    and the matmul peaks (measured once, cached in ~/.cache/frawdllm).
 
     The parameter count is computed from the config and equals the number of unique
     parameters of the built model (tied embeddings counted once).
@@ -45,3 +47,8 @@ def info(preset: str, overrides: tuple[str, ...], seq_len: int | None) -> None:
     click.echo(f"  AdamW state (m, v):     {_human(8 * n)}")
     click.echo(f"  total:                  {_human(16 * n)}  (+ activations)")
     click.echo(f"weights in bf16:          {_human(2 * n)}")
+    from ..train.device import hardware_report
+
+    click.echo("this machine (for training):")
+    for line in hardware_report(say=lambda message: click.echo(message, err=True)):
+        click.echo(f"  {line}")

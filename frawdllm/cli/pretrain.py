@@ -12,13 +12,18 @@ from .options import set_option
 @click.command(context_settings={"max_content_width": 110})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="A YAML file of the options below (flags given here override it).")
+@click.option("--dry-run", is_flag=True, default=False,
+              help="Check the settings and print the plan (device, CPU features, dtype, compile, peaks); "
+                   "train nothing, write nothing.")
 @set_option()
 @dataclass_options(PretrainConfig)
-def pretrain(config_file: str | None, overrides: tuple[str, ...], **flags) -> None:
+def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool, **flags) -> None:
     """Pretrain a model on --data until a budget (--max-steps, --max-tokens, --max-time) is spent.
 
     Trains (or reuses) a tokenizer, tokenizes the corpus into OUT/data, then runs the
-    training loop. OUT ends up with config.yaml, metrics.jsonl, loss.png, samples.txt,
+    training loop. --max-time bounds the whole command (tokenizer, data, compile warm-up,
+    evaluations, the final save). dtype and compile default to auto: decided for this
+    machine by its features and by timing the first steps (--dry-run shows the plan). OUT ends up with config.yaml, metrics.jsonl, loss.png, samples.txt,
     checkpoints/ (the last few and the best) and model/ (the best model directory,
     tokenizer.json included, usable by every other command). Ctrl-C saves a checkpoint;
     --resume continues from it. --init-from DIR trains an existing model directory further
@@ -35,12 +40,18 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], **flags) -> No
     from ..config import parse_overrides, ModelConfig
     from ..errors import FrawdError
     from ..train.config import build_config
-    from ..train.pretrain import run_pretraining
+    from ..train.device import process_started_at
+    from ..train.pretrain import dry_run_plan, run_pretraining
 
+    started_at = process_started_at()  # --max-time counts the whole command
     cfg = build_config(PretrainConfig, config_file, flags, parse_overrides(ModelConfig, list(overrides)))
     if cfg.init_from is not None and flags.get("preset") is not None:
         raise FrawdError("--preset and --init-from both choose the model; give one")
-    result = run_pretraining(cfg)
+    if dry_run:
+        for line in dry_run_plan(cfg):
+            click.echo(line)
+        return
+    result = run_pretraining(cfg, started_at=started_at)
     click.echo(result.summary())
     if result.stop_reason == "interrupted":
         click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "

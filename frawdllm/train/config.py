@@ -28,6 +28,9 @@ from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+COMPILE_CHOICES = ("auto", "true", "false")
+_BOOLEAN_WORDS = {"true": "true", "on": "true", "yes": "true", "1": "true",
+                  "false": "false", "off": "false", "no": "false", "0": "false", "auto": "auto"}
 
 
 def option(default: Any, help: str, **kwargs: Any) -> Any:
@@ -69,8 +72,11 @@ class TrainConfig:
     overwrite: bool = option(False, "Start over in an --out that already holds a run (deletes it).")
     seed: int = option(1337, "Seed of the weights' initialisation, dropout and data order.")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps.")
-    dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = bf16 where the hardware has it.")
-    compile: bool = option(False, "torch.compile the model (a warm-up of tens of seconds on CPU).")
+    dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = bf16 where the hardware computes it "
+                                "natively, else fp32.")
+    compile: str | bool = option("auto", "torch.compile the training step: true, false, or auto = only where its "
+                                  "warm-up pays back within the budget (measured, cached per machine).",
+                          choices=COMPILE_CHOICES)
     # batch and budget
     batch_size: int = option(16, "Sequences per micro-batch.")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
@@ -120,6 +126,7 @@ class TrainConfig:
         _require("peak_tflops", self.peak_tflops, lambda v: v is None or v > 0, "positive")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        self.compile = _compile_setting(self.compile)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.max_time is not None:
@@ -173,6 +180,16 @@ class PretrainConfig(TrainConfig):
         _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
 
 
+def _compile_setting(value: Any) -> str:
+    """`compile` as auto, true or false (YAML and older configs give booleans)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    word = _BOOLEAN_WORDS.get(str(value).strip().lower()) if isinstance(value, str) else None
+    if word is None:
+        raise ConfigError(f"compile must be auto, true or false; got {value!r}")
+    return word
+
+
 def _require(name: str, value: Any, ok, what: str) -> None:
     try:
         good = ok(value)
@@ -195,7 +212,7 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
                 return target(value)
             except ValueError:
                 pass
-    if str in options and isinstance(value, (int, float)):
+    if str in options and isinstance(value, (int, float, bool)):
         return str(value)
     raise ConfigError(f"{name}: expected {hint}, got {value!r}")
 
@@ -255,4 +272,4 @@ def dump_yaml(cfg: TrainConfig, header: str = "") -> str:
 
 
 __all__ = ["TrainConfig", "PretrainConfig", "parse_duration", "load_yaml", "dump_yaml", "build_config", "option",
-           "field_defaults", "SCHEDULES", "DTYPES"]
+           "field_defaults", "SCHEDULES", "DTYPES", "COMPILE_CHOICES"]

@@ -1,14 +1,18 @@
-"""Where and in what precision training runs: device, autocast dtype, seeds, RNG state.
+"""Where and in what precision training runs: device, autocast dtype, seeds, RNG state,
+and what this machine can compute (its CPU features and matmul peaks).
 
 Mixed precision keeps the weights and the optimizer in fp32 and runs the forward and
 backward matmuls in bf16 or fp16 under `torch.autocast`. bf16 has fp32's range, so it
 needs nothing else; fp16 overflows easily, so its loss is scaled (`GradScaler`).
-`auto` picks bf16 where the hardware computes it natively (recent GPUs; CPUs with
-AVX-512 BF16 or AMX), else fp32.
+`auto` picks a low-precision dtype only where the hardware computes it natively (GPUs
+that support bf16; CPUs with AVX-512 BF16 or AMX), else fp32: on an AVX2 CPU bf16
+matmuls are emulated, about 100x slower than fp32.
 
-MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. The peak is
-measured here with a large matmul in the training dtype, so it is the peak of this
-machine, today.
+MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. The peak is that
+of the dtype that really computes the matmuls (fp32's where bf16 would be emulated),
+measured once per machine, dtype and thread count with a large matmul and cached in
+`~/.cache/frawdllm/peaks.json`. An MFU above 100% means the peak is wrong; it is never
+shown (`n/a` instead), nor is one without a peak.
 
 On Linux, glibc's malloc hands large freed blocks back to the kernel and asks for them
 again at the next step; every page then comes back zeroed through a page fault (about
@@ -21,15 +25,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import hashlib
+import json
+import os
+import platform
 import random
 import sys
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..cbuild import cache_dir as _native_cache_dir
 from ..errors import ConfigError
+from ..io import write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,25 +63,89 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
-@lru_cache(maxsize=1)
-def cpu_has_bf16() -> bool:
+# CPU features that decide what is fast here (x86 flags; ARM's "asimd" is NEON).
+SHOWN_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16",
+                  "amx_tile", "asimd", "bf16", "sve")
+
+
+def user_cache_dir() -> Path:
+    """FrawdLLM's per-user cache: ~/.cache/frawdllm, or $FRAWD_CACHE_DIR."""
+    return _native_cache_dir().parent
+
+
+def _cpuinfo_text() -> str:
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ""
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
+def _cpuinfo_flags() -> frozenset[str]:
+    for line in _cpuinfo_text().splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    if platform.machine().lower() in ("arm64", "aarch64"):  # macOS: every Apple CPU has NEON
+        return frozenset({"asimd"})
+    return frozenset()
+
+
+@lru_cache(maxsize=1)
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags, as PyTorch may use them: `ATEN_CPU_CAPABILITY=avx2` or
+    `ONEDNN_MAX_CPU_ISA=AVX2` (which cap PyTorch's kernels) hide AVX-512 and AMX."""
+    flags = _cpuinfo_flags()
+    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default") or \
+        os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "AVX", "SSE"))
+    if capped:
+        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    return flags
+
+
+def shown_features(features: frozenset[str] | None = None) -> str:
+    """The features that matter here, as one line ("avx2 fma f16c avx512f ...")."""
+    features = cpu_features() if features is None else features
+    return " ".join(f for f in SHOWN_FEATURES if f in features) or "none of " + " ".join(SHOWN_FEATURES)
+
+
+def cpu_has_bf16(features: frozenset[str] | None = None) -> bool:
+    """Native bf16 matmuls: x86 AVX-512 BF16 or AMX (ARM's bf16 extension counts too)."""
+    features = cpu_features() if features is None else features
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & features)
+
+
+def _cpu_has_fp16(features: frozenset[str]) -> bool:
+    return bool({"avx512_fp16", "amx_fp16"} & features)
+
+
+def choose_dtype(name: str, device: torch.device, features: frozenset[str] | None = None) -> tuple[str, str]:
+    """(dtype, why): `auto` resolved for this device, or the one asked for (checked)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+        return name, "asked for"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "auto: this GPU computes bf16"
+        return "fp32", "auto: this GPU does not compute bf16"
+    if device.type == "cpu":
+        if cpu_has_bf16(features):
+            return "bf16", "auto: this CPU computes bf16 natively (AVX-512 BF16 / AMX)"
+        return "fp32", "auto: no native bf16 on this CPU (no AVX-512 BF16 or AMX), bf16 would be emulated"
+    return "fp32", f"auto: fp32 on {device.type}"
+
+
+def resolve_dtype(name: str, device: torch.device, features: frozenset[str] | None = None) -> str:
     """The concrete dtype name for `auto`; checks that the device can run the one asked for."""
-    if name == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-        return "bf16" if device.type == "cpu" and cpu_has_bf16() else "fp32"
-    if name not in DTYPES:
-        raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
-    return name
+    return choose_dtype(name, device, features)[0]
+
+
+def matmul_dtype(dtype: str, device: torch.device, features: frozenset[str] | None = None) -> str:
+    """The dtype that actually computes the matmuls: fp32 where bf16/fp16 would be emulated."""
+    if device.type != "cpu" or dtype == "fp32":
+        return dtype
+    features = cpu_features() if features is None else features
+    native = cpu_has_bf16(features) if dtype == "bf16" else _cpu_has_fp16(features)
+    return dtype if native else "fp32"
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -119,11 +194,14 @@ def synchronize(device: torch.device) -> None:
 
 def measure_matmul_flops(device: torch.device, dtype: str, size: int | None = None,
                          min_seconds: float = 0.3) -> float:
-    """Peak dense matmul FLOP/s: the best of repeated (size x size) @ (size x size) products."""
+    """Peak dense matmul FLOP/s: the best of repeated (size x size) @ (size x size) products.
+    Its random inputs come from a generator of its own: the global RNG streams (dropout,
+    data order) are left untouched."""
     size = size or (8192 if device.type == "cuda" else 2048)
     torch_dtype = DTYPES[dtype]
-    a = torch.randn(size, size, device=device).to(torch_dtype)
-    b = torch.randn(size, size, device=device).to(torch_dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(torch_dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(torch_dtype)
     flops = 2 * size**3
     torch.mm(a, b)  # warm-up: kernels, thread pools
     synchronize(device)
@@ -135,6 +213,73 @@ def measure_matmul_flops(device: torch.device, dtype: str, size: int | None = No
         took = time.perf_counter() - start
         best, spent = min(best, took), spent + took
     return flops / best
+
+
+PEAKS_FILE = "peaks.json"
+
+
+def machine_key(device: torch.device) -> str:
+    """What a measured peak or compile cost belongs to: the processor, its features, the
+    thread count and the torch version."""
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_text().splitlines()
+                      if line.startswith("model name")), platform.processor() or platform.machine())
+        what = f"{model} [{hashlib.sha256(' '.join(sorted(cpu_features())).encode()).hexdigest()[:8]}]"
+    return f"{device.type}:{what}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def read_cache(name: str) -> dict:
+    """A JSON file of the user cache as a dict ({} if missing or unreadable)."""
+    try:
+        data = json.loads((user_cache_dir() / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_cache(name: str, key: str, value) -> None:
+    """Set one entry of a JSON file of the user cache (a cache that cannot be written is skipped)."""
+    data = read_cache(name)
+    data[key] = value
+    try:
+        write_json_atomic(user_cache_dir() / name, data)
+    except OSError:
+        pass
+
+
+def cached_peak(device: torch.device, dtype: str) -> float | None:
+    """The cached peak FLOP/s of the dtype computing `dtype`'s matmuls here, if measured."""
+    value = read_cache(PEAKS_FILE).get(f"{machine_key(device)}|{matmul_dtype(dtype, device)}")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def peak_flops(device: torch.device, dtype: str, say=None, remeasure: bool = False) -> float:
+    """Peak matmul FLOP/s for training in `dtype` here: cached, or measured once (`say`
+    gets a one-line message first) with the dtype that really computes the matmuls."""
+    peak = None if remeasure else cached_peak(device, dtype)
+    if peak is not None:
+        return peak
+    computed = matmul_dtype(dtype, device)
+    if say is not None:
+        say(f"measuring this {'GPU' if device.type == 'cuda' else device.type.upper()}'s {computed} "
+            "matmul peak (once)...")
+    peak = measure_matmul_flops(device, computed)
+    update_cache(PEAKS_FILE, f"{machine_key(device)}|{computed}", peak)
+    return peak
+
+
+def mfu(tokens_per_s: float, flops_per_token: int | float | None, peak: float | None) -> float | None:
+    """Achieved / peak FLOP/s, or None without a peak or when above 1 (a wrong peak)."""
+    if not flops_per_token or not peak or tokens_per_s < 0:
+        return None
+    value = tokens_per_s * flops_per_token / peak
+    return value if value <= 1.0 else None
+
+
+def format_mfu(value: float | None) -> str:
+    return "n/a" if value is None or value > 1.0 else f"{100 * value:.1f}%"
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
@@ -153,3 +298,52 @@ def keep_freed_memory() -> bool:
         return False  # not glibc (e.g. musl)
     # Blocks up to 32 MB (glibc's maximum) come from the heap, and the heap is never trimmed.
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**30))
+
+
+def process_started_at() -> float:
+    """When this process started, on the `time.perf_counter()` clock (Linux; elsewhere: now)."""
+    try:
+        fields_ = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields_[19]) / os.sysconf("SC_CLK_TCK")  # seconds after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter()
+    return time.perf_counter() - max(0.0, age)
+
+
+def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_setting: str = "auto",
+                    say=None) -> list[str]:
+    """What `frawd info` and `frawd pretrain --dry-run` say about this machine: the device,
+    its CPU features, the dtype and compile decisions and why, the matmul peaks (measured
+    once, cached)."""
+    from . import compile as compiling
+
+    device = pick_device(device_name)
+    chosen, why = choose_dtype(dtype, device)
+    lines = [f"device:        {device}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else
+                                           f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")]
+    lines.append(f"cpu features:  {shown_features()}")
+    if dtype == "auto" and device.type == "cpu" and cpu_has_bf16() and compile_setting != "true":
+        why += "; the first steps time bf16 and fp32 and keep the faster (compiled or not)"
+    lines.append(f"dtype:         {chosen} ({why})")
+    blocker = compiling.known_failure(device) if compile_setting != "false" else None
+    if compile_setting == "false":
+        decision = "off (compile: false)"
+    elif blocker is not None and (compile_setting == "auto" or "before" not in blocker):
+        decision = f"off: {blocker}"
+    elif compile_setting == "true":
+        decision = "on (compile: true)"
+    else:
+        decision = ("auto: decided after timing the first steps, by whether the warm-up pays back in the "
+                    f"budget left (warm-up and speedup measured by earlier runs here, else predicted; "
+                    f"kernels cached in {compiling.inductor_cache_dir()})")
+    lines.append(f"compile:       {decision}")
+    for d in dict.fromkeys([matmul_dtype(chosen, device), "fp32", *(["bf16"] if cpu_has_bf16() or
+                                                                   device.type == "cuda" else [])]):
+        cached = cached_peak(device, d)
+        peak = cached if cached is not None else peak_flops(device, d, say=say)
+        lines.append(f"peak {d}:     {peak / 1e9:,.1f} GFLOP/s ({'cached' if cached else 'measured now'}; "
+                     f"{user_cache_dir() / PEAKS_FILE})")
+    if device.type == "cpu" and not cpu_has_bf16():
+        lines.append("peak bf16:     none native (emulated bf16 matmuls; MFU of bf16 training uses fp32's peak)")
+    return lines

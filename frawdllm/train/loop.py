@@ -16,9 +16,16 @@ task's data position, so an interrupted-and-resumed run computes exactly the los
 an uninterrupted one (bitwise in fp32 on CPU). SIGINT/SIGTERM finish the current step,
 save a checkpoint and return.
 
-Time is counted from the start of `fit` and includes torch.compile's warm-up,
-evaluations and checkpoints. The run stops early enough to leave time for its last
-evaluation and checkpoint (as long as the previous ones took).
+Time is counted from `started_at` (the command's start: `frawd pretrain` passes the
+process's start, so tokenizer training and data preparation count too; by default the
+start of `fit`) and includes the peak measurement, torch.compile's warm-up, evaluations
+and checkpoints. The run stops early enough to leave time for its last evaluation and
+checkpoint (as long as the previous ones took).
+
+`dtype: auto` and `compile: auto` are decided here, by measurement (`compile.AutoPlan`):
+the first steps run eagerly, timed in each dtype the hardware computes natively, then
+the loop keeps the option that gets the most steps done in the budget left, compiling
+only if the warm-up pays back. Each decision is said in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import math
 import signal
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -40,10 +48,10 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from ..io import atomic_dir
 from . import checkpoint as ckpt
-from .compile import compile_step
+from . import compile as compiling
 from .config import TrainConfig
-from .device import (autocast, keep_freed_memory, measure_matmul_flops, pick_device, resolve_dtype,
-                     rng_state, set_rng_state)
+from .device import (autocast, choose_dtype, cpu_has_bf16, format_mfu, keep_freed_memory, matmul_dtype, mfu,
+                     peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
 from .rundir import (BEST_MODEL_DIR, MetricsLog, append_samples, load_pyplot, plot_losses, truncate_metrics,
                      truncate_samples)
@@ -117,15 +125,16 @@ class TrainResult:
     best_val_loss: float | None
     best_step: int | None
     tokens_per_s: float
-    mfu: float | None
+    mfu: float | None  # None: no peak, or a computed MFU above 100% (a wrong peak)
     checkpoint: Path | None
     run_dir: Path
+    flops_known: bool = False  # the task counts its FLOPs (MFU is shown, n/a without a peak)
 
     def summary(self) -> str:
         parts = [f"{self.stop_reason}: {self.steps} steps, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s",
                  f"{_si(self.tokens_per_s)} tok/s"]
-        if self.mfu is not None:
-            parts.append(f"MFU {100 * self.mfu:.1f}%")
+        if self.flops_known:
+            parts.append(f"MFU {format_mfu(self.mfu)}")
         if self.last_loss is not None:
             parts.append(f"loss {self.last_loss:.4f}")
         if self.val_loss is not None:
@@ -138,19 +147,31 @@ class TrainResult:
 class Trainer:
     def __init__(self, model: nn.Module, task: TrainTask, cfg: TrainConfig, run_dir: str | Path | None = None,
                  callbacks: list[Callable[["Trainer", dict], None]] | None = None,
-                 config_for_loggers: dict | None = None) -> None:
+                 config_for_loggers: dict | None = None, started_at: float | None = None) -> None:
+        """`started_at`: the `time.perf_counter()` from which --max-time counts (default: fit's start)."""
         self.cfg, self.task = cfg, task
+        self.started_at = started_at
         self.run_dir = Path(run_dir if run_dir is not None else cfg.out)
         self.callbacks = list(callbacks or [])
         self.device = pick_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype, self.dtype_why = choose_dtype(cfg.dtype, self.device)
+        if self.device.type == "cpu" and matmul_dtype(self.dtype, self.device) != self.dtype:
+            warnings.warn(f"{self.dtype} is emulated on this CPU (no native {self.dtype} matmuls): "
+                          "training will be far slower than in fp32", stacklevel=2)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = model.to(self.device)
-        # Compiling the task's loss (not just model.forward) lets torch.compile see the whole
-        # step: the model, a fused loss, a reference model (DPO)...
-        self.loss_fn = compile_step(task.loss) if cfg.compile else task.loss
+        self._compiled = False  # whether the step is (meant to be) compiled
         self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
+        self._compile_retried = False
+        self._warmup_s: float | None = None  # the first compiled step's duration
+        self._last_step_s: float | None = None
+        self._eager_s: dict[str, float] = {}  # timed eager step per dtype (auto)
+        self._cost_keys: dict[str, str] = {}
+        self.compile_why = "off (compile: false)"
+        self.plan: compiling.AutoPlan | None = None
+        self.loss_fn = task.loss
+        self._plan_compile(cfg)
         self.optimizer = build_optimizer(model, cfg)
         self.schedule = LRSchedule(cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == "fp16")
@@ -165,7 +186,8 @@ class Trainer:
         # this session
         self.stop_reason: str | None = None
         self._signal: str | None = None
-        self._start = 0.0  # perf_counter at the start of this session's fit()
+        self._start = 0.0  # perf_counter from which this session's time counts
+        self._fit_start = 0.0  # perf_counter at the start of fit()
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
         self._eval_s: float | None = None  # how long the last evaluation took
         self._save_s: float | None = None  # how long the last checkpoint (and model publish) took
@@ -179,11 +201,97 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(self.run_dir)
+        self.peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
+        self._peaks: dict[str, float | None] = {}
+        if task.flops_per_token and self.peak_flops is None:  # measured (once per machine) before any
+            for d in (self.plan.dtypes if self.plan else [self.dtype]):  # RNG state is restored
+                self._peaks[d] = peak_flops(self.device, d, say=self._say if cfg.progress else None)
+            self.peak_flops = self._peaks.get(self.dtype)
+        if self.plan is not None:
+            self.plan.peaks = self._peaks
         if cfg.resume:
             self._resume()
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
                                   config_for_loggers)
-        self.peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
+
+    def _say(self, message: str) -> None:
+        """A one-line message on stderr (above the progress bar, if one is shown)."""
+        if self.cfg.progress:
+            from tqdm import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+
+    def _plan_compile(self, cfg: TrainConfig) -> None:
+        """Compile now, never, or after timing the first steps (`AutoPlan`)."""
+        blocker = compiling.known_failure(self.device) if cfg.compile != "false" else None
+        if cfg.compile == "true" and blocker is not None and "before" not in blocker:
+            warnings.warn(f"compile: true, but {blocker}; training without torch.compile", stacklevel=3)
+        if cfg.compile == "true" and (blocker is None or "before" in blocker):
+            self._use_compiled(True)
+            self.compile_why = "on (compile: true)"
+        elif cfg.compile == "auto" and blocker is not None:
+            self.compile_why = f"off: {blocker}"
+        candidates = [self.dtype]
+        if cfg.dtype == "auto" and self.device.type == "cpu" and cpu_has_bf16() and cfg.compile != "true":
+            candidates = ["bf16", "fp32"]  # both native: eager bf16 (casts) is not always the faster
+        if (cfg.compile == "auto" and blocker is None) or len(candidates) > 1:
+            setting = "auto" if cfg.compile == "auto" and blocker is None else "false"
+            self.plan = compiling.AutoPlan(candidates, setting, self._cost_keys, None, {})
+            if setting == "auto":
+                self.compile_why = "auto: decided after timing the first steps"
+        if self._compiled or (self.plan and self.plan.compile_setting == "auto"):
+            compiling.use_persistent_cache()
+
+    def _use_compiled(self, on: bool) -> None:
+        # Compiling the task's loss (not just model.forward) lets torch.compile see the whole
+        # step: the model, a fused loss, a reference model (DPO)...
+        self._compiled = on
+        self.loss_fn = compiling.compile_step(self.task.loss) if on else self.task.loss
+
+    def _cost_key(self, dtype: str, batch: Any) -> str:
+        if dtype not in self._cost_keys:
+            first = batch
+            while isinstance(first, (tuple, list, dict)):
+                first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+            shape = tuple(first.shape) if isinstance(first, Tensor) else ()
+            self._cost_keys[dtype] = compiling.shape_key(self.device, dtype, self.model, shape)
+        return self._cost_keys[dtype]
+
+    def _decide(self) -> None:
+        """End of the timing steps: pick the dtype and whether to compile, say it."""
+        plan, cfg = self.plan, self.cfg
+        remaining = math.inf
+        if cfg.max_time_s:
+            remaining = cfg.max_time_s - self.elapsed() - self._final_eval_s()
+        steps_left = []
+        if cfg.max_steps:
+            steps_left.append(cfg.max_steps - self.step)
+        if cfg.max_tokens and self.step:
+            steps_left.append((cfg.max_tokens - self.tokens) / (self.tokens / self.step))
+        if steps_left:
+            remaining = min(remaining, min(steps_left) * min(plan.eager_step_s(d) for d in plan.dtypes))
+        if self.task.flops_per_token and self.step > self._session_step:
+            plan.step_flops = self.task.flops_per_token * (self.tokens - self._session_tokens) / (
+                self.step - self._session_step)
+        dtype, compiled, why = plan.decide(max(remaining, 0.0))
+        if len(plan.dtypes) > 1:
+            self.dtype_why = f"auto: {dtype} ran faster here" if not compiled else f"auto: {dtype}"
+        self.dtype = dtype
+        self._eager_s = {d: plan.eager_step_s(d) for d in plan.dtypes}
+        self.peak_flops = self._peaks.get(dtype, self.peak_flops)
+        if plan.compile_setting == "auto":
+            self.compile_why = f"auto: {'on' if compiled else 'off'}: {why}"
+            self._say(f"compile {self.compile_why}")
+        elif len(plan.dtypes) > 1:
+            self._say(f"dtype {self.dtype_why} ({why})")
+        self.plan = None
+        if compiled:
+            self._use_compiled(True)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the training step runs under torch.compile (now)."""
+        return self._compiled
 
     # ---- the loop ---------------------------------------------------------------------
     def request_stop(self, reason: str = "interrupted") -> None:
@@ -194,12 +302,11 @@ class Trainer:
         cfg = self.cfg
         if not cfg.has_budget:
             raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
-        if self.task.flops_per_token and self.peak_flops is None:
-            self.peak_flops = measure_matmul_flops(self.device, self.dtype)
         self.model.train()
         load_pyplot()
-        self._start = time.perf_counter()
-        self._window = (self._start, self.tokens)
+        self._fit_start = time.perf_counter()
+        self._start = self.started_at if self.started_at is not None else self._fit_start
+        self._window = (self._fit_start, self.tokens)
         self._session_step, self._session_tokens = self.step, self.tokens
         self._session_progress = self.progress()
         bar = _progress_bar(cfg.progress, self._session_progress)
@@ -238,12 +345,19 @@ class Trainer:
         lr = self.schedule(self.step, self.progress())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        timing = self.plan.next_dtype() if self.plan is not None else None
+        if timing is not None:
+            self.dtype = timing
+        warming = self._compiled and not self._compiled_ok
+        if warming:
+            self._say("torch.compile warm-up (first step)...")
         total = torch.zeros((), device=self.device)
         step_tokens = 0
         for _ in range(cfg.grad_accum):
             batch = to_device(self.task.next_batch(), self.device)
             step_tokens += self.task.batch_tokens(batch)
             total += self._forward_backward(batch)
+            self._cost_key(self.dtype, batch)
         loss_value = float(total) / cfg.grad_accum
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -262,8 +376,18 @@ class Trainer:
         self.last_loss = loss_value
         record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
         now = time.perf_counter()
-        if self.step > self._session_step + 1:  # the first step of a session warms up (compiles)
+        self._last_step_s = now - started
+        if self.plan is not None:
+            self.plan.record(self.dtype, now - started)
+            if self.plan.next_dtype() is None:
+                self._decide()
+                self._step_times = [] if self._compiled else [self._eager_s[self.dtype]]
+        elif warming:
+            self._warmup_s = now - started
+        elif self.step > self._session_step + 1:  # the first step of a session warms up (compiles)
             self._step_times = self._step_times[-8:] + [now - started]
+            if self._compiled and len(self._step_times) == 5 and self._warmup_s is not None:
+                self._remember_compile_cost()
         since, tokens_then = self._window
         self._rate = (self.tokens - tokens_then) / max(now - since, 1e-9)
         if self.step % cfg.log_interval == 0:
@@ -279,16 +403,36 @@ class Trainer:
                 loss = self.loss_fn(self.model, batch)
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
         except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
-            if self.loss_fn is self.task.loss or self._compiled_ok:
+            if not self._compiled or self._compiled_ok:
                 raise
-            # e.g. no C++ compiler on this machine: train without torch.compile
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                          "training without it", stacklevel=2)
-            self.loss_fn = self.task.loss
             self.optimizer.zero_grad(set_to_none=True)
+            first_line = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            if compiling.is_cache_corruption(exc) and not self._compile_retried:
+                # e.g. a kernel truncated by a killed run: compile again into a fresh cache folder
+                self._compile_retried = True
+                where = compiling.use_fresh_cache()
+                self._say(f"torch.compile's cache is damaged ({first_line}); compiling again in {where}")
+                self._use_compiled(True)
+                return self._forward_backward(batch)
+            # e.g. no working C++ compiler on this machine: train without torch.compile
+            warnings.warn(f"torch.compile failed ({first_line}); training without it", stacklevel=2)
+            compiling.remember_failure(self.device, first_line)
+            self.compile_why = f"off: torch.compile failed ({first_line})"
+            self._use_compiled(False)
             return self._forward_backward(batch)
-        self._compiled_ok = True
+        if self._compiled:
+            self._compiled_ok = True
         return loss.detach().float()
+
+    def _remember_compile_cost(self) -> None:
+        """Cache this machine's warm-up and speedup for this model, for later `auto` decisions."""
+        compiled_s = self._step_s()
+        eager_s = self._eager_s.get(self.dtype)
+        key = self._cost_keys.get(self.dtype)
+        if key is not None:
+            compiling.record_cost(key, max(0.0, self._warmup_s - compiled_s),
+                                  eager_s / compiled_s if eager_s else None, compiled_s)
+            compiling.forget_failure(self.device)
 
     def _bad_step(self, loss_value: float, grad_norm: float) -> None:
         self.bad_steps += 1
@@ -303,8 +447,9 @@ class Trainer:
 
     def _speed(self, tokens_per_s: float) -> dict:
         out = {"tokens_per_s": round(tokens_per_s, 1)}
-        if self.task.flops_per_token and self.peak_flops:
-            out["mfu"] = round(tokens_per_s * self.task.flops_per_token / self.peak_flops, 4)
+        value = mfu(tokens_per_s, self.task.flops_per_token, self.peak_flops)
+        if value is not None:
+            out["mfu"] = round(value, 4)
         return out
 
     # ---- budget -------------------------------------------------------------------------
@@ -333,13 +478,19 @@ class Trainer:
         if cfg.max_time_s:
             if self.elapsed() >= cfg.max_time_s:
                 return "max_time"
-            if self._step_times and self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
+            if self._last_step_s is not None and \
+                    self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
     def _step_s(self) -> float:
-        """A typical step's duration: the median of the recent ones."""
-        return statistics.median(self._step_times)
+        """A typical step's duration: the median of the recent ones (or of the timing steps;
+        before any, the last step, a warm-up that overestimates)."""
+        if self._step_times:
+            return statistics.median(self._step_times)
+        if self.plan is not None and self.plan.times.get(self.dtype):
+            return self.plan.eager_step_s(self.dtype)
+        return self._last_step_s or 0.0
 
     def _final_eval_s(self) -> float:
         """What the final evaluation and checkpoint will take, with a 50% margin: as long as
@@ -348,7 +499,7 @@ class Trainer:
         weights and AdamW moments at 100 MB/s."""
         eval_s = self._eval_s
         if eval_s is None:
-            per_batch = self._step_s() / self.cfg.grad_accum / (1 if self.cfg.compile else 3)
+            per_batch = self._step_s() / self.cfg.grad_accum / (1 if self._compiled else 3)
             eval_s = self.cfg.eval_batches * per_batch
         save_s = self._save_s
         if save_s is None:
@@ -437,13 +588,14 @@ class Trainer:
     def _result(self) -> TrainResult:
         elapsed = self.elapsed()
         # the average over this session, warm-up and evaluations included
-        speed = self._speed((self.tokens - self._session_tokens) / max(elapsed - self.elapsed_before, 1e-9))
+        trained_s = time.perf_counter() - self._fit_start if self._fit_start else 0.0
+        speed = self._speed((self.tokens - self._session_tokens) / max(trained_s, 1e-9))
         return TrainResult(
             steps=self.step, tokens=self.tokens, elapsed_s=elapsed, stop_reason=self.stop_reason or "",
             last_loss=self.last_loss, val_loss=self.last_val_loss,
             best_val_loss=None if math.isinf(self.best_val_loss) else self.best_val_loss,
             best_step=self.best_step, tokens_per_s=speed["tokens_per_s"], mfu=speed.get("mfu"),
-            checkpoint=self.last_checkpoint, run_dir=self.run_dir)
+            checkpoint=self.last_checkpoint, run_dir=self.run_dir, flops_known=bool(self.task.flops_per_token))
 
 
 def _contiguous_parameters(model: nn.Module) -> None:
@@ -482,8 +634,8 @@ def _bar_update(bar, trainer: Trainer, record: dict) -> None:
     session = trainer.elapsed() - trainer.elapsed_before
     eta = session * (1 - progress) / (progress - start) if progress > start else math.inf
     postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}", f"{_si(speed['tokens_per_s'])} tok/s"]
-    if "mfu" in speed:
-        postfix.append(f"MFU {100 * speed['mfu']:.0f}%")
+    if trainer.task.flops_per_token:
+        postfix.append(f"MFU {format_mfu(speed.get('mfu'))}")
     postfix.append(f"ETA {_clock(eta)}")
     bar.set_description_str(" | ".join(postfix), refresh=False)
     bar.update(int(1000 * progress) - bar.n)  # redraws at most every bar.mininterval

@@ -15,12 +15,16 @@
    resumable), the model's own cross-entropy, validation on the first `eval_batches`
    windows of val.bin, a sample at each evaluation.
 4. `Trainer(...).fit()`; OUT/model is the best model, tokenizer.json included.
+
+--max-time covers all of it, from the call's start (from the process's start under
+`frawd pretrain`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -300,6 +304,33 @@ def prepare_run_dir(cfg: PretrainConfig) -> Path:
     return run_dir
 
 
+def dry_run_plan(cfg: PretrainConfig) -> list[str]:
+    """`frawd pretrain --dry-run`: the settings checked (nothing trained or written) and the plan."""
+    from .device import hardware_report
+
+    check_pretrain(cfg)
+    run_dir = Path(cfg.out)
+    if cfg.init_from is not None:
+        model_cfg, window = init_model_config(cfg)
+        model = f"--init-from {cfg.init_from}, {model_cfg.num_parameters:,} parameters"
+    else:
+        tok = given_tokenizer(cfg)
+        model_cfg = model_config_for(cfg, tok.vocab_size if tok else _bpe_vocab_size(cfg))
+        window = model_cfg.context_length
+        model = f"{cfg.preset}, ~{model_cfg.num_parameters:,} parameters (vocabulary to fit the tokenizer)"
+    budget = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in (("max_steps", cfg.max_steps),
+                       ("max_tokens", cfg.max_tokens), ("max_time", cfg.max_time)) if v is not None)
+    action = "resume" if cfg.resume else "overwrite" if _has_run(run_dir) else "new run"
+    lines = ["dry run: nothing trained, nothing written",
+             f"out:           {run_dir} ({action})",
+             f"data:          {cfg.data} (tokenizer {cfg.tokenizer or 'bpe'})",
+             f"model:         {model}, context {model_cfg.context_length}",
+             f"batch:         {cfg.batch_size} x {cfg.grad_accum} x {window} tokens per step",
+             f"budget:        {budget} (the whole command: tokenizer, data, warm-up, evaluations, save)"]
+    say = print if cfg.progress else None
+    return lines + hardware_report(cfg.device, cfg.dtype, cfg.compile, say=say)
+
+
 def build_model(cfg: PretrainConfig, tokenizer: Tokenizer) -> tuple[nn.Module, int]:
     """The model to train (fresh from the preset, or --init-from's weights) and the length of
     its training windows."""
@@ -313,9 +344,13 @@ def build_model(cfg: PretrainConfig, tokenizer: Tokenizer) -> tuple[nn.Module, i
     return load_model(cfg.init_from, config=model_cfg), window
 
 
-def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> TrainResult:
+def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
+                    started_at: float | None = None) -> TrainResult:
+    """The whole job. --max-time counts from `started_at` (a `time.perf_counter()`; default:
+    now), so tokenizer training and data preparation are inside the budget."""
     from .. import __version__
 
+    started_at = time.perf_counter() if started_at is None else started_at
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
     created = None  # the outermost folder this start creates
@@ -336,7 +371,8 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None) -> Train
         saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
         write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
         task = PretrainTask(data, model_cfg, cfg, context_length=window)
-        trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict())
+        trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
+                          started_at=started_at)
     except BaseException:
         _undo_start(cfg, run_dir, created)
         raise

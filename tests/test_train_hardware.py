@@ -1,0 +1,277 @@
+"""Hardware-aware training defaults: dtype and compile `auto`, the cached matmul peak,
+the capped MFU, the compile fallbacks and the whole-command time budget."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import frawdllm.train.compile as compiling
+import frawdllm.train.device as device
+from frawdllm.train import Trainer, TrainTask
+from frawdllm.train.config import ConfigError, TrainConfig
+
+from conftest import ROOT
+
+CPU = torch.device("cpu")
+AVX2_ONLY = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})
+AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
+
+
+def test_auto_dtype_is_fp32_without_native_bf16():
+    assert device.choose_dtype("auto", CPU, AVX2_ONLY)[0] == "fp32"
+    assert "emulated" in device.choose_dtype("auto", CPU, AVX2_ONLY)[1]
+    assert device.choose_dtype("auto", CPU, AVX512_BF16)[0] == "bf16"
+    assert device.choose_dtype("auto", CPU, frozenset({"asimd", "bf16"}))[0] == "bf16"  # ARM with BF16
+    assert device.choose_dtype("bf16", CPU, AVX2_ONLY) == ("bf16", "asked for")  # the user's choice stands
+
+
+def test_emulated_bf16_is_measured_and_reported_with_the_fp32_peak():
+    assert device.matmul_dtype("bf16", CPU, AVX2_ONLY) == "fp32"
+    assert device.matmul_dtype("bf16", CPU, AVX512_BF16) == "bf16"
+    assert device.matmul_dtype("fp16", CPU, AVX512_BF16) == "fp32"
+
+
+def test_capping_pytorch_to_avx2_hides_avx512(monkeypatch):
+    monkeypatch.setattr(device, "_cpuinfo_flags", lambda: AVX512_BF16)
+    device.cpu_features.cache_clear()
+    try:
+        assert "avx512_bf16" in device.cpu_features()
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        device.cpu_features.cache_clear()
+        assert device.cpu_features() == AVX2_ONLY and not device.cpu_has_bf16()
+    finally:
+        device.cpu_features.cache_clear()
+
+
+def test_mfu_is_capped_and_na_without_a_peak():
+    assert device.mfu(1000.0, 1e6, 1e10) == pytest.approx(0.1)
+    assert device.mfu(1000.0, 1e6, None) is None
+    assert device.mfu(1000.0, None, 1e10) is None
+    assert device.mfu(1000.0, 1e6, 1e8) is None  # 1000% means a wrong peak: never shown
+    assert device.format_mfu(None) == "n/a" and device.format_mfu(0.256) == "25.6%"
+    assert device.format_mfu(1.5) == "n/a"
+
+
+def test_peak_is_measured_once_into_the_cache_folder(private_user_cache, monkeypatch):
+    calls, messages = [], []
+
+    def fake_measure(dev, dtype, *args, **kwargs):
+        calls.append(dtype)
+        return 5e10
+
+    monkeypatch.setattr(device, "measure_matmul_flops", fake_measure)
+    assert device.peak_flops(CPU, "fp32", say=messages.append) == 5e10
+    assert device.peak_flops(CPU, "fp32", say=messages.append) == 5e10
+    assert calls == ["fp32"] and len(messages) == 1 and "(once)" in messages[0]
+    assert (private_user_cache / device.PEAKS_FILE).is_file()
+
+
+def test_peak_measurement_leaves_the_global_rng_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    device.measure_matmul_flops(CPU, "fp32", size=64, min_seconds=0.0)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_inductor_caches_go_to_the_user_cache_folder(private_user_cache, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    folder = compiling.use_persistent_cache()
+    assert folder == private_user_cache / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    import torch._inductor.config as inductor_config
+    assert inductor_config.fx_graph_cache and inductor_config.autotune_local_cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")  # the user's choice stands
+    assert str(compiling.use_persistent_cache()) == "/somewhere/else"
+
+
+def plan(remaining_s, eager_s=0.1, dtypes=("fp32",)):
+    p = compiling.AutoPlan(list(dtypes), "auto", {d: f"key-{d}" for d in dtypes}, None, {})
+    for d in dtypes:
+        for _ in range(3):
+            p.record(d, eager_s)
+    return p.decide(remaining_s)
+
+
+def test_compile_auto_says_no_for_a_short_budget_and_yes_for_a_long_one(private_user_cache):
+    compiling.record_cost("key-fp32", warmup_s=30.0, speedup=2.0)
+    dtype, compiled, why = plan(remaining_s=20.0)
+    assert (dtype, compiled) == ("fp32", False) and "30 s warm-up" in why
+    assert plan(remaining_s=600.0)[1] is True
+    compiling.record_cost("key-fp32", warmup_s=30.0, speedup=1.05)  # barely faster: never worth it
+    assert plan(remaining_s=3600.0)[1] is False
+
+
+def test_auto_dtype_keeps_the_faster_of_the_native_dtypes():
+    p = compiling.AutoPlan(["bf16", "fp32"], "false", {}, None, {})
+    for seconds in (5.0, 0.6, 0.6):
+        p.record("bf16", seconds)
+    for seconds in (0.2, 0.1, 0.1):
+        p.record("fp32", seconds)
+    assert p.decide(100.0)[:2] == ("fp32", False)
+
+
+class CountingTask(TrainTask):
+    def __init__(self):
+        torch.manual_seed(0)
+        self.x = torch.randn(64, 4)
+
+    def next_batch(self):
+        return self.x, self.x.sum(-1)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+
+    def save_model(self, model, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+
+
+def config(tmp_path, **overrides):
+    values = dict(out=str(tmp_path / "run"), device="cpu", dtype="fp32", lr=0.01, warmup_steps=0, max_steps=20,
+                  eval_interval=0, log_interval=1, progress=False, sample_tokens=0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_compile_setting_accepts_auto_true_false_and_booleans():
+    assert TrainConfig().compile == "auto"
+    assert TrainConfig(compile=True).compile == "true" and TrainConfig(compile="off").compile == "false"
+    with pytest.raises(ConfigError, match="compile must be auto, true or false"):
+        TrainConfig(compile="sometimes")
+
+
+def test_no_cxx_compiler_decides_against_compiling_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiling, "cxx_compiler", lambda: None)
+    trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="auto"))
+    assert not trainer._compiled and "no C++ compiler" in trainer.compile_why
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        forced = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path / "b", compile="true"))
+    assert not forced._compiled
+
+
+def test_a_corrupt_compile_cache_is_retried_once_with_a_fresh_folder(tmp_path, monkeypatch):
+    calls = []
+
+    def flaky_compile(fn):
+        def compiled(*args):
+            calls.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+            if len(calls) == 1:
+                raise ImportError("/cache/xy/abc.so: file too short")
+            return fn(*args)
+        return compiled
+
+    monkeypatch.setattr(compiling, "compile_step", flaky_compile)
+    trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="true", max_steps=3))
+    result = trainer.fit()
+    assert result.steps == 3 and trainer._compiled
+    assert calls[0] != calls[1] and "frawd-inductor-" in calls[1]
+
+
+def test_a_hanging_free_compile_failure_falls_back_within_bounded_time(tmp_path, monkeypatch):
+    def broken(fn):
+        def compiled(*args):
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error")
+        return compiled
+
+    monkeypatch.setattr(compiling, "compile_step", broken)
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        result = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="true")).fit()
+    assert result.steps == 20 and time.perf_counter() - start < 10
+
+
+def test_compile_auto_with_a_tiny_budget_trains_eagerly(tmp_path):
+    trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="auto", max_steps=None,
+                                                                     max_time="3s"))
+    result = trainer.fit()
+    assert not trainer._compiled and "auto: off" in trainer.compile_why and result.stop_reason == "max_time"
+
+
+def test_summary_never_shows_an_mfu_above_100_percent(tmp_path):
+    task = CountingTask()
+    task.flops_per_token = 10**15  # absurd: any tokens/s would be far above the peak
+    result = Trainer(torch.nn.Linear(4, 1), task, config(tmp_path, peak_tflops=1.0, max_steps=3)).fit()
+    assert result.mfu is None and "MFU n/a" in result.summary()
+
+
+MAX_TIME_SCRIPT = """
+import sys, time
+sys.argv = ["frawd", "pretrain", "--data", sys.argv[1], "--tokenizer", "bpe", "--vocab-size", "300",
+            "--preset", "tiny", "--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2",
+            "--set", "context_length=32", "--batch-size", "4", "--max-time", sys.argv[3], "--out", sys.argv[2],
+            "--eval-batches", "2", "--sample-tokens", "0", "--no-progress", "--dtype", "fp32"]
+from frawdllm.cli import main
+main()
+"""
+
+
+def test_max_time_bounds_the_whole_command(tmp_path, shared_data):
+    # a BPE tokenizer trained on the corpus takes part of the budget: the command still ends in time
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((shared_data / "tinyshakespeare.txt").read_text(encoding="utf-8")[:400_000],
+                      encoding="utf-8")
+    budget = 8.0
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", MAX_TIME_SCRIPT, str(corpus), str(tmp_path / "run"), f"{budget}s"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "FRAWD_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "max_time" in proc.stdout
+    assert wall < budget * 1.1 + 1.0  # the interpreter's own exit on top
+
+
+def test_compile_flag_takes_auto_true_false_and_the_old_switches(tmp_path):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import pretrain as pretrain_cli
+
+    seen = []
+
+    def fake_dry_run(cfg):
+        seen.append(cfg.compile)
+        return []
+
+    import frawdllm.train.pretrain as pretrain_module
+
+    original = pretrain_module.dry_run_plan
+    pretrain_module.dry_run_plan = fake_dry_run
+    try:
+        runner = CliRunner()
+        base = ["--max-steps", "1", "--out", str(tmp_path / "x"), "--dry-run"]
+        for args in ([], ["--compile"], ["--no-compile"], ["--compile", "auto"], ["--compile", "false"]):
+            result = runner.invoke(pretrain_cli.pretrain, base + args)
+            assert result.exit_code == 0, result.output
+        bad = runner.invoke(pretrain_cli.pretrain, base + ["--compile", "maybe"])
+        assert bad.exit_code != 0
+    finally:
+        pretrain_module.dry_run_plan = original
+    assert seen == ["auto", "true", "false", "auto", "false"]
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import pretrain as pretrain_cli
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(pretrain_cli.pretrain, ["--max-time", "1m", "--out", str(out), "--dry-run",
+                                                        "--no-progress", "--peak-tflops", "1"])
+    assert result.exit_code == 0, result.output
+    for expected in ("cpu features:", "dtype:", "compile:", "peak fp32:", "budget:"):
+        assert expected in result.output
+    assert not out.exists()
+
+
+def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_user_cache):
+    key = device.machine_key(CPU) + "|fp32|shape-a"
+    assert compiling.compile_cost(key).warmup_s == compiling.GUESS_WARMUP_S
+    compiling.record_cost(key, warmup_s=12.5, speedup=2.0)
+    other = device.machine_key(CPU) + "|fp32|shape-b"
+    assert compiling.compile_cost(other).warmup_s == 12.5 and compiling.compile_cost(other).source == "guessed"
+    assert compiling.compile_cost(key).speedup == 2.0 and compiling.compile_cost(key).source == "measured here"
