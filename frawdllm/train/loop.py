@@ -516,7 +516,6 @@ class Trainer:
                 samples = self.task.samples(self.model, self.device) if self.cfg.sample_tokens else []
         finally:
             self.model.train()
-            _contiguous_parameters(self.model)
         self._last_eval_step = self.step
         if results:
             self.last_val_loss = results.get("val_loss")
@@ -596,15 +595,6 @@ class Trainer:
             best_val_loss=None if math.isinf(self.best_val_loss) else self.best_val_loss,
             best_step=self.best_step, tokens_per_s=speed["tokens_per_s"], mfu=speed.get("mfu"),
             checkpoint=self.last_checkpoint, run_dir=self.run_dir, flops_known=bool(self.task.flops_per_token))
-
-
-def _contiguous_parameters(model: nn.Module) -> None:
-    """Undo layout changes made for inference (the Engine stores linear weights column-major
-    for fast decoding): training must see the same memory layout as a resumed run, or the
-    matmuls round differently and resuming is no longer exact."""
-    for param in model.parameters():
-        if not param.is_contiguous():
-            param.data = param.data.contiguous()
 
 
 # ---- progress bar and signals ---------------------------------------------------------------
