@@ -121,6 +121,17 @@ def undo_on_error(path: str | os.PathLike) -> Iterator[None]:
 
 
 @contextmanager
+def _disk_full_as_one_line(path: Path) -> Iterator[None]:
+    """A write into `path`'s folder that failed for lack of space becomes `disk_full_error`."""
+    try:
+        yield
+    except Exception as exc:
+        if _write_failed_for_space(exc, path.parent):
+            raise disk_full_error(path) from None
+        raise
+
+
+@contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` if the block succeeds."""
     path = Path(path)
@@ -130,12 +141,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.close(fd)
         tmp_path = Path(tmp)
         try:
-            try:
+            with _disk_full_as_one_line(path):
                 yield tmp_path
-            except Exception as exc:
-                if _write_failed_for_space(exc, path.parent):
-                    raise disk_full_error(path) from None
-                raise
             _publish_mode(tmp_path, directory=False)
             os.replace(tmp_path, path)
         finally:
@@ -157,12 +164,8 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
-            try:
+            with _disk_full_as_one_line(path):
                 yield tmp
-            except Exception as exc:
-                if _write_failed_for_space(exc, path.parent):
-                    raise disk_full_error(path) from None
-                raise
             _publish_mode(tmp, directory=True)
             old = None
             if path.exists():

@@ -18,6 +18,7 @@ import torch
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
 from frawdllm.tokenizer import byte_tokenizer, train_tokenizer
+from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
@@ -58,15 +59,7 @@ def env(tmp_path_factory):
     readonly.chmod(0o755)
 
 
-def run(capsys, *args):
-    """(exit code, stdout, stderr) of `frawd ARGS` run in this process."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+run = run_cli
 
 
 def gen(*extra):

@@ -20,6 +20,7 @@ from frawdllm.errors import FrawdError
 from frawdllm.modeldir import (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
                                load_generation_config, load_model)
 from frawdllm.tokenizer import byte_tokenizer
+from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 2**20
@@ -142,14 +143,9 @@ def test_links_inside_the_folder_are_followed(zoo, tmp_path):
     load_model(linked_dir)
 
 
-def run(capsys, *args):
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.err
+def run(capsys, *args) -> tuple[int, str]:
+    code, _, err = run_cli(capsys, *args)
+    return code, err
 
 
 COMMANDS = {
