@@ -323,14 +323,13 @@ static void norm_rows(const Model *m, const Norm *n, const float *x, float *y, i
     for (int64_t r = t; r < B; r += T) norm_row(m, n, x + r * m->d, y + r * m->d);
 }
 
-/* What a sublayer (attention, MLP) reads: pre-LN, norm(x) written to h; post-LN, x itself.
-   Called by every thread of the team (the barrier is theirs). */
-static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *h, int64_t N,
-                                   Barrier *team) {
+/* What a sublayer (attention, MLP) reads: pre-LN, norm(x) of every row into this thread's
+   own buffer `own` (each thread normalises all N rows itself: O(N D) against the
+   product's O(N D out), and no barrier before the product); post-LN, x itself. */
+static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *own, int64_t N) {
     if (!m->pre_norm) return x;
-    norm_rows(m, n, x, h, N);
-    barrier_wait(team);
-    return h;
+    for (int64_t r = 0; r < N; r++) norm_row(m, n, x + r * m->d, own + r * m->d);
+    return own;
 }
 
 /* After a residual add: post-LN normalises the stream in place; pre-LN leaves it. */
@@ -340,16 +339,16 @@ static void after_residual(const Model *m, const Norm *n, float *x, int64_t N, B
     barrier_wait(team);
 }
 
-/* g[i] <- silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
-static void swiglu_row(float *g, int64_t H) {
+/* y[i] = silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
+static void swiglu_row(const float *g, float *y, int64_t H) {
     int64_t i = 0;
     for (; i + 16 <= H; i += 16) {
-        v16 a = *(v16 *)(g + i);
-        *(v16 *)(g + i) = a * v_sigmoid(a) * *(v16 *)(g + H + i);
+        v16 a = *(const v16 *)(g + i);
+        *(v16 *)(y + i) = a * v_sigmoid(a) * *(const v16 *)(g + H + i);
     }
     for (; i < H; i++) {
         v16 a = splat(g[i]);
-        g[i] = g[i] * v_sigmoid(a)[0] * g[H + i];
+        y[i] = g[i] * v_sigmoid(a)[0] * g[H + i];
     }
 }
 
@@ -438,18 +437,26 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
 
 /* ---- the forward ----------------------------------------------------------------------- */
 
-/* Floats of scratch `frawd_forward` needs for N = B T tokens, max_len slots, P threads. */
+/* Floats of scratch `frawd_forward` needs for N = B T tokens, max_len slots, P threads:
+   shared activations, then per thread attention scores and a buffer of its own (the
+   normalised rows, later the SwiGLU product, that its share of a product reads). */
 int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64_t P) {
     int64_t qkv = (m->n_head + 2 * m->n_kv_head) * m->head_dim;
-    int64_t ff = m->swiglu ? 2 * m->ffn : m->ffn;
-    return N * (3 * m->d + qkv + ff) + P * (max_len + 16) + 64;
+    int64_t ff = m->swiglu ? 2 * m->ffn : m->ffn, own = N * (m->d > m->ffn ? m->d : m->ffn);
+    return N * (2 * m->d + qkv + ff) + P * (max_len + 16 + own + 16) + 64;
 }
 
 /* B rows of T new tokens each: token[b, t] at position[b, t] goes to cache slot start + t
    of every layer and attends slots [0, start + t] (masked by valid[b, s] when `padded`).
    T = 1 is a decode step; T > 1 a prefill. k_cache[l], v_cache[l]: (B, n_kv_head,
    max_len, head_dim). logits: (B, vocab), of each row's last token.
-   Returns OK, BAD_TOKEN or BAD_POSITION (nothing computed then). */
+   Returns OK, BAD_TOKEN or BAD_POSITION (nothing computed then).
+
+   Barriers only where a phase reads what other threads wrote: after each product, and
+   between the cache writes and the attention of a prefill. A pre-LN norm and the SwiGLU
+   product are computed by every thread for itself; in a decode step (T = 1) a token
+   attends only its own row's cache, so one task writes a kv head's slot and then runs
+   the query heads that read it. */
 int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, const int64_t *position,
                   float *const *k_cache, float *const *v_cache, int64_t max_len, int64_t start,
                   const uint8_t *valid, int64_t padded, float *logits, float *work, int64_t threads) {
@@ -458,9 +465,10 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
         if (token[n] < 0 || token[n] >= m->vocab) return BAD_TOKEN;
         if (position[n] < 0 || position[n] >= m->context) return BAD_POSITION;
     }
-    int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head;
+    int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
     int64_t qkv_w = (nh + 2 * nkv) * m->head_dim, ff_w = m->swiglu ? 2 * m->ffn : m->ffn;
-    float *x = work, *h = x + N * D, *att = h + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
+    int64_t own_floats = N * (D > m->ffn ? D : m->ffn);
+    float *x = work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
     float *scratch = ff + N * ff_w;
 
     Barrier team = {0, 0, 0};
@@ -468,7 +476,8 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     {
         int t = omp_get_thread_num(), P = omp_get_num_threads();
         atomic_store_explicit(&team.P, P, memory_order_relaxed); /* the same value from everyone */
-        float *scores = scratch + t * (max_len + 16);
+        float *scores = scratch + t * (max_len + 16 + own_floats + 16);
+        float *own = scores + max_len + 16;
         for (int64_t n = t; n < N; n += P) { /* embeddings */
             const float *e = m->tok + token[n] * m->tok_s0;
             const float *p = m->pos ? m->pos + position[n] * D : NULL;
@@ -479,38 +488,49 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
         for (int64_t l = 0; l < m->n_layer; l++) {
             const Layer *L = &m->layers[l];
             /* attention */
-            linear(&L->qkv, sublayer_input(m, &L->norm1, x, h, N, &team), D, qkv, qkv_w, N, EPI_STORE);
+            linear(&L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
             barrier_wait(&team);
-            for (int64_t task = t; task < N * nkv; task += P)
-                store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
-                            position[task / nkv]);
-            barrier_wait(&team);
-            for (int64_t task = t; task < N * nh; task += P)
-                attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
-                            valid, padded, scores);
+            if (T == 1) {
+                for (int64_t task = t; task < N * nkv; task += P) {
+                    int64_t n = task / nkv, g = task % nkv;
+                    store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n]);
+                    for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+                        attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
+                                    scores);
+                }
+            } else {
+                for (int64_t task = t; task < N * nkv; task += P)
+                    store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
+                                position[task / nkv]);
+                barrier_wait(&team);
+                for (int64_t task = t; task < N * nh; task += P)
+                    attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
+                                valid, padded, scores);
+            }
             barrier_wait(&team);
             linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
             barrier_wait(&team);
             after_residual(m, &L->norm1, x, N, &team);
             /* MLP */
-            linear(&L->up, sublayer_input(m, &L->norm2, x, h, N, &team), D, ff, ff_w, N, m->swiglu ? EPI_STORE : EPI_GELU);
+            linear(&L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
+                   m->swiglu ? EPI_STORE : EPI_GELU);
             barrier_wait(&team);
-            if (m->swiglu) { /* ff[:, :H] <- silu(gate) * up, gate = ff[:, :H], up = ff[:, H:] */
-                for (int64_t n = t; n < N; n += P) swiglu_row(ff + n * ff_w, m->ffn);
-                barrier_wait(&team);
+            const float *hidden = ff;
+            if (m->swiglu) { /* silu(gate) * up, gate = ff[:, :H], up = ff[:, H:], into own */
+                for (int64_t n = 0; n < N; n++) swiglu_row(ff + n * ff_w, own + n * m->ffn, m->ffn);
+                hidden = own;
             }
-            linear(&L->down, ff, ff_w, x, D, N, EPI_ADD); /* x += MLP output */
+            linear(&L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
             barrier_wait(&team);
             after_residual(m, &L->norm2, x, N, &team);
         }
-        /* each row's last token: final norm (or a copy) into h, then the LM head */
-        for (int64_t b = t; b < B; b += P) {
+        /* each row's last token: final norm (or a copy) into own, then the LM head */
+        for (int64_t b = 0; b < B; b++) {
             const float *last = x + ((b + 1) * T - 1) * D;
-            if (m->final_norm) norm_row(m, &m->final_norm_w, last, h + b * D);
-            else memcpy(h + b * D, last, D * sizeof(float));
+            if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
+            else memcpy(own + b * D, last, D * sizeof(float));
         }
-        barrier_wait(&team);
-        linear(&m->head, h, D, logits, m->vocab, B, EPI_STORE);
+        linear(&m->head, own, D, logits, m->vocab, B, EPI_STORE);
         barrier_wait(&team); /* everyone done: OpenMP's closing barrier then waits for no one */
     }
     return OK;
