@@ -18,7 +18,7 @@ One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 Matrices are read from copies the decoder owns (`native.py` writes them; the model is
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
 consecutive rows of 64, so each thread's share of a product is one contiguous stream,
-which the hardware prefetcher follows and which is also prefetched a few KB ahead. A
+which the hardware prefetcher follows and which is also prefetched 8 KB ahead. A
 product walks the inputs i and adds x[i] * W^T[i, tile] into register accumulators for
 1, 2 or 4 rows (as many outputs per pass as the registers hold: 16 AVX-512 or 8 AVX2
 accumulators): plain multiply-adds, no horizontal sums, no scalar loops. Weights are
@@ -67,7 +67,7 @@ and the compiler's portable conversions elsewhere (aarch64).
 typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignment */
 #define TILE 64            /* outputs per packed tile (the layout native.py writes) */
 #define NV (TILE / VW)     /* vectors per tile */
-#define PREFETCH_ROWS 16   /* how far ahead (in tile rows) the weight stream is prefetched */
+#define PREFETCH_BYTES 8192 /* how far ahead the weight stream is prefetched */
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
@@ -171,14 +171,30 @@ static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) 
 
 /* acc[r][k] = x[r] . W^T[:, chunk k] for R rows, C vectors of one tile; p = the tile's
    first row at this chunk, rows TILE weights apart. Every row of the stream is used R
-   times from registers; the stream PREFETCH_ROWS rows ahead is requested meanwhile. */
+   times from registers; the stream PREFETCH_BYTES ahead is requested meanwhile. */
 static inline __attribute__((always_inline)) void chunk_product(
     int R, int C, int kind, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
     const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
+    const int64_t ahead = PREFETCH_BYTES / row; /* rows */
     for (int r = 0; r < R; r++)
         for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
-    for (int64_t i = 0; i < in; i++, p += row) {
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + PREFETCH_ROWS * row + b, 0, 0);
+    int64_t i = 0;
+    if (R == 1 && 2 * C <= ACC_MAX) { /* one row: a second set of sums for odd inputs hides the add latency */
+        vw odd[ACC_MAX];
+        for (int k = 0; k < C; k++) odd[k] = vw_splat(0.0f);
+        for (; i + 2 <= in; i += 2, p += 2 * row) {
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(p + ahead * row + b, 0, 0);
+                __builtin_prefetch(p + (ahead + 1) * row + b, 0, 0);
+            }
+            vw x0 = vw_splat(x[i]), x1 = vw_splat(x[i + 1]);
+            for (int k = 0; k < C; k++) acc[0][k] += x0 * load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
+            for (int k = 0; k < C; k++) odd[k] += x1 * load_w(kind, p + row + (int64_t)k * VW * BYTES[kind]);
+        }
+        for (int k = 0; k < C; k++) acc[0][k] += odd[k];
+    }
+    for (; i < in; i++, p += row) {
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + ahead * row + b, 0, 0);
         vw w[ACC_MAX];
         for (int k = 0; k < C; k++) w[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
         for (int r = 0; r < R; r++) {
