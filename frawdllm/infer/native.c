@@ -414,6 +414,8 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
     memcpy(v_cache + ((b * nkv + g) * max_len + slot) * hd, v, hd * sizeof(float));
 }
 
+#define HD_VECTORS 8 /* head sizes up to 128 keep their weighted sum of values in registers */
+
 /* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start + t] of
    row b. With padding, a real query skips padding slots; a padding query (whose output
    nobody uses) sees them, so that no softmax is empty (PyTorch's mask does the same).
@@ -445,8 +447,20 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
         total += scores[s];
     }
     float *y = out + n * m->d + h * hd;
-    memset(y, 0, hd * sizeof(float));
     float inv_total = 1.0f / total;
+    if (hd % 16 == 0 && hd <= 16 * HD_VECTORS) { /* the sum stays in registers across slots */
+        v16 acc[HD_VECTORS];
+        int64_t nv = hd / 16;
+        for (int64_t j = 0; j < nv; j++) acc[j] = splat(0.0f);
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            if (scores[s2] == 0.0f) continue;
+            v16 w = splat(scores[s2] * inv_total);
+            for (int64_t j = 0; j < nv; j++) acc[j] += w * *(const v16 *)(vc + s2 * hd + 16 * j);
+        }
+        for (int64_t j = 0; j < nv; j++) *(v16 *)(y + 16 * j) = acc[j];
+        return;
+    }
+    memset(y, 0, hd * sizeof(float));
     for (int64_t s2 = 0; s2 < S; s2++)
         if (scores[s2] != 0.0f) axpy(y, scores[s2] * inv_total, vc + s2 * hd, hd);
 }
