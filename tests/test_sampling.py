@@ -13,6 +13,7 @@ from frawdllm.infer.sampling import (
     make_generator,
     min_p_filter,
     processed_logits,
+    greedy_choice,
     sample_next,
     top_k_filter,
     top_p_filter,
@@ -126,6 +127,20 @@ def test_greedy_is_argmax_and_ignores_the_filters():
     logits = torch.tensor([[0.1, 2.0, 1.9], [3.0, -1.0, 2.0]])
     params = SamplingParams(temperature=0, top_k=1, top_p=0.1, min_p=0.9)
     assert sample_next(logits, params).tolist() == [1, 0]
+
+
+def test_greedy_choice_is_torch_argmax_with_ties_nan_and_inf():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 300)
+    logits[1] = 1.0  # all tied: the first
+    logits[2, [7, 50]] = 100.0  # a tie at the top: the first
+    logits[3, [9, 20]] = float("inf")
+    logits[4, [11, 40]] = float("nan")  # NaN counts as the largest, the first one wins
+    logits[5, 3], logits[5, 250] = float("inf"), float("nan")
+    logits[6] = float("-inf")
+    for rows in (logits, logits[2:3], logits[:, :1], logits[:, ::2], logits.double()):
+        got = greedy_choice(rows)
+        assert got.dtype == torch.int64 and got.tolist() == rows.argmax(dim=-1).tolist()
 
 
 def test_samples_follow_the_temperature_scaled_distribution():

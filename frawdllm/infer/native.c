@@ -18,7 +18,7 @@ One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 Matrices are read from copies the decoder owns (`native.py` writes them; the model is
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
 consecutive rows of 64, so each thread's share of a product is one contiguous stream,
-which the hardware prefetcher follows and which is also prefetched a few KB ahead. A
+which the hardware prefetcher follows and which is also prefetched 8 KB ahead. A
 product walks the inputs i and adds x[i] * W^T[i, tile] into register accumulators for
 1, 2 or 4 rows (as many outputs per pass as the registers hold: 16 AVX-512 or 8 AVX2
 accumulators): plain multiply-adds, no horizontal sums, no scalar loops. Weights are
@@ -67,7 +67,7 @@ and the compiler's portable conversions elsewhere (aarch64).
 typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignment */
 #define TILE 64            /* outputs per packed tile (the layout native.py writes) */
 #define NV (TILE / VW)     /* vectors per tile */
-#define PREFETCH_ROWS 16   /* how far ahead (in tile rows) the weight stream is prefetched */
+#define PREFETCH_BYTES 8192 /* how far ahead the weight stream is prefetched */
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
@@ -171,14 +171,30 @@ static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) 
 
 /* acc[r][k] = x[r] . W^T[:, chunk k] for R rows, C vectors of one tile; p = the tile's
    first row at this chunk, rows TILE weights apart. Every row of the stream is used R
-   times from registers; the stream PREFETCH_ROWS rows ahead is requested meanwhile. */
+   times from registers; the stream PREFETCH_BYTES ahead is requested meanwhile. */
 static inline __attribute__((always_inline)) void chunk_product(
     int R, int C, int kind, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
     const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
+    const int64_t ahead = PREFETCH_BYTES / row; /* rows */
     for (int r = 0; r < R; r++)
         for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
-    for (int64_t i = 0; i < in; i++, p += row) {
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + PREFETCH_ROWS * row + b, 0, 0);
+    int64_t i = 0;
+    if (R == 1 && 2 * C <= ACC_MAX) { /* one row: a second set of sums for odd inputs hides the add latency */
+        vw odd[ACC_MAX];
+        for (int k = 0; k < C; k++) odd[k] = vw_splat(0.0f);
+        for (; i + 2 <= in; i += 2, p += 2 * row) {
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(p + ahead * row + b, 0, 0);
+                __builtin_prefetch(p + (ahead + 1) * row + b, 0, 0);
+            }
+            vw x0 = vw_splat(x[i]), x1 = vw_splat(x[i + 1]);
+            for (int k = 0; k < C; k++) acc[0][k] += x0 * load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
+            for (int k = 0; k < C; k++) odd[k] += x1 * load_w(kind, p + row + (int64_t)k * VW * BYTES[kind]);
+        }
+        for (int k = 0; k < C; k++) acc[0][k] += odd[k];
+    }
+    for (; i < in; i++, p += row) {
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + ahead * row + b, 0, 0);
         vw w[ACC_MAX];
         for (int k = 0; k < C; k++) w[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
         for (int r = 0; r < R; r++) {
@@ -323,14 +339,13 @@ static void norm_rows(const Model *m, const Norm *n, const float *x, float *y, i
     for (int64_t r = t; r < B; r += T) norm_row(m, n, x + r * m->d, y + r * m->d);
 }
 
-/* What a sublayer (attention, MLP) reads: pre-LN, norm(x) written to h; post-LN, x itself.
-   Called by every thread of the team (the barrier is theirs). */
-static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *h, int64_t N,
-                                   Barrier *team) {
+/* What a sublayer (attention, MLP) reads: pre-LN, norm(x) of every row into this thread's
+   own buffer `own` (each thread normalises all N rows itself: O(N D) against the
+   product's O(N D out), and no barrier before the product); post-LN, x itself. */
+static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *own, int64_t N) {
     if (!m->pre_norm) return x;
-    norm_rows(m, n, x, h, N);
-    barrier_wait(team);
-    return h;
+    for (int64_t r = 0; r < N; r++) norm_row(m, n, x + r * m->d, own + r * m->d);
+    return own;
 }
 
 /* After a residual add: post-LN normalises the stream in place; pre-LN leaves it. */
@@ -340,16 +355,16 @@ static void after_residual(const Model *m, const Norm *n, float *x, int64_t N, B
     barrier_wait(team);
 }
 
-/* g[i] <- silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
-static void swiglu_row(float *g, int64_t H) {
+/* y[i] = silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
+static void swiglu_row(const float *g, float *y, int64_t H) {
     int64_t i = 0;
     for (; i + 16 <= H; i += 16) {
-        v16 a = *(v16 *)(g + i);
-        *(v16 *)(g + i) = a * v_sigmoid(a) * *(v16 *)(g + H + i);
+        v16 a = *(const v16 *)(g + i);
+        *(v16 *)(y + i) = a * v_sigmoid(a) * *(const v16 *)(g + H + i);
     }
     for (; i < H; i++) {
         v16 a = splat(g[i]);
-        g[i] = g[i] * v_sigmoid(a)[0] * g[H + i];
+        y[i] = g[i] * v_sigmoid(a)[0] * g[H + i];
     }
 }
 
@@ -399,6 +414,8 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
     memcpy(v_cache + ((b * nkv + g) * max_len + slot) * hd, v, hd * sizeof(float));
 }
 
+#define HD_VECTORS 8 /* head sizes up to 128 keep their weighted sum of values in registers */
+
 /* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start + t] of
    row b. With padding, a real query skips padding slots; a padding query (whose output
    nobody uses) sees them, so that no softmax is empty (PyTorch's mask does the same).
@@ -430,26 +447,46 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
         total += scores[s];
     }
     float *y = out + n * m->d + h * hd;
-    memset(y, 0, hd * sizeof(float));
     float inv_total = 1.0f / total;
+    if (hd % 16 == 0 && hd <= 16 * HD_VECTORS) { /* the sum stays in registers across slots */
+        v16 acc[HD_VECTORS];
+        int64_t nv = hd / 16;
+        for (int64_t j = 0; j < nv; j++) acc[j] = splat(0.0f);
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            if (scores[s2] == 0.0f) continue;
+            v16 w = splat(scores[s2] * inv_total);
+            for (int64_t j = 0; j < nv; j++) acc[j] += w * *(const v16 *)(vc + s2 * hd + 16 * j);
+        }
+        for (int64_t j = 0; j < nv; j++) *(v16 *)(y + 16 * j) = acc[j];
+        return;
+    }
+    memset(y, 0, hd * sizeof(float));
     for (int64_t s2 = 0; s2 < S; s2++)
         if (scores[s2] != 0.0f) axpy(y, scores[s2] * inv_total, vc + s2 * hd, hd);
 }
 
 /* ---- the forward ----------------------------------------------------------------------- */
 
-/* Floats of scratch `frawd_forward` needs for N = B T tokens, max_len slots, P threads. */
+/* Floats of scratch `frawd_forward` needs for N = B T tokens, max_len slots, P threads:
+   shared activations, then per thread attention scores and a buffer of its own (the
+   normalised rows, later the SwiGLU product, that its share of a product reads). */
 int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64_t P) {
     int64_t qkv = (m->n_head + 2 * m->n_kv_head) * m->head_dim;
-    int64_t ff = m->swiglu ? 2 * m->ffn : m->ffn;
-    return N * (3 * m->d + qkv + ff) + P * (max_len + 16) + 64;
+    int64_t ff = m->swiglu ? 2 * m->ffn : m->ffn, own = N * (m->d > m->ffn ? m->d : m->ffn);
+    return N * (2 * m->d + qkv + ff) + P * (max_len + 16 + own + 16) + 64;
 }
 
 /* B rows of T new tokens each: token[b, t] at position[b, t] goes to cache slot start + t
    of every layer and attends slots [0, start + t] (masked by valid[b, s] when `padded`).
    T = 1 is a decode step; T > 1 a prefill. k_cache[l], v_cache[l]: (B, n_kv_head,
    max_len, head_dim). logits: (B, vocab), of each row's last token.
-   Returns OK, BAD_TOKEN or BAD_POSITION (nothing computed then). */
+   Returns OK, BAD_TOKEN or BAD_POSITION (nothing computed then).
+
+   Barriers only where a phase reads what other threads wrote: after each product, and
+   between the cache writes and the attention of a prefill. A pre-LN norm and the SwiGLU
+   product are computed by every thread for itself; in a decode step (T = 1) a token
+   attends only its own row's cache, so one task writes a kv head's slot and then runs
+   the query heads that read it. */
 int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, const int64_t *position,
                   float *const *k_cache, float *const *v_cache, int64_t max_len, int64_t start,
                   const uint8_t *valid, int64_t padded, float *logits, float *work, int64_t threads) {
@@ -458,9 +495,10 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
         if (token[n] < 0 || token[n] >= m->vocab) return BAD_TOKEN;
         if (position[n] < 0 || position[n] >= m->context) return BAD_POSITION;
     }
-    int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head;
+    int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
     int64_t qkv_w = (nh + 2 * nkv) * m->head_dim, ff_w = m->swiglu ? 2 * m->ffn : m->ffn;
-    float *x = work, *h = x + N * D, *att = h + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
+    int64_t own_floats = N * (D > m->ffn ? D : m->ffn);
+    float *x = work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
     float *scratch = ff + N * ff_w;
 
     Barrier team = {0, 0, 0};
@@ -468,7 +506,8 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     {
         int t = omp_get_thread_num(), P = omp_get_num_threads();
         atomic_store_explicit(&team.P, P, memory_order_relaxed); /* the same value from everyone */
-        float *scores = scratch + t * (max_len + 16);
+        float *scores = scratch + t * (max_len + 16 + own_floats + 16);
+        float *own = scores + max_len + 16;
         for (int64_t n = t; n < N; n += P) { /* embeddings */
             const float *e = m->tok + token[n] * m->tok_s0;
             const float *p = m->pos ? m->pos + position[n] * D : NULL;
@@ -479,38 +518,49 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
         for (int64_t l = 0; l < m->n_layer; l++) {
             const Layer *L = &m->layers[l];
             /* attention */
-            linear(&L->qkv, sublayer_input(m, &L->norm1, x, h, N, &team), D, qkv, qkv_w, N, EPI_STORE);
+            linear(&L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
             barrier_wait(&team);
-            for (int64_t task = t; task < N * nkv; task += P)
-                store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
-                            position[task / nkv]);
-            barrier_wait(&team);
-            for (int64_t task = t; task < N * nh; task += P)
-                attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
-                            valid, padded, scores);
+            if (T == 1) {
+                for (int64_t task = t; task < N * nkv; task += P) {
+                    int64_t n = task / nkv, g = task % nkv;
+                    store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n]);
+                    for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+                        attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
+                                    scores);
+                }
+            } else {
+                for (int64_t task = t; task < N * nkv; task += P)
+                    store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
+                                position[task / nkv]);
+                barrier_wait(&team);
+                for (int64_t task = t; task < N * nh; task += P)
+                    attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
+                                valid, padded, scores);
+            }
             barrier_wait(&team);
             linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
             barrier_wait(&team);
             after_residual(m, &L->norm1, x, N, &team);
             /* MLP */
-            linear(&L->up, sublayer_input(m, &L->norm2, x, h, N, &team), D, ff, ff_w, N, m->swiglu ? EPI_STORE : EPI_GELU);
+            linear(&L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
+                   m->swiglu ? EPI_STORE : EPI_GELU);
             barrier_wait(&team);
-            if (m->swiglu) { /* ff[:, :H] <- silu(gate) * up, gate = ff[:, :H], up = ff[:, H:] */
-                for (int64_t n = t; n < N; n += P) swiglu_row(ff + n * ff_w, m->ffn);
-                barrier_wait(&team);
+            const float *hidden = ff;
+            if (m->swiglu) { /* silu(gate) * up, gate = ff[:, :H], up = ff[:, H:], into own */
+                for (int64_t n = 0; n < N; n++) swiglu_row(ff + n * ff_w, own + n * m->ffn, m->ffn);
+                hidden = own;
             }
-            linear(&L->down, ff, ff_w, x, D, N, EPI_ADD); /* x += MLP output */
+            linear(&L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
             barrier_wait(&team);
             after_residual(m, &L->norm2, x, N, &team);
         }
-        /* each row's last token: final norm (or a copy) into h, then the LM head */
-        for (int64_t b = t; b < B; b += P) {
+        /* each row's last token: final norm (or a copy) into own, then the LM head */
+        for (int64_t b = 0; b < B; b++) {
             const float *last = x + ((b + 1) * T - 1) * D;
-            if (m->final_norm) norm_row(m, &m->final_norm_w, last, h + b * D);
-            else memcpy(h + b * D, last, D * sizeof(float));
+            if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
+            else memcpy(own + b * D, last, D * sizeof(float));
         }
-        barrier_wait(&team);
-        linear(&m->head, h, D, logits, m->vocab, B, EPI_STORE);
+        linear(&m->head, own, D, logits, m->vocab, B, EPI_STORE);
         barrier_wait(&team); /* everyone done: OpenMP's closing barrier then waits for no one */
     }
     return OK;

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -184,9 +185,18 @@ def sample_next(
     """The next token of each row. `seen` marks the tokens already in each row's sequence."""
     logits = processed_logits(logits, params, seen)
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_choice(logits)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def greedy_choice(logits: Float[Tensor, "B V"]) -> Int[Tensor, "B"]:
+    """`logits.argmax(dim=-1)`: the first of equal maxima, a NaN above everything. On the
+    CPU through numpy's argmax, which is vectorised: a few times faster than torch's for a
+    row of a vocabulary, a cost every greedy decode step pays."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -200,6 +210,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 __all__ = [
-    "SamplingParams", "sample_next", "processed_logits", "make_generator",
+    "SamplingParams", "sample_next", "processed_logits", "make_generator", "greedy_choice",
     "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]
