@@ -66,6 +66,11 @@ def _sources(source: Path) -> list[Path]:
     return found
 
 
+def source_digest(source: Path) -> str:
+    """A hash of `source` and the headers it includes: changes when the C code does."""
+    return hashlib.sha256(b"\0".join(path.read_bytes() for path in _sources(source))).hexdigest()
+
+
 def build(source: Path, what: str = "") -> Path:
     """Compile `source` into the cache (unless already there) and return the library's path.
 
@@ -75,10 +80,9 @@ def build(source: Path, what: str = "") -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"no C compiler ({compiler}): {e}") from None
-    texts = [path.read_text() for path in _sources(source)]
     flags = [*CFLAGS, f"-march={march()}"]
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (*texts, " ".join(flags), version, cpu_signature()))
+        b"\0".join(s.encode() for s in (source_digest(source), " ".join(flags), version, cpu_signature()))
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}_{key}.so"
     if target.exists():
