@@ -45,14 +45,20 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def cpu_signature() -> str:
-    try:  # -march=native code is only valid on the CPU it was built for
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+def cpuinfo_flags_line() -> str | None:
+    """The feature-flags line of /proc/cpuinfo ("flags: ..." on x86, "Features: ..." on ARM)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
             if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_signature() -> str:
+    # -march=native code is only valid on the CPU it was built for
+    return cpuinfo_flags_line() or platform.processor() or platform.machine()
 
 
 def _sources(source: Path) -> list[Path]:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..cbuild import cache_dir as _native_cache_dir
+from ..cbuild import cpuinfo_flags_line
 from ..errors import ConfigError
 from ..io import write_json_atomic
 
@@ -81,9 +82,9 @@ def _cpuinfo_text() -> str:
 
 
 def _cpuinfo_flags() -> frozenset[str]:
-    for line in _cpuinfo_text().splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
+    line = cpuinfo_flags_line()
+    if line is not None:
+        return frozenset(line.split(":", 1)[1].split())
     if platform.machine().lower() in ("arm64", "aarch64"):  # macOS: every Apple CPU has NEON
         return frozenset({"asimd"})
     return frozenset()
