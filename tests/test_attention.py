@@ -4,7 +4,7 @@ decoder-only model computes bit for bit what it did before attention was general
 import pytest
 import torch
 
-import frozen_attention
+import frozen_decoder
 from frawdllm import FrawdLLM, ModelConfig
 from frawdllm.infer.cache import KVCache
 from frawdllm.model import cpu_attention, kernels
@@ -24,13 +24,11 @@ def small_cfg(**kw) -> ModelConfig:
 
 
 def _with_frozen_attention(model: FrawdLLM) -> FrawdLLM:
-    """The same model (same weights) with the pre-generalisation attention modules."""
+    """The same model (same weights) with the pre-generalisation blocks and attention."""
     frozen = FrawdLLM(model.config)
+    frozen.blocks = torch.nn.ModuleList(frozen_decoder.TransformerBlock(model.config, i)
+                                        for i in range(model.config.n_layer))
     frozen.load_state_dict(model.state_dict())
-    for i, block in enumerate(frozen.blocks):
-        old = frozen_attention.CausalSelfAttention(model.config, i)
-        old.load_state_dict(block.attn.state_dict())
-        block.attn = old
     return frozen.train(model.training)
 
 

@@ -1,7 +1,9 @@
-"""A frozen copy of model/attention.py as it was before attention served three uses (commit 6a2bba2).
+"""A frozen copy of model/attention.py and model/block.py as they were before attention
+served three uses (commit 6a2bba2).
 
-tests/test_attention.py swaps it into decoder-only models to check that the generalised
-attention changed none of their outputs, bit for bit. Do not edit: it is the reference.
+tests/test_attention.py swaps these blocks into decoder-only models to check that the
+generalised attention and blocks changed none of their outputs, bit for bit. Do not
+edit: it is the reference.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from torch import Tensor, nn
 from frawdllm.config import ModelConfig
 from frawdllm.model import cpu_attention
 from frawdllm.model.embeddings import apply_rope
+import torch._inductor.config as inductor_config
+from frawdllm.model.mlp import MLP
+from frawdllm.model.norm import make_norm
 
 
 class KVCacheLike(Protocol):
@@ -113,3 +118,39 @@ def blocked_causal_attention(
             probs = F.dropout(probs, dropout_p)
         out.append(probs @ v[:, :, :b])  # (B, H, b-a, hd)
     return torch.cat(out, dim=2)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.norm1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
+    ) -> Float[Tensor, "B T D"]:
+        if kv_cache is None and torch.compiler.is_compiling() and not inductor_config.allow_buffer_reuse:
+            return _compiled_once(self, x, rope)
+        return self.residual_stream(x, rope, kv_cache)
+
+    def residual_stream(
+        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
+    ) -> Float[Tensor, "B T D"]:
+        if self.pre_norm:
+            x = x + self.drop(self.attn(self.norm1(x), rope, kv_cache))
+            x = x + self.drop(self.mlp(self.norm2(x)))
+        else:
+            x = self.norm1(x + self.drop(self.attn(x, rope, kv_cache)))
+            x = self.norm2(x + self.drop(self.mlp(x)))
+        return x
+
+
+@torch.compiler.nested_compile_region
+def _compiled_once(block: TransformerBlock, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    """Under torch.compile, every layer runs this one traced region: the compiler works on
+    a single block instead of n_layer copies (a faster warm-up, the same code)."""
+    return block.residual_stream(x, rope)
