@@ -38,7 +38,7 @@ from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
 from ..modeldir import load_config, load_model
 from ..tokenizer import KINDS, MIN_BPE_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
-from .config import PretrainConfig, dump_yaml
+from .config import PretrainConfig, TrainConfig, dump_yaml
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
@@ -269,7 +269,7 @@ def _check_source(cfg: PretrainConfig) -> None:
     source_files(cfg.data)
 
 
-def check_run_dir(cfg: PretrainConfig) -> None:
+def check_run_dir(cfg: TrainConfig) -> None:
     """OUT suits the run: a new run needs one without a run (or --overwrite), --resume a previous run."""
     run_dir = Path(cfg.out)
     if run_dir.exists() and not run_dir.is_dir():
@@ -284,7 +284,7 @@ def _has_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES + RUN_DIRS)
 
 
-def prepare_run_dir(cfg: PretrainConfig) -> Path:
+def prepare_run_dir(cfg: TrainConfig) -> Path:
     """OUT, checked (`check_run_dir`), emptied of an earlier run with --overwrite, created. A
     --resume of a run killed before its first complete checkpoint starts it over (`cfg` is
     changed to say so)."""
