@@ -116,9 +116,11 @@ def main() -> None:
     features = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd") if f in cpu_features()]
     say("cpu_features", " ".join(features) or "-")
     say("torch_threads", torch.get_num_threads())
-    os.chdir(ROOT)  # the recipe's data paths are relative to the repository root
     out = args.out or tempfile.mkdtemp(prefix="multi30k-")
-    cfg = build_config(TranslateConfig, args.config, {"out": out, "overwrite": True, "progress": False})
+    data = {"src": DATA / "train.de.gz", "tgt": DATA / "train.en.gz", "valid_src": DATA / "val.de.gz",
+            "valid_tgt": DATA / "val.en.gz"}  # wherever the data is ($FRAWD_SHARED_DATA), not the recipe's paths
+    cfg = build_config(TranslateConfig, args.config, {"out": out, "overwrite": True, "progress": False,
+                                                      **{k: str(v) for k, v in data.items()}})
     if not args.skip_throughput:
         from frawdllm.tokenizer import train_tokenizer
 
