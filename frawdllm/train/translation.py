@@ -22,18 +22,14 @@ pairs against their raw reference sentences.
 
 from __future__ import annotations
 
-import math
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Int
 from torch import Tensor, nn
 
 from ..config import Seq2SeqConfig, SEQ2SEQ_PRESETS, get_config
@@ -137,6 +133,17 @@ def translation_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing
     return model(batch["src"], batch["tgt_in"], batch["labels"], batch["src_mask"], label_smoothing)[1]
 
 
+def translation_loss_and_nll(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float
+                             ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The training loss (label-smoothed) and, as a named metric, the plain cross-entropy
+    (`nll`, comparable with val_loss) from the same logits."""
+    logits, _ = model(batch["src"], batch["tgt_in"], src_mask=batch["src_mask"])
+    logits, labels = logits.float().flatten(0, 1), batch["labels"].flatten()
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+    nll = F.cross_entropy(logits.detach(), labels, ignore_index=IGNORE_INDEX)
+    return loss, {"nll": nll}
+
+
 # ---- the task ----------------------------------------------------------------------------------
 
 @dataclass
@@ -147,6 +154,8 @@ class ValidationSet:
 
 
 class TranslationTask(TrainTask):
+    bar_metrics = ("nll",)
+
     def __init__(self, model_config: Seq2SeqConfig, tokenizer: Tokenizer,
                  train_pairs: list[tuple[list[int], list[int]]], valid: ValidationSet | None,
                  tokens_per_batch: int, seed: int = 1337, label_smoothing: float = 0.1,
@@ -172,8 +181,8 @@ class TranslationTask(TrainTask):
         self.cursor += 1
         return collate([self.pairs[i] for i in batch])
 
-    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        return translation_loss(model, batch, self.label_smoothing)
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        return translation_loss_and_nll(model, batch, self.label_smoothing)
 
     def batch_tokens(self, batch: dict[str, Tensor]) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())  # real target tokens: padding not counted
@@ -254,10 +263,8 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     """The whole job: read and check the data, tokenizer, model, then the shared loop."""
     from .. import __version__
     from ..model import Seq2SeqTransformer
-    from ..modeldir import load_model
     from .device import seed_everything
-    from .pretrain import prepare_run_dir
-    from .rundir import CONFIG_FILE
+    from .rundir import CONFIG_FILE, prepare_run_dir, undo_failed_start
 
     started_at = time.perf_counter() if started_at is None else started_at
     if not cfg.src or not cfg.tgt:
@@ -287,18 +294,19 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     if longest > model_cfg.context_length:
         raise FrawdError(f"--max-len {cfg.max_len} allows sentences of {longest} tokens but the model's "
                          f"context_length is {model_cfg.context_length}; lower --max-len or --set context_length=N")
-    prepare_run_dir(cfg)
-    tokenizer.save(tokenizer_file)
-    seed_everything(cfg.seed)
-    model = Seq2SeqTransformer(model_cfg)
-    header = (f"# rerun: frawd translate train --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
-              f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
-              f"parameters, vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs\n")
-    saved = TranslateConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-    write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
-    task = TranslationTask(model_cfg, tokenizer, train.pairs, valid, cfg.tokens_per_batch, cfg.seed,
-                           cfg.label_smoothing, cfg.bleu_sentences, cfg.eval_batches)
-    trainer = Trainer(model, task, cfg, run_dir, config_for_loggers=cfg.to_dict(), started_at=started_at)
+    with undo_failed_start(cfg):
+        prepare_run_dir(cfg)
+        tokenizer.save(tokenizer_file)
+        seed_everything(cfg.seed)
+        model = Seq2SeqTransformer(model_cfg)
+        header = (f"# rerun: frawd translate train --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+                  f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
+                  f"parameters, vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs\n")
+        saved = TranslateConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        task = TranslationTask(model_cfg, tokenizer, train.pairs, valid, cfg.tokens_per_batch, cfg.seed,
+                               cfg.label_smoothing, cfg.bleu_sentences, cfg.eval_batches)
+        trainer = Trainer(model, task, cfg, run_dir, config_for_loggers=cfg.to_dict(), started_at=started_at)
     return trainer.fit()
 
 
