@@ -327,7 +327,7 @@ class Seq2SeqConfig(ModelConfig):
 # The paper's settings: post-LN, sinusoidal positions, embeddings x sqrt(d), ReLU, dropout 0.1,
 # one vocabulary and one embedding for source, target and output.
 _AIAYN = dict(pos_encoding="sinusoidal", scale_embeddings=True, norm_placement="post", bias=True,
-              tie_embeddings=True, activation="relu", norm_eps=1e-6)
+              tie_embeddings=True, activation="relu")
 
 SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
     "aiayn-base": dict(vocab_size=37000, n_embd=512, n_layer=6, n_encoder_layer=6, n_head=8, mlp_hidden=2048,
