@@ -17,7 +17,8 @@ puts 0.9 on the right token and spreads 0.1 over the vocabulary), averaged over 
 target tokens only: padding labels are IGNORE_INDEX, and tokens/s counts real target
 tokens too. Each evaluation reports the validation loss (plain cross-entropy per target
 token) and sacreBLEU of greedy translations of the first `bleu_sentences` validation
-pairs against their raw reference sentences.
+pairs against their raw reference sentences (not before the first step: an untrained
+model writes maximum-length noise, slow to decode and scoring 0).
 """
 
 from __future__ import annotations
@@ -199,14 +200,15 @@ class TranslationTask(TrainTask):
                                            ignore_index=IGNORE_INDEX, reduction="sum"))
             count += int((data["labels"] != IGNORE_INDEX).sum())
         out = {"val_loss": total / max(count, 1)}
-        if self.bleu_sentences:
+        trained = self.epoch > 0 or self.cursor > 0
+        if self.bleu_sentences and trained:  # an untrained model writes maximum-length noise: skip
             n = self.bleu_sentences
             hyps = translate_texts(model, self.tokenizer, [s for s, _ in self.valid.pairs[:n]], beam_size=1)
             out["val_bleu"] = round(corpus_bleu(hyps, self.valid.references[:n]).score, 2)
         return out
 
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
-        if self.valid is None or not self.n_samples:
+        if self.valid is None or not self.n_samples or (self.epoch == 0 and self.cursor == 0):
             return []
         sources = self.valid.pairs[: self.n_samples]
         hyps = translate_texts(model, self.tokenizer, [s for s, _ in sources], beam_size=1)
