@@ -221,11 +221,20 @@ def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
     return Seq2SeqTransformer if isinstance(cfg, Seq2SeqConfig) else FrawdLLM
 
 
-def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None):
+KIND_HINT = {"decoder": "a decoder-only language model (frawd pretrain)",
+             "seq2seq": "an encoder-decoder translation model (frawd translate)"}
+
+
+def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None,
+               kind: str | None = None):
     """The model in `directory`; `config` builds it instead of config.json's (the weights'
-    shapes must fit it, e.g. the same model with another dropout)."""
+    shapes must fit it, e.g. the same model with another dropout). `kind` ("decoder" or
+    "seq2seq"): refuse, in one line, a directory holding the other kind."""
     directory = Path(directory)
     cfg = load_config(directory) if config is None else config
+    held = "seq2seq" if isinstance(cfg, Seq2SeqConfig) else "decoder"
+    if kind is not None and held != kind:
+        raise FrawdError(f"{directory}: holds {KIND_HINT[held]}; this command needs {KIND_HINT[kind]}")
     path = directory / WEIGHTS_FILE
     if not path.exists() and not path.is_symlink():
         raise FrawdError(f"{path}: missing weights file")

@@ -119,4 +119,15 @@ def test_eval_of_a_decoder_only_model_is_refused(tmp_path, capsys):
     FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=tok.vocab_size,
                         context_length=16)).save_pretrained(tmp_path / "lm", tokenizer=tok)
     code, _, err = run_cli(capsys, "translate", "run", "--model", tmp_path / "lm", "hallo")
-    assert code == 1 and "decoder-only" in err
+    assert code == 1 and "decoder-only language model" in err
+
+
+def test_generate_with_a_translation_model_is_refused(tmp_path, capsys):
+    from frawdllm import Seq2SeqTransformer, get_config
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=tok.vocab_size, n_embd=32, n_head=2, n_layer=1,
+                                  n_encoder_layer=1)).save_pretrained(tmp_path / "mt", tokenizer=tok)
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "mt", "--prompt", "hallo")
+    assert code == 1 and "encoder-decoder translation model" in err

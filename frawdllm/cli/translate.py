@@ -78,10 +78,8 @@ def _load(model_dir: str):
     from ..modeldir import TOKENIZER_FILE, load_model, model_file
     from ..tokenizer import Tokenizer
 
-    model = load_model(model_dir)
-    if not isinstance(model, Seq2SeqTransformer):
-        raise FrawdError(f"{model_dir}: holds a decoder-only language model; translation needs an encoder-decoder "
-                         "one (frawd translate train)")
+    model = load_model(model_dir, kind="seq2seq")
+    assert isinstance(model, Seq2SeqTransformer)
     return model.eval(), Tokenizer.load(model_file(model_dir, TOKENIZER_FILE))
 
 
