@@ -155,7 +155,7 @@ class DPOTask(FinetuneTask):
 
     def __init__(self, train: list[Pair], val: list[Pair], model: nn.Module, tokenizer: Tokenizer,
                  cfg: DPOConfig, length: int) -> None:
-        super().__init__(tokenizer, cfg, [p.prompt for p in val])
+        super().__init__(model, tokenizer, cfg, [p.prompt for p in val])
         self.train_pairs, self.val_pairs, self.length, self.beta = train, val, length, cfg.beta
         self.loss_type = cfg.loss_type
         self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed)

@@ -116,10 +116,10 @@ def sample_texts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]
 class FinetuneTask(TrainTask):
     """Saving, LoRA-aware resume and samples, shared by the SFT and DPO tasks."""
 
-    def __init__(self, tokenizer: Tokenizer, cfg: FinetuneConfig, sample_prompts: list[list[int]]) -> None:
-        self.tokenizer, self.cfg = tokenizer, cfg
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig,
+                 sample_prompts: list[list[int]]) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg  # (LoRA wraps `model` in place)
         self.sample_prompts = sample_prompts[:cfg.sample_count]
-        self.model: nn.Module | None = None  # set by run_finetune (LoRA state lives in it)
 
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return sample_texts(model, self.tokenizer, self.sample_prompts, self.cfg.sample_tokens)
@@ -162,7 +162,6 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
         task = make_task(model, tokenizer, length)
         if cfg.lora_rank:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)
-        task.model = model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         header = (f"# rerun: frawd {command} --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
                   f"# frawdllm {__version__}, torch {torch.__version__}; --init {cfg.init}: "

@@ -69,13 +69,13 @@ def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[li
 
 
 class SFTTask(FinetuneTask):
-    def __init__(self, train: list[Example], val: list[Example], tokenizer: Tokenizer, cfg: SFTConfig,
-                 length: int, flops_per_token: int | None = None) -> None:
-        super().__init__(tokenizer, cfg, [prompt_of(e) for e in val])
+    def __init__(self, train: list[Example], val: list[Example], model: nn.Module, tokenizer: Tokenizer,
+                 cfg: SFTConfig, length: int) -> None:
+        super().__init__(model, tokenizer, cfg, [prompt_of(e) for e in val])
         self.length = length
         self.loader = PackedLoader(train, cfg.batch_size, length, cfg.seed, pack=cfg.pack)
         self.val_batches = fixed_batches(val, cfg.batch_size, length, pack=cfg.pack)[:cfg.eval_batches]
-        self.flops_per_token = flops_per_token
+        self.flops_per_token = model.config.flops_per_token(length)
 
     def next_batch(self) -> dict[str, Tensor]:
         return self.loader.next_batch()
@@ -111,6 +111,6 @@ def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | N
         train, val, summary = load_examples(cfg, tokenizer, length)
         if cfg.progress:
             print(f"sft data: {summary.line()}", flush=True)
-        return SFTTask(train, val, tokenizer, cfg, length, model.config.flops_per_token(length))
+        return SFTTask(train, val, model, tokenizer, cfg, length)
 
     return run_finetune(cfg, "sft", make_task, callbacks, started_at)
