@@ -64,7 +64,7 @@ class FinetuneConfig(TrainConfig):
 
 def check_init(cfg: FinetuneConfig) -> None:
     """Every check that needs no real work (a FrawdError here means nothing was written)."""
-    from ..modeldir import load_config
+    from ..modeldir import load_config, model_file
 
     check_run_dir(cfg)
     if not cfg.has_budget:
@@ -73,18 +73,18 @@ def check_init(cfg: FinetuneConfig) -> None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
     pick_device(cfg.device)
     load_config(cfg.init)
-    tok = Tokenizer.load(Path(cfg.init) / TOKENIZER_FILE)
+    tok = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
     if not tok.has_frawd_specials():
         raise FrawdError(f"{cfg.init}: its tokenizer lacks FrawdLLM's chat tokens (<|user|>, <|assistant|>, ...)")
 
 
 def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
     """The --init model (train mode, its dropout kept), its tokenizer and the example length."""
-    from ..modeldir import load_model
+    from ..modeldir import load_model, model_file
 
     seed_everything(cfg.seed)
     model = load_model(cfg.init)
-    tokenizer = Tokenizer.load(Path(cfg.init) / TOKENIZER_FILE)
+    tokenizer = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
     context = model.config.context_length
     if cfg.max_length is not None and cfg.max_length > context:
         raise FrawdError(f"--max-length {cfg.max_length} exceeds the model's context_length {context}")
