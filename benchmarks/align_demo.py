@@ -1,7 +1,8 @@
 """From a base model to a chat model, offline, in minutes: SFT then DPO, measured.
 
 (a) A synthetic task. A small model is pretrained briefly on standard-library text (byte
-    tokens), then asked "reverse <word>" for random 3-5 letter words in the chat template:
+    tokens), then asked "reverse <word>" for random words (3 letters by default, see
+    --min-letters/--max-letters) in the chat template:
     it starts near 0% exact match. SFT on other words must reach at least 90% exact match
     on held-out words (greedy). Then preference pairs whose chosen answer follows a rule
     the SFT model does not follow (the reversed word in UPPER case; rejected: lower case)
@@ -45,11 +46,11 @@ def write_jsonl(path: Path, records: list[dict]) -> str:
     return str(path)
 
 
-def random_words(n: int, rng: random.Random, exclude: set[str] = frozenset()) -> list[str]:
+def random_words(n: int, rng: random.Random, lengths: tuple[int, int], exclude: set[str] = frozenset()) -> list[str]:
     words: list[str] = []
     seen = set(exclude)
     while len(words) < n:
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5)))
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(*lengths)))
         if word not in seen:
             seen.add(word)
             words.append(word)
@@ -112,8 +113,9 @@ def part_a(work: Path, args) -> dict[str, float]:
     base = work / "base" / "model"
 
     rng = random.Random(0)
-    test_words = random_words(200, rng)
-    train_words = random_words(args.sft_examples, rng, exclude=set(test_words))
+    lengths = (args.min_letters, args.max_letters)
+    test_words = random_words(200, rng, lengths)
+    train_words = random_words(args.sft_examples, rng, lengths, exclude=set(test_words))
     sft_data = write_jsonl(work / "reverse.jsonl", [{"prompt": f"reverse {w}", "response": w[::-1]}
                                                   for w in train_words])
     test_prompts = [f"reverse {w}" for w in test_words]
@@ -133,7 +135,7 @@ def part_a(work: Path, args) -> dict[str, float]:
     figures["sft_acc_after"] = exact(sft)
 
     # DPO: chosen follows the rule (upper case), rejected is what the SFT model says
-    pref_words = random_words(args.dpo_examples, rng, exclude=set(test_words) | set(train_words))
+    pref_words = random_words(args.dpo_examples, rng, lengths, exclude=set(test_words) | set(train_words))
     prefs = [{"prompt": f"reverse {w}", "chosen": w[::-1].upper(), "rejected": w[::-1]} for w in pref_words]
     dpo_data = write_jsonl(work / "prefs.jsonl", prefs)
 
@@ -221,11 +223,13 @@ def main() -> None:
     parser.add_argument("--skip-stdlib", action="store_true", help="run part (a) only")
     parser.add_argument("--skip-synthetic", action="store_true", help="run part (b) only")
     parser.add_argument("--pretrain-steps", type=int, default=150)
-    parser.add_argument("--sft-examples", type=int, default=3000)
-    parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--min-letters", type=int, default=3, help="shortest word of the synthetic task")
+    parser.add_argument("--max-letters", type=int, default=3, help="longest word of the synthetic task")
+    parser.add_argument("--sft-examples", type=int, default=6000)
+    parser.add_argument("--sft-steps", type=int, default=500)
     parser.add_argument("--dpo-examples", type=int, default=1000)
-    parser.add_argument("--dpo-steps", type=int, default=60)
-    parser.add_argument("--dpo-lr", type=float, default=1e-3)
+    parser.add_argument("--dpo-steps", type=int, default=40)
+    parser.add_argument("--dpo-lr", type=float, default=5e-4)
     parser.add_argument("--stdlib-sft-time", default="3m")
     parser.add_argument("--stdlib-dpo-time", default="90s")
     parser.add_argument("--work", default=None, help="working folder (default: a temporary one, removed)")

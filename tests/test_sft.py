@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from frawdllm.align import lora
-from frawdllm.align.examples import (BadExample, Example, chat_messages, tokenize_chat, tokenize_pair, truncate)
+from frawdllm.align.examples import BadExample, chat_messages, tokenize_chat, tokenize_pair, truncate
 from frawdllm.align.packing import collate, document_mask, pack_rows
-from frawdllm.align.sft import SFTConfig, load_examples, run_sft, sft_loss
+from frawdllm.align.sft import SFTConfig, load_examples, sft_loss
 from frawdllm.modeldir import load_model
 from frawdllm.tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, USER_ID
 from frawdllm.train.rundir import read_metrics
@@ -233,3 +233,24 @@ def test_sft_output_works_with_chat_and_the_hf_export(tmp_path, capsys):
     ids = hf_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
     assert ids == byte_tokenizer().render_chat(chat)
+
+
+def test_examples_come_from_gzip_jsonl_parquet_and_local_hf_datasets(tmp_path):
+    import gzip
+    import json
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    datasets = pytest.importorskip("datasets")
+
+    records = word_chats(12)
+    with gzip.open(tmp_path / "chats.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "hfds"))
+    tok = byte_tokenizer()
+    expected = [tokenize_chat(tok, chat_messages(r, "x")).ids for r in records]
+    for spec in (tmp_path / "chats.jsonl.gz", tmp_path / "chats.parquet", f"hf:{tmp_path / 'hfds'}"):
+        cfg = SFTConfig(data=str(spec), progress=False, max_steps=1, val_fraction=0.0)
+        train, _, summary = load_examples(cfg, tok, 64)
+        assert [e.ids for e in train] == expected and summary.examples == 12, spec

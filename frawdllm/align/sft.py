@@ -9,7 +9,6 @@ validation loss; samples.txt holds the model's greedy answers to held-out prompt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from jaxtyping import Float

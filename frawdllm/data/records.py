@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FrawdError
-from .sources import SourceStats, _open_text, parse_hf_spec, resolve_files
+from .sources import _open_text, parse_hf_spec, resolve_files
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -49,7 +49,6 @@ def _file_records(files: list[Path]) -> Iterator[tuple[str, object]]:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    stats = SourceStats()
     with _open_text(path) as f:
         try:
             for lineno, line in enumerate(f, start=1):
