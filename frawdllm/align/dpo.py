@@ -159,7 +159,8 @@ class DPOTask(FinetuneTask):
         self.train_pairs, self.val_pairs, self.length, self.beta = train, val, length, cfg.beta
         self.loss_type = cfg.loss_type
         self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed)
-        self.flops_per_token = model.config.flops_per_token(length) * 4 // 3  # + the reference's forward
+        flops = model.config.flops_per_token(length)  # the policy's forward and backward: 6N per token
+        self.flops_per_token = flops if cfg.precompute_ref else flops * 4 // 3  # + the reference's forward, 2N
         reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.reference: nn.Module | None = reference
         self.ref_logps: dict[str, Tensor] = {}
