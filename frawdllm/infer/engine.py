@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from . import native as native_forward
 from . import paths
-from .cache import KVCache
+from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
@@ -184,7 +184,7 @@ class Engine:
             return self._plan
 
     def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
-                       positions: Int[Tensor, "B T"], cache: KVCache, path: paths.Path) -> Float[Tensor, "B V"]:
+                       positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache, path: paths.Path) -> Float[Tensor, "B V"]:
         """The C forward for one phase, at the thread count that phase currently runs fastest with."""
         choice = self._threads.get(paths.phase(*tokens.shape))
         if choice is None:
@@ -472,7 +472,7 @@ class _Run:
 
 
 def decode_logits(
-    model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache
+    model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache | RowKVCache
 ) -> Float[Tensor, "B V"]:
     """One decode step: each row's newest token in, next-token logits out."""
     return _decode_step(model, tokens, positions, cache)
