@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -106,6 +107,9 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
                    err=True)
     click.echo(f"serving {', '.join(engines)} on http://{host}:{port} (OpenAI API at /v1, chat page at /)",
                err=True)
+    # uvicorn drains open requests on SIGTERM, then raises the signal again under the handler
+    # it found: this one, so that a drained shutdown exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=120)
     uvicorn.Server(config).run()

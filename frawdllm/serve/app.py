@@ -404,7 +404,7 @@ class _Reply:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     async def whole(self, request: Request) -> dict:
-        while not self.job.done:
+        while None in self.reasons:  # (every sample's last chunk taken)
             chunk = await self._next(request)
             self.texts[chunk.index] += chunk.text
         prefix = self.body.prompt if (not self.chat and self.body.echo and isinstance(self.body.prompt, str)) else ""
@@ -434,7 +434,7 @@ class _Reply:
             elif self.body.echo and isinstance(self.body.prompt, str):
                 yield self._event([{"index": i, "text": self.body.prompt, "logprobs": None, "finish_reason": None}
                                    for i in range(n)])
-            while not self.job.done:
+            while None in self.reasons:  # (every sample's last chunk taken)
                 chunk = await self._next(request)
                 if not chunk.text and chunk.finish_reason is None:
                     continue  # (a token that is not printable yet)
