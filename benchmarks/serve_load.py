@@ -3,8 +3,8 @@ and 32 concurrent streaming clients.
 
 Workload (issue 13): the `tiny` preset (random weights, a BPE tokenizer of its 8192 ids
 trained on tiny shakespeare when ../shared has it, else on a generated text), served by
-`frawd serve` in a subprocess on a free local port. Each client sends streaming chat-free
-completions one after another: prompts of mixed lengths (8-120 tokens), 128 new tokens
+`frawd serve` in a subprocess on a free local port. Each client sends streaming
+completions (prompts as token ids) one after another: prompts of mixed lengths (8-120 tokens), 128 new tokens
 each, greedy (the model's special tokens are never the greedy choice, so every request
 generates its 128). Levels run interleaved (1, 8, 32, 1, 8, 32, ...) so load from other
 processes hits each alike; each figure is the median over rounds.

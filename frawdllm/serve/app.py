@@ -435,17 +435,23 @@ class _Reply:
                 yield self._event([{"index": i, "text": self.body.prompt, "logprobs": None, "finish_reason": None}
                                    for i in range(n)])
             while None in self.reasons:  # (every sample's last chunk taken)
-                chunk = await self._next(request)
-                if not chunk.text and chunk.finish_reason is None:
-                    continue  # (a token that is not printable yet)
-                if self.chat:
-                    delta = {"content": chunk.text} if chunk.text else {}
-                    choice = {"index": chunk.index, "delta": delta, "logprobs": None,
-                              "finish_reason": chunk.finish_reason}
-                else:
-                    choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
-                              "finish_reason": chunk.finish_reason}
-                yield self._event([choice])
+                chunks = [await self._next(request)]
+                while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
+                    chunks.append(self._take(self.chunks.get_nowait()))
+                events = []
+                for chunk in chunks:
+                    if not chunk.text and chunk.finish_reason is None:
+                        continue  # (a token that is not printable yet)
+                    if self.chat:
+                        delta = {"content": chunk.text} if chunk.text else {}
+                        choice = {"index": chunk.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+                    else:
+                        choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+                    events.append(self._event([choice]))
+                if events:
+                    yield "".join(events)
             options = self.body.stream_options
             if options is not None and options.include_usage:
                 yield self._event([], usage=self._usage())
