@@ -1,7 +1,9 @@
 """The training loop: pretraining runs on it, and so can any job that plugs in a `TrainTask`.
 
-A job plugs in a `TrainTask`: where batches come from, how a batch becomes a loss, how
-to evaluate, what to sample, how to save the model. The `Trainer` owns everything else:
+A job plugs in a `TrainTask`: where batches come from, how a batch becomes a loss (and,
+beside it, any named metrics, e.g. DPO's `rewards/margins`), which extra modules it
+needs but never trains (e.g. DPO's frozen reference), how to evaluate, what to sample,
+how to save the model. The `Trainer` owns everything else:
 
     for each optimizer step, until --max-steps / --max-tokens / --max-time:
         lr = schedule(step, progress)
@@ -64,19 +66,32 @@ class TrainingDiverged(FrawdError):
     """The loss was NaN/inf for too many steps in a row."""
 
 
+LossOutput = Tensor | tuple[Tensor, dict[str, Tensor]]
+
+
 class TrainTask:
     """What a training job plugs into the loop. Override `next_batch` and `loss`; the rest
     has defaults. Batches are tensors or (nested) tuples/lists/dicts of tensors on the CPU;
     the loop moves them to the device."""
 
     flops_per_token: int | None = None  # training FLOPs per token, for MFU (None: no MFU)
+    bar_metrics: tuple[str, ...] = ()  # named metrics (see `loss`) shown on the progress bar
 
     def next_batch(self) -> Any:
         raise NotImplementedError
 
-    def loss(self, model: nn.Module, batch: Any) -> Tensor:
-        """The scalar loss of a batch already on the device (runs under autocast)."""
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        """The scalar loss of a batch already on the device (runs under autocast), or
+        `(loss, metrics)`: metrics are named scalar tensors (no gradient needed) that the
+        loop averages over the step's micro-batches and logs beside the loss (metrics.jsonl,
+        loss.png, and the progress bar for the names in `bar_metrics`)."""
         raise NotImplementedError
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        """Modules the task uses but never trains (e.g. DPO's reference model). The loop
+        moves them to the device once, keeps them in eval mode without gradients, gives
+        them to no optimizer and saves them in no checkpoint (the task rebuilds them)."""
+        return {}
 
     def batch_tokens(self, batch: Any) -> int:
         """Tokens a batch counts for --max-tokens and tokens/s: its first tensor's size."""
@@ -93,7 +108,14 @@ class TrainTask:
         return []
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
+        """Write `model` as a model directory (the best model, and each checkpoint's)."""
         model.save_pretrained(directory)
+
+    def load_model(self, model: nn.Module, directory: Path) -> None:
+        """Resume: load a checkpoint's model directory (written by `save_model`) into `model`.
+        A task whose saved model is not its trained state (e.g. LoRA adapters merged on save)
+        restores that state from its `state_dict` instead."""
+        ckpt.load_weights(model, directory)
 
     def state_dict(self) -> dict:
         return {}
@@ -161,6 +183,12 @@ class Trainer:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = model.to(self.device)
+        self.frozen = task.frozen_modules()
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if any(id(p) in trainable for m in self.frozen.values() for p in m.parameters()):
+            raise ValueError("a frozen module shares parameters with the trained model")
+        for module in self.frozen.values():
+            module.to(self.device).eval().requires_grad_(False)
         self._compiled = False  # whether the step is (meant to be) compiled
         self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
         self._compile_retried = False
@@ -352,11 +380,15 @@ class Trainer:
         if warming:
             self._say("torch.compile warm-up (first step)...")
         total = torch.zeros((), device=self.device)
+        named: dict[str, Tensor] = {}  # the task's metrics, summed over micro-batches
         step_tokens = 0
         for _ in range(cfg.grad_accum):
             batch = to_device(self.task.next_batch(), self.device)
             step_tokens += self.task.batch_tokens(batch)
-            total += self._forward_backward(batch)
+            loss, metrics = self._forward_backward(batch)
+            total += loss
+            for key, value in metrics.items():
+                named[key] = named[key] + value if key in named else value
             self._cost_key(self.dtype, batch)
         loss_value = float(total) / cfg.grad_accum
         self.scaler.unscale_(self.optimizer)
@@ -375,6 +407,7 @@ class Trainer:
         self.tokens += step_tokens
         self.last_loss = loss_value
         record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        record.update({key: float(value) / cfg.grad_accum for key, value in named.items()})
         now = time.perf_counter()
         self._last_step_s = now - started
         if self.plan is not None:
@@ -396,11 +429,12 @@ class Trainer:
             self._window = (now, self.tokens)
         return record
 
-    def _forward_backward(self, batch: Any) -> Tensor:
-        """The micro-batch's loss (detached), its gradients accumulated."""
+    def _forward_backward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """The micro-batch's loss and named metrics (detached, fp32), its gradients accumulated."""
         try:
             with autocast(self.device, self.dtype):
                 loss = self.loss_fn(self.model, batch)
+            loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
         except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
             if not self._compiled or self._compiled_ok:
@@ -422,7 +456,7 @@ class Trainer:
             return self._forward_backward(batch)
         if self._compiled:
             self._compiled_ok = True
-        return loss.detach().float()
+        return loss.detach().float(), {key: value.detach().float() for key, value in metrics.items()}
 
     def _remember_compile_cost(self) -> None:
         """Cache this machine's warm-up and speedup for this model, for later `auto` decisions."""
@@ -570,7 +604,7 @@ class Trainer:
         if state.get("version") != STATE_VERSION:
             raise FrawdError(f"{path}: training state version {state.get('version')}; "
                              f"this FrawdLLM reads version {STATE_VERSION}")
-        ckpt.load_weights(self.model, path / ckpt.MODEL_SUBDIR)
+        self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
@@ -623,7 +657,9 @@ def _bar_update(bar, trainer: Trainer, record: dict) -> None:
     speed = trainer._speed(trainer._rate)
     session = trainer.elapsed() - trainer.elapsed_before
     eta = session * (1 - progress) / (progress - start) if progress > start else math.inf
-    postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}", f"{_si(speed['tokens_per_s'])} tok/s"]
+    postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
+    postfix += [f"{key} {record[key]:.3g}" for key in trainer.task.bar_metrics if key in record]
+    postfix.append(f"{_si(speed['tokens_per_s'])} tok/s")
     if trainer.task.flops_per_token:
         postfix.append(f"MFU {format_mfu(speed.get('mfu'))}")
     postfix.append(f"ETA {_clock(eta)}")
