@@ -320,3 +320,15 @@ def test_sigterm_drains_open_requests(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_command_bad_input(capsys, tmp_path):
+    from cli_helpers import run_cli
+
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "missing", "--port", free_port())
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "missing" in err
+    model, tok = varied_model()
+    model.save_pretrained(tmp_path / "a" / "m", tokenizer=tok)
+    model.save_pretrained(tmp_path / "b" / "m", tokenizer=tok)
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "a" / "m", "--model", tmp_path / "b" / "m")
+    assert code != 0 and "NAME=DIR" in err and len(err.strip().splitlines()) == 1
