@@ -1,7 +1,9 @@
 """The training loop: pretraining runs on it, and so can any job that plugs in a `TrainTask`.
 
-A job plugs in a `TrainTask`: where batches come from, how a batch becomes a loss, how
-to evaluate, what to sample, how to save the model. The `Trainer` owns everything else:
+A job plugs in a `TrainTask`: where batches come from, how a batch becomes a loss (and,
+beside it, any named metrics, e.g. DPO's `rewards/margins`), which extra modules it
+needs but never trains (e.g. DPO's frozen reference), how to evaluate, what to sample,
+how to save the model. The `Trainer` owns everything else:
 
     for each optimizer step, until --max-steps / --max-tokens / --max-time:
         lr = schedule(step, progress)
@@ -70,19 +72,32 @@ class TrainingDiverged(FrawdError):
     """The loss was NaN/inf for too many steps in a row."""
 
 
+LossOutput = Tensor | tuple[Tensor, dict[str, Tensor]]
+
+
 class TrainTask:
     """What a training job plugs into the loop. Override `next_batch` and `loss`; the rest
     has defaults. Batches are tensors or (nested) tuples/lists/dicts of tensors on the CPU;
     the loop moves them to the device."""
 
     flops_per_token: int | None = None  # training FLOPs per token, for MFU (None: no MFU)
+    bar_metrics: tuple[str, ...] = ()  # named metrics (see `loss`) shown on the progress bar
 
     def next_batch(self) -> Any:
         raise NotImplementedError
 
-    def loss(self, model: nn.Module, batch: Any) -> Tensor:
-        """The scalar loss of a batch already on the device (runs under autocast)."""
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        """The scalar loss of a batch already on the device (runs under autocast), or
+        `(loss, metrics)`: metrics are named scalar tensors (no gradient needed) that the
+        loop averages over the step's micro-batches and logs beside the loss (metrics.jsonl,
+        loss.png, and the progress bar for the names in `bar_metrics`)."""
         raise NotImplementedError
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        """Modules the task uses but never trains (e.g. DPO's reference model). The loop
+        moves them to the device once, keeps them in eval mode without gradients, gives
+        them to no optimizer and saves them in no checkpoint (the task rebuilds them)."""
+        return {}
 
     def batch_tokens(self, batch: Any) -> int:
         """Tokens a batch counts for --max-tokens and tokens/s: its first tensor's size."""
@@ -99,7 +114,14 @@ class TrainTask:
         return []
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
+        """Write `model` as a model directory (the best model, and each checkpoint's)."""
         model.save_pretrained(directory)
+
+    def load_model(self, model: nn.Module, directory: Path) -> None:
+        """Resume: load a checkpoint's model directory (written by `save_model`) into `model`.
+        A task whose saved model is not its trained state (e.g. LoRA adapters merged on save)
+        restores that state from its `state_dict` instead."""
+        ckpt.load_weights(model, directory)
 
     def state_dict(self) -> dict:
         return {}
@@ -176,6 +198,12 @@ class Trainer:
         self._resume_from = self._resume_weights() if cfg.resume else None  # before FSDP shards them
         self.step_module = distributed.wrap(self.model, self.dist, self.dtype)  # what a step calls
         self._plain: dict = {}  # FSDP: rank 0's whole copy of the model, for saving and samples
+        self.frozen = task.frozen_modules()
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if any(id(p) in trainable for m in self.frozen.values() for p in m.parameters()):
+            raise ValueError("a frozen module shares parameters with the trained model")
+        for module in self.frozen.values():
+            module.to(self.device).eval().requires_grad_(False)
         self._compiled = False  # whether the step is (meant to be) compiled
         self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
         self._compile_retried = False
@@ -382,12 +410,16 @@ class Trainer:
         if warming:
             self._say("torch.compile warm-up (first step)...")
         total = torch.zeros((), device=self.device)
+        named: dict[str, Tensor] = {}  # the task's metrics, summed over micro-batches
         step_tokens = 0
         for micro in range(self.grad_accum):
             batch = to_device(self.task.next_batch(), self.device)
             step_tokens += self.task.batch_tokens(batch) * self.dist.world_size
             with distributed.gradient_sync(self.step_module, micro == self.grad_accum - 1):
-                total += self._forward_backward(batch)
+                loss, metrics = self._forward_backward(batch)
+            total += loss
+            for key, value in metrics.items():
+                named[key] = named[key] + value if key in named else value
             self._cost_key(self.dtype, batch)
         loss_value = self.dist.mean(float(total) / self.grad_accum, self.device)
         self.scaler.unscale_(self.optimizer)
@@ -406,6 +438,8 @@ class Trainer:
         self.tokens += step_tokens
         self.last_loss = loss_value
         record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        record.update({key: self.dist.mean(float(value) / self.grad_accum, self.device)
+                       for key, value in sorted(named.items())})
         now = time.perf_counter()
         self._last_step_s = now - started
         if self.plan is not None:
@@ -427,11 +461,12 @@ class Trainer:
             self._window = (now, self.tokens)
         return record
 
-    def _forward_backward(self, batch: Any) -> Tensor:
-        """The micro-batch's loss (detached), its gradients accumulated."""
+    def _forward_backward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """The micro-batch's loss and named metrics (detached, fp32), its gradients accumulated."""
         try:
             with autocast(self.device, self.dtype):
                 loss = self.step_module(self.loss_fn, batch)
+            loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
             self.scaler.scale(loss / self.grad_accum).backward()
         except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
             if not self._compiled or self._compiled_ok:
@@ -453,7 +488,7 @@ class Trainer:
             return self._forward_backward(batch)
         if self._compiled:
             self._compiled_ok = True
-        return loss.detach().float()
+        return loss.detach().float(), {key: value.detach().float() for key, value in metrics.items()}
 
     def _remember_compile_cost(self) -> None:
         """Cache this machine's warm-up and speedup for this model, for later `auto` decisions."""
@@ -611,7 +646,7 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             raise FrawdError(f"{self.run_dir}: no checkpoint to resume from")
-        ckpt.load_weights(self.model, path / ckpt.MODEL_SUBDIR)
+        self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
         return path
 
     def _resume(self) -> None:
@@ -683,7 +718,9 @@ def _bar_update(bar, trainer: Trainer, record: dict) -> None:
     speed = trainer._speed(trainer._rate)
     session = trainer.elapsed() - trainer.elapsed_before
     eta = session * (1 - progress) / (progress - start) if progress > start else math.inf
-    postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}", f"{_si(speed['tokens_per_s'])} tok/s"]
+    postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
+    postfix += [f"{key} {record[key]:.3g}" for key in trainer.task.bar_metrics if key in record]
+    postfix.append(f"{_si(speed['tokens_per_s'])} tok/s")
     if trainer.task.flops_per_token:
         postfix.append(f"MFU {format_mfu(speed.get('mfu'))}")
     postfix.append(f"ETA {_clock(eta)}")

@@ -24,7 +24,6 @@ others wait, then every rank trains its share of each batch (`distributed`).
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -45,13 +44,10 @@ from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
-from .rundir import BEST_MODEL_DIR, CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE
-from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from .rundir import CONFIG_FILE, check_run_dir, has_run, prepare_run_dir, undo_failed_start
 
 DATA_DIR = "data"
 TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was trained on
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE)
-RUN_DIRS = (CHECKPOINTS_DIR, BEST_MODEL_DIR, "tensorboard", "wandb")
 
 
 @dataclass
@@ -275,41 +271,6 @@ def _check_source(cfg: PretrainConfig) -> None:
     source_files(cfg.data)
 
 
-def check_run_dir(cfg: PretrainConfig) -> None:
-    """OUT suits the run: a new run needs one without a run (or --overwrite), --resume a previous run."""
-    run_dir = Path(cfg.out)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise FrawdError(f"--out {run_dir} is a file, not a folder")
-    if cfg.resume and not (run_dir / CHECKPOINTS_DIR).is_dir():
-        raise FrawdError(f"{run_dir}: no run to resume (no checkpoints folder)")
-    if _has_run(run_dir) and not cfg.resume and not cfg.overwrite:
-        raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
-
-
-def _has_run(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in RUN_FILES + RUN_DIRS)
-
-
-def prepare_run_dir(cfg: PretrainConfig) -> Path:
-    """OUT, checked (`check_run_dir`), emptied of an earlier run with --overwrite, created. A
-    --resume of a run killed before its first complete checkpoint starts it over (`cfg` is
-    changed to say so)."""
-    check_run_dir(cfg)
-    run_dir = Path(cfg.out)
-    if cfg.resume and latest_checkpoint(run_dir) is None:
-        # killed before its first complete checkpoint: nothing to continue, so start it again
-        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
-        cfg.resume = False
-        cfg.overwrite = True
-    if _has_run(run_dir) and not cfg.resume:
-        for name in RUN_FILES:
-            (run_dir / name).unlink(missing_ok=True)
-        for name in RUN_DIRS:
-            shutil.rmtree(run_dir / name, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def dry_run_plan(cfg: PretrainConfig) -> list[str]:
     """`frawd pretrain --dry-run`: the settings checked (nothing trained or written) and the plan."""
     from .device import hardware_report
@@ -326,7 +287,7 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
         model = f"{cfg.preset}, ~{model_cfg.num_parameters:,} parameters (vocabulary to fit the tokenizer)"
     budget = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in (("max_steps", cfg.max_steps),
                        ("max_tokens", cfg.max_tokens), ("max_time", cfg.max_time)) if v is not None)
-    action = "resume" if cfg.resume else "overwrite" if _has_run(run_dir) else "new run"
+    action = "resume" if cfg.resume else "overwrite" if has_run(run_dir) else "new run"
     lines = ["dry run: nothing trained, nothing written",
              f"out:           {run_dir} ({action})",
              f"data:          {cfg.data} (tokenizer {cfg.tokenizer or 'bpe'})",
@@ -362,12 +323,7 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
         cfg = PretrainConfig.from_dict({**cfg.to_dict(), "progress": False})
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
-    created = None  # the outermost folder this start creates
-    for folder in (run_dir, *run_dir.parents):
-        if folder.exists():
-            break
-        created = folder
-    try:
+    with undo_failed_start(cfg, enabled=place.is_main):
         if place.is_main:  # the others wait, then read what rank 0 made
             prepare_run_dir(cfg)
             data = prepare_data(cfg, run_dir)
@@ -387,17 +343,4 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
         task = PretrainTask(data, model_cfg, cfg, context_length=window)
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
                           started_at=started_at)
-    except BaseException:
-        if place.is_main:
-            _undo_start(cfg, run_dir, created)
-        raise
     return trainer.fit()
-
-
-def _undo_start(cfg: PretrainConfig, run_dir: Path, created: Path | None) -> None:
-    """A start that failed leaves nothing in the way of the next: the folders this start
-    made, else the config.yaml it wrote (reusable tokenizer and shards stay)."""
-    if created is not None:
-        shutil.rmtree(created, ignore_errors=True)
-    elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():
-        (run_dir / CONFIG_FILE).unlink(missing_ok=True)

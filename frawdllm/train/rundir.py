@@ -10,6 +10,10 @@
 
 TensorBoard and Weights & Biases receive the same metrics when switched on (W&B runs
 offline unless WANDB_MODE says otherwise, so it needs no network or account).
+
+Every training command (pretrain, sft, dpo, ...) starts its run the same way:
+`check_run_dir` before any work, then inside `undo_failed_start` the `prepare_run_dir`
+and the job's own preparation, so a start that fails leaves nothing in the way of the next.
 """
 
 from __future__ import annotations
@@ -18,17 +22,84 @@ import json
 import math
 import os
 import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ..errors import FrawdError
 from ..io import atomic_path, write_text_atomic
+from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 SAMPLES_FILE = "samples.txt"
 BEST_MODEL_DIR = "model"
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE)
+RUN_DIRS = (CHECKPOINTS_DIR, BEST_MODEL_DIR, "tensorboard", "wandb")
+
+
+# ---- starting a run --------------------------------------------------------------------------
+
+def check_run_dir(cfg: Any) -> None:
+    """OUT (`cfg.out`) suits the run: a new run needs one without a run (or `cfg.overwrite`),
+    `cfg.resume` a previous run."""
+    run_dir = Path(cfg.out)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FrawdError(f"--out {run_dir} is a file, not a folder")
+    if cfg.resume and not (run_dir / CHECKPOINTS_DIR).is_dir():
+        raise FrawdError(f"{run_dir}: no run to resume (no checkpoints folder)")
+    if has_run(run_dir) and not cfg.resume and not cfg.overwrite:
+        raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+
+
+def has_run(run_dir: Path) -> bool:
+    return any((Path(run_dir) / name).exists() for name in RUN_FILES + RUN_DIRS)
+
+
+def prepare_run_dir(cfg: Any) -> Path:
+    """OUT, checked (`check_run_dir`), emptied of an earlier run with --overwrite, created. A
+    --resume of a run killed before its first complete checkpoint starts it over (`cfg` is
+    changed to say so)."""
+    check_run_dir(cfg)
+    run_dir = Path(cfg.out)
+    if cfg.resume and latest_checkpoint(run_dir) is None:
+        # killed before its first complete checkpoint: nothing to continue, so start it again
+        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
+        cfg.resume = False
+        cfg.overwrite = True
+    if has_run(run_dir) and not cfg.resume:
+        for name in RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        for name in RUN_DIRS:
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+@contextmanager
+def undo_failed_start(cfg: Any, enabled: bool = True) -> Iterator[Path]:
+    """Wraps a run's start: if it raises, the folders it created are removed, else the
+    config.yaml it wrote (reusable data such as a tokenizer and shards stays). `enabled`
+    False (ranks other than 0, which write nothing) leaves everything in place."""
+    run_dir = Path(cfg.out)
+    created = None  # the outermost folder this start creates
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            break
+        created = folder
+    try:
+        yield run_dir
+    except BaseException:
+        if not enabled:
+            raise
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():
+            (run_dir / CONFIG_FILE).unlink(missing_ok=True)
+        raise
 
 
 def _clean(value: Any) -> Any:
@@ -111,14 +182,30 @@ def load_pyplot():
     return plt
 
 
+LOOP_KEYS = frozenset({"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s"})
+
+
+def task_metric_names(records: list[dict[str, Any]]) -> list[str]:
+    """The named metrics a task logged beside its training loss (e.g. `rewards/margins`)."""
+    names: dict[str, None] = {}
+    for r in records:
+        if "loss" in r:
+            names.update((k, None) for k, v in r.items()
+                         if k not in LOOP_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool))
+    return list(names)
+
+
 def plot_losses(run_dir: Path) -> None:
-    """Draw loss.png from metrics.jsonl: the training loss and the validation points."""
+    """Draw loss.png from metrics.jsonl: the training loss and the validation points; below
+    them, if the task logs named metrics, those metrics (their `val_` values as points)."""
     plt = load_pyplot()
 
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    names = task_metric_names(records)
+    fig, axes = plt.subplots(2 if names else 1, 1, figsize=(7, 7 if names else 4), squeeze=False)
+    ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1)
     if val:
@@ -129,6 +216,20 @@ def plot_losses(run_dir: Path) -> None:
     ax.grid(alpha=0.3)
     if train or val:
         ax.legend()
+    if names:
+        ax = axes[1][0]
+        for i, name in enumerate(names):
+            color = f"C{i % 10}"
+            points = [(r["step"], r[name]) for r in records if r.get(name) is not None and "loss" in r]
+            if points:
+                ax.plot(*zip(*points), label=name, linewidth=1, color=color)
+            points = [(r["step"], r[f"val_{name}"]) for r in records if r.get(f"val_{name}") is not None]
+            if points:
+                ax.plot(*zip(*points), "o", color=color, markersize=4)
+        ax.set_xlabel("step")
+        ax.set_ylabel("task metrics (points: validation)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     fig.tight_layout()
     with atomic_path(Path(run_dir) / PLOT_FILE) as tmp:
         fig.savefig(tmp, format="png", dpi=100)

@@ -1,0 +1,102 @@
+"""The loop's seam for tasks other than pretraining: named metrics beside the loss, and
+frozen modules (a DPO reference) that the loop moves to the device but never trains."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from frawdllm.train import Trainer, TrainTask
+from frawdllm.train.checkpoint import latest_checkpoint
+from frawdllm.train.config import TrainConfig
+from frawdllm.train.rundir import read_metrics, task_metric_names
+
+
+class RegressionTask(TrainTask):
+    """y = x w; the loss is the MSE; metrics: the batch's mean target and a frozen module's output."""
+
+    bar_metrics = ("target/mean",)
+
+    def __init__(self, batch_size=4, frozen=False):
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(16, 4, generator=gen)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 3.0, 0.5])
+        self.batch_size, self.position, self.seen = batch_size, 0, []
+        self.reference = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Dropout(0.5)) if frozen else None
+
+    def next_batch(self):
+        rows = slice(self.position, self.position + self.batch_size)
+        self.position = (self.position + self.batch_size) % len(self.x)
+        return self.x[rows], self.y[rows]
+
+    def loss(self, model, batch):
+        x, y = batch
+        self.seen.append(float(y.mean()))
+        metrics = {"target/mean": y.mean()}
+        prediction = model(x).squeeze(-1)
+        if self.reference is not None:
+            reference = self.reference(x).squeeze(-1)  # eval mode: dropout is off, so no randomness
+            metrics["reference/gap"] = (prediction - reference).pow(2).mean()
+        return F.mse_loss(prediction, y), metrics
+
+    def frozen_modules(self):
+        return {"reference": self.reference} if self.reference is not None else {}
+
+    def save_model(self, model, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(model.state_dict(), str(directory / "model.safetensors"))
+        (directory / "config.json").write_text("{}")
+
+
+def config(tmp_path, **overrides):
+    values = dict(out=str(tmp_path / "run"), device="cpu", dtype="fp32", compile="false", lr=0.05,
+                  warmup_steps=0, max_steps=4, eval_interval=2, log_interval=1, progress=False, sample_tokens=0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_named_metrics_are_averaged_over_micro_batches_and_logged(tmp_path):
+    task = RegressionTask(batch_size=4)
+    Trainer(torch.nn.Linear(4, 1), task, config(tmp_path, grad_accum=2)).fit()
+    train = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for step, record in enumerate(train):
+        by_hand = (task.seen[2 * step] + task.seen[2 * step + 1]) / 2  # the step's two micro-batches
+        assert record["target/mean"] == pytest.approx(by_hand, abs=1e-6)
+    assert task_metric_names(read_metrics(tmp_path / "run")) == ["target/mean"]
+    from PIL import Image  # matplotlib's dependency
+
+    # loss.png gains a second panel (taller) when the task logs metrics
+    assert Image.open(tmp_path / "run" / "loss.png").height > 450
+
+
+def test_named_metrics_appear_on_the_progress_bar(tmp_path, capsys):
+    Trainer(torch.nn.Linear(4, 1), RegressionTask(), config(tmp_path, progress=True)).fit()
+    assert "target/mean" in capsys.readouterr().err
+
+
+def test_frozen_modules_are_moved_kept_in_eval_mode_and_never_trained(tmp_path):
+    torch.manual_seed(0)
+    task = RegressionTask(frozen=True)
+    before = {k: v.clone() for k, v in task.reference.state_dict().items()}
+    trainer = Trainer(torch.nn.Linear(4, 1), task, config(tmp_path))
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in optimized for p in task.reference.parameters())
+    trainer.fit()
+    assert not task.reference.training and not any(p.requires_grad for p in task.reference.parameters())
+    assert all(torch.equal(before[k], v) for k, v in task.reference.state_dict().items())
+    # the metric it feeds is logged; the checkpoint holds the trained model only
+    assert all("reference/gap" in r for r in read_metrics(tmp_path / "run") if "loss" in r)
+    saved = load_file(str(latest_checkpoint(tmp_path / "run") / "model" / "model.safetensors"))
+    assert set(saved) == {"weight", "bias"}
+
+
+def test_a_frozen_module_sharing_the_models_parameters_is_refused(tmp_path):
+    model = torch.nn.Linear(4, 1)
+
+    class Sharing(RegressionTask):
+        def frozen_modules(self):
+            return {"reference": model}
+
+    with pytest.raises(ValueError, match="shares parameters"):
+        Trainer(model, Sharing(), config(tmp_path))
