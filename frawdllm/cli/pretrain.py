@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from ..train.config import PretrainConfig
@@ -62,6 +65,12 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
     try:
         result = run_pretraining(cfg, started_at=started_at)
         rank = distributed.current().rank
+    except distributed.RankLost as exc:
+        # leave at once: the process group's destructor would wait for the lost rank
+        click.echo(f"frawd: error: {exc}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         distributed.teardown()
     if rank != 0:  # rank 0 reports for all

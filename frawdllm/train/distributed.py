@@ -115,6 +115,11 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def restart_count() -> int:
+    """How many times torchrun (`--max-restarts`) has restarted this group of ranks."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def setup(parallel: str = "ddp", device_spec: str = "auto", timeout_s: float = 600.0) -> Dist:
     """Join torchrun's process group (once per process); outside torchrun, one plain process."""
     global _current
