@@ -238,3 +238,14 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(work, single):
     assert proc.returncode == 0, out[-3000:]
     assert "restart 1 by torchrun: resuming" in out
     assert_same_losses(run, single, range(1, STEPS + 1))
+
+
+def test_nproc_checks_the_settings_before_starting_any_rank(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", "pretrain", "--nproc", "2", "--data",
+                           str(tmp_path / "missing.txt"), "--max-steps", "3", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=60, env=environment())
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"frawd: error: data source not found: '{tmp_path / 'missing.txt'}' "
+        "(expected stdlib, hf:NAME, a file, a folder or a glob)"]
+    assert not (tmp_path / "run").exists()

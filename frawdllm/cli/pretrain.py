@@ -59,6 +59,9 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
             click.echo(line)
         return
     if nproc is not None:
+        from ..train.pretrain import check_pretrain
+
+        check_pretrain(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc)
     from ..train import distributed
 
