@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("export", "export", "Export a model to Hugging Face transformers or GGUF."),
     "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint."),
     "serve": ("serve", "serve", "Serve models over an OpenAI-compatible API, with a chat page."),
+    "translate": ("translate", "translate", "Train, evaluate and run encoder-decoder translation models."),
 }
 
 
