@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "chat": ("chat", "chat", "Chat with a model in the terminal."),
     "export": ("export", "export", "Export a model to Hugging Face transformers or GGUF."),
     "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint."),
+    "serve": ("serve", "serve", "Serve models over an OpenAI-compatible API, with a chat page."),
+    "translate": ("translate", "translate", "Train, evaluate and run encoder-decoder translation models."),
 }
 
 
