@@ -4,22 +4,26 @@
     model = FrawdLLM(get_config("tiny"))
     logits, loss = model(token_ids, targets)
 
+    from frawdllm import Seq2SeqTransformer      # the encoder-decoder of the 2017 paper
+    model = Seq2SeqTransformer(get_config("aiayn-base"))
+
 The model (and so torch) is imported on first use, so commands that only tokenize or
 prepare data start fast.
 """
 
 from typing import Any
 
-from .config import PRESETS, ModelConfig, get_config
+from .config import PRESETS, ModelConfig, Seq2SeqConfig, get_config
 from .errors import ConfigError, FrawdError
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "get_config", "PRESETS", "FrawdLLM", "FrawdError", "ConfigError"]
+__all__ = ["ModelConfig", "Seq2SeqConfig", "get_config", "PRESETS", "FrawdLLM", "Seq2SeqTransformer", "FrawdError",
+           "ConfigError"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "FrawdLLM":
-        from .model import FrawdLLM
+    if name in ("FrawdLLM", "Seq2SeqTransformer"):
+        from . import model
 
-        return FrawdLLM
+        return getattr(model, name)
     raise AttributeError(f"module 'frawdllm' has no attribute {name!r}")

@@ -178,7 +178,7 @@ class ModelConfig:
             data["pos_encoding"] = None
         if "n_head" in overrides and "n_kv_head" not in overrides and self.n_kv_head == self.n_head:
             data["n_kv_head"] = None
-        return ModelConfig.from_dict(data)
+        return type(self).from_dict(data)
 
 
 # Largest size of any one dimension: tensor indices and kernels use 32-bit sizes.
@@ -258,19 +258,109 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass
+class Seq2SeqConfig(ModelConfig):
+    """An encoder-decoder model (`Seq2SeqTransformer`): every ModelConfig field means the
+    same (n_layer counts the decoder's layers), plus the encoder's depth and the MLP's
+    activation. One vocabulary serves source and target; `tie_embeddings` shares one
+    embedding between them and the output projection, as the paper does."""
+
+    n_encoder_layer: int = 6
+    activation: str = "relu"  # relu (the paper) | gelu
+
+    model_type = "seq2seq"  # written to config.json (a class attribute, not a field)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.n_encoder_layer <= MAX_DIM:
+            raise ConfigError(f"n_encoder_layer must be an integer in [1, {MAX_DIM}], got {self.n_encoder_layer!r}")
+        _check_choice("activation", self.activation, ("relu", "gelu"))
+        if self.use_swiglu:
+            raise ConfigError("use_swiglu is not available in a seq2seq model; choose activation relu or gelu")
+
+    def _attn_params(self) -> int:
+        d, hd, b = self.n_embd, self.head_dim, int(self.bias)
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * hd  # self-attention's fused q, k, v; cross-attention
+        return d * qkv_out + b * qkv_out + d * d + b * d   # splits them as q and kv: the same count
+
+    @property
+    def num_embedding_parameters(self) -> int:
+        """Token embeddings (+ learned positions): one table if tied, source and target if not."""
+        one = self.vocab_size * self.n_embd + (self.context_length * self.n_embd if self.pos_encoding == "learned" else 0)
+        return one if self.tie_embeddings else 2 * one
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact number of unique parameters of `Seq2SeqTransformer(self)`."""
+        d, h, b = self.n_embd, self.ffn_dim, int(self.bias)
+        attn, mlp, norm = self._attn_params(), d * h + b * h + h * d + b * d, self._norm_params()
+        encoder = self.n_encoder_layer * (attn + mlp + 2 * norm)
+        decoder = self.n_layer * (2 * attn + mlp + 3 * norm)
+        total = self.num_embedding_parameters + encoder + decoder
+        if self.has_final_norm:
+            total += 2 * norm  # pre-LN: the encoder's and the decoder's final norms
+        if not self.tie_embeddings:
+            total += self.vocab_size * d
+        return total
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per target token, source and target of `seq_len` tokens:
+        6N for the matmul parameters (the output projection included, embedding lookups
+        not) + the attention scores (encoder self, decoder self and cross)."""
+        seq_len = self.context_length if seq_len is None else seq_len
+        matmul_params = self.num_parameters - self.num_embedding_parameters + self.vocab_size * self.n_embd
+        if not self.tie_embeddings:
+            matmul_params -= self.vocab_size * self.n_embd
+        return 6 * matmul_params + 12 * (self.n_encoder_layer + 2 * self.n_layer) * self.n_embd * seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_type": self.model_type, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Seq2SeqConfig":
+        data = dict(data)
+        if data.pop("model_type", cls.model_type) != cls.model_type:
+            raise ConfigError(f"model_type must be {cls.model_type!r}")
+        return cls(**check_types(cls, check_fields(cls, data, "config field")))
+
+
+# The paper's settings: post-LN, sinusoidal positions, embeddings x sqrt(d), ReLU, dropout 0.1,
+# one vocabulary and one embedding for source, target and output.
+_AIAYN = dict(pos_encoding="sinusoidal", scale_embeddings=True, norm_placement="post", bias=True,
+              tie_embeddings=True, activation="relu")
+
+SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
+    "aiayn-base": dict(vocab_size=37000, n_embd=512, n_layer=6, n_encoder_layer=6, n_head=8, mlp_hidden=2048,
+                       dropout=0.1, context_length=1024, **_AIAYN),
+    "aiayn-big": dict(vocab_size=37000, n_embd=1024, n_layer=6, n_encoder_layer=6, n_head=16, mlp_hidden=4096,
+                      dropout=0.3, context_length=1024, **_AIAYN),
+    # trains on 2 CPU cores: Multi30k-sized data in under an hour
+    "aiayn-tiny": dict(vocab_size=8000, n_embd=256, n_layer=3, n_encoder_layer=3, n_head=4, mlp_hidden=1024,
+                       dropout=0.1, context_length=256, **_AIAYN),
+}
+
+
+def config_class(preset: str) -> type[ModelConfig]:
+    """The config dataclass of a preset: Seq2SeqConfig for the encoder-decoder ones."""
+    return Seq2SeqConfig if preset in SEQ2SEQ_PRESETS else ModelConfig
+
+
 def get_config(name: str, **overrides: Any) -> ModelConfig:
-    """A preset by name, with fields overridden: `get_config("tiny", n_layer=2)`."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    data = dict(PRESETS[name])
-    known = {f.name for f in fields(ModelConfig)}
+    """A preset by name, with fields overridden: `get_config("tiny", n_layer=2)`;
+    an encoder-decoder preset (aiayn-*) gives a `Seq2SeqConfig`."""
+    presets = {**PRESETS, **SEQ2SEQ_PRESETS}
+    if name not in presets:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
+    data = dict(presets[name])
+    cls = config_class(name)
+    known = {f.name for f in fields(cls)}
     for key in overrides:
         if key not in known:
             raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sorted(known))}")
     if "pos_encoding" in overrides and "use_rope" not in overrides:
         data.pop("use_rope", None)
     data.update(overrides)
-    return ModelConfig.from_dict(data)
+    return cls.from_dict(data)
 
 
 def parse_value(cls: type, name: str, text: str) -> Any:
@@ -310,4 +400,4 @@ def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, 
     return out
 
 
-__all__ = ["ModelConfig", "PRESETS", "get_config", "parse_overrides", "parse_value"]
+__all__ = ["ModelConfig", "Seq2SeqConfig", "PRESETS", "SEQ2SEQ_PRESETS", "config_class", "get_config", "parse_overrides", "parse_value"]

@@ -1,6 +1,7 @@
 """The model directory: the one on-disk format of a FrawdLLM model.
 
-    config.json              ModelConfig as JSON, plus "format_version"
+    config.json              ModelConfig as JSON, plus "format_version"; an encoder-decoder's
+                             (Seq2SeqConfig) also says "model_type": "seq2seq"
     model.safetensors        weights (safetensors: never pickle)
     tokenizer.json           Hugging Face `tokenizers` format (optional)
     generation_config.json   sampling defaults (optional)
@@ -31,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .config import ModelConfig
+from .config import ModelConfig, Seq2SeqConfig
 from .errors import ConfigError, FrawdError
 from .io import atomic_path, undo_on_error, write_json_atomic
 
@@ -122,7 +123,13 @@ def load_config(directory: str | Path) -> ModelConfig:
             f"{path}: format_version {version} is newer than this FrawdLLM reads ({FORMAT_VERSION}); "
             "upgrade frawdllm"
         )
+    kind = data.get("model_type", "decoder")
+    if kind not in ("decoder", Seq2SeqConfig.model_type):
+        raise FrawdError(f"{path}: unknown model_type {kind!r}; this FrawdLLM reads decoder and seq2seq models")
     try:
+        if kind == Seq2SeqConfig.model_type:
+            return Seq2SeqConfig.from_dict(data)
+        data.pop("model_type", None)
         return ModelConfig.from_dict(data)
     except ConfigError as exc:
         raise FrawdError(f"{path}: invalid config: {exc}") from None
@@ -160,10 +167,8 @@ def weight_shapes(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The stored tensors' shapes `cfg` implies (a tied head is stored once, as the
     embedding), from a model built on the meta device: no memory is allocated."""
-    from .model import FrawdLLM
-
     with torch.device("meta"):
-        model = FrawdLLM(cfg)
+        model = model_class(cfg)(cfg)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if cfg.tie_embeddings:
         shapes.pop(TIED_KEY)
@@ -209,13 +214,27 @@ def check_weights(cfg: ModelConfig, path: Path) -> None:
     assert held == cfg.num_parameters  # the same names and shapes hold the same count
 
 
-def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None):
-    """The model in `directory`; `config` builds it instead of config.json's (the weights'
-    shapes must fit it, e.g. the same model with another dropout)."""
-    from .model import FrawdLLM
+def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
+    """The model a config describes: `Seq2SeqTransformer` or `FrawdLLM`."""
+    from .model import FrawdLLM, Seq2SeqTransformer
 
+    return Seq2SeqTransformer if isinstance(cfg, Seq2SeqConfig) else FrawdLLM
+
+
+KIND_HINT = {"decoder": "a decoder-only language model (frawd pretrain)",
+             "seq2seq": "an encoder-decoder translation model (frawd translate)"}
+
+
+def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None,
+               kind: str | None = None):
+    """The model in `directory`; `config` builds it instead of config.json's (the weights'
+    shapes must fit it, e.g. the same model with another dropout). `kind` ("decoder" or
+    "seq2seq"): refuse, in one line, a directory holding the other kind."""
     directory = Path(directory)
     cfg = load_config(directory) if config is None else config
+    held = "seq2seq" if isinstance(cfg, Seq2SeqConfig) else "decoder"
+    if kind is not None and held != kind:
+        raise FrawdError(f"{directory}: holds {KIND_HINT[held]}; this command needs {KIND_HINT[kind]}")
     path = directory / WEIGHTS_FILE
     if not path.exists() and not path.is_symlink():
         raise FrawdError(f"{path}: missing weights file")
@@ -227,6 +246,6 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
         raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
     if cfg.tie_embeddings:
         state[TIED_KEY] = state["embed.tok.weight"]
-    model = FrawdLLM(cfg)
+    model = model_class(cfg)(cfg)
     model.load_state_dict(state)
     return model.to(device)

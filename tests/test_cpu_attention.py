@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from frawdllm.model import cpu_attention
-from frawdllm.model.attention import attend
+from frawdllm.model.kernels import attend
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="needs a C compiler and a CPU with AVX512-BF16")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from frawdllm.model.attention import blocked_causal_attention
+from frawdllm.model.kernels import blocked_causal_attention
 
 
 @pytest.mark.parametrize("T, n_blocks", [(64, 4), (7, 4), (33, 4), (256, 4), (16, 1), (10, 3)])

@@ -64,7 +64,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
     if tok.vocab_size > cfg.vocab_size:
         raise FrawdError(f"{model_dir}: the tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
     dev = pick_device(device)
-    model = load_model(model_dir, device=dev).eval()
+    model = load_model(model_dir, device=dev, kind="decoder").eval()
     with tempfile.TemporaryDirectory(prefix="frawd-eval-") as tmp:
         if is_shard_dir(data):
             shard_dir = Path(data)

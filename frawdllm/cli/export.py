@@ -34,7 +34,9 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
     GPT-2 style configs (learned positions, LayerNorm, GELU) become GPT2LMHeadModel /
     llama.cpp "gpt2"; Llama style configs (RoPE, RMSNorm, SwiGLU, GQA) become
     LlamaForCausalLM / llama.cpp "llama". Other configs are refused with the nearest
-    exportable one. The hf export loads with stock transformers, no trust_remote_code:
+    exportable one. An encoder-decoder translation model (post-LN, sinusoidal positions,
+    tied embeddings: the aiayn presets) becomes MarianMTModel (hf only); options that do
+    not map are named. The hf export loads with stock transformers, no trust_remote_code:
 
     \b
       AutoModelForCausalLM.from_pretrained(OUT)
@@ -48,7 +50,8 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
 
         arch = export_hf(model_dir, out, dtype=dtype, overwrite=overwrite)
         click.echo(f"exported {model_dir} as {arch} ({dtype}) to {out}")
-        click.echo(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+        auto = "AutoModelForSeq2SeqLM" if arch == "MarianMTModel" else "AutoModelForCausalLM"
+        click.echo(f"load it with: {auto}.from_pretrained({str(out)!r})")
         return
     require("gguf")
     from ..export.gguf import export_gguf

@@ -7,13 +7,14 @@ from typing import Any
 
 import click
 
-from ..config import ModelConfig, get_config, parse_overrides
+from ..config import ModelConfig, config_class, get_config, parse_overrides
 from ..errors import FrawdError
 
 
 def preset_option(default: str | None = "tiny"):
     return click.option("--preset", default=default, show_default=True,
-                        help="Model preset: tiny, small, base, 100m, tiny-llama, small-llama.")
+                        help="Model preset: tiny, small, base, 100m, tiny-llama, small-llama; "
+                             "encoder-decoder: aiayn-tiny, aiayn-base, aiayn-big.")
 
 
 def set_option():
@@ -22,7 +23,7 @@ def set_option():
 
 
 def model_config_from(preset: str, overrides: tuple[str, ...] | list[str] = (), **extra: Any) -> ModelConfig:
-    values = parse_overrides(ModelConfig, list(overrides))
+    values = parse_overrides(config_class(preset), list(overrides))
     values.update({k: v for k, v in extra.items() if v is not None})
     return get_config(preset, **values)
 

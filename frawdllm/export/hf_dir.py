@@ -9,7 +9,9 @@ Export writes, in a temporary folder that is renamed onto the target only when c
     tokenizer_config.json     special tokens and our chat template written as Jinja
 
 so `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)`
-load it without `trust_remote_code`.
+load it without `trust_remote_code`. An encoder-decoder (`Seq2SeqTransformer`) is written
+as `MarianMTModel` (see `marian.py`; `AutoModelForSeq2SeqLM` loads it) with the same
+tokenizer files.
 
 Import reads a local GPT-2 or Llama checkpoint (config.json + safetensors, never a
 pickle) into a FrawdLLM model directory, tokenizer.json included when there is one.
@@ -25,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..config import Seq2SeqConfig
 from ..errors import FrawdError
 from ..io import atomic_dir, write_json_atomic
 from ..model import FrawdLLM
@@ -50,7 +53,7 @@ _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 
 
 # ---- export ------------------------------------------------------------------------------------
-def load_for_export(model_dir: str | Path) -> tuple[FrawdLLM, Tokenizer | None, dict[str, Any]]:
+def load_for_export(model_dir: str | Path) -> tuple[torch.nn.Module, Tokenizer | None, dict[str, Any]]:
     """The model, its tokenizer (None when the directory has none) and its sampling defaults."""
     model_dir = Path(model_dir)
     model = load_model(model_dir).eval()
@@ -120,11 +123,29 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32", ov
     architecture name. Nothing appears at `out` unless the whole export succeeds."""
     if dtype not in DTYPES:
         raise FrawdError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-    arch = hf_architecture(load_config(model_dir))  # refuse before touching --out
+    cfg = load_config(model_dir)
+    if isinstance(cfg, Seq2SeqConfig):
+        return _export_marian(model_dir, out, cfg, dtype, overwrite)
+    arch = hf_architecture(cfg)  # refuse before touching --out
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model, tokenizer, sampling = load_for_export(model_dir)
         write_hf_dir(model, tokenizer, tmp, dtype, sampling)
     return arch
+
+
+def _export_marian(model_dir: str | Path, out: str | Path, cfg: Seq2SeqConfig, dtype: str, overwrite: bool) -> str:
+    from .marian import MARIAN, to_marian_config, to_marian_model
+
+    to_marian_config(cfg)  # refuse (naming what does not map) before touching --out
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        model, tokenizer, _ = load_for_export(model_dir)
+        to_marian_model(model).to(DTYPES[dtype]).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
+            config = tokenizer_config(tokenizer, cfg)
+            config.pop("chat_template", None)
+            write_json_atomic(tmp / "tokenizer_config.json", config)
+    return MARIAN
 
 
 # ---- import ------------------------------------------------------------------------------------

@@ -1,20 +1,27 @@
-"""Causal self-attention with multi-head, grouped-query and multi-query variants.
+"""Attention, for three uses: causal self-attention, bidirectional self-attention, cross-attention.
 
-Each token's vector is projected to a query, a key and a value per head. A head's
-output at position t is the softmax(q_t · k_s / sqrt(hd))-weighted average of the values
-v_s for s <= t (causal). Heads are concatenated and projected back to D.
+Each query is compared with every key it may see; its output is the average of the
+values weighted by softmax(q · k / sqrt(hd)). Written out for one head, with the mask
+adding -inf where a query may not look:
 
-Grouped-query attention (GQA) gives n_kv_head < n_head key/value heads, each shared by
-n_head / n_kv_head query heads: the KV cache shrinks by that factor. n_kv_head == 1 is
-multi-query attention (MQA); n_kv_head == n_head is plain multi-head attention (MHA).
+    attention(Q, K, V) = softmax(Q K^T / sqrt(hd) + mask) V          (T x hd)
 
-The attention kernel is PyTorch's `scaled_dot_product_attention` (flash / memory-efficient
-kernels where available), except when training on a CPU, where its backward pass is slow
-for short sequences. There, in bf16, `cpu_attention` (a fused C kernel, forward and
-backward) runs instead; in fp32 under `torch.compile`, causal attention is computed as
-plain matmuls over a few query blocks (block i attends only the keys up to its end,
-skipping most of the masked half), which torch.compile fuses into about twice the speed.
-Either way the result is the same attention.
+`reference_attention` is exactly that, in a few lines; the model calls
+`kernels.attend`, which computes the same function with the fastest kernel at hand (the
+tests hold every kernel to the reference). The three uses differ only in where q, k and
+v come from and in the mask:
+
+- causal self-attention (a decoder): q, k, v from the same tokens; token t sees tokens <= t;
+- bidirectional self-attention (an encoder): every token sees every real token of its
+  sequence; padding keys are masked out (`key_padding_mask`, True = a real token);
+- cross-attention (an encoder-decoder): queries from the decoder, keys and values from
+  the encoder's output, which is fixed for a source: `CrossAttention.memory_kv` projects
+  it once, and every decoder step reuses those keys and values.
+
+Heads: each token's vector is projected to n_head queries (and keys/values) of head_dim;
+head outputs are concatenated and projected back to D. Grouped-query attention (GQA) gives
+n_kv_head < n_head key/value heads, each shared by n_head / n_kv_head query heads: the KV
+cache shrinks by that factor. n_kv_head == 1 is multi-query attention (MQA).
 
 KV cache protocol: the inference engine passes an object with
 `update(layer_idx, k, v) -> (k_all, v_all, mask)`, which stores this step's keys and values
@@ -24,15 +31,15 @@ boolean mask (B or 1, 1, T, S), True = may attend, or None when plain causal mas
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from . import cpu_attention
+from . import kernels
 from .embeddings import apply_rope
 
 
@@ -42,10 +49,37 @@ class KVCacheLike(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor | None]: ...
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+def reference_attention(
+    q: Float[Tensor, "B H T hd"],
+    k: Float[Tensor, "B Hkv S hd"],
+    v: Float[Tensor, "B Hkv S hd"],
+    mask: Bool[Tensor, "#B 1 #T S"] | None = None,
+    causal: bool = False,
+) -> Float[Tensor, "B H T hd"]:
+    """softmax(q k^T / sqrt(hd) + mask) v, computed in fp32 (at least): the definition.
+
+    causal: the T queries are the last T of the S keys, each sees the keys up to its own.
+    """
+    out_dtype = q.dtype
+    q, k, v = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, k, v))
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # GQA
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    T, S = scores.shape[-2:]
+    if causal:
+        seen = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]  # (T, S)
+        scores = scores.masked_fill(~seen, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).to(out_dtype)
+
+
+class SelfAttention(nn.Module):
+    """Self-attention, causal (a decoder) or bidirectional (an encoder)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, causal: bool = True) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.causal = layer_idx, causal
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # One matmul for q, k and v: (n_head + 2 * n_kv_head) heads of head_dim.
         self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
@@ -58,7 +92,9 @@ class CausalSelfAttention(nn.Module):
         x: Float[Tensor, "B T D"],
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: Any = None,
+        key_padding_mask: Bool[Tensor, "B T"] | None = None,
     ) -> Float[Tensor, "B T D"]:
+        """key_padding_mask (bidirectional only): True where x holds a real token."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
@@ -73,62 +109,46 @@ class CausalSelfAttention(nn.Module):
         mask = None
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd)
-        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, nh, T, hd)
+        if key_padding_mask is not None:
+            mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
+        dropout = self.dropout if self.training else 0.0
+        y = kernels.attend(q, k, v, mask, dropout, self.causal)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, D)
         return self.proj(y)
 
 
-def attend(
-    q: Float[Tensor, "B H T hd"],
-    k: Float[Tensor, "B Hkv S hd"],
-    v: Float[Tensor, "B Hkv S hd"],
-    mask: Bool[Tensor, "#B 1 T S"] | None = None,
-    dropout_p: float = 0.0,
-) -> Float[Tensor, "B H T hd"]:
-    """softmax(q k^T / sqrt(hd)) v, causal unless an explicit mask is given."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:  # GQA: each kv head serves n_rep query heads
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    if mask is None:
-        # Without a mask, queries are the last T of S keys (S == T when there is no cache).
-        T, S = q.shape[2], k.shape[2]
-        if T == 1:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        if T != S:
-            raise ValueError(f"a KV cache must give a mask when {T} queries attend {S} keys")
-        if q.device.type == "cpu" and torch.is_grad_enabled():  # training on a CPU
-            if cpu_attention.usable(q, k, v, dropout_p):
-                return cpu_attention.causal_attention(q, k, v)
-            if T <= BLOCKED_MAX_T and torch.compiler.is_compiling():
-                return blocked_causal_attention(q, k, v, dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+CausalSelfAttention = SelfAttention  # causal is the default use
 
 
-BLOCKED_MAX_T = 512  # the blocks keep (T x T) probabilities for backward: fine for short T only
+class CrossAttention(nn.Module):
+    """Queries from the decoder, keys and values from the encoder output (`memory`)."""
 
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=cfg.bias)
+        self.kv = nn.Linear(cfg.n_embd, 2 * cfg.n_kv_head * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj.is_residual_proj = True
+        self.dropout = cfg.dropout
 
-def blocked_causal_attention(
-    q: Float[Tensor, "B H T hd"], k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"],
-    dropout_p: float = 0.0, n_blocks: int = 4,
-) -> Float[Tensor, "B H T hd"]:
-    """Causal attention as matmuls: query block [a, b) attends keys [0, b) only.
+    def memory_kv(self, memory: Float[Tensor, "B S D"]) -> tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"]]:
+        """The encoder output's keys and values: computed once per source, reused at every step."""
+        B, S, _ = memory.shape
+        k, v = self.kv(memory).view(B, S, 2 * self.n_kv_head, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        return k, v  # (B, nkv, S, hd) each
 
-    The same function as causal SDPA. With 4 blocks, 5/8 of the full T x T scores are
-    computed instead of all of them; the softmax runs in fp32 (or the inputs' dtype if wider).
-    """
-    T = q.shape[2]
-    size = -(-T // n_blocks)
-    scale = q.shape[-1] ** -0.5
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
-    out = []
-    for a in range(0, T, size):
-        b = min(a + size, T)
-        scores = (q[:, :, a:b] @ k[:, :, :b].transpose(-1, -2)).to(softmax_dtype) * scale  # (B, H, b-a, b)
-        probs = scores.masked_fill(~causal[a:b, :b], float("-inf")).softmax(dim=-1).to(q.dtype)
-        if dropout_p > 0:
-            probs = F.dropout(probs, dropout_p)
-        out.append(probs @ v[:, :, :b])  # (B, H, b-a, hd)
-    return torch.cat(out, dim=2)
+    def forward(
+        self,
+        x: Float[Tensor, "B T D"],
+        memory_kv: tuple[Tensor, Tensor],
+        memory_mask: Bool[Tensor, "B S"] | None = None,
+    ) -> Float[Tensor, "B T D"]:
+        """memory_mask: True where the source holds a real token (padding is never attended)."""
+        B, T, D = x.shape
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = memory_kv
+        mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S)
+        dropout = self.dropout if self.training else 0.0
+        y = kernels.attend(q, k, v, mask, dropout, causal=False)  # (B, nh, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))

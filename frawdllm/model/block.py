@@ -6,6 +6,11 @@ post-LN (the paper):     x = norm1(x + attn(x));   x = norm2(x + mlp(x))
 Pre-LN keeps an unnormalised residual stream and trains stably without warmup tricks;
 post-LN is the 2017 original.
 
+The same block serves the three stacks: a decoder-only model's (causal self-attention),
+an encoder's (`causal=False`: bidirectional, padding masked) and an encoder-decoder's
+decoder (`cross=True`: a cross-attention sub-layer over the encoder output between
+self-attention and MLP, with its own norm `norm_cross`).
+
 Under torch.compile (training) the layers can share one compiled region, so warm-up costs
 one block, not n_layer of them. torch 2.13's inductor miscompiles the backward of a region
 that is called more than once when it reuses buffers (gradients off by up to 1000x), so
@@ -20,40 +25,55 @@ from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .attention import CausalSelfAttention
+from .attention import CrossAttention, SelfAttention
 from .mlp import MLP
 from .norm import make_norm
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, causal: bool = True, cross: bool = False) -> None:
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.norm1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, layer_idx)
+        self.attn = SelfAttention(cfg, layer_idx, causal)
+        if cross:
+            self.norm_cross = make_norm(cfg)
+            self.cross = CrossAttention(cfg)
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
+        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None,
+        key_padding_mask: Bool[Tensor, "B T"] | None = None,
+        memory_kv: tuple[Tensor, Tensor] | None = None, memory_mask: Bool[Tensor, "B S"] | None = None,
     ) -> Float[Tensor, "B T D"]:
+        """key_padding_mask: an encoder's real tokens; memory_kv, memory_mask: the encoder
+        output's keys/values for this block's cross-attention and its real tokens."""
+        if memory_kv is not None or key_padding_mask is not None:
+            return self.residual_stream(x, rope, kv_cache, key_padding_mask, memory_kv, memory_mask)
         if kv_cache is None and torch.compiler.is_compiling() and not inductor_config.allow_buffer_reuse:
             return _compiled_once(self, x, rope)
         return self.residual_stream(x, rope, kv_cache)
 
     def residual_stream(
-        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None
+        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None,
+        key_padding_mask: Tensor | None = None, memory_kv: tuple[Tensor, Tensor] | None = None,
+        memory_mask: Tensor | None = None,
     ) -> Float[Tensor, "B T D"]:
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.norm1(x), rope, kv_cache))
+            x = x + self.drop(self.attn(self.norm1(x), rope, kv_cache, key_padding_mask))
+            if memory_kv is not None:
+                x = x + self.drop(self.cross(self.norm_cross(x), memory_kv, memory_mask))
             x = x + self.drop(self.mlp(self.norm2(x)))
         else:
-            x = self.norm1(x + self.drop(self.attn(x, rope, kv_cache)))
+            x = self.norm1(x + self.drop(self.attn(x, rope, kv_cache, key_padding_mask)))
+            if memory_kv is not None:
+                x = self.norm_cross(x + self.drop(self.cross(x, memory_kv, memory_mask)))
             x = self.norm2(x + self.drop(self.mlp(x)))
         return x
 

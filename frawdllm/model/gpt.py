@@ -28,6 +28,20 @@ from .norm import make_norm
 IGNORE_INDEX = -100
 
 
+def init_weights(module: nn.Module, n_layer: int, embedding_std: float = 0.02) -> None:
+    """GPT-2 init: N(0, 0.02); projections into the residual stream scaled by
+    1/sqrt(2 * n_layer) so the stream's variance does not grow with depth."""
+    if isinstance(module, nn.Linear):
+        std = 0.02
+        if getattr(module, "is_residual_proj", False):
+            std /= math.sqrt(2 * n_layer)
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=embedding_std)
+
+
 class FrawdLLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -47,17 +61,7 @@ class FrawdLLM(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
-        # GPT-2 init: N(0, 0.02); projections into the residual stream scaled by
-        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "is_residual_proj", False):
-                std /= math.sqrt(2 * self.config.n_layer)
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        init_weights(module, self.config.n_layer)
 
     # ---- forward ------------------------------------------------------------------------
     def hidden_states(

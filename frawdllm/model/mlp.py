@@ -1,6 +1,7 @@
-"""The position-wise feed-forward network: GELU MLP (GPT-2) or SwiGLU (Llama).
+"""The position-wise feed-forward network: GELU MLP (GPT-2), ReLU (the 2017 paper) or SwiGLU (Llama).
 
 GELU:   down(gelu(up(x)))                     D -> H -> D
+ReLU:   down(relu(up(x)))                     D -> H -> D
 SwiGLU: down(silu(gate(x)) * up(x))           D -> 2H (gate and up fused) -> D
 """
 
@@ -18,6 +19,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.swiglu = cfg.use_swiglu
+        self.relu = getattr(cfg, "activation", "gelu") == "relu"  # a Seq2SeqConfig field
         hidden = cfg.ffn_dim
         # SwiGLU fuses gate and up into one matmul: the first half is the gate.
         self.up = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
@@ -29,6 +31,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.relu:
+            h = F.relu(h)
         else:
             h = gelu_tanh(h)
         return self.down(h)

@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from ..config import check_fields, get_config
+from ..config import ModelConfig, check_fields, get_config
 from ..errors import ConfigError
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
+SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 COMPILE_CHOICES = ("auto", "true", "false")
 PARALLEL_CHOICES = ("ddp", "fsdp")
@@ -87,7 +87,8 @@ class TrainConfig:
     # optimizer
     lr: float = option(3e-4, "Peak learning rate.")
     min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak.")
-    schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant.")
+    schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant, "
+                                              "noam (inverse square root of the step).")
     warmup_steps: int = option(100, "Steps of linear warmup from 0 to the peak.")
     decay_fraction: float = option(0.2, "wsd: the final fraction of the run spent decaying.")
     weight_decay: float = option(0.1, "AdamW weight decay, applied to matrices only.")
@@ -185,7 +186,9 @@ class PretrainConfig(TrainConfig):
         super().__post_init__()
         if not isinstance(self.model, dict):
             raise ConfigError(f"model must be a mapping of ModelConfig fields, got {self.model!r}")
-        get_config(self.preset, **self.model)  # an unknown preset or a bad field is named before any work
+        # an unknown preset or a bad field is named before any work
+        if get_config(self.preset, **self.model).__class__ is not ModelConfig:
+            raise ConfigError(f"{self.preset} is an encoder-decoder preset: train it with `frawd translate train`")
         _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
         _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
 

@@ -6,6 +6,10 @@
     wsd       warmup-stable-decay: peak, then linear to the floor over the last
               `decay_fraction` of the decay span (a run can be extended before then)
     constant  peak until the end
+    noam      the inverse square root of "Attention Is All You Need": linear warmup, then
+              peak * sqrt(warmup_steps / step), by steps alone (no floor). The paper's
+              d^-0.5 * min(step^-0.5, step * warmup^-1.5) is this with peak = (d * warmup)^-0.5
+              (7e-4 for d 512 and 4000 warmup steps).
 
 The decay is driven by `progress` in [0, 1]: how much of the run's budget (steps,
 tokens or time, whichever is furthest along) is used. A step budget alone gives the
@@ -37,6 +41,8 @@ class LRSchedule:
         """The learning rate of optimizer step `step` (0-based) at `progress` of the budget."""
         if step < self.warmup_steps:
             return self.peak * (step + 1) / self.warmup_steps
+        if self.kind == "noam":
+            return self.peak * math.sqrt(max(self.warmup_steps, 1) / (step + 1))
         if self.warmup_end_progress is None:
             self.warmup_end_progress = progress if self.warmup_steps else 0.0
         p_w = self.warmup_end_progress

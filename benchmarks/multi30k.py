@@ -1,0 +1,172 @@
+"""German -> English on Multi30k within a wall-clock budget, scored with sacreBLEU on test 2016.
+
+Trains `configs/multi30k.yaml` (aiayn-tiny through `frawd translate train`'s code path:
+the shared loop, the joint BPE tokenizer, token-count batches) for `--budget` minus the
+time the test translation needs, then translates test 2016 (1,000 sentences) greedily and
+with beam search (beam 4, alpha 0.6) and scores both with sacreBLEU (cased, 13a
+tokenization, detokenized output against the raw references: its defaults).
+
+Before that, the same process measures training throughput of aiayn-tiny against
+`transformers`' `MarianMTModel` of the same dimensions (3+3 post-LN layers, width 256, 4
+heads, d_ff 1024, ReLU, sinusoidal positions, scaled and shared embeddings, dropout 0.1):
+the same token-count batches of the real data, forward + label-smoothed loss + backward +
+AdamW (fused where available) + clipping, runs interleaved (ours, theirs, ours, ...), each
+figure the median step; tokens are real (non-padding) target tokens. `--only-throughput`
+runs just that part, `--skip-throughput` skips it.
+
+    .venv/bin/python benchmarks/multi30k.py --budget 60m       # the issue's setting
+Prints key=value lines, `bleu_beam=` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("FRAWD_SHARED_DATA") or ROOT.parent / "shared" / "data") / "multi30k"
+
+
+def say(key: str, value) -> None:
+    print(f"{key}={value}", flush=True)
+
+
+def marian_like(cfg):
+    from transformers import MarianConfig, MarianMTModel
+
+    hf = MarianConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.n_embd, encoder_layers=cfg.n_encoder_layer,
+        decoder_layers=cfg.n_layer, encoder_attention_heads=cfg.n_head, decoder_attention_heads=cfg.n_head,
+        encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=cfg.ffn_dim, activation_function="relu",
+        dropout=cfg.dropout, attention_dropout=0.0, activation_dropout=0.0,
+        max_position_embeddings=cfg.context_length, scale_embedding=True, pad_token_id=cfg.pad_token_id,
+        eos_token_id=cfg.eos_token_id, decoder_start_token_id=cfg.bos_token_id, share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True, attn_implementation="sdpa")
+    return MarianMTModel(hf)
+
+
+def throughput(cfg, pairs, dtype: str, steps: int, tokens_per_batch: int) -> dict[str, float]:
+    """Median training tokens/s of ours and Marian, steps interleaved on the same batches."""
+    import torch
+    import torch.nn.functional as F
+
+    from frawdllm import Seq2SeqTransformer
+    from frawdllm.model import IGNORE_INDEX
+    from frawdllm.train.translation import collate, token_batches, translation_loss
+
+    torch.manual_seed(0)
+    ours, theirs = Seq2SeqTransformer(cfg).train(), marian_like(cfg).train()
+
+    def hf_loss(model, b):
+        logits = model(input_ids=b["src"], attention_mask=b["src_mask"].long(), decoder_input_ids=b["tgt_in"]).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE_INDEX,
+                               label_smoothing=0.1)
+
+    sides = {"ours": (ours, lambda m, b: translation_loss(m, b, 0.1)), "marian": (theirs, hf_loss)}
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.0,
+                                      fused=True) for name, (m, _) in sides.items()}
+    batches = [collate([pairs[i] for i in b]) for b in token_batches(pairs, tokens_per_batch, random.Random(0))]
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    tokens: dict[str, list[int]] = {name: [] for name in sides}
+    for step in range(steps + 2):
+        batch = batches[step % len(batches)]
+        n = int((batch["labels"] != IGNORE_INDEX).sum())
+        for name, (model, loss_fn) in (sides.items() if step % 2 == 0 else reversed(sides.items())):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = loss_fn(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
+            if step >= 2:  # two warm-up steps
+                times[name].append(time.perf_counter() - start)
+                tokens[name].append(n)
+    # per-step rates, then the median: robust to a noisy neighbour
+    rate = {name: statistics.median(t / s for t, s in zip(tokens[name], times[name])) for name in sides}
+    return {"ours": rate["ours"], "marian": rate["marian"], "ratio": rate["ours"] / rate["marian"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", default="60m", help="Wall-clock budget of training + test translation.")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "multi30k.yaml"))
+    parser.add_argument("--out", default=None, help="Run directory (default: a temporary one).")
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--throughput-steps", type=int, default=20)
+    parser.add_argument("--only-throughput", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    from frawdllm.config import get_config
+    from frawdllm.data.parallel import encode_pairs, read_parallel
+    from frawdllm.train.config import build_config, parse_duration
+    from frawdllm.train.device import cpu_features, cpu_has_bf16
+    from frawdllm.train.translation import TranslateConfig, corpus_bleu, run_translation_training, translate_texts
+
+    started = time.perf_counter()
+    budget_s = parse_duration(args.budget)
+    features = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd") if f in cpu_features()]
+    say("cpu_features", " ".join(features) or "-")
+    say("torch_threads", torch.get_num_threads())
+    out = args.out or tempfile.mkdtemp(prefix="multi30k-")
+    data = {"src": DATA / "train.de.gz", "tgt": DATA / "train.en.gz", "valid_src": DATA / "val.de.gz",
+            "valid_tgt": DATA / "val.en.gz"}  # wherever the data is ($FRAWD_SHARED_DATA), not the recipe's paths
+    cfg = build_config(TranslateConfig, args.config, {"out": out, "overwrite": True, "progress": False,
+                                                      **{k: str(v) for k, v in data.items()}})
+    if not args.skip_throughput:
+        from frawdllm.tokenizer import train_tokenizer
+
+        src, tgt = read_parallel(cfg.src, cfg.tgt)
+        tok = train_tokenizer((s for side in (src, tgt) for s in side if s.strip()), "bpe", cfg.vocab_size)
+        pairs = encode_pairs(tok, src, tgt, cfg.max_len).pairs
+        tiny = get_config("aiayn-tiny", vocab_size=tok.vocab_size)
+        for dtype in ("fp32", "bf16"):
+            if dtype == "bf16" and not cpu_has_bf16():
+                continue  # emulated bf16 would only measure the emulation
+            rates = throughput(tiny, pairs, dtype, args.throughput_steps, cfg.tokens_per_batch)
+            say(f"train_tokens_per_s_ours_{dtype}", round(rates["ours"]))
+            say(f"train_tokens_per_s_marian_{dtype}", round(rates["marian"]))
+            say(f"train_speedup_vs_marian_{dtype}", round(rates["ratio"], 3))
+        if args.only_throughput:
+            return
+    test_src, test_ref = read_parallel(DATA / "test_2016_flickr.de.gz", DATA / "test_2016_flickr.en.gz")
+    # keep time for the test translation: about a tenth of the budget (at least 2 minutes)
+    reserve = max(120.0, 0.1 * budget_s)
+    train_s = budget_s - (time.perf_counter() - started) - reserve
+    if train_s < 60:
+        sys.exit(f"--budget {args.budget} leaves {train_s:.0f} s to train; give more")
+    cfg.max_time = f"{train_s:.0f}s"
+    say("train_budget_s", round(train_s))
+    cpu_start = time.process_time()
+    result = run_translation_training(cfg)
+    say("train_cpu_s", round(time.process_time() - cpu_start))  # CPU time it got (a busy machine gives less)
+    say("train_steps", result.steps)
+    say("train_tokens", result.tokens)
+    say("tokens_per_s", round(result.tokens_per_s))
+    say("best_val_loss", round(result.best_val_loss, 4) if result.best_val_loss is not None else "nan")
+    from frawdllm.modeldir import load_model
+    from frawdllm.tokenizer import Tokenizer
+
+    model = load_model(Path(out) / "model").eval()
+    tokenizer = Tokenizer.load(Path(out) / "model" / "tokenizer.json")
+    start = time.perf_counter()
+    greedy = translate_texts(model, tokenizer, test_src, beam_size=1)
+    say("greedy_s", round(time.perf_counter() - start, 1))
+    start = time.perf_counter()
+    beam = translate_texts(model, tokenizer, test_src, beam_size=args.beam, alpha=0.6)
+    say("beam_s", round(time.perf_counter() - start, 1))
+    say("wall_s", round(time.perf_counter() - started))
+    say("bleu_greedy", round(corpus_bleu(greedy, test_ref).score, 2))
+    say("bleu_beam", round(corpus_bleu(beam, test_ref).score, 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""`frawd translate`: train, evaluate and run encoder-decoder translation models."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import FrawdError
+from ..train.translation import TranslateConfig
+from .flags import dataclass_options
+from .options import set_option
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def translate() -> None:
+    """Translation with the encoder-decoder Transformer of "Attention Is All You Need".
+
+    \b
+    frawd translate train --src train.de --tgt train.en --valid-src val.de --valid-tgt val.en --out RUN
+    frawd translate eval --model RUN/model --src test.de --ref test.en
+    frawd translate run --model RUN/model "Ein Satz."
+    """
+
+
+@translate.command(context_settings={"max_content_width": 110})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="A YAML file of the options below (flags given here override it).")
+@set_option()
+@dataclass_options(TranslateConfig, skip=("batch_size",))
+def train(config_file: str | None, overrides: tuple[str, ...], **flags) -> None:
+    """Train a translation model on parallel text until a budget (--max-steps, --max-tokens,
+    --max-time) is spent.
+
+    --src/--tgt are parallel files, one sentence a line (gzip read transparently). A joint
+    BPE tokenizer is trained on both sides unless --tokenizer gives one. Pairs with an
+    empty side or a side longer than --max-len tokens are skipped (and counted). Batches
+    hold about --tokens-per-batch tokens of similar-length sentences; the loss is
+    label-smoothed cross-entropy over real target tokens; the learning rate follows the
+    paper's inverse square root (noam). Each evaluation logs val_loss and val_bleu (greedy,
+    sacreBLEU) to OUT/metrics.jsonl. OUT/model is the best model by validation loss.
+
+    \b
+    Example:
+      frawd translate train --src train.de.gz --tgt train.en.gz --valid-src val.de.gz \\
+          --valid-tgt val.en.gz --preset aiayn-tiny --max-time 30m --out runs/de-en
+    """
+    from ..config import Seq2SeqConfig, parse_overrides
+    from ..train.config import build_config
+    from ..train.device import process_started_at
+    from ..train.translation import run_translation_training
+
+    started_at = process_started_at()
+    cfg = build_config(TranslateConfig, config_file, flags, parse_overrides(Seq2SeqConfig, list(overrides)))
+    result = run_translation_training(cfg, started_at=started_at)
+    click.echo(result.summary())
+    if result.stop_reason == "interrupted":
+        click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
+                   f"frawd translate train --out {cfg.out} --resume", err=True)
+        raise SystemExit(130)
+
+
+def _decoding_options(command):
+    command = click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+                           help="Sentences translated together.")(command)
+    command = click.option("--alpha", type=click.FloatRange(min=0), default=0.6, show_default=True,
+                           help="Length penalty exponent of beam search (the paper's 0.6).")(command)
+    command = click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
+                           help="Beam size (1 = greedy).")(command)
+    command = click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+                           help="A model directory (frawd translate train's OUT/model).")(command)
+    return command
+
+
+def _load(model_dir: str):
+    from ..model import Seq2SeqTransformer
+    from ..modeldir import TOKENIZER_FILE, load_model, model_file
+    from ..tokenizer import Tokenizer
+
+    model = load_model(model_dir, kind="seq2seq")
+    assert isinstance(model, Seq2SeqTransformer)
+    return model.eval(), Tokenizer.load(model_file(model_dir, TOKENIZER_FILE))
+
+
+class _Translator:
+    """Sentences in, translations out; empty and over-long sentences give an empty line (counted)."""
+
+    def __init__(self, model_dir: str, beam: int, alpha: float, batch_size: int) -> None:
+        self.model, self.tokenizer = _load(model_dir)
+        self.beam, self.alpha, self.batch_size = beam, alpha, batch_size
+        self.limit = self.model.config.context_length
+        self.empty = self.too_long = 0
+
+    def __call__(self, sentences: list[str]) -> list[str]:
+        from ..train.translation import translate_texts
+
+        ids = self.tokenizer.encode_batch(sentences)
+        usable = []
+        for i, (text, row) in enumerate(zip(sentences, ids)):
+            if not text.strip():
+                self.empty += 1
+            elif len(row) > self.limit:
+                self.too_long += 1
+            else:
+                usable.append(i)
+        out = [""] * len(sentences)
+        for i, hyp in zip(usable, translate_texts(self.model, self.tokenizer, [ids[i] for i in usable],
+                                                  self.beam, self.alpha, self.batch_size)):
+            out[i] = hyp
+        return out
+
+    def report(self) -> None:
+        if self.empty:
+            click.echo(f"{self.empty:,} empty source lines: left empty", err=True)
+        if self.too_long:
+            click.echo(f"{self.too_long:,} source lines longer than the model's context_length ({self.limit} "
+                       "tokens): not translated (empty lines)", err=True)
+
+
+@translate.command(name="eval")
+@_decoding_options
+@click.option("--src", "src_path", required=True, type=click.Path(dir_okay=False), help="Source sentences.")
+@click.option("--ref", "ref_path", required=True, type=click.Path(dir_okay=False),
+              help="Raw reference translations, line i for line i of --src.")
+@click.option("--hyp-out", type=click.Path(dir_okay=False), default=None, help="Also write the translations here.")
+def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path: str, ref_path: str,
+             hyp_out: str | None) -> None:
+    """Translate --src and score it against --ref with sacreBLEU (cased, 13a tokenization,
+    on detokenized output and raw references): prints sacreBLEU's `BLEU = ...` line, its
+    signature, and chrF."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    from ..data.parallel import read_parallel
+    from ..io import write_text_atomic
+
+    sources, references = read_parallel(src_path, ref_path)
+    translator = _Translator(model_dir, beam, alpha, batch_size)
+    click.echo(f"translating {len(sources):,} sentences (beam {beam})...", err=True)
+    hyps = translator(sources)
+    translator.report()
+    if hyp_out is not None:
+        write_text_atomic(Path(hyp_out), "".join(h + "\n" for h in hyps))
+    bleu, chrf = BLEU(), CHRF()
+    click.echo(str(bleu.corpus_score(hyps, [references])))
+    click.echo(f"signature: {bleu.get_signature()}")
+    click.echo(str(chrf.corpus_score(hyps, [references])))
+    click.echo(f"signature: {chrf.get_signature()}")
+
+
+@translate.command()
+@_decoding_options
+@click.argument("sentences", nargs=-1)
+def run(model_dir: str, beam: int, alpha: float, batch_size: int, sentences: tuple[str, ...]) -> None:
+    """Translate SENTENCES (one output line each), or, when none is given, standard input
+    line by line: each translation is printed as soon as its line is read."""
+    translator = _Translator(model_dir, beam, alpha, batch_size)
+    if sentences:
+        for line in translator(list(sentences)):
+            click.echo(line)
+    else:
+        for line in sys.stdin:
+            click.echo(translator([line.rstrip("\r\n")])[0])
+            sys.stdout.flush()
+    translator.report()

@@ -1,0 +1,83 @@
+"""Parallel text for translation: two files, one sentence a line, line i of one the
+translation of line i of the other (gzip-compressed files are read transparently).
+
+Bad input is named before any training: files of different line counts (misaligned),
+undecodable bytes. Pairs with an empty side, and pairs longer than a token limit, are
+skipped and counted, so the caller can say how many.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import FrawdError
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a text file (gzip or plain), without their line ends."""
+    path = Path(path)
+    if not path.is_file():
+        raise FrawdError(f"file not found: {path}")
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == GZIP_MAGIC
+    try:
+        raw = gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()
+    except (OSError, EOFError) as exc:
+        raise FrawdError(f"{path}: not a readable gzip file ({exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise FrawdError(f"{path}: line {line} is not UTF-8 text") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final line end
+    return [line.rstrip("\r") for line in lines]
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
+    """Source and target sentences, checked to be aligned (the same number of lines)."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise FrawdError(f"misaligned parallel files: {src_path} has {len(src):,} lines but {tgt_path} has "
+                         f"{len(tgt):,}; line i of one must translate line i of the other")
+    if not src:
+        raise FrawdError(f"{src_path}: no sentences")
+    return src, tgt
+
+
+@dataclass
+class EncodedPairs:
+    pairs: list[tuple[list[int], list[int]]]  # (source ids, target ids)
+    kept: list[int]  # the line index of each pair
+    empty: int  # pairs skipped because a side was empty (or whitespace only)
+    too_long: int  # pairs skipped because a side had more than max_tokens tokens
+
+    def skipped_message(self, what: str, max_tokens: int) -> str | None:
+        parts = []
+        if self.empty:
+            parts.append(f"{self.empty:,} with an empty side")
+        if self.too_long:
+            parts.append(f"{self.too_long:,} longer than {max_tokens} tokens")
+        if not parts:
+            return None
+        return f"{what}: skipped {' and '.join(parts)} of {len(self.pairs) + self.empty + self.too_long:,} pairs"
+
+
+def encode_pairs(tokenizer, src: list[str], tgt: list[str], max_tokens: int | None) -> EncodedPairs:
+    """Token ids of every usable pair; empty and over-long pairs skipped and counted."""
+    src_ids, tgt_ids = tokenizer.encode_batch(src), tokenizer.encode_batch(tgt)
+    pairs, kept, empty, too_long = [], [], 0, 0
+    for i, (s_text, t_text, s, t) in enumerate(zip(src, tgt, src_ids, tgt_ids)):
+        if not s_text.strip() or not t_text.strip():
+            empty += 1
+        elif max_tokens is not None and (len(s) > max_tokens or len(t) > max_tokens):
+            too_long += 1
+        else:
+            pairs.append((s, t))
+            kept.append(i)
+    return EncodedPairs(pairs, kept, empty, too_long)

@@ -1,0 +1,201 @@
+"""Decoding an encoder-decoder model: batched greedy search and beam search.
+
+Both encode the source once and project the encoder output to every decoder layer's
+cross-attention keys/values once (`Seq2SeqTransformer.memory_kv`); each step then runs
+the decoder on one new token per row, its self-attention reading the earlier tokens'
+keys/values from a `KVCache` (`use_cache=False` recomputes the whole prefix instead: the
+same result, slower; the tests compare the two).
+
+Greedy: each row takes its most likely next token until it emits EOS or reaches its
+length limit (source length + `max_extra` tokens, as in the paper, and at most the
+model's context_length).
+
+Beam search keeps the `beam_size` best partial translations per sentence, ranked by the
+sum of their tokens' log-probabilities. A hypothesis that ends (EOS) is set aside with
+the score sum / lp, where lp = ((5 + length) / 6) ** alpha (GNMT's length penalty; alpha
+0.6 in the paper), so that longer translations are not ruled out just for having more
+terms. A sentence is done when it has `beam_size` ended hypotheses (or reaches its
+limit); the search stops when every sentence is done. With beam_size 1 it is greedy.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
+from .cache import KVCache
+
+MAX_EXTRA = 50  # target length limit = source length + this
+
+
+class _Decoder:
+    """The decoder's state for one batch of rows: memory keys/values, source mask, KV cache."""
+
+    def __init__(self, model: Seq2SeqTransformer, memory_kv: MemoryKV, src_mask: Tensor, max_len: int,
+                 use_cache: bool) -> None:
+        self.model, self.memory_kv, self.src_mask = model, memory_kv, src_mask
+        dtype = memory_kv[0][0].dtype
+        self.cache = KVCache(model.config, src_mask.shape[0], max_len, dtype=dtype, device=src_mask.device) \
+            if use_cache else None
+
+    def next_logits(self, tokens: Int[Tensor, "R t"]) -> Tensor:
+        """Logits (R, V) of the token after `tokens` (each row's whole prefix so far)."""
+        if self.cache is None:
+            return self.model.decode(tokens, self.memory_kv, self.src_mask)[:, -1].float()
+        t = tokens.shape[1] - 1
+        self.cache.begin(1)
+        positions = torch.full((1, 1), t, device=tokens.device)
+        return self.model.decode(tokens[:, -1:], self.memory_kv, self.src_mask, positions, self.cache)[:, -1].float()
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep rows `rows` (repeats allowed: beams that branch) in that order."""
+        self.memory_kv = [(k[rows], v[rows]) for k, v in self.memory_kv]
+        self.src_mask = self.src_mask[rows]
+        if self.cache is not None:
+            self.cache.select_rows(rows)
+
+
+def _limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -> list[int]:
+    """Per row: how many tokens (EOS included) it may generate."""
+    cap = model.config.context_length - 1  # position 0 holds BOS
+    return [min(int(n) + max_extra, cap) for n in src_mask.sum(dim=1)]
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: Seq2SeqTransformer, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None,
+    max_extra: int = MAX_EXTRA, use_cache: bool = True,
+) -> list[list[int]]:
+    """The greedy translation of each row (token ids, without BOS and EOS)."""
+    cfg = model.config
+    src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
+    limits = _limits(model, src_mask, max_extra)
+    decoder = _Decoder(model, model.memory_kv(model.encode(src, src_mask)), src_mask, max(limits) + 1, use_cache)
+    B = src.shape[0]
+    tokens = torch.full((B, 1), cfg.bos_token_id, dtype=torch.long, device=src.device)
+    limit = torch.tensor(limits, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    for step in range(max(limits)):
+        next_token = decoder.next_logits(tokens).argmax(dim=-1)  # (B,)
+        next_token = torch.where(done, cfg.pad_token_id, next_token)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        done |= (next_token == cfg.eos_token_id) | (step + 1 >= limit)
+        if bool(done.all()):
+            break
+    return [_strip(row, cfg.eos_token_id, cfg.pad_token_id) for row in tokens[:, 1:].tolist()]
+
+
+def _strip(ids: list[int], eos: int, pad: int) -> list[int]:
+    out = []
+    for i in ids:
+        if i == eos or i == pad:
+            break
+        out.append(i)
+    return out
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT's ((5 + length) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+@torch.no_grad()
+def beam_search(
+    model: Seq2SeqTransformer, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None,
+    beam_size: int = 4, alpha: float = 0.6, max_extra: int = MAX_EXTRA, use_cache: bool = True,
+) -> list[list[int]]:
+    """The best beam-search translation of each row (token ids, without BOS and EOS)."""
+    cfg = model.config
+    K = beam_size
+    src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
+    B, device = src.shape[0], src.device
+    limits = _limits(model, src_mask, max_extra)
+    memory_kv = model.memory_kv(model.encode(src, src_mask))
+    decoder = _Decoder(model, memory_kv, src_mask, max(limits) + 1, use_cache)
+    decoder.select_rows(torch.arange(B, device=device).repeat_interleave(K))  # row b * K + i: beam i of b
+    tokens = torch.full((B * K, 1), cfg.bos_token_id, dtype=torch.long, device=device)
+    scores = torch.full((B, K), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # all beams start equal: keep one, or the first step would pick K copies
+    ended: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    done = [False] * B
+    for step in range(max(limits)):
+        logprobs = torch.log_softmax(decoder.next_logits(tokens), dim=-1)  # (B*K, V)
+        V = logprobs.shape[-1]
+        candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
+        top_scores, top_index = candidates.topk(2 * K, dim=1)  # enough to fill K beams after K end
+        top_scores, top_index = top_scores.tolist(), top_index.tolist()
+        rows, next_tokens, next_scores = [], [], []
+        for b in range(B):
+            keep: list[tuple[int, int, float]] = []  # (beam, token, score)
+            if not done[b]:
+                for score, index in zip(top_scores[b], top_index[b]):
+                    beam, token = divmod(index, V)
+                    if score == float("-inf"):
+                        break
+                    if token == cfg.eos_token_id:
+                        prefix = tokens[b * K + beam, 1:].tolist()
+                        ended[b].append((score / length_penalty(len(prefix) + 1, alpha), prefix))
+                    else:
+                        keep.append((beam, token, score))
+                    if len(keep) == K:
+                        break
+                if len(ended[b]) >= K:
+                    done[b] = True
+                elif step + 1 >= limits[b]:  # out of length: the live beams end here
+                    for beam, token, score in keep:
+                        prefix = tokens[b * K + beam, 1:].tolist() + [token]
+                        ended[b].append((score / length_penalty(len(prefix), alpha), prefix))
+                    done[b] = True
+            if done[b] or not keep:
+                keep = [(0, cfg.pad_token_id, float("-inf"))]
+            keep += [keep[0][:2] + (float("-inf"),)] * (K - len(keep))  # fill with dead beams
+            for beam, token, score in keep:
+                rows.append(b * K + beam)
+                next_tokens.append(token)
+                next_scores.append(score)
+        if all(done):
+            break
+        rows_t = torch.tensor(rows, device=device)
+        decoder.select_rows(rows_t)
+        tokens = torch.cat([tokens[rows_t], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
+        scores = torch.tensor(next_scores, device=device).view(B, K)
+    return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in ended]
+
+
+def pad_batch(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+              ) -> tuple[Int[Tensor, "B S"], Bool[Tensor, "B S"]]:
+    """Right-padded ids and the mask of real tokens."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    return ids.to(device), mask.to(device)
+
+
+def translate_ids(
+    model: Seq2SeqTransformer, sources: list[list[int]], beam_size: int = 4, alpha: float = 0.6,
+    max_extra: int = MAX_EXTRA, batch_size: int = 64,
+) -> list[list[int]]:
+    """Translations of token-id sources, batched by length (similar lengths together: less padding)."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    out: list[list[int]] = [[] for _ in sources]
+    was_training = model.training
+    model.eval()
+    try:
+        for a in range(0, len(order), batch_size):
+            chunk = order[a: a + batch_size]
+            src, mask = pad_batch([sources[i] for i in chunk], model.config.pad_token_id, device)
+            if beam_size == 1:
+                hyps = greedy_decode(model, src, mask, max_extra)
+            else:
+                hyps = beam_search(model, src, mask, beam_size, alpha, max_extra)
+            for i, hyp in zip(chunk, hyps):
+                out[i] = hyp
+    finally:
+        model.train(was_training)
+    return out

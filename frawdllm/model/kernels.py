@@ -1,0 +1,85 @@
+"""The fast attention kernels and the choice between them: the speed side of `attention.py`.
+
+`attend(q, k, v, mask, dropout_p, causal)` computes the same function as
+`attention.reference_attention`, with whichever kernel is fastest here:
+
+- PyTorch's `scaled_dot_product_attention` (flash / memory-efficient kernels where
+  available): the default, and the only one for masks and bidirectional attention;
+- training on a CPU in bf16, causal: `cpu_attention` (a fused C kernel, forward and
+  backward), because PyTorch's CPU backward is slow for short sequences;
+- training on a CPU in fp32 under `torch.compile`, causal: `blocked_causal_attention`,
+  plain matmuls over a few query blocks (block i attends only the keys up to its end,
+  skipping most of the masked half), which torch.compile fuses into about twice the speed.
+
+Tests compare each of them with the reference attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from . import cpu_attention
+
+
+def attend(
+    q: Float[Tensor, "B H T hd"],
+    k: Float[Tensor, "B Hkv S hd"],
+    v: Float[Tensor, "B Hkv S hd"],
+    mask: Bool[Tensor, "#B 1 #T S"] | None = None,
+    dropout_p: float = 0.0,
+    causal: bool = True,
+) -> Float[Tensor, "B H T hd"]:
+    """softmax(q k^T / sqrt(hd)) v over the keys `mask` allows (True = may attend).
+
+    causal without a mask: the queries are the last T of the S keys and each sees the keys
+    up to its own. causal with a mask: the mask alone decides (a KV cache builds it).
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:  # GQA: each kv head serves n_rep query heads
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    if mask is None and causal:
+        # Without a mask, queries are the last T of S keys (S == T when there is no cache).
+        T, S = q.shape[2], k.shape[2]
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        if T != S:
+            raise ValueError(f"a KV cache must give a mask when {T} queries attend {S} keys")
+        if q.device.type == "cpu" and torch.is_grad_enabled():  # training on a CPU
+            if cpu_attention.usable(q, k, v, dropout_p):
+                return cpu_attention.causal_attention(q, k, v)
+            if T <= BLOCKED_MAX_T and torch.compiler.is_compiling():
+                return blocked_causal_attention(q, k, v, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+BLOCKED_MAX_T = 512  # the blocks keep (T x T) probabilities for backward: fine for short T only
+
+
+def blocked_causal_attention(
+    q: Float[Tensor, "B H T hd"], k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"],
+    dropout_p: float = 0.0, n_blocks: int = 4,
+) -> Float[Tensor, "B H T hd"]:
+    """Causal attention as matmuls: query block [a, b) attends keys [0, b) only.
+
+    The same function as causal SDPA. With 4 blocks, 5/8 of the full T x T scores are
+    computed instead of all of them; the softmax runs in fp32 (or the inputs' dtype if wider).
+    """
+    T = q.shape[2]
+    size = -(-T // n_blocks)
+    scale = q.shape[-1] ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
+    out = []
+    for a in range(0, T, size):
+        b = min(a + size, T)
+        scores = (q[:, :, a:b] @ k[:, :, :b].transpose(-1, -2)).to(softmax_dtype) * scale  # (B, H, b-a, b)
+        probs = scores.masked_fill(~causal[a:b, :b], float("-inf")).softmax(dim=-1).to(q.dtype)
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        out.append(probs @ v[:, :, :b])  # (B, H, b-a, hd)
+    return torch.cat(out, dim=2)

@@ -1,0 +1,162 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+    source ids (B, S) -> embeddings -> encoder: n_encoder_layer blocks of bidirectional
+                         self-attention + MLP                       -> memory (B, S, D)
+    target ids (B, T) -> embeddings -> decoder: n_layer blocks of causal self-attention,
+                         cross-attention over the memory, MLP       -> logits (B, T, V)
+
+The encoder reads the whole source at once; padding (`src_mask` False) is masked out of
+every attention, so a sentence's encoding does not depend on what it was batched with.
+The decoder predicts target token t+1 from the target tokens <= t and the whole source.
+Training feeds the shifted target ("teacher forcing"): input [BOS, y1 .. yn], labels
+[y1 .. yn, EOS]. Generation (`infer/translate.py`) encodes the source once, projects the
+memory to each layer's cross-attention keys/values once (`memory_kv`), and caches the
+decoder's self-attention keys/values across steps.
+
+The blocks, attention, MLP, norms and embeddings are the decoder-only model's
+(`TransformerBlock(causal=False)` for the encoder, `TransformerBlock(cross=True)` for the
+decoder). The paper's choices are `Seq2SeqConfig` settings: post-LN, sinusoidal
+positions, token embeddings x sqrt(d_model), ReLU, dropout on every sub-layer output and
+on the embeddings, and one embedding matrix shared by source, target and the output
+projection (a joint vocabulary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from ..config import Seq2SeqConfig
+from .block import TransformerBlock
+from .embeddings import Embeddings, rope_tables
+from .gpt import IGNORE_INDEX, init_weights
+from .norm import make_norm
+
+MemoryKV = list[tuple[Tensor, Tensor]]  # per decoder layer: the memory's (k, v), (B, n_kv_head, S, hd) each
+
+
+class Seq2SeqTransformer(nn.Module):
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+
+        def embeddings() -> Embeddings:
+            return Embeddings(cfg.vocab_size, cfg.n_embd, cfg.context_length, cfg.pos_encoding,
+                              cfg.scale_embeddings, cfg.dropout)
+
+        self.embed = embeddings()  # the target's; the source's too when tied
+        if not cfg.tie_embeddings:
+            self.src_embed = embeddings()
+        if cfg.pos_encoding == "rope":
+            cos, sin = rope_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (C, hd/2)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.encoder = nn.ModuleList(TransformerBlock(cfg, i, causal=False) for i in range(cfg.n_encoder_layer))
+        self.encoder_norm = make_norm(cfg) if cfg.has_final_norm else nn.Identity()
+        self.decoder = nn.ModuleList(TransformerBlock(cfg, i, cross=True) for i in range(cfg.n_layer))
+        self.norm = make_norm(cfg) if cfg.has_final_norm else nn.Identity()
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.tok.weight
+        # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale.
+        embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings else 0.02
+        self.apply(lambda m: init_weights(m, cfg.n_encoder_layer + cfg.n_layer, embedding_std))
+
+    @property
+    def source_embed(self) -> Embeddings:
+        return self.embed if self.config.tie_embeddings else self.src_embed
+
+    def _check_length(self, n: int, what: str) -> None:
+        if n > self.config.context_length:
+            raise ValueError(f"{what} length {n} exceeds the model's context_length {self.config.context_length}")
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+        if self.config.pos_encoding != "rope":
+            return None
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    # ---- encoder -------------------------------------------------------------------------
+    def encode(
+        self, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None
+    ) -> Float[Tensor, "B S D"]:
+        """The memory: the encoder's output for each source token. src_mask: True = a real token."""
+        self._check_length(src.shape[1], "source")
+        positions = torch.arange(src.shape[1], device=src.device).unsqueeze(0)  # (1, S)
+        x = self.source_embed(src, positions)  # (B, S, D)
+        rope = self._rope(positions)
+        if src_mask is None:
+            src_mask = torch.ones_like(src, dtype=torch.bool)
+        for block in self.encoder:
+            x = block(x, rope, key_padding_mask=src_mask)
+        return self.encoder_norm(x)
+
+    def memory_kv(self, memory: Float[Tensor, "B S D"]) -> MemoryKV:
+        """Every decoder layer's cross-attention keys and values: computed once per source."""
+        return [block.cross.memory_kv(memory) for block in self.decoder]
+
+    # ---- decoder -------------------------------------------------------------------------
+    def decode(
+        self,
+        tgt: Int[Tensor, "B T"],
+        memory_kv: MemoryKV,
+        src_mask: Bool[Tensor, "B S"] | None = None,
+        positions: Int[Tensor, "#B T"] | None = None,
+        kv_cache: Any = None,
+    ) -> Float[Tensor, "B T V"]:
+        """Logits for the next target token after each of `tgt`'s.
+
+        positions: where the tokens sit (default 0..T-1); with a KV cache (`infer.cache.KVCache`
+        of the decoder's n_layer layers) the caller passes the new tokens' positions.
+        """
+        if positions is None:
+            self._check_length(tgt.shape[1], "target")
+            positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
+        x = self.embed(tgt, positions)  # (B, T, D)
+        rope = self._rope(positions)
+        for block, kv in zip(self.decoder, memory_kv):
+            x = block(x, rope, kv_cache, memory_kv=kv, memory_mask=src_mask)
+        return self.lm_head(self.norm(x))  # (B, T, V)
+
+    def forward(
+        self,
+        src: Int[Tensor, "B S"],
+        tgt: Int[Tensor, "B T"],
+        targets: Int[Tensor, "B T"] | None = None,
+        src_mask: Bool[Tensor, "B S"] | None = None,
+        label_smoothing: float = 0.0,
+    ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
+        """Teacher-forced logits; with `targets`, the mean cross-entropy over the targets
+        that are not IGNORE_INDEX (padding), label-smoothed if asked."""
+        memory = self.encode(src, src_mask)
+        logits = self.decode(tgt, self.memory_kv(memory), src_mask)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+        return logits, loss
+
+    # ---- model directory -----------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save_pretrained(self, directory: str | Path, tokenizer: Any = None) -> Path:
+        """Write config.json (model_type "seq2seq"), model.safetensors (and tokenizer.json)."""
+        from ..modeldir import save_model_dir
+
+        return save_model_dir(self, directory, tokenizer=tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "Seq2SeqTransformer":
+        from ..modeldir import load_model
+
+        model = load_model(directory, device=device)
+        if not isinstance(model, cls):
+            from ..errors import FrawdError
+
+            raise FrawdError(f"{directory}: holds a decoder-only model, not an encoder-decoder one")
+        return model

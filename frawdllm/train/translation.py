@@ -1,0 +1,318 @@
+"""Training an encoder-decoder translation model through the shared loop (`TranslationTask`).
+
+Data: parallel sentences, tokenized by one joint BPE tokenizer trained on both sides (or
+a given tokenizer.json). Batches are built by token count, not sentence count: pairs are
+sorted by length, cut into batches of about `tokens_per_batch` tokens (rows x the longer
+side's width, padding included), and the batches are shuffled each epoch. Sentences of
+similar length share a batch, so little of it is padding.
+
+Each pair becomes, with BOS/EOS the tokenizer's control tokens:
+
+    src     x1 .. xm                 (encoder input; padding masked out of attention)
+    tgt_in  BOS y1 .. yn             (decoder input, "teacher forcing")
+    labels  y1 .. yn EOS             (what each decoder position predicts)
+
+The loss is cross-entropy with label smoothing (0.1 in the paper: the target distribution
+puts 0.9 on the right token and spreads 0.1 over the vocabulary), averaged over real
+target tokens only: padding labels are IGNORE_INDEX, and tokens/s counts real target
+tokens too. Each evaluation reports the validation loss (plain cross-entropy per target
+token) and sacreBLEU of greedy translations of the first `bleu_sentences` validation
+pairs against their raw reference sentences (not before the first step: an untrained
+model writes maximum-length noise, slow to decode and scoring 0).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import Seq2SeqConfig, SEQ2SEQ_PRESETS, get_config
+from ..data.parallel import EncodedPairs, encode_pairs, read_parallel
+from ..errors import ConfigError, FrawdError
+from ..io import write_text_atomic
+from ..model import IGNORE_INDEX
+from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from .config import TrainConfig, _require, dump_yaml, option
+from .loop import TrainResult, Trainer, TrainTask
+
+
+@dataclass
+class TranslateConfig(TrainConfig):
+    """`frawd translate train`: an encoder-decoder model on parallel text."""
+
+    out: str = option("runs/translate", "Run directory: config, metrics, checkpoints, the best model.")
+    src: str = option("", "Training source sentences, one a line (gzip read transparently).")
+    tgt: str = option("", "Training target sentences, line i translating line i of --src.")
+    valid_src: str | None = option(None, "Validation source sentences (validation loss and BLEU).")
+    valid_tgt: str | None = option(None, "Validation target sentences (raw references for BLEU).")
+    preset: str = option("aiayn-tiny", "Model preset: aiayn-tiny, aiayn-base, aiayn-big.")
+    model: dict = option({}, "Seq2SeqConfig field overrides (YAML mapping; on the command line --set F=V).")
+    tokenizer: str | None = option(None, "A tokenizer.json (or a folder holding one); default: a joint BPE "
+                                         "tokenizer trained on both sides of the training text.")
+    vocab_size: int | None = option(None, "Joint BPE vocabulary size (default: the preset's).")
+    tokens_per_batch: int = option(4096, "Tokens per micro-batch (rows x longest side, padding included).")
+    max_len: int = option(128, "Skip training pairs with a side longer than this many tokens.")
+    label_smoothing: float = option(0.1, "Label smoothing of the training loss (the paper's 0.1).")
+    bleu_sentences: int = option(500, "Validation sentences translated (greedy) for BLEU at each evaluation; "
+                                      "0 = no BLEU during training.")
+    # the paper's optimizer and schedule
+    lr: float = option(1e-3, "Peak learning rate (noam: reached at the end of warmup).")
+    schedule: str = option("noam", "Decay after warmup: noam (the paper's inverse square root), cosine, linear, "
+                                   "wsd, constant.")
+    warmup_steps: int = option(1000, "Steps of linear warmup from 0 to the peak.")
+    beta2: float = option(0.98, "AdamW beta2 (the paper's 0.98).")
+    weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
+    compile: str | bool = option("false", "torch.compile the training step: true, false, auto (batches change "
+                                          "shape, so compiling rarely pays here).", choices=("auto", "true", "false"))
+    eval_interval: int = option(500, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
+    sample_tokens: int = option(1, "Write sample translations at each evaluation (0 = none).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.model, dict):
+            raise ConfigError(f"model must be a mapping of Seq2SeqConfig fields, got {self.model!r}")
+        if self.preset not in SEQ2SEQ_PRESETS:
+            raise ConfigError(f"preset must be one of {', '.join(SEQ2SEQ_PRESETS)}, got {self.preset!r}")
+        get_config(self.preset, **self.model)  # a bad field is named before any work
+        for name in ("tokens_per_batch", "max_len"):
+            _require(name, getattr(self, name), lambda v: v >= 1, "a positive integer")
+        _require("bleu_sentences", self.bleu_sentences, lambda v: v >= 0, "an integer >= 0")
+        _require("label_smoothing", self.label_smoothing, lambda v: 0 <= v < 1, "in [0, 1)")
+        _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
+        if (self.valid_src is None) != (self.valid_tgt is None):
+            raise ConfigError("give both --valid-src and --valid-tgt, or neither")
+
+
+# ---- batches ---------------------------------------------------------------------------------
+
+def token_batches(pairs: list[tuple[list[int], list[int]]], tokens_per_batch: int, rng: random.Random
+                  ) -> list[list[int]]:
+    """Pair indices grouped into batches of at most `tokens_per_batch` padded tokens
+    (rows x the widest side + 1 for BOS/EOS), similar lengths together, in random order."""
+    order = list(range(len(pairs)))
+    rng.shuffle(order)  # ties in length land in a new order each epoch
+    order.sort(key=lambda i: (len(pairs[i][0]), len(pairs[i][1])))
+    batches, current, width = [], [], 0
+    for i in order:
+        w = max(width, len(pairs[i][0]), len(pairs[i][1]) + 1)
+        if current and (len(current) + 1) * w > tokens_per_batch:
+            batches.append(current)
+            current, w = [], max(len(pairs[i][0]), len(pairs[i][1]) + 1)
+        current.append(i)
+        width = w
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(pairs: list[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
+    """Padded tensors of a batch: src, src_mask, tgt_in (BOS + target), labels (target + EOS)."""
+    S = max(len(s) for s, _ in pairs)
+    T = max(len(t) for _, t in pairs) + 1
+    src = torch.full((len(pairs), S), PAD_ID, dtype=torch.long)
+    src_mask = torch.zeros(len(pairs), S, dtype=torch.bool)
+    tgt_in = torch.full((len(pairs), T), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(pairs), T), IGNORE_INDEX, dtype=torch.long)
+    for row, (s, t) in enumerate(pairs):
+        src[row, : len(s)] = torch.tensor(s)
+        src_mask[row, : len(s)] = True
+        tgt_in[row, : len(t) + 1] = torch.tensor([BOS_ID] + t)
+        labels[row, : len(t) + 1] = torch.tensor(t + [EOS_ID])
+    return {"src": src, "src_mask": src_mask, "tgt_in": tgt_in, "labels": labels}
+
+
+def translation_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float = 0.0) -> Tensor:
+    """Mean (label-smoothed) cross-entropy over the batch's real target tokens."""
+    return model(batch["src"], batch["tgt_in"], batch["labels"], batch["src_mask"], label_smoothing)[1]
+
+
+def translation_loss_and_nll(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float
+                             ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The training loss (label-smoothed) and, as a named metric, the plain cross-entropy
+    (`nll`, comparable with val_loss) from the same logits."""
+    logits, _ = model(batch["src"], batch["tgt_in"], src_mask=batch["src_mask"])
+    logits, labels = logits.float().flatten(0, 1), batch["labels"].flatten()
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+    nll = F.cross_entropy(logits.detach(), labels, ignore_index=IGNORE_INDEX)
+    return loss, {"nll": nll}
+
+
+# ---- the task ----------------------------------------------------------------------------------
+
+@dataclass
+class ValidationSet:
+    pairs: list[tuple[list[int], list[int]]]
+    sources: list[str]  # raw sentences of the pairs
+    references: list[str]
+
+
+class TranslationTask(TrainTask):
+    bar_metrics = ("nll",)
+
+    def __init__(self, model_config: Seq2SeqConfig, tokenizer: Tokenizer,
+                 train_pairs: list[tuple[list[int], list[int]]], valid: ValidationSet | None,
+                 tokens_per_batch: int, seed: int = 1337, label_smoothing: float = 0.1,
+                 bleu_sentences: int = 500, eval_batches: int = 20, samples: int = 3) -> None:
+        if not train_pairs:
+            raise FrawdError("no training pairs left to train on")
+        self.tokenizer, self.pairs, self.valid = tokenizer, train_pairs, valid
+        self.tokens_per_batch, self.seed, self.label_smoothing = tokens_per_batch, seed, label_smoothing
+        self.bleu_sentences, self.eval_batches, self.n_samples = bleu_sentences, eval_batches, samples
+        self.epoch, self.cursor = 0, 0
+        self.batches = self._epoch_batches(0)
+        mean_len = sum(len(s) + len(t) for s, t in train_pairs) / (2 * len(train_pairs))
+        self.flops_per_token = model_config.flops_per_token(max(1, round(mean_len)))
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        return token_batches(self.pairs, self.tokens_per_batch, random.Random(self.seed * 1_000_003 + epoch))
+
+    def next_batch(self) -> dict[str, Tensor]:
+        if self.cursor >= len(self.batches):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.batches = self._epoch_batches(self.epoch)
+        batch = self.batches[self.cursor]
+        self.cursor += 1
+        return collate([self.pairs[i] for i in batch])
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        return translation_loss_and_nll(model, batch, self.label_smoothing)
+
+    def batch_tokens(self, batch: dict[str, Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())  # real target tokens: padding not counted
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        if self.valid is None or not self.valid.pairs:
+            return {}
+        total, count = 0.0, 0
+        batches = token_batches(self.valid.pairs, self.tokens_per_batch, random.Random(0))[: self.eval_batches]
+        for batch in batches:
+            data = {k: v.to(device) for k, v in collate([self.valid.pairs[i] for i in batch]).items()}
+            logits, _ = model(data["src"], data["tgt_in"], src_mask=data["src_mask"])
+            total += float(F.cross_entropy(logits.float().flatten(0, 1), data["labels"].flatten(),
+                                           ignore_index=IGNORE_INDEX, reduction="sum"))
+            count += int((data["labels"] != IGNORE_INDEX).sum())
+        out = {"val_loss": total / max(count, 1)}
+        trained = self.epoch > 0 or self.cursor > 0
+        if self.bleu_sentences and trained:  # an untrained model writes maximum-length noise: skip
+            n = self.bleu_sentences
+            hyps = translate_texts(model, self.tokenizer, [s for s, _ in self.valid.pairs[:n]], beam_size=1)
+            out["val_bleu"] = round(corpus_bleu(hyps, self.valid.references[:n]).score, 2)
+        return out
+
+    def samples(self, model: nn.Module, device: torch.device) -> list[str]:
+        if self.valid is None or not self.n_samples or (self.epoch == 0 and self.cursor == 0):
+            return []
+        sources = self.valid.pairs[: self.n_samples]
+        hyps = translate_texts(model, self.tokenizer, [s for s, _ in sources], beam_size=1)
+        return [f"{src} => {hyp}" for src, hyp in zip(self.valid.sources, hyps)]
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        model.save_pretrained(directory, tokenizer=self.tokenizer)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.batches = self._epoch_batches(self.epoch)
+
+
+def translate_texts(model: nn.Module, tokenizer: Tokenizer, sources: list[list[int]] | list[str],
+                    beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> list[str]:
+    """Detokenized translations of sentences (text or token ids)."""
+    from ..infer.translate import translate_ids
+
+    ids = [tokenizer.encode(s) if isinstance(s, str) else s for s in sources]
+    out = translate_ids(model, ids, beam_size=beam_size, alpha=alpha, batch_size=batch_size)
+    return [tokenizer.decode(h, skip_special_tokens=True).strip() for h in out]
+
+
+def corpus_bleu(hypotheses: list[str], references: list[str]):
+    """sacreBLEU's corpus BLEU (cased, 13a tokenization: its defaults) against raw references."""
+    import sacrebleu
+
+    return sacrebleu.corpus_bleu(hypotheses, [references])
+
+
+# ---- the job -----------------------------------------------------------------------------------
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Tokenizer:
+    if cfg.tokenizer is not None:
+        from .pretrain import tokenizer_path
+
+        path = tokenizer_path(cfg.tokenizer)
+        if path is None:
+            raise FrawdError(f"--tokenizer {cfg.tokenizer}: no tokenizer.json there")
+        return Tokenizer.load(path)
+    vocab = cfg.vocab_size or get_config(cfg.preset, **cfg.model).vocab_size
+    _say(f"training a joint BPE tokenizer ({vocab} tokens) on {len(src):,} + {len(tgt):,} sentences...")
+    return train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
+
+
+def run_translation_training(cfg: TranslateConfig, started_at: float | None = None) -> TrainResult:
+    """The whole job: read and check the data, tokenizer, model, then the shared loop."""
+    from .. import __version__
+    from ..model import Seq2SeqTransformer
+    from .device import seed_everything
+    from .rundir import CONFIG_FILE, prepare_run_dir, undo_failed_start
+
+    started_at = time.perf_counter() if started_at is None else started_at
+    if not cfg.src or not cfg.tgt:
+        raise FrawdError("give the training text: --src FILE --tgt FILE")
+    if not cfg.has_budget:
+        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    src, tgt = read_parallel(cfg.src, cfg.tgt)
+    valid_text = read_parallel(cfg.valid_src, cfg.valid_tgt) if cfg.valid_src else None
+    run_dir = Path(cfg.out)
+    tokenizer_file = run_dir / "tokenizer.json"
+    if cfg.resume and tokenizer_file.is_file():
+        tokenizer = Tokenizer.load(tokenizer_file)
+    else:
+        tokenizer = _tokenizer_for(cfg, src, tgt)
+    train = encode_pairs(tokenizer, src, tgt, cfg.max_len)
+    _report_skipped(train, "training data", cfg.max_len)
+    valid = None
+    if valid_text is not None:
+        encoded = encode_pairs(tokenizer, *valid_text, None)
+        _report_skipped(encoded, "validation data", cfg.max_len)
+        valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
+                              [valid_text[1][i] for i in encoded.kept])
+    overrides = {**cfg.model, "vocab_size": tokenizer.vocab_size, "pad_token_id": PAD_ID, "bos_token_id": BOS_ID,
+                 "eos_token_id": EOS_ID}
+    longest = max(max(len(s), len(t) + 1) for s, t in train.pairs)
+    model_cfg = get_config(cfg.preset, **overrides)
+    if longest > model_cfg.context_length:
+        raise FrawdError(f"--max-len {cfg.max_len} allows sentences of {longest} tokens but the model's "
+                         f"context_length is {model_cfg.context_length}; lower --max-len or --set context_length=N")
+    with undo_failed_start(cfg):
+        prepare_run_dir(cfg)
+        tokenizer.save(tokenizer_file)
+        seed_everything(cfg.seed)
+        model = Seq2SeqTransformer(model_cfg)
+        header = (f"# rerun: frawd translate train --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+                  f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
+                  f"parameters, vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs\n")
+        saved = TranslateConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        task = TranslationTask(model_cfg, tokenizer, train.pairs, valid, cfg.tokens_per_batch, cfg.seed,
+                               cfg.label_smoothing, cfg.bleu_sentences, cfg.eval_batches)
+        trainer = Trainer(model, task, cfg, run_dir, config_for_loggers=cfg.to_dict(), started_at=started_at)
+    return trainer.fit()
+
+
+def _report_skipped(encoded: EncodedPairs, what: str, max_len: int) -> None:
+    message = encoded.skipped_message(what, max_len)
+    if message:
+        _say(message)

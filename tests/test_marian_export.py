@@ -1,0 +1,73 @@
+"""Seq2SeqTransformer -> transformers MarianMTModel: the same logits (1e-4), and a clear
+refusal naming every option that does not map."""
+
+import pytest
+import torch
+
+from frawdllm import Seq2SeqTransformer, get_config
+from frawdllm.errors import ConfigError
+from frawdllm.export.marian import marian_mismatches, to_marian_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_marian_export_gives_the_same_logits(activation):
+    torch.manual_seed(0)
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=2, n_encoder_layer=2, mlp_hidden=64,
+                     context_length=64, activation=activation)
+    model = Seq2SeqTransformer(cfg).eval()
+    hf = to_marian_model(model)
+    src = torch.randint(4, 60, (2, 9))
+    mask = torch.ones_like(src, dtype=torch.bool)
+    mask[1, 6:] = False
+    tgt = torch.randint(4, 60, (2, 7))
+    with torch.no_grad():
+        ours = model(src, tgt, src_mask=mask)[0]
+        theirs = hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_options_that_do_not_map_are_all_named():
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, norm_placement="pre", pos_encoding="rope",
+                     n_kv_head=2, tie_embeddings=False)
+    bad = " ".join(marian_mismatches(cfg))
+    for name in ("norm_placement", "pos_encoding", "n_kv_head", "tie_embeddings"):
+        assert name in bad
+    with pytest.raises(ConfigError, match="does not map to MarianMTModel"):
+        to_marian_model(Seq2SeqTransformer(cfg))
+
+
+def test_frawd_export_writes_a_marian_directory_transformers_loads(tmp_path, capsys):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from cli_helpers import run_cli
+    from frawdllm.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    tok = byte_tokenizer()
+    cfg = get_config("aiayn-tiny", vocab_size=tok.vocab_size, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1,
+                     mlp_hidden=64, context_length=64)
+    model = Seq2SeqTransformer(cfg).eval()
+    model.save_pretrained(tmp_path / "m", tokenizer=tok)
+    code, out, err = run_cli(capsys, "export", "--model", tmp_path / "m", "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    assert "MarianMTModel" in out and "AutoModelForSeq2SeqLM" in out
+    hf = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    src = torch.tensor([hf_tok("Ein Hund.")["input_ids"]])
+    assert src.tolist()[0] == tok.encode("Ein Hund.")
+    tgt = torch.tensor([[cfg.bos_token_id, 40, 41]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=src, decoder_input_ids=tgt).logits, model(src, tgt)[0],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_frawd_export_refuses_a_seq2seq_model_that_does_not_map(tmp_path, capsys):
+    from cli_helpers import run_cli
+
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1,
+                     norm_placement="pre")
+    Seq2SeqTransformer(cfg).save_pretrained(tmp_path / "m")
+    code, _, err = run_cli(capsys, "export", "--model", tmp_path / "m", "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 1 and "norm_placement='pre'" in err and not (tmp_path / "hf").exists()

@@ -1,0 +1,163 @@
+"""The encoder-decoder model: exact parameter counts, padding and causality, decoding
+(greedy, beam, cached), the model directory, and tiny models learning copy and reverse."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, Seq2SeqConfig, Seq2SeqTransformer, get_config
+from frawdllm.errors import ConfigError
+from frawdllm.infer.translate import beam_search, greedy_decode, pad_batch
+from frawdllm.modeldir import load_model
+
+OPTIONS = {
+    "paper": dict(),
+    "untied_learned": dict(tie_embeddings=False, pos_encoding="learned"),
+    "pre_ln_rope_gqa": dict(norm_placement="pre", pos_encoding="rope", n_kv_head=2, activation="gelu", bias=False,
+                            use_rmsnorm=True),
+}
+
+
+def small(**kw) -> Seq2SeqConfig:
+    base = dict(vocab_size=40, n_embd=32, n_head=4, n_layer=2, n_encoder_layer=2, mlp_hidden=64, dropout=0.0,
+                context_length=64)
+    return get_config("aiayn-tiny", **{**base, **kw})
+
+
+def model_for(name: str, seed: int = 0) -> Seq2SeqTransformer:
+    torch.manual_seed(seed)
+    model = Seq2SeqTransformer(small(**OPTIONS[name])).eval()
+    with torch.no_grad():  # larger weights than at init: decisive, varied next-token choices
+        for p in model.parameters():
+            p.mul_(3)
+    return model
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_num_parameters_is_exact(name):
+    cfg = small(**OPTIONS[name])
+    assert cfg.num_parameters == Seq2SeqTransformer(cfg).num_parameters()
+
+
+def test_aiayn_presets_parameter_counts():
+    # The paper (table 3) gives 65M for base and 213M for big with a 37k joint vocabulary.
+    # The layers it describes, with one shared embedding, count exactly these:
+    assert get_config("aiayn-base").num_parameters == 63_082_496
+    assert get_config("aiayn-big").num_parameters == 214_245_376
+    with torch.device("meta"):
+        assert Seq2SeqTransformer(get_config("aiayn-base")).num_parameters() == 63_082_496
+
+
+def test_swiglu_is_refused():
+    with pytest.raises(ConfigError, match="swiglu"):
+        small(use_swiglu=True)
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_encoder_padding_never_changes_real_positions(name):
+    model = model_for(name)
+    src = torch.randint(4, 40, (1, 7))
+    padded = torch.cat([src, torch.randint(4, 40, (1, 5))], dim=1)  # garbage where the padding is
+    mask = torch.tensor([[True] * 7 + [False] * 5])
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode(padded, mask)[:, :7], model.encode(src), atol=1e-5, rtol=1e-5)
+        tgt = torch.randint(4, 40, (1, 6))
+        torch.testing.assert_close(model(padded, tgt, src_mask=mask)[0], model(src, tgt)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_decoder_is_causal(name):
+    model = model_for(name)
+    src, tgt = torch.randint(4, 40, (2, 9)), torch.randint(4, 40, (2, 10))
+    changed = tgt.clone()
+    changed[:, 6] = (tgt[:, 6] + 1) % 40
+    with torch.no_grad():
+        a, b = model(src, tgt)[0], model(src, changed)[0]
+    assert torch.equal(a[:, :6], b[:, :6])
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_every_source_token_reaches_the_decoder():
+    model = model_for("paper")
+    src, tgt = torch.randint(4, 40, (1, 9)), torch.randint(4, 40, (1, 4))
+    changed = src.clone()
+    changed[0, 8] = (src[0, 8] + 1) % 40
+    with torch.no_grad():
+        assert not torch.allclose(model(src, tgt)[0][:, 0], model(changed, tgt)[0][:, 0])
+
+
+def _sources(n=5, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 40) for _ in range(rng.randint(2, 9))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_beam_one_equals_greedy_and_cached_equals_uncached(name):
+    model = model_for(name)
+    src, mask = pad_batch(_sources(), 0)
+    greedy = greedy_decode(model, src, mask, max_extra=6)
+    assert greedy == greedy_decode(model, src, mask, max_extra=6, use_cache=False)
+    assert beam_search(model, src, mask, beam_size=1, max_extra=6) == greedy
+    assert any(len(g) > 1 for g in greedy)  # the comparison covers several steps
+    for k, alpha in ((3, 0.6), (4, 0.0)):
+        cached = beam_search(model, src, mask, beam_size=k, alpha=alpha, max_extra=6)
+        assert cached == beam_search(model, src, mask, beam_size=k, alpha=alpha, max_extra=6, use_cache=False)
+
+
+def test_translation_of_a_sentence_does_not_depend_on_its_batch():
+    model = model_for("paper")
+    sources = _sources(6, seed=3)
+    src, mask = pad_batch(sources, 0)
+    batched = beam_search(model, src, mask, beam_size=3, max_extra=6)
+    alone = [beam_search(model, *pad_batch([s], 0), beam_size=3, max_extra=6)[0] for s in sources]
+    assert batched == alone
+
+
+def test_beam_search_finds_a_better_scoring_translation_than_greedy_or_the_same():
+    model = model_for("paper")
+    src, mask = pad_batch(_sources(8, seed=5), 0)
+    greedy = greedy_decode(model, src, mask, max_extra=5)
+    beam = beam_search(model, src, mask, beam_size=4, alpha=0.0, max_extra=5)
+
+    def logprob(row: int, hyp: list[int]) -> float:
+        cfg = model.config
+        ended = len(hyp) < int(mask[row].sum()) + 5  # a hypothesis at the limit has no EOS
+        labels = torch.tensor([hyp + ([cfg.eos_token_id] if ended else [])])
+        tgt_in = torch.tensor([[cfg.bos_token_id] + hyp])[:, : labels.shape[1]]
+        with torch.no_grad():
+            logits = model(src[row: row + 1], tgt_in, src_mask=mask[row: row + 1])[0]
+        return float(torch.log_softmax(logits, -1).gather(-1, labels[..., None]).sum())
+
+    for row in range(8):
+        assert logprob(row, beam[row]) >= logprob(row, greedy[row]) - 1e-4
+
+
+def test_length_limit_is_source_length_plus_max_extra():
+    model = model_for("paper")
+    src, mask = pad_batch([[5, 6, 7]], 0)
+    model.lm_head.weight.data[model.config.eos_token_id] = -100.0  # never ends by itself
+    assert len(greedy_decode(model, src, mask, max_extra=4)[0]) == 3 + 4
+    assert len(beam_search(model, src, mask, beam_size=2, max_extra=4)[0]) == 3 + 4
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_model_directory_round_trip(tmp_path, name):
+    model = model_for(name)
+    model.save_pretrained(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "seq2seq"
+    loaded = load_model(tmp_path / "m")
+    assert isinstance(loaded, Seq2SeqTransformer) and loaded.config == model.config
+    src, tgt = torch.randint(4, 40, (2, 5)), torch.randint(4, 40, (2, 4))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(src, tgt)[0], model(src, tgt)[0])
+
+
+def test_decoder_only_model_directory_has_no_model_type(tmp_path):
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=50, context_length=16))
+    model.save_pretrained(tmp_path / "m")
+    assert "model_type" not in json.loads((tmp_path / "m" / "config.json").read_text())
+    assert isinstance(load_model(tmp_path / "m"), FrawdLLM)
+    with pytest.raises(Exception, match="decoder-only"):
+        Seq2SeqTransformer.from_pretrained(tmp_path / "m")

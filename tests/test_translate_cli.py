@@ -1,0 +1,133 @@
+"""`frawd translate train|eval|run` end to end on a tiny parallel corpus, and its bad input."""
+
+import gzip
+import io
+import json
+import random
+import re
+
+import pytest
+
+from cli_helpers import run_cli
+
+WORDS_DE = ["ein", "mann", "frau", "hund", "läuft", "sitzt", "rot", "blau", "auf", "dem", "gras"]
+WORDS_EN = ["a", "man", "woman", "dog", "runs", "sits", "red", "blue", "on", "the", "grass"]
+
+
+def _corpus(tmp_path, n=200, seed=0):
+    rng = random.Random(seed)
+    de, en = [], []
+    for _ in range(n):
+        idx = [rng.randrange(len(WORDS_DE)) for _ in range(rng.randint(2, 6))]
+        de.append(" ".join(WORDS_DE[i] for i in idx))
+        en.append(" ".join(WORDS_EN[i] for i in idx))
+    (tmp_path / "train.de.gz").write_bytes(gzip.compress(("\n".join(de) + "\n").encode()))
+    (tmp_path / "train.en").write_text("\n".join(en) + "\n")
+    (tmp_path / "val.de").write_text("\n".join(de[:10]) + "\n")
+    (tmp_path / "val.en").write_text("\n".join(en[:10]) + "\n")
+    return de, en
+
+
+TINY = ["--set", "n_embd=32", "--set", "n_head=2", "--set", "n_layer=1", "--set", "n_encoder_layer=1",
+        "--set", "mlp_hidden=64", "--vocab-size", "300", "--tokens-per-batch", "256", "--no-progress",
+        "--dtype", "fp32", "--peak-tflops", "1", "--bleu-sentences", "2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("translate")
+    _corpus(tmp_path)
+    from frawdllm.cli import main
+
+    main_args = ["translate", "train", "--src", tmp_path / "train.de.gz", "--tgt", tmp_path / "train.en",
+                 "--valid-src", tmp_path / "val.de", "--valid-tgt", tmp_path / "val.en", "--out", tmp_path / "run",
+                 "--max-steps", "6", "--eval-interval", "3", *TINY]
+    try:
+        main([str(a) for a in main_args])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    return tmp_path
+
+
+def test_train_writes_a_seq2seq_model_and_logs_bleu(trained):
+    run = trained / "run"
+    assert json.loads((run / "model" / "config.json").read_text())["model_type"] == "seq2seq"
+    assert (run / "model" / "tokenizer.json").is_file()
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert [e["step"] for e in evals][-2:] == [3, 6] and all("val_bleu" in e for e in evals[-2:])
+    assert "=>" in (run / "samples.txt").read_text()
+
+
+def test_eval_prints_sacrebleus_line_signature_and_chrf(trained, capsys):
+    code, out, err = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model",
+                             "--src", trained / "val.de", "--ref", trained / "val.en", "--beam", "2")
+    assert code == 0, err
+    assert re.search(r"^BLEU = \d+\.\d+ ", out, re.M)
+    assert "tok:13a" in out and "case:mixed" in out
+    assert re.search(r"^chrF2 = \d+\.\d+", out, re.M)
+
+
+def test_eval_score_is_sacrebleus_on_the_written_translations(trained, capsys, tmp_path):
+    import sacrebleu
+
+    hyp = tmp_path / "hyp.en"
+    code, out, _ = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--src",
+                           trained / "val.de", "--ref", trained / "val.en", "--beam", "1", "--hyp-out", hyp)
+    assert code == 0
+    refs = (trained / "val.en").read_text().splitlines()
+    expected = sacrebleu.corpus_bleu(hyp.read_text().splitlines(), [refs])
+    assert out.splitlines()[0] == str(expected)
+
+
+def test_run_translates_arguments_and_streams_stdin(trained, capsys, monkeypatch):
+    model = trained / "run" / "model"
+    code, out, _ = run_cli(capsys, "translate", "run", "--model", model, "ein mann", "ein hund")
+    assert code == 0 and len(out.splitlines()) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("ein mann\n\nein hund\n"))
+    code, piped, err = run_cli(capsys, "translate", "run", "--model", model)
+    assert code == 0 and piped.split("\n")[:3] == [out.splitlines()[0], "", out.splitlines()[1]]
+    assert "1 empty source lines" in err
+
+
+def test_misaligned_files_are_refused_with_both_counts(tmp_path, capsys):
+    _corpus(tmp_path)
+    (tmp_path / "short.en").write_text("a man\n")
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
+                           tmp_path / "short.en", "--out", tmp_path / "run", "--max-steps", "1", *TINY)
+    assert code == 1 and "misaligned" in err and "200 lines" in err and "has 1" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_and_overlong_pairs_are_skipped_and_counted(tmp_path, capsys):
+    de, en = _corpus(tmp_path, n=60)
+    de[3], en[7] = "", "  "
+    de[10] = " ".join(["gras"] * 80)
+    (tmp_path / "train.de.gz").write_bytes(gzip.compress(("\n".join(de) + "\n").encode()))
+    (tmp_path / "train.en").write_text("\n".join(en) + "\n")
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
+                           tmp_path / "train.en", "--out", tmp_path / "run", "--max-steps", "1", "--max-len", "40",
+                           "--bleu-sentences", "0", *TINY[:-2])
+    assert code == 0, err
+    assert "skipped 2 with an empty side and 1 longer than 40 tokens of 60 pairs" in err
+
+
+def test_eval_of_a_decoder_only_model_is_refused(tmp_path, capsys):
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=tok.vocab_size,
+                        context_length=16)).save_pretrained(tmp_path / "lm", tokenizer=tok)
+    code, _, err = run_cli(capsys, "translate", "run", "--model", tmp_path / "lm", "hallo")
+    assert code == 1 and "decoder-only language model" in err
+
+
+def test_generate_with_a_translation_model_is_refused(tmp_path, capsys):
+    from frawdllm import Seq2SeqTransformer, get_config
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=tok.vocab_size, n_embd=32, n_head=2, n_layer=1,
+                                  n_encoder_layer=1)).save_pretrained(tmp_path / "mt", tokenizer=tok)
+    code, _, err = run_cli(capsys, "generate", "--model", tmp_path / "mt", "--prompt", "hallo")
+    assert code == 1 and "encoder-decoder translation model" in err
