@@ -157,7 +157,7 @@ class ValidationSet:
 class TranslationTask(TrainTask):
     bar_metrics = ("nll",)
 
-    def __init__(self, model_config: Seq2SeqConfig, tokenizer: Tokenizer,
+    def __init__(self, model_config: Seq2SeqConfig, tokenizer: Tokenizer | None,
                  train_pairs: list[tuple[list[int], list[int]]], valid: ValidationSet | None,
                  tokens_per_batch: int, seed: int = 1337, label_smoothing: float = 0.1,
                  bleu_sentences: int = 500, eval_batches: int = 20, samples: int = 3) -> None:
