@@ -1,7 +1,10 @@
 #!/bin/bash
 # Pretraining checks on a CUDA machine (not run by CI): the shakespeare recipe for 60 s with
 # `device: auto`, `frawd eval` and `frawd generate` on the GPU, resume == uninterrupted (fp32),
-# and the tiny preset's tokens/s. Run from the repository root, with torch (CUDA) and the
+# the tiny preset's tokens/s; then (issue 15) bf16 + compile throughput and MFU of the `base` and
+# `100m` presets against the card's bf16 dense peak (PEAK_TFLOPS, default 989 = H100/H200 SXM;
+# target: mfu_100m >= 0.45), decode tokens/s at batch 1 and 64 against transformers, and 300
+# steps of `frawd pretrain --nproc 1 --parallel fsdp`. Run from the repository root, with torch (CUDA) and the
 # package's dependencies importable; the package itself need not be installed.
 #   bash benchmarks/cuda_check.sh [path/to/tinyshakespeare.txt]
 D=${1:-../shared/data/tinyshakespeare.txt}
@@ -36,4 +39,24 @@ import json, sys
 rows = [r for r in map(json.loads, open(f"{sys.argv[1]}/t/metrics.jsonl")) if "tokens_per_s" in r][-5:]
 print("tiny_tokens_per_s_last_steps=" + ",".join(str(round(r["tokens_per_s"])) for r in rows))
 PY
+echo "== 5. bf16 + compile training throughput and MFU of base and 100m (peak ${PEAK_TFLOPS:=989} TFLOP/s)"
+for P in base 100m; do
+  frawd pretrain --preset $P --data "$D" --tokenizer char --set vocab_size=$([ $P = 100m ] && echo 32000 || echo 8192) \
+      --dtype bf16 --compile true --batch-size ${BATCH:-32} --max-steps 150 --eval-interval 0 --sample-tokens 0 \
+      --log-interval 10 --peak-tflops $PEAK_TFLOPS --out $W/$P --no-progress 2>&1 | tail -1
+  python3 - $W/$P $P <<'PY'
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(f"{sys.argv[1]}/metrics.jsonl")) if "mfu" in r][-5:]
+name = sys.argv[2]
+print(f"tokens_per_s_{name}={statistics.median(r['tokens_per_s'] for r in rows):.0f}")
+print(f"mfu_{name}={statistics.median(r['mfu'] for r in rows):.3f}")
+PY
+done
+echo "== 6. decode tokens/s, batch 1 and 64, against transformers (base, bf16)"
+python3 benchmarks/cuda_decode.py --preset base
+echo "== 7. frawd pretrain --nproc 1 --parallel fsdp, 300 steps (bf16)"
+frawd pretrain --nproc 1 --parallel fsdp --preset tiny --data "$D" --tokenizer char --dtype bf16 --max-steps 300 \
+    --batch-size 64 --eval-interval 100 --out $W/fsdp --no-progress > $W/fsdp.log 2>&1
+echo "fsdp_run_exit=$? last_line=$(tail -1 $W/fsdp.log)"
+echo "fsdp_checkpoints=$(ls $W/fsdp/checkpoints | tr '\n' ' ')"
 rm -rf $W

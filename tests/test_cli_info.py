@@ -32,3 +32,17 @@ def test_bad_input_is_one_line_and_nonzero_exit():
         assert result.returncode == 1
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("frawd: error:"), result.stderr
+
+
+def test_info_ranks_shows_each_ranks_share_of_the_training_memory():
+    result = frawd("info", "--preset", "tiny", "--ranks", "4")
+    assert result.returncode == 0, result.stderr
+    n = sum(p.numel() for p in FrawdLLM(get_config("tiny")).parameters())
+    rows = {m.group(1): [float(v) for v in m.groups()[1:]] for m in
+            re.finditer(r"^\s+(ddp|fsdp)\s+([\d.]+) MiB\s+([\d.]+) MiB\s+([\d.]+) MiB\s+([\d.]+) MiB", result.stdout,
+                        re.M)}
+    mib = 2 ** 20
+    # fp32 weights and gradients (4 bytes each), AdamW's two moments (8 bytes): whole under DDP, 1/4 under FSDP
+    for name, share in (("ddp", 1), ("fsdp", 4)):
+        expected = [4 * n / share / mib, 4 * n / share / mib, 8 * n / share / mib, 16 * n / share / mib]
+        assert rows[name] == [round(e, 1) for e in expected]

@@ -153,6 +153,7 @@ COMMANDS = {
     "eval": lambda d, out: ["eval", "--model", d, "--data", d / "tokenizer.json", "--doc-split", "file"],
     "export-hf": lambda d, out: ["export", "--model", d, "--out", out],
     "export-gguf": lambda d, out: ["export", "--model", d, "--format", "gguf", "--out", out / "m.gguf"],
+    "sft": lambda d, out: ["sft", "--init", d, "--data", d / "absent.jsonl", "--max-steps", "1", "--out", out],
 }
 # Every command on a sample of the zoo (each refusal reason once); the loader test covers the rest.
 CLI_SAMPLE = ["vocab-2**24", "embd-vocab-2**40", "bias-no", "norm-eps-nan", "pad-token-half", "format-version-str",
@@ -162,7 +163,7 @@ CLI_SAMPLE = ["vocab-2**24", "embd-vocab-2**40", "bias-no", "norm-eps-nan", "pad
 
 # eval does not read generation_config.json: those entries are not refusals for it
 CLI_CASES = [(command, name) for command in COMMANDS for name in CLI_SAMPLE
-             if not (command == "eval" and name.startswith("gen-config"))]
+             if not (command in ("eval", "sft") and name.startswith("gen-config"))]
 
 
 @pytest.mark.parametrize(("command", "name"), CLI_CASES)

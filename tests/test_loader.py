@@ -72,6 +72,29 @@ def test_ranks_together_see_the_single_process_global_batch(tokens):
     assert not torch.equal(parts[0], parts[1])
 
 
+@pytest.mark.parametrize("world, accum, batch", [(1, 4, 2), (2, 2, 2), (4, 1, 2), (2, 1, 4)])
+def test_a_step_trains_on_the_same_windows_whatever_the_ranks_and_accumulation(tokens, world, accum, batch):
+    """Global batch 8: one process with 8 windows per step, or `world` ranks of `accum` micro-batches."""
+    single = RandomWindowLoader(tokens, batch_size=8, context_length=8, seed=5)
+    ranks = [RandomWindowLoader(tokens, batch_size=batch, context_length=8, seed=5, rank=r, world_size=world,
+                                grad_accum=accum) for r in range(world)]
+    for step in range(3):
+        x_all, _ = single.next_batch()
+        parts = [loader.next_batch()[0] for _ in range(accum) for loader in ranks]
+        assert sorted(map(tuple, torch.cat(parts).tolist())) == sorted(map(tuple, x_all.tolist()))
+    assert all(loader.state_dict() == {"seed": 5, "step": 3} for loader in ranks)
+
+
+def test_batch_layout_keeps_the_global_batch():
+    from frawdllm.train.distributed import batch_layout
+
+    assert batch_layout(8, 1, 2) == (4, 1)  # smaller micro-batches
+    assert batch_layout(8, 4, 2) == (8, 2)  # fewer accumulation steps first
+    assert batch_layout(8, 4, 1) == (8, 4)
+    with pytest.raises(FrawdError, match="multiple of 3"):
+        batch_layout(8, 4, 3)
+
+
 def test_sequential_pass_covers_non_overlapping_windows_in_order(tokens):
     loader = SequentialLoader(tokens, batch_size=4, context_length=64)
     xs, ys = zip(*loader)

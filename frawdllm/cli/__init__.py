@@ -22,11 +22,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "tokenizer": ("tokenizer", "tokenizer", "Train tokenizers (BPE, char, byte)."),
     "data": ("data", "data", "Prepare corpora into memory-mapped token shards."),
     "pretrain": ("pretrain", "pretrain", "Pretrain a language model, or train an existing one further."),
+    "sft": ("sft", "sft", "Fine-tune a model on conversations (supervised), LoRA optional."),
+    "dpo": ("sft", "dpo", "Align a model with preference pairs (DPO / IPO)."),
     "eval": ("evaluate", "evaluate", "Loss, perplexity and bits per byte of a model on held-out data."),
     "generate": ("generate", "generate", "Generate text from a prompt."),
     "chat": ("chat", "chat", "Chat with a model in the terminal."),
     "export": ("export", "export", "Export a model to Hugging Face transformers or GGUF."),
     "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint."),
+    "serve": ("serve", "serve", "Serve models over an OpenAI-compatible API, with a chat page."),
     "translate": ("translate", "translate", "Train, evaluate and run encoder-decoder translation models."),
 }
 

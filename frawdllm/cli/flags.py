@@ -50,9 +50,10 @@ def dataclass_options(cls: type, skip: tuple[str, ...] = ()):
                 if f"no_{f.name}" in negatives:
                     command = click.option(f"--no-{f.name.replace('_', '-')}", f"no_{f.name}", is_flag=True,
                                            default=False, help=f"Same as {flag} false.")(command)
-                command = click.option(flag, f.name, type=click.Choice(choices, case_sensitive=False),
-                                       is_flag=False, flag_value="true", default=None,
-                                       help=help_text + f"  ({flag} alone = true)")(command)
+                alone = {"is_flag": False, "flag_value": "true"} if "true" in choices else {}
+                command = click.option(flag, f.name, type=click.Choice(choices, case_sensitive=False), default=None,
+                                       help=help_text + (f"  ({flag} alone = true)" if alone else ""),
+                                       **alone)(command)
             elif kind is bool:
                 decl = f"{flag}/--no-{f.name.replace('_', '-')}"
                 command = click.option(decl, f.name, default=None, help=help_text + (

@@ -16,11 +16,24 @@ def _human(n: float, unit: str = "B") -> str:
     return f"{n:.1f} Pi{unit}"
 
 
+def _per_rank_memory(n: int, ranks: int) -> None:
+    """Each rank's weights, gradients and AdamW moments: whole copies under DDP, 1/N under FSDP
+    (plus, while a block runs, its gathered weights: shown as the largest block)."""
+    click.echo(f"memory per rank with {ranks} ranks (fp32 weights, gradients, AdamW m and v; + activations):")
+    click.echo(f"  {'':<6} {'weights':>11} {'gradients':>11} {'AdamW':>11} {'total':>11}")
+    for name, share in (("ddp", 1), ("fsdp", ranks)):
+        w = 4 * n / share
+        click.echo(f"  {name:<6} {_human(w):>11} {_human(w):>11} {_human(2 * w):>11} {_human(4 * w):>11}")
+    click.echo("  fsdp gathers one block's weights at a time (bf16: half the bytes of fp32) and shards the rest.")
+
+
 @click.command()
 @preset_option()
 @set_option()
 @click.option("--seq-len", type=int, default=None, help="Sequence length for FLOPs (default: context_length).")
-def info(preset: str, overrides: tuple[str, ...], seq_len: int | None) -> None:
+@click.option("--ranks", type=click.IntRange(min=1), default=None,
+              help="Also show each rank's share of the training memory with N ranks (--parallel ddp and fsdp).")
+def info(preset: str, overrides: tuple[str, ...], seq_len: int | None, ranks: int | None) -> None:
     """Print a config, its exact parameter count, training FLOPs per token and memory,
     and this machine: device, CPU features, the dtype and compile `auto` picks and why,
     and the matmul peaks (measured once, cached in ~/.cache/frawdllm).
@@ -47,6 +60,8 @@ def info(preset: str, overrides: tuple[str, ...], seq_len: int | None) -> None:
     click.echo(f"  AdamW state (m, v):     {_human(8 * n)}")
     click.echo(f"  total:                  {_human(16 * n)}  (+ activations)")
     click.echo(f"weights in bf16:          {_human(2 * n)}")
+    if ranks is not None:
+        _per_rank_memory(n, ranks)
     from ..train.device import hardware_report
 
     click.echo("this machine (for training):")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from ..train.config import PretrainConfig
 from .flags import dataclass_options
+from .launch import nproc_option, relaunch_under_torchrun
 from .options import set_option
 
 
@@ -15,9 +19,11 @@ from .options import set_option
 @click.option("--dry-run", is_flag=True, default=False,
               help="Check the settings and print the plan (device, CPU features, dtype, compile, peaks); "
                    "train nothing, write nothing.")
+@nproc_option()
 @set_option()
 @dataclass_options(PretrainConfig)
-def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool, **flags) -> None:
+def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool, nproc: int | None,
+             **flags) -> None:
     """Pretrain a model on --data until a budget (--max-steps, --max-tokens, --max-time) is spent.
 
     Trains (or reuses) a tokenizer, tokenizes the corpus into OUT/data, then runs the
@@ -36,6 +42,7 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
       frawd pretrain --config configs/shakespeare_char.yaml --max-time 100s --out runs/shakespeare
       frawd pretrain --out runs/shakespeare --resume --max-time 200s
       frawd pretrain --init-from runs/shakespeare/model --data more.txt --max-steps 500 --out runs/more
+      frawd pretrain --nproc 4 --parallel fsdp --preset base --data stdlib --max-time 1h --out runs/base
     """
     from ..config import parse_overrides, ModelConfig
     from ..errors import FrawdError
@@ -51,7 +58,26 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
         for line in dry_run_plan(cfg):
             click.echo(line)
         return
-    result = run_pretraining(cfg, started_at=started_at)
+    if nproc is not None:
+        from ..train.pretrain import check_pretrain
+
+        check_pretrain(cfg)  # bad input: one line here, not one per rank
+        relaunch_under_torchrun(nproc)
+    from ..train import distributed
+
+    try:
+        result = run_pretraining(cfg, started_at=started_at)
+        rank = distributed.current().rank
+    except distributed.RankLost as exc:
+        # leave at once: the process group's destructor would wait for the lost rank
+        click.echo(f"frawd: error: {exc}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        distributed.teardown()
+    if rank != 0:  # rank 0 reports for all
+        return
     click.echo(result.summary())
     if result.stop_reason == "interrupted":
         click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "

@@ -3,11 +3,12 @@
 A language model learns to predict token t+1 from tokens 0..t, so a training example
 is a window of `context_length + 1` tokens: x is the first T of them, y the last T.
 
-- `RandomWindowLoader` (pretraining) draws window starts uniformly at random. Batch
-  `step` depends only on (seed, step), so its whole state is `{"seed", "step"}` and a
-  resumed run sees exactly the batches an uninterrupted one would. With several ranks,
-  each step draws one global batch of `batch_size * world_size` windows and rank r takes
-  its slice: the ranks together see what one process with the global batch would.
+- `RandomWindowLoader` (pretraining) draws window starts uniformly at random. Each
+  optimizer step draws one global batch of `batch_size * grad_accum * world_size` windows
+  that depends only on (seed, step), so its whole state is `{"seed", "step"}` and a
+  resumed run sees exactly the batches an uninterrupted one would. Micro-batch m of rank
+  r is slice `m * world_size + r` of it: whatever the split into ranks and accumulation
+  steps, a step trains on the same windows (so a run can resume with another world size).
 - `SequentialLoader` (validation) walks non-overlapping windows in order, the same ones
   on every call; rank r takes windows r, r + world_size, ... The last batch may be short.
 """
@@ -45,22 +46,29 @@ class RandomWindowLoader:
     """Seeded random windows for pretraining; exactly resumable from `state_dict()`."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1):
         _check_layout(len(tokens), batch_size, context_length, rank, world_size)
+        if grad_accum < 1:
+            raise FrawdError(f"grad_accum must be positive, got {grad_accum}")
         self.tokens = tokens
         self.batch_size = batch_size
         self.context_length = context_length
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.step = 0
+        self.grad_accum = grad_accum
+        self.step = 0  # optimizer steps drawn
+        self._micro = 0  # micro-batches of the current step already given
 
     def next_batch(self) -> tuple[Int[Tensor, "B T"], Int[Tensor, "B T"]]:
         rng = np.random.default_rng([self.seed, self.step])
         n_starts = len(self.tokens) - self.context_length  # last start still leaves T+1 tokens
-        starts = rng.integers(0, n_starts, size=self.batch_size * self.world_size)
-        mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        self.step += 1
+        starts = rng.integers(0, n_starts, size=self.batch_size * self.world_size * self.grad_accum)
+        part = self._micro * self.world_size + self.rank
+        mine = starts[part * self.batch_size:(part + 1) * self.batch_size]
+        self._micro += 1
+        if self._micro == self.grad_accum:
+            self.step, self._micro = self.step + 1, 0
         return _windows(self.tokens, mine, self.context_length)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
@@ -75,6 +83,7 @@ class RandomWindowLoader:
             raise FrawdError(f"loader state must have keys seed and step, got {sorted(state)}")
         self.seed = int(state["seed"])
         self.step = int(state["step"])
+        self._micro = 0
 
 
 class SequentialLoader:

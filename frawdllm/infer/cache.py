@@ -27,7 +27,7 @@ Two ways to run a decode step:
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool
+from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..config import ModelConfig
@@ -99,6 +99,10 @@ class KVCache:
         key_ok = self.valid[:, None, :b] | ~self.valid[:, a:b, None]  # (B, T, S)
         return (causal & key_ok).unsqueeze(1)
 
+    def row_starts(self, rows: int, n_new: int) -> Int[Tensor, " B"]:
+        """The first slot each row writes in the forward `begin(n_new)` announced (all the same here)."""
+        return torch.full((rows,), self.length - n_new, dtype=torch.long)
+
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store this forward's keys/values (B, n_kv_head, T, hd); return all to attend over."""
         if self.static and k.shape[2] == 1:
@@ -123,4 +127,76 @@ class KVCache:
         self._static_mask = self.valid[:, None, None, :]
 
 
-__all__ = ["KVCache"]
+
+
+
+class RowKVCache:
+    """A KV cache whose rows each keep their own length: the cache of a continuous batch.
+
+    `KVCache` shares one slot cursor between rows (prompts left-padded to end together),
+    which suits a batch that starts together. Requests of a server arrive at any time:
+    here row b holds its sequence in slots [0, lengths[b]) and a forward of one token per
+    row writes slot lengths[b] of each row, so a row can join (`load`, its prompt
+    prefilled elsewhere) or leave (`move` the last row into its place) between steps
+    without touching the others. No slot is padding, so a row attends exactly the slots
+    it would attend alone (`native.c` reads `row_starts`; PyTorch gets a mask).
+
+    The first `rows` rows are the batch; the storage holds `capacity` rows of `max_len`
+    slots, allocated once.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int, max_len: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (capacity, config.n_kv_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.lengths = torch.zeros(capacity, dtype=torch.long)  # slots filled, per row
+        self.valid = torch.zeros(capacity, max_len, dtype=torch.bool)  # unused: no row is padded
+        self.capacity, self.max_len, self.static, self.padded = capacity, max_len, False, False
+        self.rows = 0  # rows in the batch
+        self._starts = self.lengths[:0]
+        self._mask: Tensor | None = None
+        self._span = 0  # slots a PyTorch forward attends over: the longest row
+
+    def load(self, row: int, source: KVCache, length: int, source_row: int = 0) -> None:
+        """Row `row` := the first `length` slots of `source`'s row (an unpadded prefill)."""
+        for dst, src in zip((*self.k, *self.v), (*source.k, *source.v)):
+            dst[row, :, :length] = src[source_row, :, :length]
+        self.lengths[row] = length
+
+    def move(self, dst: int, src: int) -> None:
+        """Row `dst` := row `src` (the batch stays dense when a row leaves)."""
+        n = int(self.lengths[src])
+        for t in (*self.k, *self.v):
+            t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst] = n
+
+    def begin(self, n_new: int = 1) -> None:
+        """Announce a forward of n_new tokens for each of the first `rows` rows."""
+        lengths = self.lengths[: self.rows]
+        if int(lengths.max()) + n_new > self.max_len:
+            raise ValueError(f"KV cache full: a row would pass max_len {self.max_len}")
+        self._starts = lengths.clone()
+        lengths += n_new
+        self._span = int(lengths.max())
+        slots = torch.arange(self._span, device=self.k[0].device)
+        self._mask = (slots[None, :] < lengths[:, None].to(slots.device))[:, None, None, :]  # (B, 1, 1, S)
+
+    def row_starts(self, rows: int, n_new: int) -> Int[Tensor, " B"]:
+        return self._starts
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """PyTorch path, one token per row: write each row's slot, attend over its own filled slots."""
+        if k.shape[2] != 1:
+            raise ValueError("a RowKVCache takes one new token per row")
+        index = torch.arange(self.rows, device=k.device)
+        starts = self._starts.to(k.device)
+        self.k[layer_idx][index, :, starts] = k[:, :, 0].to(self.k[layer_idx].dtype)
+        self.v[layer_idx][index, :, starts] = v[:, :, 0].to(self.v[layer_idx].dtype)
+        k_all = self.k[layer_idx][: self.rows, :, : self._span]
+        v_all = self.v[layer_idx][: self.rows, :, : self._span]
+        if k_all.dtype != k.dtype:
+            k_all, v_all = k_all.to(k.dtype), v_all.to(k.dtype)
+        return k_all, v_all, self._mask
+
+__all__ = ["KVCache", "RowKVCache"]

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from . import native as native_forward
 from . import paths
-from .cache import KVCache
+from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
@@ -184,7 +184,7 @@ class Engine:
             return self._plan
 
     def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
-                       positions: Int[Tensor, "B T"], cache: KVCache, path: paths.Path) -> Float[Tensor, "B V"]:
+                       positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache, path: paths.Path) -> Float[Tensor, "B V"]:
         """The C forward for one phase, at the thread count that phase currently runs fastest with."""
         choice = self._threads.get(paths.phase(*tokens.shape))
         if choice is None:
@@ -280,15 +280,45 @@ class Engine:
         for event in run.events():
             text, reason = "", event.finish_reason
             if streams is not None:
-                stream = streams[event.row]
-                if not (reason == "stop" and self._is_stop_token(event.token, params)):
-                    text = stream.push(event.token)
-                if stream.stopped:  # a stop string completed
-                    reason = "stop"
+                text, reason = self.push_text(streams[event.row], event.token, reason, params)
+                if reason is not None and event.finish_reason is None:  # a stop string completed
                     run.finish(event.row)
-                if reason is not None:
-                    text += stream.finish()
             yield StreamChunk(event.row, text, event.token, reason)
+
+    def push_text(self, stream: TextStream, token: int, reason: str | None,
+                  params: SamplingParams) -> tuple[str, str | None]:
+        """(text now printable, finish reason) after `token`: a stop token is not text, a
+        completed stop string ends the row ("stop"), a finished row flushes what was held."""
+        text = ""
+        if not (reason == "stop" and self._is_stop_token(token, params)):
+            text = stream.push(token)
+        if stream.stopped:
+            reason = "stop"
+        if reason is not None:
+            text += stream.finish()
+        return text, reason
+
+    def finish_reason(self, token: int, params: SamplingParams, generated: int, length: int) -> str | None:
+        """Why a row ends after sampling `token` (its `generated`-th; the sequence is now
+        `length` long), or None: a stop token, max_new_tokens, or the context (overflow="stop")."""
+        if self._is_stop_token(token, params):
+            return "stop"
+        if generated >= params.max_new_tokens:
+            return "length"
+        # The new token would sit at position length - 1: past the context it cannot be fed.
+        if self.overflow == "stop" and length > self.config.context_length:
+            return "length"
+        return None
+
+    @torch.inference_mode()
+    def forward(self, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: Any) -> Float[Tensor, "B V"]:
+        """Each row's last-token logits by the path the plan gives this shape (native C or
+        PyTorch eager; a compiled plan runs eager here); keys and values go into `cache`,
+        whose `begin(T)` has been called."""
+        path = self.path(*tokens.shape)
+        if path.kind == "native":
+            return self.native_forward(self.native_decoder(), tokens, positions, cache, path)
+        return paths.torch_logits(self.model, tokens, positions, cache)
 
 
 class _Run:
@@ -355,14 +385,7 @@ class _Run:
                 logits = self._step(sampled if kept is None else sampled[kept])
 
     def _finish_reason(self, row: int, token: int) -> str | None:
-        if self.engine._is_stop_token(token, self.params):
-            return "stop"
-        if self.generated[row] >= self.params.max_new_tokens:
-            return "length"
-        # The new token would sit at position len - 1: past the context it cannot be fed.
-        if self.engine.overflow == "stop" and len(self.seqs[row]) > self.context:
-            return "length"
-        return None
+        return self.engine.finish_reason(token, self.params, self.generated[row], len(self.seqs[row]))
 
     def _sample(self, logits: Float[Tensor, "B V"]) -> Int[Tensor, "B"]:
         seen = self.seen[self.rows] if self.seen is not None else None
@@ -449,7 +472,7 @@ class _Run:
 
 
 def decode_logits(
-    model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache
+    model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache | RowKVCache
 ) -> Float[Tensor, "B V"]:
     """One decode step: each row's newest token in, next-token logits out."""
     return _decode_step(model, tokens, positions, cache)

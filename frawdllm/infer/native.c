@@ -71,7 +71,7 @@ typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignm
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
-enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2 };
+enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2, BAD_SLOT = 3 };
 
 /* The structs below are mirrored by ctypes in native.py: keep the two in step.
    A Linear's weights are packed by tiles of TILE outputs: W[t, i, k] = W^T[i, t TILE + k],
@@ -169,6 +169,12 @@ static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) 
 #endif
 }
 
+/* Whether products keep a second set of sums for odd inputs (hides the add latency): where
+   the register file holds twice a tile's sums. Every row count sums the same way, so a
+   row's result does not depend on how many rows share the product (a continuous batch
+   gives each request exactly what it would get alone). */
+#define SPLIT (2 * NV <= ACC_MAX)
+
 /* acc[r][k] = x[r] . W^T[:, chunk k] for R rows, C vectors of one tile; p = the tile's
    first row at this chunk, rows TILE weights apart. Every row of the stream is used R
    times from registers; the stream PREFETCH_BYTES ahead is requested meanwhile. */
@@ -179,19 +185,26 @@ static inline __attribute__((always_inline)) void chunk_product(
     for (int r = 0; r < R; r++)
         for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
     int64_t i = 0;
-    if (R == 1 && 2 * C <= ACC_MAX) { /* one row: a second set of sums for odd inputs hides the add latency */
-        vw odd[ACC_MAX];
-        for (int k = 0; k < C; k++) odd[k] = vw_splat(0.0f);
+    if (SPLIT) { /* even inputs into acc, odd ones into odd, added at the end */
+        vw odd[4][ACC_MAX];
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < C; k++) odd[r][k] = vw_splat(0.0f);
         for (; i + 2 <= in; i += 2, p += 2 * row) {
             for (int64_t b = 0; b < bytes; b += 64) {
                 __builtin_prefetch(p + ahead * row + b, 0, 0);
                 __builtin_prefetch(p + (ahead + 1) * row + b, 0, 0);
             }
-            vw x0 = vw_splat(x[i]), x1 = vw_splat(x[i + 1]);
-            for (int k = 0; k < C; k++) acc[0][k] += x0 * load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
-            for (int k = 0; k < C; k++) odd[k] += x1 * load_w(kind, p + row + (int64_t)k * VW * BYTES[kind]);
+            vw w0[ACC_MAX], w1[ACC_MAX];
+            for (int k = 0; k < C; k++) w0[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
+            for (int k = 0; k < C; k++) w1[k] = load_w(kind, p + row + (int64_t)k * VW * BYTES[kind]);
+            for (int r = 0; r < R; r++) {
+                vw x0 = vw_splat(x[r * ldx + i]), x1 = vw_splat(x[r * ldx + i + 1]);
+                for (int k = 0; k < C; k++) acc[r][k] += x0 * w0[k];
+                for (int k = 0; k < C; k++) odd[r][k] += x1 * w1[k];
+            }
         }
-        for (int k = 0; k < C; k++) acc[0][k] += odd[k];
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < C; k++) acc[r][k] += odd[r][k];
     }
     for (; i < in; i++, p += row) {
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + ahead * row + b, 0, 0);
@@ -235,8 +248,10 @@ static inline __attribute__((always_inline)) void rows_chunk(
     }
 }
 
-/* Chunk width for R rows: R x C accumulators fill the registers left for them. */
-#define CHUNK(R) (NV < ACC_MAX / (R) ? NV : ACC_MAX / (R))
+/* Chunk width for R rows: R x C accumulators (twice that with SPLIT) fill the registers
+   left for them. */
+#define ACC_ROWS(R) (SPLIT ? 2 * (R) : (R))
+#define CHUNK(R) (NV < ACC_MAX / ACC_ROWS(R) ? NV : ACC_MAX / ACC_ROWS(R))
 
 /* One specialised loop per (storage, rows): constant arguments keep acc in registers. */
 #define ROWS_TILE(R, KIND)                                                                       \
@@ -399,11 +414,11 @@ static inline void axpy(float *y, float p, const float *v, int64_t n) {
 }
 
 /* Token n = (b, t) of the batch, kv head g: RoPE on k and on the query heads sharing g,
-   then k and v into cache slot `start + t` of row b. */
+   then k and v into cache slot `start[b] + t` of row b. */
 static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *qkv, float *k_cache,
-                        float *v_cache, int64_t max_len, int64_t start, int64_t position) {
+                        float *v_cache, int64_t max_len, const int64_t *start, int64_t position) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
-    int64_t b = n / T, slot = start + n % T;
+    int64_t b = n / T, slot = start[b] + n % T;
     float *row = qkv + n * (nh + 2 * nkv) * hd;
     float *k = row + (nh + g) * hd, *v = row + (nh + nkv + g) * hd;
     if (m->pos_encoding == POS_ROPE) {
@@ -416,15 +431,15 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
 
 #define HD_VECTORS 8 /* head sizes up to 128 keep their weighted sum of values in registers */
 
-/* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start + t] of
+/* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start[b] + t] of
    row b. With padding, a real query skips padding slots; a padding query (whose output
    nobody uses) sees them, so that no softmax is empty (PyTorch's mask does the same).
    scores: max_len floats of scratch. */
 static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const float *qkv, float *out,
-                        const float *k_cache, const float *v_cache, int64_t max_len, int64_t start,
+                        const float *k_cache, const float *v_cache, int64_t max_len, const int64_t *start,
                         const uint8_t *valid, int64_t padded, float *scores) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, g = h / (nh / nkv);
-    int64_t b = n / T, slot = start + n % T, S = slot + 1;
+    int64_t b = n / T, slot = start[b] + n % T, S = slot + 1;
     const float *q = qkv + n * (nh + 2 * nkv) * hd + h * hd;
     const float *kc = k_cache + (b * nkv + g) * max_len * hd, *vc = v_cache + (b * nkv + g) * max_len * hd;
     const uint8_t *ok = valid + b * max_len;
@@ -476,11 +491,12 @@ int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64
     return N * (2 * m->d + qkv + ff) + P * (max_len + 16 + own + 16) + 64;
 }
 
-/* B rows of T new tokens each: token[b, t] at position[b, t] goes to cache slot start + t
-   of every layer and attends slots [0, start + t] (masked by valid[b, s] when `padded`).
+/* B rows of T new tokens each: token[b, t] at position[b, t] goes to cache slot start[b] + t
+   of every layer and attends slots [0, start[b] + t] (masked by valid[b, s] when `padded`).
+   Rows may start at different slots (a continuous batch: each row has its own length).
    T = 1 is a decode step; T > 1 a prefill. k_cache[l], v_cache[l]: (B, n_kv_head,
    max_len, head_dim). logits: (B, vocab), of each row's last token.
-   Returns OK, BAD_TOKEN or BAD_POSITION (nothing computed then).
+   Returns OK, BAD_TOKEN, BAD_POSITION or BAD_SLOT (nothing computed then).
 
    Barriers only where a phase reads what other threads wrote: after each product, and
    between the cache writes and the attention of a prefill. A pre-LN norm and the SwiGLU
@@ -488,13 +504,15 @@ int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64
    attends only its own row's cache, so one task writes a kv head's slot and then runs
    the query heads that read it. */
 int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, const int64_t *position,
-                  float *const *k_cache, float *const *v_cache, int64_t max_len, int64_t start,
+                  float *const *k_cache, float *const *v_cache, int64_t max_len, const int64_t *start,
                   const uint8_t *valid, int64_t padded, float *logits, float *work, int64_t threads) {
     int64_t N = B * T;
     for (int64_t n = 0; n < N; n++) {
         if (token[n] < 0 || token[n] >= m->vocab) return BAD_TOKEN;
         if (position[n] < 0 || position[n] >= m->context) return BAD_POSITION;
     }
+    for (int64_t b = 0; b < B; b++)
+        if (start[b] < 0 || start[b] + T > max_len) return BAD_SLOT;
     int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
     int64_t qkv_w = (nh + 2 * nkv) * m->head_dim, ff_w = m->swiglu ? 2 * m->ffn : m->ffn;
     int64_t own_floats = N * (D > m->ffn ? D : m->ffn);

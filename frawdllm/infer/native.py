@@ -47,7 +47,8 @@ from ..errors import FrawdError
 from .quantize import Int8Linear
 
 POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2, "rope": 3}
-_ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is past the model's context"}
+_ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is past the model's context",
+           3: "a row's cache slots are outside the cache"}
 
 i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
@@ -81,7 +82,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_forward.restype = ctypes.c_int
     lib.frawd_forward.argtypes = [
         ctypes.POINTER(_Model), i64, i64, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64,
+        ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p, i64,
         ctypes.c_void_p, ctypes.c_void_p, i64,
     ]
     lib.frawd_has_fp16.restype = ctypes.c_int
@@ -283,7 +284,8 @@ class NativeDecoder:
         self, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: Any, threads: int | None = None
     ) -> Float[Tensor, "B V"]:
         """Logits (B, V) of each row's last token, for tokens and positions (B, T) (int64)
-        that `cache.begin(T)` has just announced: their keys and values go into the cache.
+        that `cache.begin(T)` has just announced: their keys and values go into the cache
+        (at the slots `cache.row_starts(B, T)` names: one cursor for all rows, or one per row).
 
         T = 1 is a decode step, T > 1 a prefill. Each call returns a logits tensor of its
         own, so threads sharing the decoder never see each other's.
@@ -301,9 +303,10 @@ class NativeDecoder:
         if self._cache_k is not cache.k or self._shape != (B, T, cache.max_len, threads):
             self._prepare(cache, B, T, threads)
         logits = torch.empty(B, self.vocab, dtype=torch.float32)
+        starts = cache.row_starts(B, T)  # (B,) int64: the first slot each row writes
         status = self.lib.frawd_forward(
             ctypes.byref(self.model), B, T, tokens.data_ptr(), positions.data_ptr(), self._k_ptrs, self._v_ptrs,
-            cache.max_len, cache.length - T, cache.valid.data_ptr(), int(cache.padded),
+            cache.max_len, starts.data_ptr(), cache.valid.data_ptr(), int(cache.padded),
             logits.data_ptr(), self._work.data_ptr(), threads,
         )
         if status:
@@ -311,10 +314,11 @@ class NativeDecoder:
         return logits
 
     def _prepare(self, cache, B: int, T: int, threads: int) -> None:
-        """Scratch memory and cache pointers, for a new cache or batch shape."""
+        """Scratch memory and cache pointers, for a new cache or batch shape. A cache may
+        hold more rows than the forward uses (a continuous batch runs its first B)."""
         for t in (*cache.k, *cache.v):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != B:
-                raise ValueError(f"the KV cache must be float32, contiguous, batch {B}")
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] < B:
+                raise ValueError(f"the KV cache must be float32, contiguous, at least batch {B}")
         n = self.lib.frawd_workspace_floats(ctypes.byref(self.model), B * T, cache.max_len, threads)
         self._work = torch.empty(n, dtype=torch.float32)
         self._k_ptrs = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from ..cbuild import cache_dir, cpu_signature, march, source_digest
 from ..io import atomic_path
 from . import native as native_forward
-from .cache import KVCache
+from .cache import KVCache, RowKVCache
 
 PHASES = {"prefill": (1, 32), "long": (1, 256), "decode": (1, 1), "batch": (4, 1), "wide": (16, 1)}  # rows, tokens
 FILL = 32  # cached tokens before a timed decode step
@@ -100,7 +100,7 @@ def phase(rows: int, new_tokens: int) -> str:
 
 
 def torch_logits(
-    model: nn.Module, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: KVCache
+    model: nn.Module, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache
 ) -> Float[Tensor, "B V"]:
     """PyTorch eager: the last token's logits of each row (keys and values go into `cache`)."""
     hidden = model.hidden_states(tokens, positions, cache)  # (B, T, D)

@@ -29,6 +29,7 @@ from ..errors import ConfigError
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 COMPILE_CHOICES = ("auto", "true", "false")
+PARALLEL_CHOICES = ("ddp", "fsdp")
 _BOOLEAN_WORDS = {"true": "true", "on": "true", "yes": "true", "1": "true",
                   "false": "false", "off": "false", "no": "false", "0": "false", "auto": "auto"}
 
@@ -108,6 +109,11 @@ class TrainConfig:
     tensorboard: bool = option(False, "Also log to TensorBoard (OUT/tensorboard).")
     wandb: bool = option(False, "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise).")
     wandb_project: str = option("frawdllm", "W&B project name.")
+    # several processes (torchrun, or --nproc N)
+    parallel: str = option("ddp", "Under torchrun: ddp (each rank holds the whole model) or fsdp (weights, "
+                                  "gradients and AdamW moments sharded over the ranks).", choices=PARALLEL_CHOICES)
+    dist_timeout: str = option("10m", "Under torchrun: how long a rank waits for the others in a collective "
+                                      "before the run stops (a dead rank never hangs the rest).")
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "grad_accum", "eval_batches", "keep_last", "log_interval", "max_bad_steps")
@@ -133,6 +139,10 @@ class TrainConfig:
         if self.max_time is not None:
             self.max_time = str(self.max_time)
             parse_duration(self.max_time)
+        if self.parallel not in PARALLEL_CHOICES:
+            raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}; got {self.parallel!r}")
+        self.dist_timeout = str(self.dist_timeout)
+        parse_duration(self.dist_timeout)
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues a run and --overwrite deletes it; choose one")
 

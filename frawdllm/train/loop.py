@@ -28,6 +28,10 @@ checkpoint (as long as the previous ones took).
 the first steps run eagerly, timed in each dtype the hardware computes natively, then
 the loop keeps the option that gets the most steps done in the budget left, compiling
 only if the warm-up pays back. Each decision is said in one line.
+
+Under torchrun the same loop runs on every rank (`distributed`): a step calls the model
+through DDP or FSDP, the ranks agree on the loss, the stop and the `auto` decisions, and
+rank 0 alone writes the logs, samples and model directories.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ from ..errors import FrawdError
 from ..io import atomic_dir
 from . import checkpoint as ckpt
 from . import compile as compiling
-from .config import TrainConfig
+from . import distributed
+from .config import TrainConfig, parse_duration
 from .device import (autocast, choose_dtype, cpu_has_bf16, format_mfu, keep_freed_memory, matmul_dtype, mfu,
                      peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
@@ -60,6 +65,7 @@ from .rundir import (BEST_MODEL_DIR, MetricsLog, append_samples, load_pyplot, pl
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
+STOP_REASONS = (None, "max_steps", "max_tokens", "max_time", "interrupted")
 
 
 class TrainingDiverged(FrawdError):
@@ -171,11 +177,17 @@ class Trainer:
                  callbacks: list[Callable[["Trainer", dict], None]] | None = None,
                  config_for_loggers: dict | None = None, started_at: float | None = None) -> None:
         """`started_at`: the `time.perf_counter()` from which --max-time counts (default: fit's start)."""
+        self.dist = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
+        if not self.dist.is_main:
+            cfg = cfg.from_dict({**cfg.to_dict(), "progress": False})
         self.cfg, self.task = cfg, task
         self.started_at = started_at
         self.run_dir = Path(run_dir if run_dir is not None else cfg.out)
         self.callbacks = list(callbacks or [])
-        self.device = pick_device(cfg.device)
+        self.device = self.dist.device or pick_device(cfg.device)
+        # the same global batch on any number of ranks
+        self.micro_batch, self.grad_accum = distributed.batch_layout(cfg.batch_size, cfg.grad_accum,
+                                                                     self.dist.world_size)
         self.dtype, self.dtype_why = choose_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu" and matmul_dtype(self.dtype, self.device) != self.dtype:
             warnings.warn(f"{self.dtype} is emulated on this CPU (no native {self.dtype} matmuls): "
@@ -183,6 +195,9 @@ class Trainer:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = model.to(self.device)
+        self._resume_from = self._resume_weights() if cfg.resume else None  # before FSDP shards them
+        self.step_module = distributed.wrap(self.model, self.dist, self.dtype)  # what a step calls
+        self._plain: dict = {}  # FSDP: rank 0's whole copy of the model, for saving and samples
         self.frozen = task.frozen_modules()
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         if any(id(p) in trainable for m in self.frozen.values() for p in m.parameters()):
@@ -228,7 +243,8 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.last_checkpoint: Path | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_partial(self.run_dir)
+        if self.dist.is_main:
+            ckpt.remove_partial(self.run_dir)
         self.peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
         self._peaks: dict[str, float | None] = {}
         if task.flops_per_token and self.peak_flops is None:  # measured (once per machine) before any
@@ -240,7 +256,7 @@ class Trainer:
         if cfg.resume:
             self._resume()
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
-                                  config_for_loggers)
+                                  config_for_loggers) if self.dist.is_main else _NoMetrics()
 
     def _say(self, message: str) -> None:
         """A one-line message on stderr (above the progress bar, if one is shown)."""
@@ -260,7 +276,8 @@ class Trainer:
         elif cfg.compile == "auto" and blocker is not None:
             self.compile_why = f"off: {blocker}"
         candidates = [self.dtype]
-        if cfg.dtype == "auto" and self.device.type == "cpu" and cpu_has_bf16() and cfg.compile != "true":
+        if cfg.dtype == "auto" and self.device.type == "cpu" and cpu_has_bf16() and cfg.compile != "true" \
+                and not self.dist.active:  # under FSDP the precision is fixed when sharding
             candidates = ["bf16", "fp32"]  # both native: eager bf16 (casts) is not always the faster
         if (cfg.compile == "auto" and blocker is None) or len(candidates) > 1:
             setting = "auto" if cfg.compile == "auto" and blocker is None else "false"
@@ -301,7 +318,7 @@ class Trainer:
         if self.task.flops_per_token and self.step > self._session_step:
             plan.step_flops = self.task.flops_per_token * (self.tokens - self._session_tokens) / (
                 self.step - self._session_step)
-        dtype, compiled, why = plan.decide(max(remaining, 0.0))
+        dtype, compiled, why = self.dist.from_main(plan.decide(max(remaining, 0.0)))
         if len(plan.dtypes) > 1:
             self.dtype_why = f"auto: {dtype} ran faster here" if not compiled else f"auto: {dtype}"
         self.dtype = dtype
@@ -340,31 +357,44 @@ class Trainer:
         bar = _progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
         try:
-            if self.step == 0 and (cfg.eval_interval or cfg.max_time_s):
-                # the starting point; and what an evaluation costs, which a time budget must
-                # keep in reserve for the final one
-                self._evaluate(save=False)
-            while self.stop_reason is None:
-                record = self.train_step()
-                _bar_update(bar, self, record)
-                for callback in self.callbacks:
-                    callback(self, record)
-                self.stop_reason = self._check_stop()
-                # no checkpoint in the middle of a NaN streak: the last one stays the last good one
-                if self.stop_reason is None and cfg.eval_interval and self.step % cfg.eval_interval == 0 \
-                        and not self.bad_steps:
-                    self._evaluate(save=True)
-            if self.stop_reason == "interrupted":  # leave quickly: a checkpoint, no evaluation
-                if self._last_checkpoint_step != self.step:
-                    self._save_checkpoint()
-            elif self._last_eval_step != self.step or self._last_checkpoint_step != self.step:
-                self._evaluate(save=True)
+            self._fit(bar)
+        except Exception as exc:
+            if not (self.dist.active and distributed.is_rank_failure(exc)):
+                raise
+            last = ckpt.latest_checkpoint(self.run_dir)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise distributed.RankLost(
+                f"rank {self.dist.rank}: lost the other ranks at step {self.step + 1} ({first}); "
+                + (f"the last checkpoint is {last}: continue with --resume" if last else "no checkpoint yet")) from None
         finally:
             restore()
             if bar is not None:
                 bar.close()
             self.metrics.close()
         return self._result()
+
+    def _fit(self, bar) -> None:
+        cfg = self.cfg
+        if self.step == 0 and (cfg.eval_interval or cfg.max_time_s):
+            # the starting point; and what an evaluation costs, which a time budget must
+            # keep in reserve for the final one
+            self._evaluate(save=False)
+        while self.stop_reason is None:
+            record = self.train_step()
+            _bar_update(bar, self, record)
+            for callback in self.callbacks:
+                callback(self, record)
+            self.stop_reason = self.dist.agree_stop(self._check_stop(), self._signal is not None,
+                                                    STOP_REASONS, self.device)
+            # no checkpoint in the middle of a NaN streak: the last one stays the last good one
+            if self.stop_reason is None and cfg.eval_interval and self.step % cfg.eval_interval == 0 \
+                    and not self.bad_steps:
+                self._evaluate(save=True)
+        if self.stop_reason == "interrupted":  # leave quickly: a checkpoint, no evaluation
+            if self._last_checkpoint_step != self.step:
+                self._save_checkpoint()
+        elif self._last_eval_step != self.step or self._last_checkpoint_step != self.step:
+            self._evaluate(save=True)
 
     def train_step(self) -> dict:
         """One optimizer step (grad_accum micro-batches); returns its metrics record."""
@@ -382,18 +412,19 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         named: dict[str, Tensor] = {}  # the task's metrics, summed over micro-batches
         step_tokens = 0
-        for _ in range(cfg.grad_accum):
+        for micro in range(self.grad_accum):
             batch = to_device(self.task.next_batch(), self.device)
-            step_tokens += self.task.batch_tokens(batch)
-            loss, metrics = self._forward_backward(batch)
+            step_tokens += self.task.batch_tokens(batch) * self.dist.world_size
+            with distributed.gradient_sync(self.step_module, micro == self.grad_accum - 1):
+                loss, metrics = self._forward_backward(batch)
             total += loss
             for key, value in metrics.items():
                 named[key] = named[key] + value if key in named else value
             self._cost_key(self.dtype, batch)
-        loss_value = float(total) / cfg.grad_accum
+        loss_value = self.dist.mean(float(total) / self.grad_accum, self.device)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = distributed.clip_grad_norm(self.params, max_norm)
         # fp16 overflows are the scaler's business (it skips that step and lowers the scale).
         finite = math.isfinite(loss_value) and (self.dtype == "fp16" or math.isfinite(grad_norm))
         if finite:
@@ -407,7 +438,8 @@ class Trainer:
         self.tokens += step_tokens
         self.last_loss = loss_value
         record = {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-        record.update({key: float(value) / cfg.grad_accum for key, value in named.items()})
+        record.update({key: self.dist.mean(float(value) / self.grad_accum, self.device)
+                       for key, value in sorted(named.items())})
         now = time.perf_counter()
         self._last_step_s = now - started
         if self.plan is not None:
@@ -433,9 +465,9 @@ class Trainer:
         """The micro-batch's loss and named metrics (detached, fp32), its gradients accumulated."""
         try:
             with autocast(self.device, self.dtype):
-                loss = self.loss_fn(self.model, batch)
+                loss = self.step_module(self.loss_fn, batch)
             loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
-            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+            self.scaler.scale(loss / self.grad_accum).backward()
         except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
             if not self._compiled or self._compiled_ok:
                 raise
@@ -481,7 +513,8 @@ class Trainer:
 
     def _speed(self, tokens_per_s: float) -> dict:
         out = {"tokens_per_s": round(tokens_per_s, 1)}
-        value = mfu(tokens_per_s, self.task.flops_per_token, self.peak_flops)
+        peak = self.peak_flops * self.dist.world_size if self.peak_flops else None  # one device per rank
+        value = mfu(tokens_per_s, self.task.flops_per_token, peak)
         if value is not None:
             out["mfu"] = round(value, 4)
         return out
@@ -533,7 +566,7 @@ class Trainer:
         weights and AdamW moments at 100 MB/s."""
         eval_s = self._eval_s
         if eval_s is None:
-            per_batch = self._step_s() / self.cfg.grad_accum / (1 if self._compiled else 3)
+            per_batch = self._step_s() / self.grad_accum / (1 if self._compiled else 3)
             eval_s = self.cfg.eval_batches * per_batch
         save_s = self._save_s
         if save_s is None:
@@ -544,10 +577,14 @@ class Trainer:
     def _evaluate(self, save: bool) -> None:
         start = time.perf_counter()
         self.model.eval()
+        main = self.dist.is_main
         try:
             with torch.no_grad(), autocast(self.device, self.dtype):
-                results = self.task.evaluate(self.model, self.device)
-                samples = self.task.samples(self.model, self.device) if self.cfg.sample_tokens else []
+                # through the step module: under FSDP every rank takes part in each forward
+                results = self.dist.from_main(self.step_module(lambda m: self.task.evaluate(m, self.device)))
+                whole = distributed.full_model(self.step_module, self.model, self.dist, self._plain)
+                samples = self.task.samples(whole, next(whole.parameters()).device) \
+                    if self.cfg.sample_tokens and main else []
         finally:
             self.model.train()
         self._last_eval_step = self.step
@@ -560,23 +597,30 @@ class Trainer:
         improved = self.last_val_loss is not None and self.last_val_loss < self.best_val_loss
         if improved:
             self.best_val_loss, self.best_step = self.last_val_loss, self.step
-        plot_losses(self.run_dir)
+        if main:
+            plot_losses(self.run_dir)
         saving = time.perf_counter()
         self._eval_s = saving - start
-        if improved or (not results and save):
-            self._publish_model()
+        if (improved or (not results and save)) and main:
+            self._publish_model(whole)
         if save:
-            self._save_checkpoint()
+            self._save_checkpoint(whole)
         now = time.perf_counter()
         if save:
             self._save_s = now - saving
         self._window = (now, self.tokens)  # tokens/s measures training, not evaluation
 
-    def _publish_model(self) -> None:
+    def _publish_model(self, whole: nn.Module) -> None:
         with atomic_dir(self.run_dir / BEST_MODEL_DIR, overwrite=True) as tmp:
-            self.task.save_model(self.model, tmp)
+            self.task.save_model(whole, tmp)
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, whole: nn.Module | None | str = "gather") -> None:
+        """Every rank calls this (under FSDP each writes its shard of the AdamW moments);
+        `whole`: the model to save, from `distributed.full_model` (None off rank 0)."""
+        if whole == "gather":
+            whole = distributed.full_model(self.step_module, self.model, self.dist, self._plain)
+        sharded = distributed.sharded_optimizer_state(self.step_module, self.optimizer) \
+            if self.dist.sharded else None
         state = {
             "version": STATE_VERSION,
             "step": self.step,
@@ -584,28 +628,34 @@ class Trainer:
             "elapsed_s": self.elapsed(),
             "best_val_loss": self.best_val_loss,
             "best_step": -1 if self.best_step is None else self.best_step,
-            "optimizer": self.optimizer.state_dict(),
+            **({} if sharded else {"optimizer": self.optimizer.state_dict()}),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": rng_state(),
             "task": self.task.state_dict(),
         }
-        self.last_checkpoint = ckpt.save_checkpoint(self.run_dir, self.step,
-                                                    lambda d: self.task.save_model(self.model, d), state)
+        self.last_checkpoint = distributed.save_checkpoint(
+            self.run_dir, self.step, lambda d: self.task.save_model(whole, d), state, sharded, self.dist)
         self._last_checkpoint_step = self.step
         keep = {self.best_step} if self.best_step is not None else set()
-        ckpt.prune(self.run_dir, self.cfg.keep_last, keep)
+        if self.dist.is_main:
+            ckpt.prune(self.run_dir, self.cfg.keep_last, keep)
 
-    def _resume(self) -> None:
+    def _resume_weights(self) -> Path:
+        """The latest checkpoint, its weights loaded into the (not yet wrapped) model."""
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             raise FrawdError(f"{self.run_dir}: no checkpoint to resume from")
+        self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
+        return path
+
+    def _resume(self) -> None:
+        path = self._resume_from
         state = ckpt.load_state(path)
         if state.get("version") != STATE_VERSION:
             raise FrawdError(f"{path}: training state version {state.get('version')}; "
                              f"this FrawdLLM reads version {STATE_VERSION}")
-        self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer(self.step_module, self.optimizer, path, state.get("optimizer"), self.dist)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.task.load_state_dict(state["task"])
@@ -615,8 +665,9 @@ class Trainer:
         self.best_val_loss = state["best_val_loss"]
         self.best_step = None if state["best_step"] < 0 else state["best_step"]
         self.last_checkpoint = path
-        truncate_metrics(self.run_dir, self.step)
-        truncate_samples(self.run_dir, self.step)
+        if self.dist.is_main:
+            truncate_metrics(self.run_dir, self.step)
+            truncate_samples(self.run_dir, self.step)
 
     def _result(self) -> TrainResult:
         elapsed = self.elapsed()
@@ -629,6 +680,16 @@ class Trainer:
             best_val_loss=None if math.isinf(self.best_val_loss) else self.best_val_loss,
             best_step=self.best_step, tokens_per_s=speed["tokens_per_s"], mfu=speed.get("mfu"),
             checkpoint=self.last_checkpoint, run_dir=self.run_dir, flops_known=bool(self.task.flops_per_token))
+
+
+class _NoMetrics:
+    """The metrics log of ranks other than 0: they write nothing."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ---- progress bar and signals ---------------------------------------------------------------

@@ -17,7 +17,8 @@
 4. `Trainer(...).fit()`; OUT/model is the best model, tokenizer.json included.
 
 --max-time covers all of it, from the call's start (from the process's start under
-`frawd pretrain`).
+`frawd pretrain`). Under torchrun rank 0 prepares the run directory and the data while the
+others wait, then every rank trains its share of each batch (`distributed`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
 from ..modeldir import load_config, load_model
 from ..tokenizer import KINDS, MIN_BPE_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
-from .config import PretrainConfig, dump_yaml
+from . import distributed
+from .config import PretrainConfig, dump_yaml, parse_duration
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
@@ -63,7 +65,11 @@ class PretrainTask(TrainTask):
         """Training windows are `context_length` tokens long (default: the model's context)."""
         self.data, self.cfg = data, cfg
         self.context_length = context_length or model_config.context_length
-        self.loader = RandomWindowLoader(data.train, cfg.batch_size, self.context_length, seed=cfg.seed)
+        # this rank's share of each global batch; validation reads the same windows on every rank
+        place = distributed.current()
+        micro, accum = distributed.batch_layout(cfg.batch_size, cfg.grad_accum, place.world_size)
+        self.loader = RandomWindowLoader(data.train, micro, self.context_length, seed=cfg.seed, rank=place.rank,
+                                         world_size=place.world_size, grad_accum=accum)
         self.flops_per_token = model_config.flops_per_token(self.context_length)
         self.bytes_per_token = data.meta.get("val_bytes_per_token") or data.meta.get("bytes_per_token")
         self.can_evaluate = len(data.val) > self.context_length
@@ -312,11 +318,22 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
     from .. import __version__
 
     started_at = time.perf_counter() if started_at is None else started_at
+    place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
+    if not place.is_main:
+        cfg = PretrainConfig.from_dict({**cfg.to_dict(), "progress": False})
+    if distributed.restart_count() and not cfg.resume:  # torchrun --max-restarts: continue, never start over
+        cfg = PretrainConfig.from_dict({**cfg.to_dict(), "resume": True, "overwrite": False})
+        if place.is_main:
+            print(f"restart {distributed.restart_count()} by torchrun: resuming {cfg.out}", flush=True)
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
-    with undo_failed_start(cfg):
-        prepare_run_dir(cfg)
-        data = prepare_data(cfg, run_dir)
+    with undo_failed_start(cfg, enabled=place.is_main):
+        if place.is_main:  # the others wait, then read what rank 0 made
+            prepare_run_dir(cfg)
+            data = prepare_data(cfg, run_dir)
+        cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
+        if not place.is_main:
+            data = prepare_data(cfg, run_dir)
         model, window = build_model(cfg, data.tokenizer)
         model_cfg = model.config
         start = f"--init-from {cfg.init_from}; " if cfg.init_from else ""
@@ -325,7 +342,8 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
                   f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
                   f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
         saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        if place.is_main:
+            write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
         task = PretrainTask(data, model_cfg, cfg, context_length=window)
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
                           started_at=started_at)

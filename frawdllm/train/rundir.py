@@ -80,9 +80,10 @@ def prepare_run_dir(cfg: Any) -> Path:
 
 
 @contextmanager
-def undo_failed_start(cfg: Any) -> Iterator[Path]:
+def undo_failed_start(cfg: Any, enabled: bool = True) -> Iterator[Path]:
     """Wraps a run's start: if it raises, the folders it created are removed, else the
-    config.yaml it wrote (reusable data such as a tokenizer and shards stays)."""
+    config.yaml it wrote (reusable data such as a tokenizer and shards stays). `enabled`
+    False (ranks other than 0, which write nothing) leaves everything in place."""
     run_dir = Path(cfg.out)
     created = None  # the outermost folder this start creates
     for folder in (run_dir, *run_dir.parents):
@@ -92,6 +93,8 @@ def undo_failed_start(cfg: Any) -> Iterator[Path]:
     try:
         yield run_dir
     except BaseException:
+        if not enabled:
+            raise
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():

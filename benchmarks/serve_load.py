@@ -1,0 +1,207 @@
+"""Load on `frawd serve` through HTTP: aggregate tokens/s and time to first token for 1, 8
+and 32 concurrent streaming clients.
+
+Workload (issue 13): the `tiny` preset (random weights, a BPE tokenizer of its 8192 ids
+trained on tiny shakespeare when ../shared has it, else on a generated text), served by
+`frawd serve` in a subprocess on a free local port. Each client sends streaming
+completions (prompts as token ids) one after another: prompts of mixed lengths (8-120 tokens), 128 new tokens
+each, greedy (the model's special tokens are never the greedy choice, so every request
+generates its 128). Levels run interleaved (1, 8, 32, 1, 8, 32, ...) so load from other
+processes hits each alike; each figure is the median over rounds.
+
+Figures per level N (1, 8, 32):
+  tokens_per_s_N   generated tokens of all clients / wall time of the level
+  p50_ttft_ms_N, p95_ttft_ms_N   request sent -> first text chunk received
+  failed_requests  requests that did not end with 128 tokens and [DONE] (all levels)
+The peer (llama-cpp-python's server on our GGUF export) runs only when llama_cpp is
+importable; otherwise peer=skipped is printed.
+
+    .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--requests-per-client 2] [--threads N]
+
+The last line is the headline: scaling_32_vs_1=<tokens/s at 32 clients / at 1 client>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
+
+NEW_TOKENS = 128
+LEVELS = (1, 8, 32)
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def corpus() -> str:
+    if SHARED.exists():
+        return SHARED.read_text()[:400_000]
+    words = ["the", "king", "queen", "of", "and", "to", "a", "my", "lord", "thou", "art", "in", "love", "with"]
+    return " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(60_000))
+
+
+def make_model(directory: Path):
+    text = corpus()
+    tok = train_tokenizer([text[i:i + 2000] for i in range(0, len(text), 2000)], kind="bpe", vocab_size=8192)
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny"))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.02)  # (untied below: the special rows change alone)
+    if model.lm_head.weight is model.embed.tok.weight:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_embeddings = False
+    with torch.no_grad():
+        model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0  # logit 0: never the greedy choice
+    model.save_pretrained(directory, tokenizer=tok)
+    return tok, text
+
+
+def prompts(tok, text: str, count: int) -> list[list[int]]:
+    """Prompts of mixed lengths, 8 to 120 tokens (as ids: exact lengths, and prompt +
+    128 new tokens always fits the context of 256)."""
+    out = []
+    for i in range(count):
+        length = 8 + (i * 37) % 113
+        start = (i * 7919) % (len(text) - 5000)
+        out.append(tok.encode(text[start:start + 5000])[:length])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> tuple[float, int, bool]:
+    """(time to first text chunk, tokens generated, ok) of one streaming completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, tokens, done = None, 0, False
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return float("nan"), 0, False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if ttft is None and event["choices"] and event["choices"][0]["text"]:
+                    ttft = time.perf_counter() - start
+    except httpx.HTTPError:
+        return float("nan"), 0, False
+    return (ttft if ttft is not None else float("nan")), tokens, done and tokens == NEW_TOKENS
+
+
+async def level(url: str, model: str, clients: int, per_client: int, texts: list[list[int]]) -> dict:
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        results = []
+
+        async def worker(c: int) -> None:
+            for r in range(per_client):
+                results.append(await one_request(client, url, model, texts[(c * per_client + r) % len(texts)]))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in range(clients)))
+        wall = time.perf_counter() - start
+    ttfts = sorted(t for t, _, ok in results if ok)
+    return {"tokens_per_s": sum(n for _, n, _ in results) / wall,
+            "p50_ttft_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
+            "p95_ttft_ms": 1000 * percentile(ttfts, 0.95) if ttfts else float("nan"),
+            "failed": sum(not ok for _, _, ok in results)}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    index = max(0, min(len(sorted_values) - 1, int(-(-q * len(sorted_values) // 1)) - 1))
+    return sorted_values[index]
+
+
+def start_server(model_dir: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    frawd = str(Path(sys.executable).parent / "frawd")
+    command = [frawd, "serve", "--model", f"tiny={model_dir}", "--port", str(port), "--log-level", "warning",
+               "--max-tokens", str(NEW_TOKENS)]
+    if threads:
+        command += ["--threads", str(threads)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"frawd serve exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("frawd serve did not start within 300 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="the server's CPU threads [default: torch's]")
+    args = parser.parse_args()
+    print(f"cpu_count={os.cpu_count()}")
+    print(f"torch_threads={args.threads or torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny"
+        print("building the tiny model and its tokenizer...", file=sys.stderr, flush=True)
+        tok, text = make_model(model_dir)
+        texts = prompts(tok, text, 64)
+        proc, url = start_server(model_dir, args.threads)
+        try:
+            asyncio.run(level(url, "tiny", 4, 1, texts))  # warm-up
+            figures: dict[int, list[dict]] = {n: [] for n in LEVELS}
+            for r in range(args.rounds):
+                for n in LEVELS:
+                    per_client = args.requests_per_client * (2 if n == 1 else 1)  # (1 client: a few more samples)
+                    figures[n].append(asyncio.run(level(url, "tiny", n, per_client, texts)))
+                    print(f"round {r + 1} clients {n}: {figures[n][-1]}", file=sys.stderr, flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    failed = 0
+    for n in LEVELS:
+        runs = figures[n]
+        for key in ("tokens_per_s", "p50_ttft_ms", "p95_ttft_ms"):
+            print(f"{key}_{n}={statistics.median(r[key] for r in runs):.1f}")
+        failed += sum(r["failed"] for r in runs)
+    print(f"failed_requests={failed}")
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("peer=skipped (llama-cpp-python is not importable here; pip install 'frawdllm[llamacpp]' builds it)")
+    else:
+        print("peer=skipped (llama_cpp is importable, but this benchmark does not drive its server yet)")
+    scaling = statistics.median(r["tokens_per_s"] for r in figures[32]) / statistics.median(
+        r["tokens_per_s"] for r in figures[1])
+    print(f"scaling_32_vs_1={scaling:.2f}")
+
+
+if __name__ == "__main__":
+    main()

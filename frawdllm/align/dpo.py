@@ -1,0 +1,253 @@
+"""`frawd dpo`: direct preference optimisation (Rafailov et al., 2023).
+
+For a prompt x with a chosen answer y_w and a rejected one y_l, the policy pi (being
+trained) and a frozen reference pi_ref (the starting model) give summed log-probabilities
+of each answer's tokens. With the implicit rewards r = beta * (log pi(y|x) - log pi_ref(y|x)):
+
+    sigmoid (DPO):  loss = -log sigmoid(r_w - r_l)
+    ipo (IPO):      loss = (d_w - d_l - 1 / (2 beta))^2              (Azar et al., 2023)
+
+where for IPO d = (log pi(y|x) - log pi_ref(y|x)) / len(y), per completion token, as TRL
+computes it (agreed with the IPO authors: the summed form grows with answer length).
+
+so the policy raises the chosen answer's likelihood relative to the rejected one's, and
+beta bounds how far it may move from the reference. Chosen and rejected answers go
+through the model in one forward pass (stacked on the batch axis). Logged as TRL names
+them: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+logps/chosen, logps/rejected (means over the batch).
+
+The reference is a frozen copy of the starting model on the same device (a
+`frozen_modules` of the task), or with `--precompute-ref` its log-probs are computed once
+before training (in fp32) and the copy is freed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from ..errors import FrawdError
+from ..model.gpt import IGNORE_INDEX
+from ..tokenizer import Tokenizer
+from ..train.config import _require, option
+from ..train.device import pick_device
+from ..train.loop import TrainResult, to_device
+from .examples import LoadSummary, Pair, collect, iter_source, preference, tokenize_pair
+from .job import FinetuneConfig, FinetuneTask, run_finetune
+
+LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass
+class DPOConfig(FinetuneConfig):
+    """`frawd dpo`: align a model directory with preference pairs."""
+
+    beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
+    loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")
+    precompute_ref: bool = option(False, "Compute the reference's log-probs once before training and free the "
+                                         "reference (less memory and time per step).")
+    data: str = option("stdlib-prefs", "Preference pairs: .jsonl[.gz], .parquet, a folder or glob of them, "
+                                       "hf:NAME, or the built-in stdlib-prefs.")
+    out: str = option("runs/dpo", "Run directory: config, metrics, checkpoints, the best model.")
+    lr: float = option(5e-6, "Peak learning rate.")
+    batch_size: int = option(8, "Preference pairs per micro-batch.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require("beta", self.beta, lambda v: v > 0, "positive")
+        if self.loss_type not in LOSSES:
+            raise FrawdError(f"loss_type must be one of {', '.join(LOSSES)}, got {self.loss_type!r}")
+
+
+# ---- the loss ----------------------------------------------------------------------------------
+
+def dpo_loss(policy_chosen: Float[Tensor, "B"], policy_rejected: Float[Tensor, "B"],
+             ref_chosen: Float[Tensor, "B"], ref_rejected: Float[Tensor, "B"], beta: float,
+             loss_type: str = "sigmoid", lengths: tuple[Tensor, Tensor] | None = None,
+             ) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
+    """The batch's mean loss and its metrics, from summed log-probs of each answer
+    (`lengths`: the answers' token counts, chosen and rejected; IPO needs them)."""
+    chosen_rewards = beta * (policy_chosen - ref_chosen)
+    rejected_rewards = beta * (policy_rejected - ref_rejected)
+    margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin)
+    elif loss_type == "ipo":
+        if lengths is None:
+            raise ValueError("IPO needs the answers' lengths")
+        per_token = (policy_chosen - ref_chosen) / lengths[0].clamp(min=1) \
+            - (policy_rejected - ref_rejected) / lengths[1].clamp(min=1)
+        losses = (per_token - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}")
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    metrics = {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": policy_chosen.detach().mean(),
+        "logps/rejected": policy_rejected.detach().mean(),
+    }
+    return losses.mean(), metrics
+
+
+def sequence_logps(model: nn.Module, tokens: Int[Tensor, "N T"], targets: Int[Tensor, "N T"]) -> Float[Tensor, "N"]:
+    """Summed log-probabilities of each row's targets (-100 = not counted), in fp32."""
+    logits = model(tokens)[0].float()  # (N, T, V)
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return -nll.view(targets.shape).sum(dim=1)
+
+
+# ---- batches ---------------------------------------------------------------------------------
+
+def collate_pairs(pairs: list[Pair], indices: list[int], length: int) -> dict[str, Tensor]:
+    """2B right-padded rows, the chosen answers first, then the rejected; targets only on
+    the answers' tokens. Causal attention never lets a token see the padding after it."""
+    rows = [pairs[i].prompt + pairs[i].chosen for i in indices] + [pairs[i].prompt + pairs[i].rejected
+                                                                    for i in indices]
+    starts = [len(pairs[i].prompt) for i in indices] * 2
+    tokens = np.zeros((len(rows), length), dtype=np.int64)
+    targets = np.full((len(rows), length), IGNORE_INDEX, dtype=np.int64)
+    for r, (ids, start) in enumerate(zip(rows, starts)):
+        n = len(ids) - 1
+        tokens[r, :n] = ids[:-1]
+        targets[r, start - 1:n] = ids[start:]
+    return {"tokens": torch.from_numpy(tokens), "targets": torch.from_numpy(targets),
+            "index": torch.tensor(indices, dtype=torch.int64)}
+
+
+class PairLoader:
+    """Batches of pair indices, reshuffled each epoch (seeded); resumable."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.position = 0, 0
+
+    def next_indices(self) -> list[int]:
+        out = []
+        while len(out) < self.batch_size:
+            if self.position >= self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+            take = min(self.batch_size - len(out), self.n - self.position)
+            out.extend(int(i) for i in order[self.position:self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+# ---- the task --------------------------------------------------------------------------------
+
+class DPOTask(FinetuneTask):
+    bar_metrics = ("rewards/accuracies", "rewards/margins")
+
+    def __init__(self, train: list[Pair], val: list[Pair], model: nn.Module, tokenizer: Tokenizer,
+                 cfg: DPOConfig, length: int) -> None:
+        super().__init__(model, tokenizer, cfg, [p.prompt for p in val])
+        self.train_pairs, self.val_pairs, self.length, self.beta = train, val, length, cfg.beta
+        self.loss_type = cfg.loss_type
+        self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed)
+        flops = model.config.flops_per_token(length)  # the policy's forward and backward: 6N per token
+        self.flops_per_token = flops if cfg.precompute_ref else flops * 4 // 3  # + the reference's forward, 2N
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.reference: nn.Module | None = reference
+        self.ref_logps: dict[str, Tensor] = {}
+        if cfg.precompute_ref:
+            device = pick_device(cfg.device)
+            reference.to(device)
+            self.ref_logps = {"train": self._reference_logps(train, reference, device),
+                              "val": self._reference_logps(val, reference, device)}
+            self.reference = None  # freed: the loop never sees it
+
+    def _reference_logps(self, pairs: list[Pair], reference: nn.Module, device: torch.device) -> Tensor:
+        """(2, n) summed log-probs (chosen, rejected) of every pair under the reference, fp32."""
+        out = torch.zeros(2, len(pairs))
+        with torch.no_grad():
+            for start in range(0, len(pairs), self.cfg.batch_size):
+                indices = list(range(start, min(start + self.cfg.batch_size, len(pairs))))
+                batch = to_device(collate_pairs(pairs, indices, self.length), device)
+                logps = sequence_logps(reference, batch["tokens"], batch["targets"]).float().cpu()
+                out[:, start:start + len(indices)] = logps.view(2, -1)
+        return out
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        return {"reference": self.reference} if self.reference is not None else {}
+
+    def next_batch(self) -> dict[str, Tensor]:
+        return self._batch(self.train_pairs, self.loader.next_indices(), "train")
+
+    def _batch(self, pairs: list[Pair], indices: list[int], split: str) -> dict[str, Tensor]:
+        batch = collate_pairs(pairs, indices, self.length)
+        if self.ref_logps:
+            batch["ref_logps"] = self.ref_logps[split][:, indices].reshape(-1)  # (2B,) chosen first
+        return batch
+
+    def batch_tokens(self, batch: dict[str, Tensor]) -> int:
+        return int((batch["tokens"] != 0).sum())
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        logps = sequence_logps(model, batch["tokens"], batch["targets"])  # (2B,) one pass for both answers
+        if "ref_logps" in batch:
+            ref = batch["ref_logps"]
+        else:
+            with torch.no_grad():
+                ref = sequence_logps(self.reference, batch["tokens"], batch["targets"])
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = ref.chunk(2)
+        lengths = (batch["targets"] != IGNORE_INDEX).sum(dim=1).chunk(2)
+        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """The held-out pairs' loss and metrics (`val_loss`, `val_rewards/accuracies`, ...)."""
+        sums: dict[str, float] = {}
+        count = 0
+        size = self.cfg.batch_size
+        for start in range(0, min(len(self.val_pairs), size * self.cfg.eval_batches), size):
+            indices = list(range(start, min(start + size, len(self.val_pairs))))
+            batch = to_device(self._batch(self.val_pairs, indices, "val"), device)
+            loss, metrics = self.loss(model, batch)
+            for key, value in {"loss": loss, **metrics}.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * len(indices)
+            count += len(indices)
+        return {f"val_{key}": value / count for key, value in sums.items()} if count else {}
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict(), **self.lora_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.load_lora_state(state)
+
+
+def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[Pair], list[Pair], LoadSummary]:
+    def convert(record, where):
+        # a row holds prompt + answer minus its last token: length + 1 ids
+        return tokenize_pair(tokenizer, *preference(record, where), max_len=length + 1)
+
+    summary = LoadSummary()
+    train, val = collect(iter_source(cfg.data, "dpo"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary)
+    if not train:
+        raise FrawdError(f"--data {cfg.data}: every pair fell in the held-out split; lower --val-fraction")
+    return train, val, summary
+
+
+def run_dpo(cfg: DPOConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
+    def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> DPOTask:
+        train, val, summary = load_pairs(cfg, tokenizer, length)
+        if cfg.progress:
+            print(f"dpo data: {summary.line('pairs')}", flush=True)
+        return DPOTask(train, val, model, tokenizer, cfg, length)
+
+    return run_finetune(cfg, "dpo", make_task, callbacks, started_at)

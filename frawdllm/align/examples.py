@@ -1,0 +1,237 @@
+"""Chat and preference examples: records -> token ids, with which tokens carry the loss.
+
+SFT records (JSONL / Parquet / hf: rows), one of:
+
+    {"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}
+    {"prompt": "...", "response": "..."}              (one user turn, one answer)
+
+DPO records: {"prompt": ..., "chosen": "...", "rejected": "..."}, the prompt a string (one
+user turn) or a list of messages.
+
+Tokens follow the one chat template (`Tokenizer.render_chat`):
+<|bos|><|user|>question<|eos|><|assistant|>answer<|eos|>. An SFT example trains on the
+assistant's content and its closing <|eos|> (so the model learns to stop), in every
+assistant turn (`train_on="assistant"`), only the last one (`"last"`), or on every token
+(`"all"`); the role token <|assistant|> is part of the prompt, as at chat time.
+
+Truncation (an example longer than the context): the prompt keeps its tail (the text
+nearest the answer; <|bos|> stays first) and the response keeps its head, the prompt
+getting at most half the context when the response needs the rest. The "prompt" is
+everything before the first trained token. Truncated examples are counted and reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ..errors import FrawdError
+from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, Tokenizer, _role_and_content
+
+TRAIN_ON = ("assistant", "last", "all")
+
+
+class BadExample(FrawdError):
+    """A record that is not a valid example (the message names the file and line)."""
+
+
+@dataclass
+class Example:
+    """A tokenized SFT example: `ids[i]` is trained (a target, predicted from ids[:i]) where
+    `trained[i]`."""
+
+    ids: list[int]
+    trained: list[bool]
+
+
+@dataclass
+class Pair:
+    """A tokenized preference pair: one prompt, two completions (each ending in <|eos|>)."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass
+class LoadSummary:
+    examples: int = 0
+    train: int = 0
+    val: int = 0
+    skipped: int = 0  # bad records skipped (--skip-bad-lines)
+    truncated: int = 0
+    first_skipped: list[str] = field(default_factory=list)
+
+    def line(self, what: str = "examples") -> str:
+        text = f"{self.examples} {what} ({self.train} train, {self.val} held out)"
+        if self.truncated:
+            text += f"; {self.truncated} truncated to the context (prompt tail, response head kept)"
+        if self.skipped:
+            text += f"; {self.skipped} bad records skipped (first: {self.first_skipped[0]})"
+        return text
+
+
+# ---- records -> messages ---------------------------------------------------------------------
+
+def _messages(value: object, where: str, name: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadExample(f"{where}: {name!r} must be a non-empty list of messages")
+    try:
+        for i, message in enumerate(value):
+            _role_and_content(message, i)
+    except FrawdError as exc:
+        raise BadExample(f"{where}: {exc}") from None
+    return value
+
+
+def _text(record: dict, key: str, where: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str):
+        got = "missing" if key not in record else type(value).__name__
+        raise BadExample(f"{where}: {key!r} must be a string ({got})")
+    return value
+
+
+def _object(record: object, where: str, expected: str) -> dict:
+    from ..data.records import BadRecord
+
+    if isinstance(record, BadRecord):
+        raise BadExample(f"{where}: {record.problem}")
+    if not isinstance(record, dict):
+        raise BadExample(f"{where}: expected a JSON object with {expected}")
+    return record
+
+
+def chat_messages(record: object, where: str) -> list[dict]:
+    """An SFT record's conversation; it must contain an assistant turn."""
+    record = _object(record, where, '"messages" or "prompt" and "response"')
+    if "messages" in record:
+        messages = _messages(record["messages"], where, "messages")
+    elif "prompt" in record and "response" in record:
+        messages = [{"role": "user", "content": _text(record, "prompt", where)},
+                    {"role": "assistant", "content": _text(record, "response", where)}]
+    else:
+        raise BadExample(f"{where}: expected \"messages\" or \"prompt\" and \"response\" "
+                         f"(fields: {', '.join(map(repr, list(record)[:8])) or 'none'})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadExample(f"{where}: the conversation has no assistant turn to learn")
+    return messages
+
+
+def preference(record: object, where: str) -> tuple[list[dict], str, str]:
+    """A DPO record's prompt (as messages), chosen and rejected answers."""
+    record = _object(record, where, '"prompt", "chosen" and "rejected"')
+    prompt = record.get("prompt")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        messages = _messages(prompt, where, "prompt")
+    else:
+        raise BadExample(f"{where}: 'prompt' must be a string or a list of messages "
+                         f"({'missing' if prompt is None else type(prompt).__name__})")
+    return messages, _text(record, "chosen", where), _text(record, "rejected", where)
+
+
+# ---- messages -> ids --------------------------------------------------------------------------
+
+def tokenize_chat(tokenizer: Tokenizer, messages: list[dict], train_on: str = "assistant") -> Example:
+    """The conversation's ids (exactly `tokenizer.render_chat(messages, False)`) and its loss mask."""
+    if train_on not in TRAIN_ON:
+        raise FrawdError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids, trained = [BOS_ID], [False]
+    for i, message in enumerate(messages):
+        role_id = SPECIAL_TOKENS.index(f"<|{message['role']}|>")
+        content = tokenizer.encode(message["content"]) + [EOS_ID]
+        learn = train_on == "all" or (message["role"] == "assistant" and (train_on == "assistant" or i == last))
+        ids.append(role_id)
+        trained.append(train_on == "all")
+        ids.extend(content)
+        trained.extend([learn] * len(content))
+    return Example(ids, trained)
+
+
+def truncate(example: Example, max_len: int) -> tuple[Example, bool]:
+    """At most `max_len` tokens by the module's policy; (example, whether it was cut)."""
+    n = len(example.ids)
+    if n <= max_len:
+        return example, False
+    start = example.trained.index(True) if any(example.trained) else n
+    prompt_keep, response_keep = _budget(start, n - start, max_len)
+    keep = ([0] + list(range(start - prompt_keep + 1, start))) if prompt_keep else []  # <|bos|> + the tail
+    keep += list(range(start, start + response_keep))
+    return Example([example.ids[i] for i in keep], [example.trained[i] for i in keep]), True
+
+
+def _budget(prompt_len: int, response_len: int, max_len: int) -> tuple[int, int]:
+    """(prompt tokens kept, response tokens kept) for a prompt + response over max_len."""
+    prompt_keep = min(prompt_len, max(max_len - response_len, max_len // 2))
+    return prompt_keep, min(response_len, max_len - prompt_keep)
+
+
+def tokenize_pair(tokenizer: Tokenizer, messages: list[dict], chosen: str, rejected: str,
+                  max_len: int) -> tuple[Pair, bool]:
+    """A preference pair in at most `max_len` tokens per side (the same prompt for both)."""
+    prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
+    assert prompt[-1] == ASSISTANT_ID
+    answers = [tokenizer.encode(chosen) + [EOS_ID], tokenizer.encode(rejected) + [EOS_ID]]
+    longest = max(map(len, answers))
+    if len(prompt) + longest <= max_len:
+        return Pair(prompt, *answers), False
+    prompt_keep, answer_keep = _budget(len(prompt), longest, max_len)
+    prompt = prompt[:1] + prompt[len(prompt) - prompt_keep + 1:] if prompt_keep > 1 else prompt[:prompt_keep]
+    return Pair(prompt, answers[0][:answer_keep], answers[1][:answer_keep]), True
+
+
+# ---- split ----------------------------------------------------------------------------------
+
+def is_held_out(key: str, val_fraction: float) -> bool:
+    """A deterministic train/val split by a hash of the example (or its group's key)."""
+    digest = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
+    return digest / 2**64 < val_fraction
+
+
+def record_key(record: object) -> str:
+    return json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def iter_source(spec: str, kind: str) -> Iterator[tuple[str, object, str]]:
+    """(where, record, split key) of a data source: a built-in corpus or a record file.
+    `kind`: "sft" or "dpo"."""
+    from . import stdlib_corpus
+
+    if spec in stdlib_corpus.CORPORA:
+        if stdlib_corpus.CORPORA[spec] != kind:
+            raise FrawdError(f"--data {spec} holds {'preference pairs' if kind == 'sft' else 'instructions'}; "
+                             f"use --data {stdlib_corpus.NAME_FOR[kind]} here")
+        yield from stdlib_corpus.records(spec)
+        return
+    from ..data.records import iter_records
+
+    for where, record in iter_records(spec):
+        yield where, record, record_key(record)
+
+
+def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: float, skip_bad: bool,
+            summary: LoadSummary) -> tuple[list, list]:
+    """Converted examples, split into (train, val); bad records raise or are skipped and counted.
+    `convert(record, where)` returns (example, truncated)."""
+    train, val = [], []
+    for where, record, key in items:
+        try:
+            example, cut = convert(record, where)
+        except BadExample as exc:
+            if not skip_bad:
+                raise BadExample(f"{exc} (--skip-bad-lines skips such records)") from None
+            summary.skipped += 1
+            if len(summary.first_skipped) < 3:
+                summary.first_skipped.append(str(exc))
+            continue
+        summary.truncated += cut
+        (val if is_held_out(key, val_fraction) else train).append(example)
+    summary.examples, summary.train, summary.val = len(train) + len(val), len(train), len(val)
+    if not summary.examples:
+        raise FrawdError("the data holds no usable examples")
+    return train, val

@@ -1,0 +1,174 @@
+"""What `frawd sft` and `frawd dpo` share: the config fields, the start from an existing
+model directory, LoRA, sampling held-out prompts and saving a plain model directory.
+
+A fine-tuning run starts like a pretraining run (train/rundir.py: checks before any work,
+OUT prepared, a failed start undone) and ends the same way: RUN/model/ is a model
+directory with the --init model's config and tokenizer, usable by chat, generate, export.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, FrawdError
+from ..io import write_text_atomic
+from ..tokenizer import TOKENIZER_FILE, Tokenizer
+from ..train.config import TrainConfig, _require, dump_yaml, option
+from ..train.device import pick_device, seed_everything
+from ..train.loop import Trainer, TrainResult, TrainTask
+from ..train.rundir import CONFIG_FILE, check_run_dir, prepare_run_dir, undo_failed_start
+from . import lora
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    """Fields both post-training commands add to the loop's."""
+
+    init: str | None = option(None, "The model directory to start from (e.g. a pretraining run's model/); "
+                                    "its config and tokenizer are kept.")
+    data: str = option("stdlib-instruct", "Examples: .jsonl[.gz], .parquet, a folder or glob of them, hf:NAME, "
+                                          "or a built-in corpus (stdlib-instruct, stdlib-prefs).")
+    val_fraction: float = option(0.05, "Share of the examples held out for evaluation (a hash split).")
+    max_length: int | None = option(None, "Tokens per example (default: the model's context); longer ones are "
+                                          "truncated: the prompt's tail and the response's head are kept.")
+    skip_bad_lines: bool = option(False, "Skip malformed records (counted in the summary) instead of stopping.")
+    lora_rank: int = option(0, "Train rank-R LoRA adapters on the attention and MLP projections instead of "
+                               "every weight (0 = full fine-tuning); merged into RUN/model on save.")
+    lora_alpha: float | None = option(None, "LoRA scale numerator: the update is (alpha / rank) B A "
+                                            "(default 2 x rank).")
+    sample_count: int = option(2, "Held-out prompts answered (greedy) in samples.txt at each evaluation.")
+    # defaults suited to fine-tuning (the loop's suit pretraining)
+    out: str = option("runs/finetune", "Run directory: config, metrics, checkpoints, the best model.")
+    lr: float = option(1e-4, "Peak learning rate.")
+    warmup_steps: int = option(10, "Steps of linear warmup from 0 to the peak.")
+    weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
+    eval_interval: int = option(100, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
+    eval_batches: int = option(10, "Validation batches per evaluation.")
+    batch_size: int = option(8, "Rows (SFT: packed rows of examples; DPO: pairs) per micro-batch.")
+    sample_tokens: int = option(96, "Tokens to sample per held-out prompt at each evaluation (0 = none).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
+        _require("max_length", self.max_length, lambda v: v is None or v >= 8, "an integer >= 8")
+        _require("lora_rank", self.lora_rank, lambda v: v >= 0, "an integer >= 0")
+        _require("lora_alpha", self.lora_alpha, lambda v: v is None or v > 0, "positive")
+        _require("sample_count", self.sample_count, lambda v: v >= 0, "an integer >= 0")
+
+
+def check_init(cfg: FinetuneConfig) -> None:
+    """Every check that needs no real work (a FrawdError here means nothing was written)."""
+    from ..modeldir import load_config, model_file
+
+    check_run_dir(cfg)
+    if not cfg.has_budget:
+        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    if cfg.init is None:
+        raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
+    pick_device(cfg.device)
+    load_config(cfg.init)
+    tok = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
+    if not tok.has_frawd_specials():
+        raise FrawdError(f"{cfg.init}: its tokenizer lacks FrawdLLM's chat tokens (<|user|>, <|assistant|>, ...)")
+
+
+def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
+    """The --init model (train mode, its dropout kept), its tokenizer and the example length."""
+    from ..modeldir import load_model, model_file
+
+    seed_everything(cfg.seed)
+    model = load_model(cfg.init)
+    tokenizer = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
+    context = model.config.context_length
+    if cfg.max_length is not None and cfg.max_length > context:
+        raise FrawdError(f"--max-length {cfg.max_length} exceeds the model's context_length {context}")
+    return model, tokenizer, cfg.max_length or context
+
+
+def plain(model: nn.Module) -> nn.Module:
+    """The model as a plain FrawdLLM (LoRA adapters merged into a copy)."""
+    return lora.merged_copy(model) if lora.has_lora(model) else model
+
+
+def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                   ) -> list[str]:
+    """Greedy answers to chat prompts (ids ending in <|assistant|>)."""
+    from ..infer import Engine, SamplingParams
+
+    if not prompts:
+        return []
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+    return [c.text for c in Engine(plain(model), tokenizer).generate(prompts, params)]
+
+
+def sample_texts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                 ) -> list[str]:
+    answers = answer_prompts(model, tokenizer, prompts, max_new_tokens)
+    return [tokenizer.decode(p) + a for p, a in zip(prompts, answers)]
+
+
+class FinetuneTask(TrainTask):
+    """Saving, LoRA-aware resume and samples, shared by the SFT and DPO tasks."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig,
+                 sample_prompts: list[list[int]]) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg  # (LoRA wraps `model` in place)
+        self.sample_prompts = sample_prompts[:cfg.sample_count]
+
+    def samples(self, model: nn.Module, device: torch.device) -> list[str]:
+        return sample_texts(model, self.tokenizer, self.sample_prompts, self.cfg.sample_tokens)
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        plain(model).save_pretrained(directory, tokenizer=self.tokenizer)
+
+    def load_model(self, model: nn.Module, directory: Path) -> None:
+        if not lora.has_lora(model):
+            super().load_model(model, directory)
+        # with LoRA the base weights are --init's (frozen); the adapters come back in load_state_dict
+
+    def lora_state(self) -> dict:
+        return {"lora": lora.adapter_state(self.model)} if lora.has_lora(self.model) else {}
+
+    def load_lora_state(self, state: dict) -> None:
+        if lora.has_lora(self.model):
+            if "lora" not in state:
+                raise FrawdError("this run's checkpoints hold no LoRA adapters; resume without --lora-rank")
+            lora.load_adapter_state(self.model, state["lora"])
+        elif "lora" in state:
+            raise FrawdError("this run trained LoRA adapters; resume with its --lora-rank")
+
+
+def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Module, Tokenizer, int], FinetuneTask],
+                 callbacks: list | None = None, started_at: float | None = None,
+                 check: Callable[[], None] | None = None) -> TrainResult:
+    """The whole job: checks, OUT, the --init model (LoRA-wrapped if asked), the task
+    (`make_task(model, tokenizer, length)` loads the data), the loop."""
+    from .. import __version__
+
+    started_at = time.perf_counter() if started_at is None else started_at
+    check_init(cfg)
+    if check is not None:
+        check()
+    run_dir = Path(cfg.out)
+    with undo_failed_start(cfg):
+        prepare_run_dir(cfg)
+        model, tokenizer, length = load_init(cfg)
+        task = make_task(model, tokenizer, length)
+        if cfg.lora_rank:
+            lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        header = (f"# rerun: frawd {command} --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+                  f"# frawdllm {__version__}, torch {torch.__version__}; --init {cfg.init}: "
+                  f"{model.config.num_parameters:,} parameters, {trainable:,} trained"
+                  f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''}; examples of {length} tokens\n")
+        saved = type(cfg).from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
+                          started_at=started_at)
+    return trainer.fit()

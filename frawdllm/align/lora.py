@@ -1,0 +1,79 @@
+"""LoRA: fine-tune a few low-rank matrices instead of every weight.
+
+A frozen linear layer W (out x in) gets a trainable update B A, with A (r x in) and
+B (out x r), r small:  y = x W^T + (alpha / r) x A^T B^T.  B starts at zero, so training
+starts from the base model exactly. The adapters go on every attention and MLP projection
+(qkv, proj, up, down); embeddings, norms and the LM head stay frozen.
+
+On save the update is merged, W' = W + (alpha / r) B A, into a plain model directory:
+every other command (chat, generate, export) reads it without knowing LoRA was used.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+TARGETS = ("qkv", "proj", "up", "down")
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # as nn.Linear initialises its weight
+
+    def forward(self, x: Float[Tensor, "*B I"]) -> Float[Tensor, "*B O"]:
+        return self.base(x) + (x @ self.lora_a.T.to(x.dtype)) @ self.lora_b.T.to(x.dtype) * self.scale
+
+    def merged(self) -> nn.Linear:
+        linear = copy.deepcopy(self.base)
+        with torch.no_grad():
+            linear.weight += (self.lora_b.float() @ self.lora_a.float()).to(linear.weight.dtype) * self.scale
+        return linear
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:
+    """Freeze `model` and wrap its projections with adapters (in place); returns it."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be positive, got {rank}")
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in TARGETS and isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha if alpha is not None else 2.0 * rank))
+    return model
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def merged_copy(model: nn.Module) -> nn.Module:
+    """A plain copy of `model` with every adapter merged into its layer."""
+    plain = copy.deepcopy(model)
+    for module in list(plain.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(module, name, child.merged())
+    return plain
+
+
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    params = dict(model.named_parameters())
+    if set(state) != {name for name in params if "lora_" in name}:
+        raise ValueError("the saved adapters do not fit this model (another --lora-rank?)")
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)

@@ -1,0 +1,127 @@
+"""Packing: several short examples share one row of the batch, without seeing each other.
+
+A row of length L holds examples back to back (then padding). Three things keep them apart:
+
+    positions   restart at 0 for each example (rotary / learned positions as if alone)
+    mask        block-diagonal causal: token i attends token j only if j <= i and both
+                belong to the same example (padding attends only padding)
+    targets     each example predicts only its own next tokens (-100 elsewhere)
+
+so each example's loss is what it would be alone in a row (tests check this to 1e-5).
+The mask reaches attention through the model's KV-cache protocol (`DocumentMask.update`
+returns the keys and values unchanged, and the mask): no separate attention code.
+
+Rows are filled greedily in the (shuffled) example order: an example that does not fit
+in the current row starts the next one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from ..model.gpt import IGNORE_INDEX
+from .examples import Example
+
+
+class DocumentMask:
+    """What a packed batch attends over: its own keys and values, under a block-diagonal
+    causal mask (the `KVCacheLike` protocol of model/attention.py)."""
+
+    def __init__(self, documents: Int[Tensor, "B T"]) -> None:
+        self.mask = document_mask(documents)
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return k, v, self.mask
+
+
+def document_mask(documents: Int[Tensor, "B T"]) -> Bool[Tensor, "B 1 T T"]:
+    """True where query i may attend key j: same document, j <= i."""
+    T = documents.shape[1]
+    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def pack_rows(examples: list[Example], length: int, pack: bool = True) -> list[list[int]]:
+    """Greedy rows: lists of example indices whose inputs (len(ids) - 1 tokens) fit in `length`
+    (one example per row if not `pack`)."""
+    if not pack:
+        return [[i] for i in range(len(examples))]
+    rows, row, used = [], [], 0
+    for i, example in enumerate(examples):
+        n = len(example.ids) - 1
+        if n > length:
+            raise ValueError(f"example {i} has {n} input tokens, more than the row length {length}")
+        if used + n > length and row:
+            rows.append(row)
+            row, used = [], 0
+        row.append(i)
+        used += n
+    if row:
+        rows.append(row)
+    return rows
+
+
+def collate(examples: list[Example], rows: list[list[int]], length: int) -> dict[str, Tensor]:
+    """A batch of packed rows: tokens, targets, positions and document ids, each (B, L).
+    Padding has token 0, target -100 and document -1 (it attends only padding)."""
+    B = len(rows)
+    tokens = np.zeros((B, length), dtype=np.int64)
+    targets = np.full((B, length), IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros((B, length), dtype=np.int64)
+    documents = np.full((B, length), -1, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for doc, i in enumerate(row):
+            ids, trained = examples[i].ids, examples[i].trained
+            n = len(ids) - 1
+            tokens[r, at:at + n] = ids[:-1]
+            targets[r, at:at + n] = np.where(trained[1:], ids[1:], IGNORE_INDEX)
+            positions[r, at:at + n] = np.arange(n)
+            documents[r, at:at + n] = doc
+            at += n
+    return {"tokens": torch.from_numpy(tokens), "targets": torch.from_numpy(targets),
+            "positions": torch.from_numpy(positions), "documents": torch.from_numpy(documents)}
+
+
+class PackedLoader:
+    """Packed batches of `batch_size` rows over the examples, reshuffled each epoch (seeded);
+    resumable through `state_dict`."""
+
+    def __init__(self, examples: list[Example], batch_size: int, length: int, seed: int, pack: bool = True) -> None:
+        self.examples, self.batch_size, self.length, self.seed = examples, batch_size, length, seed
+        self.pack = pack
+        self.epoch, self.position = 0, 0
+        self._rows_for_epoch()
+
+    def _rows_for_epoch(self) -> None:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples))
+        rows = pack_rows([self.examples[i] for i in order], self.length, self.pack)
+        self.rows = [[int(order[i]) for i in row] for row in rows]
+
+    def next_batch(self) -> dict[str, Tensor]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position >= len(self.rows):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._rows_for_epoch()
+            batch.append(self.rows[self.position])
+            self.position += 1
+        return collate(self.examples, batch, self.length)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._rows_for_epoch()
+
+
+def fixed_batches(examples: list[Example], batch_size: int, length: int, pack: bool = True,
+                  ) -> list[dict[str, Tensor]]:
+    """Every example once, in order: evaluation batches."""
+    rows = pack_rows(examples, length, pack)
+    return [collate(examples, rows[i:i + batch_size], length) for i in range(0, len(rows), batch_size)]

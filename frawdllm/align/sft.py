@@ -1,0 +1,115 @@
+"""`frawd sft`: supervised fine-tuning, the first step from a base model to a chat model.
+
+The model sees whole conversations in the chat template and learns only the assistant's
+tokens (examples.py says which); examples are packed several to a row with attention kept
+inside each one (packing.py). The held-out split's loss on assistant tokens is the
+validation loss; samples.txt holds the model's greedy answers to held-out prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from ..errors import FrawdError
+from ..tokenizer import Tokenizer
+from ..train.config import option
+from ..train.loop import TrainResult
+from ..train.losses import linear_cross_entropy
+from .examples import TRAIN_ON, Example, LoadSummary, chat_messages, collect, iter_source, tokenize_chat, truncate
+from .job import FinetuneConfig, FinetuneTask, run_finetune
+from .packing import DocumentMask, PackedLoader, fixed_batches
+
+
+@dataclass
+class SFTConfig(FinetuneConfig):
+    """`frawd sft`: fine-tune a model directory on conversations."""
+
+    train_on: str = option("assistant", "Tokens that carry the loss: assistant (every assistant turn), last "
+                                        "(the last assistant turn), all (every token: no masking).")
+    pack: bool = option(True, "Pack several examples per row (attention kept inside each example).")
+    out: str = option("runs/sft", "Run directory: config, metrics, checkpoints, the best model.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.train_on not in TRAIN_ON:
+            raise FrawdError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
+
+
+def packed_hidden(model: nn.Module, batch: dict[str, Tensor]) -> Float[Tensor, "B T D"]:
+    return model.hidden_states(batch["tokens"], batch["positions"], DocumentMask(batch["documents"]))
+
+
+def sft_loss(model: nn.Module, batch: dict[str, Tensor]) -> Float[Tensor, ""]:
+    """Mean cross-entropy over the batch's trained tokens."""
+    hidden = packed_hidden(model, batch)  # (B, T, D)
+    return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch["targets"].flatten())
+
+
+def prompt_of(example: Example) -> list[int]:
+    """The ids before the first trained token (for a chat example: ending in <|assistant|>)."""
+    return example.ids[:example.trained.index(True)] if any(example.trained) else example.ids
+
+
+def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[list[Example], list[Example],
+                                                                             LoadSummary]:
+    def convert(record, where):
+        # length + 1 ids give `length` inputs (the last id is only a target)
+        return truncate(tokenize_chat(tokenizer, chat_messages(record, where), cfg.train_on), length + 1)
+
+    summary = LoadSummary()
+    train, val = collect(iter_source(cfg.data, "sft"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary)
+    if not train:
+        raise FrawdError(f"--data {cfg.data}: every example fell in the held-out split; lower --val-fraction")
+    return train, val, summary
+
+
+class SFTTask(FinetuneTask):
+    def __init__(self, train: list[Example], val: list[Example], model: nn.Module, tokenizer: Tokenizer,
+                 cfg: SFTConfig, length: int) -> None:
+        super().__init__(model, tokenizer, cfg, [prompt_of(e) for e in val])
+        self.length = length
+        self.loader = PackedLoader(train, cfg.batch_size, length, cfg.seed, pack=cfg.pack)
+        self.val_batches = fixed_batches(val, cfg.batch_size, length, pack=cfg.pack)[:cfg.eval_batches]
+        self.flops_per_token = model.config.flops_per_token(length)
+
+    def next_batch(self) -> dict[str, Tensor]:
+        return self.loader.next_batch()
+
+    def batch_tokens(self, batch: dict[str, Tensor]) -> int:
+        return int((batch["documents"] >= 0).sum())  # padding is no work done
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return sft_loss(model, batch)
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """`val_loss`: the mean loss over the held-out batches' trained tokens."""
+        from ..train.loop import to_device
+
+        total, count = 0.0, 0
+        for batch in self.val_batches:
+            batch = to_device(batch, device)
+            n = int((batch["targets"] != -100).sum())
+            total += float(sft_loss(model, batch)) * n
+            count += n
+        return {"val_loss": total / count} if count else {}
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict(), **self.lora_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.load_lora_state(state)
+
+
+def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
+    def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> SFTTask:
+        train, val, summary = load_examples(cfg, tokenizer, length)
+        if cfg.progress:
+            print(f"sft data: {summary.line()}", flush=True)
+        return SFTTask(train, val, model, tokenizer, cfg, length)
+
+    return run_finetune(cfg, "sft", make_task, callbacks, started_at)

@@ -1,0 +1,5 @@
+"""`python -m frawdllm.cli ...` is `frawd ...` (torchrun starts each rank this way)."""
+
+from . import main
+
+main()

@@ -1,0 +1,46 @@
+"""`--nproc N`: run a training command on N processes of this machine under torchrun.
+
+The command starts again as `python -m torch.distributed.run --standalone --nproc-per-node N
+-m frawdllm.cli <the same arguments>`: PyTorch's own launcher starts the ranks, watches
+them and stops them all when one fails. Several machines, restarts after a failure
+(`--max-restarts`) and other rendezvous options: call torchrun yourself (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+
+from ..errors import FrawdError
+
+
+def nproc_option():
+    return click.option("--nproc", type=click.IntRange(min=1), default=None,
+                        help="Train on N processes of this machine (one per GPU; CPU: gloo): runs this command "
+                             "under torchrun --standalone --nproc-per-node N. See --parallel, docs/distributed.md.")
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def relaunch_under_torchrun(nproc: int) -> None:
+    """Run this command again on `nproc` ranks; exits with torchrun's status."""
+    from ..train.distributed import launched
+
+    if launched():
+        raise FrawdError("--nproc starts torchrun, and this process already runs under it: leave --nproc out")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])]
+    click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
+    raise SystemExit(subprocess.call(command))

@@ -1,0 +1,115 @@
+"""`frawd serve`: the OpenAI-compatible API (and a chat page) over one or more models."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import FrawdError
+from .sampling_flags import load_engine
+
+
+def _named(spec: str) -> tuple[str, str]:
+    """'NAME=DIR' or 'DIR' (named after the directory)."""
+    name, sep, directory = spec.partition("=")
+    if not sep:
+        directory = spec
+        name = Path(spec.rstrip("/")).name or spec
+    if not name or not directory:
+        raise FrawdError(f"--model {spec!r}: give DIR or NAME=DIR")
+    return name, directory
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@click.option("--model", "models", multiple=True, required=True, metavar="[NAME=]DIR",
+              help="A model directory, named after the directory or NAME (repeatable: several models, "
+                   "chosen by the request's \"model\").")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; then set an API key).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="FRAWD_API_KEY", default=None, show_envvar=True,
+              help="Requests to /v1/* must send 'Authorization: Bearer KEY' [default: none needed].")
+@click.option("--max-batch", type=click.IntRange(1, 1024), default=32, show_default=True,
+              help="Rows decoded together per model (continuous batching).")
+@click.option("--max-queue", type=click.IntRange(0), default=256, show_default=True,
+              help="Requests waiting for a row per model; beyond it a 429.")
+@click.option("--max-in-flight", type=click.IntRange(1), default=512, show_default=True,
+              help="Open requests (waiting, running, streaming) in all; beyond it a 429.")
+@click.option("--max-tokens", type=click.IntRange(1), default=1024, show_default=True,
+              help="The largest max_tokens a request may ask for.")
+@click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="max_tokens of a request that gives none (at most the context).")
+@click.option("--max-n", type=click.IntRange(1), default=8, show_default=True, help="The largest n.")
+@click.option("--max-body", "max_body", type=click.IntRange(1), default=1 << 20, show_default=True,
+              help="The largest request body in bytes; beyond it a 413.")
+@click.option("--native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto", show_default=True,
+              help="The C forward (see frawd generate --help).")
+@click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads [default: torch's choice].")
+@click.option("--log-level", type=click.Choice(["info", "warning", "error"]), default="info", show_default=True,
+              help="info prints one JSON access-log line per request on stderr.")
+def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
+          max_in_flight: int, max_tokens: int, default_max_tokens: int, max_n: int, max_body: int, native: str,
+          quantize: str, threads: int | None, log_level: str) -> None:
+    """Serve models over an OpenAI-compatible API, with a chat page at /.
+
+    POST /v1/chat/completions and /v1/completions (streaming with "stream": true), GET
+    /v1/models, /health and /metrics (Prometheus). Requests share each model through
+    continuous batching. SIGTERM (or Ctrl-C) finishes the open requests, then exits.
+
+    \b
+    Examples:
+      frawd serve --model runs/shakespeare/model
+      FRAWD_API_KEY=secret frawd serve --model a=runs/a/model --model b=runs/b/model --port 9000
+    """
+    import uvicorn
+
+    from ..serve import ServeOptions, create_app
+
+    named = [_named(spec) for spec in models]
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise FrawdError(f"two models are named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
+                         "name them with --model NAME=DIR")
+    if api_key is not None and not api_key:
+        raise FrawdError("the API key is empty")
+    engines = {}
+    for name, directory in named:
+        engine = load_engine(directory, quantize=quantize, threads=threads, native=native)
+        engine.plan()  # measured (once per machine) before the first request, not during it
+        engines[name] = engine
+    options = ServeOptions(api_key=api_key, max_batch=max_batch, max_queue=max_queue, max_in_flight=max_in_flight,
+                           max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
+                           max_body_bytes=max_body)
+    app = create_app(engines, options)
+    access = logging.getLogger("frawdllm.serve.access")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.setLevel(log_level.upper())
+    access.propagate = False
+    if not _loopback(host) and api_key is None:
+        click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it",
+                   err=True)
+    click.echo(f"serving {', '.join(engines)} on http://{host}:{port} (OpenAI API at /v1, chat page at /)",
+               err=True)
+    # uvicorn drains open requests on SIGTERM, then raises the signal again under the handler
+    # it found: this one, so that a drained shutdown exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=120)
+    uvicorn.Server(config).run()

@@ -1,0 +1,103 @@
+"""Structured records (one JSON object per example) from the same sources as documents.
+
+    *.jsonl[.gz]                 one JSON object a line
+    *.parquet                    one row a record, every column, through pyarrow
+    hf:NAME[:CONFIG][@SPLIT]     a Hugging Face dataset's rows (NAME may be a local directory)
+    path/to/folder, a glob       every such file below it, sorted
+
+Each record comes with where it was read ("file:line" or "file:row N"), so a caller can
+report a bad one precisely. A line that is not valid JSON is yielded as a `BadRecord`:
+the caller decides whether that stops the run or is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import FrawdError
+from .sources import _open_text, parse_hf_spec, resolve_files
+
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+@dataclass
+class BadRecord:
+    problem: str
+
+
+def iter_records(spec: str) -> Iterator[tuple[str, object]]:
+    """(where, record) pairs of a record source, in a deterministic order; a record is a
+    parsed JSON value or a `BadRecord`. The source is checked at once."""
+    if spec.startswith("hf:"):
+        return _hf_records(spec)
+    files = resolve_files(spec)
+    for path in files:
+        if not path.name.lower().endswith(RECORD_SUFFIXES):
+            raise FrawdError(f"{path}: expected a .jsonl, .jsonl.gz or .parquet file of examples")
+    return _file_records(files)
+
+
+def _file_records(files: list[Path]) -> Iterator[tuple[str, object]]:
+    for path in files:
+        if path.name.lower().endswith(".parquet"):
+            yield from _parquet_records(path)
+        else:
+            yield from _jsonl_records(path)
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
+    with _open_text(path) as f:
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield where, BadRecord(f"not valid JSON ({exc.msg})")
+        except (OSError, EOFError) as exc:  # a corrupt .gz
+            raise FrawdError(f"{path}: cannot read ({exc})") from None
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise FrawdError("reading Parquet needs pyarrow: pip install 'frawdllm[hf]'") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+        raise FrawdError(f"{path}: not a readable Parquet file ({exc})") from None
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", record
+
+
+def _hf_records(spec: str) -> Iterator[tuple[str, object]]:
+    name, config, split = parse_hf_spec(spec)
+    try:
+        import datasets
+    except ImportError:
+        raise FrawdError("hf: sources need the datasets library: pip install 'frawdllm[hf]'") from None
+    local = Path(name)
+    try:
+        if local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
+            dataset = datasets.load_from_disk(str(local))
+            if isinstance(dataset, datasets.DatasetDict):
+                if split not in dataset:
+                    raise FrawdError(f"{spec}: no split {split!r} (splits: {', '.join(dataset)})")
+                dataset = dataset[split]
+        else:
+            dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+    except FrawdError:
+        raise
+    except Exception as exc:  # datasets raises many kinds (not found, offline, bad split)
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FrawdError(f"{spec}: cannot load dataset ({message})") from None
+    return ((f"{spec}:row {i + 1}", record) for i, record in enumerate(dataset))

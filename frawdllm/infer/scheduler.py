@@ -1,0 +1,297 @@
+"""Continuous batching: requests join a running batch at any step and leave the moment they finish.
+
+    scheduler = Scheduler(engine, max_batch=32)
+    handle = scheduler.submit(prompt_ids, SamplingParams(max_new_tokens=50))
+    for chunk in handle:            # StreamChunk: index = sample, text, token, finish_reason
+        print(chunk.text, end="")
+    scheduler.close()
+
+`Engine.generate` runs a batch that starts together and ends when its last row does; a
+server's requests arrive at any time. Here one thread runs a loop of steps:
+
+1. rows of cancelled requests leave (a client that went away frees its row);
+2. waiting requests join while rows are free: each prompt is prefilled alone, exactly as
+   `Engine.generate` prefills one prompt (its first token comes from that), and its
+   keys and values are copied into a free row of the batch cache (`RowKVCache`, one
+   length per row; n samples share one prefill). At most `prefill_tokens` prompt tokens
+   are prefilled per step, so a burst of long prompts does not stall the decoding rows;
+3. one decode step for every row: each row feeds its newest token at its own position,
+   and gets its next token from `sampling.sample_next` with its own parameters, random
+   generator and repetition history. A finished row leaves at once (the last row moves
+   into its place, keeping the batch dense).
+
+A row's arithmetic does not depend on which other rows share the step: `native.c` sums
+each row of a product in the same order whatever the row count, and a row attends only
+its own slots. So greedy output equals `Engine.generate`'s token for token (when both run
+the native forward; PyTorch's batched products may round differently).
+
+`submit` raises `QueueFull` when `max_queue` requests already wait; `close(drain=True)`
+finishes what was accepted first. The HTTP server (`frawdllm.serve`) is a thin layer over this.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import FrawdError
+from .cache import KVCache, RowKVCache
+from .engine import Engine, StreamChunk
+from .sampling import SamplingParams, greedy_choice, make_generator, sample_next
+from .textstream import TextStream
+
+_SEED_STRIDE = 1_000_003  # sample i of a seeded request draws from seed + i * stride
+
+
+class QueueFull(FrawdError):
+    """More requests are waiting than the scheduler accepts."""
+
+
+class Request:
+    """One submitted prompt: its chunks arrive through `listener` (or iterate the handle)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], params: SamplingParams,
+                 listener: Callable[[StreamChunk | BaseException], None] | None) -> None:
+        self.id = next(Request._ids)
+        self.prompt, self.params = prompt, params
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_samples = 0
+        self._queue: queue.SimpleQueue | None = None
+        if listener is None:
+            self._queue = queue.SimpleQueue()
+            listener = self._queue.put
+        self.listener = listener
+
+    def cancel(self) -> None:
+        """Stop generating for this request (its rows leave at the next step)."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.finished_samples >= self.params.num_samples
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        """The chunks of every sample until all are finished (only without a listener)."""
+        if self._queue is None:
+            raise TypeError("this request delivers to its listener")
+        finished = 0
+        while finished < self.params.num_samples:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished += item.finish_reason is not None
+            yield item
+
+
+@dataclass
+class _Row:
+    request: Request
+    sample: int
+    tokens: list[int]  # prompt + generated
+    stream: TextStream
+    generator: torch.Generator | None
+    seen: Tensor | None  # (V,) bool: tokens in the sequence (repetition penalty)
+    generated: int = 0
+    last: int = 0  # newest token, fed at the next step
+
+
+class Scheduler:
+    """Continuous batching over one `Engine`, on a thread of its own."""
+
+    def __init__(self, engine: Engine, *, max_batch: int = 32, max_queue: int = 256,
+                 prefill_tokens: int = 512) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise FrawdError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
+        if engine.overflow != "stop":
+            raise FrawdError("continuous batching needs an engine with overflow='stop'")
+        self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.prefill_tokens = prefill_tokens
+        cfg = engine.config
+        self.cache = RowKVCache(cfg, max_batch, cfg.context_length, dtype=engine.dtype, device=engine.device)
+        self.rows: list[_Row] = []  # batch position -> row
+        self.waiting: deque[Request] = deque()
+        self.generated_tokens = 0  # since start, all requests
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="frawd-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- the outside ---------------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               listener: Callable[[StreamChunk | BaseException], None] | None = None) -> Request:
+        """Queue a prompt (text or ids). Chunks go to `listener(chunk)` from the scheduler's
+        thread (it must not block), or, without one, iterate the returned request."""
+        params = params or SamplingParams()
+        ids = self.engine.encode(prompt)
+        if params.num_samples > self.max_batch:
+            raise FrawdError(f"n = {params.num_samples} samples do not fit a batch of {self.max_batch}")
+        request = Request(ids, params, listener)
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (the queue's limit)")
+            self.waiting.append(request)
+            self._cond.notify()
+        return request
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop: after every accepted request finished (drain), or at the next
+        step (open requests are cancelled and told so with a FrawdError)."""
+        with self._cond:
+            self._closing = True
+            if not drain:
+                for request in [*self.waiting, *{id(r.request): r.request for r in self.rows}.values()]:
+                    request.cancel()
+                    request.listener(FrawdError("the scheduler was closed"))
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self.waiting and not self.rows and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self.waiting and not self.rows:
+                    return
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self.rows:
+                    self._decode()
+            except Exception as error:  # never leave a client waiting forever
+                self._fail_all(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cond:
+            requests = {id(r.request): r.request for r in self.rows} | {id(r): r for r in self.waiting}
+            self.waiting.clear()
+        self.rows.clear()
+        self.cache.rows = 0
+        for request in requests.values():
+            request.listener(error)
+
+    def _drop_cancelled(self) -> None:
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].request.cancelled:
+                self._remove(i)
+        with self._cond:
+            kept = [r for r in self.waiting if not r.cancelled]
+            if len(kept) != len(self.waiting):
+                self.waiting = deque(kept)
+
+    def _remove(self, i: int) -> None:
+        """Row i leaves; the last row takes its place."""
+        last = len(self.rows) - 1
+        if i != last:
+            self.cache.move(i, last)
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        self.cache.rows = len(self.rows)
+
+    def _admit(self) -> None:
+        budget = self.prefill_tokens
+        while budget > 0:
+            with self._cond:
+                if not self.waiting or self.waiting[0].params.num_samples > self.max_batch - len(self.rows):
+                    return
+                request = self.waiting.popleft()
+            budget -= len(request.prompt)
+            self._prefill(request)
+
+    @torch.inference_mode()
+    def _prefill(self, request: Request) -> None:
+        engine, ids, params = self.engine, request.prompt, request.params
+        cache = KVCache(engine.config, 1, len(ids), dtype=engine.dtype, device=engine.device)
+        cache.begin(len(ids))
+        tokens = torch.tensor([ids], dtype=torch.long, device=engine.device)
+        positions = torch.arange(len(ids), device=engine.device)[None, :]
+        logits = engine.forward(tokens, positions, cache)  # (1, V)
+        for sample in range(params.num_samples):
+            seed = None if params.seed is None else (params.seed + sample * _SEED_STRIDE) % 2**64
+            seen = None
+            if params.repetition_penalty != 1.0:
+                seen = torch.zeros(engine.config.vocab_size, dtype=torch.bool, device=engine.device)
+                seen[ids] = True
+            row = _Row(request, sample, list(ids), TextStream(engine.tokenizer, params.stop),
+                       None if params.greedy else make_generator(seed, engine.device), seen)
+            position = len(self.rows)
+            self.rows.append(row)
+            self.cache.load(position, cache, len(ids))
+        self.cache.rows = len(self.rows)
+        first = len(self.rows) - params.num_samples
+        self._emit(list(range(first, len(self.rows))), logits.expand(params.num_samples, -1))
+
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        batch = len(self.rows)
+        tokens = torch.tensor([[r.last] for r in self.rows], dtype=torch.long, device=self.engine.device)
+        positions = self.cache.lengths[:batch, None].clone()  # (B, 1): no padding, position = slot
+        self.cache.begin(1)
+        logits = self.engine.forward(tokens, positions.to(self.engine.device), self.cache)
+        self._emit(list(range(batch)), logits)
+
+    def _emit(self, batch_rows: list[int], logits: Float[Tensor, "B V"]) -> None:
+        """Sample each row's next token, hand out its text, and remove finished rows."""
+        engine = self.engine
+        chosen = self._sample([self.rows[i] for i in batch_rows], logits)
+        finished = []
+        now = time.perf_counter()
+        for i, token in zip(batch_rows, chosen):
+            row = self.rows[i]
+            request, params = row.request, row.request.params
+            row.tokens.append(token)
+            row.generated += 1
+            row.last = token
+            if row.seen is not None:
+                row.seen[token] = True
+            self.generated_tokens += 1
+            if request.first_token_at is None:
+                request.first_token_at = now
+            reason = engine.finish_reason(token, params, row.generated, len(row.tokens))
+            text, reason = engine.push_text(row.stream, token, reason, params)
+            if reason is not None:
+                finished.append(i)
+                request.finished_samples += 1
+            request.listener(StreamChunk(row.sample, text, token, reason))
+        for i in sorted(finished, reverse=True):
+            self._remove(i)
+
+    def _sample(self, rows: list[_Row], logits: Float[Tensor, "B V"]) -> list[int]:
+        """The one sampler, per row (each has its own parameters and generator); plain
+        greedy rows share one argmax."""
+        out: list[int | None] = [None] * len(rows)
+        plain = [i for i, r in enumerate(rows) if r.request.params.greedy and r.seen is None]
+        if plain:
+            for i, token in zip(plain, greedy_choice(logits[plain]).tolist()):
+                out[i] = token
+        for i, row in enumerate(rows):
+            if out[i] is None:
+                seen = row.seen[None, :] if row.seen is not None else None
+                out[i] = int(sample_next(logits[i:i + 1], row.request.params, row.generator, seen)[0])
+        return out  # type: ignore[return-value]
+
+
+__all__ = ["Scheduler", "Request", "QueueFull"]

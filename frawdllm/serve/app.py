@@ -1,0 +1,463 @@
+"""The HTTP layer: an OpenAI-compatible API over one `Scheduler` per model.
+
+    app = create_app({"tiny": engine}, ServeOptions(api_key="..."))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events ending
+in `data: [DONE]` with "stream": true), GET /v1/models, /health, /metrics (Prometheus) and
+/ (the chat page in `static/`). Everything about generation lives in
+`frawdllm.infer.scheduler`; this module turns requests into prompts and `SamplingParams`,
+scheduler chunks into OpenAI's bodies, and enforces the limits:
+
+- an API key (`Authorization: Bearer KEY`, compared in constant time) on /v1/*;
+- bodies over `max_body_bytes` are a 413, more than `max_in_flight` open requests or a
+  full scheduler queue a 429, `max_tokens` and `n` above their caps a 400;
+- every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`;
+- a client that goes away cancels its request (its batch row is freed at the next step);
+- one JSON access-log line per request (logger "frawdllm.serve.access").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import FrawdError
+from ..infer.chat import ROLE_TOKEN_IDS, fit_history
+from ..infer.engine import Engine, StreamChunk
+from ..infer.sampling import SamplingParams
+from ..infer.scheduler import QueueFull, Request as Job, Scheduler
+from .schemas import MAX_STOP, ChatCompletionRequest, CompletionRequest
+
+access_log = logging.getLogger("frawdllm.serve.access")
+
+
+@dataclass
+class ServeOptions:
+    api_key: str | None = None
+    max_batch: int = 32  # rows decoded together, per model
+    max_queue: int = 256  # requests waiting for a row, per model
+    max_in_flight: int = 512  # open requests (waiting, running or streaming), all models
+    max_tokens: int = 1024  # cap on max_tokens
+    default_max_tokens: int = 256  # when a request gives none
+    max_n: int = 8  # cap on n
+    max_body_bytes: int = 1 << 20
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class _Metrics:
+    def __init__(self, models: dict[str, Scheduler]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("frawd_requests", "HTTP requests answered", ["path", "status"], registry=r)
+        self.prompt_tokens = Counter("frawd_prompt_tokens", "Prompt tokens of accepted requests", ["model"],
+                                     registry=r)
+        self.generated = Counter("frawd_generated_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("frawd_time_to_first_token_seconds", "Submit to first token", ["model"], registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.latency = Histogram("frawd_request_seconds", "Request duration", ["model"], registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        queue = Gauge("frawd_queue_depth", "Requests waiting for a batch row", ["model"], registry=r)
+        running = Gauge("frawd_running_rows", "Rows in the running batch", ["model"], registry=r)
+        rate = Gauge("frawd_tokens_per_second", "Tokens generated per second since the previous scrape", ["model"],
+                     registry=r)
+        for name, scheduler in models.items():
+            queue.labels(name).set_function(lambda s=scheduler: s.queue_depth)
+            running.labels(name).set_function(lambda s=scheduler: s.running)
+            rate.labels(name).set_function(_Rate(scheduler))
+
+
+class _Rate:
+    """Tokens/s of a scheduler between two reads."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.last = scheduler, (time.perf_counter(), scheduler.generated_tokens)
+
+    def __call__(self) -> float:
+        now, count = time.perf_counter(), self.scheduler.generated_tokens
+        (then, before), self.last = self.last, (now, count)
+        return (count - before) / max(now - then, 1e-9)
+
+
+class _Guard:
+    """ASGI middleware: the body-size cap (413) and the access log."""
+
+    def __init__(self, app: Any, max_body_bytes: int, metrics: _Metrics) -> None:
+        self.app, self.max_body, self.metrics = app, max_body_bytes, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        scope.setdefault("state", {})["log"] = log = {}
+        status = {"code": 0}
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:  # (a chunked body has no length header)
+                    raise ApiError(413, f"the request body is larger than {self.max_body} bytes")
+            return message
+
+        async def logged_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                error = ApiError(413, f"the request body is larger than {self.max_body} bytes")
+                await error.response()(scope, receive, logged_send)
+            else:
+                await self.app(scope, limited_receive, logged_send)
+        finally:  # also when the client went away mid-stream (status 499, as nginx logs it)
+            self._log(scope, status["code"] if status["code"] and "cancelled" not in log else 499, start, log)
+
+    def _log(self, scope: dict, status: int, start: float, log: dict) -> None:
+        path = scope["path"]
+        known = path if path in KNOWN_PATHS else "other"
+        self.metrics.requests.labels(known, str(status)).inc()
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        client = scope.get("client") or ("-", 0)
+        record = {"time": round(time.time(), 3), "client": client[0], "method": scope["method"], "path": path,
+                  "status": status, "ms": round(1000 * (time.perf_counter() - start), 1), **log}
+        access_log.info(json.dumps(record))
+
+
+KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+
+
+def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) -> FastAPI:
+    """The API over `engines` (model name -> Engine), one scheduler each."""
+    options = options or ServeOptions()
+    if not engines:
+        raise FrawdError("give at least one model")
+    schedulers = {name: Scheduler(engine, max_batch=options.max_batch, max_queue=options.max_queue)
+                  for name, engine in engines.items()}
+    metrics = _Metrics(schedulers)
+    created = int(time.time())
+    state = {"in_flight": 0, "draining": False}
+
+    async def lifespan(app: FastAPI):
+        yield
+        state["draining"] = True
+        for scheduler in schedulers.values():  # uvicorn has waited for open requests (SIGTERM drain)
+            await asyncio.to_thread(scheduler.close, True, 30.0)
+
+    app = FastAPI(title="FrawdLLM", version="1", lifespan=lifespan,
+                  description="An OpenAI-compatible API over FrawdLLM models, with continuous batching.")
+    app.state.schedulers = schedulers
+    app.state.options = options
+
+    # ---- errors: OpenAI's object -----------------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        text = f"{'.'.join(where)}: {message}" if where else message
+        return ApiError(400, text, param=".".join(where) or None, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return ApiError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, error: Exception) -> JSONResponse:
+        logging.getLogger("frawdllm.serve").exception("internal error")
+        return ApiError(500, f"internal error: {type(error).__name__}").response()
+
+    # ---- auth ------------------------------------------------------------------------------------
+    def check_key(request: Request) -> None:
+        if options.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), options.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
+
+    def scheduler_for(name: str) -> Scheduler:
+        if name not in schedulers:
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {', '.join(schedulers)}",
+                           param="model", code="model_not_found")
+        return schedulers[name]
+
+    # ---- routes ----------------------------------------------------------------------------------
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(resources.files(__package__).joinpath("static/index.html").read_text("utf-8"))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "draining" if state["draining"] else "ok", "models": list(schedulers),
+                "running": sum(s.running for s in schedulers.values()),
+                "waiting": sum(s.queue_depth for s in schedulers.values())}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def list_models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "frawdllm",
+             "context_length": s.engine.config.context_length} for name, s in schedulers.items()]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        scheduler = scheduler_for(body.model)
+        engine = scheduler.engine
+        max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            if body.truncate:
+                ids, _ = fit_history(engine.tokenizer, messages, engine.config.context_length, 1)
+            else:
+                ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+        except FrawdError as error:
+            raise ApiError(400, str(error), param="messages") from None
+        params = _params(body, max_new, options, stop_token_ids=ROLE_TOKEN_IDS)
+        return await _answer(request, scheduler, body, ids, params, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        scheduler = scheduler_for(body.model)
+        engine = scheduler.engine
+        max_new = _max_new(body.max_tokens, options, engine)
+        try:
+            ids = engine.encode(body.prompt) if body.truncate is False else None
+        except FrawdError as error:
+            raise ApiError(400, str(error), param="prompt") from None
+        if ids is None:  # truncate: the last context - 1 tokens (room for one new token)
+            raw = engine.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            try:
+                ids = engine.encode(raw[-(engine.config.context_length - 1):])
+            except FrawdError as error:
+                raise ApiError(400, str(error), param="prompt") from None
+        params = _params(body, max_new, options)
+        return await _answer(request, scheduler, body, ids, params, chat=False)
+
+    async def _answer(request: Request, scheduler: Scheduler, body: Any, ids: list[int], params: SamplingParams,
+                      chat: bool):
+        if state["in_flight"] >= options.max_in_flight:
+            raise ApiError(429, f"{state['in_flight']} requests are open (the server's limit); retry later",
+                           code="too_many_requests")
+        if len(ids) >= scheduler.engine.config.context_length + 1:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context is "
+                                f"{scheduler.engine.config.context_length}", param="messages" if chat else "prompt")
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        try:
+            job = scheduler.submit(ids, params, lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item))
+        except QueueFull as error:
+            raise ApiError(429, str(error), code="queue_full") from None
+        except FrawdError as error:
+            raise ApiError(400, str(error)) from None
+        state["in_flight"] += 1
+        metrics.prompt_tokens.labels(body.model).inc(len(ids))
+        log = request.scope["state"]["log"]
+        log.update(model=body.model, prompt_tokens=len(ids), n=params.num_samples, stream=body.stream)
+        reply = _Reply(body, job, chunks, chat, len(ids), created=int(time.time()))
+        reply.log = log
+        if body.stream:
+            return StreamingResponse(reply.events(request, finish), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return JSONResponse(await reply.whole(request))
+        finally:
+            finish(reply)
+
+    def finish(reply: "_Reply") -> None:
+        reply.job.cancel()  # (no-op when it finished): a client gone frees the rows
+        state["in_flight"] -= 1
+        model = reply.body.model
+        metrics.generated.labels(model).inc(reply.completion_tokens)
+        metrics.latency.labels(model).observe(time.perf_counter() - reply.job.submitted)
+        if reply.job.first_token_at is not None:
+            metrics.ttft.labels(model).observe(reply.job.first_token_at - reply.job.submitted)
+        request_log = reply.log
+        request_log.update(completion_tokens=reply.completion_tokens, ttft_ms=reply.ttft_ms,
+                         finish=reply.finish_reasons)
+        if not reply.job.done:
+            request_log["cancelled"] = True
+
+    app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, metrics=metrics)
+    return app
+
+
+def _max_new(asked: int | None, options: ServeOptions, engine: Engine) -> int:
+    if asked is not None and asked > options.max_tokens:
+        raise ApiError(400, f"max_tokens is {asked}; this server allows at most {options.max_tokens}",
+                       param="max_tokens")
+    return asked or min(options.default_max_tokens, engine.config.context_length)
+
+
+def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    if body.n > options.max_n:
+        raise ApiError(400, f"n is {body.n}; this server allows at most {options.max_n}", param="n")
+    if body.n > options.max_batch:
+        raise ApiError(400, f"n is {body.n} but a batch holds {options.max_batch} rows", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise ApiError(400, f"{name} is not supported; use repetition_penalty (1 = off, 1.1-1.3 typical)",
+                           param=name)
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"at most {MAX_STOP} stop strings", param="stop")
+    if any(s == "" for s in stop):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    values = dict(max_new_tokens=max_new, num_samples=body.n, stop=stop, stop_token_ids=stop_token_ids,
+                  seed=body.seed, temperature=1.0 if body.temperature is None else body.temperature)
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(body, name) is not None:
+            values[name] = getattr(body, name)
+    if 0 < values["temperature"] < 1e-4:
+        values["temperature"] = 0  # below the sampler's floor: greedy in all but name
+    try:
+        return SamplingParams(**values)
+    except FrawdError as error:
+        raise ApiError(400, str(error)) from None
+
+
+class _Reply:
+    """One request's answer being put together from its scheduler chunks."""
+
+    def __init__(self, body: Any, job: Job, chunks: asyncio.Queue, chat: bool, prompt_tokens: int,
+                 created: int) -> None:
+        self.body, self.job, self.chunks, self.chat = body, job, chunks, chat
+        self.prompt_tokens, self.created = prompt_tokens, created
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        n = job.params.num_samples
+        self.texts, self.reasons, self.counts = [""] * n, [None] * n, [0] * n
+        self.log: dict = {}
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def finish_reasons(self) -> list:
+        return list(self.reasons)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        first = self.job.first_token_at
+        return None if first is None else round(1000 * (first - self.job.submitted), 1)
+
+    def _take(self, item: StreamChunk | BaseException) -> StreamChunk:
+        if isinstance(item, BaseException):
+            raise ApiError(503, f"generation failed: {item}")
+        self.counts[item.index] += item.token is not None
+        if item.finish_reason is not None:
+            self.reasons[item.index] = item.finish_reason
+        return item
+
+    async def _next(self, request: Request) -> StreamChunk:
+        while True:  # wake up now and then to notice a client that went away
+            try:
+                return self._take(await asyncio.wait_for(self.chunks.get(), timeout=1.0))
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError from None
+
+    def _usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    async def whole(self, request: Request) -> dict:
+        while None in self.reasons:  # (every sample's last chunk taken)
+            chunk = await self._next(request)
+            self.texts[chunk.index] += chunk.text
+        prefix = self.body.prompt if (not self.chat and self.body.echo and isinstance(self.body.prompt, str)) else ""
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": reason} for i, (text, reason) in enumerate(zip(self.texts, self.reasons))]
+        else:
+            choices = [{"index": i, "text": prefix + text, "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(zip(self.texts, self.reasons))]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.body.model, "system_fingerprint": None,
+                "choices": choices, "usage": self._usage()}
+
+    def _event(self, choices: list[dict], usage: dict | None = None) -> str:
+        data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.body.model, "system_fingerprint": None, "choices": choices}
+        if usage is not None:
+            data["usage"] = usage
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:
+        try:
+            n = self.job.params.num_samples
+            if self.chat:
+                yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None} for i in range(n)])
+            elif self.body.echo and isinstance(self.body.prompt, str):
+                yield self._event([{"index": i, "text": self.body.prompt, "logprobs": None, "finish_reason": None}
+                                   for i in range(n)])
+            while None in self.reasons:  # (every sample's last chunk taken)
+                chunks = [await self._next(request)]
+                while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
+                    chunks.append(self._take(self.chunks.get_nowait()))
+                events = []
+                for chunk in chunks:
+                    if not chunk.text and chunk.finish_reason is None:
+                        continue  # (a token that is not printable yet)
+                    if self.chat:
+                        delta = {"content": chunk.text} if chunk.text else {}
+                        choice = {"index": chunk.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+                    else:
+                        choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+                    events.append(self._event([choice]))
+                if events:
+                    yield "".join(events)
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self._event([], usage=self._usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            finish(self)
+
+
+__all__ = ["create_app", "ServeOptions", "ApiError"]

@@ -1,0 +1,64 @@
+"""The request bodies of the OpenAI-compatible API, as pydantic models.
+
+They are the server's validation (a bad field is a 400 with OpenAI's error object) and its
+OpenAPI document (`/openapi.json`, which schema fuzzing reads). Fields the OpenAI API has
+and this server does not support are rejected with a clear message rather than ignored
+when they would change the output (logprobs, frequency/presence penalties other than 0);
+unknown fields are ignored, as OpenAI-compatible servers do, so that clients that always
+send extras (`user`, `stream_options`...) work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_SEED = 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(max_length=256)
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (capped by the server).")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=1_000_000, description="FrawdLLM extension: 0 = off.")
+    min_p: float | None = Field(None, ge=0, le=1, description="FrawdLLM extension: 0 = off.")
+    repetition_penalty: float | None = Field(None, ge=0.001, le=1000,
+                                             description="FrawdLLM extension (CTRL's): 1 = off.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported.")
+    n: int = Field(1, ge=1, le=128, description="Completions for the prompt (capped by the server).")
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = Field(None, description="Not supported: only null or false.")
+    truncate: bool = Field(False, description="FrawdLLM extension: drop the oldest prompt tokens (chat: "
+                                              "turns) that do not fit the context, instead of a 400.")
+    user: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of max_tokens.")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(description="Text, or token ids.")
+    echo: bool = False
+
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "ChatMessage", "MAX_STOP"]

@@ -1,0 +1,337 @@
+"""Training on several processes with PyTorch's own engine: `torch.distributed`, launched by `torchrun`.
+
+`torchrun --nproc-per-node N -m frawdllm.cli pretrain ...` (or `frawd pretrain --nproc N`,
+which runs that for you) starts N copies of the same command. Each reads its place from
+the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), joins one
+process group (`nccl` on CUDA, `gloo` on CPU) and trains its share:
+
+- **Same run, any world size.** The global batch (`batch_size x grad_accum` of the config)
+  does not change with the number of ranks: each rank takes `batch_size x grad_accum /
+  world_size` windows per step (fewer accumulation steps if they divide, else smaller
+  micro-batches). The loader draws one global batch per step and each rank reads its own
+  slice, so N ranks see exactly the windows one process would.
+- **DDP** (`--parallel ddp`): every rank holds the whole model; gradients are averaged
+  after backward. **FSDP** (`--parallel fsdp`, FSDP2's `fully_shard` on every block and on
+  the root): each rank holds 1/N of the weights, gradients and AdamW moments and gathers a
+  block's weights just before it runs. bf16/fp16 compute through a mixed-precision policy
+  (weights gathered in the low precision, gradients reduced in fp32).
+- **What a step calls** is `TaskModule`: the model with the task's loss as its `forward`, so
+  DDP and FSDP see (and hook) the whole step, whatever methods of the model the loss uses.
+- **Rank 0 alone** logs, plots, samples and writes the model directories. Checkpoints: the
+  model directory (gathered to rank 0) and the training state as before; with FSDP the
+  AdamW moments are written sharded by `torch.distributed.checkpoint`, which reshards
+  them on load, so a run saved with N ranks resumes with M (and one process reads them too).
+- **Faults**: every collective has a timeout (`dist_timeout`), and a lost rank ends the
+  others with one line naming the last checkpoint (torchrun's `--max-restarts` can then
+  restart the group, which resumes from it).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..errors import FrawdError
+from .config import PARALLEL_CHOICES
+
+SHARDED_OPTIMIZER_DIR = "optimizer"  # inside a checkpoint: FSDP's sharded AdamW moments (DCP)
+
+
+class RankLost(FrawdError):
+    """Another rank died or stopped answering: the collectives failed or timed out."""
+
+
+@dataclass
+class Dist:
+    """This process's place in the run (world_size 1: a plain single-process run)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    parallel: str = "none"  # none (one process), ddp, fsdp
+    device: torch.device | None = None  # cuda:LOCAL_RANK under torchrun on GPUs
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.parallel != "none"
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallel == "fsdp"
+
+    # ---- agreement between ranks (no-ops in one process) --------------------------------
+    def mean(self, value: float, device: torch.device) -> float:
+        """The mean over ranks of a per-rank number (the loss of its share)."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return float(t) / self.world_size
+
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's value of `obj` on every rank (a decision only one rank may take)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree_stop(self, main_reason: str | None, interrupted: bool, reasons: tuple,
+                   device: torch.device) -> str | None:
+        """One stop decision for all ranks: rank 0's budget check, or a signal on any rank."""
+        if not self.active:
+            return "interrupted" if interrupted else main_reason
+        code = reasons.index(main_reason) if self.is_main else 0
+        t = torch.tensor([code, int(interrupted)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return "interrupted" if int(t[1]) else reasons[int(t[0])]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+
+_current = Dist()
+
+
+def current() -> Dist:
+    return _current
+
+
+def launched() -> bool:
+    """Whether torchrun (or another launcher that sets its variables) started this process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def restart_count() -> int:
+    """How many times torchrun (`--max-restarts`) has restarted this group of ranks."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def setup(parallel: str = "ddp", device_spec: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Join torchrun's process group (once per process); outside torchrun, one plain process."""
+    global _current
+    if _current.active or not launched():
+        return _current
+    if parallel not in PARALLEL_CHOICES:
+        raise FrawdError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {parallel!r}")
+    from .device import pick_device
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_spec)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise FrawdError(f"distributed training runs on CUDA (nccl) or the CPU (gloo), not {device.type}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    _current = Dist(rank, world, local_rank, parallel, device)
+    return _current
+
+
+def teardown() -> None:
+    global _current
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _current = Dist()
+
+
+def batch_layout(batch_size: int, grad_accum: int, world_size: int) -> tuple[int, int]:
+    """(per-rank micro-batch, accumulation steps) that keep the global batch
+    `batch_size x grad_accum` on `world_size` ranks."""
+    if grad_accum % world_size == 0:
+        return batch_size, grad_accum // world_size
+    if batch_size % world_size == 0:
+        return batch_size // world_size, grad_accum
+    raise FrawdError(f"the global batch (batch_size {batch_size} x grad_accum {grad_accum}) does not split "
+                     f"over {world_size} ranks: make batch_size or grad_accum a multiple of {world_size}")
+
+
+def is_rank_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed because another rank died or timed out."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Connection reset",
+                                  "timed out", "Timed out"))
+
+
+# ---- the wrapped step ---------------------------------------------------------------------------------
+
+class TaskModule(nn.Module):
+    """The model with a function of it as `forward`: `module(fn, *args) == fn(model, *args)`.
+
+    The loop calls the task's loss (and evaluation) through this, so DDP and FSDP wrap the
+    whole step: DDP prepares its gradient reduction in `forward`, FSDP gathers the root's
+    weights (embeddings, final norm, head) in its forward hook."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args):
+        return fn(self.model, *args)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: FSDP's units (one gather of weights per block)."""
+    from ..model.block import TransformerBlock
+
+    found = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if not found:  # another family: every child of a ModuleList
+        found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return found
+
+
+def wrap(model: nn.Module, dist_info: Dist, dtype: str) -> nn.Module:
+    """What a training step calls: `TaskModule(model)`, under DDP or FSDP when distributed."""
+    step_module = TaskModule(model)
+    if dist_info.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        return DistributedDataParallel(step_module, device_ids=ids, forward_sync_buffers=False)
+    if dist_info.parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if dtype == "fp16":
+            raise FrawdError("--parallel fsdp trains in bf16 or fp32 (fp16 needs a sharded gradient scaler): "
+                             "use --dtype bf16")
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        for block in _blocks(model):
+            fully_shard(block, mp_policy=policy)
+        fully_shard(step_module, mp_policy=policy)
+    return step_module
+
+
+def gradient_sync(step_module: nn.Module, sync: bool):
+    """A context for one micro-batch: gradients are reduced across ranks only on the last."""
+    if sync:
+        return nullcontext()
+    if hasattr(step_module, "no_sync"):  # DDP
+        return step_module.no_sync()
+    if hasattr(step_module, "set_requires_gradient_sync"):  # FSDP
+        step_module.set_requires_gradient_sync(False)
+
+        class _Restore:
+            def __enter__(self):
+                return None
+
+            def __exit__(self, *exc):
+                step_module.set_requires_gradient_sync(True)
+
+        return _Restore()
+    return nullcontext()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm (over all ranks' shards under FSDP); the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor: this rank's shard of the reduction
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+
+def full_model(step_module: nn.Module, model: nn.Module, dist_info: Dist, cache: dict) -> nn.Module | None:
+    """The whole model, to save or sample from: the model itself unless sharded; under FSDP
+    a plain copy on rank 0's CPU (every rank takes part in the gather; None off rank 0)."""
+    if not dist_info.sharded:
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(step_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist_info.is_main:
+        return None
+    if "plain" not in cache:
+        with torch.random.fork_rng(devices=[]):  # its random init must not move the run's RNG
+            cache["plain"] = type(model)(model.config)  # the same class, on the CPU
+    plain = cache["plain"]
+    prefix = "model."
+    plain.load_state_dict({k[len(prefix):]: v for k, v in state.items()}, strict=False)
+    return plain.eval()
+
+
+def sharded_optimizer_state(step_module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return {"optimizer": get_optimizer_state_dict(step_module, optimizer)}
+
+
+def save_sharded(state: dict, path: Path) -> None:
+    """Every rank writes its shards of `state` under `path` (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                   saved: dict | None, dist_info: Dist) -> None:
+    """Restore AdamW's moments from a checkpoint written with any world size and parallelism:
+    the sharded copy (`optimizer/`, written under FSDP) resharded to this run, or the whole
+    state saved in state.pt (one process or DDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    sharded_dir = Path(checkpoint) / SHARDED_OPTIMIZER_DIR
+    if sharded_dir.is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        template = sharded_optimizer_state(step_module, optimizer)  # this run's layout, filled in place
+        dcp.load(template, checkpoint_id=str(sharded_dir))
+        set_optimizer_state_dict(step_module, optimizer, template["optimizer"])
+        return
+    if saved is None:
+        raise FrawdError(f"{checkpoint}: no optimizer state")
+    if not dist_info.sharded:
+        optimizer.load_state_dict(saved)  # the same parameters in the same order
+        return
+    # a whole state keyed by parameter index: name the parameters, then torch shards it
+    names = {id(p): name for name, p in step_module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    by_name = {"state": {order[i]: v for i, v in saved["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_optimizer_state_dict(step_module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(run_dir: Path, step: int, save_model, state: dict, sharded: dict | None,
+                    dist_info: Dist) -> Path:
+    """`checkpoint.save_checkpoint` for every rank: rank 0 builds the checkpoint in its
+    temporary folder (the model directory, state.pt), every rank writes its shards there
+    (FSDP), and the folder is renamed into place once all are written."""
+    from ..io import atomic_dir
+    from . import checkpoint as ckpt
+
+    if not dist_info.active:
+        return ckpt.save_checkpoint(run_dir, step, save_model, state)
+    path = ckpt.checkpoint_path(run_dir, step)
+    if dist_info.is_main:
+        with atomic_dir(path, overwrite=True) as tmp:
+            dist_info.from_main(str(tmp))
+            if sharded is not None:
+                save_sharded(sharded, tmp / SHARDED_OPTIMIZER_DIR)  # returns once every rank has written
+            save_model(tmp / ckpt.MODEL_SUBDIR)
+            torch.save(state, tmp / ckpt.STATE_FILE)
+    else:
+        tmp = Path(dist_info.from_main(None))
+        if sharded is not None:
+            save_sharded(sharded, tmp / SHARDED_OPTIMIZER_DIR)
+    dist_info.barrier()  # the checkpoint is in place for every rank
+    return path

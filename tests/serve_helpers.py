@@ -1,0 +1,54 @@
+"""A live `frawd serve` app on a free local port, run by uvicorn on a thread of the test process."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from frawdllm.infer import native as native_forward
+from frawdllm.infer import Engine
+from frawdllm.serve import ServeOptions, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine(model, tok) -> Engine:
+    """The native forward everywhere when it can run (so every batch size takes the same
+    path as `Engine.generate` alone), else PyTorch everywhere."""
+    return Engine(model, tok, native=native_forward.available())
+
+
+test_engine.__test__ = False  # (not a test)
+
+
+@contextmanager
+def live_server(engines: dict, options: ServeOptions):
+    """Yields the base URL ("http://127.0.0.1:PORT") while the server runs."""
+    app = create_app(engines, options)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)

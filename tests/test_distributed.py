@@ -1,0 +1,238 @@
+"""Training on 2 processes (torchrun, gloo on the CPU) against one process: the same run.
+
+Every run here is a real `frawd pretrain` (or torchrun) subprocess on a tiny model for 20
+steps with checkpoints at steps 10 and 20. The reference is one process with batch 8;
+two ranks with batch 4 each must give its losses to 1e-5 (fp32), with DDP and FSDP,
+resume each other's checkpoints (2 -> 1, 1 -> 2) and stop cleanly when a rank dies or hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from frawdllm import FrawdLLM
+from frawdllm.data import prepare_shards
+from frawdllm.tokenizer import train_tokenizer
+from frawdllm.train.checkpoint import latest_checkpoint, load_state
+
+SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
+STEPS = 20
+TOL = 1e-5
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A char tokenizer and prepared shards of 200 kB of Shakespeare."""
+    root = tmp_path_factory.mktemp("dist")
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
+    (root / "corpus.txt").write_text(text, encoding="utf-8")
+    tok = train_tokenizer([text], kind="char")
+    tok.save(root / "tokenizer.json")
+    prepare_shards(str(root / "corpus.txt"), tok, root / "shards", val_fraction=0.05)
+    return root
+
+
+def train_args(work: Path, out: Path, *extra: str) -> list[str]:
+    return ["pretrain", "--preset", "tiny", "--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=4",
+            "--set", "context_length=32", "--data", str(work / "shards"), "--tokenizer", str(work / "tokenizer.json"),
+            "--batch-size", "8", "--max-steps", str(STEPS), "--eval-interval", "10", "--eval-batches", "2",
+            "--log-interval", "1", "--lr", "3e-3", "--warmup-steps", "2", "--compile", "false", "--dtype", "fp32",
+            "--no-progress", "--sample-tokens", "8", "--peak-tflops", "1", "--dist-timeout", "30s",
+            "--keep-last", "5", "--out", str(out), *extra]
+
+
+def environment() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def frawd(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environment())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def layout(run: Path) -> set[str]:
+    """The run directory's files and folders (a checkpoint's FSDP shards aside)."""
+    return {str(p.relative_to(run)) for p in run.rglob("*")
+            if "optimizer" not in p.relative_to(run).parts and "data" not in p.relative_to(run).parts[:1]}
+
+
+def assert_same_losses(run: Path, reference: Path, steps: range) -> None:
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=TOL, abs=TOL), f"step {step}: {got[step]} vs {want[step]}"
+
+
+def resumed_from_step_10(run: Path, into: Path) -> Path:
+    """A copy of `run` as it stood after its step-10 checkpoint."""
+    shutil.copytree(run, into)
+    shutil.rmtree(into / "checkpoints" / f"step_{STEPS:08d}")
+    return into
+
+
+@pytest.fixture(scope="module")
+def single(work) -> Path:
+    frawd(train_args(work, work / "single"))
+    return work / "single"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two_ranks(request, work) -> tuple[str, Path]:
+    out = work / f"two-{request.param}"
+    frawd(train_args(work, out, "--nproc", "2", "--parallel", request.param))
+    return request.param, out
+
+
+def test_two_ranks_give_the_losses_of_one_process_with_the_whole_batch(single, two_ranks):
+    parallel, run = two_ranks
+    assert_same_losses(run, single, range(1, STEPS + 1))
+    assert layout(run) == layout(single)  # `frawd pretrain --nproc 2` writes what one process writes
+    sharded = (run / "checkpoints" / f"step_{STEPS:08d}" / "optimizer").is_dir()
+    assert sharded == (parallel == "fsdp")
+    # the published model is the trained one
+    a, b = FrawdLLM.from_pretrained(run / "model"), FrawdLLM.from_pretrained(single / "model")
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert (p - q).abs().max() < 1e-4, name
+
+
+def test_resume_two_ranks_to_one(work, single, two_ranks):
+    parallel, run = two_ranks
+    copy = resumed_from_step_10(run, work / f"two-{parallel}-to-one")
+    frawd(train_args(work, copy, "--resume"))
+    assert_same_losses(copy, single, range(11, STEPS + 1))
+
+
+def test_resume_one_process_to_two_ranks(work, single):
+    copy = resumed_from_step_10(single, work / "one-to-two-fsdp")
+    frawd(train_args(work, copy, "--resume", "--nproc", "2", "--parallel", "fsdp"))
+    assert_same_losses(copy, single, range(11, STEPS + 1))
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    for pid in _descendants(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env) \
+                and f"LOCAL_RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(),
+                            start_new_session=True)
+
+
+def _kill_rank_after(proc: subprocess.Popen, run: Path, step: int, how: int = signal.SIGKILL) -> tuple[int, int]:
+    """Once checkpoint `step` exists, send `how` to rank 1; (rank 0's pid, rank 1's pid)."""
+    deadline = time.monotonic() + 90
+    while not (run / "checkpoints" / f"step_{step:08d}").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
+        time.sleep(0.05)
+    pids = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
+    assert None not in pids
+    os.kill(pids[1], how)
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _finish(proc: subprocess.Popen, timeout: float, leftovers: tuple[int, ...] = ()) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        for pid in leftovers:  # the ranks this test started, if anything went wrong
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return out
+
+
+def _assert_loadable(run: Path) -> None:
+    last = latest_checkpoint(run)
+    assert last is not None
+    FrawdLLM.from_pretrained(last / "model")
+    assert load_state(last)["step"] >= 5
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_lost_rank_ends_the_run_with_a_clear_error_and_a_loadable_checkpoint(work, how):
+    """A killed rank: torchrun stops the others. A hung one (stopped, its sockets open): rank
+    0's next collective times out (--dist-timeout 10s) and ends the run with one line."""
+    run = work / f"lost-{how}"
+    args = train_args(work, run, "--nproc", "2", "--max-steps", "100000", "--eval-interval", "5",
+                      "--dist-timeout", "10s")
+    proc = _start([sys.executable, "-m", "frawdllm.cli", *args])
+    rank0, rank1 = _kill_rank_after(proc, run, 5, how)
+    start = time.monotonic()
+    while _alive(rank0) and time.monotonic() - start < 60:
+        time.sleep(0.1)
+    assert not _alive(rank0), "rank 0 still runs 60 s after it lost rank 1"
+    if how == signal.SIGSTOP:
+        os.kill(rank1, signal.SIGCONT)  # lets torchrun's SIGTERM end it at once
+    out = _finish(proc, 60, (rank0, rank1))
+    assert proc.returncode != 0
+    if how == signal.SIGSTOP:
+        assert "frawd: error: rank 0: lost the other ranks" in out and "continue with --resume" in out, out[-3000:]
+    else:  # torchrun names the rank that died
+        assert "rank      : 1" in out and "SIGKILL" in out, out[-3000:]
+    _assert_loadable(run)
+
+
+def test_nproc_checks_the_settings_before_starting_any_rank(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", "pretrain", "--nproc", "2", "--data",
+                           str(tmp_path / "missing.txt"), "--max-steps", "3", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=60, env=environment())
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"frawd: error: data source not found: '{tmp_path / 'missing.txt'}' "
+        "(expected stdlib, hf:NAME, a file, a folder or a glob)"]
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,165 @@
+"""DPO: the loss and metrics against hand computations and TRL's DPOTrainer, the reference
+(live and precomputed) and `frawd dpo` end to end."""
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from frawdllm.align.dpo import DPOConfig, DPOTask, collate_pairs, dpo_loss, load_pairs, sequence_logps
+from frawdllm.train.rundir import read_metrics
+
+from align_helpers import byte_tokenizer, model_dir, tiny_model, word_prefs, write_jsonl
+from cli_helpers import run_cli
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def logps(seed, n=6):
+    gen = torch.Generator().manual_seed(seed)
+    return [-(torch.rand(n, generator=gen) * 20 + 1) for _ in range(4)]
+
+
+def test_dpo_loss_equals_a_hand_computation():
+    pc, pr, rc, rr = [torch.tensor(v) for v in ([-3.0, -5.0], [-4.0, -2.0], [-3.5, -4.0], [-3.0, -3.0])]
+    loss, metrics = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    # pair 1: rewards 0.1 * 0.5 = 0.05 and 0.1 * -1 = -0.1; pair 2: -0.1 and 0.1
+    by_hand = (math.log(1 + math.exp(-0.15)) + math.log(1 + math.exp(0.2))) / 2
+    assert loss.item() == pytest.approx(by_hand, abs=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx((0.05 - 0.1) / 2)
+    assert metrics["rewards/rejected"].item() == pytest.approx((-0.1 + 0.1) / 2)
+    assert metrics["rewards/accuracies"].item() == 0.5
+    assert metrics["rewards/margins"].item() == pytest.approx((0.15 - 0.2) / 2)
+    assert metrics["logps/chosen"].item() == -4.0 and metrics["logps/rejected"].item() == -3.0
+    ipo, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="ipo",
+                      lengths=(torch.tensor([2, 4]), torch.tensor([1, 2])))
+    # per-token log-ratio differences: 0.5/2 - (-1)/1 = 1.25 and -1/4 - 1/2 = -0.75; 1/(2 beta) = 5
+    assert ipo.item() == pytest.approx(((1.25 - 5) ** 2 + (-0.75 - 5) ** 2) / 2)
+
+
+def test_policy_equal_to_reference_gives_ln2_and_zero_rewards():
+    pc, pr, _, _ = logps(0)
+    loss, metrics = dpo_loss(pc, pr, pc.clone(), pr.clone(), beta=0.1)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
+    assert metrics["rewards/chosen"].item() == 0 and metrics["rewards/margins"].item() == 0
+
+
+class FakeHFModel:
+    """What TRL's DPOTrainer reads from a model's output, made from given per-token log-probs."""
+
+    training = True
+
+    def __init__(self, token_logps):
+        self.token_logps = token_logps
+
+    def __call__(self, **kwargs):
+        shape = self.token_logps.shape
+        return SimpleNamespace(log_probs=self.token_logps, entropy=torch.zeros(shape),
+                               mean_logits=torch.zeros(shape), is_top1=torch.zeros(shape, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_and_metrics_match_trl(loss_type):
+    """TRL's own DPOTrainer._compute_loss on the same log-probs (reference log-probs given,
+    as with its precompute_ref_log_probs)."""
+    trl = pytest.importorskip("trl.trainer.dpo_trainer")
+    B, T = 4, 9
+    gen = torch.Generator().manual_seed(1)
+    completion_mask = torch.zeros(2 * B, T, dtype=torch.long)
+    lengths = torch.randint(1, T - 2, (2 * B,), generator=gen)
+    for r, n in enumerate(lengths):
+        completion_mask[r, T - n:] = 1  # the answer: the last n tokens
+    token_logps = -torch.rand(2 * B, T - 1, generator=gen) * 3 * completion_mask[:, 1:]
+    ref_c, ref_r = -torch.rand(B, generator=gen) * 10, -torch.rand(B, generator=gen) * 10
+    beta = 0.2
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
+    trainer = SimpleNamespace(model=FakeHFModel(token_logps), accelerator=accelerator, aux_loss_enabled=False,
+                              ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
+                              loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=0.0,
+                              use_weighting=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+                              _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": torch.zeros(2 * B, T, dtype=torch.long), "attention_mask": torch.ones(2 * B, T),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref_c, "ref_rejected_logps": ref_r}
+    trl_loss = trl.DPOTrainer._compute_loss(trainer, trainer.model, inputs, False)
+    summed = token_logps.sum(dim=1)
+    loss, metrics = dpo_loss(*summed.chunk(2), ref_c, ref_r, beta, loss_type,
+                             lengths=completion_mask.sum(dim=1).chunk(2))
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6)
+    for name in METRICS:
+        assert metrics[name].item() == pytest.approx(trainer._metrics["train"][name][0], rel=1e-6, abs=1e-7), name
+
+
+def test_sequence_logps_sum_the_answers_tokens_only():
+    tok = byte_tokenizer()
+    model = tiny_model().eval()
+    from frawdllm.align.examples import tokenize_pair
+
+    pair, _ = tokenize_pair(tok, [{"role": "user", "content": "hi"}], "ABC", "abcd", 64)
+    batch = collate_pairs([pair], [0], 32)
+    with torch.no_grad():
+        got = sequence_logps(model, batch["tokens"], batch["targets"])
+        for row, answer in enumerate((pair.chosen, pair.rejected)):
+            ids = torch.tensor([pair.prompt + answer])
+            logp = F.log_softmax(model(ids)[0][0].float(), dim=-1)
+            by_hand = sum(logp[len(pair.prompt) - 1 + k, t] for k, t in enumerate(answer))
+            assert got[row].item() == pytest.approx(by_hand.item(), abs=1e-4)
+
+
+def dpo_args(base, data, *extra):
+    return ["dpo", "--init", base, "--data", data, "--batch-size", "4", "--lr", "1e-3", "--dtype", "fp32",
+            "--compile", "false", "--device", "cpu", "--log-interval", "1", "--eval-interval", "3",
+            "--eval-batches", "2", "--sample-tokens", "6", "--no-progress", "--val-fraction", "0.2", *extra]
+
+
+def test_dpo_cli_starts_at_ln2_logs_trl_metrics_and_learns_the_preference(tmp_path, capsys):
+    base = model_dir(tmp_path)
+    records = word_prefs(40)
+    for r in records[::2]:  # half the prompts as messages
+        r["prompt"] = [{"role": "system", "content": "answer"}, {"role": "user", "content": r["prompt"]}]
+    data = write_jsonl(tmp_path / "prefs.jsonl", records)
+    code, _, err = run_cli(capsys, *dpo_args(base, data, "--max-steps", "12", "--out", tmp_path / "run"))
+    assert code == 0, err
+    train = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 1
+    assert all(name in r for r in train for name in METRICS)
+    evals = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert evals[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert evals[-1]["val_rewards/accuracies"] > 0.9 and evals[-1]["val_loss"] < math.log(2)
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def test_precomputed_reference_gives_the_live_references_first_steps(tmp_path, capsys):
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "prefs.jsonl", word_prefs(30))
+    runs = {}
+    for name, extra in (("live", ()), ("pre", ("--precompute-ref",))):
+        code, _, err = run_cli(capsys, *dpo_args(base, data, "--max-steps", "3", "--out", tmp_path / name, *extra))
+        assert code == 0, err
+        runs[name] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+    for live, pre in zip(runs["live"], runs["pre"]):
+        assert pre["loss"] == pytest.approx(live["loss"], abs=1e-5)
+        assert pre["rewards/margins"] == pytest.approx(live["rewards/margins"], abs=1e-5)
+    assert runs["live"][-1]["loss"] != runs["live"][0]["loss"]  # the steps did move the policy
+
+
+def test_the_task_keeps_its_reference_frozen_outside_the_optimizer(tmp_path):
+    from frawdllm.train.loop import Trainer
+
+    tok = byte_tokenizer()
+    model = tiny_model()
+    cfg = DPOConfig(data=str(write_jsonl(tmp_path / "p.jsonl", word_prefs(20))), out=str(tmp_path / "run"),
+                    progress=False, max_steps=2, device="cpu", dtype="fp32", compile="false", sample_tokens=0,
+                    val_fraction=0.0, lr=1e-2)
+    train, val, _ = load_pairs(cfg, tok, 64)
+    task = DPOTask(train, val, model, tok, cfg, 64)
+    before = {k: v.clone() for k, v in task.reference.state_dict().items()}
+    trainer = Trainer(model, task, cfg)
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in optimized for p in task.reference.parameters())
+    trainer.fit()
+    assert all(torch.equal(before[k], v) for k, v in task.reference.state_dict().items())
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,233 @@
+"""Continuous batching (`infer/scheduler.py`, `RowKVCache`): a request's tokens do not depend
+on what else runs beside it. The reference is `Engine.generate` of that prompt alone."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM, get_config
+from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer import native as native_forward
+from frawdllm.infer.cache import KVCache, RowKVCache
+from frawdllm.infer.engine import decode_logits
+from frawdllm.infer.scheduler import QueueFull, Scheduler
+from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+
+def varied_model(**overrides):
+    """A random char model whose greedy output varies from token to token."""
+    tok = train_tokenizer([TEXT], kind="char")
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=tok.vocab_size, n_layer=2, n_embd=64, n_head=4, context_length=96, tie_embeddings=False)
+    model = FrawdLLM(get_config("tiny", **{**cfg, **overrides}))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+        model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0  # never the greedy choice
+    return model, tok
+
+
+PROMPTS = [TEXT[i % 7: i % 7 + 3 + (5 * i) % 31] for i in range(32)]  # lengths 3..33, all different
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    return varied_model()
+
+
+needs_native = pytest.mark.skipif(not native_forward.available(), reason="no C compiler")
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+def test_greedy_tokens_equal_generate_alone(model_tok, native):
+    model, tok = model_tok
+    engine = Engine(model, tok, native=native)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    expected = [engine.generate(p, params)[0].tokens for p in PROMPTS]
+    scheduler = Scheduler(engine, max_batch=32)
+    try:
+        handles = [scheduler.submit(p, params) for p in PROMPTS]
+        got = [[c.token for c in h] for h in handles]
+    finally:
+        scheduler.close()
+    assert got == expected
+    assert len({tuple(t) for t in got}) > 16  # the prompts really lead to different outputs
+
+
+def test_rows_join_and_leave_at_step_boundaries(model_tok):
+    """Requests arriving while others decode join the batch; finished rows leave at once;
+    a smaller max_batch makes later requests wait; results are unchanged."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    lengths = [5 + (7 * i) % 20 for i in range(12)]
+    expected = [engine.generate(PROMPTS[i], SamplingParams(temperature=0, max_new_tokens=n))[0].tokens
+                for i, n in enumerate(lengths)]
+    scheduler = Scheduler(engine, max_batch=4)
+    batch_sizes = []
+    original = scheduler._decode
+
+    def recording_decode():
+        batch_sizes.append(scheduler.running)
+        original()
+
+    scheduler._decode = recording_decode
+    try:
+        handles = []
+        for i, n in enumerate(lengths):
+            handles.append(scheduler.submit(PROMPTS[i], SamplingParams(temperature=0, max_new_tokens=n)))
+            time.sleep(0.002 * (i % 3))  # arrive at different steps
+        got = [[c.token for c in h] for h in handles]
+    finally:
+        scheduler.close()
+    assert got == expected
+    assert max(batch_sizes) == 4 and min(batch_sizes) < 4  # full batches, and partial ones as rows left
+    assert sum(batch_sizes) < sum(lengths)  # rows shared steps (one step serves several requests)
+
+
+def test_cancel_frees_the_row_and_others_are_undisturbed(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    expected = engine.generate(PROMPTS[1], params)[0].tokens
+    scheduler = Scheduler(engine, max_batch=2)
+    try:
+        long = scheduler.submit(PROMPTS[0], params.replace(max_new_tokens=10_000 // 100))
+        keep = scheduler.submit(PROMPTS[1], params)
+        first = next(iter(long))
+        assert first.token is not None
+        long.cancel()
+        third = scheduler.submit(PROMPTS[1], params)  # needs the freed row (max_batch 2)
+        assert [c.token for c in keep] == expected
+        assert [c.token for c in third] == expected
+        deadline = time.time() + 5
+        while scheduler.running and time.time() < deadline:
+            time.sleep(0.01)
+        assert scheduler.running == 0
+    finally:
+        scheduler.close()
+
+
+def test_seeded_sampling_independent_of_the_batch(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=7, num_samples=3,
+                            repetition_penalty=1.2)
+    scheduler = Scheduler(engine, max_batch=32)
+    try:
+        alone = [c.token for c in scheduler.submit(PROMPTS[2], params)]
+        handles = [scheduler.submit(p, params) for p in PROMPTS[:8]]
+        crowded = [[c.token for c in h] for h in handles][2]
+        other_seed = [c.token for c in scheduler.submit(PROMPTS[2], params.replace(seed=8))]
+    finally:
+        scheduler.close()
+    assert alone == crowded
+    assert alone != other_seed
+
+
+def test_stop_strings_and_text_match_generate(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    full = engine.generate(PROMPTS[3], params)[0].text
+    stop = full[10:13]
+    expected = engine.generate(PROMPTS[3], params.replace(stop=[stop]))[0]
+    scheduler = Scheduler(engine)
+    try:
+        chunks = list(scheduler.submit(PROMPTS[3], params.replace(stop=[stop])))
+    finally:
+        scheduler.close()
+    assert "".join(c.text for c in chunks) == expected.text == full[: full.index(stop)]
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_queue_limit(model_tok):
+    model, tok = model_tok
+    scheduler = Scheduler(Engine(model, tok), max_batch=1, max_queue=1)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=60)
+        running = scheduler.submit(PROMPTS[0], params)
+        next(iter(running))  # admitted: the queue is empty again
+        scheduler.submit(PROMPTS[1], params)
+        with pytest.raises(QueueFull):
+            scheduler.submit(PROMPTS[2], params)
+    finally:
+        scheduler.close(drain=False)
+
+
+@needs_native
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_native_rows_do_not_depend_on_the_row_count(model_tok, weights):
+    """native.c sums each row of a product in the same order whatever the number of rows:
+    a row of a batch of 7 is bit for bit the row computed alone (the continuous batch's
+    promise), with per-row cache lengths."""
+    model, _ = model_tok
+    decoder = native_forward.NativeDecoder(model, weights)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(1)
+    lengths = [3, 17, 1, 30, 8, 16, 2]
+    batch = RowKVCache(cfg, 8, 40)
+    alone = []
+    for row, n in enumerate(lengths):
+        cache = KVCache(cfg, 1, n + 1)
+        cache.begin(n)
+        prompt = torch.randint(4, cfg.vocab_size, (1, n), generator=gen)
+        decoder.forward(prompt, torch.arange(n)[None], cache)
+        batch.load(row, cache, n)
+        token = torch.randint(4, cfg.vocab_size, (1, 1), generator=gen)
+        cache.begin(1)
+        alone.append((token, decoder.forward(token, torch.tensor([[n]]), cache)))
+    batch.rows = len(lengths)
+    batch.begin(1)
+    tokens = torch.cat([t for t, _ in alone])
+    logits = decoder.forward(tokens, torch.tensor(lengths)[:, None], batch)
+    assert torch.equal(logits, torch.cat([l for _, l in alone]))
+    assert batch.lengths[: len(lengths)].tolist() == [n + 1 for n in lengths]
+
+
+def test_row_cache_torch_path_matches_alone(model_tok):
+    """The PyTorch path over a RowKVCache (one mask per row) agrees with each row alone."""
+    model, _ = model_tok
+    cfg = model.config
+    gen = torch.Generator().manual_seed(2)
+    lengths = [4, 11, 1]
+    batch = RowKVCache(cfg, 3, 20)
+    alone = []
+    with torch.inference_mode():
+        for row, n in enumerate(lengths):
+            cache = KVCache(cfg, 1, n + 1)
+            cache.begin(n)
+            model.hidden_states(torch.randint(4, cfg.vocab_size, (1, n), generator=gen), torch.arange(n)[None], cache)
+            batch.load(row, cache, n)
+            token = torch.randint(4, cfg.vocab_size, (1, 1), generator=gen)
+            cache.begin(1)
+            alone.append((token, decode_logits(model, token, torch.tensor([[n]]), cache)))
+        batch.rows = 3
+        batch.begin(1)
+        logits = decode_logits(model, torch.cat([t for t, _ in alone]), torch.tensor(lengths)[:, None], batch)
+    torch.testing.assert_close(logits, torch.cat([l for _, l in alone]), rtol=1e-5, atol=1e-5)
+
+
+def test_submit_from_many_threads(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    expected = {i: engine.generate(PROMPTS[i], params)[0].text for i in range(16)}
+    scheduler = Scheduler(engine, max_batch=8)
+    got = {}
+
+    def client(i):
+        got[i] = "".join(c.text for c in scheduler.submit(PROMPTS[i], params))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        scheduler.close()
+    assert got == expected

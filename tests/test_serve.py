@@ -1,0 +1,334 @@
+"""`frawd serve` through the official `openai` client against a live server: results equal
+`Engine.generate`, errors are OpenAI's, 32 concurrent streams stay unmixed when some
+clients leave, schema fuzzing finds no 5xx, SIGTERM drains."""
+
+import gc
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from frawdllm.infer import SamplingParams
+from frawdllm.infer.chat import ROLE_TOKEN_IDS
+from frawdllm.serve import ServeOptions
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from serve_helpers import free_port, live_server, test_engine
+from test_scheduler import PROMPTS, varied_model
+
+KEY = "test-key-123"
+MAX_TOKENS = 1000
+CONTEXT = 1024
+
+
+class AccessLog(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(json.loads(record.getMessage()))
+
+
+@pytest.fixture(scope="module")
+def server():
+    model, tok = varied_model(context_length=CONTEXT)  # room for long replies: leavers leave mid-reply
+    engine = test_engine(model, tok)
+    other_model, other_tok = varied_model(n_layer=1)
+    engines = {"varied": engine, "small": test_engine(other_model, other_tok)}
+    log = AccessLog()
+    logger = logging.getLogger("frawdllm.serve.access")
+    logger.addHandler(log)
+    logger.setLevel(logging.INFO)
+    options = ServeOptions(api_key=KEY, max_tokens=MAX_TOKENS, default_max_tokens=16, max_n=4, max_batch=32,
+                           max_body_bytes=64 * 1024)
+    try:
+        with live_server(engines, options) as url:
+            yield {"url": url, "engine": engine, "small": engines["small"], "log": log}
+    finally:
+        logger.removeHandler(log)
+
+
+def client(server, key=KEY):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def expected_completion(engine, prompt, **params):
+    return engine.generate(prompt, SamplingParams(temperature=0, **params))[0]
+
+
+def expected_chat(engine, messages, **params):
+    ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+    return engine.generate([ids], SamplingParams(temperature=0, stop_token_ids=ROLE_TOKEN_IDS, **params))[0]
+
+
+def test_models_and_health(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["varied", "small"]
+    health = httpx.get(server["url"] + "/health").json()
+    assert health["status"] == "ok"
+    page = httpx.get(server["url"] + "/")
+    assert page.status_code == 200 and "<textarea" in page.text and "http" not in page.text.split("<script>")[1]
+
+
+def test_completion_greedy_equals_engine(server):
+    want = expected_completion(server["engine"], PROMPTS[5], max_new_tokens=20)
+    got = client(server).completions.create(model="varied", prompt=PROMPTS[5], max_tokens=20, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == want.prompt_tokens
+    assert got.usage.completion_tokens == len(want.tokens) == 20
+    assert got.id.startswith("cmpl-") and got.object == "text_completion"
+
+
+def test_chat_stream_and_not(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[7]}]
+    want = expected_chat(server["engine"], messages, max_new_tokens=24)
+    c = client(server)
+    whole = c.chat.completions.create(model="varied", messages=messages, max_tokens=24, temperature=0)
+    assert whole.choices[0].message.content == want.text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == len(want.tokens)
+    pieces, reasons, usage = [], [], None
+    stream = c.chat.completions.create(model="varied", messages=messages, max_completion_tokens=24, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == want.text
+    assert len(pieces) > 10  # token by token, not one block
+    assert reasons[-1] == "length" and usage.completion_tokens == 24
+
+
+def test_the_second_model(server):
+    want = expected_completion(server["small"], PROMPTS[2], max_new_tokens=10)
+    got = client(server).completions.create(model="small", prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    assert got.choices[0].text == want.text and got.model == "small"
+
+
+def test_n_seed_and_stop(server):
+    c = client(server)
+    a = c.completions.create(model="varied", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, n=3, seed=11)
+    b = c.completions.create(model="varied", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, n=3, seed=11)
+    other = c.completions.create(model="varied", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, n=3, seed=12)
+    texts = [ch.text for ch in a.choices]
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert texts == [ch.text for ch in b.choices]
+    assert texts != [ch.text for ch in other.choices]
+    assert len(set(texts)) > 1  # the n samples differ from each other
+    full = expected_completion(server["engine"], PROMPTS[4], max_new_tokens=30).text
+    stop = full[12:15]
+    got = c.completions.create(model="varied", prompt=PROMPTS[4], max_tokens=30, temperature=0, stop=[stop, "zzzz"])
+    assert got.choices[0].text == full[: full.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_errors_are_openai_errors(server):
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").models.list()
+    assert httpx.get(server["url"] + "/v1/models").status_code == 401
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="nope", prompt="a", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    bad = [dict(temperature=3), dict(n=5), dict(max_tokens=MAX_TOKENS + 1), dict(top_p=0), dict(logprobs=True),
+           dict(presence_penalty=1.0), dict(stop=["a", "b", "c", "d", "e"]), dict(seed=-1), dict(max_tokens=0)]
+    for extra in bad:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="varied", prompt="abc", **extra)
+        assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error", extra
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="varied", messages=[])
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="varied", messages=[{"role": "robot", "content": "hi"}])
+    too_long = "a" * (CONTEXT + 100)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model="varied", prompt=too_long, max_tokens=2)
+    assert "context" in info.value.message
+    ok = c.completions.create(model="varied", prompt=too_long, max_tokens=2, extra_body={"truncate": True})
+    assert ok.usage.prompt_tokens == CONTEXT - 1
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = httpx.post(server["url"] + "/v1/completions", headers=headers,
+                     content=json.dumps({"model": "varied", "prompt": "a" * 100_000}))
+    assert big.status_code == 413 and big.json()["error"]["message"]
+    broken = httpx.post(server["url"] + "/v1/completions", headers=headers, content=b"{not json")
+    assert broken.status_code == 400 and "error" in broken.json()
+
+
+def test_too_many_requests():
+    model, tok = varied_model()
+    with live_server({"m": test_engine(model, tok)}, ServeOptions(max_in_flight=1, max_tokens=64)) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        stream = c.completions.create(model="m", prompt="abc", max_tokens=64, stream=True)
+        next(iter(stream))  # the first request is open
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model="m", prompt="abc", max_tokens=2)
+        stream.close()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.timeout(240)
+def test_32_concurrent_streams_with_5_disconnecting(server):
+    engine = server["engine"]
+    greedy = {i: expected_completion(engine, PROMPTS[i], max_new_tokens=32).text for i in range(32)}
+    assert len(set(greedy.values())) > 16  # outputs are distinguishable: a mix-up would show
+    leavers = {3, 9, 14, 22, 30}
+
+    shared = client(server)  # (one connection pool: 32 clients' own pools would blur the memory check)
+
+    def burst():
+        got, errors = {}, []
+
+        def run(i):
+            try:
+                # A leaver asks for a long reply, so it is still generating when it leaves.
+                stream = shared.completions.create(model="varied", prompt=PROMPTS[i], temperature=0, stream=True,
+                                                   max_tokens=MAX_TOKENS if i in leavers else 32)
+                text = ""
+                for n, chunk in enumerate(stream):
+                    text += chunk.choices[0].text
+                    if i in leavers and n == 3:
+                        stream.close()  # the client goes away mid-stream
+                        break
+                got[i] = text
+            except Exception as error:  # noqa: BLE001 (reported below)
+                errors.append((i, repr(error)))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        for i in range(32):
+            if i in leavers:
+                assert greedy[i].startswith(got[i][:32]) and len(got[i]) >= 3
+            else:
+                assert got[i] == greedy[i], i
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            health = httpx.get(server["url"] + "/health").json()
+            if health["running"] == 0 and health["waiting"] == 0:
+                break
+            time.sleep(0.05)
+        assert health == {**health, "status": "ok", "running": 0, "waiting": 0}
+
+    server["log"].records.clear()
+    burst()
+    cancelled = [r for r in server["log"].records if r.get("cancelled")]
+    assert len(cancelled) == 5 and all(r["completion_tokens"] < MAX_TOKENS for r in cancelled)
+    assert all(r["status"] == 499 for r in cancelled)
+    done = [r for r in server["log"].records if r["path"] == "/v1/completions" and not r.get("cancelled")]
+    assert len(done) == 27 and all(r["completion_tokens"] == 32 and r["ttft_ms"] is not None for r in done)
+    burst()
+    gc.collect()
+    before = _rss_mb()
+    for _ in range(3):
+        burst()
+    gc.collect()
+    grown = _rss_mb() - before
+    assert grown < 16, grown  # no per-request leak (96 more requests; a burst frees what it allocates)
+    metrics = httpx.get(server["url"] + "/metrics").text
+    assert 'frawd_time_to_first_token_seconds_count{model="varied"}' in metrics
+    assert "frawd_queue_depth" in metrics and "frawd_tokens_per_second" in metrics
+
+
+@pytest.mark.timeout(200)
+def test_schema_fuzzing_finds_no_server_error(server):
+    import hypothesis
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server["url"] + "/openapi.json")
+    failures, calls = [], []
+
+    def served_model(case):  # half the bodies name a real model, so generation runs too
+        if isinstance(case.body, dict) and "model" in case.body and hash(repr(case.body)) % 2:
+            case.body["model"] = "varied"
+        return case
+
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        modes = [schemathesis.GenerationMode.POSITIVE]
+        if operation.method.upper() == "POST":  # (a GET without parameters has no invalid form)
+            modes.append(schemathesis.GenerationMode.NEGATIVE)
+        for mode in modes:
+
+            @given(case=operation.as_strategy(generation_mode=mode).map(served_model))
+            @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
+            def check(case):
+                response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+                calls.append(response.status_code)
+                if response.status_code >= 500:
+                    failures.append((operation.label, response.status_code, response.text[:200]))
+
+            check()
+    assert not failures
+    assert len(calls) > 60 and any(code == 200 for code in calls) and any(code == 400 for code in calls)
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_drains_open_requests(tmp_path):
+    model, tok = varied_model()
+    model.save_pretrained(tmp_path / "m", tokenizer=tok)
+    port = free_port()
+    env = {**os.environ, "FRAWD_API_KEY": KEY}
+    frawd = str(Path(sys.executable).parent / "frawd")
+    proc = subprocess.Popen([frawd, "serve", "--model", str(tmp_path / "m"), "--port", str(port), "--threads", "1"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        stream = c.completions.create(model="m", prompt="abc", max_tokens=80, temperature=0, stream=True)
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        proc.send_signal(signal.SIGTERM)
+        reasons = []
+        for chunk in chunks:
+            text += chunk.choices[0].text
+            reasons.append(chunk.choices[0].finish_reason)
+        assert reasons[-1] == "length" and len(text) == 80  # (char model: one character per token)
+        assert proc.wait(60) == 0
+        log = proc.stderr.read()
+        assert '"completion_tokens": 80' in log  # the access log line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_command_bad_input(capsys, tmp_path):
+    from cli_helpers import run_cli
+
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "missing", "--port", free_port())
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "missing" in err
+    model, tok = varied_model()
+    model.save_pretrained(tmp_path / "a" / "m", tokenizer=tok)
+    model.save_pretrained(tmp_path / "b" / "m", tokenizer=tok)
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "a" / "m", "--model", tmp_path / "b" / "m")
+    assert code != 0 and "NAME=DIR" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,256 @@
+"""SFT: which tokens carry the loss, truncation, packing without cross-example attention,
+bad records, LoRA, the stdlib-instruct corpus and `frawd sft` end to end (resume exact)."""
+
+import pexpect
+import pytest
+import torch
+import torch.nn.functional as F
+
+from frawdllm.align import lora
+from frawdllm.align.examples import BadExample, chat_messages, tokenize_chat, tokenize_pair, truncate
+from frawdllm.align.packing import collate, document_mask, pack_rows
+from frawdllm.align.sft import SFTConfig, load_examples, sft_loss
+from frawdllm.modeldir import load_model
+from frawdllm.tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, USER_ID
+from frawdllm.train.rundir import read_metrics
+
+from align_helpers import byte_tokenizer, model_dir, tiny_model, word_chats, write_jsonl
+from cli_helpers import run_cli
+
+MULTI = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
+         {"role": "assistant", "content": "ok"}]
+
+
+def show(tok, example):
+    """The example as 'token*' where the token carries loss (printed for the reader of a failure)."""
+    return "".join((tok.decode([i]) if i > 6 else f"<{i}>") + ("*" if t else "")
+                   for i, t in zip(example.ids, example.trained))
+
+
+def test_loss_is_on_assistant_tokens_and_their_eos_only():
+    tok = byte_tokenizer()
+    single = tokenize_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    print(show(tok, single))
+    assert single.ids == tok.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                         add_generation_prompt=False)
+    assert single.ids[:6] == [BOS_ID, USER_ID, *tok.encode("hi"), EOS_ID, ASSISTANT_ID][:6]
+    assert show(tok, single) == "<2><4>hi<3><5>y*o*<3>*"
+
+    multi = tokenize_chat(tok, MULTI)
+    print(show(tok, multi))
+    assert multi.ids == tok.render_chat(MULTI, add_generation_prompt=False)
+    assert show(tok, multi) == "<2><6>be brief<3><4>hi<3><5>y*o*<3>*<4>and?<3><5>o*k*<3>*"
+    assert show(tok, tokenize_chat(tok, MULTI, "last")) == "<2><6>be brief<3><4>hi<3><5>yo<3><4>and?<3><5>o*k*<3>*"
+    everything = tokenize_chat(tok, MULTI, "all")
+    assert everything.trained == [False] + [True] * (len(everything.ids) - 1)  # all but the unpredicted <|bos|>
+
+
+def test_truncation_keeps_the_prompts_tail_and_the_responses_head():
+    tok = byte_tokenizer()
+    long_prompt = tokenize_chat(tok, [{"role": "user", "content": "abcdefghijklmnopqrstuvwxyz"},
+                                      {"role": "assistant", "content": "OK"}])
+    cut, was_cut = truncate(long_prompt, 12)
+    assert was_cut and len(cut.ids) == 12
+    assert show(tok, cut) == "<2>uvwxyz<3><5>O*K*<3>*"  # <|bos|> + the prompt's tail, the whole answer
+    long_answer = tokenize_chat(tok, [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "abcdefghijklmnopqrstuvwxyz"}])
+    cut, _ = truncate(long_answer, 12)
+    assert show(tok, cut) == "<2><4>q<3><5>a*b*c*d*e*f*g*"  # the whole short prompt, the answer's head
+    both = tokenize_chat(tok, [{"role": "user", "content": "0123456789" * 3},
+                               {"role": "assistant", "content": "abcdefghijklmnopqrstuvwxyz"}])
+    cut, _ = truncate(both, 12)
+    assert show(tok, cut) == "<2>789<3><5>a*b*c*d*e*f*"  # the prompt gets half the context
+    assert truncate(both, 100) == (both, False)
+    pair, was_cut = tokenize_pair(tok, [{"role": "user", "content": "0123456789" * 3}], "abcdefghij", "xyz", 12)
+    assert was_cut and pair.prompt == [BOS_ID, *tok.encode("789"), EOS_ID, ASSISTANT_ID]
+    assert tok.decode(pair.chosen) == "abcdef" and tok.decode(pair.rejected) == "xyz<|eos|>"
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_packed_rows_give_each_example_its_unpacked_loss(style):
+    tok = byte_tokenizer()
+    model = tiny_model(style, context_length=64).eval()
+    examples = [tokenize_chat(tok, chat_messages(r, "test")) for r in word_chats(7)]
+    rows = pack_rows(examples, 64)
+    assert all(len(row) >= 2 for row in rows[:-1]) and len(rows) < len(examples)  # rows are shared
+    batch = collate(examples, rows, 64)
+    with torch.no_grad():
+        from frawdllm.align.sft import packed_hidden
+        logits = model.lm_head(packed_hidden(model, batch))  # (B, T, V)
+        token_loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none",
+                                     ignore_index=-100).view(batch["targets"].shape)
+        for r, row in enumerate(rows):
+            for doc, i in enumerate(row):
+                at = batch["documents"][r] == doc
+                packed = token_loss[r][at].sum() / (batch["targets"][r][at] != -100).sum()
+                alone = collate(examples, [[i]], len(examples[i].ids) - 1)
+                unpacked = sft_loss(model, alone)
+                assert packed.item() == pytest.approx(unpacked.item(), abs=1e-5), (r, doc)
+        # the test can tell: plain causal attention over the packed row (no mask, no position reset)
+        leaky = model(batch["tokens"])[0]
+        later = batch["documents"] >= 1  # tokens of the second and later examples of a row
+        assert (leaky - logits)[later].abs().max() > 1e-3
+        assert (leaky - logits)[batch["documents"] == 0].abs().max() < 1e-5
+
+
+def test_document_mask_is_block_diagonal_causal():
+    docs = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    mask = document_mask(docs)[0, 0].int().tolist()
+    assert mask == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0],
+                    [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+
+
+def test_a_bad_record_is_named_with_file_and_line_or_skipped_and_counted(tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    lines = [{"prompt": "a", "response": "b"}] * 5
+    text = "".join(__import__("json").dumps(r) + "\n" for r in lines)
+    data.write_text(text + "{not json\n" + '{"messages": [{"role": "bot", "content": "x"}]}\n' + text)
+    cfg = SFTConfig(init=None, data=str(data), progress=False, max_steps=1, val_fraction=0.0)
+    with pytest.raises(BadExample, match=r"chats.jsonl:6: not valid JSON"):
+        load_examples(cfg, byte_tokenizer(), 64)
+    cfg.skip_bad_lines = True
+    train, val, summary = load_examples(cfg, byte_tokenizer(), 64)
+    assert (summary.skipped, summary.examples, len(train)) == (2, 10, 10)
+    assert "chats.jsonl:7" in summary.first_skipped[1] and "role 'bot'" in summary.first_skipped[1]
+    code, _, err = run_cli(capsys, "sft", "--init", model_dir(tmp_path), "--data", data, "--out", tmp_path / "run",
+                           "--max-steps", "1", "--no-progress")
+    assert code != 0 and "chats.jsonl:6: not valid JSON" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()  # a failed start leaves nothing
+
+
+def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
+    model = tiny_model("llama")
+    x = torch.randint(0, 263, (2, 16))
+    before = model(x)[0].detach()
+    lora.add_lora(model, rank=4)
+    assert torch.equal(model(x)[0], before)  # B = 0: the base model exactly
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".")[-2] for n in trainable} == {"qkv", "proj", "up", "down"}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_b" in n:
+                p.normal_(0, 0.05)
+    adapted = model(x)[0].detach()
+    assert not torch.allclose(adapted, before, atol=1e-3)
+    merged = lora.merged_copy(model)
+    assert not lora.has_lora(merged)
+    torch.testing.assert_close(merged(x)[0], adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_stdlib_instruct_is_built_in_and_split_by_function():
+    from frawdllm.align import stdlib_corpus
+    from frawdllm.align.examples import is_held_out
+
+    found = stdlib_corpus.functions()
+    assert len(found) > 200
+    records = list(stdlib_corpus.records("stdlib-instruct"))
+    assert len(records) == 2 * len(found)
+    by_key = {}
+    for where, record, key in records[:200]:
+        by_key.setdefault(key, []).append(record)
+        assert where.startswith("stdlib-instruct:") and set(record) == {"prompt", "response"}
+    assert all(len(rs) == 2 for rs in by_key.values())  # both requests share the split key
+    write, summarize = next(iter(by_key.values()))
+    assert write["prompt"].startswith("Write a Python function `") and stdlib_corpus.defines_function(write["response"])
+    assert summarize["prompt"].startswith("Summarize this Python function") and "\n" not in summarize["response"]
+    held = [is_held_out(k, 0.05) for k in {f.key for f in found}]
+    assert 0 < sum(held) < len(held) * 0.15
+    # the preference rule: even hash -> does not parse; odd -> parses, another body
+    prefs = list(stdlib_corpus.records("stdlib-prefs"))
+    assert len(prefs) == len(found)
+    kinds = {stdlib_corpus._hash(fn.key) % 2: (fn, r) for fn, (_, r, _) in zip(found, prefs)}
+    fn, broken = kinds[0]
+    assert broken["chosen"] == fn.source and not stdlib_corpus.defines_function(broken["rejected"])
+    fn, other = kinds[1]
+    assert stdlib_corpus.defines_function(other["rejected"]) and other["rejected"] != fn.source
+
+
+def test_sft_cli_trains_writes_the_run_and_resumes_exactly(tmp_path, capsys):
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "chats.jsonl", word_chats(60))
+    common = ["--init", base, "--data", data, "--batch-size", "4", "--lr", "3e-3", "--dtype", "fp32",
+              "--compile", "false", "--device", "cpu", "--log-interval", "1", "--eval-interval", "3",
+              "--eval-batches", "2", "--sample-tokens", "8", "--no-progress", "--val-fraction", "0.1"]
+    code, out, err = run_cli(capsys, "sft", *common, "--max-steps", "6", "--out", tmp_path / "full")
+    assert code == 0, err
+    run = tmp_path / "full"
+    assert {"config.yaml", "metrics.jsonl", "loss.png", "samples.txt", "checkpoints", "model"} <= \
+        {p.name for p in run.iterdir()}
+    assert "<|assistant|>" in (run / "samples.txt").read_text()  # answers to held-out prompts
+    losses = [r["loss"] for r in read_metrics(run) if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert load_model(run / "model").config == load_model(base).config
+    # 3 steps, then --resume to 6: the same losses, bitwise
+    code, _, err = run_cli(capsys, "sft", *common, "--max-steps", "3", "--out", tmp_path / "split")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "sft", "--out", tmp_path / "split", "--resume", "--max-steps", "6",
+                           "--no-progress")
+    assert code == 0, err
+    assert [r["loss"] for r in read_metrics(tmp_path / "split") if "loss" in r] == losses
+
+
+def test_lora_sft_saves_a_plain_model_and_resumes_exactly(tmp_path, capsys):
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "chats.jsonl", word_chats(40))
+    common = ["--init", base, "--data", data, "--batch-size", "4", "--lr", "1e-2", "--dtype", "fp32",
+              "--compile", "false", "--device", "cpu", "--log-interval", "1", "--eval-interval", "2",
+              "--sample-tokens", "0", "--no-progress", "--lora-rank", "4"]
+    assert run_cli(capsys, "sft", *common, "--max-steps", "4", "--out", tmp_path / "full")[0] == 0
+    assert run_cli(capsys, "sft", *common, "--max-steps", "2", "--out", tmp_path / "split")[0] == 0
+    code, _, err = run_cli(capsys, "sft", "--out", tmp_path / "split", "--resume", "--max-steps", "4",
+                           "--no-progress")
+    assert code == 0, err
+    full = [r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r]
+    assert [r["loss"] for r in read_metrics(tmp_path / "split") if "loss" in r] == full
+    trained, start = load_model(tmp_path / "full" / "model"), load_model(base)
+    changed = {n for n, p in trained.state_dict().items() if not torch.equal(p, start.state_dict()[n])}
+    assert changed and all(n.endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight")) for n in changed)
+
+
+def test_sft_output_works_with_chat_and_the_hf_export(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "chats.jsonl", word_chats(20))
+    code, _, err = run_cli(capsys, "sft", "--init", base, "--data", data, "--max-steps", "2", "--dtype", "fp32",
+                           "--compile", "false", "--device", "cpu", "--sample-tokens", "0", "--no-progress",
+                           "--out", tmp_path / "run")
+    assert code == 0, err
+    model = tmp_path / "run" / "model"
+    code, out, err = run_cli(capsys, "generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "4",
+                             "--seed", "1")
+    assert code == 0, err
+    from test_chat_cli import expected_reply, say, spawn
+
+    child = spawn(model, "--temperature", "0", "--max-new-tokens", "6")
+    assert say(child, "reverse apple") == expected_reply(model, [{"role": "user", "content": "reverse apple"}], 6)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    assert run_cli(capsys, "export", "--model", model, "--format", "hf", "--out", tmp_path / "hf")[0] == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    chat = [{"role": "user", "content": "reverse apple"}]
+    ids = hf_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert ids == byte_tokenizer().render_chat(chat)
+
+
+def test_examples_come_from_gzip_jsonl_parquet_and_local_hf_datasets(tmp_path):
+    import gzip
+    import json
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    datasets = pytest.importorskip("datasets")
+
+    records = word_chats(12)
+    with gzip.open(tmp_path / "chats.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "hfds"))
+    tok = byte_tokenizer()
+    expected = [tokenize_chat(tok, chat_messages(r, "x")).ids for r in records]
+    for spec in (tmp_path / "chats.jsonl.gz", tmp_path / "chats.parquet", f"hf:{tmp_path / 'hfds'}"):
+        cfg = SFTConfig(data=str(spec), progress=False, max_steps=1, val_fraction=0.0)
+        train, _, summary = load_examples(cfg, tok, 64)
+        assert [e.ids for e in train] == expected and summary.examples == 12, spec
