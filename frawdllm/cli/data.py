@@ -31,23 +31,58 @@ def data() -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--val-fraction", type=float, default=0.005, show_default=True,
               help="Share of documents held out for validation (chosen by a hash of their text).")
-@click.option("--workers", type=int, default=None, help="Tokenizer threads [default: all cores].")
+@click.option("--workers", type=int, default=None,
+              help="Tokenizer threads [default: all cores]; with --engine datatrove, the number of "
+                   "datatrove tasks (each tokenizes a contiguous block of the sorted files) [default: 2].")
+@click.option("--engine", type=click.Choice(["single", "datatrove"]), default="single", show_default=True,
+              help="single: one process (threads). datatrove: a pipeline on HF datatrove (pip install "
+                   "'frawdllm[datatrove]'), writing train-RRRRR.bin/val-RRRRR.bin per task; the "
+                   "loaders read them in task order, the same tokens in the same order as single.")
+@click.option("--executor", type=click.Choice(["local", "slurm", "ray"]), default="local", show_default=True,
+              help="Where datatrove runs the tasks: this machine's cores, a Slurm job array (submits "
+                   "and returns; meta.json appears when the merge job ends), or a Ray cluster (untested).")
+@click.option("--slurm-partition", default=None, help="Slurm partition (--executor slurm).")
+@click.option("--slurm-time", default="4:00:00", show_default=True, help="Slurm time limit per task.")
+@click.option("--slurm-cpus", type=int, default=8, show_default=True, help="Slurm CPUs per task.")
 @click.option("--force", is_flag=True, help="Rebuild even if OUT holds shards of the same inputs.")
-def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out: str,
-            val_fraction: float, workers: int | None, force: bool) -> None:
+def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out: str, val_fraction: float,
+            workers: int | None, engine: str, executor: str, slurm_partition: str | None, slurm_time: str,
+            slurm_cpus: int, force: bool) -> None:
     """Tokenize --data into OUT/train.bin, OUT/val.bin and OUT/meta.json.
 
     Documents are separated by <|eos|>; tokens are stored as uint16 when the vocabulary
     fits, else uint32. Running again with the same inputs reuses the shards.
 
+    With --engine datatrove, task r of N tokenizes files[r*F//N:(r+1)*F//N] of the sorted
+    file list into OUT/train-r.bin and OUT/val-r.bin; meta.json lists them in task order.
+    See docs/data.md.
+
     \b
     Example:
       frawd data prepare --data stdlib --tokenizer tok/stdlib/tokenizer.json --out data/stdlib
+      frawd data prepare --data 'corpus/*.jsonl.gz' --tokenizer tok/tokenizer.json --out data/c \\
+          --engine datatrove --workers 64 --executor slurm --slurm-partition cpu
     """
-    from ..data.shards import prepare_shards
+    if engine == "datatrove":
+        try:
+            from ..data.datatrove_shards import prepare_shards_datatrove
+        except ImportError:
+            raise click.UsageError("--engine datatrove needs datatrove: pip install 'frawdllm[datatrove]'") from None
+        slurm = {"partition": slurm_partition, "time": slurm_time, "cpus_per_task": slurm_cpus}
+        meta = prepare_shards_datatrove(data, tokenizer_path, out, workers=workers or 2, executor=executor,
+                                        val_fraction=val_fraction, text_field=text_field, doc_split=doc_split,
+                                        force=force, slurm=slurm)
+        if meta is None:
+            click.echo(f"submitted {workers or 2} tokenize tasks and a merge task; {out}/meta.json appears "
+                       f"when they finish (logs in {out}/.datatrove)")
+            return
+    elif executor != "local" or slurm_partition is not None:
+        raise click.UsageError("--executor and --slurm-* apply to --engine datatrove")
+    else:
+        from ..data.shards import prepare_shards
 
-    meta = prepare_shards(data, tokenizer_path, out, val_fraction=val_fraction, text_field=text_field,
-                          doc_split=doc_split, workers=workers, force=force, progress=True)
+        meta = prepare_shards(data, tokenizer_path, out, val_fraction=val_fraction, text_field=text_field,
+                              doc_split=doc_split, workers=workers, force=force, progress=True)
     for warning in meta.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
     if meta.get("reused"):
@@ -56,4 +91,8 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
                 "bytes_per_token", "unk_tokens", "mb_per_s"):
         click.echo(f"{key}: {meta[key]}")
     if not meta.get("reused"):
-        click.echo(f"wrote {out}/train.bin, {out}/val.bin, {out}/meta.json")
+        from ..data.shards import split_files
+
+        files = [f.name for split in ("train", "val") for f in split_files(out, split, meta)]
+        click.echo(f"wrote {out}/{{{','.join(files)}}} and {out}/meta.json" if len(files) > 2
+                   else f"wrote {out}/train.bin, {out}/val.bin, {out}/meta.json")

@@ -41,7 +41,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
       frawd eval --model runs/shakespeare/model --data ../shared/data/tinyshakespeare.txt \\
                  --doc-split file --val-fraction 0.1
     """
-    from ..data import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards, read_shard
+    from ..data import META_FILE, prepare_shards, read_split
     from ..errors import FrawdError
     from ..modeldir import TOKENIZER_FILE, load_config, load_model, model_file
     from ..tokenizer import Tokenizer
@@ -75,7 +75,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             shard_dir = Path(tmp)
             meta = prepare_shards(data, tok, shard_dir, val_fraction=val_fraction, text_field=text_field,
                                   doc_split=doc_split, progress=True)
-        tokens = read_shard(shard_dir / (VAL_FILE if split == "val" else TRAIN_FILE))
+        tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
             raise FrawdError(f"the {split} split has {len(tokens)} tokens, too few for one window of {context}; "
                              "use more data, a larger --val-fraction or a shorter --context-length")

@@ -23,6 +23,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from ..errors import FrawdError
+from .shard_format import TokenArray
 
 
 def _check_layout(n_tokens: int, batch_size: int, context_length: int, rank: int, world_size: int) -> None:
@@ -35,7 +36,7 @@ def _check_layout(n_tokens: int, batch_size: int, context_length: int, rank: int
                          f"{context_length + 1}: use more data or a shorter context")
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray,
+def _windows(tokens: TokenArray, starts: np.ndarray,
              context_length: int) -> tuple[Int[Tensor, "B T"], Int[Tensor, "B T"]]:
     index = starts[:, None] + np.arange(context_length + 1)  # (B, T+1)
     window = torch.from_numpy(tokens[index].astype(np.int64))  # one gather from the memmap
@@ -45,7 +46,7 @@ def _windows(tokens: np.ndarray, starts: np.ndarray,
 class RandomWindowLoader:
     """Seeded random windows for pretraining; exactly resumable from `state_dict()`."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, seed: int = 0,
+    def __init__(self, tokens: TokenArray, batch_size: int, context_length: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1):
         _check_layout(len(tokens), batch_size, context_length, rank, world_size)
         if grad_accum < 1:
@@ -89,7 +90,7 @@ class RandomWindowLoader:
 class SequentialLoader:
     """Every non-overlapping window once, in order: the same batches on every pass."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int,
+    def __init__(self, tokens: TokenArray, batch_size: int, context_length: int,
                  max_batches: int | None = None, rank: int = 0, world_size: int = 1):
         _check_layout(len(tokens), batch_size, context_length, rank, world_size)
         self.tokens = tokens

@@ -104,3 +104,47 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int) -> None:
     """Write a whole array as one shard (atomically)."""
     with open_shard_writer(path, vocab_size) as writer:
         writer.write(tokens)
+
+
+class ShardStream:
+    """Several shards read as one 1-D token array, without copying them.
+
+    Supports what the loaders and evaluation do with a shard's memmap: `len`, an integer,
+    a slice or an integer index array (any shape), and `np.asarray` (which does copy).
+    """
+
+    def __init__(self, parts: list[np.ndarray]):
+        if not parts:
+            raise FrawdError("a shard stream needs at least one shard")
+        if len({p.dtype for p in parts}) != 1:
+            raise FrawdError(f"shards of one split must share a dtype, got {sorted({p.dtype.name for p in parts})}")
+        self.dtype = parts[0].dtype
+        self.parts = [p for p in parts if len(p)]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])  # part i starts at offsets[i]
+        self.shape = (int(self.offsets[-1]),)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        index = np.asarray(index)
+        if index.dtype.kind not in "iu":
+            raise TypeError(f"shard streams take integer indices, got {index.dtype}")
+        index = np.where(index < 0, index + len(self), index)
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"index out of range for a stream of {len(self)} tokens")
+        which = np.searchsorted(self.offsets, index, side="right") - 1  # the part holding each index
+        out = np.empty(index.shape, dtype=self.dtype)
+        for part in np.unique(which):
+            mask = which == part
+            out[mask] = self.parts[part][index[mask] - self.offsets[part]]
+        return out[()] if out.ndim == 0 else out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=self.dtype)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+TokenArray = np.ndarray | ShardStream  # what the loaders read: one shard's memmap, or several as one

@@ -39,7 +39,8 @@ import numpy as np
 from ..errors import FrawdError
 from ..io import atomic_path, undo_on_error, write_json_atomic
 from ..tokenizer import EOS_ID, UNK_ID, Tokenizer
-from .shard_format import HEADER_BYTES, VERSION, ShardWriter, read_header
+from .shard_format import (HEADER_BYTES, VERSION, ShardStream, ShardWriter, TokenArray, read_header, read_shard,
+                           token_dtype)
 from .sources import SourceStats, iter_documents, source_files
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
@@ -82,27 +83,17 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
 
     stats = SourceStats()
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
-    batches = _batches(documents, val_fraction, _piece_splitter(tok), BATCH_CHARS)
 
     with undo_on_error(out):  # a failed first run leaves no empty folder
         out.mkdir(parents=True, exist_ok=True)
         (out / META_FILE).unlink(missing_ok=True)  # old shards stay valid only with their own meta
         start = time.perf_counter()
         bar = _progress_bar(progress, _source_bytes(data))
-        totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0}
         try:
             with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp, \
                     open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
                 writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
-                for batch, encodings in _encode_ahead(_prefetch(batches, depth=ENCODES_IN_FLIGHT + 1), tok):
-                    for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
-                        writers[split].write(tokens)
-                        totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
-                    for split in (0, 1):
-                        totals["docs"][split] += batch.doc_is_val.count(bool(split))
-                        totals["bytes"][split] += batch.text_bytes[split]
-                    if bar is not None:
-                        bar.update(sum(batch.text_bytes))
+                totals = tokenize_documents(documents, tok, writers, val_fraction, bar)
                 val_split = "documents"
                 if val_fraction > 0 and writers[1].n_tokens == 0:
                     _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
@@ -114,38 +105,93 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
         finally:
             if bar is not None:
                 bar.close()
-        seconds = time.perf_counter() - start
-
-        n_train, n_val = writers[0].n_tokens, writers[1].n_tokens
-        meta = {
-            "format_version": VERSION,
-            "source": data,
-            "text_field": text_field,
-            "doc_split": doc_split,
-            "val_fraction": val_fraction,
-            "val_split": val_split,
-            "tokenizer_hash": tok.fingerprint,
-            "tokenizer_kind": tok.kind,
-            "vocab_size": tok.vocab_size,
-            "dtype": writers[0].dtype.name,
-            "token_bytes": writers[0].dtype.itemsize,
-            "train_tokens": n_train,
-            "val_tokens": n_val,
-            "train_documents": totals["docs"][0],
-            "val_documents": totals["docs"][1],
-            "train_text_bytes": totals["bytes"][0],
-            "val_text_bytes": totals["bytes"][1],
-            "bytes_per_token": round(sum(totals["bytes"]) / max(1, n_train + n_val), 6),
-            "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
-            "unk_tokens": totals["unk"],
-            "replaced_utf8_sequences": stats.replaced,
-            "seconds": round(seconds, 3),
-            "mb_per_s": round(sum(totals["bytes"]) / 1e6 / max(seconds, 1e-9), 3),
-            "inputs_hash": inputs_hash,
-        }
+        totals.update(seconds=time.perf_counter() - start, replaced=stats.replaced, val_split=val_split,
+                      train_tokens=writers[0].n_tokens, val_tokens=writers[1].n_tokens)
+        meta = shard_meta(data, tok, totals, val_fraction=val_fraction, text_field=text_field,
+                          doc_split=doc_split, inputs_hash=inputs_hash)
         write_json_atomic(out / META_FILE, meta)
     meta["warnings"] = [w for w in (stats.warning(), _unk_warning(meta)) if w]
     return meta
+
+
+def tokenize_documents(documents: Iterable[str], tok: Tokenizer, writers: tuple[ShardWriter, ShardWriter],
+                       val_fraction: float, bar=None) -> dict:
+    """Tokenize `documents` in order into the train and val writers (each document, then
+    <|eos|>; the split by a hash of its text). Returns the counts: documents and text bytes
+    per split ([train, val]) and <|unk|> tokens."""
+    totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0}
+    batches = _batches(documents, val_fraction, _piece_splitter(tok), BATCH_CHARS)
+    for batch, encodings in _encode_ahead(_prefetch(batches, depth=ENCODES_IN_FLIGHT + 1), tok):
+        for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
+            writers[split].write(tokens)
+            totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
+        for split in (0, 1):
+            totals["docs"][split] += batch.doc_is_val.count(bool(split))
+            totals["bytes"][split] += batch.text_bytes[split]
+        if bar is not None:
+            bar.update(sum(batch.text_bytes))
+    return totals
+
+
+def shard_meta(data: str, tok: Tokenizer, totals: dict, *, val_fraction: float, text_field: str,
+               doc_split: str, inputs_hash: str, shards: dict | None = None) -> dict:
+    """meta.json's content from the counts of `tokenize_documents` plus train_tokens,
+    val_tokens, seconds, replaced and val_split. `shards` ({"train": [names], "val": [names]})
+    lists the shard files of each split when there are several (see `split_files`)."""
+    n_train, n_val, seconds = totals["train_tokens"], totals["val_tokens"], totals["seconds"]
+    dtype = token_dtype(tok.vocab_size)
+    meta = {
+        "format_version": VERSION,
+        "source": data,
+        "text_field": text_field,
+        "doc_split": doc_split,
+        "val_fraction": val_fraction,
+        "val_split": totals["val_split"],
+        "tokenizer_hash": tok.fingerprint,
+        "tokenizer_kind": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype.name,
+        "token_bytes": dtype.itemsize,
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "train_documents": totals["docs"][0],
+        "val_documents": totals["docs"][1],
+        "train_text_bytes": totals["bytes"][0],
+        "val_text_bytes": totals["bytes"][1],
+        "bytes_per_token": round(sum(totals["bytes"]) / max(1, n_train + n_val), 6),
+        "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
+        "unk_tokens": totals["unk"],
+        "replaced_utf8_sequences": totals["replaced"],
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(sum(totals["bytes"]) / 1e6 / max(seconds, 1e-9), 3),
+        "inputs_hash": inputs_hash,
+    }
+    if shards is not None:
+        meta["train_shards"], meta["val_shards"] = list(shards["train"]), list(shards["val"])
+    return meta
+
+
+# ---- reading: one split, one or several shard files -------------------------------------------------
+
+def split_files(shard_dir: str | Path, split: str, meta: dict | None = None) -> list[Path]:
+    """The shard files of `split` ("train" or "val"), in stream order: those listed under
+    `{split}_shards` in meta.json (a distributed prepare writes one per worker), else the
+    single `{split}.bin`."""
+    if split not in ("train", "val"):
+        raise FrawdError(f"split must be train or val, got {split!r}")
+    shard_dir = Path(shard_dir)
+    if meta is None:
+        meta = json.loads((shard_dir / META_FILE).read_text(encoding="utf-8"))
+    names = meta.get(f"{split}_shards") or [f"{split}.bin"]
+    return [shard_dir / name for name in names]
+
+
+def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> TokenArray:
+    """The tokens of a split: one shard's memory map, or several read as one stream."""
+    files = split_files(shard_dir, split, meta)
+    if len(files) == 1:
+        return read_shard(files[0])
+    return ShardStream([read_shard(f) for f in files])
 
 
 def _unk_warning(meta: dict) -> str | None:
@@ -173,10 +219,9 @@ def _reusable(out: Path, inputs_hash: str) -> dict | None:
         meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
         if meta.get("inputs_hash") != inputs_hash:
             return None
-        if read_header(out / TRAIN_FILE)["n_tokens"] != meta["train_tokens"]:
-            return None
-        if read_header(out / VAL_FILE)["n_tokens"] != meta["val_tokens"]:
-            return None
+        for split in ("train", "val"):
+            if sum(read_header(f)["n_tokens"] for f in split_files(out, split, meta)) != meta[f"{split}_tokens"]:
+                return None
     except (OSError, ValueError, KeyError, TypeError, FrawdError):
         return None
     meta["reused"] = True

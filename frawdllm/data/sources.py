@@ -91,7 +91,7 @@ def iter_documents(spec: str, text_field: str = "text", doc_split: str = "blank"
     else:
         files = source_files(spec)
         split = "file" if spec == "stdlib" else doc_split
-        documents = _file_documents(files, text_field, split, stats)
+        documents = file_documents(files, text_field, split, stats)
     return _counted(documents, spec, stats)
 
 
@@ -146,7 +146,8 @@ def resolve_files(spec: str) -> list[Path]:
     raise FrawdError(f"data source not found: {spec!r} (expected stdlib, hf:NAME, a file, a folder or a glob)")
 
 
-def _file_documents(files: list[Path], text_field: str, doc_split: str, stats: SourceStats) -> Iterator[str]:
+def file_documents(files: list[Path], text_field: str, doc_split: str, stats: SourceStats) -> Iterator[str]:
+    """The documents of `files`, file after file (no check that there is any)."""
     for path in files:
         stats.files += 1
         name = path.name.lower()

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from ..data import SequentialLoader
+from ..data.shard_format import TokenArray
 
 
-def lm_loss(model: nn.Module, tokens: np.ndarray, batch_size: int, context_length: int,
+def lm_loss(model: nn.Module, tokens: TokenArray, batch_size: int, context_length: int,
             device: torch.device, max_batches: int | None = None, progress: bool = False) -> tuple[float, int]:
     """(mean loss in nats, number of predicted tokens) over the windows of `tokens`."""
     loader = SequentialLoader(tokens, batch_size, context_length, max_batches=max_batches)

@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..config import PRESETS, ModelConfig, get_config, parse_value
-from ..data import META_FILE, TRAIN_FILE, VAL_FILE, RandomWindowLoader, prepare_shards, read_shard
+from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
+from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
 from ..modeldir import load_config, load_model
@@ -52,8 +52,8 @@ TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was t
 
 @dataclass
 class PreparedData:
-    train: np.ndarray
-    val: np.ndarray
+    train: TokenArray  # a shard memmap, or several shards as one stream
+    val: TokenArray
     tokenizer: Tokenizer
     meta: dict
     shard_dir: Path
@@ -111,8 +111,15 @@ class PretrainTask(TrainTask):
 # ---- data --------------------------------------------------------------------------------------
 
 def is_shard_dir(path: str | Path) -> bool:
+    """A folder of prepared shards: meta.json and every shard file it lists (or train.bin, val.bin)."""
     path = Path(path)
-    return path.is_dir() and all((path / name).is_file() for name in (TRAIN_FILE, VAL_FILE, META_FILE))
+    if not (path / META_FILE).is_file():
+        return False
+    try:
+        files = split_files(path, "train") + split_files(path, "val")
+    except (OSError, ValueError):
+        return False
+    return all(f.is_file() for f in files)
 
 
 def tokenizer_path(spec: str) -> Path | None:
@@ -167,7 +174,8 @@ def prepare_data(cfg: PretrainConfig, run_dir: Path) -> PreparedData:
         shard_dir = run_dir / DATA_DIR
         meta = prepare_shards(cfg.data, tok, shard_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
                               doc_split=cfg.doc_split, progress=cfg.progress)
-    return PreparedData(read_shard(shard_dir / TRAIN_FILE), read_shard(shard_dir / VAL_FILE), tok, meta, shard_dir)
+    return PreparedData(read_split(shard_dir, "train", meta), read_split(shard_dir, "val", meta), tok, meta,
+                        shard_dir)
 
 
 def _bpe_vocab_size(cfg: PretrainConfig) -> int:

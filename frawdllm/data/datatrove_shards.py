@@ -1,0 +1,200 @@
+"""`frawd data prepare --engine datatrove`: tokenization as a pipeline on HF datatrove.
+
+datatrove runs a list of pipeline steps as `tasks` independent ranks, on this machine
+(local executor: a process pool), on a Slurm cluster (a job array) or on a Ray cluster.
+Two stages, each a datatrove executor, the second depending on the first:
+
+    TokenizeFiles  rank r of N takes a contiguous block of the sorted source files
+                   (files[r*F//N : (r+1)*F//N]) and tokenizes it with the same code as
+                   `prepare_shards` into train-RRRRR.bin, val-RRRRR.bin and part-RRRRR.json
+                   (its counts)
+    MergeShards    one task: sums the parts into meta.json, which lists the shards of each
+                   split in rank order (`train_shards`, `val_shards`)
+
+Order: the loaders read a split as its shards in rank order. Since the blocks are
+contiguous and each document goes to train or val by a hash of its own text, that stream
+is token for token the stream of single-process `prepare_shards` on the same inputs.
+One difference: a corpus too small for a hashed val split (no document hashed to val) is
+an error here, where single-process prepare moves the tail of train into val.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from datatrove.pipeline.base import PipelineStep
+
+from ..errors import FrawdError
+from ..io import undo_on_error, write_json_atomic
+from ..tokenizer import Tokenizer
+from .shard_format import open_shard_writer
+from .shards import META_FILE, _inputs_hash, _reusable, shard_meta, tokenize_documents
+from .sources import SourceStats, file_documents, source_files
+
+EXECUTORS = ("local", "slurm", "ray")
+LOGS_DIR = ".datatrove"  # datatrove's logs and completion marks, inside the output folder
+
+
+def rank_files(files: list, rank: int, world_size: int) -> list:
+    """Rank `rank`'s contiguous block of `files` (empty when there are more ranks than files)."""
+    n = len(files)
+    return files[rank * n // world_size:(rank + 1) * n // world_size]
+
+
+def _names(rank: int) -> dict[str, str]:
+    return {"train": f"train-{rank:05d}.bin", "val": f"val-{rank:05d}.bin", "part": f"part-{rank:05d}.json"}
+
+
+class TokenizeFiles(PipelineStep):
+    """Tokenize this rank's block of the source files into its own train and val shards."""
+
+    name = "frawd tokenize"
+    type = "FrawdLLM"
+
+    def __init__(self, data: str, tokenizer: str, out: str, *, val_fraction: float, text_field: str,
+                 doc_split: str, threads: int | None = None):
+        super().__init__()
+        self.data, self.tokenizer, self.out, self.threads = data, tokenizer, out, threads
+        self.val_fraction, self.text_field, self.doc_split = val_fraction, text_field, doc_split
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        if self.threads is not None:  # read when the Rust thread pool starts (this process's first encode)
+            os.environ.setdefault("RAYON_NUM_THREADS", str(self.threads))
+        tok = Tokenizer.load(self.tokenizer)
+        out, names = Path(self.out), _names(rank)
+        files = rank_files(source_files(self.data), rank, world_size)
+        split = "file" if self.data == "stdlib" else self.doc_split
+        stats = SourceStats()
+        start = time.perf_counter()
+        with open_shard_writer(out / names["train"], tok.vocab_size) as train, \
+                open_shard_writer(out / names["val"], tok.vocab_size) as val:
+            documents = file_documents(files, self.text_field, split, stats)
+            totals = tokenize_documents(documents, tok, (train, val), self.val_fraction)
+        totals.update(train_tokens=train.n_tokens, val_tokens=val.n_tokens, replaced=stats.replaced,
+                      files=len(files), seconds=time.perf_counter() - start)
+        self.stat_update("documents", value=sum(totals["docs"]))
+        write_json_atomic(out / names["part"], totals)
+        return iter(())  # nothing flows on to a next step
+
+
+class MergeShards(PipelineStep):
+    """Sum the ranks' counts into meta.json, listing the shards in rank order."""
+
+    name = "frawd merge"
+    type = "FrawdLLM"
+
+    def __init__(self, data: str, tokenizer: str, out: str, *, parts: int, val_fraction: float,
+                 text_field: str, doc_split: str, inputs_hash: str):
+        super().__init__()
+        self.data, self.tokenizer, self.out, self.parts = data, tokenizer, out, parts
+        self.options = {"val_fraction": val_fraction, "text_field": text_field, "doc_split": doc_split,
+                        "inputs_hash": inputs_hash}
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        merge_parts(self.data, Tokenizer.load(self.tokenizer), Path(self.out), self.parts, **self.options)
+        return iter(())
+
+
+def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fraction: float, text_field: str,
+                doc_split: str, inputs_hash: str) -> dict:
+    """Write meta.json from the part-RRRRR.json of ranks 0..parts-1; returns it."""
+    totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0, "train_tokens": 0, "val_tokens": 0, "replaced": 0,
+              "seconds": 0.0}
+    for rank in range(parts):
+        path = out / _names(rank)["part"]
+        if not path.is_file():
+            raise FrawdError(f"{path} is missing: rank {rank} of the tokenize step did not finish")
+        part = json.loads(path.read_text(encoding="utf-8"))
+        for key in ("docs", "bytes"):
+            totals[key] = [a + b for a, b in zip(totals[key], part[key])]
+        for key in ("unk", "train_tokens", "val_tokens", "replaced"):
+            totals[key] += part[key]
+        totals["seconds"] = max(totals["seconds"], part["seconds"])  # the ranks ran side by side
+    if sum(totals["docs"]) == 0:
+        raise FrawdError(f"data source {data!r} holds no documents (no non-empty text)")
+    if val_fraction > 0 and totals["val_tokens"] == 0:
+        raise FrawdError(f"no document of {data!r} hashed into the val split (too few documents for "
+                         f"--val-fraction {val_fraction}); use a larger --val-fraction or the single-process "
+                         "prepare, which then holds out the tail of train")
+    totals["val_split"] = "documents"
+    shards = {split: [_names(rank)[split] for rank in range(parts)] for split in ("train", "val")}
+    meta = shard_meta(data, tok, totals, val_fraction=val_fraction, text_field=text_field, doc_split=doc_split,
+                      inputs_hash=inputs_hash, shards=shards)
+    meta["engine"] = {"name": "datatrove", "workers": parts}
+    write_json_atomic(out / META_FILE, meta)
+    for rank in range(parts):
+        (out / _names(rank)["part"]).unlink(missing_ok=True)
+    return meta
+
+
+def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, *, workers: int,
+                             executor: str = "local", val_fraction: float = 0.005, text_field: str = "text",
+                             doc_split: str = "blank", force: bool = False, slurm: dict | None = None) -> dict | None:
+    """Tokenize `data` with `workers` datatrove tasks into OUT/{train,val}-RRRRR.bin + meta.json.
+
+    `local` runs here and returns the metadata; `slurm` submits two dependent job arrays
+    (options in `slurm`: partition, time, cpus_per_task, ...) and returns None at once;
+    meta.json appears when the merge job ends. A rerun with the same inputs reuses finished
+    shards (meta.json) or, after a failure, skips the ranks datatrove marked complete.
+    """
+    if executor not in EXECUTORS:
+        raise FrawdError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if workers < 1:
+        raise FrawdError(f"workers must be at least 1, got {workers}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise FrawdError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if data.startswith("hf:"):
+        raise FrawdError("--engine datatrove splits a list of files among workers; hf: datasets have none "
+                         "(download them to files, or use the single-process prepare)")
+    tokenizer = str(Path(tokenizer).resolve())
+    tok = Tokenizer.load(tokenizer)
+    out = Path(out).resolve()
+    inputs_hash = _inputs_hash(data, tok, val_fraction, text_field, doc_split)
+    if not force:
+        reused = _reusable(out, inputs_hash)
+        if reused is not None:
+            return reused
+    logs = out / LOGS_DIR / f"{inputs_hash[:16]}-w{workers}"  # same inputs and workers: resume
+    with undo_on_error(out):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / META_FILE).unlink(missing_ok=True)
+        if force:
+            shutil.rmtree(logs, ignore_errors=True)
+        options = {"val_fraction": val_fraction, "text_field": text_field, "doc_split": doc_split}
+        tokenize = [TokenizeFiles(data, tokenizer, str(out), **options)]
+        merge = [MergeShards(data, tokenizer, str(out), parts=workers, inputs_hash=inputs_hash, **options)]
+        if executor == "local":
+            from datatrove.executor import LocalPipelineExecutor
+
+            tokenize[0].threads = max(1, (os.cpu_count() or 1) // workers)  # the workers share this machine
+            first = LocalPipelineExecutor(tokenize, tasks=workers, workers=workers, logging_dir=str(logs / "tokenize"))
+            second = LocalPipelineExecutor(merge, tasks=1, logging_dir=str(logs / "merge"), depends=first)
+            second.run()
+            if not (out / META_FILE).is_file():
+                raise FrawdError(f"the datatrove pipeline wrote no {META_FILE}; see its logs in {logs}")
+            return json.loads((out / META_FILE).read_text(encoding="utf-8"))
+        if executor == "slurm":
+            from datatrove.executor import SlurmPipelineExecutor
+
+            opts = {"time": "4:00:00", "partition": None, **(slurm or {})}
+            if not opts["partition"]:
+                raise FrawdError("--executor slurm needs --slurm-partition")
+            first = SlurmPipelineExecutor(tokenize, tasks=workers, logging_dir=str(logs / "tokenize"),
+                                          job_name="frawd-tokenize", **opts)
+            second = SlurmPipelineExecutor(merge, tasks=1, logging_dir=str(logs / "merge"), depends=first,
+                                           job_name="frawd-merge", **opts)
+            second.run()  # submits both arrays (sbatch) and returns
+            return None
+        try:
+            from datatrove.executor.ray import RayPipelineExecutor
+            import ray  # noqa: F401
+        except ImportError:
+            raise FrawdError("--executor ray needs Ray: pip install 'ray[default]'") from None
+        first = RayPipelineExecutor(tokenize, tasks=workers, logging_dir=str(logs / "tokenize"))
+        second = RayPipelineExecutor(merge, tasks=1, logging_dir=str(logs / "merge"), depends=first)
+        second.run()
+        return json.loads((out / META_FILE).read_text(encoding="utf-8")) if (out / META_FILE).is_file() else None

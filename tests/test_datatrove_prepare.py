@@ -1,0 +1,158 @@
+"""Distributed data preparation on datatrove (local executor, 2 workers) against the
+single-process `prepare_shards`: the same tokens in the same order, read back as one
+stream from several shard files by the loaders, `frawd eval` and `frawd pretrain`."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("datatrove")
+
+from frawdllm.cli import main  # noqa: E402
+from frawdllm.data import (RandomWindowLoader, SequentialLoader, ShardStream, prepare_shards,  # noqa: E402
+                           read_shard, read_split, split_files)
+from frawdllm.data.datatrove_shards import prepare_shards_datatrove, rank_files  # noqa: E402
+from frawdllm.errors import FrawdError  # noqa: E402
+from frawdllm.tokenizer import train_tokenizer  # noqa: E402
+from frawdllm.train import PretrainConfig, run_pretraining  # noqa: E402
+from frawdllm.train.pretrain import is_shard_dir  # noqa: E402
+from frawdllm.train.rundir import read_metrics  # noqa: E402
+
+WORDS = "the king shall speak of war and peace to his people while rain falls on old stone".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Five text files of blank-line separated documents, and a jsonl file, of uneven sizes."""
+    rng = random.Random(0)
+    folder = tmp_path_factory.mktemp("corpus")
+
+    def doc() -> str:
+        return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))).capitalize() + "."
+                         for _ in range(rng.randint(1, 3)))
+
+    for i, n_docs in enumerate([40, 3, 120, 25, 60]):
+        (folder / f"part{i}.txt").write_text("\n\n".join(doc() for _ in range(n_docs)) + "\n", encoding="utf-8")
+    (folder / "z.jsonl").write_text("".join(json.dumps({"text": doc()}) + "\n" for _ in range(30)), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    texts = [p.read_text(encoding="utf-8") for p in sorted(corpus.iterdir())]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(texts, "bpe", vocab_size=300).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tokenizer, tmp_path_factory):
+    """(single-process shard folder, its meta, datatrove 2-worker shard folder, its meta)."""
+    root = tmp_path_factory.mktemp("prepared")
+    single = prepare_shards(str(corpus), tokenizer, root / "single", val_fraction=0.1)
+    multi = prepare_shards_datatrove(str(corpus), tokenizer, root / "multi", workers=2, val_fraction=0.1)
+    return root / "single", single, root / "multi", multi
+
+
+COUNTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "train_text_bytes", "val_text_bytes",
+          "bytes_per_token", "unk_tokens", "replaced_utf8_sequences", "inputs_hash", "tokenizer_hash", "dtype")
+
+
+@pytest.mark.timeout(120)
+def test_two_datatrove_workers_write_exactly_the_single_process_tokens_in_order(prepared):
+    single_dir, single, multi_dir, multi = prepared
+    assert single["val_split"] == "documents" and single["val_tokens"] > 0
+    assert multi["train_shards"] == ["train-00000.bin", "train-00001.bin"]
+    assert multi["val_shards"] == ["val-00000.bin", "val-00001.bin"]
+    for split in ("train", "val"):
+        shards = [read_shard(f) for f in split_files(multi_dir, split)]
+        assert all(len(s) > 0 for s in shards), "each worker must have tokenized a share of this split"
+        expected = np.asarray(read_shard(single_dir / f"{split}.bin"))
+        np.testing.assert_array_equal(np.concatenate(shards), expected)
+        np.testing.assert_array_equal(np.asarray(read_split(multi_dir, split)), expected)
+    assert {k: multi[k] for k in COUNTS} == {k: single[k] for k in COUNTS}
+    assert json.loads((multi_dir / "meta.json").read_text()) == {k: v for k, v in multi.items()}
+    assert not list(multi_dir.glob("part-*.json"))  # the merge step folded the ranks' counts into meta.json
+
+
+def test_rank_r_of_n_takes_the_rth_contiguous_block_of_files():
+    files = list(range(7))
+    blocks = [rank_files(files, r, 3) for r in range(3)]
+    assert blocks == [[0, 1], [2, 3], [4, 5, 6]]
+    assert [rank_files([0], r, 2) for r in range(2)] == [[], [0]]
+
+
+def test_a_second_run_reuses_the_shards_and_the_cli_reports_them(prepared, corpus, tokenizer, capsys):
+    _, _, multi_dir, _ = prepared
+    again = prepare_shards_datatrove(str(corpus), tokenizer, multi_dir, workers=2, val_fraction=0.1)
+    assert again.get("reused") is True
+    main(["data", "prepare", "--data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(multi_dir),
+          "--val-fraction", "0.1", "--engine", "datatrove", "--workers", "2"])  # returns: success
+    assert "reusing them" in capsys.readouterr().out
+
+
+def test_loaders_read_the_multi_shard_split_as_the_single_file_one(prepared):
+    single_dir, _, multi_dir, _ = prepared
+    assert is_shard_dir(multi_dir) and is_shard_dir(single_dir)
+    one, many = read_shard(single_dir / "train.bin"), read_split(multi_dir, "train")
+    assert isinstance(many, ShardStream)
+    a, b = RandomWindowLoader(one, 4, 16, seed=3), RandomWindowLoader(many, 4, 16, seed=3)
+    for _ in range(5):
+        for x, y in zip(a.next_batch(), b.next_batch()):
+            assert x.equal(y)
+    val_one, val_many = read_shard(single_dir / "val.bin"), read_split(multi_dir, "val")
+    for (x1, y1), (x2, y2) in zip(SequentialLoader(val_one, 3, 8), SequentialLoader(val_many, 3, 8), strict=True):
+        assert x1.equal(x2) and y1.equal(y2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=5), st.data())
+def test_a_shard_stream_indexes_like_the_concatenated_array(lengths, data):
+    whole = np.arange(sum(lengths), dtype=np.uint16)
+    parts = np.split(whole, np.cumsum(lengths)[:-1])
+    stream = ShardStream(parts)
+    assert len(stream) == len(whole)
+    np.testing.assert_array_equal(np.asarray(stream), whole)
+    if len(whole):
+        index = np.array(data.draw(st.lists(st.integers(-len(whole), len(whole) - 1), max_size=8)), dtype=np.int64)
+        np.testing.assert_array_equal(stream[index], whole[index])
+        start, stop = data.draw(st.integers(-len(whole), len(whole))), data.draw(st.integers(-len(whole), len(whole)))
+        np.testing.assert_array_equal(stream[start:stop], whole[start:stop])
+    with pytest.raises(IndexError):
+        stream[np.array([len(whole)])]
+
+
+@pytest.mark.timeout(120)
+def test_pretrain_on_the_multi_shard_folder_trains_exactly_as_on_the_single_file_one(prepared, tokenizer, tmp_path):
+    single_dir, _, multi_dir, _ = prepared
+    losses = []
+    for name, data in (("one", single_dir), ("many", multi_dir)):
+        cfg = PretrainConfig(data=str(data), out=str(tmp_path / name), tokenizer=str(tokenizer),
+                             model={"n_layer": 1, "n_head": 2, "n_embd": 32, "context_length": 16}, batch_size=4,
+                             lr=1e-2, warmup_steps=1, max_steps=4, dtype="fp32", compile=False, device="cpu",
+                             eval_interval=2, eval_batches=2, log_interval=1, sample_tokens=0, peak_tflops=1.0,
+                             progress=False)
+        run_pretraining(cfg)
+        losses.append([(r["step"], r["loss"]) for r in read_metrics(tmp_path / name) if "loss" in r])
+        losses[-1] += [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / name) if "val_loss" in r]
+    assert len(losses[0]) >= 4 and losses[0] == losses[1]
+
+
+def test_hf_sources_have_no_files_to_split_and_are_refused(tokenizer, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", "--data", "hf:x", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "h"),
+              "--engine", "datatrove"])
+    assert info.value.code != 0 and "hf: datasets" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()
+
+
+def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error(tmp_path, tokenizer):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("one small document\n", encoding="utf-8")
+    with pytest.raises(FrawdError, match="val split"):
+        prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.01)
+    assert not (tmp_path / "out" / "meta.json").exists()
