@@ -1,8 +1,8 @@
 """Data: corpus sources -> tokenized, memory-mapped shards -> batch loaders.
 
-    from frawdllm.data import prepare_shards, read_shard, RandomWindowLoader
+    from frawdllm.data import prepare_shards, read_split, RandomWindowLoader
     meta = prepare_shards("stdlib", "tok/tokenizer.json", "data/stdlib")
-    loader = RandomWindowLoader(read_shard("data/stdlib/train.bin"), batch_size=8, context_length=256)
+    loader = RandomWindowLoader(read_split("data/stdlib", "train"), batch_size=8, context_length=256)
     x, y = loader.next_batch()   # (8, 256) int64 each; y is x shifted by one token
 """
 

@@ -16,6 +16,9 @@ Three stages overlap, so the cores stay busy with tokenization:
 Shards appear atomically when everything is written. A second run with the same inputs
 (source files by path, size and mtime; the tokenizer's content; the options) finds the
 matching `inputs_hash` in meta.json and reuses the shards unless `force`.
+
+`read_split` reads a split back: train.bin, or the several shard files meta.json lists
+(`--engine datatrove` writes one per worker, see datatrove_shards.py) as one stream.
 """
 
 from __future__ import annotations
