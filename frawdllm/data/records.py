@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FrawdError
-from .sources import _open_text, parse_hf_spec, resolve_files
+from .sources import _open_text, open_hf_dataset, resolve_files
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -80,24 +80,5 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _hf_records(spec: str) -> Iterator[tuple[str, object]]:
-    name, config, split = parse_hf_spec(spec)
-    try:
-        import datasets
-    except ImportError:
-        raise FrawdError("hf: sources need the datasets library: pip install 'frawdllm[hf]'") from None
-    local = Path(name)
-    try:
-        if local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
-            dataset = datasets.load_from_disk(str(local))
-            if isinstance(dataset, datasets.DatasetDict):
-                if split not in dataset:
-                    raise FrawdError(f"{spec}: no split {split!r} (splits: {', '.join(dataset)})")
-                dataset = dataset[split]
-        else:
-            dataset = datasets.load_dataset(name, config, split=split, streaming=True)
-    except FrawdError:
-        raise
-    except Exception as exc:  # datasets raises many kinds (not found, offline, bad split)
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise FrawdError(f"{spec}: cannot load dataset ({message})") from None
+    dataset = open_hf_dataset(spec)
     return ((f"{spec}:row {i + 1}", record) for i, record in enumerate(dataset))

@@ -298,7 +298,9 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split
 
 
-def _hf_documents(spec: str, text_field: str, stats: SourceStats) -> Iterator[str]:
+def open_hf_dataset(spec: str):
+    """The `datasets` dataset an 'hf:' spec names: a local `save_to_disk` folder, or one
+    streamed by `load_dataset` (one split either way)."""
     name, config, split = parse_hf_spec(spec)
     try:
         import datasets
@@ -320,6 +322,11 @@ def _hf_documents(spec: str, text_field: str, stats: SourceStats) -> Iterator[st
     except Exception as exc:  # datasets raises many kinds (not found, offline, bad split)
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise FrawdError(f"{spec}: cannot load dataset ({message})") from None
+    return dataset
+
+
+def _hf_documents(spec: str, text_field: str, stats: SourceStats) -> Iterator[str]:
+    dataset = open_hf_dataset(spec)
     columns = dataset.column_names
     if columns is not None and text_field not in columns:
         raise FrawdError(f"{spec}: no column {text_field!r} (columns: {', '.join(columns)}); "

@@ -12,7 +12,6 @@ and, through an optional KV cache, for inference.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from ..config import ModelConfig
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
 from .norm import make_norm
+from .saving import ModelDirectoryMixin
 
 IGNORE_INDEX = -100
 
@@ -42,7 +42,7 @@ def init_weights(module: nn.Module, n_layer: int, embedding_std: float = 0.02) -
         nn.init.normal_(module.weight, mean=0.0, std=embedding_std)
 
 
-class FrawdLLM(nn.Module):
+class FrawdLLM(ModelDirectoryMixin, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = config
@@ -111,19 +111,3 @@ class FrawdLLM(nn.Module):
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX
             )
         return logits, loss
-
-    # ---- model directory -----------------------------------------------------------------
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def save_pretrained(self, directory: str | Path, tokenizer: Any = None) -> Path:
-        """Write config.json and model.safetensors (and tokenizer.json if given) atomically."""
-        from ..modeldir import save_model_dir
-
-        return save_model_dir(self, directory, tokenizer=tokenizer)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "FrawdLLM":
-        from ..modeldir import load_model
-
-        return load_model(directory, device=device)

@@ -23,7 +23,6 @@ projection (a joint vocabulary).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +35,12 @@ from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
 from .gpt import IGNORE_INDEX, init_weights
 from .norm import make_norm
+from .saving import ModelDirectoryMixin
 
 MemoryKV = list[tuple[Tensor, Tensor]]  # per decoder layer: the memory's (k, v), (B, n_kv_head, S, hd) each
 
 
-class Seq2SeqTransformer(nn.Module):
+class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
         self.config = cfg = config
@@ -139,24 +139,3 @@ class Seq2SeqTransformer(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
         return logits, loss
-
-    # ---- model directory -----------------------------------------------------------------
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def save_pretrained(self, directory: str | Path, tokenizer: Any = None) -> Path:
-        """Write config.json (model_type "seq2seq"), model.safetensors (and tokenizer.json)."""
-        from ..modeldir import save_model_dir
-
-        return save_model_dir(self, directory, tokenizer=tokenizer)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "Seq2SeqTransformer":
-        from ..modeldir import load_model
-
-        model = load_model(directory, device=device)
-        if not isinstance(model, cls):
-            from ..errors import FrawdError
-
-            raise FrawdError(f"{directory}: holds a decoder-only model, not an encoder-decoder one")
-        return model
