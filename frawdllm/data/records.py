@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FrawdError
-from .sources import _open_text, open_hf_dataset, resolve_files
+from .sources import _open_text, open_hf_dataset, open_parquet, resolve_files
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -64,14 +64,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise FrawdError("reading Parquet needs pyarrow: pip install 'frawdllm[hf]'") from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid and friends
-        raise FrawdError(f"{path}: not a readable Parquet file ({exc})") from None
+    parquet = open_parquet(path)
     row = 0
     for batch in parquet.iter_batches(batch_size=1024):
         for record in batch.to_pylist():

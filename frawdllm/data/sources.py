@@ -263,15 +263,20 @@ def _jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterato
                 yield text
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+def open_parquet(path: Path):
+    """A `pyarrow.parquet.ParquetFile`, or one line saying why not."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise FrawdError("reading Parquet needs pyarrow: pip install 'frawdllm[hf]'") from None
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends
         raise FrawdError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    parquet = open_parquet(path)
     columns = parquet.schema_arrow.names
     if text_field not in columns:
         raise FrawdError(f"{path}: no column {text_field!r} (columns: {', '.join(columns)}); "
