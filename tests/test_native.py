@@ -193,3 +193,58 @@ def test_int8_models_run_natively_and_equal_their_dequantized_weights(name):
     logits = decoder.forward(ids, positions, cache)
     for r, n in enumerate((6, 2)):
         torch.testing.assert_close(logits[r], full_logits(ref, ids[r, ids.shape[1] - n:].tolist()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not native.has_fp16(), reason="no F16C")
+@pytest.mark.parametrize("name, shape", [("learned", dict(n_embd=45, n_head=5)), ("llama", {})])
+def test_both_fp16_conversion_widths_give_the_same_bits(name, shape):
+    """Batch-1 fp16 products convert 16 or 8 weights at a time (measured per CPU, where both
+    exist): each form equals PyTorch on the fp16-rounded model, and they agree exactly.
+    (45 inputs: an odd one left after the pairs; vocabulary 200: a partial last tile.)"""
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", n_layer=2, context_length=48, vocab_size=200,
+                                **{"n_embd": 32, "n_head": 4, **CONFIGS[name], **shape})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    lib, chosen = native.library(), native.fp16_width()
+    results = []
+    try:
+        for width in (16, 8):
+            lib.frawd_set_fp16_width(width)
+            check_against_full_forward(model, "fp16", lengths=(1,), steps=5)
+            decoder = native.NativeDecoder(model, "fp16")
+            cache = KVCache(model.config, 1, 8)
+            logits = []
+            for step, token in enumerate([3, 9, 27, 81]):
+                cache.begin(1)
+                logits.append(decoder.forward(torch.tensor([[token]]), torch.tensor([[step]]), cache).clone())
+            results.append(torch.cat(logits))
+    finally:
+        lib.frawd_set_fp16_width(chosen)
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_one_row_steps_equal_the_general_forward(weights):
+    """`RowStep` (batch-1 decoding with nothing built per step) gives the logits and cache
+    contents of `NativeDecoder.forward`, bit for bit, at one and two threads."""
+    model = make_model(std=0.2, **CONFIGS["llama"], vocab_size=150)
+    decoder = native.NativeDecoder(model, weights)
+    prompt = torch.tensor([[5, 17, 2, 40, 11]])
+    caches = [KVCache(model.config, 1, 16) for _ in range(2)]
+    for cache in caches:
+        cache.begin(prompt.shape[1])
+        decoder.forward(prompt, torch.arange(5)[None], cache)
+    step = native.RowStep(decoder, caches[1])
+    for i, (token, threads) in enumerate([(7, 1), (99, 2), (3, 2), (60, 1)]):
+        for cache in caches:
+            cache.begin(1)
+        expected = decoder.forward(torch.tensor([[token]]), torch.tensor([[5 + i]]), caches[0], threads)
+        got = step(token, 5 + i, 5 + i, threads)
+        assert torch.equal(got, expected)
+    for a, b in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0].valid, caches[1].valid)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        step(150, 9, 9, 1)

@@ -55,6 +55,7 @@ class KVCache:
         self._mask: Tensor | None = None
         self._slot = torch.zeros(1, dtype=torch.long, device=device)  # static mode: the slot being written
         self._static_mask = self.valid[:, None, None, :]  # (B, 1, 1, max_len), a view: follows `valid`
+        self._valid_np = self.valid.numpy() if self.valid.device.type == "cpu" else None  # a view, for decode steps
 
     def reset(self) -> None:
         """Forget every token (storage is kept and overwritten)."""
@@ -73,7 +74,9 @@ class KVCache:
         a, b = self.length, self.length + n_new
         if b > self.max_len:
             raise ValueError(f"KV cache full: {a} + {n_new} tokens > max_len {self.max_len}")
-        if valid is None:
+        if valid is None and self._valid_np is not None:
+            self._valid_np[:, a:b] = True  # (through numpy: a fraction of a torch op's cost, paid every step)
+        elif valid is None:
             self.valid[:, a:b] = True
         else:
             self.valid[:, a:b] = valid
@@ -125,6 +128,7 @@ class KVCache:
         self.valid = self.valid[rows]
         self.batch_size = len(rows)
         self._static_mask = self.valid[:, None, None, :]
+        self._valid_np = self.valid.numpy() if self.valid.device.type == "cpu" else None
 
 
 

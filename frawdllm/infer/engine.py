@@ -49,7 +49,7 @@ from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
-from .sampling import SamplingParams, make_generator, sample_next
+from .sampling import SamplingParams, greedy_index, make_generator, sample_next
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
@@ -193,6 +193,17 @@ class Engine:
         start = time.perf_counter()
         logits = decoder.forward(tokens, positions, cache, threads)
         choice.record(threads, time.perf_counter() - start, tokens.numel())
+        return logits
+
+    def row_step(self, step: native_forward.RowStep, token: int, position: int, slot: int) -> Float[Tensor, "1 V"]:
+        """A batch-1 native decode step (`native.RowStep`), at the decode phase's thread count."""
+        choice = self._threads.get("decode")
+        if choice is None:
+            return step(token, position, slot, self.plan()["decode"].threads or torch.get_num_threads())
+        threads = choice.pick()
+        start = time.perf_counter()
+        logits = step(token, position, slot, threads)
+        choice.record(threads, time.perf_counter() - start, 1)
         return logits
 
     def path(self, rows: int, new_tokens: int) -> paths.Path:
@@ -347,6 +358,10 @@ class _Run:
         self.warm = False  # a decode step ran in this run (compiled mode: its guards passed)
         plan = engine.plan()
         self.native = engine.native_decoder() if any(p.kind == "native" for p in plan.values()) else None
+        # One row decoding natively: steps through a RowStep, greedy picks straight from its logits.
+        one_row = self.n_rows == 1 and plan["decode"].kind == "native" and engine.device.type == "cpu"
+        self.row_step = native_forward.RowStep(self.native, self.cache) if one_row else None
+        self.pick_greedy = self.row_step is not None and params.greedy and params.repetition_penalty == 1.0
         self.generator = make_generator(params.seed, engine.device) if not params.greedy else None
         self.seen = None
         if params.repetition_penalty != 1.0:
@@ -361,8 +376,11 @@ class _Run:
     def events(self) -> Iterator[_TokenEvent]:
         logits = self._prefill()
         while True:
-            sampled = self._sample(logits)  # (B,)
-            next_tokens = sampled.tolist()
+            if self.pick_greedy:
+                sampled, next_tokens = None, [greedy_index(logits.numpy())]
+            else:
+                sampled = self._sample(logits)  # (B,)
+                next_tokens = sampled.tolist()
             for i, row in enumerate(self.rows):
                 if self.done[row]:
                     continue
@@ -377,6 +395,8 @@ class _Run:
                 return
             if self._needs_slide():
                 logits = self._prefill()
+            elif self.row_step is not None:
+                logits = self._step_one_row(next_tokens[0])
             else:
                 kept = self._drop_finished_rows()
                 # Feed the sampled tensor back as is (no per-step list -> tensor copy). A
@@ -418,6 +438,7 @@ class _Run:
         self.cache.begin(width, valid=slots >= pad)
         positions = (slots - pad).clamp(min=0)  # (B, T); padding sits at 0 and is masked anyway
         self.positions = lengths[:, None].clone()  # (B, 1): where each row's next token goes
+        self.position_values = self.positions.numpy() if self.positions.device.type == "cpu" else None  # (a view)
         path = self.engine.path(len(seqs), width)
         if path.kind == "native":
             return self.engine.native_forward(self.native, ids, positions, self.cache, path)  # (B, V)
@@ -447,6 +468,15 @@ class _Run:
             self.warm = True
         self.positions += 1
         return logits.float()
+
+    def _step_one_row(self, token: int) -> Float[Tensor, "1 V"]:
+        """`_step` for a batch of one on the native forward, with no tensor made or torch op run."""
+        slot = self.cache.length
+        self.cache.begin(1)
+        position = int(self.position_values[0, 0])
+        logits = self.engine.row_step(self.row_step, token, position, slot)
+        self.position_values[0, 0] = position + 1
+        return logits
 
     def _needs_slide(self) -> bool:
         if self.engine.overflow != "slide":

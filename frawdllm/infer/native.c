@@ -43,6 +43,7 @@ and the compiler's portable conversions elsewhere (aarch64).
 #endif
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__linux__)
 #include <linux/futex.h>
@@ -128,7 +129,8 @@ static inline vw vw_gelu(vw x) {
 }
 
 enum { W_FP32 = 0, W_FP16 = 1, W_INT8 = 2 }; /* how a Linear stores its weights */
-static const int BYTES[3] = {4, 2, 1};
+enum { W_FP16_NARROW = 3 }; /* fp16 read 8 at a time (see chunk_product_narrow) */
+static const int BYTES[4] = {4, 2, 1, 2};
 
 static inline int storage(const Linear *L) { return L->wq ? W_INT8 : L->wh ? W_FP16 : W_FP32; }
 
@@ -178,8 +180,15 @@ static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) 
 /* acc[r][k] = x[r] . W^T[:, chunk k] for R rows, C vectors of one tile; p = the tile's
    first row at this chunk, rows TILE weights apart. Every row of the stream is used R
    times from registers; the stream PREFETCH_BYTES ahead is requested meanwhile. */
+static inline __attribute__((always_inline)) void chunk_product_narrow(
+    int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]);
+
 static inline __attribute__((always_inline)) void chunk_product(
     int R, int C, int kind, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    if (kind == W_FP16_NARROW) { /* (one row only) */
+        chunk_product_narrow(C, x, p, in, acc);
+        return;
+    }
     const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
     const int64_t ahead = PREFETCH_BYTES / row; /* rows */
     for (int r = 0; r < R; r++)
@@ -216,6 +225,52 @@ static inline __attribute__((always_inline)) void chunk_product(
         }
     }
 }
+
+/* fp16 at batch 1 with 16-float vectors, converted 8 at a time. One row uses each
+   weight once, so the product runs at the rate weights are converted, and some cores
+   convert 16 fp16 at half the rate of 8 (AMD Zen 4: a one-row fp16 product then streams
+   ~55 GB/s from L3 against ~85 with 8-wide conversions); others convert both at one per
+   cycle. frawd_choose_fp16_width() times both forms once and keeps the faster. The sums
+   are the same, in the same order, as chunk_product's (lanes are independent), so the
+   two forms give identical bits. No software prefetch here: with the loads at their
+   limit the prefetch instructions cost more than the hardware prefetcher leaves to gain. */
+#if VW == 16 && defined(__F16C__)
+#define HAS_NARROW 1
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) void chunk_product_narrow(
+    int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    const int64_t row = (int64_t)TILE * 2;
+    v8 even[2 * NV], odd[2 * NV]; /* halves of acc and of chunk_product's odd sums */
+    for (int k = 0; k < 2 * C; k++) even[k] = odd[k] = (v8){};
+    int64_t i = 0;
+    for (; i + 2 <= in; i += 2, p += 2 * row) {
+        v8 x0 = __builtin_shuffle((v8){x[i]}, (v8i){}), x1 = __builtin_shuffle((v8){x[i + 1]}, (v8i){});
+        for (int k = 0; k < 2 * C; k++) even[k] += x0 * (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * k)));
+        for (int k = 0; k < 2 * C; k++)
+            odd[k] += x1 * (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + row + 16 * k)));
+    }
+    for (int k = 0; k < 2 * C; k++) even[k] += odd[k];
+    for (; i < in; i++, p += row) {
+        v8 xi = __builtin_shuffle((v8){x[i]}, (v8i){});
+        for (int k = 0; k < 2 * C; k++) even[k] += xi * (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * k)));
+    }
+    for (int k = 0; k < C; k++) {
+        memcpy(&acc[0][k], &even[2 * k], sizeof(v8));
+        memcpy((char *)&acc[0][k] + sizeof(v8), &even[2 * k + 1], sizeof(v8));
+    }
+}
+#else
+#define HAS_NARROW 0
+static inline __attribute__((always_inline)) void chunk_product_narrow(
+    int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    (void)x, (void)p, (void)in; /* never called: 8-wide vectors are already the only form */
+    for (int k = 0; k < C; k++) acc[0][k] = vw_splat(0.0f);
+}
+#endif
+
+static int fp16_narrow = 0; /* batch-1 fp16 products convert 8 at a time (set by frawd_choose_fp16_width) */
 
 /* y (=, +=, = gelu of) value for the first n of VW outputs (n < VW only in the last tile). */
 static inline void epilogue(int mode, float *y, vw value, int64_t n) {
@@ -263,7 +318,10 @@ static void rows_tile(int R, const Linear *L, const float *x, int64_t ldx, float
         case W_FP32 * 3: ROWS_TILE(1, W_FP32); break;
         case W_FP32 * 3 + 1: ROWS_TILE(2, W_FP32); break;
         case W_FP32 * 3 + 2: ROWS_TILE(4, W_FP32); break;
-        case W_FP16 * 3: ROWS_TILE(1, W_FP16); break;
+        case W_FP16 * 3:
+            if (fp16_narrow) ROWS_TILE(1, W_FP16_NARROW);
+            else ROWS_TILE(1, W_FP16);
+            break;
         case W_FP16 * 3 + 1: ROWS_TILE(2, W_FP16); break;
         case W_FP16 * 3 + 2: ROWS_TILE(4, W_FP16); break;
         case W_INT8 * 3: ROWS_TILE(1, W_INT8); break;
@@ -290,6 +348,50 @@ static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64
     linear_tiles(L, x, ldx, y, ldy, B, tiles * t / T, tiles * (t + 1) / T, mode);
 }
 
+#if HAS_NARROW
+/* One row of y = x @ W^T over every tile of an fp16 Linear, in the wide or narrow form. */
+static void fp16_row_product(int narrow, const Linear *L, const float *x, float *y) {
+    const int64_t ldx = 0, ldy = 0, r0 = 0;
+    const int mode = EPI_STORE;
+    for (int64_t t = 0; t < (L->out + TILE - 1) / TILE; t++) {
+        if (narrow) ROWS_TILE(1, W_FP16_NARROW);
+        else ROWS_TILE(1, W_FP16);
+    }
+}
+#endif
+
+/* The vector width batch-1 fp16 products convert at: 16 (one 512-bit conversion) or 8.
+   Where both exist (AVX-512 builds) both forms are timed on a 4 MB matrix, one thread,
+   interleaved, best of 9 (a few ms), and the narrow one is kept if it is 3% faster. */
+int64_t frawd_choose_fp16_width(void) {
+#if HAS_NARROW
+    const int64_t in = 512, out = 4096;
+    uint16_t *w = malloc(in * out * sizeof(uint16_t));
+    float *x = malloc(in * sizeof(float)), *y = malloc(out * sizeof(float));
+    if (w && x && y) {
+        memset(w, 0x11, in * out * sizeof(uint16_t)); /* small normal halves; real pages, not the zero page */
+        for (int64_t i = 0; i < in; i++) x[i] = 1.0f / (float)(i + 1);
+        Linear L = {NULL, w, NULL, NULL, NULL, in, out};
+        double best[2] = {1e30, 1e30};
+        for (int rep = 0; rep < 10; rep++)
+            for (int narrow = 0; narrow < 2; narrow++) {
+                double start = omp_get_wtime();
+                fp16_row_product(narrow, &L, x, y);
+                double took = omp_get_wtime() - start;
+                if (rep > 0 && took < best[narrow]) best[narrow] = took; /* rep 0 warms the caches */
+            }
+        fp16_narrow = best[1] < 0.97 * best[0];
+    }
+    free(w), free(x), free(y);
+    return fp16_narrow ? 8 : VW;
+#else
+    return VW;
+#endif
+}
+
+/* Force a form (tests): 8 for narrow conversions where they exist, anything else wide. */
+void frawd_set_fp16_width(int64_t width) { fp16_narrow = HAS_NARROW && width == 8; }
+
 /* ---- waiting for each other ------------------------------------------------------------ */
 
 /* The team's barrier between dependent phases. A thread that arrives early spins briefly
@@ -300,7 +402,7 @@ static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64
 #define SPINS 4000
 
 typedef struct {
-    atomic_int arrived, generation, P;
+    atomic_int arrived, generation, P, sleepers; /* sleepers: threads in (or entering) futex_wait */
 } Barrier;
 
 static inline void cpu_relax(void) {
@@ -315,9 +417,14 @@ static void barrier_wait(Barrier *b) {
     int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == atomic_load_explicit(&b->P, memory_order_relaxed) - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->generation, gen + 1, memory_order_release);
+        atomic_store(&b->generation, gen + 1);
 #if defined(__linux__)
-        syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+        /* A wake is a system call (~1 us in a VM), paid only when someone sleeps: a sleeper
+           counts itself before its futex_wait re-checks the generation, and the two
+           sequentially consistent pairs (store generation, load sleepers; add sleepers,
+           load generation) cannot both miss each other. */
+        if (atomic_load(&b->sleepers) > 0)
+            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
 #endif
         return;
     }
@@ -325,13 +432,15 @@ static void barrier_wait(Barrier *b) {
         if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
         cpu_relax();
     }
-    while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen) {
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == gen) {
 #if defined(__linux__)
         syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
 #else
         sched_yield();
 #endif
     }
+    atomic_fetch_sub(&b->sleepers, 1);
 }
 
 /* ---- the other pieces ------------------------------------------------------------------ */
@@ -519,7 +628,7 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     float *x = work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
     float *scratch = ff + N * ff_w;
 
-    Barrier team = {0, 0, 0};
+    Barrier team = {0, 0, 0, 0};
 #pragma omp parallel num_threads((int)threads)
     {
         int t = omp_get_thread_num(), P = omp_get_num_threads();
@@ -582,4 +691,24 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
         barrier_wait(&team); /* everyone done: OpenMP's closing barrier then waits for no one */
     }
     return OK;
+}
+
+/* frawd_forward's arguments in one struct: a caller that makes the same call every step
+   (native.py's RowStep, batch-1 decoding) keeps one and changes only what the step changes,
+   so crossing from Python costs one pointer instead of fourteen converted arguments. */
+typedef struct {
+    int64_t B, T;
+    const int64_t *token, *position;
+    float *const *k_cache, *const *v_cache;
+    int64_t max_len;
+    const int64_t *start;
+    const uint8_t *valid;
+    int64_t padded;
+    float *logits, *work;
+    int64_t threads;
+} ForwardArgs;
+
+int frawd_forward_args(const Model *m, const ForwardArgs *a) {
+    return frawd_forward(m, a->B, a->T, a->token, a->position, a->k_cache, a->v_cache, a->max_len, a->start,
+                         a->valid, a->padded, a->logits, a->work, a->threads);
 }

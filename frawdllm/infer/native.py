@@ -38,6 +38,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
@@ -78,6 +79,13 @@ class _Model(ctypes.Structure):
     ]
 
 
+class _Args(ctypes.Structure):  # ForwardArgs: frawd_forward's arguments
+    _fields_ = [("B", i64), ("T", i64), ("token", ctypes.c_void_p), ("position", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("max_len", i64),
+                ("start", ctypes.c_void_p), ("valid", ctypes.c_void_p), ("padded", i64),
+                ("logits", ctypes.c_void_p), ("work", ctypes.c_void_p), ("threads", i64)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_forward.restype = ctypes.c_int
     lib.frawd_forward.argtypes = [
@@ -85,10 +93,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p, i64,
         ctypes.c_void_p, ctypes.c_void_p, i64,
     ]
+    lib.frawd_forward_args.restype = ctypes.c_int
+    lib.frawd_forward_args.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.frawd_has_fp16.restype = ctypes.c_int
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
+    lib.frawd_choose_fp16_width.restype = i64
+    lib.frawd_set_fp16_width.argtypes = [i64]
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
@@ -112,6 +124,20 @@ def unavailable_reason() -> str | None:
 def has_fp16() -> bool:
     """True when the compiled forward can read fp16 weights (x86 CPUs since 2013 can)."""
     return available() and bool(library().frawd_has_fp16())
+
+
+_fp16_width: int | None = None
+_fp16_lock = threading.Lock()
+
+
+def fp16_width() -> int:
+    """Floats per conversion in batch-1 fp16 products (16 or 8 with AVX-512, else 8 or 4):
+    where a CPU has both, `native.c` times them once per process (a few ms) and keeps the faster."""
+    global _fp16_width
+    with _fp16_lock:
+        if _fp16_width is None:
+            _fp16_width = int(library().frawd_choose_fp16_width())
+        return _fp16_width
 
 
 def supports(model: nn.Module) -> str | None:
@@ -208,6 +234,8 @@ class NativeDecoder:
         self.lib = library()
         if weights == "fp16" and not has_fp16():
             raise FrawdError("fp16 weights need a CPU with F16C (x86-64 since 2013)")
+        if weights == "fp16":
+            fp16_width()
         self.weights = weights
         self.source = model
         self._signature = _signature(model)
@@ -327,7 +355,51 @@ class NativeDecoder:
         self._cache_v = cache.v  # keep the lists (and so the tensors) alive with the pointers
 
 
-__all__ = ["NativeDecoder", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "packed_tiles", "available", "unavailable_reason", "supports", "library"]
+class RowStep:
+    """Batch-1 decode steps of one generation, with nothing made per step.
+
+    A step of a small model takes ~0.1 ms in C, so what Python does around it counts:
+    `NativeDecoder.forward` checks its tensors, makes a logits tensor and a slot tensor
+    and converts fourteen ctypes arguments every call (~20 us). Here the arguments live
+    in one struct built once (cache pointers, scratch memory, a logits buffer); a step
+    writes the token, position and slot into a small array the struct points to and
+    makes one call. The logits returned are the same (1, V) buffer every step: read them
+    before the next one.
+    """
+
+    def __init__(self, decoder: NativeDecoder, cache: Any) -> None:
+        for t in (*cache.k, *cache.v):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != 1 or t.device.type != "cpu":
+                raise ValueError("a one-row step needs a float32, contiguous CPU cache of one row")
+        self.decoder, self.cache = decoder, cache
+        self.ids = np.zeros(3, dtype=np.int64)  # token, position, cache slot
+        self.logits = torch.empty(1, decoder.vocab, dtype=torch.float32)
+        self._k = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])
+        self._v = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
+        at = self.ids.ctypes.data
+        self._args = _Args(1, 1, at, at + 8, ctypes.addressof(self._k), ctypes.addressof(self._v), cache.max_len,
+                           at + 16, cache.valid.data_ptr(), 0, self.logits.data_ptr(), None, 0)
+        self._threads = 0  # the most threads the scratch memory holds
+        self._call = decoder.lib.frawd_forward_args
+        self._model_at, self._args_at = ctypes.addressof(decoder.model), ctypes.addressof(self._args)
+
+    def __call__(self, token: int, position: int, slot: int, threads: int) -> Float[Tensor, "1 V"]:
+        """Logits after feeding `token` at `position` into cache slot `slot` (0-based)."""
+        if threads > self._threads:
+            n = self.decoder.lib.frawd_workspace_floats(ctypes.byref(self.decoder.model), 1, self.cache.max_len, threads)
+            self._work = torch.empty(n, dtype=torch.float32)
+            self._args.work, self._threads = self._work.data_ptr(), threads
+        ids, args = self.ids, self._args
+        ids[0], ids[1], ids[2] = token, position, slot
+        args.threads, args.padded = threads, self.cache.padded
+        with self.decoder._lock:  # the engine's rule: one native call at a time
+            status = self._call(self._model_at, self._args_at)
+        if status:
+            raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
+        return self.logits
+
+
+__all__ = ["NativeDecoder", "RowStep", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "packed_tiles", "available", "unavailable_reason", "supports", "library"]
 
 if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
     print(build(LIBRARY.source) if available() else f"unavailable: {unavailable_reason()}", file=sys.stderr)

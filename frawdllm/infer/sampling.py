@@ -199,6 +199,12 @@ def greedy_choice(logits: Float[Tensor, "B V"]) -> Int[Tensor, "B"]:
     return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
+def greedy_index(logits: Float[np.ndarray, "1 V"]) -> int:
+    """The greedy pick of one row as an int, by the rule of `greedy_choice`, from the
+    logits as a numpy array: batch-1 decoding picks this way every token, making no tensor."""
+    return int(logits.argmax())
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded with `seed`, or from fresh entropy when None."""
     generator = torch.Generator(device=device)
@@ -210,6 +216,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 __all__ = [
-    "SamplingParams", "sample_next", "processed_logits", "make_generator", "greedy_choice",
+    "SamplingParams", "sample_next", "processed_logits", "make_generator", "greedy_choice", "greedy_index",
     "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]
