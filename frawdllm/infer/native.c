@@ -445,14 +445,23 @@ static void barrier_wait(Barrier *b) {
 
 /* ---- the other pieces ------------------------------------------------------------------ */
 
+/* sum of (x[i] - c)^p for p = 1 or 2, in 16 lanes (a scalar sum is one long chain of adds) */
+static inline float moment(const float *x, int64_t D, float c, int p) {
+    v16 acc = splat(0.0f);
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) {
+        v16 d = *(const v16 *)(x + i) - splat(c);
+        acc += p == 2 ? d * d : d;
+    }
+    float s = hsum(acc);
+    for (; i < D; i++) s += p == 2 ? (x[i] - c) * (x[i] - c) : x[i] - c;
+    return s;
+}
+
 static void norm_row(const Model *m, const Norm *n, const float *x, float *y) {
     int64_t D = m->d;
-    float mean = 0.0f, var = 0.0f;
-    if (!m->rmsnorm) {
-        for (int64_t i = 0; i < D; i++) mean += x[i];
-        mean /= (float)D;
-    }
-    for (int64_t i = 0; i < D; i++) var += (x[i] - mean) * (x[i] - mean);
+    float mean = m->rmsnorm ? 0.0f : moment(x, D, 0.0f, 1) / (float)D;
+    float var = moment(x, D, mean, 2);
     float inv = 1.0f / sqrtf(var / (float)D + m->eps);
     for (int64_t i = 0; i < D; i++) y[i] = (x[i] - mean) * inv * n->w[i] + (n->b ? n->b[i] : 0.0f);
 }
