@@ -377,7 +377,8 @@ class _Run:
         logits = self._prefill()
         while True:
             if self.pick_greedy:
-                sampled, next_tokens = None, [greedy_index(logits.numpy())]
+                values = self.row_step.values if logits is self.row_step.logits else logits.numpy()
+                sampled, next_tokens = None, [greedy_index(values)]
             else:
                 sampled = self._sample(logits)  # (B,)
                 next_tokens = sampled.tolist()

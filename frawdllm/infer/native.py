@@ -374,6 +374,7 @@ class RowStep:
         self.decoder, self.cache = decoder, cache
         self.ids = np.zeros(3, dtype=np.int64)  # token, position, cache slot
         self.logits = torch.empty(1, decoder.vocab, dtype=torch.float32)
+        self.values = self.logits.numpy()  # the same memory, for numpy readers
         self._k = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])
         self._v = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
         at = self.ids.ctypes.data
