@@ -113,6 +113,17 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         positions: where the tokens sit (default 0..T-1); with a KV cache (`infer.cache.KVCache`
         of the decoder's n_layer layers) the caller passes the new tokens' positions.
         """
+        return self.lm_head(self.decoder_states(tgt, memory_kv, src_mask, positions, kv_cache))  # (B, T, V)
+
+    def decoder_states(
+        self,
+        tgt: Int[Tensor, "B T"],
+        memory_kv: MemoryKV,
+        src_mask: Bool[Tensor, "B S"] | None = None,
+        positions: Int[Tensor, "#B T"] | None = None,
+        kv_cache: Any = None,
+    ) -> Float[Tensor, "B T D"]:
+        """The decoder's final normalised hidden states: `decode` without the output projection."""
         if positions is None:
             self._check_length(tgt.shape[1], "target")
             positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
@@ -120,7 +131,13 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         rope = self._rope(positions)
         for block, kv in zip(self.decoder, memory_kv):
             x = block(x, rope, kv_cache, memory_kv=kv, memory_mask=src_mask)
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        return self.norm(x)
+
+    def hidden_states(
+        self, src: Int[Tensor, "B S"], tgt: Int[Tensor, "B T"], src_mask: Bool[Tensor, "B S"] | None = None
+    ) -> Float[Tensor, "B T D"]:
+        """Teacher forcing up to the output projection: what the fused training loss takes."""
+        return self.decoder_states(tgt, self.memory_kv(self.encode(src, src_mask)), src_mask)
 
     def forward(
         self,
