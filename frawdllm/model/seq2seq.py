@@ -31,6 +31,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from ..config import Seq2SeqConfig
+from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
 from .gpt import IGNORE_INDEX, init_weights
@@ -63,6 +64,10 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
+        for module in list(self.modules()):  # the same dropout, drawn faster on a CPU (kernels.py)
+            for name, child in module.named_children():
+                if type(child) is nn.Dropout:
+                    setattr(module, name, kernels.Dropout(child.p))
         # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale.
         embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings else 0.02
         self.apply(lambda m: init_weights(m, cfg.n_encoder_layer + cfg.n_layer, embedding_std))
