@@ -6,13 +6,21 @@ time the test translation needs, then translates test 2016 (1,000 sentences) gre
 with beam search (beam 4, alpha 0.6) and scores both with sacreBLEU (cased, 13a
 tokenization, detokenized output against the raw references: its defaults).
 
-Before that, the same process measures training throughput of aiayn-tiny against
-`transformers`' `MarianMTModel` of the same dimensions (3+3 post-LN layers, width 256, 4
-heads, d_ff 1024, ReLU, sinusoidal positions, scaled and shared embeddings, dropout 0.1):
-the same token-count batches of the real data, forward + label-smoothed loss + backward +
-AdamW (fused where available) + clipping, runs interleaved (ours, theirs, ours, ...), each
-figure the median step; tokens are real (non-padding) target tokens. `--only-throughput`
-runs just that part, `--skip-throughput` skips it.
+Before that, the same process measures training throughput of what `frawd translate
+train` runs for this recipe (aiayn-tiny with the recipe's model settings, the trainer's
+loss `TranslationTask.loss`: label-smoothed cross-entropy and the nll metric from one
+fused pass, its AdamW; eager: the recipe has `compile: false`) against `transformers`'
+`MarianMTModel` of the same dimensions (3+3 post-LN layers: Marian has no pre-LN, width
+256, 4 heads, d_ff 1024, ReLU, sinusoidal positions, scaled and shared embeddings), eager,
+with `F.cross_entropy(label_smoothing=0.1)` on its logits. Both: the same token-count
+batches of the real data, forward + loss + backward + fused AdamW + clipping, steps
+interleaved (ours, theirs, theirs, ours, ...), each figure the median step; tokens are
+real (non-padding) target tokens; in fp32 and under bf16 autocast (where the CPU has
+native bf16). Dropout: ours applies the recipe's 0.1 to embeddings, sub-layer outputs
+and attention weights; `marian` is configured the same (dropout 0.1, attention_dropout
+0.1: the same function), `marian_noattndrop` leaves out attention dropout (less work:
+PyTorch then takes its fused CPU attention). `--only-throughput` runs just that part,
+`--skip-throughput` skips it.
 
     .venv/bin/python benchmarks/multi30k.py --budget 60m       # the issue's setting
 Prints key=value lines, `bleu_beam=` last.
@@ -37,60 +45,67 @@ def say(key: str, value) -> None:
     print(f"{key}={value}", flush=True)
 
 
-def marian_like(cfg):
+def marian_like(cfg, attention_dropout: float):
     from transformers import MarianConfig, MarianMTModel
 
     hf = MarianConfig(
         vocab_size=cfg.vocab_size, d_model=cfg.n_embd, encoder_layers=cfg.n_encoder_layer,
         decoder_layers=cfg.n_layer, encoder_attention_heads=cfg.n_head, decoder_attention_heads=cfg.n_head,
         encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=cfg.ffn_dim, activation_function="relu",
-        dropout=cfg.dropout, attention_dropout=0.0, activation_dropout=0.0,
+        dropout=cfg.dropout, attention_dropout=attention_dropout, activation_dropout=0.0,
         max_position_embeddings=cfg.context_length, scale_embedding=True, pad_token_id=cfg.pad_token_id,
         eos_token_id=cfg.eos_token_id, decoder_start_token_id=cfg.bos_token_id, share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True, attn_implementation="sdpa")
     return MarianMTModel(hf)
 
 
-def throughput(cfg, pairs, dtype: str, steps: int, tokens_per_batch: int) -> dict[str, float]:
-    """Median training tokens/s of ours and Marian, steps interleaved on the same batches."""
+def throughput(train_cfg, model_cfg, pairs, dtype: str, steps: int) -> dict[str, float]:
+    """Median training tokens/s of ours and of Marian (with and without attention dropout),
+    steps interleaved on the same batches."""
     import torch
     import torch.nn.functional as F
 
     from frawdllm import Seq2SeqTransformer
     from frawdllm.model import IGNORE_INDEX
-    from frawdllm.train.translation import collate, token_batches, translation_loss
+    from frawdllm.train.optim import build_optimizer
+    from frawdllm.train.translation import TranslationTask, collate, token_batches
 
     torch.manual_seed(0)
-    ours, theirs = Seq2SeqTransformer(cfg).train(), marian_like(cfg).train()
+    task = TranslationTask(model_cfg, None, pairs, None, train_cfg.tokens_per_batch,
+                           label_smoothing=train_cfg.label_smoothing)
 
     def hf_loss(model, b):
         logits = model(input_ids=b["src"], attention_mask=b["src_mask"].long(), decoder_input_ids=b["tgt_in"]).logits
         return F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                               label_smoothing=0.1)
+                               label_smoothing=train_cfg.label_smoothing)
 
-    sides = {"ours": (ours, lambda m, b: translation_loss(m, b, 0.1)), "marian": (theirs, hf_loss)}
-    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.0,
-                                      fused=True) for name, (m, _) in sides.items()}
-    batches = [collate([pairs[i] for i in b]) for b in token_batches(pairs, tokens_per_batch, random.Random(0))]
+    ours = Seq2SeqTransformer(model_cfg).train()
+    sides = {"ours": (ours, lambda m, b: task.loss(m, b)[0], build_optimizer(ours, train_cfg))}
+    for name, attention_dropout in (("marian", model_cfg.dropout), ("marian_noattndrop", 0.0)):
+        theirs = marian_like(model_cfg, attention_dropout).train()
+        sides[name] = (theirs, hf_loss, torch.optim.AdamW(theirs.parameters(), lr=train_cfg.lr,
+                                                          betas=(0.9, train_cfg.beta2), fused=True))
+    batches = [collate([pairs[i] for i in b])
+               for b in token_batches(pairs, train_cfg.tokens_per_batch, random.Random(0))]
     times: dict[str, list[float]] = {name: [] for name in sides}
     tokens: dict[str, list[int]] = {name: [] for name in sides}
     for step in range(steps + 2):
         batch = batches[step % len(batches)]
         n = int((batch["labels"] != IGNORE_INDEX).sum())
-        for name, (model, loss_fn) in (sides.items() if step % 2 == 0 else reversed(sides.items())):
+        for name in (list(sides) if step % 2 == 0 else reversed(sides)):
+            model, loss_fn, optimizer = sides[name]
             start = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 loss = loss_fn(model, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optims[name].step()
-            optims[name].zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             if step >= 2:  # two warm-up steps
                 times[name].append(time.perf_counter() - start)
                 tokens[name].append(n)
     # per-step rates, then the median: robust to a noisy neighbour
-    rate = {name: statistics.median(t / s for t, s in zip(tokens[name], times[name])) for name in sides}
-    return {"ours": rate["ours"], "marian": rate["marian"], "ratio": rate["ours"] / rate["marian"]}
+    return {name: statistics.median(t / s for t, s in zip(tokens[name], times[name])) for name in sides}
 
 
 def main() -> None:
@@ -122,19 +137,21 @@ def main() -> None:
     cfg = build_config(TranslateConfig, args.config, {"out": out, "overwrite": True, "progress": False,
                                                       **{k: str(v) for k, v in data.items()}})
     if not args.skip_throughput:
-        from frawdllm.tokenizer import train_tokenizer
+        from frawdllm.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 
         src, tgt = read_parallel(cfg.src, cfg.tgt)
         tok = train_tokenizer((s for side in (src, tgt) for s in side if s.strip()), "bpe", cfg.vocab_size)
         pairs = encode_pairs(tok, src, tgt, cfg.max_len).pairs
-        tiny = get_config("aiayn-tiny", vocab_size=tok.vocab_size)
+        model_cfg = get_config(cfg.preset, **{**cfg.model, "vocab_size": tok.vocab_size, "pad_token_id": PAD_ID,
+                                               "bos_token_id": BOS_ID, "eos_token_id": EOS_ID})  # as the trainer's
         for dtype in ("fp32", "bf16"):
             if dtype == "bf16" and not cpu_has_bf16():
                 continue  # emulated bf16 would only measure the emulation
-            rates = throughput(tiny, pairs, dtype, args.throughput_steps, cfg.tokens_per_batch)
-            say(f"train_tokens_per_s_ours_{dtype}", round(rates["ours"]))
-            say(f"train_tokens_per_s_marian_{dtype}", round(rates["marian"]))
-            say(f"train_speedup_vs_marian_{dtype}", round(rates["ratio"], 3))
+            rates = throughput(cfg, model_cfg, pairs, dtype, args.throughput_steps)
+            for name, rate in rates.items():
+                say(f"train_tokens_per_s_{name}_{dtype}", round(rate))
+            say(f"train_speedup_vs_marian_noattndrop_{dtype}", round(rates["ours"] / rates["marian_noattndrop"], 3))
+            say(f"train_speedup_vs_marian_{dtype}", round(rates["ours"] / rates["marian"], 3))
         if args.only_throughput:
             return
     test_src, test_ref = read_parallel(DATA / "test_2016_flickr.de.gz", DATA / "test_2016_flickr.en.gz")

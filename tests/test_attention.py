@@ -135,3 +135,35 @@ def test_cross_attention_ignores_padded_source_positions():
         torch.testing.assert_close(cross(x, cross.memory_kv(padded), real), cross(x, cross.memory_kv(memory)),
                                    atol=1e-6, rtol=1e-6)
         assert not torch.allclose(cross(x, cross.memory_kv(padded)), cross(x, cross.memory_kv(memory)))
+
+
+def test_dropout_attention_equals_the_reference_without_dropout_and_drops_weights_with_it():
+    from frawdllm.model.kernels import dropout_attention
+
+    q, k, v = _qkv(T=7, S=9, grad=True)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., 6:] = False  # padding keys
+    with torch.no_grad():
+        torch.testing.assert_close(dropout_attention(q, k, v, mask, 0.0), reference_attention(q, k, v, mask))
+    torch.manual_seed(0)
+    ones = torch.ones_like(v)
+    out = dropout_attention(torch.zeros_like(q), torch.zeros_like(k), ones, mask, 0.5)  # weights 1/n, half dropped
+    assert not torch.allclose(out, torch.ones_like(out)) and out.mean().item() == pytest.approx(1.0, abs=0.15)
+    kernels.attend(q, k, v, mask, dropout_p=0.1, causal=False).sum().backward()  # the training path differentiates
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_dropout_keeps_one_minus_p_and_scales_like_torchs(dtype):
+    from frawdllm.model.kernels import dropout
+
+    torch.manual_seed(0)
+    x = torch.ones(400, 500, dtype=dtype, requires_grad=True)
+    y = dropout(x, 0.1)
+    kept = y != 0
+    assert y.dtype == dtype and kept.float().mean().item() == pytest.approx(0.9, abs=0.003)
+    assert torch.equal(y[kept], torch.nn.functional.dropout(torch.ones(10, dtype=dtype), 0.1, training=False)[0]
+                       .div(0.9).expand(int(kept.sum())))  # 1 / (1 - p), rounded as F.dropout rounds it
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # the gradient goes through the kept elements, scaled
+    assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0) is x

@@ -56,6 +56,56 @@ def test_linear_cross_entropy_equals_cross_entropy_of_logits(chunk):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [7, None])
+@pytest.mark.parametrize("eps", [0.1, 0.5])
+def test_label_smoothed_linear_cross_entropy_equals_torchs_and_gives_the_plain_nll(eps, chunk):
+    from frawdllm.train.losses import linear_cross_entropy_and_nll
+
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(120, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (120,), generator=gen)
+    targets[::5] = -100
+    loss, nll = linear_cross_entropy_and_nll(hidden, weight, targets, eps, chunk=chunk)
+    grads = torch.autograd.grad(3.0 * loss, (hidden, weight))
+    logits = hidden @ weight.T
+    ref = F.cross_entropy(logits, targets, ignore_index=-100, label_smoothing=eps)
+    ref_grads = torch.autograd.grad(3.0 * ref, (hidden, weight))
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(nll, F.cross_entropy(logits.detach(), targets, ignore_index=-100),
+                               rtol=1e-12, atol=1e-12)
+    assert not nll.requires_grad
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_translation_training_loss_equals_the_models_own_label_smoothed_loss():
+    from frawdllm import Seq2SeqTransformer, get_config
+    from frawdllm.train.translation import collate, translation_loss, translation_loss_and_nll
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=2, n_layer=2,
+                                          n_encoder_layer=1, mlp_hidden=64, dropout=0.0)).double()
+    rng = torch.Generator().manual_seed(3)
+    pairs = [(torch.randint(4, 60, (n,), generator=rng).tolist(), torch.randint(4, 60, (m,), generator=rng).tolist())
+             for n, m in [(5, 7), (9, 3), (2, 11), (6, 6)]]  # ragged: padding on both sides
+    batch = collate(pairs)
+    params = list(model.parameters())
+    loss, metrics = translation_loss_and_nll(model, batch, 0.1)
+    grads = torch.autograd.grad(loss, params)
+    logits = model.decode(batch["tgt_in"], model.memory_kv(model.encode(batch["src"], batch["src_mask"])),
+                          batch["src_mask"]).flatten(0, 1)  # (B T, V), in fp64 here
+    labels = batch["labels"].flatten()
+    ref = F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.1)
+    ref_grads = torch.autograd.grad(ref, params, retain_graph=True)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(metrics["nll"], F.cross_entropy(logits, labels, ignore_index=-100),
+                               rtol=1e-12, atol=1e-12)
+    assert translation_loss(model, batch, 0.1).item() == pytest.approx(ref.item(), rel=1e-6)  # the model's own
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_pretraining_loss_equals_the_models_own_loss_under_bf16_autocast():
     from frawdllm import FrawdLLM, get_config
     from frawdllm.train.losses import linear_cross_entropy

@@ -31,6 +31,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from ..config import Seq2SeqConfig
+from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
 from .gpt import IGNORE_INDEX, init_weights
@@ -63,6 +64,10 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
+        for module in list(self.modules()):  # the same dropout, drawn faster on a CPU (kernels.py)
+            for name, child in module.named_children():
+                if type(child) is nn.Dropout:
+                    setattr(module, name, kernels.Dropout(child.p))
         # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale.
         embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings else 0.02
         self.apply(lambda m: init_weights(m, cfg.n_encoder_layer + cfg.n_layer, embedding_std))
@@ -113,6 +118,17 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         positions: where the tokens sit (default 0..T-1); with a KV cache (`infer.cache.KVCache`
         of the decoder's n_layer layers) the caller passes the new tokens' positions.
         """
+        return self.lm_head(self.decoder_states(tgt, memory_kv, src_mask, positions, kv_cache))  # (B, T, V)
+
+    def decoder_states(
+        self,
+        tgt: Int[Tensor, "B T"],
+        memory_kv: MemoryKV,
+        src_mask: Bool[Tensor, "B S"] | None = None,
+        positions: Int[Tensor, "#B T"] | None = None,
+        kv_cache: Any = None,
+    ) -> Float[Tensor, "B T D"]:
+        """The decoder's final normalised hidden states: `decode` without the output projection."""
         if positions is None:
             self._check_length(tgt.shape[1], "target")
             positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
@@ -120,7 +136,13 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         rope = self._rope(positions)
         for block, kv in zip(self.decoder, memory_kv):
             x = block(x, rope, kv_cache, memory_kv=kv, memory_mask=src_mask)
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        return self.norm(x)
+
+    def hidden_states(
+        self, src: Int[Tensor, "B S"], tgt: Int[Tensor, "B T"], src_mask: Bool[Tensor, "B S"] | None = None
+    ) -> Float[Tensor, "B T D"]:
+        """Teacher forcing up to the output projection: what the fused training loss takes."""
+        return self.decoder_states(tgt, self.memory_kv(self.encode(src, src_mask)), src_mask)
 
     def forward(
         self,

@@ -41,6 +41,7 @@ from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from .config import TrainConfig, _require, dump_yaml, option
 from .loop import TrainResult, Trainer, TrainTask
+from .losses import linear_cross_entropy_and_nll
 
 
 @dataclass
@@ -137,11 +138,16 @@ def translation_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing
 def translation_loss_and_nll(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float
                              ) -> tuple[Tensor, dict[str, Tensor]]:
     """The training loss (label-smoothed) and, as a named metric, the plain cross-entropy
-    (`nll`, comparable with val_loss) from the same logits."""
-    logits, _ = model(batch["src"], batch["tgt_in"], src_mask=batch["src_mask"])
-    logits, labels = logits.float().flatten(0, 1), batch["labels"].flatten()
-    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
-    nll = F.cross_entropy(logits.detach(), labels, ignore_index=IGNORE_INDEX)
+    (`nll`, comparable with val_loss) from the same logits: `translation_loss`'s value,
+    computed by `linear_cross_entropy_and_nll` without the (B, T, V) logits, on the real
+    target tokens only (padding rows never reach the output projection)."""
+    hidden = model.hidden_states(batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, D)
+    labels = batch["labels"]
+    real = labels != IGNORE_INDEX
+    if not torch.compiler.is_compiling():  # a data-dependent shape: only outside a compiled graph
+        hidden, labels = hidden[real], labels[real]  # (N, D), (N,)
+    loss, nll = linear_cross_entropy_and_nll(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight,
+                                             labels.reshape(-1), label_smoothing)
     return loss, {"nll": nll}
 
 
