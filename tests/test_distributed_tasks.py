@@ -1,16 +1,19 @@
-"""`frawd sft` and `frawd dpo` on 2 processes (torchrun, gloo on the CPU) against one process.
+"""`frawd sft`, `frawd dpo` and `frawd translate train` on 2 processes (torchrun, gloo on the
+CPU) against one process.
 
 Each rank reads its part of every step's rows (`distributed.Share`): the parts of all
 ranks are the one-process step's rows, and a loss that is a mean over a micro-batch's
 tokens (SFT) is divided by the whole micro-batch's count on every rank, so 2 ranks with
 batch 4 each give the losses of 1 process with batch 8 (to 1e-5, fp32). DPO runs under
-FSDP with its frozen reference replicated on each rank.
+FSDP with its frozen reference replicated on each rank; translation deals each token
+batch's sentence pairs out to the ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -34,17 +37,29 @@ def work(tmp_path_factory) -> Path:
     model_dir(root)
     write_jsonl(root / "chats.jsonl", word_chats(80))
     write_jsonl(root / "prefs.jsonl", word_prefs(60))
+    words = [("ein", "a"), ("mann", "man"), ("hund", "dog"), ("rot", "red"), ("auf", "on"), ("gras", "grass")]
+    rng = random.Random(0)
+    pairs = [[words[rng.randrange(len(words))] for _ in range(rng.randint(2, 7))] for _ in range(160)]
+    for side, name in ((0, "train.de"), (1, "train.en")):
+        (root / name).write_text("".join(" ".join(w[side] for w in p) + "\n" for p in pairs), encoding="utf-8")
     return root
 
 
 def frawd(command: str, work: Path, out: Path, *extra: str) -> dict[int, float]:
-    """Run `frawd COMMAND` on the tiny model for STEPS steps; its losses by step."""
-    data = work / ("chats.jsonl" if command == "sft" else "prefs.jsonl")
-    args = [command, "--init", str(work / "base-llama"), "--data", str(data), "--batch-size", "8",
-            "--max-steps", str(STEPS), "--lr", "3e-3", "--dtype", "fp32", "--compile", "false", "--device", "cpu",
-            "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1", "--sample-tokens", "4",
-            "--sample-count", "1", "--no-progress", "--val-fraction", "0.1", "--dist-timeout", "30s",
-            "--out", str(out), *extra]
+    """Run `frawd COMMAND` on a tiny model for STEPS steps; its losses by step."""
+    common = ["--max-steps", str(STEPS), "--dtype", "fp32", "--compile", "false", "--device", "cpu",
+              "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1", "--no-progress",
+              "--dist-timeout", "30s", "--out", str(out)]
+    if command == "translate":
+        args = ["translate", "train", "--src", str(work / "train.de"), "--tgt", str(work / "train.en"),
+                "--set", "n_embd=32", "--set", "n_head=2", "--set", "n_layer=1", "--set", "n_encoder_layer=1",
+                "--set", "mlp_hidden=64", "--set", "dropout=0", "--vocab-size", "300", "--tokens-per-batch", "256",
+                "--warmup-steps", "2", "--peak-tflops", "1", "--sample-tokens", "0"]
+    else:
+        data = work / ("chats.jsonl" if command == "sft" else "prefs.jsonl")
+        args = [command, "--init", str(work / "base-llama"), "--data", str(data), "--batch-size", "8", "--lr", "3e-3",
+                "--sample-tokens", "4", "--sample-count", "1", "--val-fraction", "0.1"]
+    args += common + list(extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", *args], capture_output=True, text=True,
                           timeout=150, env=env)
@@ -73,6 +88,15 @@ def test_dpo_under_fsdp_on_two_ranks_gives_the_losses_of_one_process(work):
     two = frawd("dpo", work, work / "dpo-two", "--nproc", "2", "--parallel", "fsdp")
     assert_same(two, one)
     assert (work / "dpo-two" / "model").is_dir()
+
+
+@pytest.mark.timeout(240)
+def test_translation_on_two_ranks_gives_the_losses_of_one_process(work):
+    one = frawd("translate", work, work / "mt-one")
+    two = frawd("translate", work, work / "mt-two", "--nproc", "2")  # each token batch's rows dealt out
+    assert_same(two, one)
+    assert (work / "mt-two" / "model" / "tokenizer.json").read_text() == \
+        (work / "mt-one" / "model" / "tokenizer.json").read_text()
 
 
 def _examples(lengths: list[int]) -> list[Example]:
