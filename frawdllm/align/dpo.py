@@ -267,7 +267,7 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
 def run_dpo(cfg: DPOConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> DPOTask:
         train, val, summary = load_pairs(cfg, tokenizer, length)
-        if cfg.progress:
+        if cfg.progress and distributed.current().is_main:
             print(f"dpo data: {summary.line('pairs')}", flush=True)
         return DPOTask(train, val, model, tokenizer, cfg, length)
 

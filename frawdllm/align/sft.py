@@ -18,6 +18,7 @@ from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
 from ..train.config import option
+from ..train import distributed
 from ..train.distributed import Share
 from ..train.loop import TrainResult
 from ..train.losses import linear_cross_entropy
@@ -114,7 +115,7 @@ class SFTTask(FinetuneTask):
 def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> SFTTask:
         train, val, summary = load_examples(cfg, tokenizer, length)
-        if cfg.progress:
+        if cfg.progress and distributed.current().is_main:
             print(f"sft data: {summary.line()}", flush=True)
         return SFTTask(train, val, model, tokenizer, cfg, length)
 
