@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
-from ..train.config import _require, option
 from ..train import distributed
+from ..train.config import _require, option
 from ..train.device import pick_device
 from ..train.distributed import Share
 from ..train.loop import TrainResult, to_device

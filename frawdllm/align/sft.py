@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
-from ..train.config import option
 from ..train import distributed
+from ..train.config import option
 from ..train.distributed import Share
 from ..train.loop import TrainResult
 from ..train.losses import linear_cross_entropy

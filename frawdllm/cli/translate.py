@@ -47,6 +47,7 @@ def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None
     Example:
       frawd translate train --src train.de.gz --tgt train.en.gz --valid-src val.de.gz \\
           --valid-tgt val.en.gz --preset aiayn-tiny --max-time 30m --out runs/de-en
+      frawd translate train --nproc 4 --src train.de.gz --tgt train.en.gz --max-time 1h --out runs/de-en-4
     """
     from ..config import Seq2SeqConfig, parse_overrides
     from ..train.config import build_config
