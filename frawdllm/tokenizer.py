@@ -144,7 +144,15 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / TOKENIZER_FILE
-        write_text_atomic(path, self.backend.to_str(pretty=True))
+        write_text_atomic(path, self.to_json())
+
+    def to_json(self) -> str:
+        """The tokenizer.json text (what `save` writes)."""
+        return self.backend.to_str(pretty=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Tokenizer":
+        return cls(_HFTokenizer.from_str(text))
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":

@@ -3,7 +3,8 @@
 Every run here is a real `frawd pretrain` (or torchrun) subprocess on a tiny model for 20
 steps with checkpoints at steps 10 and 20. The reference is one process with batch 8;
 two ranks with batch 4 each must give its losses to 1e-5 (fp32), with DDP and FSDP,
-resume each other's checkpoints (2 -> 1, 1 -> 2) and stop cleanly when a rank dies or hangs.
+resume each other's checkpoints (2 -> 1, 1 -> 2), stop cleanly when a rank dies or hangs,
+and resume after torchrun restarts them.
 """
 
 from __future__ import annotations
@@ -225,6 +226,20 @@ def test_a_lost_rank_ends_the_run_with_a_clear_error_and_a_loadable_checkpoint(w
     else:  # torchrun names the rank that died
         assert "rank      : 1" in out and "SIGKILL" in out, out[-3000:]
     _assert_loadable(run)
+
+
+def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(work, single):
+    """Rank 1 killed after the step-5 checkpoint: torchrun restarts both ranks, which join a
+    fresh process group (`distributed.attempt_store`) and resume from that checkpoint."""
+    run = work / "restarted"
+    args = train_args(work, run, "--eval-interval", "5")
+    proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "--max-restarts=1", "-m", "frawdllm.cli", *args])
+    pids = _kill_rank_after(proc, run, 5)
+    out = _finish(proc, 90, pids)
+    assert proc.returncode == 0, out[-3000:]
+    assert "restart 1 by torchrun: resuming" in out
+    assert_same_losses(run, single, range(1, STEPS + 1))
 
 
 def test_nproc_checks_the_settings_before_starting_any_rank(tmp_path):

@@ -18,7 +18,10 @@ logps/chosen, logps/rejected (means over the batch).
 
 The reference is a frozen copy of the starting model on the same device (a
 `frozen_modules` of the task), or with `--precompute-ref` its log-probs are computed once
-before training (in fp32) and the copy is freed.
+before training (in fp32) and the copy is freed. Under torchrun every rank keeps a whole
+copy of the reference, with `--parallel fsdp` too: it only runs forward passes, needs no
+collective and no sharding (it costs one model's weights per rank, bf16/fp32 as loaded;
+`--precompute-ref` frees it after each rank has scored the pairs).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from torch import Tensor, nn
 from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
+from ..train import distributed
 from ..train.config import _require, option
 from ..train.device import pick_device
+from ..train.distributed import Share
 from ..train.loop import TrainResult, to_device
 from .examples import LoadSummary, Pair, collect, iter_source, preference, tokenize_pair
 from .job import FinetuneConfig, FinetuneTask, run_finetune
@@ -124,28 +129,43 @@ def collate_pairs(pairs: list[Pair], indices: list[int], length: int) -> dict[st
 
 
 class PairLoader:
-    """Batches of pair indices, reshuffled each epoch (seeded); resumable."""
+    """Batches of pair indices, reshuffled each epoch (seeded); resumable. Each optimizer
+    step takes the next `share.step_rows` pairs of that order and this rank its part of
+    them (`distributed.Share`; default: `batch_size` pairs a step, one process). The loss
+    is a mean over pairs and every part has as many pairs, so the mean over ranks is
+    the one-process batch's mean."""
 
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        self.n, self.batch_size, self.seed = n, batch_size, seed
+    def __init__(self, n: int, batch_size: int, seed: int, share: Share | None = None) -> None:
+        self.n, self.seed = n, seed
+        self.share = share or Share(batch_size, 1)
         self.epoch, self.position = 0, 0
+        self._step: list[int] = []
+        self._micro = 0  # micro-batches of the current step already given
 
-    def next_indices(self) -> list[int]:
+    def _draw(self, count: int) -> list[int]:
         out = []
-        while len(out) < self.batch_size:
+        while len(out) < count:
             if self.position >= self.n:
                 self.epoch, self.position = self.epoch + 1, 0
             order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-            take = min(self.batch_size - len(out), self.n - self.position)
+            take = min(count - len(out), self.n - self.position)
             out.extend(int(i) for i in order[self.position:self.position + take])
             self.position += take
         return out
+
+    def next_indices(self) -> list[int]:
+        if self._micro == 0:
+            self._step = self._draw(self.share.step_rows)
+        mine = self._step[self.share.rows(self._micro)]
+        self._micro = (self._micro + 1) % self.share.accum
+        return mine
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._micro = 0
 
 
 # ---- the task --------------------------------------------------------------------------------
@@ -158,14 +178,15 @@ class DPOTask(FinetuneTask):
         super().__init__(model, tokenizer, cfg, [p.prompt for p in val])
         self.train_pairs, self.val_pairs, self.length, self.beta = train, val, length, cfg.beta
         self.loss_type = cfg.loss_type
-        self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed)
+        self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed,
+                                 share=Share.of_this_rank(cfg.batch_size, cfg.grad_accum))
         flops = model.config.flops_per_token(length)  # the policy's forward and backward: 6N per token
         self.flops_per_token = flops if cfg.precompute_ref else flops * 4 // 3  # + the reference's forward, 2N
         reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.reference: nn.Module | None = reference
         self.ref_logps: dict[str, Tensor] = {}
         if cfg.precompute_ref:
-            device = pick_device(cfg.device)
+            device = distributed.current().device or pick_device(cfg.device)  # every rank: all pairs
             reference.to(device)
             self.ref_logps = {"train": self._reference_logps(train, reference, device),
                               "val": self._reference_logps(val, reference, device)}
@@ -246,7 +267,7 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
 def run_dpo(cfg: DPOConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> DPOTask:
         train, val, summary = load_pairs(cfg, tokenizer, length)
-        if cfg.progress:
+        if cfg.progress and distributed.current().is_main:
             print(f"dpo data: {summary.line('pairs')}", flush=True)
         return DPOTask(train, val, model, tokenizer, cfg, length)
 

@@ -19,7 +19,8 @@ from torch import nn
 from ..errors import ConfigError, FrawdError
 from ..io import write_text_atomic
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
-from ..train.config import TrainConfig, _require, dump_yaml, option
+from ..train import distributed
+from ..train.config import TrainConfig, _require, dump_yaml, option, parse_duration
 from ..train.device import pick_device, seed_everything
 from ..train.loop import Trainer, TrainResult, TrainTask
 from ..train.rundir import CONFIG_FILE, check_run_dir, prepare_run_dir, undo_failed_start
@@ -152,12 +153,16 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
     from .. import __version__
 
     started_at = time.perf_counter() if started_at is None else started_at
+    place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
+    cfg = distributed.rank_config(cfg)
     check_init(cfg)
     if check is not None:
         check()
     run_dir = Path(cfg.out)
-    with undo_failed_start(cfg):
-        prepare_run_dir(cfg)
+    with undo_failed_start(cfg, enabled=place.is_main):
+        if place.is_main:  # the others wait, then read the same --init and data
+            prepare_run_dir(cfg)
+        cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
         model, tokenizer, length = load_init(cfg)
         task = make_task(model, tokenizer, length)
         if cfg.lora_rank:
@@ -168,7 +173,8 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
                   f"{model.config.num_parameters:,} parameters, {trainable:,} trained"
                   f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''}; examples of {length} tokens\n")
         saved = type(cfg).from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        if place.is_main:
+            write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
                           started_at=started_at)
     return trainer.fit()

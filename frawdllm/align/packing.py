@@ -23,6 +23,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..model.gpt import IGNORE_INDEX
+from ..train.distributed import Share
 from .examples import Example
 
 
@@ -88,13 +89,20 @@ def collate(examples: list[Example], rows: list[list[int]], length: int) -> dict
 
 
 class PackedLoader:
-    """Packed batches of `batch_size` rows over the examples, reshuffled each epoch (seeded);
-    resumable through `state_dict`."""
+    """Packed rows over the examples, reshuffled each epoch (seeded); resumable through
+    `state_dict`. Each optimizer step takes the next `share.step_rows` rows of that order
+    and this rank its part of them (`distributed.Share`; default: `batch_size` rows a
+    step, one process). A batch carries `normalizer`: the trained tokens of its
+    one-process micro-batch over `share.scale`, what the loss divides its sum by."""
 
-    def __init__(self, examples: list[Example], batch_size: int, length: int, seed: int, pack: bool = True) -> None:
-        self.examples, self.batch_size, self.length, self.seed = examples, batch_size, length, seed
-        self.pack = pack
+    def __init__(self, examples: list[Example], batch_size: int, length: int, seed: int, pack: bool = True,
+                 share: Share | None = None) -> None:
+        self.examples, self.length, self.seed, self.pack = examples, length, seed, pack
+        self.share = share or Share(batch_size, 1)
+        self.trained = [int(sum(e.trained[1:])) for e in examples]  # the targets each example trains
         self.epoch, self.position = 0, 0
+        self._step_rows: list[list[int]] = []
+        self._micro = 0  # micro-batches of the current step already given
         self._rows_for_epoch()
 
     def _rows_for_epoch(self) -> None:
@@ -102,21 +110,28 @@ class PackedLoader:
         rows = pack_rows([self.examples[i] for i in order], self.length, self.pack)
         self.rows = [[int(order[i]) for i in row] for row in rows]
 
+    def _next_row(self) -> list[int]:
+        if self.position >= len(self.rows):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._rows_for_epoch()
+        self.position += 1
+        return self.rows[self.position - 1]
+
     def next_batch(self) -> dict[str, Tensor]:
-        batch = []
-        while len(batch) < self.batch_size:
-            if self.position >= len(self.rows):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._rows_for_epoch()
-            batch.append(self.rows[self.position])
-            self.position += 1
-        return collate(self.examples, batch, self.length)
+        if self._micro == 0:
+            self._step_rows = [self._next_row() for _ in range(self.share.step_rows)]
+        mine, unit = self._step_rows[self.share.rows(self._micro)], self._step_rows[self.share.unit(self._micro)]
+        self._micro = (self._micro + 1) % self.share.accum
+        batch = collate(self.examples, mine, self.length)
+        batch["normalizer"] = torch.tensor(sum(self.trained[i] for row in unit for i in row) / self.share.scale)
+        return batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._micro = 0
         self._rows_for_epoch()
 
 

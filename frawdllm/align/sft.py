@@ -15,8 +15,11 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..errors import FrawdError
+from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
+from ..train import distributed
 from ..train.config import option
+from ..train.distributed import Share
 from ..train.loop import TrainResult
 from ..train.losses import linear_cross_entropy
 from .examples import TRAIN_ON, Example, LoadSummary, chat_messages, collect, iter_source, tokenize_chat, truncate
@@ -72,7 +75,8 @@ class SFTTask(FinetuneTask):
                  cfg: SFTConfig, length: int) -> None:
         super().__init__(model, tokenizer, cfg, [prompt_of(e) for e in val])
         self.length = length
-        self.loader = PackedLoader(train, cfg.batch_size, length, cfg.seed, pack=cfg.pack)
+        self.loader = PackedLoader(train, cfg.batch_size, length, cfg.seed, pack=cfg.pack,
+                                   share=Share.of_this_rank(cfg.batch_size, cfg.grad_accum))
         self.val_batches = fixed_batches(val, cfg.batch_size, length, pack=cfg.pack)[:cfg.eval_batches]
         self.flops_per_token = model.config.flops_per_token(length)
 
@@ -83,7 +87,10 @@ class SFTTask(FinetuneTask):
         return int((batch["documents"] >= 0).sum())  # padding is no work done
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        return sft_loss(model, batch)
+        """This rank's share of its one-process micro-batch's mean loss (the mean itself in
+        one process): the sum over its trained tokens over the batch's `normalizer`."""
+        trained = (batch["targets"] != IGNORE_INDEX).sum()
+        return sft_loss(model, batch) * (trained / batch["normalizer"])
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """`val_loss`: the mean loss over the held-out batches' trained tokens."""
@@ -108,7 +115,7 @@ class SFTTask(FinetuneTask):
 def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> SFTTask:
         train, val, summary = load_examples(cfg, tokenizer, length)
-        if cfg.progress:
+        if cfg.progress and distributed.current().is_main:
             print(f"sft data: {summary.line()}", flush=True)
         return SFTTask(train, val, model, tokenizer, cfg, length)
 

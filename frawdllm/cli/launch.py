@@ -8,8 +8,10 @@ them and stops them all when one fails. Several machines, restarts after a failu
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -44,3 +46,28 @@ def relaunch_under_torchrun(nproc: int) -> None:
                "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])]
     click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
     raise SystemExit(subprocess.call(command))
+
+
+def train_on_this_rank(train: Callable[[], object], command: str, out: str) -> None:
+    """Run `train()` (a training job returning a TrainResult) on this rank and report as
+    one process would: rank 0 prints the summary; a lost rank ends the process at once."""
+    from ..train import distributed
+
+    try:
+        result = train()
+        rank = distributed.current().rank
+    except distributed.RankLost as exc:
+        # leave at once: the process group's destructor would wait for the lost rank
+        click.echo(f"frawd: error: {exc}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        distributed.teardown()
+    if rank != 0:  # rank 0 reports for all
+        return
+    click.echo(result.summary())
+    if result.stop_reason == "interrupted":
+        click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
+                   f"frawd {command} --out {out} --resume", err=True)
+        raise SystemExit(130)

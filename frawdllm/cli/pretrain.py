@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import click
 
 from ..train.config import PretrainConfig
 from .flags import dataclass_options
-from .launch import nproc_option, relaunch_under_torchrun
+from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 from .options import set_option
 
 
@@ -63,23 +60,4 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
 
         check_pretrain(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc)
-    from ..train import distributed
-
-    try:
-        result = run_pretraining(cfg, started_at=started_at)
-        rank = distributed.current().rank
-    except distributed.RankLost as exc:
-        # leave at once: the process group's destructor would wait for the lost rank
-        click.echo(f"frawd: error: {exc}", err=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    finally:
-        distributed.teardown()
-    if rank != 0:  # rank 0 reports for all
-        return
-    click.echo(result.summary())
-    if result.stop_reason == "interrupted":
-        click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
-                   f"frawd pretrain --out {cfg.out} --resume", err=True)
-        raise SystemExit(130)
+    train_on_this_rank(lambda: run_pretraining(cfg, started_at=started_at), "pretrain", cfg.out)

@@ -7,9 +7,10 @@ import click
 from ..align.dpo import DPOConfig
 from ..align.sft import SFTConfig
 from .flags import dataclass_options
+from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 
 
-def _run(cls: type, command: str, config_file: str | None, flags: dict) -> None:
+def _run(cls: type, command: str, config_file: str | None, nproc: int | None, flags: dict) -> None:
     from ..train.config import build_config
     from ..train.device import process_started_at
 
@@ -19,12 +20,12 @@ def _run(cls: type, command: str, config_file: str | None, flags: dict) -> None:
         from ..align.sft import run_sft as run
     else:
         from ..align.dpo import run_dpo as run
-    result = run(cfg, started_at=started_at)
-    click.echo(result.summary())
-    if result.stop_reason == "interrupted":
-        click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
-                   f"frawd {command} --out {cfg.out} --resume", err=True)
-        raise SystemExit(130)
+    if nproc is not None:
+        from ..align.job import check_init
+
+        check_init(cfg)  # bad input: one line here, not one per rank
+        relaunch_under_torchrun(nproc)
+    train_on_this_rank(lambda: run(cfg, started_at=started_at), command, cfg.out)
 
 
 _CONFIG = click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
@@ -33,8 +34,9 @@ _CONFIG = click.option("--config", "config_file", type=click.Path(dir_okay=False
 
 @click.command(context_settings={"max_content_width": 110})
 @_CONFIG
+@nproc_option()
 @dataclass_options(SFTConfig)
-def sft(config_file: str | None, **flags) -> None:
+def sft(config_file: str | None, nproc: int | None, **flags) -> None:
     """Supervised fine-tuning: teach the --init model to answer, on conversations in --data.
 
     The loss is on the assistant's tokens only (--train-on), several examples are packed
@@ -49,14 +51,16 @@ def sft(config_file: str | None, **flags) -> None:
       frawd sft --init runs/demo/model --data stdlib-instruct --max-time 5m --out runs/sft
       frawd sft --init runs/demo/model --data chats.jsonl --lora-rank 8 --max-steps 500 --out runs/sft-lora
       frawd sft --out runs/sft --resume --max-time 10m
+      frawd sft --nproc 4 --init runs/base/model --data chats.jsonl --max-steps 2000 --out runs/sft
     """
-    _run(SFTConfig, "sft", config_file, flags)
+    _run(SFTConfig, "sft", config_file, nproc, flags)
 
 
 @click.command(context_settings={"max_content_width": 110})
 @_CONFIG
+@nproc_option()
 @dataclass_options(DPOConfig)
-def dpo(config_file: str | None, **flags) -> None:
+def dpo(config_file: str | None, nproc: int | None, **flags) -> None:
     """Direct preference optimisation: prefer --data's chosen answers over its rejected ones.
 
     The --init model (usually an SFT run's OUT/model) is trained against a frozen copy of
@@ -71,4 +75,4 @@ def dpo(config_file: str | None, **flags) -> None:
       frawd dpo --init runs/sft/model --data stdlib-prefs --max-time 5m --out runs/dpo
       frawd dpo --init runs/sft/model --data prefs.jsonl --beta 0.2 --precompute-ref --max-steps 300 --out runs/dpo
     """
-    _run(DPOConfig, "dpo", config_file, flags)
+    _run(DPOConfig, "dpo", config_file, nproc, flags)

@@ -10,6 +10,7 @@ import click
 from ..errors import FrawdError
 from ..train.translation import TranslateConfig
 from .flags import dataclass_options
+from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 from .options import set_option
 
 
@@ -27,9 +28,10 @@ def translate() -> None:
 @translate.command(context_settings={"max_content_width": 110})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="A YAML file of the options below (flags given here override it).")
+@nproc_option()
 @set_option()
 @dataclass_options(TranslateConfig, skip=("batch_size",))
-def train(config_file: str | None, overrides: tuple[str, ...], **flags) -> None:
+def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None, **flags) -> None:
     """Train a translation model on parallel text until a budget (--max-steps, --max-tokens,
     --max-time) is spent.
 
@@ -45,20 +47,19 @@ def train(config_file: str | None, overrides: tuple[str, ...], **flags) -> None:
     Example:
       frawd translate train --src train.de.gz --tgt train.en.gz --valid-src val.de.gz \\
           --valid-tgt val.en.gz --preset aiayn-tiny --max-time 30m --out runs/de-en
+      frawd translate train --nproc 4 --src train.de.gz --tgt train.en.gz --max-time 1h --out runs/de-en-4
     """
     from ..config import Seq2SeqConfig, parse_overrides
     from ..train.config import build_config
     from ..train.device import process_started_at
-    from ..train.translation import run_translation_training
+    from ..train.translation import check_translation, run_translation_training
 
     started_at = process_started_at()
     cfg = build_config(TranslateConfig, config_file, flags, parse_overrides(Seq2SeqConfig, list(overrides)))
-    result = run_translation_training(cfg, started_at=started_at)
-    click.echo(result.summary())
-    if result.stop_reason == "interrupted":
-        click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
-                   f"frawd translate train --out {cfg.out} --resume", err=True)
-        raise SystemExit(130)
+    if nproc is not None:
+        check_translation(cfg)  # bad input: one line here, not one per rank
+        relaunch_under_torchrun(nproc)
+    train_on_this_rank(lambda: run_translation_training(cfg, started_at=started_at), "translate train", cfg.out)
 
 
 def _decoding_options(command):

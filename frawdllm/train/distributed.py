@@ -29,6 +29,7 @@ process group (`nccl` on CUDA, `gloo` on CPU) and trains its share:
 from __future__ import annotations
 
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -139,9 +140,64 @@ def setup(parallel: str = "ddp", device_spec: str = "auto", timeout_s: float = 6
         raise FrawdError(f"distributed training runs on CUDA (nccl) or the CPU (gloo), not {device.type}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, shared by every attempt
+        kwargs.update(store=attempt_store(rank, world, timeout), rank=rank, world_size=world)
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
     _current = Dist(rank, world, local_rank, parallel, device)
     return _current
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store, seen through a prefix that is new for every start of the group.
+
+    torchrun (2.5 and later) hosts one store for the whole job and hands the same address
+    to every restart (`--max-restarts`). The keys the ranks of a failed attempt wrote stay
+    in it: without a fresh prefix, a restarted rank reads a dead rank's address and gloo's
+    (or nccl's) start-up fails or hangs. TORCHELASTIC_RESTART_COUNT cannot name the attempt,
+    since each machine's agent counts its own restarts. So rank 0 draws the attempt's
+    number from a counter in the store and hands it to each rank, answering whatever start
+    count that rank last registered until the rank acknowledges (an answer to a start
+    count of a rank that died is never read)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    base = "frawdllm/attempts"
+    started = store.add(f"{base}/starts/{rank}", 1)  # this rank's start count, new each start
+    if rank == 0:
+        attempt = store.add(f"{base}/counter", 1)
+        answered: dict[int, int] = {}
+        waiting = set(range(1, world))
+        while waiting:
+            for other in list(waiting):
+                if store.check([f"{base}/{attempt}/ack/{other}"]):
+                    waiting.discard(other)
+                    continue
+                seen = store.add(f"{base}/starts/{other}", 0)
+                if answered.get(other) != seen:
+                    store.set(f"{base}/answer/{other}/{seen}", str(attempt))
+                    answered[other] = seen
+            if waiting and time.monotonic() > deadline:
+                raise RankLost(f"rank 0: ranks {sorted(waiting)} did not join within {timeout}")
+            time.sleep(0.02)
+    else:
+        attempt = int(store.get(f"{base}/answer/{rank}/{started}"))  # waits (up to the timeout)
+        store.set(f"{base}/{attempt}/ack/{rank}", "1")
+    return dist.PrefixStore(f"{base}/{attempt}", store)
+
+
+def rank_config(cfg: Any) -> Any:
+    """The run's config as this rank follows it: no progress output off rank 0, and after
+    a restart by torchrun (`--max-restarts`) a resume from the last checkpoint, never a
+    fresh start over it."""
+    place = current()
+    if not place.is_main:
+        cfg = type(cfg).from_dict({**cfg.to_dict(), "progress": False})
+    if restart_count() and not cfg.resume:
+        cfg = type(cfg).from_dict({**cfg.to_dict(), "resume": True, "overwrite": False})
+        if place.is_main:
+            print(f"restart {restart_count()} by torchrun: resuming {cfg.out}", flush=True)
+    return cfg
 
 
 def teardown() -> None:
@@ -160,6 +216,55 @@ def batch_layout(batch_size: int, grad_accum: int, world_size: int) -> tuple[int
         return batch_size // world_size, grad_accum
     raise FrawdError(f"the global batch (batch_size {batch_size} x grad_accum {grad_accum}) does not split "
                      f"over {world_size} ranks: make batch_size or grad_accum a multiple of {world_size}")
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of each optimizer step, for loaders of whole rows (SFT's packed rows,
+    DPO's pairs, translation's sentence pairs).
+
+    A step takes the next `batch_size x grad_accum` rows of the data's (seeded) order, on
+    any number of ranks. One process cuts them into `grad_accum` micro-batches of
+    `batch_size` rows ("units"); rank r's micro-batch m is part `m x world_size + r` of
+    `micro` rows (`batch_layout`), a whole unit or a slice of one. `scale` (1, or
+    world_size when units are sliced) turns a loss that is a mean over the unit into each
+    rank's share: rank loss = scale x (sum over its rows) / (the unit's count)."""
+
+    batch_size: int
+    grad_accum: int
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of_this_rank(cls, batch_size: int, grad_accum: int) -> "Share":
+        place = current()
+        return cls(batch_size, grad_accum, place.rank, place.world_size)
+
+    @property
+    def micro(self) -> int:
+        return batch_layout(self.batch_size, self.grad_accum, self.world_size)[0]
+
+    @property
+    def accum(self) -> int:
+        return batch_layout(self.batch_size, self.grad_accum, self.world_size)[1]
+
+    @property
+    def step_rows(self) -> int:
+        return self.batch_size * self.grad_accum
+
+    @property
+    def scale(self) -> int:
+        return self.batch_size // self.micro
+
+    def rows(self, micro: int) -> slice:
+        """Where this rank's micro-batch `micro` lies in the step's rows."""
+        part = micro * self.world_size + self.rank
+        return slice(part * self.micro, (part + 1) * self.micro)
+
+    def unit(self, micro: int) -> slice:
+        """The rows of the one-process micro-batch that holds this rank's micro-batch `micro`."""
+        k = self.rows(micro).start // self.batch_size
+        return slice(k * self.batch_size, (k + 1) * self.batch_size)
 
 
 def is_rank_failure(exc: BaseException) -> bool:

@@ -327,12 +327,7 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
 
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
-    if not place.is_main:
-        cfg = PretrainConfig.from_dict({**cfg.to_dict(), "progress": False})
-    if distributed.restart_count() and not cfg.resume:  # torchrun --max-restarts: continue, never start over
-        cfg = PretrainConfig.from_dict({**cfg.to_dict(), "resume": True, "overwrite": False})
-        if place.is_main:
-            print(f"restart {distributed.restart_count()} by torchrun: resuming {cfg.out}", flush=True)
+    cfg = distributed.rank_config(cfg)
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
     with undo_failed_start(cfg, enabled=place.is_main):

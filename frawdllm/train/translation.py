@@ -39,7 +39,8 @@ from ..errors import ConfigError, FrawdError
 from ..io import write_text_atomic
 from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
-from .config import TrainConfig, _require, dump_yaml, option
+from . import distributed
+from .config import TrainConfig, _require, dump_yaml, option, parse_duration
 from .loop import TrainResult, Trainer, TrainTask
 from .losses import linear_cross_entropy_and_nll
 
@@ -166,7 +167,7 @@ class TranslationTask(TrainTask):
     def __init__(self, model_config: Seq2SeqConfig, tokenizer: Tokenizer | None,
                  train_pairs: list[tuple[list[int], list[int]]], valid: ValidationSet | None,
                  tokens_per_batch: int, seed: int = 1337, label_smoothing: float = 0.1,
-                 bleu_sentences: int = 500, eval_batches: int = 20, samples: int = 3) -> None:
+                 bleu_sentences: int = 500, eval_batches: int = 20, samples: int = 3, grad_accum: int = 1) -> None:
         if not train_pairs:
             raise FrawdError("no training pairs left to train on")
         self.tokenizer, self.pairs, self.valid = tokenizer, train_pairs, valid
@@ -174,22 +175,53 @@ class TranslationTask(TrainTask):
         self.bleu_sentences, self.eval_batches, self.n_samples = bleu_sentences, eval_batches, samples
         self.epoch, self.cursor = 0, 0
         self.batches = self._epoch_batches(0)
+        place = distributed.current()
+        self.rank, self.world_size, self.grad_accum = place.rank, place.world_size, grad_accum
+        # under torchrun: whole token batches per rank when they divide, else each batch's rows
+        self.whole = grad_accum % place.world_size == 0
+        self._step: list[list[int]] = []  # the token batches of the current optimizer step
+        self._micro = 0
         mean_len = sum(len(s) + len(t) for s, t in train_pairs) / (2 * len(train_pairs))
         self.flops_per_token = model_config.flops_per_token(max(1, round(mean_len)))
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         return token_batches(self.pairs, self.tokens_per_batch, random.Random(self.seed * 1_000_003 + epoch))
 
-    def next_batch(self) -> dict[str, Tensor]:
+    def _next_token_batch(self) -> list[int]:
         if self.cursor >= len(self.batches):
             self.epoch, self.cursor = self.epoch + 1, 0
             self.batches = self._epoch_batches(self.epoch)
-        batch = self.batches[self.cursor]
         self.cursor += 1
-        return collate([self.pairs[i] for i in batch])
+        return self.batches[self.cursor - 1]
+
+    def next_batch(self) -> dict[str, Tensor]:
+        """This rank's part of the step's `grad_accum` token batches (one process: all of
+        them in turn): batch `m x world_size + rank` when the ranks divide `grad_accum`,
+        else rows `rank::world_size` of each batch. `normalizer`: the target tokens of the
+        one-process batch it comes from, over the number of its parts."""
+        if self._micro == 0:
+            self._step = [self._next_token_batch() for _ in range(self.grad_accum)]
+        if self.whole:
+            unit = mine = self._step[self._micro * self.world_size + self.rank]
+            parts = 1
+            self._micro = (self._micro + 1) % (self.grad_accum // self.world_size)
+        else:
+            unit = self._step[self._micro]
+            mine, parts = unit[self.rank::self.world_size], self.world_size
+            self._micro = (self._micro + 1) % self.grad_accum
+            if not mine:
+                raise FrawdError(f"a batch of {len(unit)} sentence pairs does not split over {self.world_size} "
+                                 f"ranks: raise --tokens-per-batch or make --grad-accum a multiple of them")
+        batch = collate([self.pairs[i] for i in mine])
+        batch["normalizer"] = torch.tensor(sum(len(self.pairs[i][1]) + 1 for i in unit) / parts)
+        return batch
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        return translation_loss_and_nll(model, batch, self.label_smoothing)
+        """The batch's mean loss (and `nll`) over its target tokens, as this rank's share of
+        its one-process batch's mean (the mean itself in one process)."""
+        loss, metrics = translation_loss_and_nll(model, batch, self.label_smoothing)
+        share = (batch["labels"] != IGNORE_INDEX).sum() / batch["normalizer"]
+        return loss * share, {"nll": metrics["nll"] * share}
 
     def batch_tokens(self, batch: dict[str, Tensor]) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())  # real target tokens: padding not counted
@@ -229,6 +261,7 @@ class TranslationTask(TrainTask):
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self.batches = self._epoch_batches(self.epoch)
+        self._micro = 0
 
 
 def translate_texts(model: nn.Module, tokenizer: Tokenizer, sources: list[list[int]] | list[str],
@@ -267,6 +300,17 @@ def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Toke
     return train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
 
 
+def check_translation(cfg: TranslateConfig) -> None:
+    """The checks that need no work (a FrawdError here means nothing was written)."""
+    from .rundir import check_run_dir
+
+    if not cfg.src or not cfg.tgt:
+        raise FrawdError("give the training text: --src FILE --tgt FILE")
+    if not cfg.has_budget:
+        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    check_run_dir(cfg)
+
+
 def run_translation_training(cfg: TranslateConfig, started_at: float | None = None) -> TrainResult:
     """The whole job: read and check the data, tokenizer, model, then the shared loop."""
     from .. import __version__
@@ -275,24 +319,26 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     from .rundir import CONFIG_FILE, prepare_run_dir, undo_failed_start
 
     started_at = time.perf_counter() if started_at is None else started_at
-    if not cfg.src or not cfg.tgt:
-        raise FrawdError("give the training text: --src FILE --tgt FILE")
-    if not cfg.has_budget:
-        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
+    cfg = distributed.rank_config(cfg)
+    check_translation(cfg)
     src, tgt = read_parallel(cfg.src, cfg.tgt)
     valid_text = read_parallel(cfg.valid_src, cfg.valid_tgt) if cfg.valid_src else None
     run_dir = Path(cfg.out)
     tokenizer_file = run_dir / "tokenizer.json"
-    if cfg.resume and tokenizer_file.is_file():
-        tokenizer = Tokenizer.load(tokenizer_file)
-    else:
-        tokenizer = _tokenizer_for(cfg, src, tgt)
+    if place.is_main:
+        tokenizer = Tokenizer.load(tokenizer_file) if cfg.resume and tokenizer_file.is_file() \
+            else _tokenizer_for(cfg, src, tgt)
+    if place.active:  # every rank takes rank 0's tokenizer (one BPE training, not N)
+        text = place.from_main(tokenizer.to_json() if place.is_main else None)
+        tokenizer = Tokenizer.from_json(text)
     train = encode_pairs(tokenizer, src, tgt, cfg.max_len)
-    _report_skipped(train, "training data", cfg.max_len)
+    say = _report_skipped if place.is_main else (lambda *args: None)
+    say(train, "training data", cfg.max_len)
     valid = None
     if valid_text is not None:
         encoded = encode_pairs(tokenizer, *valid_text, None)
-        _report_skipped(encoded, "validation data", cfg.max_len)
+        say(encoded, "validation data", cfg.max_len)
         valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
                               [valid_text[1][i] for i in encoded.kept])
     overrides = {**cfg.model, "vocab_size": tokenizer.vocab_size, "pad_token_id": PAD_ID, "bos_token_id": BOS_ID,
@@ -302,18 +348,22 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     if longest > model_cfg.context_length:
         raise FrawdError(f"--max-len {cfg.max_len} allows sentences of {longest} tokens but the model's "
                          f"context_length is {model_cfg.context_length}; lower --max-len or --set context_length=N")
-    with undo_failed_start(cfg):
-        prepare_run_dir(cfg)
-        tokenizer.save(tokenizer_file)
+    with undo_failed_start(cfg, enabled=place.is_main):
+        if place.is_main:
+            prepare_run_dir(cfg)
+            tokenizer.save(tokenizer_file)
+        cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
         seed_everything(cfg.seed)
         model = Seq2SeqTransformer(model_cfg)
         header = (f"# rerun: frawd translate train --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
                   f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
                   f"parameters, vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs\n")
         saved = TranslateConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-        write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        if place.is_main:
+            write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
         task = TranslationTask(model_cfg, tokenizer, train.pairs, valid, cfg.tokens_per_batch, cfg.seed,
-                               cfg.label_smoothing, cfg.bleu_sentences, cfg.eval_batches)
+                               cfg.label_smoothing, cfg.bleu_sentences, cfg.eval_batches,
+                               grad_accum=cfg.grad_accum)
         trainer = Trainer(model, task, cfg, run_dir, config_for_loggers=cfg.to_dict(), started_at=started_at)
     return trainer.fit()
 
