@@ -117,6 +117,11 @@ def test_a_bad_record_is_named_with_file_and_line_or_skipped_and_counted(tmp_pat
                            "--max-steps", "1", "--no-progress")
     assert code != 0 and "chats.jsonl:6: not valid JSON" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # a failed start leaves nothing
+    missing = tmp_path / "nowhere.jsonl"
+    code, _, err = run_cli(capsys, "sft", "--init", model_dir(tmp_path), "--data", missing, "--out", tmp_path / "run",
+                           "--max-steps", "1", "--no-progress")
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert f"data source not found: '{missing}'" in err and "expected stdlib-instruct," in err
 
 
 def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():

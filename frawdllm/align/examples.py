@@ -210,7 +210,7 @@ def iter_source(spec: str, kind: str) -> Iterator[tuple[str, object, str]]:
         return
     from ..data.records import iter_records
 
-    for where, record in iter_records(spec):
+    for where, record in iter_records(spec, stdlib_corpus.NAME_FOR[kind]):
         yield where, record, record_key(record)
 
 

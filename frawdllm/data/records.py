@@ -28,12 +28,13 @@ class BadRecord:
     problem: str
 
 
-def iter_records(spec: str) -> Iterator[tuple[str, object]]:
+def iter_records(spec: str, builtin: str = "stdlib") -> Iterator[tuple[str, object]]:
     """(where, record) pairs of a record source, in a deterministic order; a record is a
-    parsed JSON value or a `BadRecord`. The source is checked at once."""
+    parsed JSON value or a `BadRecord`. The source is checked at once; `builtin` names the
+    built-in corpus the caller also accepts (for the error message)."""
     if spec.startswith("hf:"):
         return _hf_records(spec)
-    files = resolve_files(spec)
+    files = resolve_files(spec, builtin)
     for path in files:
         if not path.name.lower().endswith(RECORD_SUFFIXES):
             raise FrawdError(f"{path}: expected a .jsonl, .jsonl.gz or .parquet file of examples")

@@ -127,8 +127,9 @@ def source_files(spec: str) -> list[Path] | None:
     return stdlib_files() if spec == "stdlib" else resolve_files(spec)
 
 
-def resolve_files(spec: str) -> list[Path]:
-    """A file, a folder (all non-hidden files below it) or a glob, as a sorted list of files."""
+def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
+    """A file, a folder (all non-hidden files below it) or a glob, as a sorted list of files.
+    `builtin` names the built-in corpus the caller also accepts, for the error message."""
     if any(ch in spec for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         if not files:
@@ -143,7 +144,7 @@ def resolve_files(spec: str) -> list[Path]:
         if not files:
             raise FrawdError(f"folder {path} holds no files")
         return files
-    raise FrawdError(f"data source not found: {spec!r} (expected stdlib, hf:NAME, a file, a folder or a glob)")
+    raise FrawdError(f"data source not found: {spec!r} (expected {builtin}, hf:NAME, a file, a folder or a glob)")
 
 
 def file_documents(files: list[Path], text_field: str, doc_split: str, stats: SourceStats) -> Iterator[str]:
