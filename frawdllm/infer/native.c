@@ -434,106 +434,12 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
     memcpy(v_cache + ((b * nkv + g) * max_len + slot) * hd, v, hd * sizeof(float));
 }
 
-#define HD_VECTORS 8 /* head sizes up to 8 vectors keep q and the weighted sum of values in registers */
-
-/* The VW sums a[i][0] + ... + a[i][VW - 1], as one vector: a transposed reduction
-   (log2 VW rounds, each adding pairs of shuffled vectors) instead of VW horizontal sums. */
-static inline __attribute__((always_inline)) vw pair_sum(vw a, vw b, vwi lo, vwi hi) {
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-static inline vw transposed_sums(vw *a) {
-#if VW == 16
-    for (int i = 0; i < 8; i++)
-        a[i] = pair_sum(a[2 * i], a[2 * i + 1], (vwi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-                        (vwi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
-    for (int i = 0; i < 4; i++)
-        a[i] = pair_sum(a[2 * i], a[2 * i + 1], (vwi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-                        (vwi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
-    for (int i = 0; i < 2; i++)
-        a[i] = pair_sum(a[2 * i], a[2 * i + 1], (vwi){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-                        (vwi){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
-    return pair_sum(a[0], a[1], (vwi){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
-                    (vwi){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
-#else
-    for (int i = 0; i < 4; i++)
-        a[i] = pair_sum(a[2 * i], a[2 * i + 1], (vwi){0, 1, 2, 3, 8, 9, 10, 11}, (vwi){4, 5, 6, 7, 12, 13, 14, 15});
-    for (int i = 0; i < 2; i++)
-        a[i] = pair_sum(a[2 * i], a[2 * i + 1], (vwi){0, 1, 4, 5, 8, 9, 12, 13}, (vwi){2, 3, 6, 7, 10, 11, 14, 15});
-    return pair_sum(a[0], a[1], (vwi){0, 2, 4, 6, 8, 10, 12, 14}, (vwi){1, 3, 5, 7, 9, 11, 13, 15});
-#endif
-}
-
-/* scores[s] = q . k_s * scale for slots [0, S) of one head's keys kc (hd = C vectors a
-   slot), VW slots per pass: each slot's products are summed over hd in a vector, the VW
-   vectors then reduced together. The last pass reads slots up to `readable` (cache
-   memory, whatever it holds: a lane's sum never mixes with another's) and keeps the
-   first ones; past that it reads zeros. The values of the slots are prefetched as their
-   keys are read (the two streams come from memory at once; the second pass finds them in cache). */
-static inline __attribute__((always_inline)) void scores_blocked(
-    int C, const float *q, const float *kc, const float *vc, int64_t S, int64_t readable, float scale,
-    float *scores) {
-    const int64_t hd = (int64_t)C * VW;
-    vw qv[HD_VECTORS];
-    for (int j = 0; j < C; j++) qv[j] = *(const vw *)(q + j * VW);
-    for (int64_t s0 = 0; s0 < S; s0 += VW) {
-        vw part[VW];
-        for (int64_t b = 0; b < VW * hd && s0 * hd + b < S * hd; b += 16) /* the values of these slots, */
-            __builtin_prefetch(vc + s0 * hd + b, 0, 3);                  /* read next, meanwhile */
-        if (s0 + VW <= readable) {
-            for (int i = 0; i < VW; i++) {
-                const float *k = kc + (s0 + i) * hd;
-                part[i] = qv[0] * *(const vw *)k;
-                for (int j = 1; j < C; j++) part[i] += qv[j] * *(const vw *)(k + j * VW);
-            }
-        } else {
-            for (int i = 0; i < VW; i++) {
-                part[i] = vw_splat(0.0f);
-                if (s0 + i < readable)
-                    for (int j = 0; j < C; j++) part[i] += qv[j] * *(const vw *)(kc + (s0 + i) * hd + j * VW);
-            }
-        }
-        vw sums = transposed_sums(part) * vw_splat(scale);
-        if (s0 + VW <= S) *(vw *)(scores + s0) = sums;
-        else
-            for (int64_t i = 0; s0 + i < S; i++) scores[s0 + i] = sums[i];
-    }
-}
-
-/* y = sum over slots [0, S) of w[s] v_s (hd = C vectors a slot): 4 slots at a time into 4
-   sums, so that consecutive multiply-adds do not wait on each other. */
-static inline __attribute__((always_inline)) void weighted_values(
-    int C, const float *w, const float *vc, int64_t S, float inv_total, float *y) {
-    const int64_t hd = (int64_t)C * VW;
-    vw acc[4][HD_VECTORS];
-    for (int r = 0; r < 4; r++)
-        for (int j = 0; j < C; j++) acc[r][j] = vw_splat(0.0f);
-    int64_t s = 0;
-    for (; s + 4 <= S; s += 4)
-        for (int r = 0; r < 4; r++) {
-            vw ws = vw_splat(w[s + r]);
-            for (int j = 0; j < C; j++) acc[r][j] += ws * *(const vw *)(vc + (s + r) * hd + VW * j);
-        }
-    for (int r = 0; s < S; s++, r++) {
-        vw ws = vw_splat(w[s]);
-        for (int j = 0; j < C; j++) acc[r][j] += ws * *(const vw *)(vc + s * hd + VW * j);
-    }
-    for (int j = 0; j < C; j++)
-        *(vw *)(y + VW * j) = ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) * vw_splat(inv_total);
-}
-
-/* One specialisation per head size (in vectors): constant loops keep everything in registers. */
-#define BY_HEAD_VECTORS(C, call) \
-    switch (C) {                   \
-        case 1: call(1); break;    \
-        case 2: call(2); break;    \
-        case 4: call(4); break;    \
-        default: call(8); break;   \
-    }
+#define HD_VECTORS 8 /* head sizes up to 128 keep their weighted sum of values in registers */
 
 /* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start[b] + t] of
    row b. With padding, a real query skips padding slots; a padding query (whose output
    nobody uses) sees them, so that no softmax is empty (PyTorch's mask does the same).
-   scores: max_len + VW floats of scratch. */
+   scores: max_len floats of scratch. */
 static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const float *qkv, float *out,
                         const float *k_cache, const float *v_cache, int64_t max_len, const int64_t *start,
                         const uint8_t *valid, int64_t padded, float *scores) {
@@ -544,16 +450,8 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
     const uint8_t *ok = valid + b * max_len;
     int mask = padded && ok[slot];
     float scale = 1.0f / sqrtf((float)hd), best = -INFINITY;
-    int64_t C = hd / VW;
-    int blocked = hd % VW == 0 && (C == 1 || C == 2 || C == 4 || C == 8) && C <= HD_VECTORS;
-    if (blocked) {
-#define SCORES(c) scores_blocked(c, q, kc, vc, S, max_len, scale, scores) /* (this head's own slots) */
-        BY_HEAD_VECTORS(C, SCORES)
-#undef SCORES
-    }
     for (int64_t s = 0; s < S; s++) {
-        if (!blocked) scores[s] = dot(q, kc + s * hd, hd) * scale;
-        if (mask && !ok[s]) scores[s] = -INFINITY;
+        scores[s] = (!mask || ok[s]) ? dot(q, kc + s * hd, hd) * scale : -INFINITY;
         if (scores[s] > best) best = scores[s];
     }
     float total = 0.0f;
@@ -570,10 +468,16 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
     }
     float *y = out + n * m->d + h * hd;
     float inv_total = 1.0f / total;
-    if (blocked) {
-#define VALUES(c) weighted_values(c, scores, vc, S, inv_total, y)
-        BY_HEAD_VECTORS(C, VALUES)
-#undef VALUES
+    if (hd % 16 == 0 && hd <= 16 * HD_VECTORS) { /* the sum stays in registers across slots */
+        v16 acc[HD_VECTORS];
+        int64_t nv = hd / 16;
+        for (int64_t j = 0; j < nv; j++) acc[j] = splat(0.0f);
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            if (scores[s2] == 0.0f) continue;
+            v16 w = splat(scores[s2] * inv_total);
+            for (int64_t j = 0; j < nv; j++) acc[j] += w * *(const v16 *)(vc + s2 * hd + 16 * j);
+        }
+        for (int64_t j = 0; j < nv; j++) *(v16 *)(y + 16 * j) = acc[j];
         return;
     }
     memset(y, 0, hd * sizeof(float));
