@@ -12,6 +12,8 @@ processes hits each alike; each figure is the median over rounds.
 Figures per level N (1, 8, 32):
   tokens_per_s_N   generated tokens of all clients / wall time of the level
   p50_ttft_ms_N, p95_ttft_ms_N   request sent -> first text chunk received
+  server_cpu_us_per_token_N, client_cpu_us_per_token_N   CPU time (all threads) of the
+                 server and of the client process per generated token: where the cores went
   failed_requests  requests that did not end with 128 tokens and [DONE] (all levels)
 The peer (llama-cpp-python's server on our GGUF export) runs only when llama_cpp is
 importable; otherwise peer=skipped is printed.
@@ -28,6 +30,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -36,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import torch
 
@@ -87,21 +91,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> tuple[float, int, bool]:
+async def one_request(session: aiohttp.ClientSession, url: str, model: str,
+                      prompt: list[int]) -> tuple[float, int, bool]:
     """(time to first text chunk, tokens generated, ok) of one streaming completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, tokens, done = None, 0, False
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
                 return float("nan"), 0, False
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+            async for line in response.content:  # one SSE line at a time
+                if not line.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = line[6:].strip()
+                if data == b"[DONE]":
                     done = True
                     break
                 event = json.loads(data)
@@ -109,27 +114,44 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     tokens = event["usage"]["completion_tokens"]
                 if ttft is None and event["choices"] and event["choices"][0]["text"]:
                     ttft = time.perf_counter() - start
-    except httpx.HTTPError:
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return float("nan"), 0, False
     return (ttft if ttft is not None else float("nan")), tokens, done and tokens == NEW_TOKENS
 
 
-async def level(url: str, model: str, clients: int, per_client: int, texts: list[list[int]]) -> dict:
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process, or of process `pid` (Linux /proc)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def level(url: str, model: str, clients: int, per_client: int, texts: list[list[int]],
+                server_pid: int) -> dict:
+    # One client process, asyncio and aiohttp (its C parser): the load generator shares the
+    # cores with the server, so it must cost little per event.
+    connector = aiohttp.TCPConnector(limit=clients + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
         results = []
 
         async def worker(c: int) -> None:
             for r in range(per_client):
-                results.append(await one_request(client, url, model, texts[(c * per_client + r) % len(texts)]))
+                results.append(await one_request(session, url, model, texts[(c * per_client + r) % len(texts)]))
 
+        cpu = (cpu_seconds(), cpu_seconds(server_pid))
         start = time.perf_counter()
         await asyncio.gather(*(worker(c) for c in range(clients)))
         wall = time.perf_counter() - start
+        client_cpu, server_cpu = cpu_seconds() - cpu[0], cpu_seconds(server_pid) - cpu[1]
     ttfts = sorted(t for t, _, ok in results if ok)
-    return {"tokens_per_s": sum(n for _, n, _ in results) / wall,
+    generated = sum(n for _, n, _ in results)
+    return {"tokens_per_s": generated / wall,
             "p50_ttft_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
             "p95_ttft_ms": 1000 * percentile(ttfts, 0.95) if ttfts else float("nan"),
+            "server_cpu_us_per_token": 1e6 * server_cpu / max(generated, 1),
+            "client_cpu_us_per_token": 1e6 * client_cpu / max(generated, 1),
             "failed": sum(not ok for _, _, ok in results)}
 
 
@@ -177,12 +199,12 @@ def main() -> None:
         texts = prompts(tok, text, 64)
         proc, url = start_server(model_dir, args.threads)
         try:
-            asyncio.run(level(url, "tiny", 4, 1, texts))  # warm-up
+            asyncio.run(level(url, "tiny", 4, 1, texts, proc.pid))  # warm-up
             figures: dict[int, list[dict]] = {n: [] for n in LEVELS}
             for r in range(args.rounds):
                 for n in LEVELS:
                     per_client = args.requests_per_client * (2 if n == 1 else 1)  # (1 client: a few more samples)
-                    figures[n].append(asyncio.run(level(url, "tiny", n, per_client, texts)))
+                    figures[n].append(asyncio.run(level(url, "tiny", n, per_client, texts, proc.pid)))
                     print(f"round {r + 1} clients {n}: {figures[n][-1]}", file=sys.stderr, flush=True)
         finally:
             proc.terminate()
@@ -190,7 +212,8 @@ def main() -> None:
     failed = 0
     for n in LEVELS:
         runs = figures[n]
-        for key in ("tokens_per_s", "p50_ttft_ms", "p95_ttft_ms"):
+        for key in ("tokens_per_s", "p50_ttft_ms", "p95_ttft_ms", "server_cpu_us_per_token",
+                    "client_cpu_us_per_token"):
             print(f"{key}_{n}={statistics.median(r[key] for r in runs):.1f}")
         failed += sum(r["failed"] for r in runs)
     print(f"failed_requests={failed}")

@@ -162,14 +162,14 @@ def test_queue_limit(model_tok):
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_native_rows_do_not_depend_on_the_row_count(model_tok, weights):
     """native.c sums each row of a product in the same order whatever the number of rows:
-    a row of a batch of 7 is bit for bit the row computed alone (the continuous batch's
-    promise), with per-row cache lengths."""
+    a row of a batch of 11 (rows 8, 2 and 1 at a time) is bit for bit the row computed
+    alone (the continuous batch's promise), with per-row cache lengths."""
     model, _ = model_tok
     decoder = native_forward.NativeDecoder(model, weights)
     cfg = model.config
     gen = torch.Generator().manual_seed(1)
-    lengths = [3, 17, 1, 30, 8, 16, 2]
-    batch = RowKVCache(cfg, 8, 40)
+    lengths = [3, 17, 1, 30, 8, 16, 2, 33, 5, 12, 24]
+    batch = RowKVCache(cfg, 12, 40)
     alone = []
     for row, n in enumerate(lengths):
         cache = KVCache(cfg, 1, n + 1)

@@ -332,3 +332,29 @@ def test_serve_command_bad_input(capsys, tmp_path):
     model.save_pretrained(tmp_path / "b" / "m", tokenizer=tok)
     code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "a" / "m", "--model", tmp_path / "b" / "m")
     assert code != 0 and "NAME=DIR" in err and len(err.strip().splitlines()) == 1
+
+
+def test_chunks_of_one_step_wake_the_event_loop_once():
+    """What the scheduler's thread hands out while the loop is busy arrives in order, each
+    item in its own queue, after a single wake-up of the loop."""
+    import asyncio
+
+    from frawdllm.serve.app import _Delivery
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), original(*a))[1]
+        delivery = _Delivery(loop)
+        queues = [asyncio.Queue() for _ in range(3)]
+        listeners = [delivery.listener(q) for q in queues]
+        thread = threading.Thread(target=lambda: [listeners[i % 3](i) for i in range(30)])
+        thread.start()
+        thread.join()  # (the loop has not run meanwhile: everything is pending)
+        got = [[await asyncio.wait_for(q.get(), 5) for _ in range(10)] for q in queues]
+        return got, len(wakeups)
+
+    got, wakeups = asyncio.run(main())
+    assert got == [list(range(i, 30, 3)) for i in range(3)]
+    assert wakeups == 1

@@ -285,7 +285,8 @@ class Scheduler:
         out: list[int | None] = [None] * len(rows)
         plain = [i for i, r in enumerate(rows) if r.request.params.greedy and r.seen is None]
         if plain:
-            for i, token in zip(plain, greedy_choice(logits[plain]).tolist()):
+            picked = logits if len(plain) == len(rows) else logits[plain]  # (no copy when all are plain)
+            for i, token in zip(plain, greedy_choice(picked).tolist()):
                 out[i] = token
         for i, row in enumerate(rows):
             if out[i] is None:

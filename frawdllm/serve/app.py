@@ -23,8 +23,11 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib import resources
@@ -157,6 +160,32 @@ class _Guard:
         access_log.info(json.dumps(record))
 
 
+class _Delivery:
+    """Scheduler chunks to the event loop's queues with one wake-up for all that arrive
+    together: a decode step of 32 rows hands out 32 chunks, and waking the loop once per
+    chunk (a write to its wake-up pipe, a pass of the loop) costs more than the chunk."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.lock = loop, threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Any]] = []
+
+    def listener(self, chunks: asyncio.Queue):
+        """A scheduler listener that puts its items into `chunks`."""
+        def put(item: Any) -> None:
+            with self.lock:
+                self.pending.append((chunks, item))
+                if len(self.pending) > 1:
+                    return  # a wake-up is already on its way
+            self.loop.call_soon_threadsafe(self._flush)
+        return put
+
+    def _flush(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for chunks, item in pending:
+            chunks.put_nowait(item)
+
+
 KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
 
@@ -170,6 +199,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
     metrics = _Metrics(schedulers)
     created = int(time.time())
     state = {"in_flight": 0, "draining": False}
+    deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Delivery
 
     async def lifespan(app: FastAPI):
         yield
@@ -283,9 +313,10 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context is "
                                 f"{scheduler.engine.config.context_length}", param="messages" if chat else "prompt")
         loop = asyncio.get_running_loop()
+        delivery = deliveries.get(loop) or deliveries.setdefault(loop, _Delivery(loop))
         chunks: asyncio.Queue = asyncio.Queue()
         try:
-            job = scheduler.submit(ids, params, lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item))
+            job = scheduler.submit(ids, params, delivery.listener(chunks))
         except QueueFull as error:
             raise ApiError(429, str(error), code="queue_full") from None
         except FrawdError as error:
@@ -358,6 +389,16 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         raise ApiError(400, str(error)) from None
 
 
+if sys.version_info >= (3, 11):
+    async def _get_within(queue: asyncio.Queue, seconds: float) -> Any:
+        """queue.get(), or TimeoutError after `seconds` (without the task wait_for makes per call)."""
+        async with asyncio.timeout(seconds):
+            return await queue.get()
+else:
+    async def _get_within(queue: asyncio.Queue, seconds: float) -> Any:
+        return await asyncio.wait_for(queue.get(), seconds)
+
+
 class _Reply:
     """One request's answer being put together from its scheduler chunks."""
 
@@ -369,6 +410,7 @@ class _Reply:
         n = job.params.num_samples
         self.texts, self.reasons, self.counts = [""] * n, [None] * n, [0] * n
         self.log: dict = {}
+        self._head: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -393,8 +435,10 @@ class _Reply:
 
     async def _next(self, request: Request) -> StreamChunk:
         while True:  # wake up now and then to notice a client that went away
+            if not self.chunks.empty():
+                return self._take(self.chunks.get_nowait())
             try:
-                return self._take(await asyncio.wait_for(self.chunks.get(), timeout=1.0))
+                return self._take(await _get_within(self.chunks, 1.0))
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     raise asyncio.CancelledError from None
@@ -419,11 +463,14 @@ class _Reply:
                 "choices": choices, "usage": self._usage()}
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> str:
-        data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.body.model, "system_fingerprint": None, "choices": choices}
-        if usage is not None:
-            data["usage"] = usage
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+        """One SSE event: {"id", "object", "created", "model", "system_fingerprint", "choices"
+        (, "usage")}, its constant head serialised once per reply (an event per token)."""
+        if self._head is None:
+            head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created, "model": self.body.model, "system_fingerprint": None}
+            self._head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": '
+        tail = "" if usage is None else ', "usage": ' + json.dumps(usage, ensure_ascii=False)
+        return self._head + json.dumps(choices, ensure_ascii=False) + tail + "}\n\n"
 
     async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:
         try:
