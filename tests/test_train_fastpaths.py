@@ -81,7 +81,7 @@ def test_label_smoothed_linear_cross_entropy_equals_torchs_and_gives_the_plain_n
 
 def test_translation_training_loss_equals_the_models_own_label_smoothed_loss():
     from frawdllm import Seq2SeqTransformer, get_config
-    from frawdllm.train.translation import collate, translation_loss, translation_loss_and_nll
+    from frawdllm.train.translation import TranslationTask, collate, translation_loss, translation_loss_and_nll
 
     torch.manual_seed(0)
     model = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=2, n_layer=2,
@@ -102,6 +102,8 @@ def test_translation_training_loss_equals_the_models_own_label_smoothed_loss():
     torch.testing.assert_close(metrics["nll"], F.cross_entropy(logits, labels, ignore_index=-100),
                                rtol=1e-12, atol=1e-12)
     assert translation_loss(model, batch, 0.1).item() == pytest.approx(ref.item(), rel=1e-6)  # the model's own
+    task = TranslationTask(model.config, None, pairs, None, tokens_per_batch=64, label_smoothing=0.1)
+    torch.testing.assert_close(task.loss(model, batch)[0], ref, rtol=1e-12, atol=1e-12)  # one process: the mean
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 

@@ -116,7 +116,9 @@ def token_batches(pairs: list[tuple[list[int], list[int]]], tokens_per_batch: in
 
 
 def collate(pairs: list[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
-    """Padded tensors of a batch: src, src_mask, tgt_in (BOS + target), labels (target + EOS)."""
+    """Padded tensors of a batch: src, src_mask, tgt_in (BOS + target), labels (target + EOS),
+    and `normalizer`: its real target tokens (what `TranslationTask.loss` divides by; a rank's
+    part of a batch gets its whole batch's instead)."""
     S = max(len(s) for s, _ in pairs)
     T = max(len(t) for _, t in pairs) + 1
     src = torch.full((len(pairs), S), PAD_ID, dtype=torch.long)
@@ -128,7 +130,8 @@ def collate(pairs: list[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
         src_mask[row, : len(s)] = True
         tgt_in[row, : len(t) + 1] = torch.tensor([BOS_ID] + t)
         labels[row, : len(t) + 1] = torch.tensor(t + [EOS_ID])
-    return {"src": src, "src_mask": src_mask, "tgt_in": tgt_in, "labels": labels}
+    normalizer = torch.tensor(float(sum(len(t) + 1 for _, t in pairs)))
+    return {"src": src, "src_mask": src_mask, "tgt_in": tgt_in, "labels": labels, "normalizer": normalizer}
 
 
 def translation_loss(model: nn.Module, batch: dict[str, Tensor], label_smoothing: float = 0.0) -> Tensor:
