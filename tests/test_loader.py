@@ -93,6 +93,8 @@ def test_batch_layout_keeps_the_global_batch():
     assert batch_layout(8, 4, 1) == (8, 4)
     with pytest.raises(FrawdError, match="multiple of 3"):
         batch_layout(8, 4, 3)
+    assert batch_layout(None, 4, 2) == (None, 2)  # token batches (translation): whole batches per rank
+    assert batch_layout(None, 4, 3) == (None, 4)  # or every batch dealt out, on any number of ranks
 
 
 def test_sequential_pass_covers_non_overlapping_windows_in_order(tokens):

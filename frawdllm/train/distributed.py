@@ -207,11 +207,14 @@ def teardown() -> None:
     _current = Dist()
 
 
-def batch_layout(batch_size: int, grad_accum: int, world_size: int) -> tuple[int, int]:
+def batch_layout(batch_size: int | None, grad_accum: int, world_size: int) -> tuple[int | None, int]:
     """(per-rank micro-batch, accumulation steps) that keep the global batch
-    `batch_size x grad_accum` on `world_size` ranks."""
+    `batch_size x grad_accum` on `world_size` ranks. `batch_size` None: batches of no fixed
+    row count that the task deals out to any number of ranks (translation's token batches)."""
     if grad_accum % world_size == 0:
         return batch_size, grad_accum // world_size
+    if batch_size is None:
+        return None, grad_accum
     if batch_size % world_size == 0:
         return batch_size // world_size, grad_accum
     raise FrawdError(f"the global batch (batch_size {batch_size} x grad_accum {grad_accum}) does not split "

@@ -82,6 +82,7 @@ class TrainTask:
 
     flops_per_token: int | None = None  # training FLOPs per token, for MFU (None: no MFU)
     bar_metrics: tuple[str, ...] = ()  # named metrics (see `loss`) shown on the progress bar
+    token_batches: bool = False  # batches of no fixed row count (not `batch_size` rows), dealt out by the task
 
     def next_batch(self) -> Any:
         raise NotImplementedError
@@ -186,8 +187,8 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.device = self.dist.device or pick_device(cfg.device)
         # the same global batch on any number of ranks
-        self.micro_batch, self.grad_accum = distributed.batch_layout(cfg.batch_size, cfg.grad_accum,
-                                                                     self.dist.world_size)
+        rows = None if task.token_batches else cfg.batch_size
+        self.micro_batch, self.grad_accum = distributed.batch_layout(rows, cfg.grad_accum, self.dist.world_size)
         self.dtype, self.dtype_why = choose_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu" and matmul_dtype(self.dtype, self.device) != self.dtype:
             warnings.warn(f"{self.dtype} is emulated on this CPU (no native {self.dtype} matmuls): "

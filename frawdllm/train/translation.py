@@ -166,6 +166,7 @@ class ValidationSet:
 
 class TranslationTask(TrainTask):
     bar_metrics = ("nll",)
+    token_batches = True  # any number of ranks: a batch's sentence pairs are dealt out (next_batch)
 
     def __init__(self, model_config: Seq2SeqConfig, tokenizer: Tokenizer | None,
                  train_pairs: list[tuple[list[int], list[int]]], valid: ValidationSet | None,
