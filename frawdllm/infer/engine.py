@@ -38,7 +38,7 @@ import time
 import types
 from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from jaxtyping import Float, Int
@@ -186,25 +186,26 @@ class Engine:
     def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
                        positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache, path: paths.Path) -> Float[Tensor, "B V"]:
         """The C forward for one phase, at the thread count that phase currently runs fastest with."""
-        choice = self._threads.get(paths.phase(*tokens.shape))
-        if choice is None:
-            return decoder.forward(tokens, positions, cache, path.threads)
-        threads = choice.pick()
-        start = time.perf_counter()
-        logits = decoder.forward(tokens, positions, cache, threads)
-        choice.record(threads, time.perf_counter() - start, tokens.numel())
-        return logits
+        return self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
+                                     lambda threads: decoder.forward(tokens, positions, cache, threads))
 
     def row_step(self, step: native_forward.RowStep, token: int, position: int, slot: int) -> Float[Tensor, "1 V"]:
         """A batch-1 native decode step (`native.RowStep`), at the decode phase's thread count."""
-        choice = self._threads.get("decode")
+        return self._at_best_threads("decode", self.plan()["decode"].threads or torch.get_num_threads(), 1,
+                                     lambda threads: step(token, position, slot, threads))
+
+    def _at_best_threads(self, phase: str, planned: int | None, tokens: int, run: Callable[[int | None], Tensor]
+                         ) -> Tensor:
+        """`run(threads)` at the thread count `phase` currently runs fastest with, timed to
+        keep that choice current (`paths.ThreadChoice`); the planned count where none is kept."""
+        choice = self._threads.get(phase)
         if choice is None:
-            return step(token, position, slot, self.plan()["decode"].threads or torch.get_num_threads())
+            return run(planned)
         threads = choice.pick()
         start = time.perf_counter()
-        logits = step(token, position, slot, threads)
-        choice.record(threads, time.perf_counter() - start, 1)
-        return logits
+        out = run(threads)
+        choice.record(threads, time.perf_counter() - start, tokens)
+        return out
 
     def path(self, rows: int, new_tokens: int) -> paths.Path:
         """How a forward of `rows` rows of `new_tokens` tokens runs."""
