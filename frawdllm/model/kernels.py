@@ -11,7 +11,8 @@
   plain matmuls over a few query blocks (block i attends only the keys up to its end,
   skipping most of the masked half), which torch.compile fuses into about twice the speed.
 
-- training on a CPU with dropout and a mask (an encoder's padding, cross-attention):
+- training on a CPU with dropout and a mask (an encoder's padding, cross-attention, packed
+  SFT rows):
   `dropout_attention`, the reference's math with `dropout` below; PyTorch's own attention
   falls back to the same math for dropout, with a far slower random draw.
 
@@ -21,7 +22,8 @@ Tests compare each of them with the reference attention.
 >= p) on a CPU: the same distribution, several times faster there than PyTorch's CPU
 Bernoulli draw, which generates one number at a time (one of the costliest operations of
 a small model's training step). The encoder-decoder model uses it (`Dropout`); the
-decoder-only model keeps `nn.Dropout`, so its random streams stay those of earlier runs.
+decoder-only model keeps `nn.Dropout` (its unmasked attention keeps PyTorch's draw too), so
+pretraining's random streams stay those of earlier runs.
 """
 
 from __future__ import annotations
