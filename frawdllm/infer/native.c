@@ -517,18 +517,6 @@ static void rope(const Model *m, float *v, int64_t p) {
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-    int64_t i = 0;
-    if (n >= 16) {
-        v16 acc = *(const v16 *)a * *(const v16 *)b;
-        for (i = 16; i + 16 <= n; i += 16) acc += *(const v16 *)(a + i) * *(const v16 *)(b + i);
-        s = hsum(acc);
-    }
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* y += p * v over n floats */
 static inline void axpy(float *y, float p, const float *v, int64_t n) {
     int64_t i = 0;
@@ -552,55 +540,151 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
     memcpy(v_cache + ((b * nkv + g) * max_len + slot) * hd, v, hd * sizeof(float));
 }
 
-#define HD_VECTORS 8 /* head sizes up to 128 keep their weighted sum of values in registers */
+/* Lanes [0, h) of each block of 2h lanes from x's block, [h, 2h) from y's, each the sum of
+   a lane and the one h further on in its source block: one level of transpose_sum. */
+#if VW == 16
+#define HALVES(h)                                                                                           \
+    (h == 8   ? (vwi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}                               \
+     : h == 4 ? (vwi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}                            \
+     : h == 2 ? (vwi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}                            \
+              : (vwi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
+#else
+#define HALVES(h)                                                                                           \
+    (h == 4 ? (vwi){0, 1, 2, 3, 8, 9, 10, 11} : h == 2 ? (vwi){0, 1, 8, 9, 4, 5, 12, 13}                   \
+            : (vwi){0, 8, 2, 10, 4, 12, 6, 14})
+#endif
+#define FOLD(x, y, h) (__builtin_shuffle(x, y, HALVES(h)) + __builtin_shuffle(x, y, HALVES(h) + (h)))
+
+/* The VW sums of the lanes of p[0], ..., p[VW - 1] as one vector, lane j = sum of p[j]:
+   log2(VW) levels of FOLD, each halving the number of vectors and the lanes left to add
+   (VW - 1 folds in all, instead of a horizontal sum per vector). Each level interleaves
+   its pairs, so the leaves are taken in bit-reversed order to come out in order. */
+static inline vw transpose_sum(const vw p[VW]) {
+#if VW == 16
+    static const int leaf[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#else
+    static const int leaf[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#endif
+    vw a[VW / 2], b[VW / 4];
+    for (int i = 0; i < VW / 2; i++) a[i] = FOLD(p[leaf[2 * i]], p[leaf[2 * i + 1]], VW / 2);
+    for (int i = 0; i < VW / 4; i++) b[i] = FOLD(a[2 * i], a[2 * i + 1], VW / 4);
+#if VW == 16
+    for (int i = 0; i < 2; i++) a[i] = FOLD(b[2 * i], b[2 * i + 1], 2);
+    return FOLD(a[0], a[1], 1);
+#else
+    return FOLD(b[0], b[1], 1);
+#endif
+}
+
+/* q . k[s] for the VW slots [s0, s0 + VW) of a head's cache (K vectors a row), one score
+   per lane. Slots past S - 1 repeat slot S - 1 (never read past the cache). */
+static inline __attribute__((always_inline)) vw block_scores(int K, const float *q, const float *kc, int64_t s0,
+                                                             int64_t S) {
+    vw p[VW];
+    for (int j = 0; j < VW; j++) {
+        const float *k = kc + (s0 + j < S ? s0 + j : S - 1) * K * VW;
+        vw acc = *(const vw *)q * *(const vw *)k;
+        for (int i = 1; i < K; i++) acc += *(const vw *)(q + i * VW) * *(const vw *)(k + i * VW);
+        p[j] = acc;
+    }
+    return transpose_sum(p);
+}
+
+/* block_scores with the row length a constant for the usual head sizes (the sums then stay
+   in registers). */
+static vw head_scores(const float *q, const float *kc, int64_t hd, int64_t s0, int64_t S) {
+    switch (hd / VW) {
+        case 1: return block_scores(1, q, kc, s0, S);
+        case 2: return block_scores(2, q, kc, s0, S);
+        case 4: return block_scores(4, q, kc, s0, S);
+        case 8: return block_scores(8, q, kc, s0, S);
+        case 16: return block_scores(16, q, kc, s0, S);
+        default: return block_scores((int)(hd / VW), q, kc, s0, S);
+    }
+}
+
+/* y[0 : C VW] = sum over slots s < S of w[s] inv v[s][c0 : c0 + C VW] (rows hd floats
+   apart), in C accumulators; slots of weight 0 (masked) are skipped. */
+static inline __attribute__((always_inline)) void weighted_values(int C, const float *w, float inv, const float *v,
+                                                                  int64_t hd, int64_t S, float *y) {
+    vw acc[ACC_MAX];
+    for (int j = 0; j < C; j++) acc[j] = vw_splat(0.0f);
+    for (int64_t s = 0; s < S; s++) {
+        if (w[s] == 0.0f) continue;
+        vw ws = vw_splat(w[s] * inv);
+        for (int j = 0; j < C; j++) acc[j] += ws * *(const vw *)(v + s * hd + j * VW);
+    }
+    for (int j = 0; j < C; j++) *(vw *)(y + j * VW) = acc[j];
+}
 
 /* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start[b] + t] of
    row b. With padding, a real query skips padding slots; a padding query (whose output
    nobody uses) sees them, so that no softmax is empty (PyTorch's mask does the same).
-   scores: max_len floats of scratch. */
+   scores: max_len + 16 floats of scratch. The scores come VW slots at a time
+   (`block_scores`); the last block's lanes past the query's slot are -inf, so every
+   block is whole and weighs nothing there. */
 static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const float *qkv, float *out,
                         const float *k_cache, const float *v_cache, int64_t max_len, const int64_t *start,
                         const uint8_t *valid, int64_t padded, float *scores) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, g = h / (nh / nkv);
-    int64_t b = n / T, slot = start[b] + n % T, S = slot + 1;
+    int64_t b = n / T, slot = start[b] + n % T, S = slot + 1, blocks = (S + VW - 1) / VW;
     const float *q = qkv + n * (nh + 2 * nkv) * hd + h * hd;
     const float *kc = k_cache + (b * nkv + g) * max_len * hd, *vc = v_cache + (b * nkv + g) * max_len * hd;
     const uint8_t *ok = valid + b * max_len;
     int mask = padded && ok[slot];
-    float scale = 1.0f / sqrtf((float)hd), best = -INFINITY;
-    for (int64_t s = 0; s < S; s++) {
-        scores[s] = (!mask || ok[s]) ? dot(q, kc + s * hd, hd) * scale : -INFINITY;
-        if (scores[s] > best) best = scores[s];
-    }
-    float total = 0.0f;
-    int64_t s = 0;
-    for (; s + 16 <= S; s += 16) {
-        v16 e = v_exp(*(v16 *)(scores + s) - splat(best));
-        e = (v16)((vi16)e & ~(vi16)(*(v16 *)(scores + s) == splat(-INFINITY))); /* masked: exactly 0 */
-        *(v16 *)(scores + s) = e;
-        total += hsum(e);
-    }
-    for (; s < S; s++) {
-        scores[s] = scores[s] == -INFINITY ? 0.0f : expf(scores[s] - best);
-        total += scores[s];
-    }
-    float *y = out + n * m->d + h * hd;
-    float inv_total = 1.0f / total;
-    if (hd % 16 == 0 && hd <= 16 * HD_VECTORS) { /* the sum stays in registers across slots */
-        v16 acc[HD_VECTORS];
-        int64_t nv = hd / 16;
-        for (int64_t j = 0; j < nv; j++) acc[j] = splat(0.0f);
-        for (int64_t s2 = 0; s2 < S; s2++) {
-            if (scores[s2] == 0.0f) continue;
-            v16 w = splat(scores[s2] * inv_total);
-            for (int64_t j = 0; j < nv; j++) acc[j] += w * *(const v16 *)(vc + s2 * hd + 16 * j);
+    float scale = 1.0f / sqrtf((float)hd);
+    const vw minus_inf = vw_splat(-INFINITY);
+    vw best = minus_inf;
+    for (int64_t s0 = 0; s0 < S; s0 += VW) {
+        vw sc;
+        if (hd % VW == 0) {
+            sc = head_scores(q, kc, hd, s0, S) * vw_splat(scale);
+        } else { /* odd head sizes: one slot at a time */
+            for (int j = 0; j < VW; j++) {
+                const float *k = kc + (s0 + j < S ? s0 + j : S - 1) * hd;
+                float d = 0.0f;
+                for (int64_t i = 0; i < hd; i++) d += q[i] * k[i];
+                sc[j] = d * scale;
+            }
         }
-        for (int64_t j = 0; j < nv; j++) *(v16 *)(y + 16 * j) = acc[j];
-        return;
+        for (int j = 0; j < VW; j++)
+            if (s0 + j >= S || (mask && !ok[s0 + j])) sc[j] = -INFINITY;
+        *(vw *)(scores + s0) = sc;
+        best = (vw)((vwi)(sc > best) & (vwi)sc) + (vw)(~(vwi)(sc > best) & (vwi)best); /* lane-wise max */
     }
-    memset(y, 0, hd * sizeof(float));
-    for (int64_t s2 = 0; s2 < S; s2++)
-        if (scores[s2] != 0.0f) axpy(y, scores[s2] * inv_total, vc + s2 * hd, hd);
+    float top = best[0];
+    for (int j = 1; j < VW; j++) top = best[j] > top ? best[j] : top;
+    int64_t wide_end = (S + 15) / 16 * 16; /* exp runs 16 lanes at a time (simd.h) */
+    for (int64_t s = blocks * VW; s < wide_end; s++) scores[s] = -INFINITY;
+    v16 total = {};
+    for (int64_t s = 0; s < wide_end; s += 16) {
+        v16 x = *(v16 *)(scores + s);
+        v16 e = (v16)((vi16)v_exp(x - splat(top)) & ~(vi16)(x == splat(-INFINITY))); /* masked: exactly 0 */
+        *(v16 *)(scores + s) = e;
+        total += e;
+    }
+    float sum = hsum(total);
+    float *y = out + n * m->d + h * hd;
+    float inv_total = 1.0f / sum;
+    int64_t c0 = 0;
+    if (hd % VW == 0) /* chunks of up to ACC_MAX vectors, each summed in registers over all slots */
+        while (c0 < hd) {
+            int64_t left = (hd - c0) / VW;
+            int C = left >= 16 && ACC_MAX >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            switch (C) {
+                case 16: weighted_values(ACC_MAX >= 16 ? 16 : 8, scores, inv_total, vc + c0, hd, S, y + c0); break;
+                case 8: weighted_values(8, scores, inv_total, vc + c0, hd, S, y + c0); break;
+                case 4: weighted_values(4, scores, inv_total, vc + c0, hd, S, y + c0); break;
+                case 2: weighted_values(2, scores, inv_total, vc + c0, hd, S, y + c0); break;
+                default: weighted_values(1, scores, inv_total, vc + c0, hd, S, y + c0); break;
+            }
+            c0 += C * VW;
+        }
+    else {
+        memset(y, 0, hd * sizeof(float));
+        for (int64_t s2 = 0; s2 < S; s2++)
+            if (scores[s2] != 0.0f) axpy(y, scores[s2] * inv_total, vc + s2 * hd, hd);
+    }
 }
 
 /* ---- the forward ----------------------------------------------------------------------- */
