@@ -119,14 +119,6 @@ static inline v16 v_gelu(v16 x) {
 typedef int32_t vwi __attribute__((vector_size(VW * 4)));
 static inline vw vw_splat(float a) { return __builtin_shuffle((vw){a}, (vwi){}); } /* a broadcast, no add */
 
-/* GELU of VW floats (through the 16-wide helpers of simd.h). */
-static inline vw vw_gelu(vw x) {
-    v16 wide = {};
-    memcpy(&wide, &x, sizeof x);
-    wide = v_gelu(wide);
-    memcpy(&x, &wide, sizeof x);
-    return x;
-}
 
 enum { W_FP32 = 0, W_FP16 = 1, W_INT8 = 2 }; /* how a Linear stores its weights */
 enum { W_FP16_NARROW = 3 }; /* fp16 read 8 at a time (see chunk_product_narrow) */
@@ -272,17 +264,16 @@ static inline __attribute__((always_inline)) void chunk_product_narrow(
 
 static int fp16_narrow = 0; /* batch-1 fp16 products convert 8 at a time (set by frawd_choose_fp16_width) */
 
-/* y (=, +=, = gelu of) value for the first n of VW outputs (n < VW only in the last tile). */
+/* y (=, +=) value for the first n of VW outputs (n < VW only in the last tile). */
 static inline void epilogue(int mode, float *y, vw value, int64_t n) {
     if (n >= VW) {
         if (mode == EPI_ADD) value += *(vw *)y;
-        else if (mode == EPI_GELU) value = vw_gelu(value);
         *(vw *)y = value;
         return;
     }
     vw old = {};
     for (int64_t k = 0; k < n; k++) old[k] = y[k];
-    value = mode == EPI_ADD ? value + old : mode == EPI_GELU ? vw_gelu(value) : value;
+    value = mode == EPI_ADD ? value + old : value;
     for (int64_t k = 0; k < n; k++) y[k] = value[k];
 }
 
@@ -346,11 +337,29 @@ static void linear_tiles(const Linear *L, const float *x, int64_t ldx, float *y,
     }
 }
 
-/* This thread's share of y = x @ W^T (+ b): tiles split evenly between threads. */
+/* y[r, c0:c1] = gelu(y[r, c0:c1]) for rows [0, B), 16 at a time (simd.h's width, whatever
+   the products' VW). */
+static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < B; r++) {
+        float *row = y + r * ldy;
+        int64_t c = c0;
+        for (; c + 16 <= c1; c += 16) *(v16 *)(row + c) = v_gelu(*(v16 *)(row + c));
+        if (c < c1) {
+            v16 tail = {};
+            memcpy(&tail, row + c, (c1 - c) * sizeof(float));
+            tail = v_gelu(tail);
+            memcpy(row + c, &tail, (c1 - c) * sizeof(float));
+        }
+    }
+}
+
+/* This thread's share of y = x @ W^T (+ b) (then GELU, for EPI_GELU): tiles split evenly
+   between threads. */
 static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, int mode) {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t tiles = (L->out + TILE - 1) / TILE;
-    linear_tiles(L, x, ldx, y, ldy, B, tiles * t / T, tiles * (t + 1) / T, mode);
+    int64_t tiles = (L->out + TILE - 1) / TILE, t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
+    linear_tiles(L, x, ldx, y, ldy, B, t0, t1, mode == EPI_GELU ? EPI_STORE : mode);
+    if (mode == EPI_GELU) gelu_columns(y, ldy, B, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
 }
 
 #if HAS_NARROW
