@@ -231,3 +231,28 @@ def test_submit_from_many_threads(model_tok):
     finally:
         scheduler.close()
     assert got == expected
+
+
+def test_a_failing_prefill_fails_its_request_alone(model_tok, monkeypatch):
+    """A request whose prefill raises has left the queue but holds no row yet: it gets the
+    error (it used to wait forever) and the scheduler goes on serving the others."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    expected = engine.generate(PROMPTS[1], params)[0].tokens
+    real_forward = engine.forward
+
+    def forward(tokens, positions, cache, decoder=None):
+        if tokens.shape[1] == len(tok.encode(PROMPTS[0])) and tokens.shape[1] > 1:
+            raise RuntimeError("prefill broke")
+        return real_forward(tokens, positions, cache, decoder)
+
+    monkeypatch.setattr(engine, "forward", forward)
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        failing = scheduler.submit(PROMPTS[0], params)
+        with pytest.raises(RuntimeError, match="prefill broke"):
+            list(failing)
+        assert [c.token for c in scheduler.submit(PROMPTS[1], params)] == expected
+    finally:
+        scheduler.close()

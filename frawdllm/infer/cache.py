@@ -155,6 +155,7 @@ class RowKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.lengths = torch.zeros(capacity, dtype=torch.long)  # slots filled, per row
+        self._lengths_np = self.lengths.numpy()  # the same memory
         self.valid = torch.zeros(capacity, max_len, dtype=torch.bool)  # unused: no row is padded
         self.capacity, self.max_len, self.static, self.padded = capacity, max_len, False, False
         self.rows = 0  # rows in the batch
@@ -176,15 +177,15 @@ class RowKVCache:
         self.lengths[dst] = n
 
     def begin(self, n_new: int = 1) -> None:
-        """Announce a forward of n_new tokens for each of the first `rows` rows."""
-        lengths = self.lengths[: self.rows]
-        if int(lengths.max()) + n_new > self.max_len:
+        """Announce a forward of n_new tokens for each of the first `rows` rows (through numpy
+        views: a decode step calls this once, and torch ops cost ~10 us each)."""
+        lengths = self._lengths_np[: self.rows]
+        if self.rows and int(lengths.max()) + n_new > self.max_len:
             raise ValueError(f"KV cache full: a row would pass max_len {self.max_len}")
-        self._starts = lengths.clone()
+        self._starts = self.lengths[: self.rows].clone()
         lengths += n_new
-        self._span = int(lengths.max())
-        slots = torch.arange(self._span, device=self.k[0].device)
-        self._mask = (slots[None, :] < lengths[:, None].to(slots.device))[:, None, None, :]  # (B, 1, 1, S)
+        self._span = int(lengths.max()) if self.rows else 0
+        self._mask = None  # made when the PyTorch path asks (`update`); the native forward reads lengths
 
     def row_starts(self, rows: int, n_new: int) -> Int[Tensor, " B"]:
         return self._starts
@@ -197,6 +198,10 @@ class RowKVCache:
         starts = self._starts.to(k.device)
         self.k[layer_idx][index, :, starts] = k[:, :, 0].to(self.k[layer_idx].dtype)
         self.v[layer_idx][index, :, starts] = v[:, :, 0].to(self.v[layer_idx].dtype)
+        if self._mask is None:
+            slots = torch.arange(self._span, device=self.k[0].device)
+            lengths = self.lengths[: self.rows, None].to(slots.device)
+            self._mask = (slots[None, :] < lengths)[:, None, None, :]  # (B, 1, 1, S)
         k_all = self.k[layer_idx][: self.rows, :, : self._span]
         v_all = self.v[layer_idx][: self.rows, :, : self._span]
         if k_all.dtype != k.dtype:

@@ -323,13 +323,16 @@ class Engine:
         return None
 
     @torch.inference_mode()
-    def forward(self, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: Any) -> Float[Tensor, "B V"]:
+    def forward(self, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: Any,
+                decoder: native_forward.NativeDecoder | None = None) -> Float[Tensor, "B V"]:
         """Each row's last-token logits by the path the plan gives this shape (native C or
         PyTorch eager; a compiled plan runs eager here); keys and values go into `cache`,
-        whose `begin(T)` has been called."""
+        whose `begin(T)` has been called. `decoder`: the native decoder to use, from a recent
+        `native_decoder()` (checking that it is current walks every parameter, ~0.2 ms: a
+        caller making many steps checks once per request, not per step)."""
         path = self.path(*tokens.shape)
         if path.kind == "native":
-            return self.native_forward(self.native_decoder(), tokens, positions, cache, path)
+            return self.native_forward(decoder or self.native_decoder(), tokens, positions, cache, path)
         return paths.torch_logits(self.model, tokens, positions, cache)
 
 

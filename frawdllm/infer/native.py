@@ -301,7 +301,8 @@ class NativeDecoder:
         )
         self.vocab = cfg.vocab_size
         self._cache_k: list[Tensor] | None = None
-        self._shape: tuple[int, int, int, int] | None = None
+        self._cache_rows = 0
+        self._work: Tensor | None = None
         self._lock = threading.Lock()
 
     def is_current(self, model: nn.Module) -> bool:
@@ -328,8 +329,9 @@ class NativeDecoder:
             tokens, positions = tokens.contiguous(), positions.contiguous()
         if tokens.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != tokens.shape:
             raise TypeError("token ids and positions must be int64 tensors of the same shape (B, T)")
-        if self._cache_k is not cache.k or self._shape != (B, T, cache.max_len, threads):
-            self._prepare(cache, B, T, threads)
+        if self._cache_k is not cache.k or self._cache_rows < B:
+            self._point_at(cache, B)
+        self._reserve(B * T, cache.max_len, threads)
         logits = torch.empty(B, self.vocab, dtype=torch.float32)
         starts = cache.row_starts(B, T)  # (B,) int64: the first slot each row writes
         status = self.lib.frawd_forward(
@@ -341,18 +343,23 @@ class NativeDecoder:
             raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
         return logits
 
-    def _prepare(self, cache, B: int, T: int, threads: int) -> None:
-        """Scratch memory and cache pointers, for a new cache or batch shape. A cache may
-        hold more rows than the forward uses (a continuous batch runs its first B)."""
+    def _point_at(self, cache, B: int) -> None:
+        """The cache's per-layer pointers, for a new cache. A cache may hold more rows than
+        the forward uses (a continuous batch runs its first B)."""
         for t in (*cache.k, *cache.v):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] < B:
                 raise ValueError(f"the KV cache must be float32, contiguous, at least batch {B}")
-        n = self.lib.frawd_workspace_floats(ctypes.byref(self.model), B * T, cache.max_len, threads)
-        self._work = torch.empty(n, dtype=torch.float32)
         self._k_ptrs = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])
         self._v_ptrs = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
-        self._cache_k, self._shape = cache.k, (B, T, cache.max_len, threads)
+        self._cache_k, self._cache_rows = cache.k, cache.k[0].shape[0]
         self._cache_v = cache.v  # keep the lists (and so the tensors) alive with the pointers
+
+    def _reserve(self, N: int, max_len: int, threads: int) -> None:
+        """Scratch memory for N tokens: kept while big enough (a continuous batch changes its
+        row count every few steps; reallocating each time cost more than the step's Python)."""
+        n = self.lib.frawd_workspace_floats(ctypes.byref(self.model), N, max_len, threads)
+        if self._work is None or self._work.numel() < n:
+            self._work = torch.empty(n, dtype=torch.float32)
 
 
 class RowStep:

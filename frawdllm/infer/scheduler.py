@@ -119,6 +119,7 @@ class Scheduler:
             raise FrawdError("continuous batching needs an engine with overflow='stop'")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefill_tokens = prefill_tokens
+        self._decoder = None  # the engine's native decoder, as of the latest admitted request
         cfg = engine.config
         self.cache = RowKVCache(cfg, max_batch, cfg.context_length, dtype=engine.dtype, device=engine.device)
         self.rows: list[_Row] = []  # batch position -> row
@@ -219,7 +220,13 @@ class Scheduler:
                     return
                 request = self.waiting.popleft()
             budget -= len(request.prompt)
-            self._prefill(request)
+            try:
+                self._prefill(request)
+            except Exception as error:  # popped, so in no queue _fail_all sees: it alone fails
+                for i in reversed(range(len(self.rows))):
+                    if self.rows[i].request is request:
+                        self._remove(i)
+                request.listener(error)
 
     @torch.inference_mode()
     def _prefill(self, request: Request) -> None:
@@ -228,7 +235,9 @@ class Scheduler:
         cache.begin(len(ids))
         tokens = torch.tensor([ids], dtype=torch.long, device=engine.device)
         positions = torch.arange(len(ids), device=engine.device)[None, :]
-        logits = engine.forward(tokens, positions, cache)  # (1, V)
+        # The native decoder, checked against the model once per request here (not per step).
+        self._decoder = engine.native_decoder() if engine.native else None
+        logits = engine.forward(tokens, positions, cache, self._decoder)  # (1, V)
         for sample in range(params.num_samples):
             seed = None if params.seed is None else (params.seed + sample * _SEED_STRIDE) % 2**64
             seen = None
@@ -250,7 +259,7 @@ class Scheduler:
         tokens = torch.tensor([[r.last] for r in self.rows], dtype=torch.long, device=self.engine.device)
         positions = self.cache.lengths[:batch, None].clone()  # (B, 1): no padding, position = slot
         self.cache.begin(1)
-        logits = self.engine.forward(tokens, positions.to(self.engine.device), self.cache)
+        logits = self.engine.forward(tokens, positions.to(self.engine.device), self.cache, self._decoder)
         self._emit(list(range(batch)), logits)
 
     def _emit(self, batch_rows: list[int], logits: Float[Tensor, "B V"]) -> None:
