@@ -153,10 +153,15 @@ def test_dropout_attention_equals_the_reference_without_dropout_and_drops_weight
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.parametrize("draw", ["c", "torch.rand"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_dropout_keeps_one_minus_p_and_scales_like_torchs(dtype):
+def test_fast_dropout_keeps_one_minus_p_and_scales_like_torchs(dtype, draw, monkeypatch):
     from frawdllm.model.kernels import dropout
 
+    if draw == "c" and kernels._dropout_library() is None:
+        pytest.skip("no C compiler: the C dropout kernel is unavailable")
+    if draw == "torch.rand":
+        monkeypatch.setattr(kernels, "_dropout_library", lambda: None)
     torch.manual_seed(0)
     x = torch.ones(400, 500, dtype=dtype, requires_grad=True)
     y = dropout(x, 0.1)
@@ -167,3 +172,22 @@ def test_fast_dropout_keeps_one_minus_p_and_scales_like_torchs(dtype):
     y.sum().backward()
     assert torch.equal(x.grad, y.detach())  # the gradient goes through the kept elements, scaled
     assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0) is x
+
+
+def test_c_dropout_masks_follow_torchs_seed_and_not_the_thread_count():
+    if kernels._dropout_library() is None:
+        pytest.skip("no C compiler: the C dropout kernel is unavailable")
+    x = torch.ones(1001, 37)  # odd: the last element has no pair
+    threads = torch.get_num_threads()
+    masks = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            torch.manual_seed(5)
+            masks.append(kernels.dropout(x, 0.25))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(masks[0], masks[1])
+    assert not torch.equal(kernels.dropout(x, 0.25), masks[0])  # the next draw differs
+    kept = masks[0] != 0
+    assert kept.float().mean().item() == pytest.approx(0.75, abs=0.01) and kept[-1].any()

@@ -51,6 +51,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_tokens, eps = hidden.shape[0], label_smoothing
         keep = targets != IGNORE_INDEX  # (N,)
         count = keep.sum().clamp(min=1)
+        masked = torch.compiler.is_compiling() or not bool(keep.all())  # rows to zero (unknown in a graph)
         safe_targets = torch.where(keep, targets, 0)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         nll = torch.zeros((), dtype=acc, device=hidden.device)  # the unsmoothed loss (= loss when eps is 0)
@@ -67,11 +68,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 smooth = ((lse - logits.mean(dim=-1, keepdim=True)) * mask).sum()
                 nll = nll + chunk_nll
                 loss = loss + (1 - eps) * chunk_nll + eps * smooth
-                dlogits = (logits - lse).exp_().sub_(eps / logits.shape[1])
-                dlogits = dlogits.scatter_add_(1, target, torch.full_like(lse, eps - 1)).mul_(mask)
+                onehot = eps - 1
             else:
                 loss = loss + ((lse - logits.gather(1, target)) * mask).sum()
-                dlogits = (logits - lse).exp_().scatter_add_(1, target, -torch.ones_like(lse)).mul_(mask)
+                onehot = -1.0
+            dlogits = logits.sub_(lse).exp_()  # softmax, in place: the logits are read for the last time
+            if eps:
+                dlogits.sub_(eps / logits.shape[1])
+            dlogits = dlogits.scatter_add_(1, target, torch.full_like(lse, onehot))
+            if masked:  # (a multiply by 1 everywhere otherwise: skipped, the same values)
+                dlogits.mul_(mask)
             dlogits = dlogits.to(dtype)  # (n, V)
             grad_h[a:b] = dlogits @ w  # (n, D)
             grad_w += (dlogits.T @ h[a:b]).to(acc)  # (V, D)
