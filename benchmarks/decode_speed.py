@@ -22,6 +22,12 @@ CPU features, and the roofline: the read bandwidth of this machine on a buffer t
 of the weights one default decode step streams (`buf.sum()` with the same threads), and
 roofline_fraction_batch1 = weight bytes per token x tokens/s / that bandwidth. Then the
 batch-1 figures again with a competing process spinning one core (`*_under_load`).
+Where llama-cpp-python is installed (the optional `llamacpp` extra), the same model
+exported with `frawd export --format gguf` in fp16 and fp32 is decoded by llama.cpp in
+the same run (same prompt, 200 greedy tokens, same threads; llama-cpp-python's `eval`
+per token and numpy's argmax of its logits): `llama_cpp_{f16,f32}_batch1_tok_s`, whether
+its greedy tokens equal ours, and `speedup_vs_llama_cpp_{f16,f32}` (the default engine
+against f16, the exact native fp32 engine against f32); else `llama_cpp=skipped`.
 Both sides run with the same torch thread count (--threads; default torch's choice, as a
 user gets it), printed as torch_threads. About 3-6 minutes on 2 cores.
 
@@ -34,11 +40,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -72,6 +81,36 @@ def hf_model(cfg):
         eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
     )
     return GPT2LMHeadModel(hf_cfg).eval()
+
+
+class _LlamaCpp:
+    """llama.cpp (through llama-cpp-python) on a GGUF export of `model`: batch-1 greedy decoding."""
+
+    def __init__(self, model: FrawdLLM, dtype: str, folder: Path, threads: int) -> None:
+        from llama_cpp import Llama
+
+        from frawdllm.export.gguf import write_gguf
+
+        path = folder / f"model-{dtype}.gguf"
+        write_gguf(model, None, path, dtype)  # what `frawd export --format gguf --dtype ...` writes
+        self.vocab = model.config.vocab_size
+        self.llm = Llama(model_path=str(path), n_ctx=model.config.context_length, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def greedy(self, prompt: list[int], n_new: int) -> list[int]:
+        import numpy as np
+
+        llm, out = self.llm, []
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(n_new):
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(self.vocab,))  # the last token's
+            out.append(int(logits.argmax()))
+            llm.eval(out[-1:])
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def timed(fn) -> float:
@@ -186,6 +225,26 @@ def main() -> None:
     for name in ("default", "torch"):
         median[f"{name}_under_load"] = statistics.median(times[f"{name}_under_load"])
 
+    llama_cpp: dict[str, float] = {}  # weight dtype -> tokens/s
+    same_tokens: dict[str, bool] = {}
+    if importlib.util.find_spec("llama_cpp") is not None:
+        ids = prompt[0].tolist()
+        with tempfile.TemporaryDirectory() as folder:
+            for dtype, ours_name in (("f16", "default"), ("f32", "native_fp32")):
+                peer = _LlamaCpp(model, {"f16": "float16", "f32": "float32"}[dtype], Path(folder),
+                                 torch.get_num_threads())
+                try:
+                    same_tokens[dtype] = peer.greedy(ids, NEW_TOKENS) == engines[ours_name].generate(
+                        [ids], params)[0].tokens
+                    peer_times, ours_times = [], []
+                    for _ in range(args.repeats):  # interleaved with ours
+                        peer_times.append(timed(lambda: peer.greedy(ids, NEW_TOKENS)))
+                        ours_times.append(timed(ours(engines[ours_name], prompt, params)))
+                finally:
+                    peer.close()
+                llama_cpp[dtype] = NEW_TOKENS / statistics.median(peer_times)
+                median[f"{ours_name}_vs_llama_cpp_{dtype}"] = statistics.median(ours_times)
+
     for name in ["hf", *engines]:
         print(f"{name}_batch1_tok_s={NEW_TOKENS / median[f'{name}_batch1']:.1f}")
     for name in ["hf", *engines]:
@@ -200,6 +259,14 @@ def main() -> None:
     print(f"roofline_fraction_batch1={weight_bytes * default_tok_s / bandwidth:.2f}")
     for name in engines:
         print(f"speedup_vs_hf_batch1_{name}={median['hf_batch1'] / median[f'{name}_batch1']:.2f}")
+    if not llama_cpp:
+        print("llama_cpp=skipped (llama-cpp-python is not installed; pip install 'frawdllm[llamacpp]' builds it)")
+    for dtype, ours_name in (("f16", "default"), ("f32", "native_fp32")):
+        if dtype in llama_cpp:
+            ours_tok_s = NEW_TOKENS / median[f"{ours_name}_vs_llama_cpp_{dtype}"]
+            print(f"llama_cpp_{dtype}_batch1_tok_s={llama_cpp[dtype]:.1f}")
+            print(f"llama_cpp_{dtype}_same_greedy_tokens={same_tokens[dtype]}")
+            print(f"speedup_vs_llama_cpp_{dtype}={ours_tok_s / llama_cpp[dtype]:.2f}")
     print(f"default_engine={default_mode}")
     print(f"speedup_vs_hf_batch1={median['hf_batch1'] / median['default_batch1']:.2f}")
 
