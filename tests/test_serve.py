@@ -358,18 +358,3 @@ def test_chunks_of_one_step_wake_the_event_loop_once():
     got, wakeups = asyncio.run(main())
     assert got == [list(range(i, 30, 3)) for i in range(3)]
     assert wakeups == 1
-
-
-def test_chunks_ready_together_make_one_event_per_sample():
-    """A client that fell behind gets one SSE event per sample for what is ready (texts
-    concatenated in order, the finish reason of the last chunk); one chunk stays one event,
-    and tokens not printable yet make none."""
-    from frawdllm.infer.engine import StreamChunk
-    from frawdllm.serve.app import _merged
-
-    ready = [StreamChunk(0, "a", 5), StreamChunk(1, "x", 6), StreamChunk(0, "", 7), StreamChunk(0, "b", 8),
-             StreamChunk(1, "y", 9, "length"), StreamChunk(2, "", 10)]
-    assert _merged(ready) == [(0, "ab", None), (1, "xy", "length")]
-    assert _merged([StreamChunk(0, "a", 5)]) == [(0, "a", None)]
-    assert _merged([StreamChunk(0, "", 5)]) == []
-    assert _merged([StreamChunk(0, "", 5, "stop")]) == [(0, "", "stop")]

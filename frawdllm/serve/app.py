@@ -235,7 +235,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         return ApiError(500, f"internal error: {type(error).__name__}").response()
 
     # ---- auth ------------------------------------------------------------------------------------
-    async def check_key(request: Request) -> None:  # (async: a sync dependency costs a thread hop per request)
+    async def check_key(request: Request) -> None:  # (async: a sync dependency runs in a worker thread)
         if options.api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -399,24 +399,6 @@ else:
         return await asyncio.wait_for(queue.get(), seconds)
 
 
-def _merged(chunks: list[StreamChunk]) -> list[tuple[int, str, str | None]]:
-    """(index, text, finish_reason) per SSE event for chunks that are ready together: the
-    chunks of one sample become one event, their texts concatenated in order (what vLLM's
-    stream_interval does), so a client that fell behind parses one event where it would
-    have parsed one per token. A client that keeps up gets one chunk at a time: one event
-    per token. Tokens not printable yet (no text, not the last) make no event."""
-    if len(chunks) == 1:
-        chunk = chunks[0]
-        return [(chunk.index, chunk.text, chunk.finish_reason)] if chunk.text or chunk.finish_reason else []
-    merged: dict[int, list] = {}  # index -> [text pieces, finish_reason], in order of first chunk
-    for chunk in chunks:
-        entry = merged.setdefault(chunk.index, [[], None])
-        entry[0].append(chunk.text)
-        entry[1] = chunk.finish_reason  # (a sample's last chunk is its only one with a reason)
-    return [(index, "".join(pieces), reason) for index, (pieces, reason) in merged.items()
-            if reason is not None or any(pieces)]
-
-
 class _Reply:
     """One request's answer being put together from its scheduler chunks."""
 
@@ -490,12 +472,6 @@ class _Reply:
         tail = "" if usage is None else ', "usage": ' + json.dumps(usage, ensure_ascii=False)
         return self._head + json.dumps(choices, ensure_ascii=False) + tail + "}\n\n"
 
-    def _choice(self, index: int, text: str, reason: str | None) -> dict:
-        if self.chat:
-            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                    "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-
     async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:
         try:
             n = self.job.params.num_samples
@@ -509,8 +485,18 @@ class _Reply:
                 chunks = [await self._next(request)]
                 while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
                     chunks.append(self._take(self.chunks.get_nowait()))
-                events = [self._event([self._choice(index, text, reason)])
-                          for index, text, reason in _merged(chunks)]
+                events = []
+                for chunk in chunks:
+                    if not chunk.text and chunk.finish_reason is None:
+                        continue  # (a token that is not printable yet)
+                    if self.chat:
+                        delta = {"content": chunk.text} if chunk.text else {}
+                        choice = {"index": chunk.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+                    else:
+                        choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
+                                  "finish_reason": chunk.finish_reason}
+                    events.append(self._event([choice]))
                 if events:
                     yield "".join(events)
             options = self.body.stream_options
