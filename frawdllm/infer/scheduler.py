@@ -178,10 +178,11 @@ class Scheduler:
                 if self._closing and not self.waiting and not self.rows:
                     return
             try:
-                self._drop_cancelled()
-                self._admit()
-                if self.rows:
-                    self._decode()
+                with torch.inference_mode():  # (entered once a step, not around each forward)
+                    self._drop_cancelled()
+                    self._admit()
+                    if self.rows:
+                        self._decode()
             except Exception as error:  # never leave a client waiting forever
                 self._fail_all(error)
 
@@ -228,7 +229,6 @@ class Scheduler:
                         self._remove(i)
                 request.listener(error)
 
-    @torch.inference_mode()
     def _prefill(self, request: Request) -> None:
         engine, ids, params = self.engine, request.prompt, request.params
         cache = KVCache(engine.config, 1, len(ids), dtype=engine.dtype, device=engine.device)
@@ -253,7 +253,6 @@ class Scheduler:
         first = len(self.rows) - params.num_samples
         self._emit(list(range(first, len(self.rows))), logits.expand(params.num_samples, -1))
 
-    @torch.inference_mode()
     def _decode(self) -> None:
         batch = len(self.rows)
         tokens = torch.tensor([[r.last] for r in self.rows], dtype=torch.long, device=self.engine.device)

@@ -10,7 +10,9 @@ Two things make streaming text harder than decoding at the end:
   string (the stream ends there and the stop string is never emitted) or cannot any more.
 
 Decoding re-reads only a short window of recent ids (`prefix`..end), so a long stream
-costs O(1) per token rather than re-decoding everything.
+costs O(1) per token rather than re-decoding everything. The window's start moves every
+few tokens, not at each: until it moves, the text of the ids read so far is the previous
+decode, so a token costs one decode (two when the window moves) instead of two.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+WINDOW = 8  # ids re-decoded at most before the window's start moves up
 
 
 class TextStream:
@@ -30,6 +33,7 @@ class TextStream:
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] were decoded already, as _read_text
         self._read = 0
+        self._read_text = ""
         self._pending = ""  # decoded, not yet emitted (a partial stop string maybe)
         self.text = ""  # everything emitted so far
         self.stopped = False  # a stop string was found
@@ -42,25 +46,34 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        read_text = self._decode(self.ids[self._prefix:self._read])
         full_text = self._decode(self.ids[self._prefix:])
-        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(read_text):
+        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(self._read_text):
             return ""  # an incomplete character: wait for the rest of its bytes
-        self._pending += full_text[len(read_text):]
-        self._prefix, self._read = self._read, len(self.ids)
+        self._pending += full_text[len(self._read_text):]
+        end = len(self.ids)
+        if end - self._prefix > WINDOW:  # the window starts again at the ids read before this push
+            self._prefix = self._read
+            self._read_text = self._decode(self.ids[self._prefix:end])
+        else:
+            self._read_text = full_text
+        self._read = end
         return self._release(final=False)
 
     def finish(self) -> str:
         """The end of the stream: flush what was held back (but never a stop string)."""
         if self.stopped:
             return ""
-        tail = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
-        self._pending += tail
+        self._pending += self._decode(self.ids[self._prefix:])[len(self._read_text):]
         self._prefix = self._read = len(self.ids)
+        self._read_text = ""
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
         text = self._pending
+        if not self.stop:  # (the common case: everything decoded is printable)
+            self._pending = ""
+            self.text += text
+            return text
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True

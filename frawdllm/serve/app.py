@@ -235,7 +235,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         return ApiError(500, f"internal error: {type(error).__name__}").response()
 
     # ---- auth ------------------------------------------------------------------------------------
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:  # (async: a sync dependency runs in a worker thread)
         if options.api_key is None:
             return
         header = request.headers.get("authorization", "")
