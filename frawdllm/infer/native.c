@@ -697,6 +697,21 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
     }
 }
 
+/* Ask for row b's cached keys and values of kv head g (slots [0, start[b]]) ahead of use
+   (into L2). A wide decode step reads them from DRAM (32 rows of ~130 slots: 51 MB of fp32
+   in `tiny`), one head's ~33 KB at a time: asked one task ahead, a 32-row step of `tiny`
+   took 8-10% less time. */
+static void prefetch_group(const Model *m, int64_t b, int64_t g, const float *k_cache, const float *v_cache,
+                           int64_t max_len, const int64_t *start) {
+    int64_t hd = m->head_dim, nkv = m->n_kv_head, bytes = (start[b] + 1) * hd * (int64_t)sizeof(float);
+    const char *k = (const char *)(k_cache + (b * nkv + g) * max_len * hd);
+    const char *v = (const char *)(v_cache + (b * nkv + g) * max_len * hd);
+    for (int64_t i = 0; i < bytes; i += 64) {
+        __builtin_prefetch(k + i, 0, 2);
+        __builtin_prefetch(v + i, 0, 2);
+    }
+}
+
 /* ---- the forward ----------------------------------------------------------------------- */
 
 /* Floats of scratch `frawd_forward` needs for N = B T tokens, max_len slots, P threads:
@@ -759,6 +774,9 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
                 for (int64_t task = t; task < N * nkv; task += P) {
                     int64_t n = task / nkv, g = task % nkv;
                     store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n]);
+                    if (task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
+                        prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
+                                       start);
                     for (int64_t h = g * rep; h < (g + 1) * rep; h++)
                         attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
                                     scores);
