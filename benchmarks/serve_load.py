@@ -15,8 +15,12 @@ Figures per level N (1, 8, 32):
   server_cpu_us_per_token_N, client_cpu_us_per_token_N   CPU time (all threads) of the
                  server and of the client process per generated token: where the cores went
   failed_requests  requests that did not end with 128 tokens and [DONE] (all levels)
-The peer (llama-cpp-python's server on our GGUF export) runs only when llama_cpp is
-importable; otherwise peer=skipped is printed.
+The peer: llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`, the
+`llamacpp` extra) on the same model's GGUF export in fp16 (our default engine reads fp16
+weights too), same threads, the same prompts as text (its tokenizer gives our ids), at 1
+and 8 clients, one round (it serves one request at a time; more clients only wait longer):
+`peer_tokens_per_s_N`, `peer_p95_ttft_ms_N`, `peer_failed_requests` and
+`tokens_per_s_8_vs_peer`. Where it is not installed, peer=skipped is printed.
 
     .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--requests-per-client 2] [--threads N]
 
@@ -48,6 +52,7 @@ from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 NEW_TOKENS = 128
 LEVELS = (1, 8, 32)
+PEER_LEVELS = (1, 8)  # one request at a time: 32 clients only queue longer
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 
@@ -92,12 +97,15 @@ def free_port() -> int:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, model: str,
-                      prompt: list[int]) -> tuple[float, int, bool]:
-    """(time to first text chunk, tokens generated, ok) of one streaming completion."""
+                      prompt: list[int] | str) -> tuple[float, int, bool]:
+    """(time to first text chunk, tokens generated, ok) of one streaming completion. Tokens
+    are the usage count where the server sends one (ours does), else NEW_TOKENS when it
+    ends for "length" (max_tokens reached; llama-cpp-python sends no usage, and a text
+    event may carry several tokens or none), else the text events."""
     body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    ttft, tokens, done = None, 0, False
+    ttft, tokens, done, events, reason = None, 0, False, 0, None
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
@@ -112,10 +120,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str,
                 event = json.loads(data)
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-                if ttft is None and event["choices"] and event["choices"][0]["text"]:
-                    ttft = time.perf_counter() - start
+                if event["choices"] and event["choices"][0].get("finish_reason"):
+                    reason = event["choices"][0]["finish_reason"]
+                if event["choices"] and event["choices"][0]["text"]:
+                    events += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return float("nan"), 0, False
+    tokens = tokens or (NEW_TOKENS if reason == "length" else events)
     return (ttft if ttft is not None else float("nan")), tokens, done and tokens == NEW_TOKENS
 
 
@@ -128,7 +141,7 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def level(url: str, model: str, clients: int, per_client: int, texts: list[list[int]],
+async def level(url: str, model: str, clients: int, per_client: int, texts: list[list[int]] | list[str],
                 server_pid: int) -> dict:
     # One client process, asyncio and aiohttp (its C parser): the load generator shares the
     # cores with the server, so it must cost little per event.
@@ -168,20 +181,34 @@ def start_server(model_dir: Path, threads: int | None) -> tuple[subprocess.Popen
                "--max-tokens", str(NEW_TOKENS)]
     if threads:
         command += ["--threads", str(threads)]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    return wait_for(subprocess.Popen(command, stderr=subprocess.PIPE, text=True), port, "/health", "frawd serve")
+
+
+def start_peer(gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    """llama-cpp-python's server on `gguf`: one request at a time (no batching), the others queue."""
+    port = free_port()
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "tiny",
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256", "--n_threads", str(threads),
+               "--n_threads_batch", str(threads), "--verbose", "False",
+               "--interrupt_requests", "False"]  # (its default: a new request cancels the running one)
+    return wait_for(subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True), port,
+                    "/v1/models", "llama_cpp.server")
+
+
+def wait_for(proc: subprocess.Popen, port: int, path: str, name: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"frawd serve exited: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"{name} exited: {proc.stderr.read()[-2000:]}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + path, timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("frawd serve did not start within 300 s")
+    raise SystemExit(f"{name} did not start within 300 s")
 
 
 def main() -> None:
@@ -209,6 +236,22 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(60)
+        peer: dict[int, dict] = {}
+        if importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("sse_starlette") is not None:
+            from frawdllm.export.gguf import export_gguf
+
+            gguf = export_gguf(model_dir, Path(tmp) / "tiny.gguf", dtype="float16")
+            proc, url = start_peer(gguf, args.threads or torch.get_num_threads())
+            try:
+                as_text = [tok.decode(ids) for ids in texts]
+                asyncio.run(level(url, "tiny", 2, 1, as_text, proc.pid))  # warm-up
+                for n in PEER_LEVELS:
+                    peer[n] = asyncio.run(level(url, "tiny", n, args.requests_per_client * (2 if n == 1 else 1),
+                                                as_text, proc.pid))
+                    print(f"peer clients {n}: {peer[n]}", file=sys.stderr, flush=True)
+            finally:
+                proc.kill()  # (it may not stop on SIGTERM while requests wait)
+                proc.wait(60)
     failed = 0
     for n in LEVELS:
         runs = figures[n]
@@ -217,12 +260,18 @@ def main() -> None:
             print(f"{key}_{n}={statistics.median(r[key] for r in runs):.1f}")
         failed += sum(r["failed"] for r in runs)
     print(f"failed_requests={failed}")
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("peer=skipped (llama-cpp-python is not importable here; pip install 'frawdllm[llamacpp]' builds it)")
+    ours_32 = statistics.median(r["tokens_per_s"] for r in figures[32])
+    if not peer:
+        print("peer=skipped (llama-cpp-python's server is not installed; pip install 'frawdllm[llamacpp]' builds it)")
     else:
-        print("peer=skipped (llama_cpp is importable, but this benchmark does not drive its server yet)")
-    scaling = statistics.median(r["tokens_per_s"] for r in figures[32]) / statistics.median(
-        r["tokens_per_s"] for r in figures[1])
+        print("peer=llama_cpp.server (llama-cpp-python, fp16 GGUF)")
+        for n, r in peer.items():
+            print(f"peer_tokens_per_s_{n}={r['tokens_per_s']:.1f}")
+            print(f"peer_p95_ttft_ms_{n}={r['p95_ttft_ms']:.1f}")
+        print(f"peer_failed_requests={sum(r['failed'] for r in peer.values())}")
+        ours_8 = statistics.median(r["tokens_per_s"] for r in figures[8])
+        print(f"tokens_per_s_8_vs_peer={ours_8 / peer[8]['tokens_per_s']:.2f}")
+    scaling = ours_32 / statistics.median(r["tokens_per_s"] for r in figures[1])
     print(f"scaling_32_vs_1={scaling:.2f}")
 
 
