@@ -104,6 +104,7 @@ def test_phases_by_shape():
 def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(paths, "LOUD_PARAMS", 0)
+    monkeypatch.setattr(paths, "machine_busy", lambda: False)
     model = make_model(**CONFIGS["rope"])
     first = Engine(model, IdTokenizer()).plan()
     assert set(first) == set(paths.PHASES)
@@ -113,6 +114,36 @@ def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     monkeypatch.setattr(paths, "measure", lambda *a, **k: calls.append(a))
     assert Engine(model, IdTokenizer()).plan() == first
     assert not calls and capsys.readouterr().err == ""
+
+
+@NATIVE
+def test_a_plan_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    model = make_model(**CONFIGS["learned"])
+    measured = []
+    real = paths.measure
+    monkeypatch.setattr(paths, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+
+    def plan_when(busy: bool):
+        monkeypatch.setattr(paths, "machine_busy", lambda: busy)
+        return Engine(model, IdTokenizer()).plan()
+
+    plan_when(busy=True)
+    plan_when(busy=True)  # still busy: the plan made under load is all there is
+    assert len(measured) == 1
+    plan_when(busy=False)  # quiet now: measured again, and that plan is kept from then on
+    assert len(measured) == 2
+    plan_when(busy=True)
+    plan_when(busy=False)
+    assert len(measured) == 2
+
+
+def test_machine_busy_reads_the_load_average(monkeypatch):
+    monkeypatch.setattr(paths.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(paths.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    assert paths.machine_busy()
+    monkeypatch.setattr(paths.os, "getloadavg", lambda: (0.4, 3.0, 3.0))
+    assert not paths.machine_busy()
 
 
 def test_the_measurement_keeps_the_fastest_candidate(monkeypatch):

@@ -18,7 +18,10 @@ phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The cho
 cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
 C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
 measurement of a model over 20M parameters says so on stderr (smaller ones take a
-fraction of a second).
+fraction of a second). A plan measured while other work kept the cores busy (the 1-minute
+load average above half the cores) is measured again the next time the machine is quiet:
+under load the native team waits for its member without a core, which can make PyTorch
+look faster than it is, and that choice would otherwise stay for good.
 """
 
 from __future__ import annotations
@@ -128,20 +131,31 @@ def _load() -> dict[str, Any]:
         return {}
 
 
+def machine_busy() -> bool:
+    """Whether other work keeps this machine's cores busy: the 1-minute load average is above
+    half the cores (False where the system does not say)."""
+    try:
+        return os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return False
+
+
 def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
     """The fastest path per phase for `model` (native candidates only when `decoder` is given)."""
     threads = torch.get_num_threads()
     if decoder is None:
         return {name: Path("torch") for name in PHASES}
     key = _key(model, weights, threads)
-    cached = _load().get(key)
-    if isinstance(cached, dict) and set(cached) == set(PHASES):
+    entry = _load().get(key)
+    cached = entry.get("plan") if isinstance(entry, dict) else None
+    if isinstance(cached, dict) and set(cached) == set(PHASES) and not (entry.get("busy") and not machine_busy()):
         return {name: Path(kind, int(n)) for name, (kind, n) in cached.items()}
     if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
         print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr, flush=True)
+    busy = machine_busy()
     plan = measure(model, decoder, threads)
     data = _load()
-    data[key] = {name: [p.kind, p.threads] for name, p in plan.items()}
+    data[key] = {"plan": {name: [p.kind, p.threads] for name, p in plan.items()}, "busy": busy}
     try:
         with atomic_path(_file()) as tmp:
             tmp.write_text(json.dumps(data, indent=1))
