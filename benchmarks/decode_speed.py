@@ -60,6 +60,7 @@ from frawdllm.train.device import cpu_has_bf16
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "fphp")
 
 PROMPT_LEN, NEW_TOKENS, BATCH, LONG_PROMPT = 32, 200, 16, 256
+LLAMA_CPP = {"f16": ("float16", "default"), "f32": ("float32", "native_fp32")}  # GGUF dtype, our engine to compare
 
 
 class _IdTokenizer:
@@ -230,9 +231,8 @@ def main() -> None:
     if importlib.util.find_spec("llama_cpp") is not None:
         ids = prompt[0].tolist()
         with tempfile.TemporaryDirectory() as folder:
-            for dtype, ours_name in (("f16", "default"), ("f32", "native_fp32")):
-                peer = _LlamaCpp(model, {"f16": "float16", "f32": "float32"}[dtype], Path(folder),
-                                 torch.get_num_threads())
+            for dtype, (gguf_dtype, ours_name) in LLAMA_CPP.items():
+                peer = _LlamaCpp(model, gguf_dtype, Path(folder), torch.get_num_threads())
                 try:
                     same_tokens[dtype] = peer.greedy(ids, NEW_TOKENS) == engines[ours_name].generate(
                         [ids], params)[0].tokens
@@ -261,7 +261,7 @@ def main() -> None:
         print(f"speedup_vs_hf_batch1_{name}={median['hf_batch1'] / median[f'{name}_batch1']:.2f}")
     if not llama_cpp:
         print("llama_cpp=skipped (llama-cpp-python is not installed; pip install 'frawdllm[llamacpp]' builds it)")
-    for dtype, ours_name in (("f16", "default"), ("f32", "native_fp32")):
+    for dtype, (_, ours_name) in LLAMA_CPP.items():
         if dtype in llama_cpp:
             ours_tok_s = NEW_TOKENS / median[f"{ours_name}_vs_llama_cpp_{dtype}"]
             print(f"llama_cpp_{dtype}_batch1_tok_s={llama_cpp[dtype]:.1f}")
