@@ -185,22 +185,26 @@ def start_server(model_dir: Path, threads: int | None) -> tuple[subprocess.Popen
 
 
 def start_peer(gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    """llama-cpp-python's server on `gguf`: one request at a time (no batching), the others queue."""
+    """llama-cpp-python's server on `gguf`: one request at a time (no batching), the others queue.
+    Its log (an access line per request) goes to a file beside the model, not to a pipe nobody reads."""
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "tiny",
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256", "--n_threads", str(threads),
                "--n_threads_batch", str(threads), "--verbose", "False",
                "--interrupt_requests", "False"]  # (its default: a new request cancels the running one)
-    return wait_for(subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True), port,
-                    "/v1/models", "llama_cpp.server")
+    log = open(gguf.with_suffix(".log"), "w+")
+    return wait_for(subprocess.Popen(command, stderr=log, stdout=log, text=True), port, "/v1/models",
+                    "llama_cpp.server", log)
 
 
-def wait_for(proc: subprocess.Popen, port: int, path: str, name: str) -> tuple[subprocess.Popen, str]:
+def wait_for(proc: subprocess.Popen, port: int, path: str, name: str, log=None) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{name} exited: {proc.stderr.read()[-2000:]}")
+            if log is not None:
+                log.seek(0)
+            raise SystemExit(f"{name} exited: {(log or proc.stderr).read()[-2000:]}")
         try:
             if httpx.get(url + path, timeout=1).status_code == 200:
                 return proc, url
