@@ -19,7 +19,10 @@ Engines (each figure a median; warm-up seconds printed too):
                warm-up alone can take minutes on some CPUs)
 Also printed: batch-16 throughput, the first-token latency for a 256-token prompt, the
 CPU features, and the roofline: the read bandwidth of this machine on a buffer the size
-of the weights one default decode step streams (`buf.sum()` with the same threads), and
+of the weights one default decode step streams (`buf.sum()` with the same threads, the
+lower quartile of 30; measured just before and just after each default batch-1 run, so
+that both figures come from the same phase of a shared machine, whose speed can swing
+2x within minutes: the median of those, their range printed too), and
 roofline_fraction_batch1 = weight bytes per token x tokens/s / that bandwidth. Then the
 batch-1 figures again with a competing process spinning one core (`*_under_load`).
 Where llama-cpp-python is installed (the optional `llamacpp` extra), the same model
@@ -200,10 +203,15 @@ def main() -> None:
                            if isinstance(m, torch.nn.Linear))
 
     times: dict[str, list[float]] = {}
+    bandwidths = []  # measured beside each default batch-1 run: the same phase of a shared machine
     for _ in range(args.repeats):
         times.setdefault("hf_batch1", []).append(timed(theirs(prompt, NEW_TOKENS)))
         for name, engine in engines.items():
+            if name == "default":
+                bandwidths.append(read_bandwidth(weight_bytes))
             times.setdefault(f"{name}_batch1", []).append(timed(ours(engine, prompt, params)))
+            if name == "default":
+                bandwidths.append(read_bandwidth(weight_bytes))
     for _ in range(max(2, args.repeats // 2)):
         times.setdefault("hf_batch16", []).append(timed(theirs(batch, NEW_TOKENS)))
         times.setdefault("hf_first_token", []).append(timed(theirs(long_prompt, 1)))
@@ -211,7 +219,7 @@ def main() -> None:
             times.setdefault(f"{name}_batch16", []).append(timed(ours(engine, batch, params)))
             times.setdefault(f"{name}_first_token", []).append(timed(ours(engine, long_prompt, first_token)))
     median = {key: statistics.median(values) for key, values in times.items()}
-    bandwidth = read_bandwidth(weight_bytes)
+    bandwidth = statistics.median(bandwidths)
 
     # batch 1 again, with another process spinning a core for the duration
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -256,6 +264,7 @@ def main() -> None:
     default_tok_s = NEW_TOKENS / median["default_batch1"]
     print(f"weight_bytes_per_token={weight_bytes}")
     print(f"read_bandwidth_gb_s={bandwidth / 1e9:.1f}")
+    print(f"read_bandwidth_gb_s_range={min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}")
     print(f"roofline_fraction_batch1={weight_bytes * default_tok_s / bandwidth:.2f}")
     for name in engines:
         print(f"speedup_vs_hf_batch1_{name}={median['hf_batch1'] / median[f'{name}_batch1']:.2f}")

@@ -104,7 +104,7 @@ def test_phases_by_shape():
 def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(paths, "LOUD_PARAMS", 0)
-    monkeypatch.setattr(paths, "machine_busy", lambda: False)
+    monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
     model = make_model(**CONFIGS["rope"])
     first = Engine(model, IdTokenizer()).plan()
     assert set(first) == set(paths.PHASES)
@@ -125,7 +125,7 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
     monkeypatch.setattr(paths, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
 
     def plan_when(busy: bool):
-        monkeypatch.setattr(paths, "machine_busy", lambda: busy)
+        monkeypatch.setattr(paths, "machine_busy", lambda window=None: busy)
         return Engine(model, IdTokenizer()).plan()
 
     plan_when(busy=True)
@@ -138,7 +138,26 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
     assert len(measured) == 2
 
 
-def test_machine_busy_reads_the_load_average(monkeypatch):
+def test_machine_busy_counts_what_other_processes_used_during_the_window(monkeypatch):
+    """Busy: other processes used over a quarter of the cores in the window (this process's
+    own CPU time, its spinning threads included, does not count)."""
+    monkeypatch.setattr(paths.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(paths.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # (lagging: says quiet)
+
+    def window(others_s: float, own_s: float = 0.0) -> paths.CpuWindow:
+        """A 1 s window in which the machine used others_s + own_s CPU seconds, own_s of them ours."""
+        times = paths.os.times()
+        monkeypatch.setattr(paths, "_machine_cpu_seconds", lambda: 100.0 + others_s + own_s)
+        return paths.CpuWindow(100.0, times.user + times.system - own_s, paths.time.perf_counter() - 1.0)
+
+    assert paths.machine_busy(window(0.8))  # 0.8 of 2 cores' second: 40%
+    assert not paths.machine_busy(window(0.3))  # 15%
+    assert not paths.machine_busy(window(0.1, own_s=1.9))  # this process kept both cores busy itself
+    assert paths.machine_busy(window(1.2, own_s=0.5))
+
+
+def test_without_proc_stat_machine_busy_reads_the_load_average(monkeypatch):
+    monkeypatch.setattr(paths, "_machine_cpu_seconds", lambda: None)
     monkeypatch.setattr(paths.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(paths.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
     assert paths.machine_busy()

@@ -18,8 +18,9 @@ phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The cho
 cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
 C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
 measurement of a model over 20M parameters says so on stderr (smaller ones take a
-fraction of a second). A plan measured while other work kept the cores busy (the 1-minute
-load average above half the cores) is measured again the next time the machine is quiet:
+fraction of a second). A plan measured while other work kept the cores busy (other
+processes used over a quarter of the cores while it was timed) is measured again the
+next time the machine is quiet:
 under load the native team waits for its member without a core, which can make PyTorch
 look faster than it is, and that choice would otherwise stay for good.
 """
@@ -131,9 +132,55 @@ def _load() -> dict[str, Any]:
         return {}
 
 
-def machine_busy() -> bool:
-    """Whether other work keeps this machine's cores busy: the 1-minute load average is above
-    half the cores (False where the system does not say)."""
+BUSY_SHARE = 0.25  # other processes using more than this share of the cores: the machine is busy
+
+
+def _machine_cpu_seconds() -> float | None:
+    """CPU seconds every process has used since boot (/proc/stat: all but idle and iowait), or None."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # (guest time is in user)
+
+
+@dataclass
+class CpuWindow:
+    """A window of time over which to ask how much of the cores other processes used."""
+
+    machine: float | None = None
+    own: float = 0.0
+    wall: float = 0.0
+
+    @classmethod
+    def open(cls) -> "CpuWindow":
+        times = os.times()
+        return cls(_machine_cpu_seconds(), times.user + times.system, time.perf_counter())
+
+    def others_share(self) -> float | None:
+        """The share of the cores other processes used since `open` (None where unknown)."""
+        now, times, wall = _machine_cpu_seconds(), os.times(), time.perf_counter() - self.wall
+        if now is None or self.machine is None or wall <= 0:
+            return None
+        others = (now - self.machine) - (times.user + times.system - self.own)
+        return max(0.0, others) / (wall * (os.cpu_count() or 1))
+
+
+def machine_busy(window: CpuWindow | None = None, seconds: float = 0.05) -> bool:
+    """Whether other work keeps this machine's cores busy: other processes used more than a
+    quarter of the cores during `window` (or, without one, during the next `seconds`).
+    Where /proc/stat cannot be read: the 1-minute load average above half the cores. (The
+    load average alone lags by a minute: a compile that had just started left it low while
+    a plan was measured next to it.)"""
+    if window is None:
+        window = CpuWindow.open()
+        time.sleep(seconds)
+    share = window.others_share()
+    if share is not None:
+        return share > BUSY_SHARE
     try:
         return os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
     except (AttributeError, OSError):
@@ -152,8 +199,9 @@ def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
         return {name: Path(kind, int(n)) for name, (kind, n) in cached.items()}
     if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
         print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr, flush=True)
-    busy = machine_busy()
+    window = CpuWindow.open()
     plan = measure(model, decoder, threads)
+    busy = machine_busy(window)  # other processes' CPU use while the candidates were timed
     data = _load()
     data[key] = {"plan": {name: [p.kind, p.threads] for name, p in plan.items()}, "busy": busy}
     try:
