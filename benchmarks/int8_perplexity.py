@@ -3,7 +3,8 @@
 Trains a model on tiny shakespeare with `frawd pretrain` (a short budget) unless --model
 names one, then scores its validation split (the last 10% of the text, never trained on)
 with fp32 weights, fp16-rounded linear weights (what the engine's default native decoding
-reads), bf16 weights and int8 weights (as the native forward computes them: int8 x scale
+reads), the same with keys and values rounded to fp16 as they are cached (fp16_kv: the
+engine's default KV cache where every phase runs natively), bf16 weights and int8 weights (as the native forward computes them: int8 x scale
 in fp32; int8_torch: PyTorch's int8 kernel, bf16 activations), and times greedy decoding
 of each (fp32: native forward with weights="fp32"; fp16: the engine's default).
 Recipes: `char` (configs/shakespeare_char.yaml: 4 layers, width 128, characters) and
@@ -31,6 +32,7 @@ import torch
 
 from frawdllm.data import VAL_FILE, read_shard
 from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer.cache import HalfKVModel
 from frawdllm.infer.native import dequantized_copy, fp16_rounded_copy
 from frawdllm.infer.quantize import int8_weight_bytes, quantize_int8
 from frawdllm.modeldir import load_model
@@ -93,27 +95,32 @@ def main() -> None:
         fp32 = load_model(model_dir).eval()
         context = fp32.config.context_length
         int8 = quantize_int8(copy.deepcopy(fp32))
-        variants = {"fp32": fp32, "fp16": fp16_rounded_copy(fp32), "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
-                    "int8": dequantized_copy(int8), "int8_torch": int8}
+        fp16 = fp16_rounded_copy(fp32)
+        variants = {"fp32": fp32, "fp16": fp16, "fp16_kv": HalfKVModel(fp16),
+                    "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": dequantized_copy(int8), "int8_torch": int8}
         # What decodes each: the native forward computes the fp16-rounded and the
         # dequantized models exactly; int8_torch is PyTorch's int8 kernel (bf16 activations).
+        # (fp16_kv is scored only: the "fp16" engine decodes with an fp16 KV cache where every
+        # phase runs natively, Engine.kv_dtype)
         decoding = {"fp32": (fp32, dict(weights="fp32")), "fp16": (fp32, dict(weights="fp16")),
                     "int8": (int8, {}), "int8_torch": (int8, dict(native=False))}
         ppl, speed = {}, {}
         for name, model in variants.items():
             loss, count = lm_loss(model, tokens, args.batch_size, context, torch.device("cpu"))
             ppl[name] = math.exp(loss)
-            decode_model, options = decoding.get(name, (model, {}))
-            speed[name] = decode_tok_s(decode_model, tokenizer, **options)
+            if name != "fp16_kv":
+                decode_model, options = decoding.get(name, (model, {}))
+                speed[name] = decode_tok_s(decode_model, tokenizer, **options)
     stored, full = int8_weight_bytes(int8)
     where = f"trained here ({args.recipe}, {args.max_steps} steps)" if args.model is None else args.model
     print(f"model={where}  val_tokens={count}  context={context}  params={fp32.num_parameters()}")
     print(f"linear_weight_bytes_fp32={full}  linear_weight_bytes_int8={stored}")
     for name in variants:
         print(f"ppl_{name}={ppl[name]:.4f}")
-    for name in variants:
+    for name in speed:
         print(f"decode_tok_s_{name}={speed[name]:.1f}")
     print(f"fp16_ppl_change_pct={(ppl['fp16'] / ppl['fp32'] - 1) * 100:.3f}")
+    print(f"fp16_kv_ppl_change_pct={(ppl['fp16_kv'] / ppl['fp32'] - 1) * 100:.3f}")
     print(f"bf16_ppl_change_pct={(ppl['bf16'] / ppl['fp32'] - 1) * 100:.3f}")
     print(f"int8_ppl_change_pct={(ppl['int8'] / ppl['fp32'] - 1) * 100:.3f}")
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from frawdllm.infer.cache import HalfKVModel as HalfKV  # noqa: F401  (for the inference tests)
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -12,3 +14,4 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+

@@ -15,7 +15,7 @@ from frawdllm.infer import Engine, KVCache, SamplingParams, native
 from frawdllm.infer.engine import decode_logits
 from frawdllm.infer.sampling import make_generator, sample_next
 from frawdllm.tokenizer import EOS_ID, train_tokenizer
-from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from infer_helpers import HalfKV, one_thread  # noqa: F401  (autouse fixture)
 
 VOCAB = 97
 
@@ -41,8 +41,10 @@ MODES = {
 
 
 def reference(model, engine):
-    """The model whose full forward the engine's decoding should reproduce."""
-    return native.fp16_rounded_copy(model) if engine.native and engine.weights == "fp16" else model
+    """The model whose full forward the engine's decoding should reproduce: fp16-rounded
+    weights and keys/values where the engine reads them so."""
+    ref = native.fp16_rounded_copy(model) if engine.native and engine.weights == "fp16" else model
+    return HalfKV(ref) if engine.kv_dtype == torch.float16 else ref
 
 
 class IdTokenizer:

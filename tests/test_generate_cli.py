@@ -8,10 +8,11 @@ import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
+from frawdllm.infer import Engine
 from frawdllm.infer.native import fp16_rounded_copy, has_fp16
 from frawdllm.io import write_json_atomic
 from frawdllm.tokenizer import EOS_ID, byte_tokenizer
-from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from infer_helpers import HalfKV, one_thread  # noqa: F401  (autouse fixture)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,11 @@ def naive_greedy(model_dir, prompt, n, native="auto"):
     """Full-recompute greedy tokens of the model that `--native` computes."""
     model = FrawdLLM.from_pretrained(model_dir).eval()
     if native in ("auto", "fp16") and has_fp16():  # without a C compiler the CLI decodes with PyTorch
+        # the CLI's engine, as it decides here: fp16 weights, and keys/values where its plan allows
+        kv_half = Engine(model, byte_tokenizer(), weights=native).kv_dtype == torch.float16
         model = fp16_rounded_copy(model)
+        if kv_half:
+            model = HalfKV(model)
     seq, out = byte_tokenizer().encode(prompt), []
     with torch.no_grad():
         for _ in range(n):
@@ -131,4 +136,9 @@ def test_stats_say_how_fast_and_which_forward_ran(capsys, model_dir):
     code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--max-new-tokens", "4",
                        "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--native", "off")
     assert code == 0, err
-    assert "[4 tokens in " in err and "forward: PyTorch eager]" in err
+    assert "[4 tokens in " in err and "forward: PyTorch eager; KV cache fp32]" in err
+    if has_fp16():  # the default: native fp16 weights, and (in C everywhere) an fp16 cache
+        code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--max-new-tokens", "4",
+                           "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--native", "fp16")
+        assert code == 0, err
+        assert "forward: native fp16" in err and ("KV cache fp16]" in err or "PyTorch eager" in err)

@@ -10,7 +10,7 @@ import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.errors import FrawdError
-from frawdllm.infer import Engine, KVCache, SamplingParams, native, quantize_int8
+from frawdllm.infer import Engine, KVCache, SamplingParams, native, paths, quantize_int8
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 from test_engine import CONFIGS, IdTokenizer, make_model
 
@@ -248,3 +248,88 @@ def test_one_row_steps_equal_the_general_forward(weights):
     assert torch.equal(caches[0].valid, caches[1].valid)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         step(150, 9, 9, 1)
+
+
+FP16 = pytest.mark.skipif(not native.has_fp16(), reason="no F16C")
+
+
+@FP16
+@pytest.mark.parametrize("shape", ["vectors", "scalars"])
+@pytest.mark.parametrize("name", ["rope-gqa", "post-ln", "llama"])
+def test_an_fp16_kv_cache_equals_pytorch_through_the_same_cache(name, shape):
+    """Keys and values stored as fp16 (rounded once, read back exactly): prefill of ragged,
+    left-padded rows and decode steps give PyTorch's logits through a KVCache of the same
+    dtype, and layer 0's stored keys are exactly the fp16 rounding of the fp32 cache's.
+    (fp16: 5e-4 of logits ~3: a key within float rounding of an fp16 boundary can round
+    either way on the two sides, which moves a logit by up to ~3e-4 here; a wrong slot or
+    conversion moves them by O(1).)"""
+    torch.manual_seed(0)
+    # head_dim 32: whole 8- or 16-float vectors of keys and values; 12: one element at a time
+    width = {"n_embd": 64, "n_head": 2} if shape == "vectors" else {"n_embd": 48, "n_head": 4}
+    model = FrawdLLM(get_config("tiny", n_layer=2, context_length=24, vocab_size=97,
+                                **{**CONFIGS[name], **width})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.1)
+    decoder = native.NativeDecoder(model, "fp32")
+    ids, positions, valid = padded_prompts((6, 2, 4), model.config.vocab_size)
+    caches = {}
+    for dtype, atol in ((torch.float32, 2e-5), (torch.float16, 5e-4)):
+        ours, theirs = caches[dtype] = [KVCache(model.config, 3, 10, dtype=dtype) for _ in range(2)]
+        for cache in (ours, theirs):
+            cache.begin(ids.shape[1], valid=valid)
+        with torch.inference_mode():
+            got = decoder.forward(ids, positions, ours)
+            torch.testing.assert_close(got, paths.torch_logits(model, ids, positions, theirs), atol=atol, rtol=0)
+            for step in range(3):
+                tokens, step_positions = got.argmax(-1)[:, None], positions[:, -1:] + 1 + step
+                for cache in (ours, theirs):
+                    cache.begin(1)
+                got = decoder.forward(tokens, step_positions, ours)
+                torch.testing.assert_close(got, paths.torch_logits(model, tokens, step_positions, theirs),
+                                           atol=atol, rtol=0)
+    half, full = caches[torch.float16][0], caches[torch.float32][0]
+    assert half.k[0].dtype == torch.float16
+    filled = ids.shape[1]  # the prefill's slots: computed alike before any rounding reaches them
+    assert torch.equal(half.k[0][:, :, :filled], full.k[0][:, :, :filled].half())
+    assert torch.equal(half.v[0][:, :, :filled], full.v[0][:, :, :filled].half())
+
+
+@FP16
+def test_one_row_steps_on_an_fp16_cache_equal_the_general_forward():
+    torch.manual_seed(0)  # head_dim 32: whole vectors of keys and values
+    model = FrawdLLM(get_config("tiny", n_layer=2, n_embd=64, n_head=2, context_length=24, vocab_size=150,
+                                **{**CONFIGS["llama"], "n_kv_head": 1})).eval()
+    decoder = native.NativeDecoder(model, "fp16")
+    caches = [KVCache(model.config, 1, 12, dtype=torch.float16) for _ in range(2)]
+    for cache in caches:
+        cache.begin(4)
+        decoder.forward(torch.tensor([[5, 17, 2, 40]]), torch.arange(4)[None], cache)
+    step = native.RowStep(decoder, caches[1])
+    for i, (token, threads) in enumerate([(7, 1), (99, 2), (3, 2)]):
+        for cache in caches:
+            cache.begin(1)
+        expected = decoder.forward(torch.tensor([[token]]), torch.tensor([[4 + i]]), caches[0], threads)
+        assert torch.equal(step(token, 4 + i, 4 + i, threads), expected)
+    for a, b in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
+        assert torch.equal(a, b)
+
+
+def test_the_kv_cache_dtype_follows_the_weights_and_the_plan(monkeypatch):
+    """fp16 keys and values where the C forward reads fp16 (or int8) weights in every phase;
+    exact fp32 with fp32 weights, with PyTorch anywhere in the plan, or without F16C."""
+    model = make_model(**CONFIGS["learned"])
+    assert Engine(model, IdTokenizer(), native=False).kv_dtype == torch.float32
+    assert Engine(model, IdTokenizer(), native=True, weights="fp32").kv_dtype == torch.float32
+    if native.has_fp16():
+        assert Engine(model, IdTokenizer(), native=True, weights="fp16").kv_dtype == torch.float16
+        assert Engine(quantize_int8(make_model(**CONFIGS["learned"])), IdTokenizer(), native=True).kv_dtype == \
+            torch.float16
+        mixed = Engine(model, IdTokenizer(), weights="fp16")
+        mixed._plan = {**{name: paths.Path("native", 1) for name in paths.PHASES}, "long": paths.Path("torch")}
+        assert mixed.kv_dtype == torch.float32
+    monkeypatch.setattr(native, "has_fp16", lambda: False)
+    assert Engine(model, IdTokenizer(), native=True, weights="fp32").kv_dtype == torch.float32
+    with pytest.raises(ValueError, match="float32 or"):
+        native.kv_is_half(KVCache(model.config, 1, 4, dtype=torch.bfloat16))

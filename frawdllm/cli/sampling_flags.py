@@ -91,8 +91,9 @@ def engine_flags(command):
         click.option("--native", "native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto",
                      show_default=True,
                      help="The C forward on CPU (frawdllm/infer/native.c): fp16 reads fp16 copies of the "
-                          "weights (half the memory traffic, logits within ~1e-3), fp32 the weights as they "
-                          "are (exact), off = PyTorch; auto = fp16 where the CPU can read it. Models it "
+                          "weights (half the memory traffic, logits within ~1e-3) and, where every phase runs "
+                          "in C, keeps the KV cache in fp16; fp32 the weights as they are and an fp32 cache "
+                          "(exact); off = PyTorch; auto = fp16 where the CPU can read it. Models it "
                           "cannot run (bf16, GPU) use PyTorch."),
         click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
                      help="torch.compile the decode step instead of --native (slow to start)."),

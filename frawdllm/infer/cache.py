@@ -16,6 +16,10 @@ every row. Prompts of different lengths are left-padded so they end at the same 
 out. Each row's absolute positions (what learned, sinusoidal and rotary encodings see)
 are the engine's business: position = slot - padding of that row.
 
+Storage dtype: the model's, or fp16 (`Engine.kv_dtype`: where the native forward reads
+fp16 weights): keys and values are rounded once as they are stored and read back as
+fp32 for attention (`update` returns them in the model's dtype).
+
 Two ways to run a decode step:
 
 - dynamic (eager): attend over the filled slots [0, length) only;
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import torch
 from jaxtyping import Bool, Int
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import ModelConfig
 
@@ -208,4 +212,21 @@ class RowKVCache:
             k_all, v_all = k_all.to(k.dtype), v_all.to(k.dtype)
         return k_all, v_all, self._mask
 
-__all__ = ["KVCache", "RowKVCache"]
+class HalfKVModel(nn.Module):
+    """`model` as computed with an fp16 KV cache: its full forward through a cache of that
+    dtype, so that every key and value is rounded to fp16 before attention reads it (what
+    an engine with `kv_dtype` fp16 computes). For tests and perplexity measurements;
+    `forward(token_ids, targets)` returns what the model's does."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, token_ids: Int[Tensor, "B T"], targets: Int[Tensor, "B T"] | None = None):
+        B, T = token_ids.shape
+        cache = KVCache(self.config, B, T, dtype=torch.float16, device=token_ids.device)
+        cache.begin(T)
+        return self.model(token_ids, targets, kv_cache=cache)
+
+
+__all__ = ["KVCache", "RowKVCache", "HalfKVModel"]

@@ -22,8 +22,10 @@ How a batch runs:
 Who computes the forward: on CPU, by default, each phase (prefill, batch-1 decode,
 batched decode) runs whichever of the native C forward (`native.py`: one call per step,
 on its own fp16 copies of the weights unless weights="fp32") and PyTorch eager measured
-fastest on this machine (`paths.py`, measured once and cached). `native=True` forces the
-C forward everywhere, `native=False` PyTorch; `compile=True` runs decode steps under
+fastest on this machine (`paths.py`, measured once and cached); where that is the C
+forward in every phase with fp16 (or int8) weights, the KV cache is fp16 too
+(`Engine.kv_dtype`). `native=True` forces the C forward everywhere, `native=False`
+PyTorch; `compile=True` runs decode steps under
 `torch.compile` (the cache is then static, fixed shapes with the slot to write as a
 tensor, so one graph serves every step). The model given is never changed.
 
@@ -207,6 +209,17 @@ class Engine:
         choice.record(threads, time.perf_counter() - start, tokens)
         return out
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: fp16 where the C forward reads fp16 or int8 weights in every
+        phase (half the cache's memory and of the bytes attention reads; keys and values are
+        rounded once, like the weights), else the model's dtype. `weights="fp32"` stays exact."""
+        plan = self.plan()
+        if (self.weights in ("fp16", "int8") and native_forward.has_fp16()
+                and all(p.kind == "native" for p in plan.values())):
+            return torch.float16
+        return self.dtype
+
     def path(self, rows: int, new_tokens: int) -> paths.Path:
         """How a forward of `rows` rows of `new_tokens` tokens runs."""
         return self.plan()[paths.phase(rows, new_tokens)]
@@ -356,7 +369,7 @@ class _Run:
         max_len = max(1, min(needed, cap))
         if engine.compile:  # a few fixed cache sizes, so a new prompt length rarely means a new graph
             max_len = max(64, 1 << (max_len - 1).bit_length())
-        self.cache = KVCache(cfg, self.n_rows, max_len, dtype=engine.dtype, device=engine.device,
+        self.cache = KVCache(cfg, self.n_rows, max_len, dtype=engine.kv_dtype, device=engine.device,
                              static=engine.compile)
         self.rows = list(range(self.n_rows))  # batch position -> row
         self.warm = False  # a decode step ran in this run (compiled mode: its guards passed)

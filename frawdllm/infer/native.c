@@ -29,7 +29,9 @@ Threads (OpenMP) split every product by output tiles and the attention by token 
 head; a barrier of our own separates dependent phases (it sleeps after a short spin, so
 a busy core elsewhere does not stall the team). Arithmetic is fp32 throughout, as in the
 model: with fp32 weights results equal PyTorch's up to rounding order
-(tests/test_native.py checks 1e-5 against the full forward).
+(tests/test_native.py checks 1e-5 against the full forward). The KV cache holds fp32, or
+fp16 (kv_half: rounded once when stored, converted exactly when read; the engine's
+choice with fp16 weights), which halves what attention reads from memory.
 
 Vectors use GCC's vector extensions (16 or 8 floats), so the compiler emits AVX-512,
 AVX2, SSE or NEON for the machine it runs on (the file is compiled on first use with
@@ -72,7 +74,7 @@ typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignm
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
-enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2, BAD_SLOT = 3 };
+enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2, BAD_SLOT = 3, BAD_CACHE = 4 };
 
 /* The structs below are mirrored by ctypes in native.py: keep the two in step.
    A Linear's weights are packed by tiles of TILE outputs: W[t, i, k] = W^T[i, t TILE + k],
@@ -533,10 +535,54 @@ static inline void axpy(float *y, float p, const float *v, int64_t n) {
     for (; i < n; i++) y[i] += p * v[i];
 }
 
+/* ---- an fp16 KV cache ----------------------------------------------------------------
+
+   With kv_half the cache holds keys and values as fp16 (half the memory, and half the
+   bytes attention reads: at 32 rows of ~130 slots a decode step of `tiny` reads ~50 MB of
+   fp32 keys and values from DRAM). They are rounded to nearest when stored and converted
+   exactly to fp32 when read; scores and sums stay fp32. */
+#if HAS_FP16
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    __fp16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+#endif
+}
+
+static void to_half(uint16_t *y, const float *x, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+#else
+    for (; i < n; i++) {
+        __fp16 h = (__fp16)x[i];
+        memcpy(y + i, &h, 2);
+    }
+#endif
+}
+#else
+static inline float half_to_float(uint16_t h) { (void)h; return 0.0f; } /* never called: python refuses kv_half */
+static void to_half(uint16_t *y, const float *x, int64_t n) { (void)y, (void)x, (void)n; }
+#endif
+
+/* VW keys or values of a cache row (fp32 or fp16), as fp32. */
+static inline __attribute__((always_inline)) vw load_kv(int half, const void *base, int64_t at) {
+    return half ? load_w(W_FP16, (const char *)((const uint16_t *)base + at)) : *(const vw *)((const float *)base + at);
+}
+
+static inline __attribute__((always_inline)) float kv_at(int half, const void *base, int64_t at) {
+    return half ? half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+
 /* Token n = (b, t) of the batch, kv head g: RoPE on k and on the query heads sharing g,
    then k and v into cache slot `start[b] + t` of row b. */
-static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *qkv, float *k_cache,
-                        float *v_cache, int64_t max_len, const int64_t *start, int64_t position) {
+static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *qkv, void *k_cache,
+                        void *v_cache, int64_t max_len, const int64_t *start, int64_t position, int half) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
     int64_t b = n / T, slot = start[b] + n % T;
     float *row = qkv + n * (nh + 2 * nkv) * hd;
@@ -545,8 +591,14 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
         rope(m, k, position);
         for (int64_t h = g * rep; h < (g + 1) * rep; h++) rope(m, row + h * hd, position);
     }
-    memcpy(k_cache + ((b * nkv + g) * max_len + slot) * hd, k, hd * sizeof(float));
-    memcpy(v_cache + ((b * nkv + g) * max_len + slot) * hd, v, hd * sizeof(float));
+    int64_t at = ((b * nkv + g) * max_len + slot) * hd;
+    if (half) { /* fp16 cache: rounded to nearest, as PyTorch's .half() */
+        to_half((uint16_t *)k_cache + at, k, hd);
+        to_half((uint16_t *)v_cache + at, v, hd);
+        return;
+    }
+    memcpy((float *)k_cache + at, k, hd * sizeof(float));
+    memcpy((float *)v_cache + at, v, hd * sizeof(float));
 }
 
 /* Lanes [0, h) of each block of 2h lanes from x's block, [h, 2h) from y's, each the sum of
@@ -587,13 +639,13 @@ static inline vw transpose_sum(const vw p[VW]) {
 
 /* q . k[s] for the VW slots [s0, s0 + VW) of a head's cache (K vectors a row), one score
    per lane. Slots past S - 1 repeat slot S - 1 (never read past the cache). */
-static inline __attribute__((always_inline)) vw block_scores(int K, const float *q, const float *kc, int64_t s0,
-                                                             int64_t S) {
+static inline __attribute__((always_inline)) vw block_scores(int K, int half, const float *q, const void *kc,
+                                                             int64_t s0, int64_t S) {
     vw p[VW];
     for (int j = 0; j < VW; j++) {
-        const float *k = kc + (s0 + j < S ? s0 + j : S - 1) * K * VW;
-        vw acc = *(const vw *)q * *(const vw *)k;
-        for (int i = 1; i < K; i++) acc += *(const vw *)(q + i * VW) * *(const vw *)(k + i * VW);
+        int64_t k = (s0 + j < S ? s0 + j : S - 1) * K * VW; /* the slot's first element */
+        vw acc = *(const vw *)q * load_kv(half, kc, k);
+        for (int i = 1; i < K; i++) acc += *(const vw *)(q + i * VW) * load_kv(half, kc, k + i * VW);
         p[j] = acc;
     }
     return transpose_sum(p);
@@ -601,29 +653,48 @@ static inline __attribute__((always_inline)) vw block_scores(int K, const float 
 
 /* block_scores with the row length a constant for the usual head sizes (the sums then stay
    in registers). */
-static vw head_scores(const float *q, const float *kc, int64_t hd, int64_t s0, int64_t S) {
-    switch (hd / VW) {
-        case 1: return block_scores(1, q, kc, s0, S);
-        case 2: return block_scores(2, q, kc, s0, S);
-        case 4: return block_scores(4, q, kc, s0, S);
-        case 8: return block_scores(8, q, kc, s0, S);
-        case 16: return block_scores(16, q, kc, s0, S);
-        default: return block_scores((int)(hd / VW), q, kc, s0, S);
+static vw head_scores(int half, const float *q, const void *kc, int64_t hd, int64_t s0, int64_t S) {
+#define HEAD_SCORES(H)                                                         \
+    switch (hd / VW) {                                                         \
+        case 1: return block_scores(1, H, q, kc, s0, S);                       \
+        case 2: return block_scores(2, H, q, kc, s0, S);                       \
+        case 4: return block_scores(4, H, q, kc, s0, S);                       \
+        case 8: return block_scores(8, H, q, kc, s0, S);                       \
+        case 16: return block_scores(16, H, q, kc, s0, S);                     \
+        default: return block_scores((int)(hd / VW), H, q, kc, s0, S);         \
     }
+    if (half) HEAD_SCORES(1)
+    HEAD_SCORES(0)
+#undef HEAD_SCORES
 }
 
 /* y[0 : C VW] = sum over slots s < S of w[s] inv v[s][c0 : c0 + C VW] (rows hd floats
    apart), in C accumulators; slots of weight 0 (masked) are skipped. */
-static inline __attribute__((always_inline)) void weighted_values(int C, const float *w, float inv, const float *v,
-                                                                  int64_t hd, int64_t S, float *y) {
+static inline __attribute__((always_inline)) void weighted_values(int C, int half, const float *w, float inv,
+                                                                  const void *v, int64_t hd, int64_t S, float *y) {
     vw acc[ACC_MAX];
     for (int j = 0; j < C; j++) acc[j] = vw_splat(0.0f);
     for (int64_t s = 0; s < S; s++) {
         if (w[s] == 0.0f) continue;
         vw ws = vw_splat(w[s] * inv);
-        for (int j = 0; j < C; j++) acc[j] += ws * *(const vw *)(v + s * hd + j * VW);
+        for (int j = 0; j < C; j++) acc[j] += ws * load_kv(half, v, s * hd + j * VW);
     }
     for (int j = 0; j < C; j++) *(vw *)(y + j * VW) = acc[j];
+}
+
+/* weighted_values for a chunk of C vectors, C one of the constants below, in either storage. */
+static void weighted_chunk(int C, int half, const float *w, float inv, const void *v, int64_t hd, int64_t S,
+                           float *y) {
+#define WEIGHTED(H)                                                                     \
+    switch (C) {                                                                        \
+        case 16: weighted_values(ACC_MAX >= 16 ? 16 : 8, H, w, inv, v, hd, S, y); break; \
+        case 8: weighted_values(8, H, w, inv, v, hd, S, y); break;                      \
+        case 4: weighted_values(4, H, w, inv, v, hd, S, y); break;                      \
+        case 2: weighted_values(2, H, w, inv, v, hd, S, y); break;                      \
+        default: weighted_values(1, H, w, inv, v, hd, S, y); break;                     \
+    }
+    if (half) WEIGHTED(1) else WEIGHTED(0)
+#undef WEIGHTED
 }
 
 /* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start[b] + t] of
@@ -633,12 +704,13 @@ static inline __attribute__((always_inline)) void weighted_values(int C, const f
    (`block_scores`); the last block's lanes past the query's slot are -inf, so every
    block is whole and weighs nothing there. */
 static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const float *qkv, float *out,
-                        const float *k_cache, const float *v_cache, int64_t max_len, const int64_t *start,
-                        const uint8_t *valid, int64_t padded, float *scores) {
+                        const void *k_cache, const void *v_cache, int64_t max_len, const int64_t *start,
+                        const uint8_t *valid, int64_t padded, float *scores, int half) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, g = h / (nh / nkv);
     int64_t b = n / T, slot = start[b] + n % T, S = slot + 1, blocks = (S + VW - 1) / VW;
     const float *q = qkv + n * (nh + 2 * nkv) * hd + h * hd;
-    const float *kc = k_cache + (b * nkv + g) * max_len * hd, *vc = v_cache + (b * nkv + g) * max_len * hd;
+    int64_t size = half ? 2 : 4, head = (b * nkv + g) * max_len * hd; /* the head's first element */
+    const char *kc = (const char *)k_cache + head * size, *vc = (const char *)v_cache + head * size;
     const uint8_t *ok = valid + b * max_len;
     int mask = padded && ok[slot];
     float scale = 1.0f / sqrtf((float)hd);
@@ -647,12 +719,12 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
     for (int64_t s0 = 0; s0 < S; s0 += VW) {
         vw sc;
         if (hd % VW == 0) {
-            sc = head_scores(q, kc, hd, s0, S) * vw_splat(scale);
+            sc = head_scores(half, q, kc, hd, s0, S) * vw_splat(scale);
         } else { /* odd head sizes: one slot at a time */
             for (int j = 0; j < VW; j++) {
-                const float *k = kc + (s0 + j < S ? s0 + j : S - 1) * hd;
+                int64_t k = (s0 + j < S ? s0 + j : S - 1) * hd;
                 float d = 0.0f;
-                for (int64_t i = 0; i < hd; i++) d += q[i] * k[i];
+                for (int64_t i = 0; i < hd; i++) d += q[i] * kv_at(half, kc, k + i);
                 sc[j] = d * scale;
             }
         }
@@ -681,19 +753,15 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
         while (c0 < hd) {
             int64_t left = (hd - c0) / VW;
             int C = left >= 16 && ACC_MAX >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            switch (C) {
-                case 16: weighted_values(ACC_MAX >= 16 ? 16 : 8, scores, inv_total, vc + c0, hd, S, y + c0); break;
-                case 8: weighted_values(8, scores, inv_total, vc + c0, hd, S, y + c0); break;
-                case 4: weighted_values(4, scores, inv_total, vc + c0, hd, S, y + c0); break;
-                case 2: weighted_values(2, scores, inv_total, vc + c0, hd, S, y + c0); break;
-                default: weighted_values(1, scores, inv_total, vc + c0, hd, S, y + c0); break;
-            }
+            weighted_chunk(C, half, scores, inv_total, vc + c0 * size, hd, S, y + c0);
             c0 += C * VW;
         }
     else {
         memset(y, 0, hd * sizeof(float));
         for (int64_t s2 = 0; s2 < S; s2++)
-            if (scores[s2] != 0.0f) axpy(y, scores[s2] * inv_total, vc + s2 * hd, hd);
+            if (scores[s2] != 0.0f && !half) axpy(y, scores[s2] * inv_total, (const float *)vc + s2 * hd, hd);
+            else if (scores[s2] != 0.0f)
+                for (int64_t i = 0; i < hd; i++) y[i] += scores[s2] * inv_total * kv_at(half, vc, s2 * hd + i);
     }
 }
 
@@ -701,11 +769,11 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
    (into L2). A wide decode step reads them from DRAM (32 rows of ~130 slots: 51 MB of fp32
    in `tiny`), one head's ~33 KB at a time: asked one task ahead, a 32-row step of `tiny`
    took 8-10% less time. */
-static void prefetch_group(const Model *m, int64_t b, int64_t g, const float *k_cache, const float *v_cache,
-                           int64_t max_len, const int64_t *start) {
-    int64_t hd = m->head_dim, nkv = m->n_kv_head, bytes = (start[b] + 1) * hd * (int64_t)sizeof(float);
-    const char *k = (const char *)(k_cache + (b * nkv + g) * max_len * hd);
-    const char *v = (const char *)(v_cache + (b * nkv + g) * max_len * hd);
+static void prefetch_group(const Model *m, int64_t b, int64_t g, const void *k_cache, const void *v_cache,
+                           int64_t max_len, const int64_t *start, int half) {
+    int64_t hd = m->head_dim, nkv = m->n_kv_head, size = half ? 2 : 4, bytes = (start[b] + 1) * hd * size;
+    const char *k = (const char *)k_cache + (b * nkv + g) * max_len * hd * size;
+    const char *v = (const char *)v_cache + (b * nkv + g) * max_len * hd * size;
     for (int64_t i = 0; i < bytes; i += 64) {
         __builtin_prefetch(k + i, 0, 2);
         __builtin_prefetch(v + i, 0, 2);
@@ -727,8 +795,9 @@ int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64
    of every layer and attends slots [0, start[b] + t] (masked by valid[b, s] when `padded`).
    Rows may start at different slots (a continuous batch: each row has its own length).
    T = 1 is a decode step; T > 1 a prefill. k_cache[l], v_cache[l]: (B, n_kv_head,
-   max_len, head_dim). logits: (B, vocab), of each row's last token.
-   Returns OK, BAD_TOKEN, BAD_POSITION or BAD_SLOT (nothing computed then).
+   max_len, head_dim), fp32, or fp16 with kv_half (see "an fp16 KV cache").
+   logits: (B, vocab), of each row's last token.
+   Returns OK, BAD_TOKEN, BAD_POSITION, BAD_SLOT or BAD_CACHE (nothing computed then).
 
    Barriers only where a phase reads what other threads wrote: after each product, and
    between the cache writes and the attention of a prefill. A pre-LN norm and the SwiGLU
@@ -736,9 +805,12 @@ int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64
    attends only its own row's cache, so one task writes a kv head's slot and then runs
    the query heads that read it. */
 int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, const int64_t *position,
-                  float *const *k_cache, float *const *v_cache, int64_t max_len, const int64_t *start,
-                  const uint8_t *valid, int64_t padded, float *logits, float *work, int64_t threads) {
+                  void *const *k_cache, void *const *v_cache, int64_t max_len, const int64_t *start,
+                  const uint8_t *valid, int64_t padded, float *logits, float *work, int64_t threads,
+                  int64_t kv_half) {
     int64_t N = B * T;
+    const int half = kv_half != 0;
+    if (half && !HAS_FP16) return BAD_CACHE;
     for (int64_t n = 0; n < N; n++) {
         if (token[n] < 0 || token[n] >= m->vocab) return BAD_TOKEN;
         if (position[n] < 0 || position[n] >= m->context) return BAD_POSITION;
@@ -773,22 +845,22 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
             if (T == 1) {
                 for (int64_t task = t; task < N * nkv; task += P) {
                     int64_t n = task / nkv, g = task % nkv;
-                    store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n]);
+                    store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n], half);
                     if (task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
                         prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
-                                       start);
+                                       start, half);
                     for (int64_t h = g * rep; h < (g + 1) * rep; h++)
                         attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
-                                    scores);
+                                    scores, half);
                 }
             } else {
                 for (int64_t task = t; task < N * nkv; task += P)
                     store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
-                                position[task / nkv]);
+                                position[task / nkv], half);
                 barrier_wait(&team);
                 for (int64_t task = t; task < N * nh; task += P)
                     attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
-                                valid, padded, scores);
+                                valid, padded, scores, half);
             }
             barrier_wait(&team);
             linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
@@ -825,16 +897,16 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
 typedef struct {
     int64_t B, T;
     const int64_t *token, *position;
-    float *const *k_cache, *const *v_cache;
+    void *const *k_cache, *const *v_cache;
     int64_t max_len;
     const int64_t *start;
     const uint8_t *valid;
     int64_t padded;
     float *logits, *work;
-    int64_t threads;
+    int64_t threads, kv_half;
 } ForwardArgs;
 
 int frawd_forward_args(const Model *m, const ForwardArgs *a) {
     return frawd_forward(m, a->B, a->T, a->token, a->position, a->k_cache, a->v_cache, a->max_len, a->start,
-                         a->valid, a->padded, a->logits, a->work, a->threads);
+                         a->valid, a->padded, a->logits, a->work, a->threads, a->kv_half);
 }

@@ -14,7 +14,9 @@ at a rounding of 2^-11 relative per weight (logits move by ~1e-3;
 `quantize_int8` is read as int8 with its per-row scales (a quarter of the bytes; the
 products run on fp32 activations). The engine's default on CPU is fp16 where the CPU
 converts it (F16C, aarch64; else fp32), the way inference servers run fp32 checkpoints
-in half precision; `weights="fp32"` (`--native fp32`) is exact.
+in half precision; `weights="fp32"` (`--native fp32`) is exact. The KV cache may be
+fp16 too (keys and values rounded once as they are stored; `Engine.kv_dtype` picks it
+with fp16 or int8 weights): half the cache's memory, and of what attention reads.
 
 Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
 see `frawdllm.cbuild`, which says so on stderr), cached by source, compiler and CPU.
@@ -49,7 +51,7 @@ from .quantize import Int8Linear
 
 POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2, "rope": 3}
 _ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is past the model's context",
-           3: "a row's cache slots are outside the cache"}
+           3: "a row's cache slots are outside the cache", 4: "this build cannot read an fp16 KV cache"}
 
 i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
@@ -83,7 +85,7 @@ class _Args(ctypes.Structure):  # ForwardArgs: frawd_forward's arguments
     _fields_ = [("B", i64), ("T", i64), ("token", ctypes.c_void_p), ("position", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("max_len", i64),
                 ("start", ctypes.c_void_p), ("valid", ctypes.c_void_p), ("padded", i64),
-                ("logits", ctypes.c_void_p), ("work", ctypes.c_void_p), ("threads", i64)]
+                ("logits", ctypes.c_void_p), ("work", ctypes.c_void_p), ("threads", i64), ("kv_half", i64)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -91,7 +93,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_forward.argtypes = [
         ctypes.POINTER(_Model), i64, i64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p, i64,
-        ctypes.c_void_p, ctypes.c_void_p, i64,
+        ctypes.c_void_p, ctypes.c_void_p, i64, i64,
     ]
     lib.frawd_forward_args.restype = ctypes.c_int
     lib.frawd_forward_args.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -301,6 +303,7 @@ class NativeDecoder:
         )
         self.vocab = cfg.vocab_size
         self._cache_k: list[Tensor] | None = None
+        self._kv_half = False
         self._cache_rows = 0
         self._work: Tensor | None = None
         self._lock = threading.Lock()
@@ -337,7 +340,7 @@ class NativeDecoder:
         status = self.lib.frawd_forward(
             ctypes.byref(self.model), B, T, tokens.data_ptr(), positions.data_ptr(), self._k_ptrs, self._v_ptrs,
             cache.max_len, starts.data_ptr(), cache.valid.data_ptr(), int(cache.padded),
-            logits.data_ptr(), self._work.data_ptr(), threads,
+            logits.data_ptr(), self._work.data_ptr(), threads, int(self._kv_half),
         )
         if status:
             raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
@@ -346,9 +349,10 @@ class NativeDecoder:
     def _point_at(self, cache, B: int) -> None:
         """The cache's per-layer pointers, for a new cache. A cache may hold more rows than
         the forward uses (a continuous batch runs its first B)."""
+        self._kv_half = kv_is_half(cache)
         for t in (*cache.k, *cache.v):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] < B:
-                raise ValueError(f"the KV cache must be float32, contiguous, at least batch {B}")
+            if not t.is_contiguous() or t.shape[0] < B:
+                raise ValueError(f"the KV cache must be contiguous, at least batch {B}")
         self._k_ptrs = (ctypes.c_void_p * len(cache.k))(*[k.data_ptr() for k in cache.k])
         self._v_ptrs = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
         self._cache_k, self._cache_rows = cache.k, cache.k[0].shape[0]
@@ -360,6 +364,16 @@ class NativeDecoder:
         n = self.lib.frawd_workspace_floats(ctypes.byref(self.model), N, max_len, threads)
         if self._work is None or self._work.numel() < n:
             self._work = torch.empty(n, dtype=torch.float32)
+
+
+def kv_is_half(cache: Any) -> bool:
+    """True for an fp16 KV cache, False for fp32 (what the C forward reads); else ValueError."""
+    dtypes = {t.dtype for t in (*cache.k, *cache.v)}
+    if dtypes == {torch.float16} and has_fp16():
+        return True
+    if dtypes != {torch.float32}:
+        raise ValueError(f"the native forward reads a float32 or (with F16C) float16 KV cache, not {dtypes}")
+    return False
 
 
 class RowStep:
@@ -375,9 +389,10 @@ class RowStep:
     """
 
     def __init__(self, decoder: NativeDecoder, cache: Any) -> None:
+        kv_half = kv_is_half(cache)
         for t in (*cache.k, *cache.v):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != 1 or t.device.type != "cpu":
-                raise ValueError("a one-row step needs a float32, contiguous CPU cache of one row")
+            if not t.is_contiguous() or t.shape[0] != 1 or t.device.type != "cpu":
+                raise ValueError("a one-row step needs a contiguous CPU cache of one row")
         self.decoder, self.cache = decoder, cache
         self.ids = np.zeros(3, dtype=np.int64)  # token, position, cache slot
         self.logits = torch.empty(1, decoder.vocab, dtype=torch.float32)
@@ -386,7 +401,7 @@ class RowStep:
         self._v = (ctypes.c_void_p * len(cache.v))(*[v.data_ptr() for v in cache.v])
         at = self.ids.ctypes.data
         self._args = _Args(1, 1, at, at + 8, ctypes.addressof(self._k), ctypes.addressof(self._v), cache.max_len,
-                           at + 16, cache.valid.data_ptr(), 0, self.logits.data_ptr(), None, 0)
+                           at + 16, cache.valid.data_ptr(), 0, self.logits.data_ptr(), None, 0, int(kv_half))
         self._threads = 0  # the most threads the scratch memory holds
         self._call = decoder.lib.frawd_forward_args
         self._model_at, self._args_at = ctypes.addressof(decoder.model), ctypes.addressof(self._args)

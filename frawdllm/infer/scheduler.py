@@ -121,7 +121,7 @@ class Scheduler:
         self.prefill_tokens = prefill_tokens
         self._decoder = None  # the engine's native decoder, as of the latest admitted request
         cfg = engine.config
-        self.cache = RowKVCache(cfg, max_batch, cfg.context_length, dtype=engine.dtype, device=engine.device)
+        self.cache = RowKVCache(cfg, max_batch, cfg.context_length, dtype=engine.kv_dtype, device=engine.device)
         self.rows: list[_Row] = []  # batch position -> row
         self.waiting: deque[Request] = deque()
         self.generated_tokens = 0  # since start, all requests
@@ -231,7 +231,7 @@ class Scheduler:
 
     def _prefill(self, request: Request) -> None:
         engine, ids, params = self.engine, request.prompt, request.params
-        cache = KVCache(engine.config, 1, len(ids), dtype=engine.dtype, device=engine.device)
+        cache = KVCache(engine.config, 1, len(ids), dtype=self.cache.k[0].dtype, device=engine.device)
         cache.begin(len(ids))
         tokens = torch.tensor([ids], dtype=torch.long, device=engine.device)
         positions = torch.arange(len(ids), device=engine.device)[None, :]
