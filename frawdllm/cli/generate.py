@@ -99,6 +99,8 @@ def _read_prompt_file(path: str) -> str:
 def _report(stats: bool, n_tokens: int, seconds: float, engine: Any) -> None:
     if stats:
         forward = engine.describe()
-        kv = str(engine.kv_dtype).removeprefix("torch.").replace("float", "fp")
+        from ..train.device import DTYPES  # (torch, so not at import: `frawd --help` stays quick)
+
+        kv = {dtype: name for name, dtype in DTYPES.items()}.get(engine.kv_dtype, str(engine.kv_dtype))
         click.echo(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s; "
                    f"forward: {forward}; KV cache {kv}]", err=True)

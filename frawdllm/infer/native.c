@@ -528,13 +528,6 @@ static void rope(const Model *m, float *v, int64_t p) {
     }
 }
 
-/* y += p * v over n floats */
-static inline void axpy(float *y, float p, const float *v, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) *(v16 *)(y + i) += splat(p) * *(const v16 *)(v + i);
-    for (; i < n; i++) y[i] += p * v[i];
-}
-
 /* ---- an fp16 KV cache ----------------------------------------------------------------
 
    With kv_half the cache holds keys and values as fp16 (half the memory, and half the
@@ -668,8 +661,8 @@ static vw head_scores(int half, const float *q, const void *kc, int64_t hd, int6
 #undef HEAD_SCORES
 }
 
-/* y[0 : C VW] = sum over slots s < S of w[s] inv v[s][c0 : c0 + C VW] (rows hd floats
-   apart), in C accumulators; slots of weight 0 (masked) are skipped. */
+/* y[0 : C VW] = sum over slots s < S of w[s] inv v[s][c0 : c0 + C VW] (rows hd elements
+   apart, fp32 or fp16), in C accumulators; slots of weight 0 (masked) are skipped. */
 static inline __attribute__((always_inline)) void weighted_values(int C, int half, const float *w, float inv,
                                                                   const void *v, int64_t hd, int64_t S, float *y) {
     vw acc[ACC_MAX];
@@ -758,16 +751,17 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
         }
     else {
         memset(y, 0, hd * sizeof(float));
-        for (int64_t s2 = 0; s2 < S; s2++)
-            if (scores[s2] != 0.0f && !half) axpy(y, scores[s2] * inv_total, (const float *)vc + s2 * hd, hd);
-            else if (scores[s2] != 0.0f)
-                for (int64_t i = 0; i < hd; i++) y[i] += scores[s2] * inv_total * kv_at(half, vc, s2 * hd + i);
+        for (int64_t s2 = 0; s2 < S; s2++) {
+            if (scores[s2] == 0.0f) continue;
+            float p = scores[s2] * inv_total;
+            for (int64_t i = 0; i < hd; i++) y[i] += p * kv_at(half, vc, s2 * hd + i);
+        }
     }
 }
 
 /* Ask for row b's cached keys and values of kv head g (slots [0, start[b]]) ahead of use
    (into L2). A wide decode step reads them from DRAM (32 rows of ~130 slots: 51 MB of fp32
-   in `tiny`), one head's ~33 KB at a time: asked one task ahead, a 32-row step of `tiny`
+   in `tiny`, 25 MB of fp16), one head's ~33 KB at a time: asked one task ahead, a 32-row step of `tiny`
    took 8-10% less time. */
 static void prefetch_group(const Model *m, int64_t b, int64_t g, const void *k_cache, const void *v_cache,
                            int64_t max_len, const int64_t *start, int half) {

@@ -136,7 +136,8 @@ BUSY_SHARE = 0.25  # other processes using more than this share of the cores: th
 
 
 def _machine_cpu_seconds() -> float | None:
-    """CPU seconds every process has used since boot (/proc/stat: all but idle and iowait), or None."""
+    """CPU seconds the cores have been busy since boot (/proc/stat: all but idle and iowait;
+    steal, time the hypervisor gave to other guests, counts as busy), or None."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
