@@ -3,6 +3,7 @@ the time budget, gradient accumulation and the run directory."""
 
 import collections
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from frawdllm.train.config import TrainConfig, load_yaml
 from frawdllm.train.rundir import read_metrics
 
 from conftest import ROOT
+from timing_helpers import on_a_free_core
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "context_length": 32}
 
@@ -206,16 +208,80 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+class FakeTime:
+    """Stands in for the loop's `time` module: a clock that only the task below moves."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class TimedTask(ScriptedTask):
+    """Each step, evaluation and weights save costs fixed seconds of the fake clock; from
+    `slow_from` seconds on, the machine is `slowdown` times slower at everything."""
+
+    def __init__(self, clock, step_s, eval_s, save_s, slow_from=math.inf, slowdown=1.0):
+        super().__init__(nan_steps=())
+        self.clock, self.costs, self.slow_from, self.slowdown = clock, (step_s, eval_s, save_s), slow_from, slowdown
+        self.start, self.final_phase_s, self.evals = clock.now, 0.0, 0
+
+    def spend(self, seconds):
+        late = self.clock.now - self.start >= self.slow_from
+        self.clock.now += seconds * (self.slowdown if late else 1.0)
+
+    def loss(self, model, batch):
+        self.spend(self.costs[0])
+        return super().loss(model, batch)
+
+    def evaluate(self, model, device):
+        self.spend(self.costs[1])
+        self.evals += 1
+        return {"val_loss": 1.0 / self.evals}  # better every time: each evaluation publishes the model
+
+    def save_model(self, model, directory):
+        self.spend(self.costs[2])
+        super().save_model(model, directory)
+
+
+@pytest.mark.parametrize("slow_from", [math.inf, 14.0], ids=["steady", "slower-near-the-end"])
+def test_the_stop_leaves_time_for_the_final_evaluation_publish_and_checkpoint(tmp_path, monkeypatch, slow_from):
+    # deterministic: the loop reads the fake clock, the task spends it. The final phase (an
+    # evaluation, the model published, a checkpoint: 0.5 + 0.2 + 0.2 s) costs more than the
+    # first evaluation (0.5 s + a publish), and in the second case the machine turns 3x slower
+    # at 70% of the budget: the loop must foresee both.
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    budget, step_s = 20.0, 0.1
+    task = TimedTask(clock, step_s=step_s, eval_s=0.5, save_s=0.2, slow_from=slow_from, slowdown=3.0)
+    cfg = generic_config(tmp_path, max_steps=None, max_time=f"{budget}s", eval_interval=0)
+    result = Trainer(torch.nn.Linear(4, 1), task, cfg).fit()
+    assert result.stop_reason == "max_time"
+    spent = clock.now - task.start
+    assert spent == pytest.approx(result.elapsed_s)
+    slowdown = 3.0 if slow_from < budget else 1.0
+    final_phase = (0.5 + 0.2 + 0.2) * slowdown
+    assert spent <= budget  # in time, with the final evaluation and checkpoint
+    assert spent >= budget - 1.5 * final_phase - 2 * step_s * slowdown  # and no more time left idle than the margin
+    assert len(list_checkpoints(tmp_path / "run")) == 1
+
+
 def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one_thread):
-    # the budget counts from run_pretraining's start: data preparation, evaluations and the
-    # final checkpoint are inside it. One thread: on a busy shared machine a second OpenMP
-    # thread waits for a core at every op.
+    # the real clock: the budget counts from run_pretraining's start, so data preparation,
+    # evaluations and the final checkpoint are inside it. One thread: on a busy shared machine
+    # a second OpenMP thread waits for a core at every op.
     budget = 10.0
-    cfg = tiny_config(corpus, tmp_path / "run", max_steps=None, max_time=f"{budget}s", eval_interval=0,
-                      eval_batches=20)
-    start = time.perf_counter()
-    result = run_pretraining(cfg)
-    wall = time.perf_counter() - start
+
+    def run():
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        cfg = tiny_config(corpus, tmp_path / "run", max_steps=None, max_time=f"{budget}s", eval_interval=0,
+                          eval_batches=20)
+        return run_pretraining(cfg)
+
+    result, wall = on_a_free_core(run)
     assert result.stop_reason == "max_time"
     assert result.elapsed_s <= budget * 1.05
     assert wall <= budget * 1.05 + 0.3

@@ -234,7 +234,9 @@ class Trainer:
         self._fit_start = 0.0  # perf_counter at the start of fit()
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
         self._eval_s: float | None = None  # how long the last evaluation took
-        self._save_s: float | None = None  # how long the last checkpoint (and model publish) took
+        self._publish_s: float | None = None  # the last publish of the best model (its weights)
+        self._save_s: float | None = None  # how long the last checkpoint took
+        self._costs_step_s: float | None = None  # the typical step when those were measured
         self._step_times: list[float] = []  # recent step durations, the session's first excluded
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
@@ -452,6 +454,8 @@ class Trainer:
             self._warmup_s = now - started
         elif self.step > self._session_step + 1:  # the first step of a session warms up (compiles)
             self._step_times = self._step_times[-8:] + [now - started]
+            if self._costs_step_s is None:  # the evaluation before the first step
+                self._costs_step_s = self._step_s()
             if self._compiled and len(self._step_times) == 5 and self._warmup_s is not None:
                 self._remember_compile_cost()
         since, tokens_then = self._window
@@ -561,18 +565,23 @@ class Trainer:
         return self._last_step_s or 0.0
 
     def _final_eval_s(self) -> float:
-        """What the final evaluation and checkpoint will take, with a 50% margin: as long as
-        the previous ones, or before any, a forward pass per validation batch (a third of an
-        eager step; evaluation is not compiled, so a whole compiled step) and writing the
-        weights and AdamW moments at 100 MB/s."""
+        """What the final evaluation, model publish and checkpoint will take, with a 50% margin:
+        as long as the last ones, times how much slower steps have become since (a shared
+        machine slows down and speeds up); before any, a forward pass per validation batch (a
+        third of an eager step; evaluation is not compiled, so a whole compiled step), the
+        weights at 100 MB/s, and a checkpoint three times the weights (with two AdamW moments)."""
         eval_s = self._eval_s
         if eval_s is None:
             per_batch = self._step_s() / self.grad_accum / (1 if self._compiled else 3)
             eval_s = self.cfg.eval_batches * per_batch
-        save_s = self._save_s
-        if save_s is None:
-            save_s = 3 * 4 * sum(p.numel() for p in self.params) / 100e6
-        return 1.5 * (eval_s + save_s)
+        publish_s = self._publish_s
+        if publish_s is None:
+            publish_s = 4 * sum(p.numel() for p in self.params) / 100e6
+        save_s = self._save_s if self._save_s is not None else 3 * publish_s
+        slower = 1.0
+        if self._costs_step_s and self._step_times:
+            slower = max(1.0, statistics.median(self._step_times[-5:]) / self._costs_step_s)
+        return 1.5 * slower * (eval_s + publish_s + save_s)
 
     # ---- evaluation and checkpoints ----------------------------------------------------
     def _evaluate(self, save: bool) -> None:
@@ -602,13 +611,15 @@ class Trainer:
             plot_losses(self.run_dir)
         saving = time.perf_counter()
         self._eval_s = saving - start
+        self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
         if (improved or (not results and save)) and main:
             self._publish_model(whole)
+            self._publish_s = time.perf_counter() - saving
         if save:
+            checkpointing = time.perf_counter()
             self._save_checkpoint(whole)
+            self._save_s = time.perf_counter() - checkpointing
         now = time.perf_counter()
-        if save:
-            self._save_s = now - saving
         self._window = (now, self.tokens)  # tokens/s measures training, not evaluation
 
     def _publish_model(self, whole: nn.Module) -> None:
