@@ -39,8 +39,8 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
