@@ -578,9 +578,7 @@ class Trainer:
         if publish_s is None:
             publish_s = 4 * sum(p.numel() for p in self.params) / 100e6
         save_s = self._save_s if self._save_s is not None else 3 * publish_s
-        slower = 1.0
-        if self._costs_step_s and self._step_times:
-            slower = max(1.0, statistics.median(self._step_times[-5:]) / self._costs_step_s)
+        slower = max(1.0, self._step_s() / self._costs_step_s) if self._costs_step_s else 1.0
         return 1.5 * slower * (eval_s + publish_s + save_s)
 
     # ---- evaluation and checkpoints ----------------------------------------------------
