@@ -9,6 +9,15 @@ The temporary names are private (mode 0600/0700) while being written; what is re
 into place gets the permissions a plain `open()` or `mkdir()` would give (0666/0777 less
 the umask). A write that fails removes its temporary file and any folder it created,
 and a full disk is reported as one line naming the device and the file.
+
+Durable, not only atomic: a rename is atomic for the running system, but after a power
+loss or a kernel crash the new name can point at a file whose data never reached the
+disk (an empty or torn checkpoint). So before the rename the new file's data (for a
+folder: every file and folder in it) is flushed with `os.fsync`, and after it the
+folder holding the new name, as SQLite and git do. A disk that fills up while the data
+is written back shows up here too (the delayed write fails at the fsync) and is
+reported like any full disk. `FRAWD_FSYNC=0` skips the flushes (a scratch disk, a slow
+network filesystem): still atomic, no longer durable.
 """
 
 from __future__ import annotations
@@ -43,6 +52,33 @@ def current_umask() -> int:
 
 def _publish_mode(path: Path, directory: bool) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
+def _fsync_wanted() -> bool:
+    return os.environ.get("FRAWD_FSYNC", "1") != "0"
+
+
+def sync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk. Folders that cannot be
+    opened for it (Windows) are skipped: there a rename is as durable as it gets."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
+    except (PermissionError, IsADirectoryError):
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and folder below `root`, then `root` (children before parents)."""
+    for folder, folders, files in os.walk(root, topdown=False):
+        for name in files:
+            path = Path(folder) / name
+            if not path.is_symlink():
+                sync_path(path)
+        sync_path(Path(folder))
 
 
 def _mount_point(path: Path) -> Path:
@@ -143,8 +179,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         try:
             with _disk_full_as_one_line(path):
                 yield tmp_path
+                if _fsync_wanted():
+                    sync_path(tmp_path)
             _publish_mode(tmp_path, directory=False)
             os.replace(tmp_path, path)
+            if _fsync_wanted():
+                sync_path(path.parent)
         finally:
             if tmp_path.exists():
                 tmp_path.unlink()
@@ -166,12 +206,16 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         try:
             with _disk_full_as_one_line(path):
                 yield tmp
+                if _fsync_wanted():
+                    _sync_tree(tmp)
             _publish_mode(tmp, directory=True)
             old = None
             if path.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
                 os.replace(path, old)  # a directory onto an empty directory: allowed
             os.replace(tmp, path)
+            if _fsync_wanted():
+                sync_path(path.parent)
             if old is not None:
                 shutil.rmtree(old)
         finally:

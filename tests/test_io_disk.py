@@ -1,10 +1,12 @@
-"""Writing files: the permissions a plain open() gives, and a full disk reported in one
+"""Writing files: the permissions a plain open() gives, data flushed to the disk before
+the rename that publishes it (and the folder after), and a full disk reported in one
 line with nothing half-written and no empty folders left behind.
 
 The full disk is a 1 MiB tmpfs where this machine lets the test mount one (root on
 Linux); elsewhere those tests are skipped with the reason.
 """
 
+import errno
 import os
 import re
 import stat
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frawdllm import FrawdLLM, get_config
+from frawdllm import FrawdError, FrawdLLM, get_config
 from frawdllm.io import atomic_dir, atomic_path, write_text_atomic
 from frawdllm.tokenizer import byte_tokenizer
 
@@ -61,6 +63,86 @@ def test_a_failed_write_leaves_no_temporary_file_and_no_new_folder(tmp_path):
         with atomic_path(tmp_path / "a" / "b" / "file") as tmp:
             tmp.write_text("half")
             raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def disk_events(monkeypatch):
+    """What reaches the disk, in order: ("fsync", path) for each os.fsync (the path its
+    descriptor names) and ("replace", source, target) for each os.replace."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def recorded_replace(source, target):
+        events.append(("replace", Path(source), Path(target)))
+        replace(source, target)
+
+    monkeypatch.delenv("FRAWD_FSYNC", raising=False)
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    return events
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names file descriptors through /proc")
+def test_a_file_reaches_the_disk_before_its_rename_and_the_folder_after(tmp_path, disk_events):
+    write_text_atomic(tmp_path / "a.txt", "data")
+    (_, synced), (_, source, target), (_, folder) = disk_events
+    assert synced == source and source.parent == tmp_path and source.name.startswith(".a.txt.")
+    assert target == tmp_path / "a.txt" and folder == tmp_path
+    assert (tmp_path / "a.txt").read_text() == "data"
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names file descriptors through /proc")
+def test_every_file_of_a_folder_reaches_the_disk_before_the_folder_is_renamed(tmp_path, disk_events):
+    with atomic_dir(tmp_path / "export") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "a").write_text("1")
+        (tmp / "sub" / "b").write_text("2")
+    renamed = next(i for i, e in enumerate(disk_events) if e[0] == "replace" and e[2] == tmp_path / "export")
+    before = {e[1] for e in disk_events[:renamed] if e[0] == "fsync"}
+    assert before == {tmp / "a", tmp / "sub" / "b", tmp / "sub", tmp}
+    assert ("fsync", tmp_path) in disk_events[renamed + 1:]
+
+
+def test_a_model_directory_is_flushed_whole(tmp_path, disk_events):
+    FrawdLLM(get_config("tiny", n_layer=1, n_embd=64, n_head=2, vocab_size=300)).save_pretrained(
+        tmp_path / "m", tokenizer=byte_tokenizer())
+    published = {}  # final path -> index of the rename that published it (or its folder)
+    for i, event in enumerate(disk_events):
+        if event[0] == "replace":
+            published[event[2]] = i
+            assert ("fsync", event[1]) in disk_events[:i]  # the data before the name
+    files = sorted((tmp_path / "m").iterdir())
+    assert files and all(f in published or f.parent in published for f in files)
+    last = max(published.values())
+    assert ("fsync", tmp_path / "m") in disk_events[last:] or ("fsync", tmp_path) in disk_events[last:]
+
+
+def test_frawd_fsync_0_renames_without_flushing(tmp_path, disk_events, monkeypatch):
+    monkeypatch.setenv("FRAWD_FSYNC", "0")
+    write_text_atomic(tmp_path / "a.txt", "data")
+    with atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "f").write_text("x")
+    assert [e[0] for e in disk_events] == ["replace", "replace"]
+
+
+def test_a_disk_that_fills_while_flushing_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """Delayed allocation: write() succeeded into memory and the disk filled up before the
+    data was written back. The failure surfaces at the fsync, before anything is renamed."""
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.delenv("FRAWD_FSYNC", raising=False)
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(FrawdError, match=r"^no space left on .* while writing .*file$"):
+        write_text_atomic(tmp_path / "a" / "file", "data")
+    with pytest.raises(FrawdError, match=r"^no space left on .* while writing .*/b$"):
+        with atomic_dir(tmp_path / "b") as tmp:
+            (tmp / "f").write_text("x")
     assert list(tmp_path.iterdir()) == []
 
 
