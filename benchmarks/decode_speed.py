@@ -1,7 +1,9 @@
 """Decode speed of the engine against Hugging Face transformers, measured in the same run.
 
 Workload (issue 5): batch-1 greedy decode of 200 new tokens after a 32-token prompt, the
-`tiny` preset with random weights, fp32. The reference is `GPT2LMHeadModel.generate` with
+`tiny` preset with random weights, fp32 (`--preset small` or `base`: the same workload on
+a GPT-2 style model whose weights no longer fit in the CPU's cache, where the roofline is
+the memory's, not the cache's). The reference is `GPT2LMHeadModel.generate` with
 the same dimensions (its own KV cache). Runs are interleaved (ours, theirs, ours, ...) so
 that load from other processes hits both alike; each figure is a median.
 
@@ -34,7 +36,7 @@ against f16, the exact native fp32 engine against f32); else `llama_cpp=skipped`
 Both sides run with the same torch thread count (--threads; default torch's choice, as a
 user gets it), printed as torch_threads. About 3-6 minutes on 2 cores.
 
-    .venv/bin/python benchmarks/decode_speed.py [--repeats 3] [--threads N] [--compile]
+    .venv/bin/python benchmarks/decode_speed.py [--repeats 3] [--threads N] [--compile] [--preset tiny]
 
 The last line is the headline: speedup_vs_hf_batch1=<ours / transformers, default engine>.
 """
@@ -140,11 +142,13 @@ def main() -> None:
     parser.add_argument("--no-int8", action="store_true", help="skip the int8 figures")
     parser.add_argument("--bf16", action="store_true", help="bf16 figures even where bf16 is emulated")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight figures")
+    parser.add_argument("--preset", default="tiny", choices=("tiny", "small", "base"),
+                        help="the model (GPT-2 style, like the reference) [default: tiny]")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = get_config("tiny")
+    cfg = get_config(args.preset)
     model = FrawdLLM(cfg).eval()
     reference = hf_model(cfg)
     tokenizer = _IdTokenizer()
@@ -169,6 +173,7 @@ def main() -> None:
             engines["bf16_compiled"] = Engine(bf16_model, tokenizer, compile=True)
     default = engines["default"]
     flags = cpu_signature().split()
+    print(f"preset={args.preset}")
     print(f"cpu_features={','.join(f for f in FEATURES if f in flags) or 'none'} native_march={march()}")
     if not bf16 and not args.no_bf16:
         print("bf16: skipped (this CPU emulates bf16; --bf16 to force)")

@@ -6,7 +6,9 @@ trained on tiny shakespeare when ../shared has it, else on a generated text), se
 `frawd serve` in a subprocess on a free local port. Each client sends streaming
 completions (prompts as token ids) one after another: prompts of mixed lengths (8-120 tokens), 128 new tokens
 each, greedy (the model's special tokens are never the greedy choice, so every request
-generates its 128). Levels run interleaved (1, 8, 32, 1, 8, 32, ...) so load from other
+generates its 128). `--preset small` (or another preset with the same vocabulary) serves
+a larger model the same way: its weights no longer fit in the CPU's cache, so the forward,
+not the HTTP layer, is most of a token's cost. Levels run interleaved (1, 8, 32, 1, 8, 32, ...) so load from other
 processes hits each alike; each figure is the median over rounds.
 
 Figures per level N (1, 8, 32):
@@ -22,7 +24,7 @@ and 8 clients, one round (it serves one request at a time; more clients only wai
 `peer_tokens_per_s_N`, `peer_p95_ttft_ms_N`, `peer_failed_requests` and
 `tokens_per_s_8_vs_peer`. Where it is not installed, peer=skipped is printed.
 
-    .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--requests-per-client 2] [--threads N]
+    .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--requests-per-client 2] [--threads N] [--preset tiny]
 
 The last line is the headline: scaling_32_vs_1=<tokens/s at 32 clients / at 1 client>.
 """
@@ -63,11 +65,11 @@ def corpus() -> str:
     return " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(60_000))
 
 
-def make_model(directory: Path):
+def make_model(directory: Path, preset: str = "tiny"):
     text = corpus()
     tok = train_tokenizer([text[i:i + 2000] for i in range(0, len(text), 2000)], kind="bpe", vocab_size=8192)
     torch.manual_seed(0)
-    model = FrawdLLM(get_config("tiny"))
+    model = FrawdLLM(get_config(preset))
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.02)  # (untied below: the special rows change alone)
     if model.lm_head.weight is model.embed.tok.weight:
@@ -174,21 +176,21 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-def start_server(model_dir: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, threads: int | None, name: str = "tiny") -> tuple[subprocess.Popen, str]:
     port = free_port()
     frawd = str(Path(sys.executable).parent / "frawd")
-    command = [frawd, "serve", "--model", f"tiny={model_dir}", "--port", str(port), "--log-level", "warning",
+    command = [frawd, "serve", "--model", f"{name}={model_dir}", "--port", str(port), "--log-level", "warning",
                "--max-tokens", str(NEW_TOKENS)]
     if threads:
         command += ["--threads", str(threads)]
     return wait_for(subprocess.Popen(command, stderr=subprocess.PIPE, text=True), port, "/health", "frawd serve")
 
 
-def start_peer(gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
+def start_peer(gguf: Path, threads: int, name: str = "tiny") -> tuple[subprocess.Popen, str]:
     """llama-cpp-python's server on `gguf`: one request at a time (no batching), the others queue.
     Its log (an access line per request) goes to a file beside the model, not to a pipe nobody reads."""
     port = free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "tiny",
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", name,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256", "--n_threads", str(threads),
                "--n_threads_batch", str(threads), "--verbose", "False",
                "--interrupt_requests", "False"]  # (its default: a new request cancels the running one)
@@ -220,22 +222,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="the server's CPU threads [default: torch's]")
+    parser.add_argument("--preset", default="tiny", help="the model served (random weights) [default: tiny]")
     args = parser.parse_args()
+    name = args.preset
+    if get_config(name).vocab_size != 8192 or get_config(name).context_length < 256:
+        raise SystemExit(f"--preset {name}: the workload needs a vocabulary of 8192 and a context of 256 or more")
+    print(f"preset={name}")
     print(f"cpu_count={os.cpu_count()}")
     print(f"torch_threads={args.threads or torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "tiny"
-        print("building the tiny model and its tokenizer...", file=sys.stderr, flush=True)
-        tok, text = make_model(model_dir)
+        model_dir = Path(tmp) / name
+        print(f"building the {name} model and its tokenizer...", file=sys.stderr, flush=True)
+        tok, text = make_model(model_dir, name)
         texts = prompts(tok, text, 64)
-        proc, url = start_server(model_dir, args.threads)
+        proc, url = start_server(model_dir, args.threads, name)
         try:
-            asyncio.run(level(url, "tiny", 4, 1, texts, proc.pid))  # warm-up
+            asyncio.run(level(url, name, 4, 1, texts, proc.pid))  # warm-up
             figures: dict[int, list[dict]] = {n: [] for n in LEVELS}
             for r in range(args.rounds):
                 for n in LEVELS:
                     per_client = args.requests_per_client * (2 if n == 1 else 1)  # (1 client: a few more samples)
-                    figures[n].append(asyncio.run(level(url, "tiny", n, per_client, texts, proc.pid)))
+                    figures[n].append(asyncio.run(level(url, name, n, per_client, texts, proc.pid)))
                     print(f"round {r + 1} clients {n}: {figures[n][-1]}", file=sys.stderr, flush=True)
         finally:
             proc.terminate()
@@ -244,13 +251,13 @@ def main() -> None:
         if importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("sse_starlette") is not None:
             from frawdllm.export.gguf import export_gguf
 
-            gguf = export_gguf(model_dir, Path(tmp) / "tiny.gguf", dtype="float16")
-            proc, url = start_peer(gguf, args.threads or torch.get_num_threads())
+            gguf = export_gguf(model_dir, Path(tmp) / f"{name}.gguf", dtype="float16")
+            proc, url = start_peer(gguf, args.threads or torch.get_num_threads(), name)
             try:
                 as_text = [tok.decode(ids) for ids in texts]
-                asyncio.run(level(url, "tiny", 2, 1, as_text, proc.pid))  # warm-up
+                asyncio.run(level(url, name, 2, 1, as_text, proc.pid))  # warm-up
                 for n in PEER_LEVELS:
-                    peer[n] = asyncio.run(level(url, "tiny", n, args.requests_per_client * (2 if n == 1 else 1),
+                    peer[n] = asyncio.run(level(url, name, n, args.requests_per_client * (2 if n == 1 else 1),
                                                 as_text, proc.pid))
                     print(f"peer clients {n}: {peer[n]}", file=sys.stderr, flush=True)
             finally:
