@@ -22,7 +22,8 @@ Engines (each figure a median; warm-up seconds printed too):
 Also printed: batch-16 throughput, the first-token latency for a 256-token prompt, the
 CPU features, and the roofline: the read bandwidth of this machine on a buffer the size
 of the weights one default decode step streams (`buf.sum()` with the same threads, the
-lower quartile of 30; measured just before and just after each default batch-1 run, so
+lower quartile of 30; on 2 MB pages like the native decoder's weights, where Linux gives
+them; measured just before and just after each default batch-1 run, so
 that both figures come from the same phase of a shared machine, whose speed can swing
 2x within minutes: the median of those, their range printed too), and
 roofline_fraction_batch1 = weight bytes per token x tokens/s / that bandwidth. Then the
@@ -59,6 +60,7 @@ import torch
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cbuild import cpu_signature, march
 from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer.hugepages import huge_page_bytes
 from frawdllm.infer.quantize import quantize_int8
 from frawdllm.train.device import cpu_has_bf16
 
@@ -126,8 +128,11 @@ def timed(fn) -> float:
 
 
 def read_bandwidth(n_bytes: int, repeats: int = 30) -> float:
-    """Bytes/s that torch's threads read from an fp32 buffer of n_bytes (`sum`, best of the medians)."""
-    buf = torch.ones(max(n_bytes // 4, 1024))
+    """Bytes/s that torch's threads read from an fp32 buffer of n_bytes (`sum`, best of the medians),
+    on 2 MB pages where the decoder's weights are (`hugepages`): the same kind of memory."""
+    block = huge_page_bytes(max(n_bytes // 4, 1024) * 4)
+    buf = block.view(torch.float32) if block is not None else torch.empty(max(n_bytes // 4, 1024))
+    buf.fill_(1.0)
     buf.sum()
     times = sorted(timed(buf.sum) for _ in range(repeats))
     return buf.numel() * 4 / times[len(times) // 4]  # lower quartile: the machine's rate when not disturbed
@@ -268,6 +273,7 @@ def main() -> None:
         print(f"{name}_batch1_tok_s_under_load={NEW_TOKENS / median[f'{name}_under_load']:.1f}")
     default_tok_s = NEW_TOKENS / median["default_batch1"]
     print(f"weight_bytes_per_token={weight_bytes}")
+    print(f"read_bandwidth_pages={'2M' if huge_page_bytes(weight_bytes) is not None else '4K'}")
     print(f"read_bandwidth_gb_s={bandwidth / 1e9:.1f}")
     print(f"read_bandwidth_gb_s_range={min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}")
     print(f"roofline_fraction_batch1={weight_bytes * default_tok_s / bandwidth:.2f}")

@@ -6,8 +6,9 @@ small operations than in arithmetic. `native.c` does the same forward as one C c
 and calls it for prefill and decode.
 
 Weights: the decoder owns its copies of the linear weights, packed in the tiled layout
-`native.c` streams (the model given is never changed; embeddings and norms are read in
-place). "fp32" copies them exactly (results equal PyTorch's up to rounding order).
+`native.c` streams, together in one block of 2 MB pages (`hugepages`: fewer TLB misses,
+prefetchers that run on; the model given is never changed; embeddings and norms are read
+in place). "fp32" copies them exactly (results equal PyTorch's up to rounding order).
 "fp16" stores them as fp16: half the memory traffic, so about twice the decode speed,
 at a rounding of 2^-11 relative per weight (logits move by ~1e-3;
 `benchmarks/int8_perplexity.py` measures the perplexity change). A model quantized with
@@ -47,6 +48,7 @@ from torch import Tensor, nn
 
 from ..cbuild import CLibrary, build
 from ..errors import FrawdError
+from .hugepages import Arena
 from .quantize import Int8Linear
 
 POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2, "rope": 3}
@@ -253,6 +255,13 @@ class NativeDecoder:
 
         tile = int(self.lib.frawd_tile())
         self.weight_bytes = 0  # bytes of linear weights a batch-1 step streams
+        linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
+        linears.append(model.lm_head)
+        per_weight = {torch.int8: 1, torch.float16: 2, torch.float32: 4}
+        self.arena = Arena(Arena.size_of([  # the packed matrices, one after another on 2 MB pages
+            -(-m.out_features // tile) * tile * m.in_features
+            * per_weight[torch.int8 if isinstance(m, Int8Linear) else torch.float16 if weights == "fp16" else torch.float32]
+            for m in linears]))
 
         def stream(t: Tensor, scale: Tensor | None = None) -> None:
             self.weight_bytes += t.numel() * t.element_size() + (0 if scale is None else 4 * scale.numel())
@@ -260,18 +269,18 @@ class NativeDecoder:
         def linear(module: nn.Module) -> _Linear:
             bias = ptr(_padded(module.bias, tile))
             if isinstance(module, Int8Linear):  # int8, a quarter of fp32's bytes
-                wq = packed_tiles(module.weight_int8, tile, torch.int8)
+                wq = self.arena.place(packed_tiles(module.weight_int8, tile, torch.int8))
                 stream(wq, module.scale)
                 return _Linear(None, None, ptr(wq, ctypes.c_void_p), ptr(_padded(module.scale, tile)), bias,
                                module.in_features, module.out_features)
             if weights == "fp16":
                 if float(module.weight.detach().abs().max()) > 65000:
                     raise FrawdError(f"a weight of {module} is too large for fp16; use fp32 weights")
-                half = packed_tiles(module.weight.to(torch.float16), tile, torch.float16)
+                half = self.arena.place(packed_tiles(module.weight.to(torch.float16), tile, torch.float16))
                 stream(half)
                 return _Linear(None, ptr(half, ctypes.c_void_p), None, None, bias,
                                module.in_features, module.out_features)
-            w = packed_tiles(module.weight, tile, torch.float32)
+            w = self.arena.place(packed_tiles(module.weight, tile, torch.float32))
             stream(w)
             return _Linear(ptr(w), None, None, None, bias, module.in_features, module.out_features)
 
