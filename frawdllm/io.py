@@ -73,7 +73,7 @@ def sync_path(path: Path) -> None:
 
 def _sync_tree(root: Path) -> None:
     """fsync every file and folder below `root`, then `root` (children before parents)."""
-    for folder, folders, files in os.walk(root, topdown=False):
+    for folder, _, files in os.walk(root, topdown=False):
         for name in files:
             path = Path(folder) / name
             if not path.is_symlink():

@@ -2,10 +2,11 @@
 
 A batch-1 decode step reads every weight once. With the usual 4 KB pages the 14 MB of
 `tiny` (fp16) span 3,300 pages and the 59 MB of `small` 14,000: more than the TLB holds,
-so nearly every page costs a page-table walk on top of the stream it serves. Linux backs anonymous memory with 2 MB pages where the program asks for them
-(`madvise(MADV_HUGEPAGE)`; transparent huge pages in their default "madvise" mode). On
-a 2-core EPYC a batch-1 step took 10-23% less time for `tiny` and 16-18% less for `small`
-with its weights on 2 MB pages (the same bits: only where the memory sits changed).
+so nearly every page costs a page-table walk on top of the stream it serves. Linux backs
+anonymous memory with 2 MB pages where the program asks for them (`madvise(MADV_HUGEPAGE)`;
+transparent huge pages in their default "madvise" mode). On a 2-core EPYC a batch-1 step
+took 10-23% less time for `tiny` and 16-18% less for `small` with its weights on 2 MB
+pages (the same bits: only where the memory sits changed).
 
 `Arena(nbytes)` is one private anonymous mapping, 2 MB aligned and advised, that copies
 are placed in one after another. Where that cannot be had (not Linux, less than one 2 MB

@@ -6,9 +6,8 @@ small operations than in arithmetic. `native.c` does the same forward as one C c
 and calls it for prefill and decode.
 
 Weights: the decoder owns its copies of the linear weights, packed in the tiled layout
-`native.c` streams, together in one block of 2 MB pages (`hugepages`: fewer TLB misses,
-prefetchers that run on; the model given is never changed; embeddings and norms are read
-in place). "fp32" copies them exactly (results equal PyTorch's up to rounding order).
+`native.c` streams, together in one block of 2 MB pages (`hugepages`: fewer TLB misses;
+the model given is never changed; embeddings and norms are read in place). "fp32" copies them exactly (results equal PyTorch's up to rounding order).
 "fp16" stores them as fp16: half the memory traffic, so about twice the decode speed,
 at a rounding of 2^-11 relative per weight (logits move by ~1e-3;
 `benchmarks/int8_perplexity.py` measures the perplexity change). A model quantized with
@@ -255,34 +254,36 @@ class NativeDecoder:
 
         tile = int(self.lib.frawd_tile())
         self.weight_bytes = 0  # bytes of linear weights a batch-1 step streams
-        linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
-        linears.append(model.lm_head)
-        per_weight = {torch.int8: 1, torch.float16: 2, torch.float32: 4}
-        self.arena = Arena(Arena.size_of([  # the packed matrices, one after another on 2 MB pages
-            -(-m.out_features // tile) * tile * m.in_features
-            * per_weight[torch.int8 if isinstance(m, Int8Linear) else torch.float16 if weights == "fp16" else torch.float32]
-            for m in linears]))
 
         def stream(t: Tensor, scale: Tensor | None = None) -> None:
             self.weight_bytes += t.numel() * t.element_size() + (0 if scale is None else 4 * scale.numel())
 
-        def linear(module: nn.Module) -> _Linear:
-            bias = ptr(_padded(module.bias, tile))
+        def pack(module: nn.Module) -> Tensor:
+            """The packed copy `native.c` streams: int8 as quantized, else fp16 or fp32."""
             if isinstance(module, Int8Linear):  # int8, a quarter of fp32's bytes
-                wq = self.arena.place(packed_tiles(module.weight_int8, tile, torch.int8))
-                stream(wq, module.scale)
-                return _Linear(None, None, ptr(wq, ctypes.c_void_p), ptr(_padded(module.scale, tile)), bias,
-                               module.in_features, module.out_features)
+                return packed_tiles(module.weight_int8, tile, torch.int8)
             if weights == "fp16":
                 if float(module.weight.detach().abs().max()) > 65000:
                     raise FrawdError(f"a weight of {module} is too large for fp16; use fp32 weights")
-                half = self.arena.place(packed_tiles(module.weight.to(torch.float16), tile, torch.float16))
-                stream(half)
-                return _Linear(None, ptr(half, ctypes.c_void_p), None, None, bias,
-                               module.in_features, module.out_features)
-            w = self.arena.place(packed_tiles(module.weight, tile, torch.float32))
+                return packed_tiles(module.weight.to(torch.float16), tile, torch.float16)
+            return packed_tiles(module.weight, tile, torch.float32)
+
+        # Every matrix packed first, so that one block of 2 MB pages holds them all, one after another.
+        linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
+        packs = {id(m): pack(m) for m in (*linears, model.lm_head)}
+        self.arena = Arena(Arena.size_of([t.numel() * t.element_size() for t in packs.values()]))
+
+        def linear(module: nn.Module) -> _Linear:
+            bias = ptr(_padded(module.bias, tile))
+            w = self.arena.place(packs.pop(id(module)))  # (the packed original is freed as it moves)
+            sizes = module.in_features, module.out_features
+            if w.dtype == torch.int8:
+                stream(w, module.scale)
+                return _Linear(None, None, ptr(w, ctypes.c_void_p), ptr(_padded(module.scale, tile)), bias, *sizes)
             stream(w)
-            return _Linear(ptr(w), None, None, None, bias, module.in_features, module.out_features)
+            if w.dtype == torch.float16:
+                return _Linear(None, ptr(w, ctypes.c_void_p), None, None, bias, *sizes)
+            return _Linear(ptr(w), None, None, None, bias, *sizes)
 
         def norm(module: nn.Module) -> _Norm:
             return _Norm(ptr(module.weight), ptr(getattr(module, "bias", None)))
