@@ -386,7 +386,9 @@ def parse_value(cls: type, name: str, text: str) -> Any:
             return option(text)
         except ValueError:
             continue
-    raise ConfigError(f"{name}: cannot parse {text!r} as {hint}")
+    kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+    wanted = " or ".join(kinds.get(o, getattr(o, "__name__", str(o))) for o in options if o is not type(None))
+    raise ConfigError(f"{name}: cannot parse {text!r} as {wanted}")
 
 
 def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -12,3 +12,13 @@ class FrawdError(Exception):
 
 class ConfigError(FrawdError, ValueError):
     """An invalid configuration value; a ValueError so library users can catch it as one."""
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text that cannot be UTF-8 encoded: a lone surrogate, which is how Python hands
+    over invalid UTF-8 from the command line (`surrogateescape`) or a JSON "\\ud800" escape."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise FrawdError(f"{what} is not valid UTF-8 (a lone surrogate or undecodable byte at "
+                         f"character {error.start})") from None

@@ -31,7 +31,7 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import FrawdError
+from .errors import FrawdError, check_unicode
 from .io import write_text_atomic
 
 SPECIAL_TOKENS = ["<|pad|>", "<|unk|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -98,7 +98,11 @@ class Tokenizer:
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids. No special tokens are added or parsed."""
-        return self._plain.encode(text, add_special_tokens=False).ids
+        try:
+            return self._plain.encode(text, add_special_tokens=False).ids
+        except TypeError:  # what `tokenizers` says of a lone surrogate (invalid UTF-8 via argv or JSON)
+            check_unicode(text, "the text")
+            raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many texts at once, in parallel on all cores (Rust threads, GIL released)."""

@@ -73,6 +73,8 @@ def test_a_conversation_with_commands(chat_model):
 
     assert "top_k=5" in say(child, "/params top_k=5")
     assert "error: top_p must be in (0, 1]" in say(child, "/params top_p=3")
+    assert "error: chat replies with one sample" in say(child, "/params num_samples=3")
+    assert "error: stop is set when chat starts (--stop)" in say(child, "/params stop=x")
     assert "(system message set)" in say(child, "/system be brief")
     assert "(conversation cleared)" in say(child, "/reset")
     assert "unknown command /bogus" in say(child, "/bogus")
@@ -113,3 +115,14 @@ def test_old_turns_are_dropped_to_fit_the_context_and_said_once(tmp_path):
         assert re.search(REPLY + "{10}$", output)
     child.sendeof()
     child.expect(pexpect.EOF)
+
+
+def test_an_undecodable_system_message_is_one_line_before_anything_runs(chat_model):
+    import subprocess
+
+    system = b"\xff".decode("utf-8", "surrogateescape")  # how Python passes invalid UTF-8 in argv
+    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--system", system], input=b"hi\n",
+                          capture_output=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.decode().strip().splitlines() == [
+        "frawd: error: --system is not valid UTF-8 (a lone surrogate or undecodable byte at character 0)"]

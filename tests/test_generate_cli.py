@@ -118,6 +118,8 @@ def test_int8_flag_generates(capsys, model_dir):
     ([], "give a prompt with --prompt TEXT or --prompt-file FILE"),
     (["--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
     (["--prompt", "x" * 100], "prompt has 100 tokens but the model's context is 64"),
+    (["--prompt", "ab" + b"\xff".decode("utf-8", "surrogateescape")],  # invalid UTF-8 in argv
+     "the text is not valid UTF-8 \\(a lone surrogate or undecodable byte at character 2\\)"),
 ])
 def test_bad_input_is_one_line_error(capsys, model_dir, args, message):
     import re

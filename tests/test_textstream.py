@@ -66,3 +66,34 @@ def test_held_back_text_is_flushed_at_the_end(byte_tok):
     assert "".join(push_all(stream, byte_tok.encode("ends with ST"))) == "ends with ST"
     truncated = byte_tok.encode("é")[:1]  # a lone lead byte at the very end
     assert push_all(TextStream(byte_tok), truncated) == ["", "\ufffd"]
+
+
+class _CountingTokenizer:
+    """A tokenizer that records how many ids each decode call reads."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.widths = tokenizer, []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.widths.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_run_of_invalid_bytes_streams_at_a_constant_cost_per_token(byte_tok):
+    # 2000 UTF-8 continuation bytes never form a character: the text is 2000 U+FFFD. They
+    # must come out while the run goes on (not all at the end), and no push may re-decode
+    # the whole run (it did: 16000 tokens of this took 4x as long streamed as not).
+    continuation = byte_tok.encode("é")[1]
+    counting = _CountingTokenizer(byte_tok)
+    stream = TextStream(counting)
+    ids = byte_tok.encode("ok ") + [continuation] * 2000 + byte_tok.encode(" é!")
+    chunks = push_all(stream, ids)
+    assert "".join(chunks) == byte_tok.decode(ids) == "ok " + "\ufffd" * 2000 + " é!"
+    assert sum(len(c) for c in chunks[:1000]) > 900  # streamed as it came
+    assert max(counting.widths) <= 32
+
+
+def test_a_real_character_after_a_run_of_invalid_bytes_is_still_whole(byte_tok):
+    continuation = byte_tok.encode("é")[1]
+    ids = [continuation] * 40 + byte_tok.encode("😀 ok")
+    assert "".join(push_all(TextStream(byte_tok), ids)) == "\ufffd" * 40 + "😀 ok"

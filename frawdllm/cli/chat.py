@@ -13,7 +13,7 @@ from dataclasses import fields
 
 import click
 
-from ..errors import FrawdError
+from ..errors import FrawdError, check_unicode
 from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
 
 PROMPT = "> "
@@ -46,6 +46,8 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     """
     from ..infer.chat import ROLE_TOKEN_IDS
 
+    if system_message is not None:
+        check_unicode(system_message, "--system")
     params = params_from_flags(model_dir, sampling)
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
@@ -117,9 +119,13 @@ class _Repl:
         try:
             for pair in pairs:
                 key, sep, text = pair.partition("=")
-                if not sep or key in ("stop", "stop_token_ids"):
-                    raise FrawdError(f"expected key=value with a number, got {pair!r}")
+                if not sep:
+                    raise FrawdError(f"expected key=value, got {pair!r}")
+                if key in ("stop", "stop_token_ids"):
+                    raise FrawdError(f"{key} is set when chat starts (--stop), not here")
                 changes[key] = parse_value(SamplingParams, key, text)
+                if key == "num_samples" and changes[key] != 1:
+                    raise FrawdError("chat replies with one sample: num_samples must be 1")
             self.params = self.params.replace(**changes)
         except FrawdError as exc:
             self.out(f"error: {exc}\n")

@@ -4,7 +4,10 @@ Two things make streaming text harder than decoding at the end:
 
 - A token can hold part of a character: with byte-level tokenizers "é" is two tokens,
   and the first one alone decodes to U+FFFD. Text ending in U+FFFD is held back until
-  the next token completes the character (or the stream ends).
+  the next token completes the character (or the stream ends). A model can also emit
+  bytes that never form a character: after HOLD_LIMIT ids the U+FFFD is real and goes
+  out, so a run of invalid bytes neither stalls the stream nor makes each token re-decode
+  the whole run.
 - A stop string can span several tokens ("\\n\\nUser:" = "\\n", "\\n", "User", ":"). Text
   that could be the start of a stop string is held back until it either becomes the stop
   string (the stream ends there and the stop string is never emitted) or cannot any more.
@@ -22,6 +25,7 @@ from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
 WINDOW = 8  # ids re-decoded at most before the window's start moves up
+HOLD_LIMIT = 16  # ids held back for an incomplete character at most (a character is <= 4 bytes)
 
 
 class TextStream:
@@ -47,7 +51,9 @@ class TextStream:
             return ""
         self.ids.append(token_id)
         full_text = self._decode(self.ids[self._prefix:])
-        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(self._read_text):
+        if len(full_text) <= len(self._read_text):
+            return ""
+        if full_text.endswith(REPLACEMENT_CHAR) and len(self.ids) - self._read < HOLD_LIMIT:
             return ""  # an incomplete character: wait for the rest of its bytes
         self._pending += full_text[len(self._read_text):]
         end = len(self.ids)
