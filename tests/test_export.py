@@ -272,3 +272,14 @@ def test_import_refuses_pickle_weights_without_reading_them(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "never unpickles" in err and "safe_serialization=True" in err
     assert not (tmp_path / "ours").exists()
+
+
+def test_import_refuses_a_corrupt_tokenizer_and_leaves_no_output(tmp_path, tokenizer, capsys):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    export(model_dir, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{")  # copied blindly, it broke `frawd generate` later
+    with pytest.raises(SystemExit):
+        main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    err = capsys.readouterr().err
+    assert "not a valid tokenizer.json" in err and err.count("\n") == 1
+    assert not (tmp_path / "ours").exists()
