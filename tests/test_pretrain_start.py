@@ -229,3 +229,10 @@ def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tm
     cfg = PretrainConfig(batch_size=4)  # the seed and batch size the run used
     assert first == pytest.approx(first_batch_loss(imported, tmp_path / "run", cfg, 32), rel=1e-5)
     assert FrawdLLM.from_pretrained(tmp_path / "run" / "model").config == imported.config
+
+
+def test_pretrain_says_when_the_corpus_had_invalid_utf8(corpus, tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(corpus.read_bytes() + b"caf\xe9 \xff\n")  # Latin-1 bytes: replaced, as data prepare says
+    run_pretraining(tiny_config(bad, tmp_path / "run", max_steps=1))
+    assert "warning: replaced 2 invalid UTF-8 sequence(s) with U+FFFD in 1 file(s)" in capsys.readouterr().err

@@ -231,3 +231,26 @@ def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"frawd: error: tokenizer not found: {tmp_path / 'none.json'}"
+
+
+@pytest.mark.parametrize("lost", ["val.bin", "train.bin"])
+def test_shards_missing_a_split_are_an_error_not_a_text_corpus(tmp_path, bpe, lost):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import cli
+    from frawdllm.train.pretrain import is_shard_dir
+
+    out = tmp_path / "shards"
+    prepare_shards(str(_write_corpus(tmp_path / "c.txt", _corpus(30))), bpe, out)
+    assert is_shard_dir(out)
+    (out / lost).unlink()  # pretrain and eval read the other split's bytes as text before
+    with pytest.raises(FrawdError, match=f"holds prepared shards but {lost} is missing"):
+        is_shard_dir(out)
+    result = CliRunner().invoke(cli, ["pretrain", "--data", str(out), "--preset", "tiny", "--max-steps", "1",
+                                      "--out", str(tmp_path / "run")])
+    assert isinstance(result.exception, FrawdError) and f"{lost} is missing" in str(result.exception)
+    assert not (tmp_path / "run").exists()
+    # a folder of text that happens to hold a meta.json of its own is still a corpus
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "meta.json").write_text('["not ours"]')
+    assert not is_shard_dir(tmp_path / "texts")

@@ -83,8 +83,9 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
 
         meta = prepare_shards(data, tokenizer_path, out, val_fraction=val_fraction, text_field=text_field,
                               doc_split=doc_split, workers=workers, force=force, progress=True)
-    for warning in meta.get("warnings", []):
-        click.echo(f"warning: {warning}", err=True)
+    from ..data.shards import print_warnings
+
+    print_warnings(meta)
     if meta.get("reused"):
         click.echo(f"{out}: shards of these inputs already exist; reusing them (--force rebuilds)")
     for key in ("train_tokens", "val_tokens", "train_documents", "val_documents", "dtype",

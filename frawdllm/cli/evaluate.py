@@ -42,6 +42,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
                  --doc-split file --val-fraction 0.1
     """
     from ..data import META_FILE, prepare_shards, read_split
+    from ..data.shards import print_warnings
     from ..errors import FrawdError
     from ..modeldir import TOKENIZER_FILE, load_config, load_model, model_file
     from ..tokenizer import Tokenizer
@@ -75,6 +76,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             shard_dir = Path(tmp)
             meta = prepare_shards(data, tok, shard_dir, val_fraction=val_fraction, text_field=text_field,
                                   doc_split=doc_split, progress=True)
+            print_warnings(meta)
         tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
             raise FrawdError(f"the {split} split has {len(tokens)} tokens, too few for one window of {context}; "

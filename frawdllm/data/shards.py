@@ -197,6 +197,14 @@ def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> T
     return ShardStream([read_shard(f) for f in files])
 
 
+def print_warnings(meta: dict) -> None:
+    """What the corpus needed (replaced bytes, unknown characters) as `warning:` lines on stderr."""
+    import sys
+
+    for warning in meta.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def _unk_warning(meta: dict) -> str | None:
     if not meta["unk_tokens"]:
         return None

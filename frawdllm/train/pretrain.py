@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..config import PRESETS, ModelConfig, get_config, parse_value
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
+from ..data.shards import print_warnings
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
@@ -111,15 +112,22 @@ class PretrainTask(TrainTask):
 # ---- data --------------------------------------------------------------------------------------
 
 def is_shard_dir(path: str | Path) -> bool:
-    """A folder of prepared shards: meta.json and every shard file it lists (or train.bin, val.bin)."""
+    """A folder of prepared shards: meta.json and every shard file it lists (or train.bin, val.bin).
+
+    A folder with meta.json and some of those files but not all is an error (one missing
+    split would otherwise be read as a text corpus: the bytes of the other)."""
     path = Path(path)
     if not (path / META_FILE).is_file():
         return False
     try:
         files = split_files(path, "train") + split_files(path, "val")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # not our meta.json (unreadable, not JSON, not an object)
         return False
-    return all(f.is_file() for f in files)
+    missing = [f.name for f in files if not f.is_file()]
+    if missing and len(missing) < len(files):
+        raise FrawdError(f"{path} holds prepared shards but {', '.join(missing)} is missing "
+                         "(prepare them again with frawd data prepare)")
+    return not missing
 
 
 def tokenizer_path(spec: str) -> Path | None:
@@ -174,6 +182,7 @@ def prepare_data(cfg: PretrainConfig, run_dir: Path) -> PreparedData:
         shard_dir = run_dir / DATA_DIR
         meta = prepare_shards(cfg.data, tok, shard_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
                               doc_split=cfg.doc_split, progress=cfg.progress)
+        print_warnings(meta)
     return PreparedData(read_split(shard_dir, "train", meta), read_split(shard_dir, "val", meta), tok, meta,
                         shard_dir)
 
