@@ -107,6 +107,8 @@ def _read_json(path: Path) -> Any:
 
 def load_config(directory: str | Path) -> ModelConfig:
     directory = Path(directory)
+    if directory.is_file():
+        raise FrawdError(f"{directory} is a file, not a model directory")
     if not directory.is_dir():
         raise FrawdError(f"model directory not found: {directory}")
     path = model_file(directory, CONFIG_FILE)

@@ -132,6 +132,9 @@ def test_bad_input_is_one_line_error(capsys, model_dir, args, message):
 def test_missing_model_directory_is_one_line_error(capsys, tmp_path):
     code, _, err = run(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert code == 1 and "model directory not found" in err and err.count("\n") == 1
+    (tmp_path / "corpus.txt").write_text("text")
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "corpus.txt"), "--prompt", "x")
+    assert code == 1 and "corpus.txt is a file, not a model directory" in err and err.count("\n") == 1
 
 
 def test_stats_say_how_fast_and_which_forward_ran(capsys, model_dir):

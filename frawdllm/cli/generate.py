@@ -19,7 +19,7 @@ from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_fr
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="The prompt (repeatable: several prompts run as one batch).")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
-              help="Read the prompt from a file ('-' = standard input).")
+              help="Read a prompt from a file ('-' = standard input); with --prompt, one more prompt of the batch.")
 @sampling_flags
 @click.option("--num-samples", type=int, default=1, show_default=True,
               help="Completions per prompt (all run as one batch: bounded by memory).")
