@@ -227,6 +227,16 @@ KIND_HINT = {"decoder": "a decoder-only language model (frawd pretrain)",
              "seq2seq": "an encoder-decoder translation model (frawd translate)"}
 
 
+def checked_weights(directory: str | Path, cfg: ModelConfig) -> Path:
+    """The weights file of `directory`, its header checked against `cfg` (no tensor read)."""
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.exists() and not path.is_symlink():
+        raise FrawdError(f"{path}: missing weights file")
+    path = model_file(directory, WEIGHTS_FILE)
+    check_weights(cfg, path)
+    return path
+
+
 def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None,
                kind: str | None = None):
     """The model in `directory`; `config` builds it instead of config.json's (the weights'
@@ -237,11 +247,7 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     held = "seq2seq" if isinstance(cfg, Seq2SeqConfig) else "decoder"
     if kind is not None and held != kind:
         raise FrawdError(f"{directory}: holds {KIND_HINT[held]}; this command needs {KIND_HINT[kind]}")
-    path = directory / WEIGHTS_FILE
-    if not path.exists() and not path.is_symlink():
-        raise FrawdError(f"{path}: missing weights file")
-    path = model_file(directory, WEIGHTS_FILE)
-    check_weights(cfg, path)
+    path = checked_weights(directory, cfg)
     try:
         state = load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:

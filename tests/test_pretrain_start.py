@@ -2,11 +2,13 @@
 fails at once and leaves nothing on disk), and `--init-from` an existing model directory."""
 
 import random
+import shutil
 import time
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
@@ -191,6 +193,7 @@ INIT_ERRORS = {
     "a bigger tokenizer": (["--tokenizer", "{big}"], "use the model's tokenizer"),
     "no tokenizer.json": (["--init-from", "{bare}"], "has no tokenizer.json"),
     "no model": (["--init-from", "{tmp}/nowhere"], "model directory not found"),
+    "other weights": (["--init-from", "{wrong}"], "model.safetensors: holds 2 weights but config.json describes"),
 }
 
 
@@ -200,8 +203,11 @@ def test_init_from_errors_are_one_line_before_any_work(case, corpus, trained, tm
     train_tokenizer([corpus.read_text(encoding="utf-8") + "0123456789XYZ"], kind="char").save(big)
     bare = tmp_path / "bare"
     FrawdLLM.from_pretrained(trained).save_pretrained(bare)
+    wrong = tmp_path / "wrong"  # the trained model's config and tokenizer, another file's weights
+    shutil.copytree(trained, wrong)
+    save_file({"x": torch.zeros(2)}, wrong / "model.safetensors")
     args, message = INIT_ERRORS[case]
-    args = [a.format(big=big, bare=bare, tmp=tmp_path) for a in args]
+    args = [a.format(big=big, bare=bare, tmp=tmp_path, wrong=wrong) for a in args]
     out = tmp_path / "run"
     code, err, seconds = frawd(capsys, "pretrain", "--data", str(corpus), "--init-from", str(trained),
                                "--max-steps", "2", "--out", str(out), *args)
