@@ -216,7 +216,8 @@ def check_types(cls: type, values: dict[str, Any]) -> dict[str, Any]:
             continue
         options = typing.get_args(hints[name]) if _is_union(hints[name]) else (hints[name],)
         if not any(_fits(value, o) for o in options):
-            raise ConfigError(f"{name} must be {_type_name(hints[name])}, got {value!r}")
+            wanted = "a number, not NaN" if value != value else _type_name(hints[name])
+            raise ConfigError(f"{name} must be {wanted}, got {value!r}")
     return values
 
 
@@ -386,9 +387,7 @@ def parse_value(cls: type, name: str, text: str) -> Any:
             return option(text)
         except ValueError:
             continue
-    kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
-    wanted = " or ".join(kinds.get(o, getattr(o, "__name__", str(o))) for o in options if o is not type(None))
-    raise ConfigError(f"{name}: cannot parse {text!r} as {wanted}")
+    raise ConfigError(f"{name}: cannot parse {text!r} as {_type_name(hint)}")
 
 
 def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:

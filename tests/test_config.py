@@ -112,7 +112,7 @@ def test_flops_per_token_is_six_n_plus_attention():
 def test_overrides_are_parsed_by_field_type():
     values = parse_overrides(ModelConfig, ["n_layer=2", "use_rope=true", "dropout=0.1", "n_kv_head=none"])
     assert values == {"n_layer": 2, "use_rope": True, "dropout": 0.1, "n_kv_head": None}
-    with pytest.raises(ValueError, match="n_layer"):
+    with pytest.raises(ValueError, match="n_layer: cannot parse 'two' as an integer$"):
         parse_overrides(ModelConfig, ["n_layer=two"])
 
 

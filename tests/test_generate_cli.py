@@ -115,6 +115,7 @@ def test_int8_flag_generates(capsys, model_dir):
 @pytest.mark.parametrize("args, message", [
     (["--prompt", "x", "--temperature", "-1"], "temperature must be 0 \\(greedy\\) or"),
     (["--prompt", "x", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    (["--prompt", "x", "--temperature", "nan"], "temperature must be a number, not NaN"),
     ([], "give a prompt with --prompt TEXT or --prompt-file FILE"),
     (["--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
     (["--prompt", "x" * 100], "prompt has 100 tokens but the model's context is 64"),
