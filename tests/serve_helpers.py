@@ -1,5 +1,7 @@
 """A live `frawd serve` app on a free local port, run by uvicorn on a thread of the test process."""
 
+import json
+import logging
 import socket
 import threading
 import time
@@ -11,6 +13,17 @@ import uvicorn
 from frawdllm.infer import native as native_forward
 from frawdllm.infer import Engine
 from frawdllm.serve import ServeOptions, create_app
+
+
+class AccessLog(logging.Handler):
+    """Collects the server's access-log lines (add it to the "frawdllm.serve.access" logger)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(json.loads(record.getMessage()))
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,21 +22,12 @@ from frawdllm.infer import SamplingParams
 from frawdllm.infer.chat import ROLE_TOKEN_IDS
 from frawdllm.serve import ServeOptions
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
-from serve_helpers import free_port, live_server, test_engine
+from serve_helpers import AccessLog, free_port, live_server, test_engine
 from test_scheduler import PROMPTS, varied_model
 
 KEY = "test-key-123"
 MAX_TOKENS = 1000
 CONTEXT = 1024
-
-
-class AccessLog(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(json.loads(record.getMessage()))
 
 
 @pytest.fixture(scope="module")
@@ -288,12 +280,16 @@ def test_schema_fuzzing_finds_no_server_error(server):
 def test_sigterm_drains_open_requests(tmp_path):
     model, tok = varied_model()
     model.save_pretrained(tmp_path / "m", tokenizer=tok)
-    port = free_port()
     env = {**os.environ, "FRAWD_API_KEY": KEY}
     frawd = str(Path(sys.executable).parent / "frawd")
-    proc = subprocess.Popen([frawd, "serve", "--model", str(tmp_path / "m"), "--port", str(port), "--threads", "1"],
+    proc = subprocess.Popen([frawd, "serve", "--model", str(tmp_path / "m"), "--port", "0", "--threads", "1"],
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
+        for line in proc.stderr:  # --port 0: the line names the port the system chose
+            if line.startswith("serving "):
+                break
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", line).group(1))
+        assert port != 0, line
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while True:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -34,13 +36,27 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to HOST:PORT (port 0: a free one) for uvicorn to serve on. Bound before
+    the models load, so that a port in use is a one-line error at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:  # (a port in use, an address not this machine's, a host that does not resolve)
+        sock.close()
+        raise FrawdError(f"cannot listen on {host}:{port}: {(error.strerror or str(error)).lower()}") from None
+    return sock
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, required=True, metavar="[NAME=]DIR",
               help="A model directory, named after the directory or NAME (repeatable: several models, "
                    "chosen by the request's \"model\").")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; then set an API key).")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: a free one, printed).")
 @click.option("--api-key", envvar="FRAWD_API_KEY", default=None, show_envvar=True,
               help="Requests to /v1/* must send 'Authorization: Bearer KEY' [default: none needed].")
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=32, show_default=True,
@@ -85,31 +101,35 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
     if len(set(names)) != len(names):
         raise FrawdError(f"two models are named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
                          "name them with --model NAME=DIR")
-    if api_key is not None and not api_key:
-        raise FrawdError("the API key is empty")
-    engines = {}
-    for name, directory in named:
-        engine = load_engine(directory, quantize=quantize, threads=threads, native=native)
-        engine.plan()  # measured (once per machine) before the first request, not during it
-        engines[name] = engine
+    if api_key == "" or (api_key is None and os.environ.get("FRAWD_API_KEY") == ""):  # (click: "" = unset)
+        raise FrawdError("the API key is empty (--api-key or FRAWD_API_KEY): give a key, or neither to need none")
+    if default_max_tokens > max_tokens:
+        raise FrawdError(f"--default-max-tokens {default_max_tokens} is above --max-tokens {max_tokens}: "
+                         "a request without max_tokens would get more than the cap")
     options = ServeOptions(api_key=api_key, max_batch=max_batch, max_queue=max_queue, max_in_flight=max_in_flight,
                            max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
                            max_body_bytes=max_body)
-    app = create_app(engines, options)
-    access = logging.getLogger("frawdllm.serve.access")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.setLevel(log_level.upper())
-    access.propagate = False
-    if not _loopback(host) and api_key is None:
-        click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it",
-                   err=True)
-    click.echo(f"serving {', '.join(engines)} on http://{host}:{port} (OpenAI API at /v1, chat page at /)",
-               err=True)
-    # uvicorn drains open requests on SIGTERM, then raises the signal again under the handler
-    # it found: this one, so that a drained shutdown exits 0.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=120)
-    uvicorn.Server(config).run()
+    with _listen(host, port) as sock:
+        engines = {}
+        for name, directory in named:
+            engine = load_engine(directory, quantize=quantize, threads=threads, native=native)
+            engine.plan()  # measured (once per machine) before the first request, not during it
+            engines[name] = engine
+        app = create_app(engines, options)
+        access = logging.getLogger("frawdllm.serve.access")
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+        access.setLevel(log_level.upper())
+        access.propagate = False
+        if not _loopback(host) and api_key is None:
+            click.echo(f"warning: listening on {host} without an API key: anyone who can reach it can use it",
+                       err=True)
+        address = f"[{host}]" if ":" in host else host
+        click.echo(f"serving {', '.join(engines)} on http://{address}:{sock.getsockname()[1]} "
+                   "(OpenAI API at /v1, chat page at /)", err=True)
+        # uvicorn drains open requests on SIGTERM, then raises the signal again under the handler
+        # it found: this one, so that a drained shutdown exits 0.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=120)
+        uvicorn.Server(config).run(sockets=[sock])

@@ -39,7 +39,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import FrawdError
+from ..errors import FrawdError, check_unicode
 from ..infer.chat import ROLE_TOKEN_IDS, fit_history
 from ..infer.engine import Engine, StreamChunk
 from ..infer.sampling import SamplingParams
@@ -64,16 +64,15 @@ class ServeOptions:
 class ApiError(Exception):
     """An error answered with OpenAI's error object."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+    TYPES = {401: "authentication_error", 429: "rate_limit_error"}  # other 4xx: invalid_request_error
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
 
 
@@ -123,6 +122,7 @@ class _Guard:
         scope.setdefault("state", {})["log"] = log = {}
         status = {"code": 0}
         received = 0
+        too_large = f"the request body is larger than {self.max_body} bytes"
 
         async def limited_receive() -> dict:
             nonlocal received
@@ -130,7 +130,8 @@ class _Guard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body:  # (a chunked body has no length header)
-                    raise ApiError(413, f"the request body is larger than {self.max_body} bytes")
+                    # an HTTPException: FastAPI turns any other error while reading a body into a 400
+                    raise StarletteHTTPException(413, too_large)
             return message
 
         async def logged_send(message: dict) -> None:
@@ -141,10 +142,12 @@ class _Guard:
         try:
             length = dict(scope["headers"]).get(b"content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body):
-                error = ApiError(413, f"the request body is larger than {self.max_body} bytes")
-                await error.response()(scope, receive, logged_send)
+                await ApiError(413, too_large).response()(scope, receive, logged_send)
             else:
                 await self.app(scope, limited_receive, logged_send)
+        except Exception:
+            status["code"] = status["code"] or 500  # (answered by the last-resort handler, outside this middleware)
+            raise
         finally:  # also when the client went away mid-stream (status 499, as nginx logs it)
             self._log(scope, status["code"] if status["code"] and "cancelled" not in log else 499, start, log)
 
@@ -220,10 +223,18 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # (its "loc" is a character offset, not a field)
+            reason = first.get("ctx", {}).get("error", "")
+            return ApiError(400, f"the request body is not valid JSON: {reason}").response()
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if not where:  # the body as a whole: missing, not an object, or not sent as JSON
+            text = "the request body must be a JSON object"
+            sent_as = request.headers.get("content-type")
+            if "json" not in (sent_as or ""):
+                text += f" sent with Content-Type: application/json (this one: {sent_as or 'none'})"
+            return ApiError(400, text, code="invalid_value").response()
         message = first.get("msg", "invalid request")
-        text = f"{'.'.join(where)}: {message}" if where else message
-        return ApiError(400, text, param=".".join(where) or None, code="invalid_value").response()
+        return ApiError(400, f"{'.'.join(where)}: {message}", param=".".join(where), code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -276,6 +287,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         engine = scheduler.engine
         max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
         messages = [m.model_dump() for m in body.messages]
+        for i, message in enumerate(messages):
+            _check_text(message["content"], f"messages[{i}].content", param="messages")
         try:
             if body.truncate:
                 ids, _ = fit_history(engine.tokenizer, messages, engine.config.context_length, 1)
@@ -283,6 +296,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
         except FrawdError as error:
             raise ApiError(400, str(error), param="messages") from None
+        _check_fits(ids, engine, chat=True)
         params = _params(body, max_new, options, stop_token_ids=ROLE_TOKEN_IDS)
         return await _answer(request, scheduler, body, ids, params, chat=True)
 
@@ -291,16 +305,18 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
         max_new = _max_new(body.max_tokens, options, engine)
+        if isinstance(body.prompt, str):
+            _check_text(body.prompt, "the prompt", param="prompt")
+            ids = engine.tokenizer.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+        if body.truncate:  # the last context - 1 tokens (room for one new token)
+            ids = ids[-(engine.config.context_length - 1):]
+        _check_fits(ids, engine, chat=False)
         try:
-            ids = engine.encode(body.prompt) if body.truncate is False else None
+            ids = engine.encode(ids)  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
         except FrawdError as error:
             raise ApiError(400, str(error), param="prompt") from None
-        if ids is None:  # truncate: the last context - 1 tokens (room for one new token)
-            raw = engine.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-            try:
-                ids = engine.encode(raw[-(engine.config.context_length - 1):])
-            except FrawdError as error:
-                raise ApiError(400, str(error), param="prompt") from None
         params = _params(body, max_new, options)
         return await _answer(request, scheduler, body, ids, params, chat=False)
 
@@ -309,9 +325,6 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if state["in_flight"] >= options.max_in_flight:
             raise ApiError(429, f"{state['in_flight']} requests are open (the server's limit); retry later",
                            code="too_many_requests")
-        if len(ids) >= scheduler.engine.config.context_length + 1:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context is "
-                                f"{scheduler.engine.config.context_length}", param="messages" if chat else "prompt")
         loop = asyncio.get_running_loop()
         delivery = deliveries.get(loop) or deliveries.setdefault(loop, _Delivery(loop))
         chunks: asyncio.Queue = asyncio.Queue()
@@ -330,9 +343,16 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if body.stream:
             return StreamingResponse(reply.events(request, finish), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        whole = asyncio.ensure_future(reply.whole())
+        gone = asyncio.ensure_future(_disconnect(request))
         try:
-            return JSONResponse(await reply.whole(request))
+            await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not whole.done():  # the client went away: nobody reads this, the log says 499 cancelled
+                return Response(status_code=499)
+            return JSONResponse(whole.result())
         finally:
+            whole.cancel()
+            gone.cancel()
             finish(reply)
 
     def finish(reply: "_Reply") -> None:
@@ -351,6 +371,28 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
 
     app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, metrics=metrics)
     return app
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone away (after the body, receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _check_text(text: str, what: str, param: str) -> None:
+    try:
+        check_unicode(text, what)
+    except FrawdError as error:
+        raise ApiError(400, str(error), param=param) from None
+
+
+def _check_fits(ids: list[int], engine: Engine, chat: bool) -> None:
+    context = engine.config.context_length
+    if len(ids) > context:
+        keeps = "the newest turns" if chat else f"its last {context - 1} tokens"
+        raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context is {context}; "
+                            f'"truncate": true keeps {keeps}', param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
 
 
 def _max_new(asked: int | None, options: ServeOptions, engine: Engine) -> int:
@@ -376,6 +418,8 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         raise ApiError(400, f"at most {MAX_STOP} stop strings", param="stop")
     if any(s == "" for s in stop):
         raise ApiError(400, "stop strings must not be empty", param="stop")
+    for i, text in enumerate(stop):
+        _check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{i}]", param="stop")
     values = dict(max_new_tokens=max_new, num_samples=body.n, stop=stop, stop_token_ids=stop_token_ids,
                   seed=body.seed, temperature=1.0 if body.temperature is None else body.temperature)
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
@@ -433,10 +477,13 @@ class _Reply:
             self.reasons[item.index] = item.finish_reason
         return item
 
-    async def _next(self, request: Request) -> StreamChunk:
-        while True:  # wake up now and then to notice a client that went away
+    async def _next(self, request: Request | None = None) -> StreamChunk:
+        """The next chunk; with `request`, waking up now and then to notice a client that went away."""
+        while True:
             if not self.chunks.empty():
                 return self._take(self.chunks.get_nowait())
+            if request is None:
+                return self._take(await self.chunks.get())
             try:
                 return self._take(await _get_within(self.chunks, 1.0))
             except asyncio.TimeoutError:
@@ -447,9 +494,9 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
-    async def whole(self, request: Request) -> dict:
+    async def whole(self) -> dict:
         while None in self.reasons:  # (every sample's last chunk taken)
-            chunk = await self._next(request)
+            chunk = await self._next()
             self.texts[chunk.index] += chunk.text
         prefix = self.body.prompt if (not self.chat and self.body.echo and isinstance(self.body.prompt, str)) else ""
         if self.chat:

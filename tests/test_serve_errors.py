@@ -1,0 +1,189 @@
+"""`frawd serve` with bad input: every client error is OpenAI's error object with a 4xx
+status and a message that says what to change, logged and counted with that status; a
+client that leaves a non-streaming request cancels it; the command refuses bad settings
+in one line."""
+
+import json
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+
+from cli_helpers import run_cli
+from frawdllm.serve import ServeOptions
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from serve_helpers import AccessLog, live_server, test_engine
+from test_scheduler import varied_model
+
+CONTEXT = 64
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    engines = {name: test_engine(*varied_model(context_length=context))
+               for name, context in [("m", CONTEXT), ("slow", 1024), ("broken", CONTEXT)]}
+    forward = engines["slow"].forward
+
+    def paced_forward(*args):  # ~200 steps/s: a long reply is still running when its client leaves
+        time.sleep(0.005)
+        return forward(*args)
+
+    engines["slow"].forward = paced_forward
+
+    def broken_encode(prompt):
+        raise RuntimeError("a bug")
+
+    engines["broken"].encode = broken_encode
+    log = AccessLog()
+    logger = logging.getLogger("frawdllm.serve.access")
+    logger.addHandler(log)
+    logger.setLevel(logging.INFO)
+    try:
+        with live_server(engines, ServeOptions(max_tokens=1000, max_batch=2)) as url:
+            yield {"url": url, "log": log}
+    finally:
+        logger.removeHandler(log)
+
+
+def post(server, path, body=None, content=None, headers=JSON, **kwargs):
+    """(status, error object or body) of a POST; also checks the access log and /metrics
+    record the status the client got."""
+    records = server["log"].records
+    seen = len(records)
+    response = httpx.post(server["url"] + path, headers=headers, timeout=30, **kwargs,
+                          content=json.dumps(body) if content is None else content)
+    deadline = time.time() + 5  # (the line is written just after the reply is sent)
+    while not [r for r in records[seen:] if r["path"] == path] and time.time() < deadline:
+        time.sleep(0.01)
+    record = [r for r in records[seen:] if r["path"] == path][-1]
+    assert record["status"] == response.status_code, record
+    return response.status_code, response.json().get("error", response.json())
+
+
+def counted(server, path, status) -> float:
+    """frawd_requests_total of (path, status) in /metrics."""
+    line = f'frawd_requests_total{{path="{path}",status="{status}"}} '
+    metrics = httpx.get(server["url"] + "/metrics").text
+    return next((float(x[len(line):]) for x in metrics.splitlines() if x.startswith(line)), 0.0)
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(server):
+    """JSON lets a string hold "\\ud800", which no UTF-8 text can."""
+    before = counted(server, "/v1/chat/completions", 400)
+    status, error = post(server, "/v1/completions", content=b'{"model": "m", "prompt": "ab\\ud800c"}')
+    assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == "prompt"
+    assert "the prompt" in error["message"] and "UTF-8" in error["message"]
+    chat = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\udfff"}]}'
+    status, error = post(server, "/v1/chat/completions", content=chat)
+    assert status == 400 and error["param"] == "messages"
+    assert "messages[1].content" in error["message"] and "UTF-8" in error["message"]
+    assert counted(server, "/v1/chat/completions", 400) == before + 1
+    for path, body in [("/v1/completions", b'{"model": "m", "prompt": "ab", "stop": ["x", "\\ud800"]}'),
+                       ("/v1/chat/completions",
+                        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}')]:
+        status, error = post(server, path, content=body)
+        assert status == 400 and error["param"] == "stop" and "UTF-8" in error["message"], error
+
+
+def test_an_unexpected_error_is_a_500_logged_as_500(server):
+    before = counted(server, "/v1/completions", 500)
+    status, error = post(server, "/v1/completions", {"model": "broken", "prompt": "ab", "max_tokens": 2})
+    assert status == 500 and error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert counted(server, "/v1/completions", 500) == before + 1
+
+
+def test_too_long_prompts_point_to_truncate(server):
+    turns = [{"role": "user", "content": "a" * 100}, {"role": "assistant", "content": "b"},
+             {"role": "user", "content": "c"}]
+    for path, body, tokens in [("/v1/completions", {"prompt": "a" * 100}, 100),
+                               ("/v1/completions", {"prompt": [7] * 100}, 100),
+                               ("/v1/chat/completions", {"messages": turns}, 1 + 102 + 3 + 3 + 1)]:
+        status, error = post(server, path, {"model": "m", "max_tokens": 2, **body})
+        assert status == 400 and error["type"] == "invalid_request_error", error
+        message = error["message"]
+        assert f"has {tokens} tokens" in message and f"context is {CONTEXT}" in message, message
+        assert '"truncate": true' in message and "overflow" not in message, message
+        ok = httpx.post(server["url"] + path, headers=JSON, json={"model": "m", "max_tokens": 2, "truncate": True,
+                                                                   **body})
+        assert ok.status_code == 200, ok.text
+
+
+def test_an_oversized_chunked_body_is_a_413(server):
+    def chunks():  # no Content-Length: the size is known only as the body arrives
+        for _ in range(11):
+            yield b" " * 100_000
+
+    status, error = post(server, "/v1/completions", content=chunks())
+    assert status == 413 and error["type"] == "invalid_request_error" and "larger than" in error["message"]
+
+
+def test_body_and_method_errors_say_what_is_wrong(server):
+    status, error = post(server, "/v1/completions", content=b'{"model": "m", prompt}')
+    assert status == 400 and error["param"] is None
+    assert error["message"].startswith("the request body is not valid JSON: "), error
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # (curl -d without -H)
+    status, error = post(server, "/v1/completions", content=b'{"model": "m", "prompt": "ab"}', headers=form)
+    assert status == 400 and "Content-Type: application/json" in error["message"], error
+    status, error = post(server, "/v1/completions", content=b'{"model": "m", "prompt": "ab"}', headers={})
+    assert status == 400 and "Content-Type: application/json" in error["message"], error
+    status, error = post(server, "/v1/completions", content=b'["m", "ab"]')
+    assert status == 400 and "JSON object" in error["message"], error
+    wrong = httpx.get(server["url"] + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_cancels_its_non_streaming_request(server):
+    """A non-streaming request whose client times out stops generating (its row is freed)
+    and is logged and counted as 499 cancelled."""
+    before = counted(server, "/v1/chat/completions", 499)
+    body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000,
+            "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server["url"] + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.time() + 3  # (1000 tokens take over 5 s)
+    while httpx.get(server["url"] + "/health").json()["running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server["url"] + "/health").json()["running"] == 0
+    record = next(r for r in reversed(server["log"].records) if r["path"] == "/v1/chat/completions")
+    assert record["status"] == 499 and record["cancelled"] and record["completion_tokens"] < 1000, record
+    assert counted(server, "/v1/chat/completions", 499) == before + 1
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def one_line_error(capsys, *args) -> str:
+    code, _, err = run_cli(capsys, "serve", *args)
+    assert code == 1 and len(err.strip().splitlines()) == 1, (code, err)
+    return err.strip()
+
+
+def test_serve_refuses_a_port_in_use_in_one_line(capsys, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = one_line_error(capsys, "--model", tmp_path / "m", "--port", port)
+    assert err.startswith(f"frawd: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err, err
+    err = one_line_error(capsys, "--model", tmp_path / "m", "--host", "192.0.2.1")  # (no machine's own)
+    assert err.startswith("frawd: error: cannot listen on 192.0.2.1:8000: "), err
+
+
+def test_serve_refuses_a_port_out_of_range(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "m", "--port", 99999)
+    assert code == 2 and "--port" in err and "99999" in err, err
+
+
+def test_serve_refuses_a_default_above_the_cap(capsys, tmp_path):
+    err = one_line_error(capsys, "--model", tmp_path / "m", "--default-max-tokens", 500, "--max-tokens", 100)
+    assert "--default-max-tokens 500" in err and "--max-tokens 100" in err, err
+
+
+def test_serve_refuses_an_empty_api_key_from_the_environment(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FRAWD_API_KEY", "")
+    from_env = one_line_error(capsys, "--model", tmp_path / "m")
+    monkeypatch.delenv("FRAWD_API_KEY")
+    from_flag = one_line_error(capsys, "--model", tmp_path / "m", "--api-key", "")
+    assert from_env == from_flag and "API key is empty" in from_env, from_env
