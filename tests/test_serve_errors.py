@@ -179,6 +179,10 @@ def test_serve_refuses_a_port_out_of_range(capsys, tmp_path):
 def test_serve_refuses_a_default_above_the_cap(capsys, tmp_path):
     err = one_line_error(capsys, "--model", tmp_path / "m", "--default-max-tokens", 500, "--max-tokens", 100)
     assert "--default-max-tokens 500" in err and "--max-tokens 100" in err, err
+    from frawdllm.cli.serve import default_tokens
+
+    assert default_tokens(None, 1024) == 256 and default_tokens(None, 128) == 128  # a lower cap alone is fine
+    assert default_tokens(100, 100) == 100
 
 
 def test_serve_refuses_an_empty_api_key_from_the_environment(capsys, tmp_path, monkeypatch):

@@ -49,6 +49,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def default_tokens(given: int | None, cap: int) -> int:
+    """max_tokens of a request that gives none: --default-max-tokens, else 256 within the cap."""
+    from ..serve import ServeOptions
+
+    if given is None:
+        return min(ServeOptions.default_max_tokens, cap)
+    if given > cap:
+        raise FrawdError(f"--default-max-tokens {given} is above --max-tokens {cap}: "
+                         "a request without max_tokens would get more than the cap")
+    return given
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, required=True, metavar="[NAME=]DIR",
               help="A model directory, named after the directory or NAME (repeatable: several models, "
@@ -67,8 +79,9 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Open requests (waiting, running, streaming) in all; beyond it a 429.")
 @click.option("--max-tokens", type=click.IntRange(1), default=1024, show_default=True,
               help="The largest max_tokens a request may ask for.")
-@click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
-              help="max_tokens of a request that gives none (at most the context).")
+@click.option("--default-max-tokens", type=click.IntRange(1), default=None,
+              help="max_tokens of a request that gives none (at most the context) [default: 256, or "
+                   "--max-tokens if lower].")
 @click.option("--max-n", type=click.IntRange(1), default=8, show_default=True, help="The largest n.")
 @click.option("--max-body", "max_body", type=click.IntRange(1), default=1 << 20, show_default=True,
               help="The largest request body in bytes; beyond it a 413.")
@@ -79,7 +92,7 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--log-level", type=click.Choice(["info", "warning", "error"]), default="info", show_default=True,
               help="info prints one JSON access-log line per request on stderr.")
 def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
-          max_in_flight: int, max_tokens: int, default_max_tokens: int, max_n: int, max_body: int, native: str,
+          max_in_flight: int, max_tokens: int, default_max_tokens: int | None, max_n: int, max_body: int, native: str,
           quantize: str, threads: int | None, log_level: str) -> None:
     """Serve models over an OpenAI-compatible API, with a chat page at /.
 
@@ -103,9 +116,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
                          "name them with --model NAME=DIR")
     if api_key == "" or (api_key is None and os.environ.get("FRAWD_API_KEY") == ""):  # (click: "" = unset)
         raise FrawdError("the API key is empty (--api-key or FRAWD_API_KEY): give a key, or neither to need none")
-    if default_max_tokens > max_tokens:
-        raise FrawdError(f"--default-max-tokens {default_max_tokens} is above --max-tokens {max_tokens}: "
-                         "a request without max_tokens would get more than the cap")
+    default_max_tokens = default_tokens(default_max_tokens, max_tokens)
     options = ServeOptions(api_key=api_key, max_batch=max_batch, max_queue=max_queue, max_in_flight=max_in_flight,
                            max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
                            max_body_bytes=max_body)
