@@ -173,6 +173,12 @@ class Tokenizer:
             raise FrawdError(f"{path}: not a valid tokenizer.json ({first_line})") from None
         return cls(backend)
 
+    def check_fits(self, vocab_size: int, where: str | Path) -> "Tokenizer":
+        """This tokenizer, if all its ids are inside a model's vocabulary of `vocab_size`."""
+        if self.vocab_size > vocab_size:
+            raise FrawdError(f"{where}: the tokenizer has {self.vocab_size} ids but the model only {vocab_size}")
+        return self
+
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"
 

@@ -61,9 +61,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
     tok_path = model_file(model_dir, TOKENIZER_FILE, required=False)
     if tok_path is None:
         raise FrawdError(f"{model_dir} has no {TOKENIZER_FILE}; evaluation needs the model's tokenizer")
-    tok = Tokenizer.load(tok_path)
-    if tok.vocab_size > cfg.vocab_size:
-        raise FrawdError(f"{model_dir}: the tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
+    tok = Tokenizer.load(tok_path).check_fits(cfg.vocab_size, model_dir)
     dev = pick_device(device)
     model = load_model(model_dir, device=dev, kind="decoder").eval()
     with tempfile.TemporaryDirectory(prefix="frawd-eval-") as tmp:

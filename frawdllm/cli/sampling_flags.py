@@ -127,10 +127,7 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise FrawdError("--device cuda asked for, but no CUDA GPU is available")
     model = load_model(model_dir, device=torch_device, kind="decoder")
-    tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE))
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise FrawdError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} ids but the model only "
-                         f"{model.config.vocab_size}")
+    tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE)).check_fits(model.config.vocab_size, model_dir)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     if quantize == "int8":

@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import re
+import sys
 import threading
 import time
 import zlib
@@ -199,8 +200,6 @@ def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> T
 
 def print_warnings(meta: dict) -> None:
     """What the corpus needed (replaced bytes, unknown characters) as `warning:` lines on stderr."""
-    import sys
-
     for warning in meta.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
 

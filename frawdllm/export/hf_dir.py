@@ -198,10 +198,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         model = read_hf_dir(directory)
         tokenizer = directory / TOKENIZER_FILE
         if tokenizer.is_file():  # copied as is, once it has shown it loads and fits the model
-            vocab = Tokenizer.load(tokenizer).vocab_size
-            if vocab > model.config.vocab_size:
-                raise FrawdError(f"{tokenizer}: the tokenizer has {vocab} ids but the model only "
-                                 f"{model.config.vocab_size}")
+            Tokenizer.load(tokenizer).check_fits(model.config.vocab_size, tokenizer)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
     return model
 
