@@ -197,9 +197,10 @@ def test_int8_models_run_natively_and_equal_their_dequantized_weights(name):
 
 @pytest.mark.skipif(not native.has_fp16(), reason="no F16C")
 @pytest.mark.parametrize("name, shape", [("learned", dict(n_embd=45, n_head=5)), ("llama", {})])
-def test_both_fp16_conversion_widths_give_the_same_bits(name, shape):
-    """Batch-1 fp16 products convert 16 or 8 weights at a time (measured per CPU, where both
-    exist): each form equals PyTorch on the fp16-rounded model, and they agree exactly.
+def test_every_stream_form_gives_the_same_bits(name, shape):
+    """Batch-1 fp16 products convert 16 or 8 weights at a time and prefetch the weight
+    stream with one of three hints (each measured per CPU by `native.tune`): every form
+    equals PyTorch on the fp16-rounded model, and they agree exactly.
     (45 inputs: an odd one left after the pairs; vocabulary 200: a partial last tile.)"""
     torch.manual_seed(0)
     model = FrawdLLM(get_config("tiny", n_layer=2, context_length=48, vocab_size=200,
@@ -207,12 +208,15 @@ def test_both_fp16_conversion_widths_give_the_same_bits(name, shape):
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.15)
-    lib, chosen = native.library(), native.fp16_width()
+    lib, width = native.library(), native.tune()
+    hint = lib.frawd_prefetch_hint()
     results = []
     try:
-        for width in (16, 8):
-            lib.frawd_set_fp16_width(width)
-            check_against_full_forward(model, "fp16", lengths=(1,), steps=5)
+        for form_width, form_hint in [(16, 0), (16, 1), (16, 2), (8, 2)]:
+            lib.frawd_set_fp16_width(form_width)
+            lib.frawd_set_prefetch_hint(form_hint)
+            assert lib.frawd_prefetch_hint() == form_hint
+            check_against_full_forward(model, "fp16", lengths=(1, 3), steps=5)
             decoder = native.NativeDecoder(model, "fp16")
             cache = KVCache(model.config, 1, 8)
             logits = []
@@ -221,8 +225,20 @@ def test_both_fp16_conversion_widths_give_the_same_bits(name, shape):
                 logits.append(decoder.forward(torch.tensor([[token]]), torch.tensor([[step]]), cache).clone())
             results.append(torch.cat(logits))
     finally:
-        lib.frawd_set_fp16_width(chosen)
-    assert torch.equal(results[0], results[1])
+        lib.frawd_set_fp16_width(width)
+        lib.frawd_set_prefetch_hint(hint)
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+
+
+def test_tune_keeps_the_fastest_forms():
+    """`tune` measures once per process and reports a real choice."""
+    width = native.tune()
+    assert width in (16, 8) if native.has_fp16() else True
+    assert native.tune() == width  # measured once
+    forms = native.stream_forms()
+    assert forms.startswith(f"fp16 width {width}, prefetch ")
+    assert forms.split()[-1] in native.PREFETCH_HINTS
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

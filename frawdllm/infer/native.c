@@ -18,7 +18,8 @@ One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 Matrices are read from copies the decoder owns (`native.py` writes them; the model is
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
 consecutive rows of 64, so each thread's share of a product is one contiguous stream,
-which the hardware prefetcher follows and which is also prefetched 8 KB ahead. A
+which the hardware prefetcher follows and which is also prefetched 8 KB ahead (with the
+hint measured fastest on this CPU, see frawd_tune). A
 product walks the inputs i and adds x[i] * W^T[i, tile] into register accumulators for
 1, 2, 4 or 8 rows (as many outputs per pass as the registers hold: 16 AVX-512 or 8 AVX2
 accumulators): plain multiply-adds, no horizontal sums, no scalar loops. Weights are
@@ -49,6 +50,7 @@ and the compiler's portable conversions elsewhere (aarch64).
 #include <string.h>
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #else
@@ -71,6 +73,19 @@ typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignm
 #define TILE 64            /* outputs per packed tile (the layout native.py writes) */
 #define NV (TILE / VW)     /* vectors per tile */
 #define PREFETCH_BYTES 8192 /* how far ahead the weight stream is prefetched */
+
+/* How the weight stream is prefetched: the hint matters more than one would think. On AMD
+   Zen 4 the non-temporal hint (NTA) paid; on an Intel Xeon with AMX, NTA-prefetched lines
+   of a stream larger than L2 came at 8-13 GB/s against 57 without prefetching (a 16 MB
+   stream, one thread): batch-1 decode of `tiny` ran 3.6x slower. frawd_tune() times the
+   three on this CPU. */
+enum { PF_NTA = 0, PF_T0 = 1, PF_NONE = 2 };
+static int prefetch_hint = PF_NTA;
+
+static inline __attribute__((always_inline)) void prefetch_w(int hint, const char *p) {
+    if (hint == PF_NTA) __builtin_prefetch(p, 0, 0);
+    else if (hint == PF_T0) __builtin_prefetch(p, 0, 3);
+}
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
@@ -185,6 +200,7 @@ static inline __attribute__((always_inline)) void chunk_product(
     }
     const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
     const int64_t ahead = PREFETCH_BYTES / row; /* rows */
+    const int hint = prefetch_hint;
     for (int r = 0; r < R; r++)
         for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
     int64_t i = 0;
@@ -193,10 +209,11 @@ static inline __attribute__((always_inline)) void chunk_product(
         for (int r = 0; r < R; r++)
             for (int k = 0; k < C; k++) odd[r][k] = vw_splat(0.0f);
         for (; i + 2 <= in; i += 2, p += 2 * row) {
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch(p + ahead * row + b, 0, 0);
-                __builtin_prefetch(p + (ahead + 1) * row + b, 0, 0);
-            }
+            if (hint != PF_NONE)
+                for (int64_t b = 0; b < bytes; b += 64) {
+                    prefetch_w(hint, p + ahead * row + b);
+                    prefetch_w(hint, p + (ahead + 1) * row + b);
+                }
             vw w0[ACC_MAX], w1[ACC_MAX];
             for (int k = 0; k < C; k++) w0[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
             for (int k = 0; k < C; k++) w1[k] = load_w(kind, p + row + (int64_t)k * VW * BYTES[kind]);
@@ -210,7 +227,8 @@ static inline __attribute__((always_inline)) void chunk_product(
             for (int k = 0; k < C; k++) acc[r][k] += odd[r][k];
     }
     for (; i < in; i++, p += row) {
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + ahead * row + b, 0, 0);
+        if (hint != PF_NONE)
+            for (int64_t b = 0; b < bytes; b += 64) prefetch_w(hint, p + ahead * row + b);
         vw w[ACC_MAX];
         for (int k = 0; k < C; k++) w[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
         for (int r = 0; r < R; r++) {
@@ -224,7 +242,7 @@ static inline __attribute__((always_inline)) void chunk_product(
    weight once, so the product runs at the rate weights are converted, and some cores
    convert 16 fp16 at half the rate of 8 (AMD Zen 4: a one-row fp16 product then streams
    ~55 GB/s from L3 against ~85 with 8-wide conversions); others convert both at one per
-   cycle. frawd_choose_fp16_width() times both forms once and keeps the faster. The sums
+   cycle. frawd_tune() times both forms once and keeps the faster. The sums
    are the same, in the same order, as chunk_product's (lanes are independent), so the
    two forms give identical bits. No software prefetch here: with the loads at their
    limit the prefetch instructions cost more than the hardware prefetcher leaves to gain. */
@@ -264,7 +282,7 @@ static inline __attribute__((always_inline)) void chunk_product_narrow(
 }
 #endif
 
-static int fp16_narrow = 0; /* batch-1 fp16 products convert 8 at a time (set by frawd_choose_fp16_width) */
+static int fp16_narrow = 0; /* batch-1 fp16 products convert 8 at a time (set by frawd_tune) */
 
 /* y (=, +=) value for the first n of VW outputs (n < VW only in the last tile). */
 static inline void epilogue(int mode, float *y, vw value, int64_t n) {
@@ -364,49 +382,68 @@ static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64
     if (mode == EPI_GELU) gelu_columns(y, ldy, B, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
 }
 
-#if HAS_NARROW
-/* One row of y = x @ W^T over every tile of an fp16 Linear, in the wide or narrow form. */
-static void fp16_row_product(int narrow, const Linear *L, const float *x, float *y) {
-    const int64_t ldx = 0, ldy = 0, r0 = 0;
-    const int mode = EPI_STORE;
-    for (int64_t t = 0; t < (L->out + TILE - 1) / TILE; t++) {
-        if (narrow) ROWS_TILE(1, W_FP16_NARROW);
-        else ROWS_TILE(1, W_FP16);
-    }
-}
-#endif
 
-/* The vector width batch-1 fp16 products convert at: 16 (one 512-bit conversion) or 8.
-   Where both exist (AVX-512 builds) both forms are timed on a 4 MB matrix, one thread,
-   interleaved, best of 9 (a few ms), and the narrow one is kept if it is 3% faster. */
-int64_t frawd_choose_fp16_width(void) {
+/* The forms of the batch-1 product this CPU streams weights fastest with: the prefetch
+   hint (NTA, T0 or none) and, where both exist (AVX-512 builds), fp16 conversions 16 or 8
+   at a time. Timed on a 16 MB fp16 matrix (larger than any core's L2, like a real model's
+   weights, which come from L3 or memory; a matrix that fits in L2 hides what the hints
+   cost), one thread, interleaved, best of 5 after a warm-up (about 10-50 ms). A form
+   replaces the current one only when it is 3% faster. Returns the fp16 width. */
 #if HAS_NARROW
-    const int64_t in = 512, out = 4096;
-    uint16_t *w = malloc(in * out * sizeof(uint16_t));
+#define FORMS 4 /* wide with each hint, then narrow (which never prefetches) */
+#else
+#define FORMS 3
+#endif
+int64_t frawd_tune(void) {
+#if defined(__linux__)
+    const int64_t align = 2 << 20; /* on 2 MB pages where Linux gives them, like the decoder's */
+#else
+    const int64_t align = 64;
+#endif
+    const int64_t in = 1024, out = 8192, bytes = in * out * (int64_t)sizeof(uint16_t);
+    uint16_t *w = aligned_alloc(align, bytes);
     float *x = malloc(in * sizeof(float)), *y = malloc(out * sizeof(float));
-    if (w && x && y) {
-        memset(w, 0x11, in * out * sizeof(uint16_t)); /* small normal halves; real pages, not the zero page */
+    if (w && x && y && HAS_FP16) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+        madvise(w, bytes, MADV_HUGEPAGE);
+#endif
+        memset(w, 0x11, bytes); /* small normal halves; real pages, not the zero page */
         for (int64_t i = 0; i < in; i++) x[i] = 1.0f / (float)(i + 1);
-        Linear L = {NULL, w, NULL, NULL, NULL, in, out};
-        double best[2] = {1e30, 1e30};
-        for (int rep = 0; rep < 10; rep++)
-            for (int narrow = 0; narrow < 2; narrow++) {
+        const Linear matrix = {NULL, w, NULL, NULL, NULL, in, out}, *L = &matrix; /* (ROWS_TILE's names) */
+        const int64_t ldx = 0, ldy = 0, r0 = 0;
+        const int mode = EPI_STORE;
+        double best[FORMS];
+        for (int f = 0; f < FORMS; f++) best[f] = 1e30;
+        for (int rep = 0; rep < 6; rep++)
+            for (int form = 0; form < FORMS; form++) {
                 double start = omp_get_wtime();
-                fp16_row_product(narrow, &L, x, y);
+                for (int64_t t = 0; t < out / TILE; t++) {
+                    if (form == 3) ROWS_TILE(1, W_FP16_NARROW);
+                    else {
+                        prefetch_hint = form;
+                        ROWS_TILE(1, W_FP16);
+                    }
+                }
                 double took = omp_get_wtime() - start;
-                if (rep > 0 && took < best[narrow]) best[narrow] = took; /* rep 0 warms the caches */
+                if (rep > 0 && took < best[form]) best[form] = took; /* rep 0 warms the caches */
             }
-        fp16_narrow = best[1] < 0.97 * best[0];
+        int hint = PF_NTA;
+        for (int f = PF_T0; f <= PF_NONE; f++)
+            if (best[f] < 0.97 * best[hint]) hint = f;
+        prefetch_hint = hint;
+        fp16_narrow = FORMS == 4 && best[FORMS - 1] < 0.97 * best[hint];
     }
     free(w), free(x), free(y);
     return fp16_narrow ? 8 : VW;
-#else
-    return VW;
-#endif
 }
 
-/* Force a form (tests): 8 for narrow conversions where they exist, anything else wide. */
+/* The prefetch hint in use: 0 NTA, 1 T0, 2 none. */
+int64_t frawd_prefetch_hint(void) { return prefetch_hint; }
+
+/* Force forms (tests; results never depend on them): fp16 width 8 for narrow conversions
+   where they exist, anything else wide; a prefetch hint as above. */
 void frawd_set_fp16_width(int64_t width) { fp16_narrow = HAS_NARROW && width == 8; }
+void frawd_set_prefetch_hint(int64_t hint) { prefetch_hint = hint >= PF_NTA && hint <= PF_NONE ? (int)hint : PF_NTA; }
 
 /* ---- waiting for each other ------------------------------------------------------------ */
 

@@ -102,8 +102,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
-    lib.frawd_choose_fp16_width.restype = i64
+    lib.frawd_tune.restype = i64
+    lib.frawd_prefetch_hint.restype = i64
     lib.frawd_set_fp16_width.argtypes = [i64]
+    lib.frawd_set_prefetch_hint.argtypes = [i64]
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
@@ -130,17 +132,25 @@ def has_fp16() -> bool:
 
 
 _fp16_width: int | None = None
-_fp16_lock = threading.Lock()
+_tune_lock = threading.Lock()
+PREFETCH_HINTS = ("nta", "t0", "none")  # native.c's PF_NTA, PF_T0, PF_NONE
 
 
-def fp16_width() -> int:
-    """Floats per conversion in batch-1 fp16 products (16 or 8 with AVX-512, else 8 or 4):
-    where a CPU has both, `native.c` times them once per process (a few ms) and keeps the faster."""
+def tune() -> int:
+    """Times, once per process (10-50 ms), the forms of the batch-1 product this CPU
+    streams weights fastest with: the prefetch hint, and where a CPU has both, fp16
+    conversions 16 or 8 at a time. Returns the fp16 width (16 or 8 with AVX-512, else 8)."""
     global _fp16_width
-    with _fp16_lock:
+    with _tune_lock:
         if _fp16_width is None:
-            _fp16_width = int(library().frawd_choose_fp16_width())
+            _fp16_width = int(library().frawd_tune())
         return _fp16_width
+
+
+def stream_forms() -> str:
+    """What `tune` chose, for reports: e.g. "fp16 width 8, prefetch none"."""
+    width = tune()
+    return f"fp16 width {width}, prefetch {PREFETCH_HINTS[library().frawd_prefetch_hint()]}"
 
 
 def supports(model: nn.Module) -> str | None:
@@ -237,8 +247,7 @@ class NativeDecoder:
         self.lib = library()
         if weights == "fp16" and not has_fp16():
             raise FrawdError("fp16 weights need a CPU with F16C (x86-64 since 2013)")
-        if weights == "fp16":
-            fp16_width()
+        tune()
         self.weights = weights
         self.source = model
         self._signature = _signature(model)
