@@ -208,6 +208,7 @@ def main() -> None:
     default_mode = default.describe()
     if default.native:  # the bytes the default engine's batch-1 step streams (its own copies)
         weight_bytes = default.native_decoder().weight_bytes
+        default_mode += f" [{default.native_decoder().stream_forms}]"  # as timed on its weights
     else:
         weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                            if isinstance(m, torch.nn.Linear))

@@ -5,6 +5,8 @@ shapes that are not multiples of the C code's vector and tile widths, fp32 and f
 weights, threads, the rebuild after a weight change, and the ways it says no.
 """
 
+import ctypes
+
 import pytest
 import torch
 
@@ -199,46 +201,40 @@ def test_int8_models_run_natively_and_equal_their_dequantized_weights(name):
 @pytest.mark.parametrize("name, shape", [("learned", dict(n_embd=45, n_head=5)), ("llama", {})])
 def test_every_stream_form_gives_the_same_bits(name, shape):
     """Batch-1 fp16 products convert 16 or 8 weights at a time and prefetch the weight
-    stream with one of three hints (each measured per CPU by `native.tune`): every form
-    equals PyTorch on the fp16-rounded model, and they agree exactly.
-    (45 inputs: an odd one left after the pairs; vocabulary 200: a partial last tile.)"""
+    stream with one of three hints (each decoder times them on its own weights): every
+    form gives exactly the logits of the form chosen, which equal PyTorch on the
+    fp16-rounded model. (45 inputs: an odd one left after the pairs; vocabulary 200: a
+    partial last tile.)"""
     torch.manual_seed(0)
     model = FrawdLLM(get_config("tiny", n_layer=2, context_length=48, vocab_size=200,
                                 **{"n_embd": 32, "n_head": 4, **CONFIGS[name], **shape})).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.15)
-    lib, width = native.library(), native.tune()
-    hint = lib.frawd_prefetch_hint()
+    check_against_full_forward(model, "fp16", lengths=(1, 3), steps=5)  # (the chosen form)
+    decoder = native.NativeDecoder(model, "fp16")
     results = []
-    try:
-        for form_width, form_hint in [(16, 0), (16, 1), (16, 2), (8, 2)]:
-            lib.frawd_set_fp16_width(form_width)
-            lib.frawd_set_prefetch_hint(form_hint)
-            assert lib.frawd_prefetch_hint() == form_hint
-            check_against_full_forward(model, "fp16", lengths=(1, 3), steps=5)
-            decoder = native.NativeDecoder(model, "fp16")
-            cache = KVCache(model.config, 1, 8)
-            logits = []
-            for step, token in enumerate([3, 9, 27, 81]):
-                cache.begin(1)
-                logits.append(decoder.forward(torch.tensor([[token]]), torch.tensor([[step]]), cache).clone())
-            results.append(torch.cat(logits))
-    finally:
-        lib.frawd_set_fp16_width(width)
-        lib.frawd_set_prefetch_hint(hint)
+    for hint, narrow in [(None, None), (0, 0), (1, 0), (2, 0), (2, 1)]:
+        if hint is not None:
+            decoder.lib.frawd_set_forms(ctypes.byref(decoder.model), hint, narrow)
+        cache = KVCache(model.config, 1, 8)
+        logits = []
+        for step, token in enumerate([3, 9, 27, 81]):
+            cache.begin(1)
+            logits.append(decoder.forward(torch.tensor([[token]]), torch.tensor([[step]]), cache).clone())
+        results.append(torch.cat(logits))
     for other in results[1:]:
         assert torch.equal(results[0], other)
 
 
-def test_tune_keeps_the_fastest_forms():
-    """`tune` measures once per process and reports a real choice."""
-    width = native.tune()
-    assert width in (16, 8) if native.has_fp16() else True
-    assert native.tune() == width  # measured once
-    forms = native.stream_forms()
-    assert forms.startswith(f"fp16 width {width}, prefetch ")
-    assert forms.split()[-1] in native.PREFETCH_HINTS
+def test_each_decoder_times_its_stream_forms():
+    """The forms are chosen per decoder, on its weights, and say what they are."""
+    model = FrawdLLM(get_config("tiny", n_layer=2, n_embd=64, n_head=4)).eval()
+    for weights in ("fp32", "fp16"):
+        forms = native.NativeDecoder(model, weights).stream_forms
+        hint, *width = forms.split(", ")
+        assert hint.split()[0] == "prefetch" and hint.split()[1] in native.PREFETCH_HINTS
+        assert width in ([], ["fp16 8 at a time"]) and (weights == "fp16" or not width)
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

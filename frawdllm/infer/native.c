@@ -19,7 +19,7 @@ Matrices are read from copies the decoder owns (`native.py` writes them; the mod
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
 consecutive rows of 64, so each thread's share of a product is one contiguous stream,
 which the hardware prefetcher follows and which is also prefetched 8 KB ahead (with the
-hint measured fastest on this CPU, see frawd_tune). A
+hint measured fastest for the model, see frawd_set_forms). A
 product walks the inputs i and adds x[i] * W^T[i, tile] into register accumulators for
 1, 2, 4 or 8 rows (as many outputs per pass as the registers hold: 16 AVX-512 or 8 AVX2
 accumulators): plain multiply-adds, no horizontal sums, no scalar loops. Weights are
@@ -50,7 +50,6 @@ and the compiler's portable conversions elsewhere (aarch64).
 #include <string.h>
 #if defined(__linux__)
 #include <linux/futex.h>
-#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #else
@@ -75,12 +74,10 @@ typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignm
 #define PREFETCH_BYTES 8192 /* how far ahead the weight stream is prefetched */
 
 /* How the weight stream is prefetched: the hint matters more than one would think. On AMD
-   Zen 4 the non-temporal hint (NTA) paid; on an Intel Xeon with AMX, NTA-prefetched lines
-   of a stream larger than L2 came at 8-13 GB/s against 57 without prefetching (a 16 MB
-   stream, one thread): batch-1 decode of `tiny` ran 3.6x slower. frawd_tune() times the
-   three on this CPU. */
+   Zen 4 the non-temporal hint (NTA) paid; on an Intel Xeon with AMX, NTA-prefetched weights
+   came at a quarter of the speed of no software prefetch: batch-1 decode of `tiny` ran 3.6x
+   slower. native.py times the three on the model's own decode steps (frawd_set_forms). */
 enum { PF_NTA = 0, PF_T0 = 1, PF_NONE = 2 };
-static int prefetch_hint = PF_NTA;
 
 static inline __attribute__((always_inline)) void prefetch_w(int hint, const char *p) {
     if (hint == PF_NTA) __builtin_prefetch(p, 0, 0);
@@ -102,6 +99,7 @@ typedef struct {
     const float *scale;
     const float *b;     /* (tiles * TILE) or NULL */
     int64_t in, out;
+    int64_t hint, narrow; /* how its stream is read (frawd_set_forms; 0, 0: NTA, wide) */
 } Linear;
 
 typedef struct {
@@ -193,14 +191,13 @@ static inline __attribute__((always_inline)) void chunk_product_narrow(
     int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]);
 
 static inline __attribute__((always_inline)) void chunk_product(
-    int R, int C, int kind, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    int R, int C, int kind, int hint, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
     if (kind == W_FP16_NARROW) { /* (one row only) */
         chunk_product_narrow(C, x, p, in, acc);
         return;
     }
     const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
     const int64_t ahead = PREFETCH_BYTES / row; /* rows */
-    const int hint = prefetch_hint;
     for (int r = 0; r < R; r++)
         for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
     int64_t i = 0;
@@ -242,7 +239,7 @@ static inline __attribute__((always_inline)) void chunk_product(
    weight once, so the product runs at the rate weights are converted, and some cores
    convert 16 fp16 at half the rate of 8 (AMD Zen 4: a one-row fp16 product then streams
    ~55 GB/s from L3 against ~85 with 8-wide conversions); others convert both at one per
-   cycle. frawd_tune() times both forms once and keeps the faster. The sums
+   cycle. native.py times both forms and keeps the faster. The sums
    are the same, in the same order, as chunk_product's (lanes are independent), so the
    two forms give identical bits. No software prefetch here: with the loads at their
    limit the prefetch instructions cost more than the hardware prefetcher leaves to gain. */
@@ -282,8 +279,6 @@ static inline __attribute__((always_inline)) void chunk_product_narrow(
 }
 #endif
 
-static int fp16_narrow = 0; /* batch-1 fp16 products convert 8 at a time (set by frawd_tune) */
-
 /* y (=, +=) value for the first n of VW outputs (n < VW only in the last tile). */
 static inline void epilogue(int mode, float *y, vw value, int64_t n) {
     if (n >= VW) {
@@ -303,7 +298,7 @@ static inline __attribute__((always_inline)) void rows_chunk(
     int64_t t, int c0, int mode) {
     vw acc[8][ACC_MAX];
     const char *p = packed(L) + (t * L->in * TILE + (int64_t)c0 * VW) * BYTES[kind];
-    chunk_product(R, C, kind, x + r0 * ldx, ldx, p, L->in, acc);
+    chunk_product(R, C, kind, (int)L->hint, x + r0 * ldx, ldx, p, L->in, acc);
     for (int k = 0; k < C; k++) {
         int64_t o = t * TILE + (int64_t)(c0 + k) * VW; /* first output of this vector */
         if (o >= L->out) break;
@@ -331,7 +326,7 @@ static void rows_tile(int R, const Linear *L, const float *x, int64_t ldx, float
         case W_FP32 * 4 + 2: ROWS_TILE(4, W_FP32); break;
         case W_FP32 * 4 + 3: ROWS_TILE(8, W_FP32); break;
         case W_FP16 * 4:
-            if (fp16_narrow) ROWS_TILE(1, W_FP16_NARROW);
+            if (L->narrow) ROWS_TILE(1, W_FP16_NARROW);
             else ROWS_TILE(1, W_FP16);
             break;
         case W_FP16 * 4 + 1: ROWS_TILE(2, W_FP16); break;
@@ -383,67 +378,23 @@ static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64
 }
 
 
-/* The forms of the batch-1 product this CPU streams weights fastest with: the prefetch
-   hint (NTA, T0 or none) and, where both exist (AVX-512 builds), fp16 conversions 16 or 8
-   at a time. Timed on a 16 MB fp16 matrix (larger than any core's L2, like a real model's
-   weights, which come from L3 or memory; a matrix that fits in L2 hides what the hints
-   cost), one thread, interleaved, best of 5 after a warm-up (about 10-50 ms). A form
-   replaces the current one only when it is 3% faster. Returns the fp16 width. */
-#if HAS_NARROW
-#define FORMS 4 /* wide with each hint, then narrow (which never prefetches) */
-#else
-#define FORMS 3
-#endif
-int64_t frawd_tune(void) {
-#if defined(__linux__)
-    const int64_t align = 2 << 20; /* on 2 MB pages where Linux gives them, like the decoder's */
-#else
-    const int64_t align = 64;
-#endif
-    const int64_t in = 1024, out = 8192, bytes = in * out * (int64_t)sizeof(uint16_t);
-    uint16_t *w = aligned_alloc(align, bytes);
-    float *x = malloc(in * sizeof(float)), *y = malloc(out * sizeof(float));
-    if (w && x && y && HAS_FP16) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-        madvise(w, bytes, MADV_HUGEPAGE);
-#endif
-        memset(w, 0x11, bytes); /* small normal halves; real pages, not the zero page */
-        for (int64_t i = 0; i < in; i++) x[i] = 1.0f / (float)(i + 1);
-        const Linear matrix = {NULL, w, NULL, NULL, NULL, in, out}, *L = &matrix; /* (ROWS_TILE's names) */
-        const int64_t ldx = 0, ldy = 0, r0 = 0;
-        const int mode = EPI_STORE;
-        double best[FORMS];
-        for (int f = 0; f < FORMS; f++) best[f] = 1e30;
-        for (int rep = 0; rep < 6; rep++)
-            for (int form = 0; form < FORMS; form++) {
-                double start = omp_get_wtime();
-                for (int64_t t = 0; t < out / TILE; t++) {
-                    if (form == 3) ROWS_TILE(1, W_FP16_NARROW);
-                    else {
-                        prefetch_hint = form;
-                        ROWS_TILE(1, W_FP16);
-                    }
-                }
-                double took = omp_get_wtime() - start;
-                if (rep > 0 && took < best[form]) best[form] = took; /* rep 0 warms the caches */
-            }
-        int hint = PF_NTA;
-        for (int f = PF_T0; f <= PF_NONE; f++)
-            if (best[f] < 0.97 * best[hint]) hint = f;
-        prefetch_hint = hint;
-        fp16_narrow = FORMS == 4 && best[FORMS - 1] < 0.97 * best[hint];
-    }
-    free(w), free(x), free(y);
-    return fp16_narrow ? 8 : VW;
+/* Every Linear of the model (the LM head last). */
+static Linear *model_linear(const Model *m, int64_t i) {
+    if (i == 4 * m->n_layer) return (Linear *)&m->head;
+    Layer *L = (Layer *)&m->layers[i / 4];
+    Linear *kinds[4] = {&L->qkv, &L->proj, &L->up, &L->down};
+    return kinds[i % 4];
 }
 
-/* The prefetch hint in use: 0 NTA, 1 T0, 2 none. */
-int64_t frawd_prefetch_hint(void) { return prefetch_hint; }
-
-/* Force forms (tests; results never depend on them): fp16 width 8 for narrow conversions
-   where they exist, anything else wide; a prefetch hint as above. */
-void frawd_set_fp16_width(int64_t width) { fp16_narrow = HAS_NARROW && width == 8; }
-void frawd_set_prefetch_hint(int64_t hint) { prefetch_hint = hint >= PF_NTA && hint <= PF_NONE ? (int)hint : PF_NTA; }
+/* Read every Linear of the model in this form from now on (native.py times the forms on
+   real decode steps and keeps the fastest). Narrow applies to fp16 weights in AVX-512 builds. */
+void frawd_set_forms(const Model *m, int64_t hint, int64_t narrow) {
+    for (int64_t i = 0; i <= 4 * m->n_layer; i++) {
+        Linear *L = model_linear(m, i);
+        L->hint = hint >= PF_NTA && hint <= PF_NONE ? hint : PF_NTA;
+        L->narrow = HAS_NARROW && narrow && storage(L) == W_FP16;
+    }
+}
 
 /* ---- waiting for each other ------------------------------------------------------------ */
 

@@ -37,6 +37,7 @@ import copy
 import ctypes
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 # ctypes mirrors of the structs in native.c (same fields, same order).
 class _Linear(ctypes.Structure):
     _fields_ = [("w", f32p), ("wh", ctypes.c_void_p), ("wq", ctypes.c_void_p), ("scale", f32p), ("b", f32p),
-                ("in_", i64), ("out", i64)]
+                ("in_", i64), ("out", i64), ("hint", i64), ("narrow", i64)]
 
 
 class _Norm(ctypes.Structure):
@@ -102,10 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
-    lib.frawd_tune.restype = i64
-    lib.frawd_prefetch_hint.restype = i64
-    lib.frawd_set_fp16_width.argtypes = [i64]
-    lib.frawd_set_prefetch_hint.argtypes = [i64]
+    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64]
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
@@ -131,26 +129,7 @@ def has_fp16() -> bool:
     return available() and bool(library().frawd_has_fp16())
 
 
-_fp16_width: int | None = None
-_tune_lock = threading.Lock()
 PREFETCH_HINTS = ("nta", "t0", "none")  # native.c's PF_NTA, PF_T0, PF_NONE
-
-
-def tune() -> int:
-    """Times, once per process (10-50 ms), the forms of the batch-1 product this CPU
-    streams weights fastest with: the prefetch hint, and where a CPU has both, fp16
-    conversions 16 or 8 at a time. Returns the fp16 width (16 or 8 with AVX-512, else 8)."""
-    global _fp16_width
-    with _tune_lock:
-        if _fp16_width is None:
-            _fp16_width = int(library().frawd_tune())
-        return _fp16_width
-
-
-def stream_forms() -> str:
-    """What `tune` chose, for reports: e.g. "fp16 width 8, prefetch none"."""
-    width = tune()
-    return f"fp16 width {width}, prefetch {PREFETCH_HINTS[library().frawd_prefetch_hint()]}"
 
 
 def supports(model: nn.Module) -> str | None:
@@ -247,7 +226,6 @@ class NativeDecoder:
         self.lib = library()
         if weights == "fp16" and not has_fp16():
             raise FrawdError("fp16 weights need a CPU with F16C (x86-64 since 2013)")
-        tune()
         self.weights = weights
         self.source = model
         self._signature = _signature(model)
@@ -326,6 +304,50 @@ class NativeDecoder:
         self._cache_rows = 0
         self._work: Tensor | None = None
         self._lock = threading.Lock()
+        self.stream_forms = self._choose_forms()
+
+    def _choose_forms(self) -> str:
+        """How this machine streams these weights fastest at batch 1, timed on real decode
+        steps (one row, 8 cached tokens, torch's thread count), forms interleaved, the best of
+        3 rounds of 2 steps after a warm-up (~15 ms for `tiny`, ~0.1 s for `small`). The forms: the prefetch hint of the
+        weight stream (none, NTA or T0: NTA paid on an AMD Zen 4 and ran 1.6-4x slower on an
+        Intel Xeon with AMX) and, for fp16 in AVX-512 builds, conversions 8 at a time. A form
+        replaces the first (no prefetch) only when it is 3% faster; all give the same bits."""
+        from .cache import KVCache
+
+        cfg, model = self.source.config, ctypes.byref(self.model)
+        if cfg.context_length < 2:
+            self.lib.frawd_set_forms(model, 2, 0)
+            return "prefetch none"
+        forms = [(2, 0), (0, 0), (1, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
+        self.lib.frawd_set_forms(model, 2, 1)
+        if self.model.head.narrow:  # fp16 weights in an AVX-512 build
+            forms.append((2, 1))
+        fill = min(8, cfg.context_length - 1)
+        dtype = torch.float16 if self.weights != "fp32" and has_fp16() else torch.float32
+        cache = KVCache(cfg, 1, fill + 1, dtype=dtype)
+        tokens = torch.zeros(1, fill, dtype=torch.long)
+        cache.begin(fill)
+        self.forward(tokens, torch.arange(fill)[None], cache)
+        best = [float("inf")] * len(forms)
+        step, position = tokens[:, :1], torch.tensor([[fill]])
+        for rnd in range(4):
+            for i, form in enumerate(forms):
+                self.lib.frawd_set_forms(model, *form)
+                start = time.perf_counter()
+                for _ in range(2):
+                    cache.length = fill
+                    cache.begin(1)
+                    self.forward(step, position, cache)
+                if rnd:  # (round 0 warms up)
+                    best[i] = min(best[i], time.perf_counter() - start)
+        chosen = 0
+        for i in range(1, len(forms)):
+            if best[i] < 0.97 * best[chosen]:
+                chosen = i
+        hint, narrow = forms[chosen]
+        self.lib.frawd_set_forms(model, hint, narrow)
+        return f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
 
     def is_current(self, model: nn.Module) -> bool:
         """True while `model`'s tensors are the ones this decoder was built on, unmodified."""
