@@ -214,27 +214,37 @@ def test_every_stream_form_gives_the_same_bits(name, shape):
     check_against_full_forward(model, "fp16", lengths=(1, 3), steps=5)  # (the chosen form)
     decoder = native.NativeDecoder(model, "fp16")
     results = []
-    for hint, narrow in [(None, None), (0, 0), (1, 0), (2, 0), (2, 1)]:
+    tokens = torch.tensor([[3, 9, 27, 81], [5, 7, 11, 13]])
+    for hint, narrow, rows in [(None, None, None), (0, 0, 0), (1, 0, 1), (2, 0, 2), (2, 1, 0)]:
         if hint is not None:
-            decoder.lib.frawd_set_forms(ctypes.byref(decoder.model), hint, narrow)
-        cache = KVCache(model.config, 1, 8)
+            decoder.lib.frawd_set_forms(ctypes.byref(decoder.model), hint, narrow, rows)
         logits = []
-        for step, token in enumerate([3, 9, 27, 81]):
-            cache.begin(1)
-            logits.append(decoder.forward(torch.tensor([[token]]), torch.tensor([[step]]), cache).clone())
+        for batch in (tokens[:1], tokens):  # one row, then two (the many-row hint)
+            cache = KVCache(model.config, len(batch), 8)
+            for step in range(batch.shape[1]):
+                cache.begin(1)
+                logits.append(decoder.forward(batch[:, step:step + 1], torch.full((len(batch), 1), step),
+                                              cache).clone())
         results.append(torch.cat(logits))
     for other in results[1:]:
         assert torch.equal(results[0], other)
 
 
-def test_each_decoder_times_its_stream_forms():
-    """The forms are chosen per decoder, on its weights, and say what they are."""
+def test_stream_forms_are_timed_once_per_model_shape_and_say_what_they_are(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
+    timed = []
+    fastest = native.NativeDecoder._fastest
+    monkeypatch.setattr(native.NativeDecoder, "_fastest", lambda self, *a, **k: timed.append(a[2]) or fastest(self, *a, **k))
     model = FrawdLLM(get_config("tiny", n_layer=2, n_embd=64, n_head=4)).eval()
-    for weights in ("fp32", "fp16"):
+    for weights in ("fp32", "fp16", "fp32", "fp16"):
         forms = native.NativeDecoder(model, weights).stream_forms
-        hint, *width = forms.split(", ")
+        one_row, batches = forms.split("; ")
+        hint, *width = one_row.split(", ")
         assert hint.split()[0] == "prefetch" and hint.split()[1] in native.PREFETCH_HINTS
         assert width in ([], ["fp16 8 at a time"]) and (weights == "fp16" or not width)
+        assert batches.split()[0] in native.PREFETCH_HINTS and batches.endswith(" in batches")
+    assert timed == [1, 8, 1, 8]  # one row, then 8 rows; for each weight type once
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

@@ -99,7 +99,7 @@ typedef struct {
     const float *scale;
     const float *b;     /* (tiles * TILE) or NULL */
     int64_t in, out;
-    int64_t hint, narrow; /* how its stream is read (frawd_set_forms; 0, 0: NTA, wide) */
+    int64_t hint, narrow, hint_rows; /* how its stream is read: one row, many (frawd_set_forms) */
 } Linear;
 
 typedef struct {
@@ -298,7 +298,7 @@ static inline __attribute__((always_inline)) void rows_chunk(
     int64_t t, int c0, int mode) {
     vw acc[8][ACC_MAX];
     const char *p = packed(L) + (t * L->in * TILE + (int64_t)c0 * VW) * BYTES[kind];
-    chunk_product(R, C, kind, (int)L->hint, x + r0 * ldx, ldx, p, L->in, acc);
+    chunk_product(R, C, kind, (int)(R == 1 ? L->hint : L->hint_rows), x + r0 * ldx, ldx, p, L->in, acc);
     for (int k = 0; k < C; k++) {
         int64_t o = t * TILE + (int64_t)(c0 + k) * VW; /* first output of this vector */
         if (o >= L->out) break;
@@ -386,13 +386,15 @@ static Linear *model_linear(const Model *m, int64_t i) {
     return kinds[i % 4];
 }
 
-/* Read every Linear of the model in this form from now on (native.py times the forms on
-   real decode steps and keeps the fastest). Narrow applies to fp16 weights in AVX-512 builds. */
-void frawd_set_forms(const Model *m, int64_t hint, int64_t narrow) {
+/* Read every Linear of the model in these forms from now on (native.py times them on real
+   decode steps and keeps the fastest): the prefetch hint of one-row products and whether
+   they convert fp16 8 at a time (fp16 weights in AVX-512 builds), the hint of many-row ones. */
+void frawd_set_forms(const Model *m, int64_t hint, int64_t narrow, int64_t hint_rows) {
     for (int64_t i = 0; i <= 4 * m->n_layer; i++) {
         Linear *L = model_linear(m, i);
         L->hint = hint >= PF_NTA && hint <= PF_NONE ? hint : PF_NTA;
         L->narrow = HAS_NARROW && narrow && storage(L) == W_FP16;
+        L->hint_rows = hint_rows >= PF_NTA && hint_rows <= PF_NONE ? hint_rows : PF_NTA;
     }
 }
 

@@ -61,7 +61,7 @@ i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 # ctypes mirrors of the structs in native.c (same fields, same order).
 class _Linear(ctypes.Structure):
     _fields_ = [("w", f32p), ("wh", ctypes.c_void_p), ("wq", ctypes.c_void_p), ("scale", f32p), ("b", f32p),
-                ("in_", i64), ("out", i64), ("hint", i64), ("narrow", i64)]
+                ("in_", i64), ("out", i64), ("hint", i64), ("narrow", i64), ("hint_rows", i64)]
 
 
 class _Norm(ctypes.Structure):
@@ -103,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
-    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64]
+    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
@@ -307,33 +307,57 @@ class NativeDecoder:
         self.stream_forms = self._choose_forms()
 
     def _choose_forms(self) -> str:
-        """How this machine streams these weights fastest at batch 1, timed on real decode
-        steps (one row, 8 cached tokens, torch's thread count), forms interleaved, the best of
-        3 rounds of 2 steps after a warm-up (~15 ms for `tiny`, ~0.1 s for `small`). The forms: the prefetch hint of the
-        weight stream (none, NTA or T0: NTA paid on an AMD Zen 4 and ran 1.6-4x slower on an
-        Intel Xeon with AMX) and, for fp16 in AVX-512 builds, conversions 8 at a time. A form
-        replaces the first (no prefetch) only when it is 3% faster; all give the same bits."""
+        """How this machine streams these weights fastest, timed on real decode steps once per
+        CPU, build and model shape (kept with the engine's paths, `paths.remembered`: ~0.1 s
+        for `tiny`, ~0.5 s for `small`); every form gives the same bits. Two choices:
+
+        - one-row products (batch-1 decode): the prefetch hint of the weight stream (NTA,
+          T0 or none) and, for fp16 weights in AVX-512 builds, conversions 8 at a time
+          (without prefetch): one row after 8 cached tokens;
+        - many-row products (batches, prefill): the hint, on a step of 8 rows.
+        NTA paid on an AMD Zen 4 and ran 1.6-4.4x slower on an Intel Xeon with AMX. The
+        first form (NTA, what native.c used before it was timed) stays unless another is 3%
+        faster."""
+        from . import paths
+
+        model = ctypes.byref(self.model)
+
+        def measure() -> list[int]:
+            forms = [(0, 0), (1, 0), (2, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
+            self.lib.frawd_set_forms(model, 0, 1, 0)
+            if self.model.head.narrow:  # fp16 weights in an AVX-512 build
+                forms.append((2, 1))
+            hint, narrow = forms[self._fastest(forms, lambda f: self.lib.frawd_set_forms(model, *f, 0), 1)]
+            rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h), 8)
+            return [hint, narrow, rows]
+
+        hint, narrow, rows = paths.remembered("forms", self.source, self.weights, measure)
+        self.lib.frawd_set_forms(model, hint, narrow, rows)
+        narrow = self.model.head.narrow  # (as applied: a file from another build may say otherwise)
+        return (f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
+                + f"; {PREFETCH_HINTS[rows]} in batches")
+
+    def _fastest(self, options: list, apply, rows: int, fill: int = 8) -> int:
+        """The index of the option (set by `apply`) whose decode steps of `rows` rows after
+        `fill` cached tokens run fastest: options interleaved, the best of 3 rounds of 2 steps
+        after a warm-up round; the first is kept unless another is 3% faster."""
         from .cache import KVCache
 
-        cfg, model = self.source.config, ctypes.byref(self.model)
-        if cfg.context_length < 2:
-            self.lib.frawd_set_forms(model, 2, 0)
-            return "prefetch none"
-        forms = [(2, 0), (0, 0), (1, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
-        self.lib.frawd_set_forms(model, 2, 1)
-        if self.model.head.narrow:  # fp16 weights in an AVX-512 build
-            forms.append((2, 1))
-        fill = min(8, cfg.context_length - 1)
+        cfg = self.source.config
+        fill = min(fill, cfg.context_length - 1)
+        if fill < 1:
+            apply(options[0])
+            return 0
         dtype = torch.float16 if self.weights != "fp32" and has_fp16() else torch.float32
-        cache = KVCache(cfg, 1, fill + 1, dtype=dtype)
-        tokens = torch.zeros(1, fill, dtype=torch.long)
+        cache = KVCache(cfg, rows, fill + 1, dtype=dtype)
+        tokens = torch.zeros(rows, fill, dtype=torch.long)
         cache.begin(fill)
-        self.forward(tokens, torch.arange(fill)[None], cache)
-        best = [float("inf")] * len(forms)
-        step, position = tokens[:, :1], torch.tensor([[fill]])
+        self.forward(tokens, torch.arange(fill).expand(rows, fill).contiguous(), cache)
+        step, position = tokens[:, :1].contiguous(), torch.full((rows, 1), fill)
+        best = [float("inf")] * len(options)
         for rnd in range(4):
-            for i, form in enumerate(forms):
-                self.lib.frawd_set_forms(model, *form)
+            for i, option in enumerate(options):
+                apply(option)
                 start = time.perf_counter()
                 for _ in range(2):
                     cache.length = fill
@@ -342,12 +366,11 @@ class NativeDecoder:
                 if rnd:  # (round 0 warms up)
                     best[i] = min(best[i], time.perf_counter() - start)
         chosen = 0
-        for i in range(1, len(forms)):
+        for i in range(1, len(options)):
             if best[i] < 0.97 * best[chosen]:
                 chosen = i
-        hint, narrow = forms[chosen]
-        self.lib.frawd_set_forms(model, hint, narrow)
-        return f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
+        apply(options[chosen])
+        return chosen
 
     def is_current(self, model: nn.Module) -> bool:
         """True while `model`'s tensors are the ones this decoder was built on, unmodified."""

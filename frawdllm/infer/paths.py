@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -188,29 +189,43 @@ def machine_busy(window: CpuWindow | None = None, seconds: float = 0.05) -> bool
         return False
 
 
-def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
-    """The fastest path per phase for `model` (native candidates only when `decoder` is given)."""
-    threads = torch.get_num_threads()
-    if decoder is None:
-        return {name: Path("torch") for name in PHASES}
-    key = _key(model, weights, threads)
+def remembered(what: str, model: nn.Module, weights: str, measure: Callable[[], Any]) -> Any:
+    """`measure()`'s result (JSON data) for this CPU, C build, torch, thread count, model shape
+    and weight type: from `engine_paths.json` when it holds one measured on a quiet machine,
+    else measured now and kept there (with whether other processes were busy meanwhile)."""
+    key = f"{what}:{_key(model, weights, torch.get_num_threads())}"
     entry = _load().get(key)
-    cached = entry.get("plan") if isinstance(entry, dict) else None
-    if isinstance(cached, dict) and set(cached) == set(PHASES) and not (entry.get("busy") and not machine_busy()):
-        return {name: Path(kind, int(n)) for name, (kind, n) in cached.items()}
-    if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
-        print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr, flush=True)
+    if isinstance(entry, dict) and "value" in entry and not (entry.get("busy") and not machine_busy()):
+        return entry["value"]
     window = CpuWindow.open()
-    plan = measure(model, decoder, threads)
-    busy = machine_busy(window)  # other processes' CPU use while the candidates were timed
+    value = measure()
+    busy = machine_busy(window)  # other processes' CPU use while it was measured
     data = _load()
-    data[key] = {"plan": {name: [p.kind, p.threads] for name, p in plan.items()}, "busy": busy}
+    data[key] = {"value": value, "busy": busy}
     try:
         with atomic_path(_file()) as tmp:
             tmp.write_text(json.dumps(data, indent=1))
     except OSError:
         pass  # an unwritable cache costs a measurement next time, nothing else
-    return plan
+    return value
+
+
+def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
+    """The fastest path per phase for `model` (native candidates only when `decoder` is given)."""
+    if decoder is None:
+        return {name: Path("torch") for name in PHASES}
+    threads = torch.get_num_threads()
+
+    def measured() -> dict[str, list]:
+        if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
+            print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr,
+                  flush=True)
+        return {name: [p.kind, p.threads] for name, p in measure(model, decoder, threads).items()}
+
+    plan = remembered("plan", model, weights, measured)
+    if not (isinstance(plan, dict) and set(plan) == set(PHASES)):  # (a file from elsewhere)
+        plan = measured()
+    return {name: Path(kind, int(n)) for name, (kind, n) in plan.items()}
 
 
 @torch.inference_mode()
