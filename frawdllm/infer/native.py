@@ -23,6 +23,11 @@ see `frawdllm.cbuild`, which says so on stderr), cached by source, compiler and 
 Without a compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the engine uses
 PyTorch.
 
+Forms: how the weight stream is read (the prefetch hint of one-row and of many-row
+products, fp16 converted 16 or 8 at a time) changes speed a lot from one CPU to another
+and never the results; each decoder times them on its own decode steps, once per CPU and
+model shape (`NativeDecoder.stream_forms` says what it chose).
+
 Sharing: one decoder may serve several Python threads; calls run one at a time and each
 returns logits of its own.
 
@@ -331,7 +336,10 @@ class NativeDecoder:
             rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h), 8)
             return [hint, narrow, rows]
 
-        hint, narrow, rows = paths.remembered("forms", self.source, self.weights, measure)
+        forms = paths.remembered("forms", self.source, self.weights, measure)
+        if not (isinstance(forms, list) and len(forms) == 3 and all(f in (0, 1, 2) for f in forms)):
+            forms = measure()  # (a file written by something else)
+        hint, narrow, rows = forms
         self.lib.frawd_set_forms(model, hint, narrow, rows)
         narrow = self.model.head.narrow  # (as applied: a file from another build may say otherwise)
         return (f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
