@@ -50,6 +50,18 @@ def test_linear_wsd_and_constant_values_at_key_points():
     assert const(0, 0.99) == 1.0
 
 
+def test_noam_is_the_papers_formula():
+    """lr(s) = d^-0.5 min(s^-0.5, s warmup^-1.5) for 1-based step s, which is `noam` with
+    peak = (d warmup)^-0.5, whatever the budget's progress."""
+    d, warmup = 512, 4000
+    schedule = LRSchedule(peak=(d * warmup) ** -0.5, kind="noam", warmup_steps=warmup)
+    for step in (0, 1, 999, 3998, 3999, 4000, 10_000, 99_999):
+        s = step + 1
+        paper = d ** -0.5 * min(s ** -0.5, s * warmup ** -1.5)
+        assert schedule(step, progress=0.5) == pytest.approx(paper, rel=1e-12)
+    assert schedule(3999, progress=0.0) == pytest.approx(7e-4, rel=0.02)  # the paper's peak
+
+
 def test_decay_spans_from_end_of_warmup_to_end_of_budget_with_time_progress():
     sched = LRSchedule(1.0, "linear", warmup_steps=2, min_lr_ratio=0.0)
     sched(0, 0.0), sched(1, 0.1)
