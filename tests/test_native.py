@@ -355,3 +355,14 @@ def test_the_kv_cache_dtype_follows_the_weights_and_the_plan(monkeypatch):
     assert Engine(model, IdTokenizer(), native=True, weights="fp32").kv_dtype == torch.float32
     with pytest.raises(ValueError, match="float32 or"):
         native.kv_is_half(KVCache(model.config, 1, 4, dtype=torch.bfloat16))
+
+
+def test_a_large_model_says_its_forms_are_being_timed_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
+    monkeypatch.setattr(paths, "LOUD_PARAMS", 1000)  # (the tiny model below counts as large)
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    native.NativeDecoder(model, "fp32")
+    assert capsys.readouterr().err == "timing how this CPU reads this model's weights (once)...\n"
+    native.NativeDecoder(model, "fp32")
+    assert capsys.readouterr().err == ""

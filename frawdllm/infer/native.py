@@ -328,6 +328,8 @@ class NativeDecoder:
         model = ctypes.byref(self.model)
 
         def measure() -> list[int]:
+            if sum(p.numel() for p in self.source.parameters()) > paths.LOUD_PARAMS:  # (~1.7 s at 100M)
+                print("timing how this CPU reads this model's weights (once)...", file=sys.stderr, flush=True)
             forms = [(0, 0), (1, 0), (2, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
             self.lib.frawd_set_forms(model, 0, 1, 0)
             if self.model.head.narrow:  # fp16 weights in an AVX-512 build
