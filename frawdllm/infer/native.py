@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from ..cbuild import CLibrary, build
 from ..errors import FrawdError
+from .cache import KVCache
 from .hugepages import Arena
 from .quantize import Int8Linear
 
@@ -105,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_forward_args.restype = ctypes.c_int
     lib.frawd_forward_args.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.frawd_has_fp16.restype = ctypes.c_int
+    lib.frawd_has_narrow.restype = ctypes.c_int
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
@@ -331,8 +333,7 @@ class NativeDecoder:
             if sum(p.numel() for p in self.source.parameters()) > paths.LOUD_PARAMS:  # (~1.7 s at 100M)
                 print("timing how this CPU reads this model's weights (once)...", file=sys.stderr, flush=True)
             forms = [(0, 0), (1, 0), (2, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
-            self.lib.frawd_set_forms(model, 0, 1, 0)
-            if self.model.head.narrow:  # fp16 weights in an AVX-512 build
+            if self.weights == "fp16" and self.lib.frawd_has_narrow():
                 forms.append((2, 1))
             hint, narrow = forms[self._fastest(forms, lambda f: self.lib.frawd_set_forms(model, *f, 0), 1)]
             rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h), 8)
@@ -343,7 +344,6 @@ class NativeDecoder:
             forms = measure()  # (a file written by something else)
         hint, narrow, rows = forms
         self.lib.frawd_set_forms(model, hint, narrow, rows)
-        narrow = self.model.head.narrow  # (as applied: a file from another build may say otherwise)
         return (f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
                 + f"; {PREFETCH_HINTS[rows]} in batches")
 
@@ -351,8 +351,6 @@ class NativeDecoder:
         """The index of the option (set by `apply`) whose decode steps of `rows` rows after
         `fill` cached tokens run fastest: options interleaved, the best of 3 rounds of 2 steps
         after a warm-up round; the first is kept unless another is 3% faster."""
-        from .cache import KVCache
-
         cfg = self.source.config
         fill = min(fill, cfg.context_length - 1)
         if fill < 1:
