@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
@@ -40,6 +43,9 @@ ROLES = ("system", "user", "assistant")
 KINDS = ("bpe", "char", "byte")
 TOKENIZER_FILE = "tokenizer.json"
 MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet, before any merge
+# End-of-text tokens of other families (GPT-2, Llama 3, Llama 2 / Mistral, Gemma): what ends a
+# document for a tokenizer without FrawdLLM's specials (an imported model's)
+FOREIGN_DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 def render_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -93,7 +99,36 @@ class Tokenizer:
 
     def has_frawd_specials(self) -> bool:
         """True when the seven special tokens sit at ids 0..6 (every tokenizer trained here)."""
-        return all(self.backend.token_to_id(tok) == i for i, tok in enumerate(SPECIAL_TOKENS))
+        return not self.missing_frawd_specials()
+
+    def document_end_id(self) -> int | None:
+        """The id that ends a document in token shards: <|eos|> (id 3), or for a tokenizer
+        without FrawdLLM's specials (an imported GPT-2's, a Llama's) its own end-of-text
+        token; None when it has neither."""
+        if self.has_frawd_specials():
+            return EOS_ID
+        for name in FOREIGN_DOCUMENT_ENDS:
+            found = self.backend.token_to_id(name)
+            if found is not None:
+                return found
+        return None
+
+    def unknown_id(self) -> int | None:
+        """The id of the unknown token, None when the tokenizer has none (byte-level BPE)."""
+        if self.has_frawd_specials():
+            return UNK_ID
+        name = getattr(self.backend.model, "unk_token", None)
+        return None if name is None else self.backend.token_to_id(name)
+
+    def missing_frawd_specials(self) -> list[str]:
+        """The special tokens not at their ids 0..6: `<|eos|>` when absent, `<|eos|> (id 9, not 3)`
+        when elsewhere. Empty for every tokenizer trained here."""
+        missing = []
+        for i, tok in enumerate(SPECIAL_TOKENS):
+            found = self.backend.token_to_id(tok)
+            if found != i:
+                missing.append(tok if found is None else f"{tok} (id {found}, not {i})")
+        return missing
 
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -230,10 +265,30 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool) -> To
         show_progress=show_progress,
     )
     seen = _CountingIterator(texts)
-    backend.train_from_iterator(seen, trainer)
+    with _stdout_to_stderr() if show_progress else nullcontext():
+        backend.train_from_iterator(seen, trainer)
     if seen.count == 0:
         raise FrawdError("cannot train a tokenizer on an empty corpus")
     return Tokenizer(backend, "bpe")
+
+
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at 2 for the block. The `tokenizers` trainer draws its
+    progress bars on stderr but ends each stage with an empty line on stdout, which would
+    lead a command's output."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (AttributeError, OSError, ValueError):  # no stdout to guard
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _build_char(texts: Iterable[str]) -> Tokenizer:

@@ -156,3 +156,17 @@ def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error(tmp_path, tok
     with pytest.raises(FrawdError, match="val split"):
         prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.01)
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_a_tokenizer_without_frawd_special_tokens_is_refused(corpus, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    plain = HFTokenizer(models.BPE())  # no <|eos|>: its id 3 is an ordinary byte token
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    plain.train_from_iterator(["some text to learn from"], trainers.BpeTrainer(
+        vocab_size=260, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(FrawdError, match=r"has no token to end documents with: .*<\|eos\|>"):
+        prepare_shards_datatrove(str(corpus), tmp_path / "plain.json", tmp_path / "out", workers=2)
+    assert not (tmp_path / "out").exists()

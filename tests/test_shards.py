@@ -254,3 +254,80 @@ def test_shards_missing_a_split_are_an_error_not_a_text_corpus(tmp_path, bpe, lo
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "meta.json").write_text('["not ours"]')
     assert not is_shard_dir(tmp_path / "texts")
+
+
+def _plain_bpe(tmp_path, special_tokens=(), name="plain.json"):
+    """A byte-level BPE tokenizer.json made with `tokenizers` alone: no FrawdLLM special tokens
+    (GPT-2's kind of tokenizer when `special_tokens` is ["<|endoftext|>"])."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=list(special_tokens))
+    backend.train_from_iterator(_corpus(50), trainer)
+    backend.save(str(tmp_path / name))
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, FrawdError])
+def test_an_interrupted_or_failed_rebuild_leaves_the_old_shards_usable(tmp_path, bpe, monkeypatch, stop):
+    from frawdllm.train.pretrain import is_shard_dir
+
+    out = tmp_path / "out"
+    first = prepare_shards(str(_write_corpus(tmp_path / "c.txt", _corpus(30))), bpe, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bigger = _write_corpus(tmp_path / "big.txt", _corpus(200))
+
+    def stopped(*args, **kwargs):  # Ctrl-C (or an error) once every new token is written
+        raise stop("stopped")
+
+    monkeypatch.setattr(shards_module.ShardWriter, "finish", stopped)
+    with pytest.raises(stop):
+        prepare_shards(str(bigger), bpe, out, force=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temporary file left either
+    assert is_shard_dir(out)
+    monkeypatch.undo()
+    again = prepare_shards(str(tmp_path / "c.txt"), bpe, out)
+    assert again.get("reused") and again["train_tokens"] == first["train_tokens"]
+
+
+def test_a_rebuild_removes_the_temporary_files_of_a_killed_run(tmp_path, bpe):
+    out = tmp_path / "out"
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    prepare_shards(str(src), bpe, out)
+    for name in (".train.bin.k1ll3d_a.tmp", ".val.bin.k1ll3d_b.tmp", ".meta.json.k1ll3d_c.tmp"):
+        (out / name).write_bytes(b"half")  # what a SIGKILL in the middle of a rebuild leaves
+    assert prepare_shards(str(src), bpe, out).get("reused")
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_a_tokenizer_with_no_token_to_end_documents_is_refused_in_one_line(tmp_path, capsys):
+    from cli_helpers import run_cli
+
+    plain = _plain_bpe(tmp_path)
+    assert Tokenizer.load(plain).token_to_id("<|eos|>") is None  # id 3 would be an ordinary byte
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    with pytest.raises(FrawdError, match=r"has no token to end documents with: .*<\|eos\|>"):
+        prepare_shards(str(src), plain, tmp_path / "out")
+    code, out, err = run_cli(capsys, "data", "prepare", "--data", src, "--tokenizer", plain, "--out", tmp_path / "o")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"frawd: error: tokenizer {plain} has no token to end")
+    assert "missing: <|pad|>, <|unk|>, <|bos|>, <|eos|>" in err and "<|endoftext|>" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_an_imported_tokenizer_ends_documents_with_its_own_end_of_text(tmp_path):
+    gpt2_like = Tokenizer.load(_plain_bpe(tmp_path, ["<|endoftext|>"], "gpt2.json"))  # an imported GPT-2's kind
+    end = gpt2_like.token_to_id("<|endoftext|>")
+    assert end is not None and end != 3 and gpt2_like.unknown_id() is None  # byte-level: nothing is unknown
+    docs = ["first document", "second one", "third"]
+    src = _write_corpus(tmp_path / "c.txt", docs)
+    meta = prepare_shards(str(src), gpt2_like, tmp_path / "out", val_fraction=0.0)
+    tokens = read_shard(tmp_path / "out" / "train.bin").tolist()
+    expected = []
+    for doc in docs:
+        expected += gpt2_like.encode(doc) + [end]
+    assert tokens == expected and meta["unk_tokens"] == 0

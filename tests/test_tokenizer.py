@@ -253,3 +253,50 @@ def test_decode_accepts_numpy_arrays_and_tensors(bpe):
     ids = bpe.encode("hello world")
     assert bpe.decode(np.array(ids, dtype=np.uint16)) == "hello world"
     assert bpe.decode(torch.tensor(ids)) == "hello world"
+
+
+def test_bpe_training_progress_never_writes_to_stdout(capfd):
+    train_tokenizer(CORPUS, "bpe", vocab_size=300, show_progress=True)
+    assert capfd.readouterr().out == ""  # `tokenizers` ends each progress stage with a newline on stdout
+
+
+def test_cli_stdout_holds_only_key_value_lines(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n', encoding="utf-8")
+    frawd = [sys.executable, "-c", "from frawdllm.cli import main; main()", "tokenizer", "train"]
+    proc = subprocess.run(frawd + ["--data", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "t")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "kind: bpe" and "" not in proc.stdout.splitlines()
+    proc = subprocess.run(frawd + ["--data", str(bad), "--vocab-size", "300", "--out", str(tmp_path / "u")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("frawd: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_cli_refuses_to_replace_a_tokenizer_unless_overwrite(tmp_path, capsys, monkeypatch):
+    from cli_helpers import run_cli
+
+    import frawdllm.tokenizer as tokenizer_module
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    out = tmp_path / "tok"
+    train = ["tokenizer", "train", "--data", corpus, "--vocab-size", "300"]
+    assert run_cli(capsys, *train, "--out", out)[0] == 0
+    first = (out / "tokenizer.json").read_text()
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained before refusing")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tokenizer_module, "train_tokenizer", never)
+        for target, what in ((out, "directory"), (out / "tokenizer.json", "path")):
+            code, stdout, err = run_cli(capsys, *train, "--vocab-size", "280", "--out", target)
+            assert code == 1 and stdout == ""
+            assert err == f"frawd: error: {out / 'tokenizer.json'} exists; choose a new {what} (or --overwrite)\n"
+    assert (out / "tokenizer.json").read_text() == first
+    code, stdout, _ = run_cli(capsys, *train, "--vocab-size", "280", "--out", out, "--overwrite")
+    assert code == 0 and Tokenizer.load(out).vocab_size == 280

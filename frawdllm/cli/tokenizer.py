@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -24,8 +25,13 @@ def tokenizer() -> None:
                    "char and byte tokenizers take their size from the data.")
 @click.option("--out", required=True, type=click.Path(file_okay=True, dir_okay=True),
               help="Directory to write tokenizer.json into (or a path ending in .json).")
-def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int | None, out: str) -> None:
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing tokenizer.json (shards prepared with it then no longer match it).")
+def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int | None, out: str,
+          overwrite: bool) -> None:
     """Train a tokenizer on --data and write OUT/tokenizer.json.
+
+    An existing OUT/tokenizer.json is refused unless --overwrite is given.
 
     \b
     Examples:
@@ -33,18 +39,27 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
       frawd tokenizer train --data shakespeare.txt --kind char --out tok/shakespeare
     """
     from ..data.sources import SourceStats, iter_documents
+    from ..errors import FrawdError
     from ..tokenizer import TOKENIZER_FILE, train_tokenizer
 
-    path = Path(out)
-    if path.suffix != ".json":
+    path, what = Path(out), "directory"
+    if path.suffix == ".json" and not path.is_dir():
+        what = "path"
+    else:
+        if path.exists() and not path.is_dir():
+            raise FrawdError(f"{path} exists and is not a directory; give a directory or a path ending in .json")
         path = path / TOKENIZER_FILE
+    # Checked before training: shards prepared with the old tokenizer would no longer match it.
+    if path.exists() and not overwrite:
+        raise FrawdError(f"{path} exists; choose a new {what} (or --overwrite)")
     if vocab_size is not None and kind != "bpe":
         click.echo(f"note: --vocab-size applies to bpe only; a {kind} tokenizer takes its size from the data",
                    err=True)
     stats = SourceStats()
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
     start = time.perf_counter()
-    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size or 8192, show_progress=True)
+    # Progress bars only where someone watches them; they go to stderr, never stdout.
+    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size or 8192, show_progress=sys.stderr.isatty())
     seconds = time.perf_counter() - start
     tok.save(path)
     if stats.warning():

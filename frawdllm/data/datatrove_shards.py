@@ -29,10 +29,10 @@ from pathlib import Path
 from datatrove.pipeline.base import PipelineStep
 
 from ..errors import FrawdError
-from ..io import undo_on_error, write_json_atomic
+from ..io import clean_partial, undo_on_error, write_json_atomic
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
-from .shards import META_FILE, _inputs_hash, _reusable, shard_meta, tokenize_documents
+from .shards import META_FILE, _inputs_hash, _reusable, document_end, shard_meta, tokenize_documents
 from .sources import SourceStats, file_documents, source_files
 
 EXECUTORS = ("local", "slurm", "ray")
@@ -152,6 +152,7 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
                          "(download them to files, or use the single-process prepare)")
     tokenizer = str(Path(tokenizer).resolve())
     tok = Tokenizer.load(tokenizer)
+    document_end(tok, tokenizer)
     out = Path(out).resolve()
     inputs_hash = _inputs_hash(data, tok, val_fraction, text_field, doc_split)
     if not force:
@@ -161,6 +162,8 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
     logs = out / LOGS_DIR / f"{inputs_hash[:16]}-w{workers}"  # same inputs and workers: resume
     with undo_on_error(out):
         out.mkdir(parents=True, exist_ok=True)
+        clean_partial(out)  # temporary shard files of tasks that were killed
+        # The tasks rewrite the shard files in place, so the old meta.json must go first.
         (out / META_FILE).unlink(missing_ok=True)
         if force:
             shutil.rmtree(logs, ignore_errors=True)

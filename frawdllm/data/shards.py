@@ -13,9 +13,13 @@ Three stages overlap, so the cores stay busy with tokenization:
     main thread     ids -> one numpy array per split (documents separated by <|eos|>),
                     appended to the shard files; progress bar in MB/s
 
-Shards appear atomically when everything is written. A second run with the same inputs
-(source files by path, size and mtime; the tokenizer's content; the options) finds the
-matching `inputs_hash` in meta.json and reuses the shards unless `force`.
+The new shards are written under temporary names and renamed into place when complete,
+meta.json last, so until then an old shard set in `out` stays usable (a run that fails or
+is killed leaves it as it was). A second run with the same inputs (source files by path,
+size and mtime; the tokenizer's content; the options) finds the matching `inputs_hash` in
+meta.json and reuses the shards unless `force`. Documents end with <|eos|>, or with the
+end-of-text token of a tokenizer without FrawdLLM's specials (an imported GPT-2's
+<|endoftext|>); a tokenizer with neither is refused.
 
 `read_split` reads a split back: train.bin, or the several shard files meta.json lists
 (`--engine datatrove` writes one per worker, see datatrove_shards.py) as one stream.
@@ -41,8 +45,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from ..errors import FrawdError
-from ..io import atomic_path, undo_on_error, write_json_atomic
-from ..tokenizer import EOS_ID, UNK_ID, Tokenizer
+from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_error, write_json_atomic
+from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
 from .shard_format import (HEADER_BYTES, VERSION, ShardStream, ShardWriter, TokenArray, read_header, read_shard,
                            token_dtype)
 from .sources import SourceStats, iter_documents, source_files
@@ -78,8 +82,10 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
         # The Rust thread pool reads this when it starts (the first parallel encode of the process).
         os.environ["RAYON_NUM_THREADS"] = str(workers)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    document_end(tok, tokenizer)
     out = Path(out)
     inputs_hash = _inputs_hash(data, tok, val_fraction, text_field, doc_split)
+    clean_partial(out)  # temporary files of a run that was killed
     if not force:
         reused = _reusable(out, inputs_hash)
         if reused is not None:
@@ -90,20 +96,27 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
 
     with undo_on_error(out):  # a failed first run leaves no empty folder
         out.mkdir(parents=True, exist_ok=True)
-        (out / META_FILE).unlink(missing_ok=True)  # old shards stay valid only with their own meta
         start = time.perf_counter()
         bar = _progress_bar(progress, _source_bytes(data))
         try:
-            with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp, \
-                    open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
-                writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
-                totals = tokenize_documents(documents, tok, writers, val_fraction, bar)
-                val_split = "documents"
-                if val_fraction > 0 and writers[1].n_tokens == 0:
-                    _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
-                    val_split = "tail"
-                for writer in writers:
-                    writer.finish()
+            # The new shards grow under temporary names; until they are complete the old
+            # shards and their meta.json stay in place, usable.
+            with atomic_path(out / TRAIN_FILE) as train_tmp, atomic_path(out / VAL_FILE) as val_tmp:
+                with open(train_tmp, "wb") as train_f, open(val_tmp, "wb") as val_f:
+                    writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
+                    totals = tokenize_documents(documents, tok, writers, val_fraction, bar)
+                    val_split = "documents"
+                    if val_fraction > 0 and writers[1].n_tokens == 0:
+                        _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
+                        val_split = "tail"
+                    for writer in writers:
+                        writer.finish()
+                if _fsync_wanted():  # flushed now, so the renames below follow at once
+                    sync_path(train_tmp)
+                    sync_path(val_tmp)
+                # Leaving the block renames val, then train, into place. From here until the
+                # new meta.json is written the folder has none: never old meta, new shards.
+                (out / META_FILE).unlink(missing_ok=True)
             if bar is not None and bar.total:
                 bar.update(max(0, bar.total - bar.n))  # blank lines and JSON syntax are not document text
         finally:
@@ -118,17 +131,32 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
     return meta
 
 
+def document_end(tok: Tokenizer, source: Tokenizer | str | Path) -> int:
+    """The id that ends each document in the shards (`Tokenizer.document_end_id`): <|eos|>,
+    or an imported tokenizer's own end-of-text token. Refused in one line when it has none
+    (id 3 would then be an ordinary token)."""
+    end = tok.document_end_id()
+    if end is None:
+        where = "the tokenizer" if isinstance(source, Tokenizer) else f"tokenizer {source}"
+        raise FrawdError(f"{where} has no token to end documents with: neither FrawdLLM's special tokens at "
+                         f"ids 0..6 (missing: {', '.join(tok.missing_frawd_specials())}) nor an end-of-text "
+                         f"token ({', '.join(FOREIGN_DOCUMENT_ENDS)}); use one made by `frawd tokenizer train`")
+    return end
+
+
 def tokenize_documents(documents: Iterable[str], tok: Tokenizer, writers: tuple[ShardWriter, ShardWriter],
                        val_fraction: float, bar=None) -> dict:
     """Tokenize `documents` in order into the train and val writers (each document, then
     <|eos|>; the split by a hash of its text). Returns the counts: documents and text bytes
     per split ([train, val]) and <|unk|> tokens."""
     totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0}
+    end, unknown = document_end(tok, tok), tok.unknown_id()
     batches = _batches(documents, val_fraction, _piece_splitter(tok), BATCH_CHARS)
     for batch, encodings in _encode_ahead(_prefetch(batches, depth=ENCODES_IN_FLIGHT + 1), tok):
-        for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype)):
+        for split, tokens in enumerate(_batch_tokens(batch, encodings, writers[0].dtype, end)):
             writers[split].write(tokens)
-            totals["unk"] += int(np.count_nonzero(tokens == UNK_ID))
+            if unknown is not None:
+                totals["unk"] += int(np.count_nonzero(tokens == unknown))
         for split in (0, 1):
             totals["docs"][split] += batch.doc_is_val.count(bool(split))
             totals["bytes"][split] += batch.text_bytes[split]
@@ -344,15 +372,15 @@ def _encode_ahead(batches: Iterator[_Batch], tok: Tokenizer) -> Iterator[tuple[_
             yield done_batch, future.result()
 
 
-def _batch_tokens(batch: _Batch, encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The train and val tokens of a batch: each document's ids, then <|eos|>."""
+def _batch_tokens(batch: _Batch, encodings: list, dtype: np.dtype, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """The train and val tokens of a batch: each document's ids, then `end` (<|eos|>)."""
     flat: tuple[list[int], list[int]] = ([], [])
     k = 0
     for n_pieces, is_val in zip(batch.pieces_per_doc, batch.doc_is_val):
         ids = flat[is_val]
         for encoding in encodings[k:k + n_pieces]:
             ids += encoding.ids
-        ids.append(EOS_ID)
+        ids.append(end)
         k += n_pieces
     return np.array(flat[0], dtype=dtype), np.array(flat[1], dtype=dtype)
 
