@@ -227,6 +227,13 @@ KIND_HINT = {"decoder": "a decoder-only language model (frawd pretrain)",
              "seq2seq": "an encoder-decoder translation model (frawd translate)"}
 
 
+def require_kind(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
+    """Refuse, in one line, a directory whose config is not of `kind` ("decoder" or "seq2seq")."""
+    held = "seq2seq" if isinstance(cfg, Seq2SeqConfig) else "decoder"
+    if held != kind:
+        raise FrawdError(f"{directory}: holds {KIND_HINT[held]}; this command needs {KIND_HINT[kind]}")
+
+
 def checked_weights(directory: str | Path, cfg: ModelConfig) -> Path:
     """The weights file of `directory`, its header checked against `cfg` (no tensor read)."""
     path = Path(directory) / WEIGHTS_FILE
@@ -244,9 +251,8 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     "seq2seq"): refuse, in one line, a directory holding the other kind."""
     directory = Path(directory)
     cfg = load_config(directory) if config is None else config
-    held = "seq2seq" if isinstance(cfg, Seq2SeqConfig) else "decoder"
-    if kind is not None and held != kind:
-        raise FrawdError(f"{directory}: holds {KIND_HINT[held]}; this command needs {KIND_HINT[kind]}")
+    if kind is not None:
+        require_kind(directory, cfg, kind)
     path = checked_weights(directory, cfg)
     try:
         state = load_file(str(path), device=str(device))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from frawdllm import FrawdLLM, get_config
+from frawdllm import FrawdLLM, Seq2SeqTransformer, get_config
 from frawdllm.cli import main
 from frawdllm.data import RandomWindowLoader, read_shard
 from frawdllm.errors import FrawdError
@@ -103,7 +103,7 @@ def test_an_existing_run_or_a_file_as_out_is_refused_untouched(corpus, tmp_path,
     run.mkdir()
     (run / "config.yaml").write_text("old\n")
     code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--out", str(run), "--max-steps", "5")
-    assert code == 1 and "already holds a run" in err
+    assert code == 1 and "holds a run that stopped before its first checkpoint" in err
     assert [p.name for p in run.iterdir()] == ["config.yaml"] and (run / "config.yaml").read_text() == "old\n"
     (tmp_path / "file").write_text("x")
     code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--out", str(tmp_path / "file"),
@@ -194,6 +194,7 @@ INIT_ERRORS = {
     "no tokenizer.json": (["--init-from", "{bare}"], "has no tokenizer.json"),
     "no model": (["--init-from", "{tmp}/nowhere"], "model directory not found"),
     "other weights": (["--init-from", "{wrong}"], "model.safetensors: holds 2 weights but config.json describes"),
+    "a translation model": (["--init-from", "{mt}"], "holds an encoder-decoder translation model"),
 }
 
 
@@ -206,8 +207,12 @@ def test_init_from_errors_are_one_line_before_any_work(case, corpus, trained, tm
     wrong = tmp_path / "wrong"  # the trained model's config and tokenizer, another file's weights
     shutil.copytree(trained, wrong)
     save_file({"x": torch.zeros(2)}, wrong / "model.safetensors")
+    mt = tmp_path / "mt"  # an encoder-decoder model with the trained model's tokenizer
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=FrawdLLM.from_pretrained(trained).config.vocab_size,
+                                  n_embd=32, n_head=2, n_layer=1, n_encoder_layer=1)).save_pretrained(mt)
+    shutil.copy(trained / "tokenizer.json", mt / "tokenizer.json")
     args, message = INIT_ERRORS[case]
-    args = [a.format(big=big, bare=bare, tmp=tmp_path, wrong=wrong) for a in args]
+    args = [a.format(big=big, bare=bare, tmp=tmp_path, wrong=wrong, mt=mt) for a in args]
     out = tmp_path / "run"
     code, err, seconds = frawd(capsys, "pretrain", "--data", str(corpus), "--init-from", str(trained),
                                "--max-steps", "2", "--out", str(out), *args)

@@ -259,3 +259,56 @@ def test_examples_come_from_gzip_jsonl_parquet_and_local_hf_datasets(tmp_path):
         cfg = SFTConfig(data=str(spec), progress=False, max_steps=1, val_fraction=0.0)
         train, _, summary = load_examples(cfg, tok, 64)
         assert [e.ids for e in train] == expected and summary.examples == 12, spec
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_translation_model_as_init_is_one_line_before_any_work(command, tmp_path, capsys):
+    from frawdllm import Seq2SeqTransformer, get_config
+
+    from align_helpers import word_prefs
+
+    mt = tmp_path / "mt"
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=263, n_embd=32, n_head=2, n_layer=1,
+                                  n_encoder_layer=1)).save_pretrained(mt, tokenizer=byte_tokenizer())
+    records = word_chats(20) if command == "sft" else word_prefs(20)
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    code, _, err = run_cli(capsys, command, "--init", mt, "--data", data, "--max-steps", "1", "--out",
+                           tmp_path / "run")
+    assert code == 1 and "holds an encoder-decoder translation model" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_resume(tmp_path, capsys, monkeypatch):
+    from frawdllm.align import job
+
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "chats.jsonl", word_chats(40))
+    run = tmp_path / "run"
+    args = ["sft", "--init", base, "--data", data, "--batch-size", "4", "--dtype", "fp32", "--compile", "false",
+            "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0", "--no-progress", "--max-steps", "2",
+            "--out", run]
+
+    def interrupted(self):  # Ctrl-C during the first step: config.yaml and metrics.jsonl, no checkpoint
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(job.Trainer, "fit", interrupted)
+        code, _, _ = run_cli(capsys, *args)
+    assert code == 130 and (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+    code, _, err = run_cli(capsys, *args)
+    assert code == 1 and "stopped before its first checkpoint; --resume or --overwrite starts it over" in err
+    code, out, err = run_cli(capsys, "sft", "--out", run, "--resume", "--no-progress")
+    assert code == 0, err
+    assert "starting the run over" in out
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_the_pretraining_sample_prompt_is_no_option_of_sft_or_dpo(command, tmp_path, capsys):
+    code, out, _ = run_cli(capsys, command, "--help")
+    assert code == 0 and "--sample-prompt" not in out and "--sample-count" in out
+    config = tmp_path / "c.yaml"
+    config.write_text("sample_prompt: Hi\n")  # the same field through a config file
+    code, _, err = run_cli(capsys, command, "--config", config, "--init", tmp_path, "--max-steps", "1",
+                           "--out", tmp_path / "run")
+    assert code == 1 and "sample_prompt: sft and dpo take no prompt" in err and err.count("\n") == 1, err

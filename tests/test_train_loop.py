@@ -356,6 +356,23 @@ def test_existing_run_needs_resume_or_overwrite(corpus, tmp_path):
     assert result.steps == 3
 
 
+def test_resuming_a_run_whose_budget_is_spent_is_one_line_and_writes_nothing(corpus, tmp_path):
+    from frawdllm.errors import FrawdError
+
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=2, eval_interval=0))
+    before = {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*")}
+    for budget in (dict(max_steps=2), dict(max_steps=1)):
+        with pytest.raises(FrawdError, match=r"budget is already spent \(2 steps of --max-steps"):
+            run_pretraining(tiny_config(corpus, run, eval_interval=0, resume=True, **budget))
+    assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    tokens = [r["tokens"] for r in read_metrics(run) if "tokens" in r][-1]
+    with pytest.raises(FrawdError, match=r"budget is already spent \(.* tokens of --max-tokens"):
+        run_pretraining(tiny_config(corpus, run, eval_interval=0, resume=True, max_steps=None, max_tokens=tokens))
+    result = run_pretraining(tiny_config(corpus, run, max_steps=3, eval_interval=0, resume=True))
+    assert result.steps == 3
+
+
 def test_tensorboard_and_offline_wandb_receive_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
@@ -428,3 +445,15 @@ def test_a_failing_torch_compile_falls_back_to_eager_with_a_warning(tmp_path, mo
     again = Trainer(torch.nn.Linear(4, 1), LinearTask(8), generic_config(tmp_path / "b", compile="auto"))
     assert again.plan is None or again.plan.compile_setting == "false"
     assert "failed here before" in again.compile_why and "CppCompileError" in again.compile_why
+
+
+def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
+    from frawdllm.train.loop import TrainResult
+
+    common = dict(tokens=1000, elapsed_s=2.0, stop_reason="interrupted", last_loss=0.9, val_loss=None,
+                  best_val_loss=5.7, tokens_per_s=500.0, mfu=None, run_dir=tmp_path)
+    kept = TrainResult(steps=83, best_step=0, checkpoint=tmp_path / "checkpoints" / "step_00000083", **common)
+    assert kept.summary().endswith(f"model in {tmp_path / 'model'} (the starting weights: no later evaluation "
+                                   f"beat them; the latest weights are in {tmp_path / 'checkpoints' / 'step_00000083'})")
+    trained = TrainResult(steps=83, best_step=80, checkpoint=None, **common)
+    assert trained.summary().endswith(f"best val_loss 5.7000 at step 80; model in {tmp_path / 'model'}")

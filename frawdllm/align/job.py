@@ -53,10 +53,15 @@ class FinetuneConfig(TrainConfig):
     eval_batches: int = option(10, "Validation batches per evaluation.")
     batch_size: int = option(8, "Rows (SFT: packed rows of examples; DPO: pairs) per micro-batch.")
     sample_tokens: int = option(96, "Tokens to sample per held-out prompt at each evaluation (0 = none).")
+    seed: int = option(1337, "Seed of the data order, dropout and LoRA's initialisation (the weights "
+                             "come from --init).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
+        if self.sample_prompt:  # a pretrain option (TrainConfig's); not a flag of sft or dpo
+            raise ConfigError("sample_prompt: sft and dpo take no prompt; their samples answer held-out "
+                              "prompts of the data (sample_count of them)")
         _require("max_length", self.max_length, lambda v: v is None or v >= 8, "an integer >= 8")
         _require("lora_rank", self.lora_rank, lambda v: v >= 0, "an integer >= 0")
         _require("lora_alpha", self.lora_alpha, lambda v: v is None or v > 0, "positive")
@@ -65,7 +70,7 @@ class FinetuneConfig(TrainConfig):
 
 def check_init(cfg: FinetuneConfig) -> None:
     """Every check that needs no real work (a FrawdError here means nothing was written)."""
-    from ..modeldir import load_config, model_file
+    from ..modeldir import load_config, model_file, require_kind
 
     check_run_dir(cfg)
     if not cfg.has_budget:
@@ -73,7 +78,7 @@ def check_init(cfg: FinetuneConfig) -> None:
     if cfg.init is None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
     pick_device(cfg.device)
-    load_config(cfg.init)
+    require_kind(cfg.init, load_config(cfg.init), "decoder")
     tok = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
     if not tok.has_frawd_specials():
         raise FrawdError(f"{cfg.init}: its tokenizer lacks FrawdLLM's chat tokens (<|user|>, <|assistant|>, ...)")
@@ -84,7 +89,7 @@ def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
     from ..modeldir import load_model, model_file
 
     seed_everything(cfg.seed)
-    model = load_model(cfg.init)
+    model = load_model(cfg.init, kind="decoder")
     tokenizer = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
     context = model.config.context_length
     if cfg.max_length is not None and cfg.max_length > context:

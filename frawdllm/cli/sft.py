@@ -28,6 +28,9 @@ def _run(cls: type, command: str, config_file: str | None, nproc: int | None, fl
     train_on_this_rank(lambda: run(cfg, started_at=started_at), command, cfg.out)
 
 
+# TrainConfig's pretraining-only field: the samples answer held-out prompts of --data
+FINETUNE_SKIPS = ("sample_prompt",)
+
 _CONFIG = click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
                        help="A YAML file of the options below (flags given here override it).")
 
@@ -35,7 +38,7 @@ _CONFIG = click.option("--config", "config_file", type=click.Path(dir_okay=False
 @click.command(context_settings={"max_content_width": 110})
 @_CONFIG
 @nproc_option()
-@dataclass_options(SFTConfig)
+@dataclass_options(SFTConfig, skip=FINETUNE_SKIPS)
 def sft(config_file: str | None, nproc: int | None, **flags) -> None:
     """Supervised fine-tuning: teach the --init model to answer, on conversations in --data.
 
@@ -59,7 +62,7 @@ def sft(config_file: str | None, nproc: int | None, **flags) -> None:
 @click.command(context_settings={"max_content_width": 110})
 @_CONFIG
 @nproc_option()
-@dataclass_options(DPOConfig)
+@dataclass_options(DPOConfig, skip=FINETUNE_SKIPS)
 def dpo(config_file: str | None, nproc: int | None, **flags) -> None:
     """Direct preference optimisation: prefer --data's chosen answers over its rejected ones.
 

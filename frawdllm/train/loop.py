@@ -60,8 +60,8 @@ from .config import TrainConfig, parse_duration
 from .device import (autocast, choose_dtype, cpu_has_bf16, format_mfu, keep_freed_memory, matmul_dtype, mfu,
                      peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
-from .rundir import (BEST_MODEL_DIR, MetricsLog, append_samples, load_pyplot, plot_losses, truncate_metrics,
-                     truncate_samples)
+from .rundir import (BEST_MODEL_DIR, MetricsLog, append_samples, budget_spent, load_pyplot, plot_losses,
+                     truncate_metrics, truncate_samples)
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -170,7 +170,11 @@ class TrainResult:
             parts.append(f"val_loss {self.val_loss:.4f}")
         if self.best_val_loss is not None:
             parts.append(f"best val_loss {self.best_val_loss:.4f} at step {self.best_step}")
-        return "; ".join(parts) + f"; model in {self.run_dir / BEST_MODEL_DIR}"
+        where = f"model in {self.run_dir / BEST_MODEL_DIR}"
+        if self.best_step == 0 and self.steps > 0:  # no evaluation after the start beat it
+            where += (" (the starting weights: no later evaluation beat them"
+                      + (f"; the latest weights are in {self.checkpoint})" if self.checkpoint else ")"))
+        return "; ".join(parts + [where])
 
 
 class Trainer:
@@ -350,6 +354,15 @@ class Trainer:
         cfg = self.cfg
         if not cfg.has_budget:
             raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+        spent = self._check_stop() if self.step > 0 else None  # a resumed run: nothing left to do?
+        if spent is not None:
+            if spent == "max_steps":
+                done = f"{self.step} steps of --max-steps {cfg.max_steps}"
+            elif spent == "max_tokens":
+                done = f"{_si(self.tokens)} tokens of --max-tokens {_si(cfg.max_tokens)}"
+            else:
+                done = f"{self.elapsed():.0f} s of --max-time {cfg.max_time_s:.0f} s"
+            raise FrawdError(budget_spent(self.run_dir, done))
         self.model.train()
         load_pyplot()
         self._fit_start = time.perf_counter()

@@ -37,7 +37,7 @@ from ..data.shards import print_warnings
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
-from ..modeldir import checked_weights, load_config, load_model
+from ..modeldir import checked_weights, load_config, load_model, require_kind
 from ..tokenizer import KINDS, MIN_BPE_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
 from . import distributed
 from .config import PretrainConfig, dump_yaml, parse_duration
@@ -232,6 +232,7 @@ def init_model_config(cfg: PretrainConfig) -> tuple[ModelConfig, int]:
     Model settings from the config file or --set may repeat the model's values, change
     dropout, or shorten context_length (shorter training windows; the model keeps its own)."""
     base = load_config(cfg.init_from)
+    require_kind(cfg.init_from, base, "decoder")
     checked_weights(cfg.init_from, base)  # a bad weights file is found now, not after tokenizing
     try:
         wanted = base.replace(**_model_overrides(cfg))

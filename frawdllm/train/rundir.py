@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import FrawdError
 from ..io import atomic_path, write_text_atomic
-from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, list_checkpoints
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -49,10 +49,21 @@ def check_run_dir(cfg: Any) -> None:
     run_dir = Path(cfg.out)
     if run_dir.exists() and not run_dir.is_dir():
         raise FrawdError(f"--out {run_dir} is a file, not a folder")
-    if cfg.resume and not (run_dir / CHECKPOINTS_DIR).is_dir():
-        raise FrawdError(f"{run_dir}: no run to resume (no checkpoints folder)")
+    if cfg.resume and not has_run(run_dir):
+        raise FrawdError(f"{run_dir}: no run to resume")
     if has_run(run_dir) and not cfg.resume and not cfg.overwrite:
+        if latest_checkpoint(run_dir) is None:  # stopped before its first checkpoint
+            raise FrawdError(f"{run_dir} holds a run that stopped before its first checkpoint; "
+                             "--resume or --overwrite starts it over")
         raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+    found = list_checkpoints(run_dir) if cfg.resume else []
+    if found and cfg.max_steps and found[-1][0] >= cfg.max_steps:  # (tokens and time: Trainer.fit)
+        raise FrawdError(budget_spent(run_dir, f"{found[-1][0]} steps of --max-steps {cfg.max_steps}"))
+
+
+def budget_spent(run_dir: Path, done: str) -> str:
+    """The message for a --resume with nothing left to do (`done`: what was used of what)."""
+    return f"{run_dir}: the budget is already spent ({done}); give --resume a larger budget to continue"
 
 
 def has_run(run_dir: Path) -> bool:
