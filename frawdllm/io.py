@@ -167,15 +167,27 @@ def _disk_full_as_one_line(path: Path) -> Iterator[None]:
         raise
 
 
+def _temporary_in(make: Any, path: Path) -> str:
+    """`make(prefix=.., suffix=".tmp", dir=..)` (tempfile.mkstemp or mkdtemp) beside `path`. If
+    it fails (an unwritable folder), the OSError names `path`, the name the caller asked for,
+    not the private temporary name; errno and type are kept."""
+    try:
+        made = make(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    if isinstance(made, tuple):  # mkstemp: (fd, name)
+        os.close(made[0])
+        return made[1]
+    return made
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` if the block succeeds."""
     path = Path(path)
     with undo_on_error(path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        tmp_path = Path(tmp)
+        tmp_path = Path(_temporary_in(tempfile.mkstemp, path))
         try:
             with _disk_full_as_one_line(path):
                 yield tmp_path
@@ -202,7 +214,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         raise FrawdError(f"{path} exists and is not empty; choose a new directory (or --overwrite)")
     with undo_on_error(path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        tmp = Path(_temporary_in(tempfile.mkdtemp, path))
         try:
             with _disk_full_as_one_line(path):
                 yield tmp

@@ -1,6 +1,7 @@
 """Writing files: the permissions a plain open() gives, data flushed to the disk before
 the rename that publishes it (and the folder after), and a full disk reported in one
-line with nothing half-written and no empty folders left behind.
+line with nothing half-written and no empty folders left behind; a folder that refuses
+the write is reported under the name asked for, not the temporary one.
 
 The full disk is a 1 MiB tmpfs where this machine lets the test mount one (root on
 Linux); elsewhere those tests are skipped with the reason.
@@ -63,6 +64,22 @@ def test_a_failed_write_leaves_no_temporary_file_and_no_new_folder(tmp_path):
         with atomic_path(tmp_path / "a" / "b" / "file") as tmp:
             tmp.write_text("half")
             raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("writer", ["file", "folder"])
+def test_an_unwritable_folder_names_the_path_asked_for_not_the_temporary_name(tmp_path, monkeypatch, writer):
+    import tempfile
+
+    def refused(prefix, suffix, dir):  # what mkstemp/mkdtemp raise in a folder without write permission
+        raise PermissionError(errno.EACCES, "Permission denied", f"{dir}/{prefix}x1y2z3w4{suffix}")
+
+    monkeypatch.setattr(tempfile, "mkstemp" if writer == "file" else "mkdtemp", refused)
+    target = tmp_path / "h.txt"
+    with pytest.raises(PermissionError) as info:
+        with (atomic_path(target) if writer == "file" else atomic_dir(target)):
+            pass
+    assert info.value.filename == str(target) and info.value.errno == errno.EACCES
     assert list(tmp_path.iterdir()) == []
 
 

@@ -53,6 +53,7 @@ def test_frawd_export_writes_a_marian_directory_transformers_loads(tmp_path, cap
     code, out, err = run_cli(capsys, "export", "--model", tmp_path / "m", "--format", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
     assert "MarianMTModel" in out and "AutoModelForSeq2SeqLM" in out
+    assert "Writing model shards" not in out + err and out.count("\r") == err.count("\r") == 0  # no progress bar
     hf = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     src = torch.tensor([hf_tok("Ein Hund.")["input_ids"]])
@@ -71,3 +72,17 @@ def test_frawd_export_refuses_a_seq2seq_model_that_does_not_map(tmp_path, capsys
     Seq2SeqTransformer(cfg).save_pretrained(tmp_path / "m")
     code, _, err = run_cli(capsys, "export", "--model", tmp_path / "m", "--format", "hf", "--out", tmp_path / "hf")
     assert code == 1 and "norm_placement='pre'" in err and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("out", ["x.gguf", "gguf_dir"])
+def test_gguf_export_of_a_translation_model_points_to_hf(tmp_path, capsys, out):
+    from cli_helpers import run_cli
+
+    pytest.importorskip("gguf")
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1)
+    Seq2SeqTransformer(cfg).save_pretrained(tmp_path / "m")
+    code, _, err = run_cli(capsys, "export", "--model", tmp_path / "m", "--format", "gguf", "--out", tmp_path / out)
+    assert code == 1 and err.strip().splitlines() == [
+        f"frawd: error: {tmp_path / 'm'}: GGUF export is for decoder-only models; an encoder-decoder translation "
+        "model exports with --format hf (MarianMTModel)"]
+    assert not (tmp_path / out).exists()

@@ -3,8 +3,10 @@
 import gzip
 import io
 import json
+import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,10 +86,47 @@ def test_run_translates_arguments_and_streams_stdin(trained, capsys, monkeypatch
     model = trained / "run" / "model"
     code, out, _ = run_cli(capsys, "translate", "run", "--model", model, "ein mann", "ein hund")
     assert code == 0 and len(out.splitlines()) == 2
-    monkeypatch.setattr("sys.stdin", io.StringIO("ein mann\n\nein hund\n"))
+    monkeypatch.setattr("sys.stdin", _stdin(b"ein mann\n\nein hund\n"))
     code, piped, err = run_cli(capsys, "translate", "run", "--model", model)
     assert code == 0 and piped.split("\n")[:3] == [out.splitlines()[0], "", out.splitlines()[1]]
     assert "1 empty source lines" in err
+
+
+def _stdin(data: bytes):
+    """A standard input holding `data` (text over bytes, as a real one is)."""
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+
+
+def test_run_names_a_stdin_line_that_is_not_utf8(trained, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", _stdin(b"ein mann\n\xff\xfe bad\n"))
+    code, out, err = run_cli(capsys, "translate", "run", "--model", trained / "run" / "model")
+    assert code == 1 and err.strip().splitlines()[-1] == "frawd: error: stdin: line 2 is not UTF-8 text"
+    assert len(out.splitlines()) == 1  # the good line before it was translated
+    code, _, err = run_cli(capsys, "translate", "run", "--model", trained / "run" / "model",
+                           b"\xff bad".decode("utf-8", "surrogateescape"))  # how argv carries bad bytes
+    assert code == 1 and "sentence 1 is not valid UTF-8" in err and "Traceback" not in err
+
+
+def test_eval_checks_the_hyp_out_folder_before_translating(trained, capsys, tmp_path, monkeypatch):
+    args = ["translate", "eval", "--model", trained / "run" / "model", "--src", trained / "val.de",
+            "--ref", trained / "val.en", "--beam", "1", "--hyp-out"]
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(capsys, *args, tmp_path / "file" / "new" / "h.txt")
+    assert code == 1 and f"--hyp-out {tmp_path / 'file' / 'new' / 'h.txt'}: {tmp_path / 'file'} is not a folder" in err
+    assert "translating" not in err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access  # root writes anywhere, so the folder's permission is simulated
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    code, _, err = run_cli(capsys, *args, locked / "h.txt")
+    assert code == 1 and f"--hyp-out {locked / 'h.txt'}: the folder {locked} is not writable" in err
+    assert "translating" not in err and list(locked.iterdir()) == []
+    code, _, err = run_cli(capsys, *args, locked / "sub" / "h.txt")  # a folder to make, in the locked one
+    assert code == 1 and f"--hyp-out {locked / 'sub' / 'h.txt'}: the folder {locked} is not writable" in err
+    monkeypatch.undo()
+    code, _, err = run_cli(capsys, *args, tmp_path / "made" / "h.txt")  # missing folders are made
+    assert code == 0, err
+    assert (tmp_path / "made" / "h.txt").read_text().count("\n") > 0
 
 
 def test_misaligned_files_are_refused_with_both_counts(tmp_path, capsys):
@@ -110,6 +149,62 @@ def test_empty_and_overlong_pairs_are_skipped_and_counted(tmp_path, capsys):
                            "--bleu-sentences", "0", *TINY[:-2])
     assert code == 0, err
     assert "skipped 2 with an empty side and 1 longer than 40 tokens of 60 pairs" in err
+
+
+@pytest.mark.parametrize("case", ["too_long", "empty_sources", "empty_validation", "long_validation"])
+def test_no_pairs_left_is_one_line_and_leaves_no_run(tmp_path, capsys, case):
+    _corpus(tmp_path, n=20)
+    files = {"src": "train.de.gz", "tgt": "train.en", "valid-src": "val.de", "valid-tgt": "val.en"}
+    if case == "too_long":
+        (tmp_path / "long.de").write_text(" ".join(["gras"] * 60) + "\n")
+        (tmp_path / "long.en").write_text("grass\n")
+        files.update({"src": "long.de", "tgt": "long.en"})
+    elif case == "long_validation":  # longer than the model takes (no --max-len for validation)
+        (tmp_path / "long.de").write_text(" ".join(["gras"] * 100) + "\n")
+        (tmp_path / "long.en").write_text("grass\n")
+        files.update({"valid-src": "long.de", "valid-tgt": "long.en"})
+    else:
+        (tmp_path / "blank.de").write_text("\n\n \n")
+        (tmp_path / "abc.en").write_text("a\nb\nc\n")
+        files.update({"src" if case == "empty_sources" else "valid-src": "blank.de",
+                      "tgt" if case == "empty_sources" else "valid-tgt": "abc.en"})
+    args = [a for flag, name in files.items() for a in (f"--{flag}", tmp_path / name)]
+    code, _, err = run_cli(capsys, "translate", "train", *args, "--out", tmp_path / "run", "--max-steps", "1",
+                           "--max-len", "40", "--set", "context_length=64", *TINY)
+    assert code == 1 and "Traceback" not in err
+    expected = {"too_long": "no training pairs left in --src/--tgt: all 1 skipped, 1 longer than --max-len 40 tokens",
+                "empty_sources": "no training pairs left in --src/--tgt: all 3 skipped, 3 with an empty side",
+                "empty_validation": "no validation pairs left in --valid-src/--valid-tgt: all 3 skipped, "
+                                    "3 with an empty side",
+                "long_validation": "no validation pairs left in --valid-src/--valid-tgt: all 1 skipped, 1 longer "
+                                   "than 63 tokens (the model's context_length less BOS/EOS)"}[case]
+    assert err.strip().splitlines()[-1] == f"frawd: error: {expected}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_without_frawd_special_tokens_is_refused(tmp_path, capsys):
+    from tokenizers import ByteLevelBPETokenizer
+
+    _corpus(tmp_path, n=20)
+    plain = ByteLevelBPETokenizer()  # no special tokens: ids 0.. are bytes such as "!"
+    plain.train_from_iterator(["ein mann", "a man"], vocab_size=300, show_progress=False)
+    plain.save(str(tmp_path / "plain.json"))
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
+                           tmp_path / "train.en", "--tokenizer", tmp_path / "plain.json", "--out", tmp_path / "run",
+                           "--max-steps", "1", *TINY)
+    assert code == 1 and len(err.strip().splitlines()) == 1  # refused before any work
+    assert "lacks FrawdLLM's special tokens" in err and "<|pad|>" in err and "<|eos|>" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_lists_only_what_translate_train_uses(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "translate", "train", "--help")
+    assert code == 0
+    assert "[default: ]" not in out and "--sample-prompt" not in out and "--batch-size" not in out
+    assert "--src" in out and "--tokens-per-batch" in out
+    (tmp_path / "c.yaml").write_text("sample_prompt: Ein\n")  # the same field through a config file
+    code, _, err = run_cli(capsys, "translate", "train", "--config", tmp_path / "c.yaml", "--max-steps", "1")
+    assert code == 1 and "sample_prompt: translate train takes no prompt" in err
 
 
 def test_eval_of_a_decoder_only_model_is_refused(tmp_path, capsys):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -30,7 +32,9 @@ def translate() -> None:
               help="A YAML file of the options below (flags given here override it).")
 @nproc_option()
 @set_option()
-@dataclass_options(TranslateConfig, skip=("batch_size",))
+# TrainConfig fields translate train does not use: batches are cut by --tokens-per-batch, and
+# its samples translate validation sentences (no prompt)
+@dataclass_options(TranslateConfig, skip=("batch_size", "sample_prompt"))
 def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None, **flags) -> None:
     """Train a translation model on parallel text until a budget (--max-steps, --max-tokens,
     --max-time) is spent.
@@ -119,6 +123,27 @@ class _Translator:
                        "tokens): not translated (empty lines)", err=True)
 
 
+def _check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: its folder (or the
+    nearest existing one above it, where the missing ones will be made) is a file or not
+    writable."""
+    folder = Path(path).absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise FrawdError(f"{flag} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FrawdError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def _stdin_lines() -> Iterator[str]:
+    """Standard input line by line, read as bytes so that a line that is not UTF-8 is named."""
+    from ..data.parallel import decode_utf8
+
+    for number, raw in enumerate(sys.stdin.buffer, start=1):
+        yield decode_utf8(raw, "stdin", number).rstrip("\r\n")
+
+
 @translate.command(name="eval")
 @_decoding_options
 @click.option("--src", "src_path", required=True, type=click.Path(dir_okay=False), help="Source sentences.")
@@ -135,6 +160,8 @@ def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path:
     from ..data.parallel import read_parallel
     from ..io import write_text_atomic
 
+    if hyp_out is not None:
+        _check_output_file(hyp_out, "--hyp-out")
     sources, references = read_parallel(src_path, ref_path)
     translator = _Translator(model_dir, beam, alpha, batch_size)
     click.echo(f"translating {len(sources):,} sentences (beam {beam})...", err=True)
@@ -155,12 +182,16 @@ def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path:
 def run(model_dir: str, beam: int, alpha: float, batch_size: int, sentences: tuple[str, ...]) -> None:
     """Translate SENTENCES (one output line each), or, when none is given, standard input
     line by line: each translation is printed as soon as its line is read."""
+    from ..errors import check_unicode
+
+    for i, text in enumerate(sentences, start=1):
+        check_unicode(text, f"sentence {i}")  # invalid UTF-8 on the command line
     translator = _Translator(model_dir, beam, alpha, batch_size)
     if sentences:
         for line in translator(list(sentences)):
             click.echo(line)
     else:
-        for line in sys.stdin:
-            click.echo(translator([line.rstrip("\r\n")])[0])
+        for line in _stdin_lines():
+            click.echo(translator([line])[0])
             sys.stdout.flush()
     translator.report()

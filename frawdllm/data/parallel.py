@@ -17,6 +17,16 @@ from ..errors import FrawdError
 GZIP_MAGIC = b"\x1f\x8b"
 
 
+def decode_utf8(raw: bytes, where: str | Path, first_line: int = 1) -> str:
+    """`raw` as text; bytes that are not UTF-8 are named by line: "WHERE: line N is not UTF-8
+    text" (`first_line`: the number of the first line in `raw`)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw[: exc.start].count(b"\n")
+        raise FrawdError(f"{where}: line {line} is not UTF-8 text") from None
+
+
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a text file (gzip or plain), without their line ends."""
     path = Path(path)
@@ -28,12 +38,7 @@ def read_lines(path: str | Path) -> list[str]:
         raw = gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()
     except (OSError, EOFError) as exc:
         raise FrawdError(f"{path}: not a readable gzip file ({exc})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise FrawdError(f"{path}: line {line} is not UTF-8 text") from None
-    lines = text.split("\n")
+    lines = decode_utf8(raw, path).split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final line end
     return [line.rstrip("\r") for line in lines]
@@ -58,14 +63,20 @@ class EncodedPairs:
     too_long: int  # pairs skipped because a side had more than max_tokens tokens
 
     def skipped_message(self, what: str, max_tokens: int) -> str | None:
+        """"WHAT: skipped N with an empty side and M longer than L tokens of T pairs", or None."""
+        reasons = self.skip_reasons(f"{max_tokens} tokens")
+        if not reasons:
+            return None
+        return f"{what}: skipped {reasons} of {len(self.pairs) + self.empty + self.too_long:,} pairs"
+
+    def skip_reasons(self, limit: str) -> str:
+        """"N with an empty side and M longer than LIMIT" (the parts that apply; "" when none)."""
         parts = []
         if self.empty:
             parts.append(f"{self.empty:,} with an empty side")
         if self.too_long:
-            parts.append(f"{self.too_long:,} longer than {max_tokens} tokens")
-        if not parts:
-            return None
-        return f"{what}: skipped {' and '.join(parts)} of {len(self.pairs) + self.empty + self.too_long:,} pairs"
+            parts.append(f"{self.too_long:,} longer than {limit}")
+        return " and ".join(parts)
 
 
 def encode_pairs(tokenizer, src: list[str], tgt: list[str], max_tokens: int | None) -> EncodedPairs:

@@ -27,7 +27,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..config import ModelConfig
+from ..config import ModelConfig, Seq2SeqConfig
 from ..errors import FrawdError
 from ..io import atomic_dir, atomic_path
 from ..model import FrawdLLM
@@ -177,7 +177,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32", 
     otherwise it is a new directory holding `model.gguf`. Returns the file's path, which
     appears only once complete."""
     model_dir, out = Path(model_dir), Path(out)
-    hf_architecture(load_config(model_dir))  # refuse unexportable configs before touching --out
+    cfg = load_config(model_dir)
+    if isinstance(cfg, Seq2SeqConfig):
+        raise FrawdError(f"{model_dir}: GGUF export is for decoder-only models; an encoder-decoder translation "
+                         f"model exports with --format hf (MarianMTModel)")
+    hf_architecture(cfg)  # refuse unexportable configs before touching --out
     if out.suffix == ".gguf":
         if out.exists() and not overwrite:
             raise FrawdError(f"{out} exists; choose a new path (or --overwrite)")

@@ -20,6 +20,8 @@ pickle) into a FrawdLLM model directory, tokenizer.json included when there is o
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,13 +141,28 @@ def _export_marian(model_dir: str | Path, out: str | Path, cfg: Seq2SeqConfig, d
     to_marian_config(cfg)  # refuse (naming what does not map) before touching --out
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model, tokenizer, _ = load_for_export(model_dir)
-        to_marian_model(model).to(DTYPES[dtype]).save_pretrained(tmp)
+        with _no_progress_bars():  # transformers' "Writing model shards" bar stays off
+            to_marian_model(model).to(DTYPES[dtype]).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_FILE)
             config = tokenizer_config(tokenizer, cfg)
             config.pop("chat_template", None)
             write_json_atomic(tmp / "tokenizer_config.json", config)
     return MARIAN
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block, then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 # ---- import ------------------------------------------------------------------------------------

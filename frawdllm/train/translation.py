@@ -50,13 +50,14 @@ class TranslateConfig(TrainConfig):
     """`frawd translate train`: an encoder-decoder model on parallel text."""
 
     out: str = option("runs/translate", "Run directory: config, metrics, checkpoints, the best model.")
-    src: str = option("", "Training source sentences, one a line (gzip read transparently).")
-    tgt: str = option("", "Training target sentences, line i translating line i of --src.")
+    src: str | None = option(None, "Training source sentences, one a line (gzip read transparently).")
+    tgt: str | None = option(None, "Training target sentences, line i translating line i of --src.")
     valid_src: str | None = option(None, "Validation source sentences (validation loss and BLEU).")
     valid_tgt: str | None = option(None, "Validation target sentences (raw references for BLEU).")
     preset: str = option("aiayn-tiny", "Model preset: aiayn-tiny, aiayn-base, aiayn-big.")
     model: dict = option({}, "Seq2SeqConfig field overrides (YAML mapping; on the command line --set F=V).")
-    tokenizer: str | None = option(None, "A tokenizer.json (or a folder holding one); default: a joint BPE "
+    tokenizer: str | None = option(None, "A tokenizer.json (or a folder holding one) with FrawdLLM's special "
+                                         "tokens, as `frawd tokenizer train` writes; default: a joint BPE "
                                          "tokenizer trained on both sides of the training text.")
     vocab_size: int | None = option(None, "Joint BPE vocabulary size (default: the preset's).")
     tokens_per_batch: int = option(4096, "Tokens per micro-batch (rows x longest side, padding included).")
@@ -90,6 +91,9 @@ class TranslateConfig(TrainConfig):
         _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
         if (self.valid_src is None) != (self.valid_tgt is None):
             raise ConfigError("give both --valid-src and --valid-tgt, or neither")
+        if self.sample_prompt:  # a pretrain option (TrainConfig's); not a flag of translate train
+            raise ConfigError("sample_prompt: translate train takes no prompt; its samples translate the first "
+                              "validation sentences")
 
 
 # ---- batches ---------------------------------------------------------------------------------
@@ -291,14 +295,26 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def given_tokenizer(spec: str) -> Tokenizer:
+    """--tokenizer SPEC, loaded and checked: translation pads, starts and ends sentences
+    with FrawdLLM's special tokens, so they must sit at their ids (0..6)."""
+    from .pretrain import tokenizer_path
+
+    path = tokenizer_path(spec)
+    if path is None:
+        raise FrawdError(f"--tokenizer {spec}: no tokenizer.json there")
+    tokenizer = Tokenizer.load(path)
+    missing = tokenizer.missing_frawd_specials()
+    if missing:
+        raise FrawdError(f"--tokenizer {spec}: lacks FrawdLLM's special tokens at ids 0..6 (missing: "
+                         f"{', '.join(missing)}), which translation uses for padding, BOS and EOS; leave out "
+                         f"--tokenizer to train one on the data, or give one from `frawd tokenizer train`")
+    return tokenizer
+
+
 def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Tokenizer:
     if cfg.tokenizer is not None:
-        from .pretrain import tokenizer_path
-
-        path = tokenizer_path(cfg.tokenizer)
-        if path is None:
-            raise FrawdError(f"--tokenizer {cfg.tokenizer}: no tokenizer.json there")
-        return Tokenizer.load(path)
+        return given_tokenizer(cfg.tokenizer)
     vocab = cfg.vocab_size or get_config(cfg.preset, **cfg.model).vocab_size
     _say(f"training a joint BPE tokenizer ({vocab} tokens) on {len(src):,} + {len(tgt):,} sentences...")
     return train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
@@ -313,6 +329,8 @@ def check_translation(cfg: TranslateConfig) -> None:
     if not cfg.has_budget:
         raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
     check_run_dir(cfg)
+    if cfg.tokenizer is not None and not cfg.resume:  # a resumed run uses the tokenizer in its folder
+        given_tokenizer(cfg.tokenizer)
 
 
 def run_translation_training(cfg: TranslateConfig, started_at: float | None = None) -> TrainResult:
@@ -337,18 +355,22 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
         text = place.from_main(tokenizer.to_json() if place.is_main else None)
         tokenizer = Tokenizer.from_json(text)
     train = encode_pairs(tokenizer, src, tgt, cfg.max_len)
+    _require_pairs(train, "training", f"--max-len {cfg.max_len} tokens", "--src/--tgt")
     say = _report_skipped if place.is_main else (lambda *args: None)
     say(train, "training data", cfg.max_len)
-    valid = None
-    if valid_text is not None:
-        encoded = encode_pairs(tokenizer, *valid_text, None)
-        say(encoded, "validation data", cfg.max_len)
-        valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
-                              [valid_text[1][i] for i in encoded.kept])
     overrides = {**cfg.model, "vocab_size": tokenizer.vocab_size, "pad_token_id": PAD_ID, "bos_token_id": BOS_ID,
                  "eos_token_id": EOS_ID}
-    longest = max(max(len(s), len(t) + 1) for s, t in train.pairs)
     model_cfg = get_config(cfg.preset, **overrides)
+    valid = None
+    if valid_text is not None:  # any length the model takes (a side and its BOS/EOS)
+        limit = model_cfg.context_length - 1
+        encoded = encode_pairs(tokenizer, *valid_text, limit)
+        _require_pairs(encoded, "validation", f"{limit} tokens (the model's context_length less BOS/EOS)",
+                       "--valid-src/--valid-tgt")
+        say(encoded, "validation data", limit)
+        valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
+                              [valid_text[1][i] for i in encoded.kept])
+    longest = max(max(len(s), len(t) + 1) for s, t in train.pairs)
     if longest > model_cfg.context_length:
         raise FrawdError(f"--max-len {cfg.max_len} allows sentences of {longest} tokens but the model's "
                          f"context_length is {model_cfg.context_length}; lower --max-len or --set context_length=N")
@@ -370,6 +392,13 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
                                grad_accum=cfg.grad_accum)
         trainer = Trainer(model, task, cfg, run_dir, config_for_loggers=cfg.to_dict(), started_at=started_at)
     return trainer.fit()
+
+
+def _require_pairs(encoded: EncodedPairs, what: str, limit: str, flags: str) -> None:
+    """Refuse data of which every pair was skipped, saying why (before anything is written)."""
+    if not encoded.pairs:
+        raise FrawdError(f"no {what} pairs left in {flags}: all {encoded.empty + encoded.too_long:,} skipped, "
+                         f"{encoded.skip_reasons(limit)}")
 
 
 def _report_skipped(encoded: EncodedPairs, what: str, max_len: int) -> None:
