@@ -220,6 +220,9 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
                 yield tmp
                 if _fsync_wanted():
                     _sync_tree(tmp)
+            for inner in tmp.rglob("*"):  # a library's own temp-and-rename leaves 0600 files
+                if not inner.is_symlink():
+                    _publish_mode(inner, directory=inner.is_dir())
             _publish_mode(tmp, directory=True)
             old = None
             if path.exists():

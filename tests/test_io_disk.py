@@ -13,6 +13,7 @@ import re
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,10 @@ def test_written_files_and_folders_get_the_umask_permissions(tmp_path, umask):
         write_text_atomic(tmp_path / "new" / "a.txt", "x")
         with atomic_dir(tmp_path / "exported") as tmp:
             (tmp / "f").write_text("y")
+            (tmp / "sub").mkdir(mode=0o700)
+            fd, private = tempfile.mkstemp(dir=tmp / "sub")  # 0600, as a library's own atomic write makes
+            os.close(fd)
+            os.replace(private, tmp / "sub" / "g")
         with open(tmp_path / "plain.txt", "w") as f:  # the reference: what open() gives
             f.write("z")
         (tmp_path / "plain_dir").mkdir()
@@ -44,6 +49,8 @@ def test_written_files_and_folders_get_the_umask_permissions(tmp_path, umask):
         os.umask(old)
     assert mode(tmp_path / "new" / "a.txt") == mode(tmp_path / "plain.txt") == 0o666 & ~umask
     assert mode(tmp_path / "exported") == mode(tmp_path / "plain_dir") == 0o777 & ~umask
+    assert mode(tmp_path / "exported" / "f") == mode(tmp_path / "exported" / "sub" / "g") == 0o666 & ~umask
+    assert mode(tmp_path / "exported" / "sub") == 0o777 & ~umask
     assert mode(tmp_path / "new") == 0o777 & ~umask
 
 
@@ -57,6 +64,26 @@ def test_model_directory_files_are_readable_by_others_under_umask_022(tmp_path):
     assert {p.name: mode(p) for p in (tmp_path / "m").iterdir()} == {
         "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644}
     assert mode(tmp_path / "m") == 0o755
+
+
+def test_hf_exports_are_readable_by_others_under_umask_022(tmp_path):
+    pytest.importorskip("transformers")
+    from frawdllm import Seq2SeqTransformer
+    from frawdllm.export.hf_dir import export_hf
+
+    FrawdLLM(get_config("tiny", vocab_size=300, n_layer=1, n_embd=32, n_head=4, context_length=16)) \
+        .save_pretrained(tmp_path / "lm", tokenizer=byte_tokenizer())
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=300, n_embd=32, n_head=2, n_layer=1, n_encoder_layer=1)) \
+        .save_pretrained(tmp_path / "mt", tokenizer=byte_tokenizer())
+    old = os.umask(0o022)
+    try:
+        export_hf(tmp_path / "lm", tmp_path / "gpt2")  # safetensors' own writer makes its file 0600
+        export_hf(tmp_path / "mt", tmp_path / "marian")
+    finally:
+        os.umask(old)
+    for out in ("gpt2", "marian"):
+        files = {p.name: mode(p) for p in (tmp_path / out).iterdir()}
+        assert "model.safetensors" in files and set(files.values()) == {0o644}, files
 
 
 def test_a_failed_write_leaves_no_temporary_file_and_no_new_folder(tmp_path):
