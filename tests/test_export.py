@@ -283,3 +283,14 @@ def test_import_refuses_a_corrupt_tokenizer_and_leaves_no_output(tmp_path, token
     err = capsys.readouterr().err
     assert "not a valid tokenizer.json" in err and err.count("\n") == 1
     assert not (tmp_path / "ours").exists()
+
+
+def test_import_names_a_missing_folder_and_a_frawdllm_directory(tmp_path, tokenizer, capsys):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    for source, message in ((tmp_path / "nowhere", f"{tmp_path / 'nowhere'}: not found"),
+                            (model_dir, f"{model_dir}: a FrawdLLM model directory already")):
+        with pytest.raises(SystemExit):
+            main(["import", "--from-hf", str(source), "--out", str(tmp_path / "ours")])
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "ours").exists()

@@ -166,6 +166,15 @@ def _no_progress_bars() -> Iterator[None]:
 
 
 # ---- import ------------------------------------------------------------------------------------
+def _json_object(path: Path) -> dict:
+    """A JSON file's top-level object ({} when it is not one, or not JSON)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     try:
@@ -192,8 +201,13 @@ def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
     from transformers import AutoConfig
 
     directory = Path(hf_dir)
+    if not directory.exists():
+        raise FrawdError(f"{directory}: not found")
     if not (directory / "config.json").is_file():
         raise FrawdError(f"{directory}: no config.json; not a transformers model directory")
+    if "format_version" in _json_object(directory / "config.json"):
+        raise FrawdError(f"{directory}: a FrawdLLM model directory already (its config.json has format_version); "
+                         "every frawd command reads it as it is")
     try:
         hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
