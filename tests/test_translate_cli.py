@@ -136,6 +136,9 @@ def test_misaligned_files_are_refused_with_both_counts(tmp_path, capsys):
                            tmp_path / "short.en", "--out", tmp_path / "run", "--max-steps", "1", *TINY)
     assert code == 1 and "misaligned" in err and "200 lines" in err and "has 1" in err
     assert not (tmp_path / "run").exists()
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path, "--tgt", tmp_path / "short.en",
+                           "--out", tmp_path / "run", "--max-steps", "1", *TINY)
+    assert code == 1 and f"{tmp_path} is a folder; give a text file" in err and err.count("\n") == 1, err
 
 
 def test_empty_and_overlong_pairs_are_skipped_and_counted(tmp_path, capsys):

@@ -31,7 +31,8 @@ def read_lines(path: str | Path) -> list[str]:
     """The lines of a text file (gzip or plain), without their line ends."""
     path = Path(path)
     if not path.is_file():
-        raise FrawdError(f"file not found: {path}")
+        raise FrawdError(f"{path} is a folder; give a text file of one sentence a line" if path.is_dir()
+                         else f"file not found: {path}")
     with open(path, "rb") as f:
         gzipped = f.read(2) == GZIP_MAGIC
     try:
