@@ -17,6 +17,17 @@ Figures per level N (1, 8, 32):
   server_cpu_us_per_token_N, client_cpu_us_per_token_N   CPU time (all threads) of the
                  server and of the client process per generated token: where the cores went
   failed_requests  requests that did not end with 128 tokens and [DONE] (all levels)
+Without HTTP, measured first (as many rounds, before the server starts), what the engine alone gives:
+  engine_tokens_per_s_N  the same clients and prompts submitted straight to a `Scheduler`
+                 in this process (no HTTP, no client process): what the server's layer costs
+  forward_tokens_per_s_N  bare decode steps of N rows (the native forward at the faster of 1
+                 thread and all, every row with 128 cached tokens, about the workload's
+                 middle), no scheduling, no sampling
+  engine_scaling_32_vs_1, forward_scaling_32_vs_1  the same ratio as the headline: a
+                 32-row step computes 32 tokens, but on a CPU it is compute-bound where a
+                 1-row step is bound by reading the weights, so the forward's own ratio
+                 bounds what batching can give (the HTTP figures exceed it only where the
+                 single client loses more to overheads than the 32 do)
 The peer: llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`, the
 `llamacpp` extra) on the same model's GGUF export in fp16 (our default engine reads fp16
 weights too), same threads, the same prompts as text (its tokenizer gives our ids), at 1
@@ -42,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +62,8 @@ import httpx
 import torch
 
 from frawdllm import FrawdLLM, get_config
+from frawdllm.cli.sampling_flags import load_engine
+from frawdllm.infer.scheduler import Scheduler
 from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 NEW_TOKENS = 128
@@ -170,6 +184,89 @@ async def level(url: str, model: str, clients: int, per_client: int, texts: list
             "failed": sum(not ok for _, _, ok in results)}
 
 
+def engine_level(scheduler, clients: int, per_client: int, texts: list[list[int]]) -> float:
+    """Tokens/s of `level`'s load (each client's requests one after another) submitted straight
+    to `scheduler`: a finished request's listener submits its client's next one."""
+    from frawdllm.infer import SamplingParams
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
+    done, lock = threading.Event(), threading.Lock()
+    left, tokens, failed = [clients * per_client], [0], []
+
+    def send(c: int, r: int) -> None:
+        def listener(chunk) -> None:
+            if isinstance(chunk, BaseException):
+                failed.append(chunk)
+                done.set()
+                return
+            with lock:
+                tokens[0] += chunk.token is not None
+            if chunk.finish_reason is None:
+                return
+            if r + 1 < per_client:
+                send(c, r + 1)
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+        scheduler.submit(texts[(c * per_client + r) % len(texts)], params, listener)
+
+    start = time.perf_counter()
+    for c in range(clients):
+        send(c, 0)
+    done.wait()
+    if failed:
+        raise SystemExit(f"the scheduler failed: {failed[0]}")
+    return tokens[0] / (time.perf_counter() - start)
+
+
+def forward_steps(engine, rows: int, steps: int = 20, cached: int = NEW_TOKENS) -> float:
+    """Tokens/s of bare decode steps of `rows` rows, each with `cached` tokens in its cache, on
+    the native forward at the faster of 1 thread and all (the engine re-decides its count as
+    it runs; a figure from one or the other would depend on what ran before)."""
+    from frawdllm.infer.cache import RowKVCache
+
+    if not engine.native:
+        raise SystemExit("the forward figures need the native forward (a C compiler)")
+    cfg = engine.config
+    cache = RowKVCache(cfg, rows, cached + 1, dtype=engine.kv_dtype)
+    cache.rows = rows
+    tokens = torch.full((rows, 1), 100, dtype=torch.long)
+    positions = torch.full((rows, 1), cached, dtype=torch.long)
+    decoder = engine.native_decoder()
+    best = float("inf")
+    for threads in sorted({1, torch.get_num_threads()}):
+        times = []
+        for _ in range(steps + 2):
+            cache.lengths[:rows] = cached  # (every step writes the same slot)
+            cache.begin(1)
+            start = time.perf_counter()
+            decoder.forward(tokens, positions, cache, threads)
+            times.append(time.perf_counter() - start)
+        best = min(best, statistics.median(times[2:]))
+    return rows / best
+
+
+def without_http(model_dir: Path, texts: list[list[int]], args) -> dict[str, list[float]]:
+    """The engine_* and forward_* figures of each round, measured in this process before the
+    server starts (nothing else running: an idle server's threads still cost a 1-row step)."""
+    engine = load_engine(str(model_dir), threads=args.threads)  # as `frawd serve` loads it
+    alone: dict[str, list[float]] = {}
+    for _ in range(args.rounds):  # first: with the scheduler's thread alive, idle, a 1-row step is ~13% slower
+        for n in (1, 32):
+            alone.setdefault(f"forward_tokens_per_s_{n}", []).append(forward_steps(engine, n, 60 if n == 1 else 20))
+    scheduler = Scheduler(engine, max_batch=32)
+    try:
+        engine_level(scheduler, 4, 1, texts)  # warm-up
+        for _ in range(args.rounds):
+            for n in (1, 32):
+                per_client = args.requests_per_client * (2 if n == 1 else 1)
+                alone.setdefault(f"engine_tokens_per_s_{n}", []).append(engine_level(scheduler, n, per_client, texts))
+    finally:
+        scheduler.close()
+    return alone
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     index = max(0, min(len(sorted_values) - 1, int(-(-q * len(sorted_values) // 1)) - 1))
@@ -235,6 +332,7 @@ def main() -> None:
         print(f"building the {name} model and its tokenizer...", file=sys.stderr, flush=True)
         tok, text = make_model(model_dir, name)
         texts = prompts(tok, text, 64)
+        alone = without_http(model_dir, texts, args)
         proc, url = start_server(model_dir, args.threads, name)
         try:
             asyncio.run(level(url, name, 4, 1, texts, proc.pid))  # warm-up
@@ -271,6 +369,11 @@ def main() -> None:
             print(f"{key}_{n}={statistics.median(r[key] for r in runs):.1f}")
         failed += sum(r["failed"] for r in runs)
     print(f"failed_requests={failed}")
+    median = {key: statistics.median(values) for key, values in alone.items()}
+    for what in ("engine", "forward"):
+        for n in (1, 32):
+            print(f"{what}_tokens_per_s_{n}={median[f'{what}_tokens_per_s_{n}']:.1f}")
+        print(f"{what}_scaling_32_vs_1={median[f'{what}_tokens_per_s_32'] / median[f'{what}_tokens_per_s_1']:.2f}")
     ours_32 = statistics.median(r["tokens_per_s"] for r in figures[32])
     if not peer:
         print("peer=skipped (llama-cpp-python's server is not installed; pip install 'frawdllm[llamacpp]' builds it)")
