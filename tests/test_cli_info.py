@@ -27,7 +27,8 @@ def test_info_set_overrides_a_field():
 
 
 def test_bad_input_is_one_line_and_nonzero_exit():
-    for args in (["info", "--preset", "huge"], ["info", "--set", "n_head=7"], ["info", "--set", "n_layer"]):
+    for args in (["info", "--preset", "huge"], ["info", "--set", "n_head=7"], ["info", "--set", "n_layer"],
+                 ["info", "--seq-len", "100000"]):
         result = frawd(*args)
         assert result.returncode == 1
         lines = result.stderr.strip().splitlines()

@@ -163,3 +163,21 @@ def test_the_task_keeps_its_reference_frozen_outside_the_optimizer(tmp_path):
     trainer.fit()
     assert all(torch.equal(before[k], v) for k, v in task.reference.state_dict().items())
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_pairs_with_no_preference_or_an_answered_prompt_are_bad_records(tmp_path):
+    from frawdllm.errors import FrawdError
+
+    good = word_prefs(10)
+    same = {"prompt": "say hi", "chosen": "hi", "rejected": "hi"}
+    answered = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                "chosen": "a", "rejected": "b"}
+    for bad, message in ((same, "'chosen' and 'rejected' are the same text"),
+                         (answered, "'prompt' ends with an assistant turn")):
+        data = write_jsonl(tmp_path / "prefs.jsonl", [*good[:4], bad, *good[4:]])
+        cfg = DPOConfig(data=str(data), val_fraction=0.0)
+        with pytest.raises(FrawdError, match=f"prefs.jsonl:5: {message}"):
+            load_pairs(cfg, byte_tokenizer(), 64)
+        cfg = DPOConfig(data=str(data), val_fraction=0.0, skip_bad_lines=True)
+        train, _, summary = load_pairs(cfg, byte_tokenizer(), 64)
+        assert len(train) == 10 and summary.skipped == 1 and message in summary.line("pairs")

@@ -131,7 +131,12 @@ def preference(record: object, where: str) -> tuple[list[dict], str, str]:
     else:
         raise BadExample(f"{where}: 'prompt' must be a string or a list of messages "
                          f"({'missing' if prompt is None else type(prompt).__name__})")
-    return messages, _text(record, "chosen", where), _text(record, "rejected", where)
+    chosen, rejected = _text(record, "chosen", where), _text(record, "rejected", where)
+    if chosen == rejected:  # no preference to learn: its DPO loss is log 2 whatever the weights
+        raise BadExample(f"{where}: 'chosen' and 'rejected' are the same text")
+    if messages[-1]["role"] == "assistant":  # the answers follow the prompt as the assistant's turn
+        raise BadExample(f"{where}: 'prompt' ends with an assistant turn; chosen and rejected are that turn")
+    return messages, chosen, rejected
 
 
 # ---- messages -> ids --------------------------------------------------------------------------

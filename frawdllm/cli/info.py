@@ -44,6 +44,8 @@ def info(preset: str, overrides: tuple[str, ...], seq_len: int | None, ranks: in
     if seq_len is not None and seq_len < 1:
         raise FrawdError(f"--seq-len must be a positive integer, got {seq_len}")
     cfg = model_config_from(preset, overrides)
+    if seq_len is not None and seq_len > cfg.context_length:
+        raise FrawdError(f"--seq-len {seq_len} exceeds the model's context_length {cfg.context_length}")
     click.echo(f"preset: {preset}")
     for key, value in cfg.to_dict().items():
         click.echo(f"  {key:<18} {value}")
