@@ -300,3 +300,17 @@ def test_cli_refuses_to_replace_a_tokenizer_unless_overwrite(tmp_path, capsys, m
     assert (out / "tokenizer.json").read_text() == first
     code, stdout, _ = run_cli(capsys, *train, "--vocab-size", "280", "--out", out, "--overwrite")
     assert code == 0 and Tokenizer.load(out).vocab_size == 280
+
+
+def test_cli_notes_a_vocabulary_smaller_than_asked(tmp_path, capsys):
+    from cli_helpers import run_cli
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    code, out, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--vocab-size", "1000000",
+                             "--out", tmp_path / "t")
+    size = Tokenizer.load(tmp_path / "t" / "tokenizer.json").vocab_size
+    assert code == 0 and size < 1_000_000 and f"vocab_size: {size} " in out
+    assert f"note: the corpus gave {size:,} tokens, not the 1,000,000 asked for" in err
+    code, _, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--vocab-size", "300", "--out", tmp_path / "u")
+    assert code == 0 and "note:" not in err

@@ -64,6 +64,9 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     tok.save(path)
     if stats.warning():
         click.echo(f"warning: {stats.warning()}", err=True)
+    if kind == "bpe" and vocab_size is not None and tok.vocab_size < vocab_size:
+        click.echo(f"note: the corpus gave {tok.vocab_size:,} tokens, not the {vocab_size:,} asked for "
+                   "(BPE stops when no pair of tokens occurs twice)", err=True)
     click.echo(f"kind: {tok.kind}")
     click.echo(f"vocab_size: {tok.vocab_size} (7 special tokens at ids 0..6)")
     click.echo(f"documents: {stats.documents}")
