@@ -339,3 +339,17 @@ def test_streamed_bytes_equal_the_one_shot_decode_of_the_tokens():
     streamed = "".join(c.text for c in engine.stream("x", params))
     assert streamed == tokenizer.decode(done.tokens, skip_special_tokens=True) == done.text
     assert any(ord(ch) > 127 and ch != "\ufffd" for ch in streamed)  # a real multi-byte character came through
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kv_caches_start_as_zeros_of_their_own_and_hold_what_is_written(dtype):
+    from frawdllm.infer.cache import RowKVCache
+
+    cfg = get_config("tiny", n_layer=2, n_embd=32, n_head=4, vocab_size=300, context_length=16)
+    for cache in (KVCache(cfg, 2, 16, dtype=dtype), RowKVCache(cfg, 3, 16, dtype=dtype)):
+        tensors = [*cache.k, *cache.v]
+        assert all(t.dtype == dtype and t.shape[1:] == (4, 16, 8) and t.is_contiguous() for t in tensors)
+        assert all(torch.count_nonzero(t) == 0 for t in tensors)
+        assert len({t.data_ptr() for t in tensors}) == len(tensors)  # no two layers share storage
+        cache.k[0][0, 1, 5] = 2.5
+        assert cache.k[0][0, 1, 5].eq(2.5).all() and torch.count_nonzero(cache.v[0]) == 0
