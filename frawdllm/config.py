@@ -364,6 +364,9 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     return cls.from_dict(data)
 
 
+NONE_IS_A_VALUE = {"pos_encoding"}  # fields where the word "none" is a choice, not "unset"
+
+
 def parse_value(cls: type, name: str, text: str) -> Any:
     """Parse `text` as the declared type of dataclass field `name` (for `--set k=v` flags)."""
     hints = typing.get_type_hints(cls)
@@ -372,6 +375,8 @@ def parse_value(cls: type, name: str, text: str) -> Any:
         raise ConfigError(f"unknown field {name!r}; known: {known}")
     hint = hints[name]
     options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if name in NONE_IS_A_VALUE and text.lower() == "none":
+        return "none"  # pos_encoding=none: no positions (pos_encoding=null: from use_rope)
     if type(None) in options and text.lower() in ("none", "null", ""):
         return None
     for option in options:

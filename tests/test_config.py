@@ -109,6 +109,16 @@ def test_flops_per_token_is_six_n_plus_attention():
     assert untied.flops_per_token(128) == cfg.flops_per_token(128)  # same matmuls either way
 
 
+def test_pos_encoding_none_means_no_positions_and_null_means_from_use_rope():
+    from frawdllm import get_config
+
+    assert parse_overrides(ModelConfig, ["pos_encoding=none"]) == {"pos_encoding": "none"}
+    assert parse_overrides(ModelConfig, ["pos_encoding=None"]) == {"pos_encoding": "none"}
+    assert parse_overrides(ModelConfig, ["pos_encoding=null"]) == {"pos_encoding": None}
+    cfg = get_config("tiny", **parse_overrides(ModelConfig, ["pos_encoding=none"]))
+    assert cfg.pos_encoding == "none" and not cfg.use_rope
+
+
 def test_overrides_are_parsed_by_field_type():
     values = parse_overrides(ModelConfig, ["n_layer=2", "use_rope=true", "dropout=0.1", "n_kv_head=none"])
     assert values == {"n_layer": 2, "use_rope": True, "dropout": 0.1, "n_kv_head": None}
