@@ -43,6 +43,7 @@ def test_top_k_keeps_ties_with_the_kth_token():
 
 
 @pytest.mark.parametrize("p, expected", [
+    (1e-50, {1}),  # 0 in float32: the top token still stays (every token dropped made NaN probabilities)
     (0.3, {1}),  # the top token alone already reaches 0.3
     (0.5, {1}),
     (0.55, {1, 3}),  # 0.5 < 0.55 <= 0.8

@@ -103,6 +103,36 @@ def test_chat_stream_and_not(server):
     assert reasons[-1] == "length" and usage.completion_tokens == 24
 
 
+def test_openai_request_forms_beyond_the_basics(server):
+    c = client(server)
+    assert c.models.retrieve("small").id == "small"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("nope")
+    # completions take max_completion_tokens too (the client's newer name), and logprobs as a count
+    got = c.completions.create(model="varied", prompt=PROMPTS[3], temperature=0,
+                               extra_body={"max_completion_tokens": 3})
+    assert got.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
+        c.completions.create(model="varied", prompt=PROMPTS[3], max_tokens=3, logprobs=2)
+    # a developer message is the system prompt; text parts are joined
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[7]}]
+    want = expected_chat(server["engine"], plain, max_new_tokens=12).text
+    newer = [{"role": "developer", "content": "be brief"},
+             {"role": "user", "content": [{"type": "text", "text": PROMPTS[7][:5]},
+                                          {"type": "text", "text": PROMPTS[7][5:]}]}]
+    got = c.chat.completions.create(model="varied", messages=newer, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == want
+    # with include_usage, every chunk carries "usage" (null until the last), as OpenAI's do
+    body = {"model": "varied", "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert all("usage" in e for e in events) and [e["usage"] is None for e in events[:-1]] == [True] * (len(events) - 1)
+    assert events[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_the_second_model(server):
     want = expected_completion(server["small"], PROMPTS[2], max_new_tokens=10)
     got = client(server).completions.create(model="small", prompt=PROMPTS[2], max_tokens=10, temperature=0)
@@ -268,7 +298,7 @@ def test_schema_fuzzing_finds_no_server_error(server):
                 response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
                 calls.append(response.status_code)
                 if response.status_code >= 500:
-                    failures.append((operation.label, response.status_code, response.text[:200]))
+                    failures.append((operation.label, response.status_code, response.text[:200], case.body))
 
             check()
     assert not failures

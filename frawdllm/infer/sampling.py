@@ -148,6 +148,7 @@ def top_p_filter(logits: Float[Tensor, "B V"], p: float) -> Float[Tensor, "B V"]
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
     drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop_sorted[..., 0] = False  # the top token always stays (a p below float32's range reads as 0)
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 

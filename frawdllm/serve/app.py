@@ -275,18 +275,25 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "frawdllm",
+                "context_length": schedulers[name].engine.config.context_length}
+
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def list_models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "frawdllm",
-             "context_length": s.engine.config.context_length} for name, s in schedulers.items()]}
+        return {"object": "list", "data": [model_card(name) for name in schedulers]}
+
+    @app.get("/v1/models/{model}", dependencies=[Depends(check_key)])
+    async def retrieve_model(model: str) -> dict:
+        scheduler_for(model)  # (a 404 naming the models there are)
+        return model_card(model)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
         max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.as_message() for m in body.messages]
         for i, message in enumerate(messages):
             _check_text(message["content"], f"messages[{i}].content", param="messages")
         try:
@@ -304,7 +311,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
     async def completions(body: CompletionRequest, request: Request):
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
-        max_new = _max_new(body.max_tokens, options, engine)
+        max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
         if isinstance(body.prompt, str):
             _check_text(body.prompt, "the prompt", param="prompt")
             ids = engine.tokenizer.encode(body.prompt)
@@ -516,7 +523,11 @@ class _Reply:
             head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                     "created": self.created, "model": self.body.model, "system_fingerprint": None}
             self._head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": '
-        tail = "" if usage is None else ', "usage": ' + json.dumps(usage, ensure_ascii=False)
+        options = self.body.stream_options
+        if usage is not None:
+            tail = ', "usage": ' + json.dumps(usage, ensure_ascii=False)
+        else:  # with include_usage, every chunk has the field (null until the last), as OpenAI's
+            tail = ', "usage": null' if options is not None and options.include_usage else ""
         return self._head + json.dumps(choices, ensure_ascii=False) + tail + "}\n\n"
 
     async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:

@@ -27,6 +27,7 @@ class _Sampling(BaseModel):
 
     model: str = Field(max_length=256)
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (capped by the server).")
+    max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of max_tokens.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=1_000_000, description="FrawdLLM extension: 0 = off.")
@@ -40,25 +41,36 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = Field(None, description="Not supported: only null or false.")
     truncate: bool = Field(False, description="FrawdLLM extension: drop the oldest prompt tokens (chat: "
                                               "turns) that do not fit the context, instead of a 400.")
     user: str | None = None
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["developer", "system", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="Text, or text parts (joined).")
+
+    def as_message(self) -> dict:
+        """{"role", "content"} as the chat template takes it: a developer message is the
+        system prompt (OpenAI's newer name for it), text parts are joined."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of max_tokens.")
+    logprobs: bool | None = Field(None, description="Not supported: only null or false.")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(description="Text, or token ids.")
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5, description="Not supported: only null or 0.")
 
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "ChatMessage", "MAX_STOP"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "ChatMessage", "TextPart", "MAX_STOP"]
