@@ -90,6 +90,12 @@ def test_prompt_file_and_several_prompts_and_samples(capsys, model_dir, tmp_path
     records = [json.loads(line) for line in out.strip().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert records[2]["prompt_tokens"] == len("from a file")
+    other = tmp_path / "other.txt"
+    other.write_text("and another file", encoding="utf-8")  # --prompt-file repeats, like --prompt
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", str(prompt), "--prompt-file",
+                         str(other), "--max-new-tokens", "2", "--temperature", "0", "--json")
+    assert code == 0, err
+    assert [json.loads(line)["prompt_tokens"] for line in out.strip().splitlines()] == [11, 16]
 
 
 def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_dir, tmp_path):

@@ -18,8 +18,9 @@ from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_fr
 @engine_flags
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="The prompt (repeatable: several prompts run as one batch).")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
-              help="Read a prompt from a file ('-' = standard input); with --prompt, one more prompt of the batch.")
+@click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Read a prompt from a file ('-' = standard input; repeatable, like --prompt: each file is one "
+                   "more prompt of the batch).")
 @sampling_flags
 @click.option("--num-samples", type=int, default=1, show_default=True,
               help="Completions per prompt (all run as one batch: bounded by memory).")
@@ -31,7 +32,7 @@ from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_fr
 @click.option("--echo-prompt", is_flag=True, help="Print the prompt before its completion.")
 @click.option("--stats", is_flag=True, help="Print token counts and speed on stderr.")
 def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, compile_model: bool,
-             device: str, threads: int | None, prompts: tuple[str, ...], prompt_file: str | None, num_samples: int,
+             device: str, threads: int | None, prompts: tuple[str, ...], prompt_files: tuple[str, ...], num_samples: int,
              ignore_eos: bool, stream: bool | None, as_json: bool, echo_prompt: bool, stats: bool,
              **sampling) -> None:
     """Continue --prompt with text from the model in --model.
@@ -46,9 +47,9 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
       frawd generate --model DIR --prompt "def " --temperature 0 --json
       frawd generate --model DIR --prompt-file story.txt --top-p 0.9 --stop "THE END"
     """
-    texts = list(prompts)
-    if prompt_file is not None:
-        texts.append(_read_prompt_file(prompt_file))
+    if prompt_files.count("-") > 1:
+        raise FrawdError("--prompt-file - (standard input) can be given once")
+    texts = list(prompts) + [_read_prompt_file(path) for path in prompt_files]
     if not texts:
         raise FrawdError("give a prompt with --prompt TEXT or --prompt-file FILE")
     params = params_from_flags(model_dir, sampling, num_samples=num_samples, ignore_eos=ignore_eos)
