@@ -73,8 +73,14 @@ def test_a_conversation_with_commands(chat_model):
 
     assert "top_k=5" in say(child, "/params top_k=5")
     assert "error: top_p must be in (0, 1]" in say(child, "/params top_p=3")
-    assert "error: chat replies with one sample" in say(child, "/params num_samples=3")
-    assert "error: stop is set when chat starts (--stop)" in say(child, "/params stop=x")
+    assert "error: num_samples cannot be changed here: chat replies with one sample" in say(child, "/params num_samples=3")
+    assert "error: stop cannot be changed here: stop strings are set when chat starts (--stop)" in \
+        say(child, "/params stop=x")
+    assert "error: stop_token_ids cannot be changed here: chat stops at its role tokens" in \
+        say(child, "/params stop_token_ids=5")
+    unknown = say(child, "/params foo=1")
+    assert "error: unknown parameter 'foo'; /params takes max_new_tokens, temperature" in unknown
+    assert "num_samples" not in unknown and "stop" not in unknown
     assert "(system message set)" in say(child, "/system be brief")
     assert "(conversation cleared)" in say(child, "/reset")
     assert "unknown command /bogus" in say(child, "/bogus")

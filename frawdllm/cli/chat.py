@@ -116,16 +116,20 @@ class _Repl:
         from ..infer import SamplingParams
 
         changes = {}
+        fixed = {"stop": "stop strings are set when chat starts (--stop)",
+                 "stop_token_ids": "chat stops at its role tokens and <|eos|>",
+                 "num_samples": "chat replies with one sample"}
+        settable = [f.name for f in fields(SamplingParams) if f.name not in fixed]
         try:
             for pair in pairs:
                 key, sep, text = pair.partition("=")
                 if not sep:
                     raise FrawdError(f"expected key=value, got {pair!r}")
-                if key in ("stop", "stop_token_ids"):
-                    raise FrawdError(f"{key} is set when chat starts (--stop), not here")
+                if key in fixed:
+                    raise FrawdError(f"{key} cannot be changed here: {fixed[key]}")
+                if key not in settable:
+                    raise FrawdError(f"unknown parameter {key!r}; /params takes {', '.join(settable)}")
                 changes[key] = parse_value(SamplingParams, key, text)
-                if key == "num_samples" and changes[key] != 1:
-                    raise FrawdError("chat replies with one sample: num_samples must be 1")
             self.params = self.params.replace(**changes)
         except FrawdError as exc:
             self.out(f"error: {exc}\n")
