@@ -111,6 +111,19 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     assert "(stopped at the token limit)" in reply()
     assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 2
 
+    # a refused request shows its error, and is not kept in the conversation sent next time
+    assert d.execute_script("return turns.length") == 4
+    max_tokens.clear()
+    max_tokens.send_keys("5000")  # over the server's cap of 1000: a 400
+    by_id("input").send_keys("too much")
+    by_id("send").click()
+    wait_for(lambda: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 3 and by_id("send").is_enabled(),
+             what="the refusal")
+    assert "Error: max_tokens is 5000; this server allows at most 1000" in reply()
+    assert d.execute_script("return turns.length") == 4
+    max_tokens.clear()
+    max_tokens.send_keys("12")
+
     # code blocks are monospace
     html = d.execute_script("return render('see `x`\\n\\n```py\\ndef f():\\n    return 1\\n```');")
     assert "<pre><code>def f():\n    return 1\n</code></pre>" in html and "<code>x</code>" in html
