@@ -162,7 +162,7 @@ class Tokenizer:
         Equal to encoding `render_chat_text(...)` with special tokens parsed, except that
         message contents are always plain text (a literal "<|eos|>" typed by a user stays text).
         """
-        self._require_specials()
+        self.require_frawd_specials("this tokenizer", "so it cannot render chats")
         ids = [BOS_ID]
         for i, message in enumerate(messages):
             role, content = _role_and_content(message, i)
@@ -173,9 +173,14 @@ class Tokenizer:
             ids.append(ASSISTANT_ID)
         return ids
 
-    def _require_specials(self) -> None:
-        if not self.has_frawd_specials():
-            raise FrawdError("this tokenizer lacks FrawdLLM's special tokens at ids 0..6; it cannot render chats")
+    def require_frawd_specials(self, where: str, why: str) -> "Tokenizer":
+        """This tokenizer, or a FrawdError naming `where` it came from, the special tokens it
+        lacks and `why` they are needed."""
+        missing = self.missing_frawd_specials()
+        if missing:
+            raise FrawdError(f"{where}: lacks FrawdLLM's special tokens at ids 0..6 (missing: {', '.join(missing)}), "
+                             f"{why}")
+        return self
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

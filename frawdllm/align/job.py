@@ -79,9 +79,8 @@ def check_init(cfg: FinetuneConfig) -> None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
     pick_device(cfg.device)
     require_kind(cfg.init, load_config(cfg.init), "decoder")
-    tok = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE))
-    if not tok.has_frawd_specials():
-        raise FrawdError(f"{cfg.init}: its tokenizer lacks FrawdLLM's chat tokens (<|user|>, <|assistant|>, ...)")
+    Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE)).require_frawd_specials(
+        f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
 
 
 def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:

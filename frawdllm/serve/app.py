@@ -462,6 +462,7 @@ class _Reply:
         self.texts, self.reasons, self.counts = [""] * n, [None] * n, [0] * n
         self.log: dict = {}
         self._head: str | None = None
+        self._no_usage = ""
 
     @property
     def completion_tokens(self) -> int:
@@ -523,11 +524,9 @@ class _Reply:
             head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                     "created": self.created, "model": self.body.model, "system_fingerprint": None}
             self._head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": '
-        options = self.body.stream_options
-        if usage is not None:
-            tail = ', "usage": ' + json.dumps(usage, ensure_ascii=False)
-        else:  # with include_usage, every chunk has the field (null until the last), as OpenAI's
-            tail = ', "usage": null' if options is not None and options.include_usage else ""
+            options = self.body.stream_options  # with include_usage every chunk has the field, null until the last
+            self._no_usage = ', "usage": null' if options is not None and options.include_usage else ""
+        tail = self._no_usage if usage is None else ', "usage": ' + json.dumps(usage, ensure_ascii=False)
         return self._head + json.dumps(choices, ensure_ascii=False) + tail + "}\n\n"
 
     async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:

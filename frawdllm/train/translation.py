@@ -303,13 +303,9 @@ def given_tokenizer(spec: str) -> Tokenizer:
     path = tokenizer_path(spec)
     if path is None:
         raise FrawdError(f"--tokenizer {spec}: no tokenizer.json there")
-    tokenizer = Tokenizer.load(path)
-    missing = tokenizer.missing_frawd_specials()
-    if missing:
-        raise FrawdError(f"--tokenizer {spec}: lacks FrawdLLM's special tokens at ids 0..6 (missing: "
-                         f"{', '.join(missing)}), which translation uses for padding, BOS and EOS; leave out "
-                         f"--tokenizer to train one on the data, or give one from `frawd tokenizer train`")
-    return tokenizer
+    return Tokenizer.load(path).require_frawd_specials(
+        f"--tokenizer {spec}", "which translation uses for padding, BOS and EOS; leave out --tokenizer to train "
+                               "one on the data, or give one from `frawd tokenizer train`")
 
 
 def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Tokenizer:
