@@ -133,6 +133,33 @@ def test_openai_request_forms_beyond_the_basics(server):
     assert events[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_a_list_of_prompts(server):
+    """OpenAI's batch form: n completions per prompt, choice prompt_index * n + sample_index,
+    each what the prompt gets alone; token-id lists too; echo per prompt; streaming interleaved."""
+    c, engine = client(server), server["engine"]
+    texts = [PROMPTS[1], PROMPTS[6], PROMPTS[2]]
+    want = [expected_completion(engine, p, max_new_tokens=8).text for p in texts]
+    got = c.completions.create(model="varied", prompt=texts, max_tokens=8, temperature=0, n=2)
+    assert [ch.index for ch in got.choices] == list(range(6))
+    assert [ch.text for ch in got.choices] == [w for w in want for _ in range(2)]
+    assert got.usage.prompt_tokens == sum(len(engine.encode(p)) for p in texts)
+    assert got.usage.completion_tokens == 6 * 8
+    ids = [engine.encode(p) for p in texts[:2]]
+    got = c.completions.create(model="varied", prompt=ids, max_tokens=8, temperature=0)
+    assert [ch.text for ch in got.choices] == want[:2]
+    echoed = c.completions.create(model="varied", prompt=texts[:2], max_tokens=8, temperature=0, echo=True)
+    assert [ch.text for ch in echoed.choices] == [p + w for p, w in zip(texts[:2], want)]
+    pieces = ["", "", ""]
+    for chunk in c.completions.create(model="varied", prompt=texts, max_tokens=8, temperature=0, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert pieces == want
+    with pytest.raises(openai.BadRequestError, match="prompt\\[1\\] has 2000 tokens"):
+        c.completions.create(model="varied", prompt=[[5], [5] * 2000], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="at most 32 in one request"):
+        c.completions.create(model="varied", prompt=["a"] * 33, max_tokens=2)
+
+
 def test_the_second_model(server):
     want = expected_completion(server["small"], PROMPTS[2], max_new_tokens=10)
     got = client(server).completions.create(model="small", prompt=PROMPTS[2], max_tokens=10, temperature=0)

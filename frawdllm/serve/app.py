@@ -20,6 +20,7 @@ scheduler chunks into OpenAI's bodies, and enforces the limits:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -305,47 +306,61 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             raise ApiError(400, str(error), param="messages") from None
         _check_fits(ids, engine, chat=True)
         params = _params(body, max_new, options, stop_token_ids=ROLE_TOKEN_IDS)
-        return await _answer(request, scheduler, body, ids, params, chat=True)
+        return await _answer(request, scheduler, body, [ids], params, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
         max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
-        if isinstance(body.prompt, str):
-            _check_text(body.prompt, "the prompt", param="prompt")
-            ids = engine.tokenizer.encode(body.prompt)
-        else:
-            ids = list(body.prompt)
-        if body.truncate:  # the last context - 1 tokens (room for one new token)
-            ids = ids[-(engine.config.context_length - 1):]
-        _check_fits(ids, engine, chat=False)
-        try:
-            ids = engine.encode(ids)  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
-        except FrawdError as error:
-            raise ApiError(400, str(error), param="prompt") from None
+        prompts = _prompts(body.prompt, options.max_batch)
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            what = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                _check_text(prompt, what, param="prompt")
+                ids = engine.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+            if body.truncate:  # the last context - 1 tokens (room for one new token)
+                ids = ids[-(engine.config.context_length - 1):]
+            _check_fits(ids, engine, chat=False, what=what)
+            try:
+                encoded.append(engine.encode(ids))  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
+            except FrawdError as error:
+                raise ApiError(400, f"{what}: {error}" if len(prompts) > 1 else str(error), param="prompt") from None
         params = _params(body, max_new, options)
-        return await _answer(request, scheduler, body, ids, params, chat=False)
+        echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts]
+        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes)
 
-    async def _answer(request: Request, scheduler: Scheduler, body: Any, ids: list[int], params: SamplingParams,
-                      chat: bool):
+    async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
+                      params: SamplingParams, chat: bool, echoes: list[str] | None = None):
+        """Submit each prompt (one job each) and answer with all their completions."""
         if state["in_flight"] >= options.max_in_flight:
             raise ApiError(429, f"{state['in_flight']} requests are open (the server's limit); retry later",
                            code="too_many_requests")
         loop = asyncio.get_running_loop()
         delivery = deliveries.get(loop) or deliveries.setdefault(loop, _Delivery(loop))
         chunks: asyncio.Queue = asyncio.Queue()
+        jobs: list[Job] = []
         try:
-            job = scheduler.submit(ids, params, delivery.listener(chunks))
-        except QueueFull as error:
-            raise ApiError(429, str(error), code="queue_full") from None
-        except FrawdError as error:
+            for i, ids in enumerate(prompts):  # prompt i's completions are choices i * n ... i * n + n - 1
+                jobs.append(scheduler.submit(ids, params, _shifted(delivery.listener(chunks), i * params.num_samples)))
+        except (QueueFull, FrawdError) as error:
+            for job in jobs:
+                job.cancel()
+            if isinstance(error, QueueFull):
+                raise ApiError(429, str(error), code="queue_full") from None
             raise ApiError(400, str(error)) from None
         state["in_flight"] += 1
-        metrics.prompt_tokens.labels(body.model).inc(len(ids))
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        metrics.prompt_tokens.labels(body.model).inc(prompt_tokens)
         log = request.scope["state"]["log"]
-        log.update(model=body.model, prompt_tokens=len(ids), n=params.num_samples, stream=body.stream)
-        reply = _Reply(body, job, chunks, chat, len(ids), created=int(time.time()))
+        log.update(model=body.model, prompt_tokens=prompt_tokens, n=params.num_samples, stream=body.stream)
+        if len(prompts) > 1:
+            log["prompts"] = len(prompts)
+        reply = _Reply(body, jobs, chunks, chat, prompt_tokens, created=int(time.time()),
+                       echoes=echoes or [""] * len(prompts))
         reply.log = log
         if body.stream:
             return StreamingResponse(reply.events(request, finish), media_type="text/event-stream",
@@ -363,17 +378,18 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             finish(reply)
 
     def finish(reply: "_Reply") -> None:
-        reply.job.cancel()  # (no-op when it finished): a client gone frees the rows
+        for job in reply.jobs:
+            job.cancel()  # (no-op when it finished): a client gone frees the rows
         state["in_flight"] -= 1
         model = reply.body.model
         metrics.generated.labels(model).inc(reply.completion_tokens)
-        metrics.latency.labels(model).observe(time.perf_counter() - reply.job.submitted)
-        if reply.job.first_token_at is not None:
-            metrics.ttft.labels(model).observe(reply.job.first_token_at - reply.job.submitted)
+        metrics.latency.labels(model).observe(time.perf_counter() - reply.submitted)
+        if reply.first_token_at is not None:
+            metrics.ttft.labels(model).observe(reply.first_token_at - reply.submitted)
         request_log = reply.log
         request_log.update(completion_tokens=reply.completion_tokens, ttft_ms=reply.ttft_ms,
                          finish=reply.finish_reasons)
-        if not reply.job.done:
+        if not all(job.done for job in reply.jobs):
             request_log["cancelled"] = True
 
     app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, metrics=metrics)
@@ -393,11 +409,30 @@ def _check_text(text: str, what: str, param: str) -> None:
         raise ApiError(400, str(error), param=param) from None
 
 
-def _check_fits(ids: list[int], engine: Engine, chat: bool) -> None:
+def _prompts(prompt: str | list, most: int) -> list[str | list[int]]:
+    """A completion request's prompts: one (text or ids) or a list of them (at most `most`)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > most:
+        raise ApiError(400, f"{len(prompt)} prompts; this server takes at most {most} in one request", param="prompt")
+    return list(prompt)
+
+
+def _shifted(listener, offset: int):
+    """`listener` with every chunk's completion index moved up by `offset` (a request's later prompts)."""
+    if offset == 0:
+        return listener
+
+    def put(item: Any) -> None:
+        listener(item if isinstance(item, BaseException) else dataclasses.replace(item, index=item.index + offset))
+    return put
+
+
+def _check_fits(ids: list[int], engine: Engine, chat: bool, what: str = "the prompt") -> None:
     context = engine.config.context_length
     if len(ids) > context:
         keeps = "the newest turns" if chat else f"its last {context - 1} tokens"
-        raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context is {context}; "
+        raise ApiError(400, f"{what} has {len(ids)} tokens but the model's context is {context}; "
                             f'"truncate": true keeps {keeps}', param="messages" if chat else "prompt",
                        code="context_length_exceeded")
 
@@ -451,18 +486,29 @@ else:
 
 
 class _Reply:
-    """One request's answer being put together from its scheduler chunks."""
+    """One request's answer being put together from the chunks of its jobs (one per prompt)."""
 
-    def __init__(self, body: Any, job: Job, chunks: asyncio.Queue, chat: bool, prompt_tokens: int,
-                 created: int) -> None:
-        self.body, self.job, self.chunks, self.chat = body, job, chunks, chat
+    def __init__(self, body: Any, jobs: list[Job], chunks: asyncio.Queue, chat: bool, prompt_tokens: int,
+                 created: int, echoes: list[str]) -> None:
+        self.body, self.jobs, self.chunks, self.chat = body, jobs, chunks, chat
         self.prompt_tokens, self.created = prompt_tokens, created
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        n = job.params.num_samples
-        self.texts, self.reasons, self.counts = [""] * n, [None] * n, [0] * n
+        self.n = jobs[0].params.num_samples  # completions per prompt
+        total = self.n * len(jobs)
+        self.echoes = [echoes[i // self.n] for i in range(total)]  # completions: the prompt, with echo
+        self.texts, self.reasons, self.counts = [""] * total, [None] * total, [0] * total
         self.log: dict = {}
         self._head: str | None = None
         self._no_usage = ""
+
+    @property
+    def submitted(self) -> float:
+        return self.jobs[0].submitted
+
+    @property
+    def first_token_at(self) -> float | None:
+        firsts = [job.first_token_at for job in self.jobs if job.first_token_at is not None]
+        return min(firsts) if firsts else None
 
     @property
     def completion_tokens(self) -> int:
@@ -474,8 +520,8 @@ class _Reply:
 
     @property
     def ttft_ms(self) -> float | None:
-        first = self.job.first_token_at
-        return None if first is None else round(1000 * (first - self.job.submitted), 1)
+        first = self.first_token_at
+        return None if first is None else round(1000 * (first - self.submitted), 1)
 
     def _take(self, item: StreamChunk | BaseException) -> StreamChunk:
         if isinstance(item, BaseException):
@@ -506,13 +552,12 @@ class _Reply:
         while None in self.reasons:  # (every sample's last chunk taken)
             chunk = await self._next()
             self.texts[chunk.index] += chunk.text
-        prefix = self.body.prompt if (not self.chat and self.body.echo and isinstance(self.body.prompt, str)) else ""
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
                         "finish_reason": reason} for i, (text, reason) in enumerate(zip(self.texts, self.reasons))]
         else:
-            choices = [{"index": i, "text": prefix + text, "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(zip(self.texts, self.reasons))]
+            choices = [{"index": i, "text": echo + text, "logprobs": None, "finish_reason": reason}
+                       for i, (echo, text, reason) in enumerate(zip(self.echoes, self.texts, self.reasons))]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.body.model, "system_fingerprint": None,
                 "choices": choices, "usage": self._usage()}
@@ -531,13 +576,12 @@ class _Reply:
 
     async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:
         try:
-            n = self.job.params.num_samples
             if self.chat:
                 yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None} for i in range(n)])
-            elif self.body.echo and isinstance(self.body.prompt, str):
-                yield self._event([{"index": i, "text": self.body.prompt, "logprobs": None, "finish_reason": None}
-                                   for i in range(n)])
+                                    "finish_reason": None} for i in range(self.n)])
+            elif any(self.echoes):
+                yield self._event([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+                                   for i, echo in enumerate(self.echoes)])
             while None in self.reasons:  # (every sample's last chunk taken)
                 chunks = [await self._next(request)]
                 while not self.chunks.empty():  # a client that fell behind gets what is ready in one write

@@ -68,7 +68,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(description="Text, or token ids.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text or token ids, or a list of either: n completions for each prompt, "
+                    "choice prompt_index * n + sample_index.")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5, description="Not supported: only null or 0.")
 
