@@ -158,6 +158,14 @@ def test_ragged_batch_rows_equal_each_prompt_alone(name, mode):
         alone = engine.generate([prompts[c.prompt_index]], params.replace(num_samples=1))[0]
         assert c.tokens == alone.tokens
         assert c.prompt_tokens == len(prompts[c.prompt_index])
+    # Seeded sampling too: each row draws from a generator of its own (seed, sample index),
+    # so a prompt's samples do not depend on the other prompts of the batch.
+    sampled = params.replace(temperature=1.0, top_k=50, seed=3)
+    batch = engine.generate(prompts, sampled)
+    assert len({tuple(c.tokens) for c in batch}) == len(batch)  # every sample its own draw
+    for i, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], sampled)
+        assert [c.tokens for c in alone] == [c.tokens for c in batch[2 * i:2 * i + 2]]
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())

@@ -118,7 +118,8 @@ def test_seeded_sampling_independent_of_the_batch(model_tok):
                             repetition_penalty=1.2)
     scheduler = Scheduler(engine, max_batch=32)
     try:
-        alone = [c.token for c in scheduler.submit(PROMPTS[2], params)]
+        chunks = list(scheduler.submit(PROMPTS[2], params))
+        alone = [c.token for c in chunks]
         handles = [scheduler.submit(p, params) for p in PROMPTS[:8]]
         crowded = [[c.token for c in h] for h in handles][2]
         other_seed = [c.token for c in scheduler.submit(PROMPTS[2], params.replace(seed=8))]
@@ -126,6 +127,9 @@ def test_seeded_sampling_independent_of_the_batch(model_tok):
         scheduler.close()
     assert alone == crowded
     assert alone != other_seed
+    # Engine.generate draws the same way: one sampling path for generate, chat and serve
+    per_sample = [[c.token for c in chunks if c.index == i] for i in range(3)]
+    assert [c.tokens for c in engine.generate(PROMPTS[2], params)] == per_sample
 
 
 def test_stop_strings_and_text_match_generate(model_tok):

@@ -22,8 +22,8 @@ _SAMPLING = [
     ("--top-p", "top_p", float, "Nucleus sampling: keep the most likely tokens up to this mass.  [default: 1.0]"),
     ("--min-p", "min_p", float, "Drop tokens below min_p x the top probability.  [default: 0]"),
     ("--repetition-penalty", "repetition_penalty", float, "Penalise tokens already present (>1).  [default: 1.0]"),
-    ("--seed", "seed", int, "Random seed: the same seed, prompts and --num-samples give the same text (the "
-                            "batch's rows draw from one generator).  [default: random]"),
+    ("--seed", "seed", int, "Random seed: a prompt's samples get the same text with the same seed and "
+                            "settings, alone, beside other prompts or served.  [default: random]"),
 ]
 
 

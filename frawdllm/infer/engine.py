@@ -51,7 +51,7 @@ from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
-from .sampling import SamplingParams, greedy_index, make_generator, sample_next
+from .sampling import SamplingParams, greedy_index, make_generator, sample_next, sample_seed
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
@@ -379,7 +379,11 @@ class _Run:
         one_row = self.n_rows == 1 and plan["decode"].kind == "native" and engine.device.type == "cpu"
         self.row_step = native_forward.RowStep(self.native, self.cache) if one_row else None
         self.pick_greedy = self.row_step is not None and params.greedy and params.repetition_penalty == 1.0
-        self.generator = make_generator(params.seed, engine.device) if not params.greedy else None
+        # A generator per row (sample i of a prompt: seed + i * stride), as the server's
+        # scheduler has: a seeded prompt gets the same text alone, in a batch or served.
+        self.generators = None if params.greedy else [
+            make_generator(sample_seed(params.seed, row % params.num_samples), engine.device)
+            for row in range(self.n_rows)]
         self.seen = None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(self.n_rows, cfg.vocab_size, dtype=torch.bool, device=engine.device)
@@ -427,7 +431,12 @@ class _Run:
 
     def _sample(self, logits: Float[Tensor, "B V"]) -> Int[Tensor, "B"]:
         seen = self.seen[self.rows] if self.seen is not None else None
-        tokens = sample_next(logits, self.params, self.generator, seen)
+        if self.generators is None:  # greedy: one argmax for the batch
+            tokens = sample_next(logits, self.params, None, seen)
+        else:
+            tokens = torch.cat([sample_next(logits[i:i + 1], self.params, self.generators[row],
+                                            None if seen is None else seen[i:i + 1])
+                                for i, row in enumerate(self.rows)])
         if self.seen is not None:
             self.seen[self.rows, tokens] = True
         return tokens

@@ -206,6 +206,16 @@ def greedy_index(logits: Float[np.ndarray, "1 V"]) -> int:
     return int(logits.argmax())
 
 
+SEED_STRIDE = 1_000_003  # sample i of a seeded prompt draws from seed + i * stride
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` of a prompt (None: fresh entropy). Each row draws from a
+    generator of its own, so a prompt's text depends on its seed and sample index only,
+    never on what else is in the batch (`Engine.generate`, the server's scheduler)."""
+    return None if seed is None else (seed + sample * SEED_STRIDE) % 2**64
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded with `seed`, or from fresh entropy when None."""
     generator = torch.Generator(device=device)
@@ -217,6 +227,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 __all__ = [
-    "SamplingParams", "sample_next", "processed_logits", "make_generator", "greedy_choice", "greedy_index",
+    "SamplingParams", "sample_next", "processed_logits", "make_generator", "sample_seed", "greedy_choice", "greedy_index",
     "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]

@@ -46,10 +46,9 @@ from torch import Tensor
 from ..errors import FrawdError
 from .cache import KVCache, RowKVCache
 from .engine import Engine, StreamChunk
-from .sampling import SamplingParams, greedy_choice, make_generator, sample_next
+from .sampling import SamplingParams, greedy_choice, make_generator, sample_next, sample_seed
 from .textstream import TextStream
 
-_SEED_STRIDE = 1_000_003  # sample i of a seeded request draws from seed + i * stride
 
 
 class QueueFull(FrawdError):
@@ -239,7 +238,7 @@ class Scheduler:
         self._decoder = engine.native_decoder() if engine.native else None
         logits = engine.forward(tokens, positions, cache, self._decoder)  # (1, V)
         for sample in range(params.num_samples):
-            seed = None if params.seed is None else (params.seed + sample * _SEED_STRIDE) % 2**64
+            seed = sample_seed(params.seed, sample)
             seen = None
             if params.repetition_penalty != 1.0:
                 seen = torch.zeros(engine.config.vocab_size, dtype=torch.bool, device=engine.device)
