@@ -140,6 +140,26 @@ def test_length_limit_is_source_length_plus_max_extra():
     model.lm_head.weight.data[model.config.eos_token_id] = -100.0  # never ends by itself
     assert len(greedy_decode(model, src, mask, max_extra=4)[0]) == 3 + 4
     assert len(beam_search(model, src, mask, beam_size=2, max_extra=4)[0]) == 3 + 4
+    assert len(greedy_decode(model, src, mask, max_extra=4, max_steps=2)[0]) == 2  # a timing probe's cut
+
+
+def test_an_untrained_evaluation_reserves_time_for_the_bleu_it_skipped():
+    """Before the first step the task skips BLEU (an untrained model writes noise to the
+    length limit) but times a probe of it, so a --max-time run keeps the final one in reserve."""
+    from frawdllm.tokenizer import train_tokenizer
+    from frawdllm.train.translation import TranslationTask, ValidationSet
+
+    model = model_for("paper")
+    pairs = [(s, s) for s in _sources(6, seed=2)]
+    valid = ValidationSet(pairs, ["a b"] * 6, ["a b"] * 6)
+    bytes_ = train_tokenizer([], kind="byte")  # (ids below 40 decode to something; BLEU scores it)
+    task = TranslationTask(model.config, bytes_, pairs, valid, tokens_per_batch=64, bleu_sentences=6)
+    with torch.no_grad():
+        untrained = task.evaluate(model, torch.device("cpu"))
+        assert "val_bleu" not in untrained and task.evaluation_extra_s() > 0
+        task.cursor = 1  # a step taken: BLEU runs, and its cost is now the evaluation's own
+        trained = task.evaluate(model, torch.device("cpu"))
+    assert "val_bleu" in trained and task.evaluation_extra_s() == 0
 
 
 @pytest.mark.parametrize("name", OPTIONS)

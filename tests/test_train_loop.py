@@ -269,6 +269,43 @@ def test_the_stop_leaves_time_for_the_final_evaluation_publish_and_checkpoint(tm
     assert len(list_checkpoints(tmp_path / "run")) == 1
 
 
+class SkipsWhileUntrainedTask(TimedTask):
+    """Like translation's BLEU: the evaluation before the first step skips `extra_s` of work
+    (an untrained model) and says what it skipped through `evaluation_extra_s`."""
+
+    def __init__(self, clock, extra_s, declare, **costs):
+        super().__init__(clock, **costs)
+        self.extra_s, self.declare, self.full_evals = extra_s, declare, 0
+
+    def evaluate(self, model, device):
+        trained = self.evals > 0
+        if trained:
+            self.spend(self.extra_s)
+            self.full_evals += 1
+        return super().evaluate(model, device)
+
+    def evaluation_extra_s(self):
+        return self.extra_s if self.declare and self.full_evals == 0 else 0.0
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["declared", "undeclared"])
+def test_work_the_first_evaluation_skipped_is_kept_in_reserve(tmp_path, monkeypatch, declare):
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    budget = 20.0
+    task = SkipsWhileUntrainedTask(clock, extra_s=5.0, declare=declare, step_s=0.1, eval_s=0.5, save_s=0.2)
+    cfg = generic_config(tmp_path, max_steps=None, max_time=f"{budget}s", eval_interval=0)
+    result = Trainer(torch.nn.Linear(4, 1), task, cfg).fit()
+    spent = clock.now - task.start
+    assert result.stop_reason == "max_time" and task.full_evals == 1
+    if declare:
+        assert budget - 5 <= spent <= budget
+    else:  # what the hook is for: the final evaluation's unforeseen 5 s overrun the budget
+        assert spent > budget + 2
+
+
 def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one_thread):
     # the real clock: the budget counts from run_pretraining's start, so data preparation,
     # evaluations and the final checkpoint are inside it. One thread: on a busy shared machine

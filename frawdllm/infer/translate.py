@@ -57,7 +57,7 @@ class _Decoder:
             self.cache.select_rows(rows)
 
 
-def _limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -> list[int]:
+def length_limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -> list[int]:
     """Per row: how many tokens (EOS included) it may generate."""
     cap = model.config.context_length - 1  # position 0 holds BOS
     return [min(int(n) + max_extra, cap) for n in src_mask.sum(dim=1)]
@@ -66,12 +66,15 @@ def _limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -> list
 @torch.no_grad()
 def greedy_decode(
     model: Seq2SeqTransformer, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None,
-    max_extra: int = MAX_EXTRA, use_cache: bool = True,
+    max_extra: int = MAX_EXTRA, use_cache: bool = True, max_steps: int | None = None,
 ) -> list[list[int]]:
-    """The greedy translation of each row (token ids, without BOS and EOS)."""
+    """The greedy translation of each row (token ids, without BOS and EOS); `max_steps` cuts
+    every row short after that many tokens (a timing probe)."""
     cfg = model.config
     src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
-    limits = _limits(model, src_mask, max_extra)
+    limits = length_limits(model, src_mask, max_extra)
+    if max_steps is not None:
+        limits = [min(n, max_steps) for n in limits]
     decoder = _Decoder(model, model.memory_kv(model.encode(src, src_mask)), src_mask, max(limits) + 1, use_cache)
     B = src.shape[0]
     tokens = torch.full((B, 1), cfg.bos_token_id, dtype=torch.long, device=src.device)
@@ -111,7 +114,7 @@ def beam_search(
     K = beam_size
     src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
     B, device = src.shape[0], src.device
-    limits = _limits(model, src_mask, max_extra)
+    limits = length_limits(model, src_mask, max_extra)
     memory_kv = model.memory_kv(model.encode(src, src_mask))
     decoder = _Decoder(model, memory_kv, src_mask, max(limits) + 1, use_cache)
     decoder.select_rows(torch.arange(B, device=device).repeat_interleave(K))  # row b * K + i: beam i of b

@@ -114,6 +114,12 @@ class TrainTask:
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return []
 
+    def evaluation_extra_s(self) -> float:
+        """Seconds a later evaluation will take beyond the last `evaluate` + `samples`: work
+        they skipped (translation's BLEU on an untrained model), which a time budget must
+        keep in reserve for the final evaluation."""
+        return 0.0
+
     def save_model(self, model: nn.Module, directory: Path) -> None:
         """Write `model` as a model directory (the best model, and each checkpoint's)."""
         model.save_pretrained(directory)
@@ -582,11 +588,13 @@ class Trainer:
         as long as the last ones, times how much slower steps have become since (a shared
         machine slows down and speeds up); before any, a forward pass per validation batch (a
         third of an eager step; evaluation is not compiled, so a whole compiled step), the
-        weights at 100 MB/s, and a checkpoint three times the weights (with two AdamW moments)."""
+        weights at 100 MB/s, and a checkpoint three times the weights (with two AdamW moments);
+        plus what the task says its next evaluation adds (`TrainTask.evaluation_extra_s`)."""
         eval_s = self._eval_s
         if eval_s is None:
             per_batch = self._step_s() / self.grad_accum / (1 if self._compiled else 3)
             eval_s = self.cfg.eval_batches * per_batch
+        eval_s += self.task.evaluation_extra_s()
         publish_s = self._publish_s
         if publish_s is None:
             publish_s = 4 * sum(p.numel() for p in self.params) / 100e6

@@ -247,11 +247,33 @@ class TranslationTask(TrainTask):
             count += int((data["labels"] != IGNORE_INDEX).sum())
         out = {"val_loss": total / max(count, 1)}
         trained = self.epoch > 0 or self.cursor > 0
-        if self.bleu_sentences and trained:  # an untrained model writes maximum-length noise: skip
+        self._bleu_s = 0.0
+        if self.bleu_sentences and trained:
             n = self.bleu_sentences
             hyps = translate_texts(model, self.tokenizer, [s for s, _ in self.valid.pairs[:n]], beam_size=1)
             out["val_bleu"] = round(corpus_bleu(hyps, self.valid.references[:n]).score, 2)
+        elif self.bleu_sentences:  # an untrained model writes maximum-length noise: skip, but time it
+            self._bleu_s = self._bleu_cost(model, [s for s, _ in self.valid.pairs[: self.bleu_sentences]])
         return out
+
+    def _bleu_cost(self, model: nn.Module, sources: list[list[int]], probe_steps: int = 4) -> float:
+        """Seconds greedy translation of `sources` takes at most: a few decode steps of the
+        widest batch `translate_texts` makes, timed, times the steps every batch may run
+        (noise runs to each row's length limit, as an untrained model's does)."""
+        from ..infer.translate import MAX_EXTRA, greedy_decode, length_limits, pad_batch
+
+        batch, device, pad = 64, next(model.parameters()).device, model.config.pad_token_id
+        order = sorted(sources, key=len)  # as translate_ids batches them
+        chunks = [order[a: a + batch] for a in range(0, len(order), batch)]
+        src, mask = pad_batch(chunks[-1], pad, device)
+        start = time.perf_counter()
+        greedy_decode(model, src, mask, max_steps=probe_steps)
+        step_s = (time.perf_counter() - start) / probe_steps  # (the encoder's share counted as steps: a margin)
+        steps = sum(max(length_limits(model, pad_batch(chunk, pad, device)[1], MAX_EXTRA)) for chunk in chunks)
+        return step_s * steps
+
+    def evaluation_extra_s(self) -> float:
+        return getattr(self, "_bleu_s", 0.0)
 
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         if self.valid is None or not self.n_samples or (self.epoch == 0 and self.cursor == 0):
