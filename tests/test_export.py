@@ -197,6 +197,16 @@ def test_unexportable_variant_is_one_clear_error_and_writes_nothing(
     assert entries(tmp_path) == before  # no --out, no temporary folder left behind
 
 
+def test_hf_export_to_a_gguf_file_name_is_refused(tmp_path, tokenizer, capsys):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    before = entries(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        export(model_dir, tmp_path / "model.gguf")  # --format hf is the default
+    assert info.value.code != 0
+    assert "--format gguf" in capsys.readouterr().err
+    assert entries(tmp_path) == before
+
+
 def test_export_failing_midway_leaves_no_out_and_no_temporary_files(tmp_path, tokenizer, monkeypatch):
     import frawdllm.export.hf_dir as hf_dir
 

@@ -38,7 +38,7 @@ def test_kill_during_the_first_checkpoint_then_resume_starts_over(corpus, tmp_pa
     assert not [p.name for p in run.rglob(".*")]
 
 
-def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path):  # noqa: F811
+def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     kill_at_checkpoint(tiny_config(corpus, run, max_steps=12, eval_interval=4), nth=2)
     assert sample_steps(run) == [0, 4, 8]  # step 8 was sampled, its checkpoint never completed
@@ -48,6 +48,11 @@ def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_pat
     result = run_pretraining(tiny_config(corpus, run, max_steps=12, eval_interval=4, resume=True))
     assert result.steps == 12
     assert sample_steps(run) == [0, 4, 8, 12]  # step 8 once, from the resumed run
+    assert "differ" not in capsys.readouterr().out  # a larger budget is what --resume is for
+    # other settings are taken, and said
+    run_pretraining(tiny_config(corpus, run, max_steps=14, eval_interval=4, lr=1e-3, resume=True))
+    out = capsys.readouterr().out
+    assert "resuming with settings that differ from its config.yaml: lr=0.001 (was " in out
     assert not [p.name for p in run.rglob(".*")]
 
 

@@ -44,6 +44,9 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
 
     Nothing is written at --out unless the whole export succeeds.
     """
+    if fmt == "hf" and out.lower().endswith(".gguf"):
+        raise click.UsageError(f"--out {out} names a GGUF file, but --format hf writes a directory; "
+                               "for a GGUF file give --format gguf")
     if fmt == "hf":
         require("transformers")
         from ..export.hf_dir import export_hf

@@ -81,6 +81,8 @@ def prepare_run_dir(cfg: Any) -> Path:
         print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
         cfg.resume = False
         cfg.overwrite = True
+    if cfg.resume:
+        _note_changed_settings(cfg, run_dir)
     if has_run(run_dir) and not cfg.resume:
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
@@ -88,6 +90,30 @@ def prepare_run_dir(cfg: Any) -> Path:
             shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+# Settings a resumed run is expected to change (a larger budget) or that do not shape it.
+RESUME_FREE = {"resume", "overwrite", "max_steps", "max_tokens", "max_time", "progress", "out", "dist_timeout",
+               "eval_interval", "log_interval", "keep_last", "device", "parallel", "wandb", "wandb_project",
+               "tensorboard", "peak_tflops"}
+
+
+def _note_changed_settings(cfg: Any, run_dir: Path) -> None:
+    """Say which settings of a resumed run differ from those it was started with (its
+    config.yaml): flags override the saved config, so other data or another learning rate
+    take effect from here on, which should not go unnoticed."""
+    from .config import load_yaml
+
+    try:
+        saved = load_yaml(run_dir / CONFIG_FILE)
+    except FrawdError:
+        return
+    now = cfg.to_dict()
+    changed = [f"{key}={now[key]!r} (was {saved[key]!r})" for key in now
+               if key in saved and key not in RESUME_FREE and now[key] != saved[key]]
+    if changed:
+        print(f"{run_dir}: resuming with settings that differ from its {CONFIG_FILE}: {', '.join(changed)}",
+              flush=True)
 
 
 @contextmanager
