@@ -22,6 +22,7 @@ has no merges is `byte`; any other model is `bpe`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -93,6 +94,14 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (byte-level entries spell a byte a
+        character): a text's token count is at least its length over this, give or take
+        what normalization changes. The server refuses a hopeless prompt by its length,
+        without tokenizing a megabyte of it."""
+        return max([len(token) for token in self.backend.get_vocab(with_added_tokens=False)] or [1])
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

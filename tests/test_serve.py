@@ -35,7 +35,8 @@ def server():
     model, tok = varied_model(context_length=CONTEXT)  # room for long replies: leavers leave mid-reply
     engine = test_engine(model, tok)
     other_model, other_tok = varied_model(n_layer=1)
-    engines = {"varied": engine, "small": test_engine(other_model, other_tok)}
+    small = test_engine(other_model, other_tok)
+    engines = {"varied": engine, "small": small, "org/small": small}  # (a name with a slash, as on the Hub)
     log = AccessLog()
     logger = logging.getLogger("frawdllm.serve.access")
     logger.addHandler(log)
@@ -64,7 +65,9 @@ def expected_chat(engine, messages, **params):
 
 def test_models_and_health(server):
     models = client(server).models.list()
-    assert [m.id for m in models.data] == ["varied", "small"]
+    assert [m.id for m in models.data] == ["varied", "small", "org/small"]
+    assert client(server).models.retrieve("org/small").id == "org/small"
+    assert httpx.head(server["url"] + "/health").status_code == 200  # (load balancers' probes)
     health = httpx.get(server["url"] + "/health").json()
     assert health["status"] == "ok"
     page = httpx.get(server["url"] + "/")
@@ -213,12 +216,20 @@ def test_errors_are_openai_errors(server):
     assert big.status_code == 413 and big.json()["error"]["message"]
     broken = httpx.post(server["url"] + "/v1/completions", headers=headers, content=b"{not json")
     assert broken.status_code == 400 and "error" in broken.json()
+    # without the key, nothing is said about the body
+    keyless = httpx.post(server["url"] + "/v1/completions", content=b"{not json",
+                         headers={"Content-Type": "application/json"})
+    assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_too_many_requests():
     model, tok = varied_model()
-    with live_server({"m": test_engine(model, tok)}, ServeOptions(max_in_flight=1, max_tokens=64)) as url:
+    with live_server({"m": test_engine(model, tok)}, ServeOptions(max_in_flight=1, max_tokens=64, max_queue=2)) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        # a list of prompts the queue could never take at once is a 400, not a 429 forever
+        with pytest.raises(openai.BadRequestError, match="at most 2 in one request"):
+            c.completions.create(model="m", prompt=["a", "b", "c"], max_tokens=2)
+        assert len(c.completions.create(model="m", prompt=["a", "b"], max_tokens=2).choices) == 2
         stream = c.completions.create(model="m", prompt="abc", max_tokens=64, stream=True)
         next(iter(stream))  # the first request is open
         with pytest.raises(openai.RateLimitError):
@@ -334,7 +345,8 @@ def test_schema_fuzzing_finds_no_server_error(server):
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_drains_open_requests(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_sigterm_drains_open_requests(tmp_path, stop):
     model, tok = varied_model()
     model.save_pretrained(tmp_path / "m", tokenizer=tok)
     env = {**os.environ, "FRAWD_API_KEY": KEY}
@@ -361,7 +373,7 @@ def test_sigterm_drains_open_requests(tmp_path):
         stream = c.completions.create(model="m", prompt="abc", max_tokens=80, temperature=0, stream=True)
         chunks = iter(stream)
         text = next(chunks).choices[0].text
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         reasons = []
         for chunk in chunks:
             text += chunk.choices[0].text
@@ -385,6 +397,8 @@ def test_serve_command_bad_input(capsys, tmp_path):
     model.save_pretrained(tmp_path / "b" / "m", tokenizer=tok)
     code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "a" / "m", "--model", tmp_path / "b" / "m")
     assert code != 0 and "NAME=DIR" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "a" / "m", "--max-queue", "0")
+    assert code != 0 and "--max-queue" in err
 
 
 def test_chunks_of_one_step_wake_the_event_loop_once():

@@ -43,7 +43,7 @@ def server():
     logger.setLevel(logging.INFO)
     try:
         with live_server(engines, ServeOptions(max_tokens=1000, max_batch=2)) as url:
-            yield {"url": url, "log": log}
+            yield {"url": url, "log": log, "tokenizer": engines["m"].tokenizer}
     finally:
         logger.removeHandler(log)
 
@@ -109,6 +109,90 @@ def test_too_long_prompts_point_to_truncate(server):
         ok = httpx.post(server["url"] + path, headers=JSON, json={"model": "m", "max_tokens": 2, "truncate": True,
                                                                    **body})
         assert ok.status_code == 200, ok.text
+
+
+def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
+    """Tokenizing 1M characters held the event loop (and every stream) for ~1.4 s, even for a
+    request then refused: a text too long to ever fit is refused by its length."""
+    huge = "abc " * 250_000
+    start = time.perf_counter()
+    status, error = post(server, "/v1/completions", {"model": "m", "prompt": huge, "max_tokens": 2})
+    assert status == 400 and error["code"] == "context_length_exceeded", error
+    assert "1,000,000 characters" in error["message"] and '"truncate": true' in error["message"]
+    long = huge[:200_000]  # (two of them in one body: under --max-body)
+    chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": long},
+                                                         {"role": "assistant", "content": "b"},
+                                                         {"role": "user", "content": "c"}]}
+    status, error = post(server, "/v1/chat/completions", chat)
+    assert status == 400 and error["code"] == "context_length_exceeded" and "messages[0]" in error["message"]
+    assert time.perf_counter() - start < 1.0
+    # with truncate: the tail of the text, the turns after the long one
+    want = httpx.post(server["url"] + "/v1/completions", json={"model": "m", "prompt": huge[-200:], "max_tokens": 3,
+                                                                "temperature": 0, "truncate": True}).json()
+    got = httpx.post(server["url"] + "/v1/completions", json={"model": "m", "prompt": huge, "max_tokens": 3,
+                                                               "temperature": 0, "truncate": True}).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert httpx.post(server["url"] + "/v1/chat/completions", json={**chat, "truncate": True}).status_code == 200
+    chat["messages"][-1]["content"] = long  # the newest message cannot be dropped
+    status, error = post(server, "/v1/chat/completions", {**chat, "truncate": True})
+    assert status == 400 and error["code"] == "context_length_exceeded" and "messages[2]" in error["message"]
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("logit_bias", {"50": 100}, "logit_bias"), ("best_of", 2, "best_of"), ("suffix", "x", "suffix"),
+    ("response_format", {"type": "json_object"}, "response_format"), ("stream_options", {"include_usage": True},
+                                                                      "stream_options"),
+    ("frequency_penalty", 0.5, "frequency_penalty"), ("logprobs", 2, "logprobs")])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(server, field, value, param):
+    status, error = post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, field: value})
+    assert status == 400 and error["param"] == param, error
+    assert "not supported" in error["message"] or "only allowed when stream is true" in error["message"], error
+
+
+def test_chat_tools_are_refused_and_neutral_values_pass(server):
+    chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    for extra in ({"tools": [tool]}, {"tool_choice": "required"}, {"top_logprobs": 2}):
+        status, error = post(server, "/v1/chat/completions", {**chat, **extra})
+        assert status == 400 and "not supported" in error["message"], (extra, error)
+    neutral = {"tools": [], "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"},
+               "top_logprobs": 0, "logprobs": False, "frequency_penalty": 0}
+    assert post(server, "/v1/chat/completions", {**chat, **neutral})[0] == 200
+    assert post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, "best_of": 1,
+                                            "suffix": "", "logprobs": 0})[0] == 200
+
+
+@pytest.mark.parametrize("field, value", [("stream", "yes"), ("n", "2"), ("max_tokens", True), ("max_tokens", 5.0),
+                                          ("truncate", "yes"), ("echo", 1)])
+def test_types_are_strict(server, field, value):
+    status, error = post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, field: value})
+    assert status == 400 and error["param"] == field, error
+
+
+def test_a_value_of_none_of_a_fields_forms_says_which_forms_it_takes(server):
+    status, error = post(server, "/v1/completions", {"model": "m", "prompt": 5})
+    assert status == 400 and error["param"] == "prompt" and "a list of token ids" in error["message"], error
+    status, error = post(server, "/v1/completions", {"model": "m", "prompt": []})
+    assert status == 400 and "empty list" in error["message"], error
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    status, error = post(server, "/v1/chat/completions", {"model": "m", "messages": [image]})
+    assert status == 400 and error["param"] == "messages[0].content" and "text only" in error["message"], error
+    status, error = post(server, "/v1/completions", content=b'{"model": "m", "prompt": "a", "temperature": NaN}')
+    assert status == 400 and "finite" in error["message"], error
+    status, error = post(server, "/v1/completions", {"model": "m", "prompt": "a", "max_completion_tokens": 5000})
+    assert status == 400 and error["param"] == "max_completion_tokens" and "max_completion_tokens is 5000" in \
+        error["message"], error
+    status, error = post(server, "/v1/completions", content='{"model": "m", "prompt": "é"}'.encode("latin-1"))
+    assert status == 400 and "not valid JSON" in error["message"] and "UTF-8" in error["message"], error
+
+
+def test_echo_of_token_ids_is_the_decoded_prompt(server):
+    body = {"model": "m", "max_tokens": 3, "temperature": 0, "echo": True}
+    as_text = httpx.post(server["url"] + "/v1/completions", json={**body, "prompt": "ab cd"}).json()
+    ids = server["tokenizer"].encode("ab cd")
+    as_ids = httpx.post(server["url"] + "/v1/completions", json={**body, "prompt": [ids, ids]}).json()
+    assert as_text["choices"][0]["text"].startswith("ab cd")
+    assert [c["text"] for c in as_ids["choices"]] == [as_text["choices"][0]["text"]] * 2
 
 
 def test_an_oversized_chunked_body_is_a_413(server):

@@ -489,6 +489,11 @@ def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
 
     common = dict(tokens=1000, elapsed_s=2.0, stop_reason="interrupted", last_loss=0.9, val_loss=None,
                   best_val_loss=5.7, tokens_per_s=500.0, mfu=None, run_dir=tmp_path)
+    last = tmp_path / "checkpoints" / "step_00000030"
+    none_yet = TrainResult(steps=30, best_step=None, checkpoint=last, **{**common, "best_val_loss": None})
+    assert none_yet.summary().endswith(f"no model published yet (no evaluation ran); the latest weights are in "
+                                       f"{last / 'model'}, --resume continues")  # (no RUN/model to point to)
+    (tmp_path / "model").mkdir()
     kept = TrainResult(steps=83, best_step=0, checkpoint=tmp_path / "checkpoints" / "step_00000083", **common)
     assert kept.summary().endswith(f"model in {tmp_path / 'model'} (the starting weights: no later evaluation "
                                    f"beat them; the latest weights are in {tmp_path / 'checkpoints' / 'step_00000083'})")

@@ -73,7 +73,7 @@ def default_tokens(given: int | None, cap: int) -> int:
               help="Requests to /v1/* must send 'Authorization: Bearer KEY' [default: none needed].")
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=32, show_default=True,
               help="Rows decoded together per model (continuous batching).")
-@click.option("--max-queue", type=click.IntRange(0), default=256, show_default=True,
+@click.option("--max-queue", type=click.IntRange(1), default=256, show_default=True,
               help="Requests waiting for a row per model; beyond it a 429.")
 @click.option("--max-in-flight", type=click.IntRange(1), default=512, show_default=True,
               help="Open requests (waiting, running, streaming) in all; beyond it a 429.")
@@ -113,7 +113,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
     names = [name for name, _ in named]
     if len(set(names)) != len(names):
         raise FrawdError(f"two models are named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
-                         "name them with --model NAME=DIR")
+                         "give each its own name: --model NAME=DIR")
     if api_key == "" or (api_key is None and os.environ.get("FRAWD_API_KEY") == ""):  # (click: "" = unset)
         raise FrawdError("the API key is empty (--api-key or FRAWD_API_KEY): give a key, or neither to need none")
     default_max_tokens = default_tokens(default_max_tokens, max_tokens)
@@ -139,8 +139,9 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
         address = f"[{host}]" if ":" in host else host
         click.echo(f"serving {', '.join(engines)} on http://{address}:{sock.getsockname()[1]} "
                    "(OpenAI API at /v1, chat page at /)", err=True)
-        # uvicorn drains open requests on SIGTERM, then raises the signal again under the handler
-        # it found: this one, so that a drained shutdown exits 0.
+        # uvicorn drains open requests on SIGTERM or Ctrl-C, then raises the signal again under
+        # the handler it found: these, so that a drained shutdown exits 0.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
         config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=120)
         uvicorn.Server(config).run(sockets=[sock])

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -60,6 +60,20 @@ class ServeOptions:
     default_max_tokens: int = 256  # when a request gives none
     max_n: int = 8  # cap on n
     max_body_bytes: int = 1 << 20
+
+
+# What a field of several forms takes, said when a value has none of them.
+UNION_HELP = {
+    "prompt": "must be a text, a list of token ids, or a list of texts or of token-id lists",
+    "stop": "must be a string or a list of strings",
+    "content": 'must be a string or a list of {"type": "text", "text": ...} parts (this server reads text only)',
+    "tool_choice": 'must be a string or an object',
+}
+
+
+def _is_type_name(part: str) -> bool:
+    """Whether a pydantic error location part names one form of a union (`str`, `list[int]`...)."""
+    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list") or part.startswith("function-")
 
 
 class ApiError(Exception):
@@ -111,10 +125,19 @@ class _Rate:
 
 
 class _Guard:
-    """ASGI middleware: the body-size cap (413) and the access log."""
+    """ASGI middleware: the API key on /v1/* (401, before the body is read: a request
+    without the key learns nothing about its body), the body-size cap (413) and the
+    access log."""
 
-    def __init__(self, app: Any, max_body_bytes: int, metrics: _Metrics) -> None:
-        self.app, self.max_body, self.metrics = app, max_body_bytes, metrics
+    def __init__(self, app: Any, max_body_bytes: int, metrics: _Metrics, api_key: str | None) -> None:
+        self.app, self.max_body, self.metrics, self.api_key = app, max_body_bytes, metrics, api_key
+
+    def _key_ok(self, scope: dict) -> bool:
+        if self.api_key is None or not scope["path"].startswith("/v1/"):
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, given = header.partition(" ")  # compared in constant time
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -142,7 +165,10 @@ class _Guard:
 
         try:
             length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            if not self._key_ok(scope):
+                await ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                               code="invalid_api_key").response()(scope, receive, logged_send)
+            elif length is not None and (not length.isdigit() or int(length) > self.max_body):
                 await ApiError(413, too_large).response()(scope, receive, logged_send)
             else:
                 await self.app(scope, limited_receive, logged_send)
@@ -202,12 +228,11 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                   for name, engine in engines.items()}
     metrics = _Metrics(schedulers)
     created = int(time.time())
-    state = {"in_flight": 0, "draining": False}
+    state = {"in_flight": 0}
     deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Delivery
 
     async def lifespan(app: FastAPI):
         yield
-        state["draining"] = True
         for scheduler in schedulers.values():  # uvicorn has waited for open requests (SIGTERM drain)
             await asyncio.to_thread(scheduler.close, True, 30.0)
 
@@ -235,25 +260,24 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 text += f" sent with Content-Type: application/json (this one: {sent_as or 'none'})"
             return ApiError(400, text, code="invalid_value").response()
         message = first.get("msg", "invalid request")
-        return ApiError(400, f"{'.'.join(where)}: {message}", param=".".join(where), code="invalid_value").response()
+        branch = next((i for i, part in enumerate(where) if _is_type_name(part)), None)
+        if branch is not None:  # a field of several forms: pydantic names the form it tried first
+            where = where[:branch]
+            message = UNION_HELP.get(where[-1] if where else "", "has none of its accepted forms")
+        field = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in where).lstrip(".")
+        return ApiError(400, f"{field}: {message}", param=field, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 400 and error.detail == "There was an error parsing the body":
+            return ApiError(400, "the request body is not valid JSON: not UTF-8 text, nested too deep, "
+                                 "or a number too long").response()
         return ApiError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, error: Exception) -> JSONResponse:
         logging.getLogger("frawdllm.serve").exception("internal error")
         return ApiError(500, f"internal error: {type(error).__name__}").response()
-
-    # ---- auth ------------------------------------------------------------------------------------
-    async def check_key(request: Request) -> None:  # (async: a sync dependency runs in a worker thread)
-        if options.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), options.api_key.encode()):
-            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
 
     def scheduler_for(name: str) -> Scheduler:
         if name not in schedulers:
@@ -268,9 +292,11 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "draining" if state["draining"] else "ok", "models": list(schedulers),
+        return {"status": "ok", "models": list(schedulers),
                 "running": sum(s.running for s in schedulers.values()),
                 "waiting": sum(s.queue_depth for s in schedulers.values())}
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # (load-balancer probes)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
@@ -280,46 +306,47 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         return {"id": name, "object": "model", "created": created, "owned_by": "frawdllm",
                 "context_length": schedulers[name].engine.config.context_length}
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card(name) for name in schedulers]}
 
-    @app.get("/v1/models/{model}", dependencies=[Depends(check_key)])
+    @app.get("/v1/models/{model:path}")  # (names like org/model hold a slash)
     async def retrieve_model(model: str) -> dict:
         scheduler_for(model)  # (a 404 naming the models there are)
         return model_card(model)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
-        max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
+        max_new = _max_new(body, options, engine)
         messages = [m.as_message() for m in body.messages]
         for i, message in enumerate(messages):
             _check_text(message["content"], f"messages[{i}].content", param="messages")
+        messages = _within_reach(messages, engine, body.truncate)
         try:
             if body.truncate:
                 ids, _ = fit_history(engine.tokenizer, messages, engine.config.context_length, 1)
             else:
                 ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
         except FrawdError as error:
-            raise ApiError(400, str(error), param="messages") from None
+            raise ApiError(400, str(error), param="messages", code="context_length_exceeded") from None
         _check_fits(ids, engine, chat=True)
         params = _params(body, max_new, options, stop_token_ids=ROLE_TOKEN_IDS)
         return await _answer(request, scheduler, body, [ids], params, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
-        max_new = _max_new(body.max_completion_tokens or body.max_tokens, options, engine)
-        prompts = _prompts(body.prompt, options.max_batch)
-        encoded = []
+        max_new = _max_new(body, options, engine)
+        prompts = _prompts(body.prompt, min(options.max_batch, options.max_queue))
+        encoded, echoes = [], []
         for i, prompt in enumerate(prompts):
             what = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
                 _check_text(prompt, what, param="prompt")
-                ids = engine.tokenizer.encode(prompt)
+                ids = engine.tokenizer.encode(_text_within_reach(prompt, engine, body.truncate, what))
             else:
                 ids = list(prompt)
             if body.truncate:  # the last context - 1 tokens (room for one new token)
@@ -329,9 +356,10 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 encoded.append(engine.encode(ids))  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
             except FrawdError as error:
                 raise ApiError(400, f"{what}: {error}" if len(prompts) > 1 else str(error), param="prompt") from None
+            if body.echo:  # the prompt as sent (token ids: decoded)
+                echoes.append(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt))
         params = _params(body, max_new, options)
-        echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts]
-        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes)
+        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
 
     async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
                       params: SamplingParams, chat: bool, echoes: list[str] | None = None):
@@ -392,7 +420,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if not all(job.done for job in reply.jobs):
             request_log["cancelled"] = True
 
-    app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, metrics=metrics)
+    app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, metrics=metrics, api_key=options.api_key)
     return app
 
 
@@ -410,12 +438,55 @@ def _check_text(text: str, what: str, param: str) -> None:
 
 
 def _prompts(prompt: str | list, most: int) -> list[str | list[int]]:
-    """A completion request's prompts: one (text or ids) or a list of them (at most `most`)."""
-    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+    """A completion request's prompts: one (text or ids) or a list of them (at most `most`:
+    a batch's rows and the queue's places, so that the request can be taken whole)."""
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt is an empty list: give a text, token ids, or a list of either", param="prompt")
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
         return [prompt]
     if len(prompt) > most:
         raise ApiError(400, f"{len(prompt)} prompts; this server takes at most {most} in one request", param="prompt")
     return list(prompt)
+
+
+CHARS_PER_TOKEN_MARGIN = 4  # normalization can shorten a text (composing accents): a generous margin
+
+
+def _reach(engine: Engine) -> int:
+    """Characters beyond which a text surely holds more tokens than the context: checked
+    before tokenizing, which for a megabyte prompt would hold the event loop for seconds."""
+    return (engine.config.context_length + 1) * engine.tokenizer.longest_token_chars * CHARS_PER_TOKEN_MARGIN
+
+
+def _text_within_reach(text: str, engine: Engine, truncate: bool, what: str) -> str:
+    """`text`, or its tail with "truncate" (tokenization is local: the tail's last tokens are
+    the text's), or a 400 when it cannot fit the context."""
+    reach = _reach(engine)
+    if len(text) <= reach:
+        return text
+    if truncate:
+        return text[-reach:]
+    raise ApiError(400, f"{what} has {len(text):,} characters, more than the model's context of "
+                        f"{engine.config.context_length} tokens can hold; \"truncate\": true keeps its end",
+                   param="prompt", code="context_length_exceeded")
+
+
+def _within_reach(messages: list[dict], engine: Engine, truncate: bool) -> list[dict]:
+    """The conversation without turns too long to ever fit the context: with "truncate"
+    they and every turn before them go (as fit_history would drop them), else a 400; the
+    system message and the newest one must fit either way."""
+    reach = _reach(engine)
+    long = [i for i, m in enumerate(messages) if len(m["content"]) > reach]
+    if not long:
+        return messages
+    system = 1 if messages[0]["role"] == "system" else 0
+    if not truncate or long[0] < system or long[-1] == len(messages) - 1:
+        i = long[-1]
+        raise ApiError(400, f"messages[{i}] has {len(messages[i]['content']):,} characters, more than the "
+                            f"model's context of {engine.config.context_length} tokens can hold"
+                            + ("" if truncate else '; "truncate": true drops old turns'),
+                       param="messages", code="context_length_exceeded")
+    return messages[:system] + messages[long[-1] + 1:]
 
 
 def _shifted(listener, offset: int):
@@ -437,11 +508,39 @@ def _check_fits(ids: list[int], engine: Engine, chat: bool, what: str = "the pro
                        code="context_length_exceeded")
 
 
-def _max_new(asked: int | None, options: ServeOptions, engine: Engine) -> int:
+def _max_new(body: Any, options: ServeOptions, engine: Engine) -> int:
+    """The request's max_completion_tokens (the newer name) or max_tokens, checked against the cap."""
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    asked = getattr(body, name)
     if asked is not None and asked > options.max_tokens:
-        raise ApiError(400, f"max_tokens is {asked}; this server allows at most {options.max_tokens}",
-                       param="max_tokens")
+        raise ApiError(400, f"{name} is {asked}; this server allows at most {options.max_tokens}", param=name)
     return asked or min(options.default_max_tokens, engine.config.context_length)
+
+
+def _refuse_unsupported(body: Any) -> None:
+    """A 400 for an OpenAI field this server cannot honour, when its value would change the
+    output (its neutral values pass: clients send them by default)."""
+    def no(name: str, why: str) -> ApiError:
+        return ApiError(400, f"{name} {why}", param=name)
+
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name) not in (None, 0):
+            raise no(name, "is not supported; use repetition_penalty (1 = off, 1.1-1.3 typical)")
+    if body.logprobs or getattr(body, "top_logprobs", None):
+        raise no("logprobs" if body.logprobs else "top_logprobs", "are not supported by this server")
+    if body.logit_bias:
+        raise no("logit_bias", "is not supported by this server")
+    if body.response_format not in (None, {}, {"type": "text"}):
+        raise no("response_format", 'is not supported: only {"type": "text"} (this server has no JSON mode)')
+    if getattr(body, "tools", None) or getattr(body, "functions", None) or \
+            getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+        raise no("tools", "are not supported: this server's models have no tool calls")
+    if getattr(body, "best_of", None) not in (None, 1):
+        raise no("best_of", "is not supported; n gives several completions")
+    if getattr(body, "suffix", None):
+        raise no("suffix", "is not supported (no fill-in-the-middle)")
+    if body.stream_options is not None and not body.stream:
+        raise no("stream_options", "is only allowed when stream is true")
 
 
 def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
@@ -449,12 +548,7 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         raise ApiError(400, f"n is {body.n}; this server allows at most {options.max_n}", param="n")
     if body.n > options.max_batch:
         raise ApiError(400, f"n is {body.n} but a batch holds {options.max_batch} rows", param="n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise ApiError(400, f"{name} is not supported; use repetition_penalty (1 = off, 1.1-1.3 typical)",
-                           param=name)
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    _refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop strings", param="stop")

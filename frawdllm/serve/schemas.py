@@ -1,11 +1,13 @@
 """The request bodies of the OpenAI-compatible API, as pydantic models.
 
 They are the server's validation (a bad field is a 400 with OpenAI's error object) and its
-OpenAPI document (`/openapi.json`, which schema fuzzing reads). Fields the OpenAI API has
-and this server does not support are rejected with a clear message rather than ignored
-when they would change the output (logprobs, frequency/presence penalties other than 0);
-unknown fields are ignored, as OpenAI-compatible servers do, so that clients that always
-send extras (`user`, `stream_options`...) work.
+OpenAPI document (`/openapi.json`, which schema fuzzing reads). Types are strict, as
+OpenAI's are: `"n": "2"` or `"stream": "yes"` is a 400, not a guess. Fields the OpenAI API
+has and this server does not support are declared so that a value which would change the
+output is refused with a clear message (`serve/app.py: _refuse_unsupported`: logprobs,
+penalties other than 0, logit_bias, tools, response_format...) rather than ignored; their
+neutral values (null, 0, 1, "text", "none") pass. Unknown fields are ignored, as
+OpenAI-compatible servers do, so that clients that always send extras (`user`...) work.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ MAX_SEED = 2**63 - 1
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str = Field(max_length=256)
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (capped by the server).")
@@ -44,14 +48,21 @@ class _Sampling(BaseModel):
     truncate: bool = Field(False, description="FrawdLLM extension: drop the oldest prompt tokens (chat: "
                                               "turns) that do not fit the context, instead of a 400.")
     user: str | None = None
+    # OpenAI fields this server does not support: only their neutral values pass
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
+    response_format: dict | None = Field(None, description='Not supported: only null or {"type": "text"}.')
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["developer", "system", "user", "assistant"]
     content: str | list[TextPart] = Field(description="Text, or text parts (joined).")
 
@@ -65,6 +76,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = Field(None, description="Not supported: only null or false.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: only null or 0.")
+    tools: list[dict] | None = Field(None, description="Not supported: only null or [].")
+    functions: list[dict] | None = Field(None, description="Not supported: only null or [].")
+    tool_choice: str | dict | None = Field(None, description='Not supported: only null or "none".')
 
 
 class CompletionRequest(_Sampling):
@@ -73,6 +88,8 @@ class CompletionRequest(_Sampling):
                     "choice prompt_index * n + sample_index.")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5, description="Not supported: only null or 0.")
+    best_of: int | None = Field(None, ge=1, le=20, description="Not supported: only null or 1.")
+    suffix: str | None = Field(None, description='Not supported: only null or "".')
 
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "ChatMessage", "TextPart", "MAX_STOP"]

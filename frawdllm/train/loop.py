@@ -177,7 +177,11 @@ class TrainResult:
         if self.best_val_loss is not None:
             parts.append(f"best val_loss {self.best_val_loss:.4f} at step {self.best_step}")
         where = f"model in {self.run_dir / BEST_MODEL_DIR}"
-        if self.best_step == 0 and self.steps > 0:  # no evaluation after the start beat it
+        if not (self.run_dir / BEST_MODEL_DIR).is_dir():  # stopped before any evaluation published one
+            where = "no model published yet (no evaluation ran)" + (
+                f"; the latest weights are in {self.checkpoint / ckpt.MODEL_SUBDIR}, --resume continues"
+                if self.checkpoint else "")
+        elif self.best_step == 0 and self.steps > 0:  # no evaluation after the start beat it
             where += (" (the starting weights: no later evaluation beat them"
                       + (f"; the latest weights are in {self.checkpoint})" if self.checkpoint else ")"))
         return "; ".join(parts + [where])
