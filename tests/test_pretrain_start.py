@@ -83,6 +83,8 @@ BAD_STARTS = {
     "vocab below the tokenizer's": (["--max-steps", "5", "--tokenizer", "{tok}", "--set", "vocab_size=10"],
                                     "smaller than the tokenizer's"),
     "resume without a run": (["--max-steps", "5", "--resume"], "no run to resume"),
+    "negative seed": (["--max-steps", "5", "--seed", "-1"], "seed must be an integer in [0, 2**63)"),
+    "huge seed": (["--max-steps", "5", "--seed", str(2**70)], "seed must be an integer in [0, 2**63)"),
 }
 
 

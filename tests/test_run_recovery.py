@@ -2,6 +2,7 @@
 the first complete checkpoint, starts over), temporary folders are tidied, and resumed
 logs hold each step once."""
 
+import pytest
 import re
 import signal
 import subprocess
@@ -53,6 +54,15 @@ def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_pat
     run_pretraining(tiny_config(corpus, run, max_steps=14, eval_interval=4, lr=1e-3, resume=True))
     out = capsys.readouterr().out
     assert "resuming with settings that differ from its config.yaml: lr=0.001 (was " in out
+    # but not the model or tokenizer the checkpoint was trained as: refused, the run left as it was
+    from frawdllm.errors import FrawdError
+
+    saved = (run / "config.yaml").read_text()
+    for change in ({"model": {**tiny_config(corpus, run).model, "n_layer": 1}}, {"tokenizer": "byte"}):
+        with pytest.raises(FrawdError, match="--resume continues the run's own model and tokenizer"):
+            run_pretraining(tiny_config(corpus, run, max_steps=16, eval_interval=4, resume=True, **change))
+    assert (run / "config.yaml").read_text() == saved
+    assert run_pretraining(tiny_config(corpus, run, max_steps=16, eval_interval=4, resume=True)).steps == 16
     assert not [p.name for p in run.rglob(".*")]
 
 

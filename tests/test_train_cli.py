@@ -154,3 +154,18 @@ def test_pretrain_help_lists_every_config_field():
         if f.name != "model":
             assert "--" + f.name.replace("_", "-") in result.output
     assert "--config" in result.output and "--set" in result.output
+
+
+def test_the_projects_warnings_are_one_line_under_the_cli(capsys, tmp_path):
+    """A NaN step's warning read as a crash (Python's `file:line: UserWarning:` and a source
+    line); under `frawd` the project's warnings are one `warning: ...` line."""
+    import warnings
+
+    from cli_helpers import run_cli
+
+    run_cli(capsys, "info", "--preset", "tiny")  # (any command: main() installs the format)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("step 4: loss nan; update skipped (1 in a row)", UserWarning,
+                               filename=str(ROOT / "frawdllm" / "train" / "loop.py"), lineno=534)
+    assert capsys.readouterr().err == "warning: step 4: loss nan; update skipped (1 in a row)\n"

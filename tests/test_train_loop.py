@@ -306,6 +306,16 @@ def test_work_the_first_evaluation_skipped_is_kept_in_reserve(tmp_path, monkeypa
         assert spent > budget + 2
 
 
+def test_a_budget_start_up_used_up_is_said(tmp_path):
+    import time
+
+    cfg = generic_config(tmp_path, max_steps=None, max_time="10s", eval_interval=0)
+    late = Trainer(torch.nn.Linear(4, 1), LinearTask(8), cfg, started_at=time.perf_counter() - 12.0)
+    with pytest.warns(UserWarning, match=r"start-up \(tokenizer, data, model\) took 12\.\d s, the whole --max-time 10 s"):
+        result = late.fit()
+    assert result.steps == 1 and result.stop_reason == "max_time"
+
+
 def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one_thread):
     # the real clock: the budget counts from run_pretraining's start, so data preparation,
     # evaluations and the final checkpoint are inside it. One thread: on a busy shared machine
@@ -391,6 +401,12 @@ def test_existing_run_needs_resume_or_overwrite(corpus, tmp_path):
     result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=3, eval_interval=0, overwrite=True))
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
     assert result.steps == 3
+    # --overwrite never deletes the model the new run starts from
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(FrawdError, match="lies inside --out .* --overwrite deletes"):
+        run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=0, overwrite=True,
+                                    init_from=str(tmp_path / "run" / "model")))
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
 
 
 def test_resuming_a_run_whose_budget_is_spent_is_one_line_and_writes_nothing(corpus, tmp_path):

@@ -81,7 +81,21 @@ def describe_os_error(exc: OSError) -> str:
     return f"{reason}: {name}"
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """The project's own warnings as one `warning: ...` line (not Python's file:line: source
+    form, which reads as a crash); other libraries' keep theirs."""
+    if category is UserWarning and "frawdllm" in str(filename):
+        print(f"warning: {message}", file=file or sys.stderr, flush=True)
+    else:
+        _show_warning(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> None:
+    import warnings
+
+    global _show_warning
+    if warnings.showwarning is not _warning_line:
+        _show_warning, warnings.showwarning = warnings.showwarning, _warning_line
     try:
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:

@@ -8,7 +8,7 @@ from ..errors import FrawdError
 from .options import model_config_from, preset_option, set_option
 
 
-def _human(n: float, unit: str = "B") -> str:
+def _human(n: int | float, unit: str = "B") -> str:
     for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
         if abs(n) < 1024:
             return f"{n:.1f} {prefix}{unit}"

@@ -124,6 +124,7 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_interval", "sample_tokens"):
             _require(name, getattr(self, name), lambda v: v >= 0, "an integer >= 0")
         _require("lr", self.lr, lambda v: v > 0, "positive")
+        _require("seed", self.seed, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")  # (numpy's and torch's range)
         _require("min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]")
         _require("decay_fraction", self.decay_fraction, lambda v: 0 < v <= 1, "in (0, 1]")
         _require("weight_decay", self.weight_decay, lambda v: v >= 0, ">= 0")
@@ -227,7 +228,10 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
                 pass
     if str in options and isinstance(value, (int, float, bool)):
         return str(value)
-    raise ConfigError(f"{name}: expected {hint}, got {value!r}")
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping",
+             type(None): "null"}
+    wanted = " or ".join(dict.fromkeys(names.get(o, getattr(o, "__name__", str(o))) for o in options))
+    raise ConfigError(f"{name}: expected {wanted}, got {value!r}")
 
 
 def field_defaults(cls: type) -> dict[str, Any]:

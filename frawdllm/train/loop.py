@@ -380,6 +380,10 @@ class Trainer:
         self._window = (self._fit_start, self.tokens)
         self._session_step, self._session_tokens = self.step, self.tokens
         self._session_progress = self.progress()
+        if cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s:
+            warnings.warn(f"start-up (tokenizer, data, model) took {self.elapsed():.1f} s, the whole --max-time "
+                          f"{cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over",
+                          stacklevel=2)
         bar = _progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
         try:

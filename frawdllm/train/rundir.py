@@ -56,9 +56,24 @@ def check_run_dir(cfg: Any) -> None:
             raise FrawdError(f"{run_dir} holds a run that stopped before its first checkpoint; "
                              "--resume or --overwrite starts it over")
         raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+    if has_run(run_dir) and not cfg.resume:  # --overwrite: would it delete the model the run starts from?
+        for flag, start in (("--init-from", getattr(cfg, "init_from", None)), ("--init", getattr(cfg, "init", None))):
+            if start and any(_inside(Path(start), run_dir / name) for name in RUN_DIRS):
+                raise FrawdError(f"{flag} {start} lies inside --out {run_dir}, whose run --overwrite deletes; "
+                                 "copy the model elsewhere first, or give another --out")
     found = list_checkpoints(run_dir) if cfg.resume else []
+    if found:
+        _refuse_fixed_changes(cfg, run_dir)
     if found and cfg.max_steps and found[-1][0] >= cfg.max_steps:  # (tokens and time: Trainer.fit)
         raise FrawdError(budget_spent(run_dir, f"{found[-1][0]} steps of --max-steps {cfg.max_steps}"))
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
 
 
 def budget_spent(run_dir: Path, done: str) -> str:
@@ -96,21 +111,39 @@ def prepare_run_dir(cfg: Any) -> Path:
 RESUME_FREE = {"resume", "overwrite", "max_steps", "max_tokens", "max_time", "progress", "out", "dist_timeout",
                "eval_interval", "log_interval", "keep_last", "device", "parallel", "wandb", "wandb_project",
                "tensorboard", "peak_tflops"}
+# Settings the checkpoint's weights (or the run's tokenizer and shards) are made for: fixed once trained.
+RESUME_FIXED = {"preset", "model", "vocab_size", "tokenizer", "init_from", "init", "lora_rank", "lora_alpha"}
+
+
+def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
+    """{setting: (value saved in the run's config.yaml, value now)} for what a --resume changes."""
+    from .config import load_yaml
+
+    try:
+        saved = load_yaml(run_dir / CONFIG_FILE)
+    except FrawdError:
+        return {}
+    now = cfg.to_dict()
+    return {key: (saved[key], now[key]) for key in now
+            if key in saved and key not in RESUME_FREE and now[key] != saved[key]}
+
+
+def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
+    """A --resume that changes what the checkpoint was trained as (the model, its tokenizer)
+    cannot load it: refused before anything is written, so the run stays resumable."""
+    fixed = {k: v for k, v in _changed_settings(cfg, run_dir).items() if k in RESUME_FIXED}
+    if fixed:
+        listed = ", ".join(f"{key}={new!r} (the run has {old!r})" for key, (old, new) in fixed.items())
+        raise FrawdError(f"{run_dir}: --resume continues the run's own model and tokenizer; these settings differ: "
+                         f"{listed}; drop them, or start a new run (--init-from {run_dir / BEST_MODEL_DIR} trains "
+                         "its model further)")
 
 
 def _note_changed_settings(cfg: Any, run_dir: Path) -> None:
     """Say which settings of a resumed run differ from those it was started with (its
     config.yaml): flags override the saved config, so other data or another learning rate
     take effect from here on, which should not go unnoticed."""
-    from .config import load_yaml
-
-    try:
-        saved = load_yaml(run_dir / CONFIG_FILE)
-    except FrawdError:
-        return
-    now = cfg.to_dict()
-    changed = [f"{key}={now[key]!r} (was {saved[key]!r})" for key in now
-               if key in saved and key not in RESUME_FREE and now[key] != saved[key]]
+    changed = [f"{key}={new!r} (was {old!r})" for key, (old, new) in _changed_settings(cfg, run_dir).items()]
     if changed:
         print(f"{run_dir}: resuming with settings that differ from its {CONFIG_FILE}: {', '.join(changed)}",
               flush=True)
