@@ -132,3 +132,21 @@ def test_an_undecodable_system_message_is_one_line_before_anything_runs(chat_mod
     assert done.returncode != 0
     assert done.stderr.decode().strip().splitlines() == [
         "frawd: error: --system is not valid UTF-8 (a lone surrogate or undecodable byte at character 0)"]
+
+
+def test_a_tokenizer_without_chat_tokens_is_refused_at_start(tmp_path):
+    """It used to start, fail every message with the same error, and exit 0."""
+    import subprocess
+
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    plain = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(ALPHABET)}, unk_token="a"))
+    plain.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    model = FrawdLLM(get_config("tiny", vocab_size=len(ALPHABET), n_layer=1, n_embd=16, n_head=2,
+                                context_length=32))
+    model.save_pretrained(tmp_path / "m", tokenizer=Tokenizer(plain))
+    done = subprocess.run([FRAWD, "chat", "--model", str(tmp_path / "m"), "--threads", "1"], input=b"hi\n",
+                          capture_output=True, timeout=120)
+    assert done.returncode == 1
+    err = done.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and "lacks FrawdLLM's special tokens" in err[0] and "frawd generate" in err[0], err

@@ -225,6 +225,30 @@ def test_export_failing_midway_leaves_no_out_and_no_temporary_files(tmp_path, to
     assert entries(tmp_path) == before
 
 
+def test_export_killed_by_sigterm_leaves_nothing(tmp_path, tokenizer, monkeypatch, capsys):
+    """SIGTERM (kill, timeout) left a hidden temporary folder; it now tidies up like Ctrl-C."""
+    import signal
+
+    import frawdllm.export.hf_dir as hf_dir
+
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    real_write = hf_dir.write_hf_dir
+
+    def write_then_killed(model, tok, directory, *args, **kwargs):
+        real_write(model, tok, directory, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(hf_dir, "write_hf_dir", write_then_killed)
+    monkeypatch.setattr(signal, "getsignal", lambda s: signal.SIG_DFL)  # (pytest may have its own handler)
+    before = entries(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as info:
+            export(model_dir, tmp_path / "out")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert info.value.code == 130 and entries(tmp_path) == before
+
+
 def test_existing_out_is_refused_unless_overwrite_then_replaced_whole(tmp_path, tokenizer, capsys):
     _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
     out = tmp_path / "hf"

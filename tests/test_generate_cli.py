@@ -104,11 +104,13 @@ def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_
     directory = tmp_path / "m"
     shutil.copytree(model_dir, directory)
     write_json_atomic(directory / "generation_config.json", {"max_new_tokens": 3, "temperature": 0,
-                                                              "ignore_eos": True})
+                                                              "ignore_eos": True, "num_samples": 2})
     _, out, _ = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--json")
-    assert json.loads(out)["completion_tokens"] == 3
-    _, out, _ = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--json", "--max-new-tokens", "5")
-    assert json.loads(out)["completion_tokens"] == 5
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["completion_tokens"] for r in records] == [3, 3]  # num_samples from the file too
+    _, out, _ = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--json", "--max-new-tokens", "5",
+                    "--num-samples", "1", "--echo-prompt")
+    assert json.loads(out)["completion_tokens"] == 5 and json.loads(out)["prompt"] == "x"
 
 
 def test_int8_flag_generates(capsys, model_dir):
@@ -124,6 +126,7 @@ def test_int8_flag_generates(capsys, model_dir):
     (["--prompt", "x", "--temperature", "nan"], "temperature must be a number, not NaN"),
     ([], "give a prompt with --prompt TEXT or --prompt-file FILE"),
     (["--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
+    (["--prompt-file", "/tmp"], "--prompt-file /tmp is a folder, not a file"),
     (["--prompt", "x" * 100], "prompt has 100 tokens but the model's context is 64"),
     (["--prompt", "ab" + b"\xff".decode("utf-8", "surrogateescape")],  # invalid UTF-8 in argv
      "the text is not valid UTF-8 \\(a lone surrogate or undecodable byte at character 2\\)"),

@@ -90,8 +90,16 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
         _show_warning(message, category, filename, lineno, file, line)
 
 
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (kill, timeout, a job scheduler) tidies up as Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> None:
+    import signal
     import warnings
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (commands that drain install their own)
+        signal.signal(signal.SIGTERM, _terminated)
 
     global _show_warning
     if warnings.showwarning is not _warning_line:
@@ -109,6 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # a bad flag or value: one line, like every other error
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `frawd` alone, or a group alone: its help
+            exc.show()
+            sys.exit(exc.exit_code)
+        where = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+        click.echo(f"frawd: error: {_one_line(exc.format_message())}{where}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

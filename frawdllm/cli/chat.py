@@ -51,6 +51,9 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     params = params_from_flags(model_dir, sampling)
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
+    # (known before the first message: no message could be rendered)
+    engine.tokenizer.require_frawd_specials(f"{model_dir}: the tokenizer", "which the chat template needs; "
+                                            "frawd generate continues plain text with it")
     _Repl(engine, params, system_message, model_dir).run()
 
 

@@ -17,24 +17,28 @@ from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_fr
 @click.command()
 @engine_flags
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
-              help="The prompt (repeatable: several prompts run as one batch).")
-@click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
+              help="The prompt (repeatable: several prompts run as one batch, numbered in the order given).")
+@click.option("--prompt-file", "prompt_files", multiple=True, metavar="FILE",
               help="Read a prompt from a file ('-' = standard input; repeatable, like --prompt: each file is one "
-                   "more prompt of the batch).")
+                   "more prompt of the batch, after every --prompt).")
 @sampling_flags
-@click.option("--num-samples", type=int, default=1, show_default=True,
-              help="Completions per prompt (all run as one batch: bounded by memory).")
-@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--num-samples", type=int, default=None,
+              help="Completions per prompt (all run as one batch: bounded by memory).  [default: 1, or the "
+                   "model's generation_config.json]")
+@click.option("--ignore-eos", is_flag=True, default=None,
+              help="Do not stop at the end-of-sequence token (default: the model's generation_config.json, "
+                   "else stop).")
 @click.option("--stream/--no-stream", default=None,
               help="Print text as it is generated [default: on when stdout is a terminal].")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per completion (text, tokens, finish_reason, ...), one per line.")
-@click.option("--echo-prompt", is_flag=True, help="Print the prompt before its completion.")
+@click.option("--echo-prompt", is_flag=True,
+              help="Print the prompt before its completion (--json: a \"prompt\" field in each object).")
 @click.option("--stats", is_flag=True, help="Print token counts and speed on stderr.")
 def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, compile_model: bool,
-             device: str, threads: int | None, prompts: tuple[str, ...], prompt_files: tuple[str, ...], num_samples: int,
-             ignore_eos: bool, stream: bool | None, as_json: bool, echo_prompt: bool, stats: bool,
-             **sampling) -> None:
+             device: str, threads: int | None, prompts: tuple[str, ...], prompt_files: tuple[str, ...],
+             num_samples: int | None, ignore_eos: bool | None, stream: bool | None, as_json: bool,
+             echo_prompt: bool, stats: bool, **sampling) -> None:
     """Continue --prompt with text from the model in --model.
 
     Sampling defaults come from the model's generation_config.json when it has one;
@@ -52,7 +56,9 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     texts = list(prompts) + [_read_prompt_file(path) for path in prompt_files]
     if not texts:
         raise FrawdError("give a prompt with --prompt TEXT or --prompt-file FILE")
-    params = params_from_flags(model_dir, sampling, num_samples=num_samples, ignore_eos=ignore_eos)
+    given = {name: value for name, value in (("num_samples", num_samples), ("ignore_eos", ignore_eos))
+             if value is not None}  # (else generation_config.json's, like every sampling setting)
+    params = params_from_flags(model_dir, sampling, **given)
     check_rows_fit(model_dir, len(texts) * params.num_samples, dtype)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     if stream is None:
@@ -77,6 +83,8 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
             record = {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason,
                       "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.tokens),
                       "prompt_index": c.prompt_index, "sample_index": c.sample_index}
+            if echo_prompt:
+                record["prompt"] = texts[c.prompt_index]
             click.echo(json.dumps(record, ensure_ascii=False))
         else:
             if not single:
@@ -89,6 +97,8 @@ def _read_prompt_file(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
     file = Path(path)
+    if file.is_dir():
+        raise FrawdError(f"--prompt-file {file} is a folder, not a file")
     if not file.is_file():
         raise FrawdError(f"prompt file not found: {file}")
     try:

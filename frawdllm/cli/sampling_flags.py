@@ -94,7 +94,8 @@ def engine_flags(command):
                      help="The C forward on CPU (frawdllm/infer/native.c): fp16 reads fp16 copies of the "
                           "weights (half the memory traffic, logits within ~1e-3) and, where every phase runs "
                           "in C, keeps the KV cache in fp16; fp32 the weights as they are and an fp32 cache "
-                          "(exact); off = PyTorch; auto = fp16 where the CPU can read it. Models it "
+                          "(exact); off = PyTorch; auto = fp16 where the CPU can read it. With --quantize "
+                          "int8 the weights are read as int8 and the cache is fp16 whatever this says. Models it "
                           "cannot run (bf16, GPU) use PyTorch."),
         click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
                      help="torch.compile the decode step instead of --native (slow to start)."),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,16 +123,26 @@ class _Translator:
 
 
 def _check_output_file(path: str, flag: str) -> None:
-    """Refuse, before any work, an output file that cannot be written: its folder (or the
-    nearest existing one above it, where the missing ones will be made) is a file or not
-    writable."""
-    folder = Path(path).absolute().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise FrawdError(f"{flag} {path}: {folder} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise FrawdError(f"{flag} {path}: the folder {folder} is not writable")
+    """Refuse, before any work, an output file that cannot be written: its missing folders
+    are made and a file is tried there (asking `os.access` is not enough: root passes it,
+    and it cannot tell a folder that refuses subfolders)."""
+    import tempfile
+
+    target = Path(path)
+    if target.is_dir():
+        raise FrawdError(f"{flag} {path} is a folder; give a file name")
+    folder = target.absolute().parent
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise FrawdError(f"{flag} {path}: {above} is not a folder")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise FrawdError(f"{flag} {path}: cannot write there ({(error.strerror or str(error)).lower()})") from None
 
 
 def _stdin_lines() -> Iterator[str]:
@@ -149,7 +158,7 @@ def _stdin_lines() -> Iterator[str]:
 @click.option("--src", "src_path", required=True, type=click.Path(dir_okay=False), help="Source sentences.")
 @click.option("--ref", "ref_path", required=True, type=click.Path(dir_okay=False),
               help="Raw reference translations, line i for line i of --src.")
-@click.option("--hyp-out", type=click.Path(dir_okay=False), default=None, help="Also write the translations here.")
+@click.option("--hyp-out", default=None, metavar="FILE", help="Also write the translations here.")
 def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path: str, ref_path: str,
              hyp_out: str | None) -> None:
     """Translate --src and score it against --ref with sacreBLEU (cased, 13a tokenization,

@@ -174,7 +174,7 @@ class Engine:
                 threads = torch.get_num_threads()
                 if self.compile:
                     self._plan = {name: paths.Path("compiled") for name in paths.PHASES}
-                    self._plan["prefill"] = paths.Path("torch")
+                    self._plan["prefill"] = self._plan["long"] = paths.Path("torch")  # (prefills run eager)
                 elif not self.native:
                     self._plan = {name: paths.Path("torch") for name in paths.PHASES}
                 elif self._force_native:

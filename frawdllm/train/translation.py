@@ -75,7 +75,8 @@ class TranslateConfig(TrainConfig):
     compile: str | bool = option("false", "torch.compile the training step: true, false, auto (batches change "
                                           "shape, so compiling rarely pays here).", choices=("auto", "true", "false"))
     eval_interval: int = option(500, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
-    sample_tokens: int = option(1, "Write sample translations at each evaluation (0 = none).")
+    sample_tokens: int = option(1, "Write translations of the first 3 validation sentences to samples.txt at "
+                                   "each evaluation: 0 = none, any other value = on (greedy, to the length limit).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
