@@ -296,20 +296,32 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
 
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
+    tok = given_tokenizer(cfg)
+    kind = cfg.tokenizer if cfg.tokenizer in KINDS else (cfg.tokenizer or "bpe") if tok is None else None
+    if tok is not None:  # a tokenizer.json: given, the --init-from model's, or the shards'
+        whose = "the --init-from model's " if cfg.init_from is not None and cfg.tokenizer is None else ""
+        tokenizer = f"{whose}{tok.kind or ''} tokenizer, {tok.vocab_size:,} tokens".replace("  ", " ")
+    else:
+        tokenizer = f"a {kind} tokenizer trained on it"
     if cfg.init_from is not None:
         model_cfg, window = init_model_config(cfg)
         model = f"--init-from {cfg.init_from}, {model_cfg.num_parameters:,} parameters"
     else:
-        tok = given_tokenizer(cfg)
-        model_cfg = model_config_for(cfg, tok.vocab_size if tok else _bpe_vocab_size(cfg))
+        vocab = tok.vocab_size if tok else {"bpe": _bpe_vocab_size(cfg), "byte": 256 + len(SPECIAL_TOKENS)}.get(kind)
+        model_cfg = model_config_for(cfg, vocab or len(SPECIAL_TOKENS))
         window = model_cfg.context_length
-        model = f"{cfg.preset}, ~{model_cfg.num_parameters:,} parameters (vocabulary to fit the tokenizer)"
+        if vocab is not None:
+            model = f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary {model_cfg.vocab_size:,})"
+        else:  # char: the vocabulary is the data's characters, known once the tokenizer is trained
+            per_token = model_cfg.n_embd * (1 if model_cfg.tie_embeddings else 2)
+            model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters + {per_token} per character of the "
+                     "data (the char vocabulary is known once trained)")
     budget = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in (("max_steps", cfg.max_steps),
                        ("max_tokens", cfg.max_tokens), ("max_time", cfg.max_time)) if v is not None)
     action = "resume" if cfg.resume else "overwrite" if has_run(run_dir) else "new run"
     lines = ["dry run: nothing trained, nothing written",
              f"out:           {run_dir} ({action})",
-             f"data:          {cfg.data} (tokenizer {cfg.tokenizer or 'bpe'})",
+             f"data:          {cfg.data} ({tokenizer})",
              f"model:         {model}, context {model_cfg.context_length}",
              f"batch:         {cfg.batch_size} x {cfg.grad_accum} x {window} tokens per step",
              f"budget:        {budget} (the whole command: tokenizer, data, warm-up, evaluations, save)"]
