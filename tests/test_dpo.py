@@ -181,3 +181,30 @@ def test_pairs_with_no_preference_or_an_answered_prompt_are_bad_records(tmp_path
         cfg = DPOConfig(data=str(data), val_fraction=0.0, skip_bad_lines=True)
         train, _, summary = load_pairs(cfg, byte_tokenizer(), 64)
         assert len(train) == 10 and summary.skipped == 1 and message in summary.line("pairs")
+
+
+def test_no_built_in_pair_rejects_its_own_answer():
+    from frawdllm.align import stdlib_corpus
+    from frawdllm.align.stdlib_corpus import Function, rejected_answer
+
+    prefs = list(stdlib_corpus.records("stdlib-prefs"))
+    assert len(prefs) == len(stdlib_corpus.functions())  # one pair per function
+    same = [where for where, r, _ in prefs if r["chosen"] == r["rejected"]]
+    assert not same, same
+    train, val, summary = load_pairs(DPOConfig(data="stdlib-prefs"), byte_tokenizer(), 64)  # not one bad record
+    assert summary.skipped == 0 and summary.examples == len(prefs)
+    # the rule itself: bodies equal to this one's are passed over (odd hash: another function's body)
+    odd = next(f"f{i}" for i in range(100) if stdlib_corpus._hash(f"m:f{i}") % 2)
+    fn, twin, other = (Function(f"m:{name}", f"{name}(x)", "d", "d", f"def {name}(x):\n    {body}", 1)
+                       for name, body in ((odd, "return False"), ("g", "return False"), ("h", "return x")))
+    assert rejected_answer(fn, [twin, other]) == f"def {odd}(x):\n    return x"
+    assert rejected_answer(fn, [twin]) is None
+
+
+def test_the_pair_summary_prints_without_progress(tmp_path, capsys):
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "prefs.jsonl", [*word_prefs(10), {"prompt": "a", "chosen": "b", "rejected": "b"}])
+    code, out, err = run_cli(capsys, *dpo_args(base, data, "--max-steps", "1", "--skip-bad-lines", "--out",
+                                               tmp_path / "run"))
+    assert code == 0, err
+    assert "dpo data: 10 pairs" in out and "1 bad records skipped (first: " in out and "prefs.jsonl:11" in out

@@ -312,3 +312,29 @@ def test_the_pretraining_sample_prompt_is_no_option_of_sft_or_dpo(command, tmp_p
     code, _, err = run_cli(capsys, command, "--config", config, "--init", tmp_path, "--max-steps", "1",
                            "--out", tmp_path / "run")
     assert code == 1 and "sample_prompt: sft and dpo take no prompt" in err and err.count("\n") == 1, err
+
+
+def test_the_data_summary_prints_without_progress_and_all_bad_records_name_the_file(tmp_path, capsys):
+    base = model_dir(tmp_path)
+    data = tmp_path / "chats.jsonl"
+    write_jsonl(data, word_chats(20))
+    data.write_text(data.read_text() + "{not json\n[1]\n")
+    common = ["--init", base, "--batch-size", "4", "--dtype", "fp32", "--compile", "false", "--device", "cpu",
+              "--sample-tokens", "0", "--max-steps", "1", "--skip-bad-lines", "--no-progress"]
+    code, out, err = run_cli(capsys, "sft", *common, "--data", data, "--out", tmp_path / "run")
+    assert code == 0, err
+    assert "sft data: 20 examples" in out and "2 bad records skipped (first: " in out and "chats.jsonl:21" in out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n[1]\n" + '{"prompt": "a"}\n')
+    code, _, err = run_cli(capsys, "sft", *common, "--data", bad, "--out", tmp_path / "run2")
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"--data {bad} holds no usable examples: all 3 records were bad and skipped" in err
+    assert "bad.jsonl:1: not valid JSON" in err and not (tmp_path / "run2").exists()
+
+
+@pytest.mark.parametrize("command, takes, refuses", [("sft", "stdlib-instruct", "stdlib-prefs"),
+                                                     ("dpo", "stdlib-prefs", "stdlib-instruct")])
+def test_each_help_names_only_the_built_in_corpus_its_command_takes(command, takes, refuses, capsys):
+    code, out, _ = run_cli(capsys, command, "--help")
+    text = "".join(out.split())  # a name may be wrapped at its hyphen
+    assert code == 0 and takes in text and refuses not in text

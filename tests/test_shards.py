@@ -2,6 +2,7 @@
 uint32 path, reuse, atomic failure, and tiny shakespeare as char-level shards."""
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -256,6 +257,46 @@ def test_shards_missing_a_split_are_an_error_not_a_text_corpus(tmp_path, bpe, lo
     assert not is_shard_dir(tmp_path / "texts")
 
 
+
+def test_a_shard_folder_is_never_read_as_text(tmp_path, bpe):
+    from click.testing import CliRunner
+
+    from frawdllm.cli import cli
+
+    out = tmp_path / "shards"
+    prepare_shards(str(_write_corpus(tmp_path / "c.txt", _corpus(30))), bpe, out)
+    bpe.save(tmp_path / "tok.json")
+    refused = f"{out} holds prepared shards (meta.json), not text; give it to frawd pretrain --data {out} or " \
+              f"frawd eval --data {out}"
+    with pytest.raises(FrawdError, match=re.escape(refused)):
+        iter_documents(str(out))
+    with pytest.raises(FrawdError, match=re.escape(refused)):
+        prepare_shards(str(out), bpe, tmp_path / "again")
+    for args in (["data", "prepare", "--data", out, "--tokenizer", tmp_path / "tok.json", "--out", tmp_path / "again"],
+                 ["tokenizer", "train", "--data", out, "--vocab-size", "300", "--out", tmp_path / "tok2"]):
+        proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr == f"frawd: error: {refused}\n" and not proc.stdout
+    assert not (tmp_path / "again").exists() and not (tmp_path / "tok2").exists()
+    # meta.json without any of the shard files it names: an error everywhere, not a text corpus
+    (out / "train.bin").unlink()
+    (out / "val.bin").unlink()
+    (out / "notes.txt").write_text("some text\n")
+    missing = "holds prepared shards but train.bin, val.bin are missing"
+    with pytest.raises(FrawdError, match=missing):
+        iter_documents(str(out))
+    with pytest.raises(FrawdError, match=missing):
+        prepare_shards(str(out), bpe, tmp_path / "again")
+    result = CliRunner().invoke(cli, ["pretrain", "--data", str(out), "--preset", "tiny", "--max-steps", "1",
+                                      "--out", str(tmp_path / "run")])
+    assert isinstance(result.exception, FrawdError) and missing in str(result.exception)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "again").exists()
+    # a folder of text with a meta.json of its own (not a JSON object) is still read
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "meta.json").write_text('["not ours"]')
+    (tmp_path / "texts" / "a.txt").write_text("hello\n")
+    assert list(iter_documents(str(tmp_path / "texts"))) == ["hello", '["not ours"]']  # sorted by path
+
 def _plain_bpe(tmp_path, special_tokens=(), name="plain.json"):
     """A byte-level BPE tokenizer.json made with `tokenizers` alone: no FrawdLLM special tokens
     (GPT-2's kind of tokenizer when `special_tokens` is ["<|endoftext|>"])."""
@@ -331,3 +372,26 @@ def test_an_imported_tokenizer_ends_documents_with_its_own_end_of_text(tmp_path)
     for doc in docs:
         expected += gpt2_like.encode(doc) + [end]
     assert tokens == expected and meta["unk_tokens"] == 0
+
+
+def test_prepare_and_eval_draw_progress_bars_only_on_a_terminal(tmp_path, bpe):
+    import pexpect
+
+    from align_helpers import model_dir
+
+    corpus = _write_corpus(tmp_path / "c.txt", _corpus(200))
+    bpe.save(tmp_path / "tok.json")
+    frawd = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
+    prepare = ["data", "prepare", "--data", str(corpus), "--tokenizer", str(tmp_path / "tok.json")]
+    evaluate = ["eval", "--model", str(model_dir(tmp_path)), "--data", str(corpus), "--val-fraction", "0.3",
+                "--device", "cpu"]
+    for args, result in ((prepare + ["--out", str(tmp_path / "log")], "train_tokens: "), (evaluate, "loss: ")):
+        proc = subprocess.run(frawd + args, capture_output=True, text=True, timeout=300)  # stderr: a pipe, a log
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert result in proc.stdout  # the result lines stay
+    for args, bar in ((prepare + ["--out", str(tmp_path / "tty")], "tokenizing"), (evaluate, "evaluating")):
+        child = pexpect.spawn(frawd[0], frawd[1:] + args, encoding="utf-8", timeout=300)
+        child.expect_exact(bar)  # on a terminal the bar is drawn
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0

@@ -246,6 +246,18 @@ def test_cli_reports_a_missing_corpus_as_one_line(tmp_path):
     assert "data source not found" in proc.stderr and "missing.txt" in proc.stderr
 
 
+
+@pytest.mark.parametrize("size", ["0", "-5", "100"])
+def test_cli_refuses_a_bpe_vocab_size_below_263_zero_included(tmp_path, capsys, size):
+    from cli_helpers import run_cli
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    code, out, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--vocab-size", size,
+                             "--out", tmp_path / "t")
+    assert code == 1 and not out and not (tmp_path / "t").exists()  # 0 is a size given, not the default
+    assert err == f"frawd: error: BPE vocab_size must be at least 263 (7 specials + 256 bytes), got {size}\n"
+
 def test_decode_accepts_numpy_arrays_and_tensors(bpe):
     import numpy as np
     import torch

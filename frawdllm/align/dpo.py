@@ -258,7 +258,8 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
         return tokenize_pair(tokenizer, *preference(record, where), max_len=length + 1)
 
     summary = LoadSummary()
-    train, val = collect(iter_source(cfg.data, "dpo"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary)
+    train, val = collect(iter_source(cfg.data, "dpo"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary,
+                         source=cfg.data, what="pairs")
     if not train:
         raise FrawdError(f"--data {cfg.data}: every pair fell in the held-out split; lower --val-fraction")
     return train, val, summary
@@ -267,7 +268,7 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
 def run_dpo(cfg: DPOConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> DPOTask:
         train, val, summary = load_pairs(cfg, tokenizer, length)
-        if cfg.progress and distributed.current().is_main:
+        if distributed.current().is_main:  # a result, not progress: printed with --no-progress too
             print(f"dpo data: {summary.line('pairs')}", flush=True)
         return DPOTask(train, val, model, tokenizer, cfg, length)
 

@@ -220,9 +220,10 @@ def iter_source(spec: str, kind: str) -> Iterator[tuple[str, object, str]]:
 
 
 def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: float, skip_bad: bool,
-            summary: LoadSummary) -> tuple[list, list]:
+            summary: LoadSummary, *, source: str, what: str = "examples") -> tuple[list, list]:
     """Converted examples, split into (train, val); bad records raise or are skipped and counted.
-    `convert(record, where)` returns (example, truncated)."""
+    `convert(record, where)` returns (example, truncated); `source` (the --data) and `what`
+    name them when none is usable."""
     train, val = [], []
     for where, record, key in items:
         try:
@@ -238,5 +239,7 @@ def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: flo
         (val if is_held_out(key, val_fraction) else train).append(example)
     summary.examples, summary.train, summary.val = len(train) + len(val), len(train), len(val)
     if not summary.examples:
-        raise FrawdError("the data holds no usable examples")
+        skipped = (f": all {summary.skipped} records were bad and skipped (first: {summary.first_skipped[0]})"
+                   if summary.skipped else "")
+        raise FrawdError(f"--data {source} holds no usable {what}{skipped}")
     return train, val

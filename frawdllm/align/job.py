@@ -33,8 +33,9 @@ class FinetuneConfig(TrainConfig):
 
     init: str | None = option(None, "The model directory to start from (e.g. a pretraining run's model/); "
                                     "its config and tokenizer are kept.")
+    # each command names its own built-in corpus (SFTConfig, DPOConfig)
     data: str = option("stdlib-instruct", "Examples: .jsonl[.gz], .parquet, a folder or glob of them, hf:NAME, "
-                                          "or a built-in corpus (stdlib-instruct, stdlib-prefs).")
+                                          "or a built-in corpus.")
     val_fraction: float = option(0.05, "Share of the examples held out for evaluation (a hash split).")
     max_length: int | None = option(None, "Tokens per example (default: the model's context); longer ones are "
                                           "truncated: the prompt's tail and the response's head are kept.")

@@ -34,6 +34,8 @@ class SFTConfig(FinetuneConfig):
     train_on: str = option("assistant", "Tokens that carry the loss: assistant (every assistant turn), last "
                                         "(the last assistant turn), all (every token: no masking).")
     pack: bool = option(True, "Pack several examples per row (attention kept inside each example).")
+    data: str = option("stdlib-instruct", "Examples: .jsonl[.gz], .parquet, a folder or glob of them, hf:NAME, "
+                                          "or the built-in stdlib-instruct.")
     out: str = option("runs/sft", "Run directory: config, metrics, checkpoints, the best model.")
 
     def __post_init__(self) -> None:
@@ -64,7 +66,8 @@ def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[li
         return truncate(tokenize_chat(tokenizer, chat_messages(record, where), cfg.train_on), length + 1)
 
     summary = LoadSummary()
-    train, val = collect(iter_source(cfg.data, "sft"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary)
+    train, val = collect(iter_source(cfg.data, "sft"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary,
+                         source=cfg.data)
     if not train:
         raise FrawdError(f"--data {cfg.data}: every example fell in the held-out split; lower --val-fraction")
     return train, val, summary
@@ -115,7 +118,7 @@ class SFTTask(FinetuneTask):
 def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> SFTTask:
         train, val, summary = load_examples(cfg, tokenizer, length)
-        if cfg.progress and distributed.current().is_main:
+        if distributed.current().is_main:  # a result, not progress: printed with --no-progress too
             print(f"sft data: {summary.line()}", flush=True)
         return SFTTask(train, val, model, tokenizer, cfg, length)
 

@@ -14,8 +14,13 @@ and one preference pair (the first instruction's prompt; chosen = the real funct
 rejected by a rule chosen by a hash of the function):
 
     even hash: the same source with the body's indentation removed, which does not parse
-    odd hash:  the body of another function (the next one in the corpus), under this
-               function's signature: code that parses but does something else
+    odd hash:  the body of another function (the next one in the corpus whose body is not
+               this one's), under this function's signature: code that parses but does
+               something else
+
+A pair never rejects its own answer (no preference to learn; `frawd dpo` refuses such a
+record): `stat.S_ISDOOR`, `S_ISPORT` and `S_ISWHT` all have the body `return False`, so
+S_ISDOOR's rejected answer is the body of `stat.filemode`, the first after it that differs.
 
 Both requests from one function fall in the same split: train/val is decided by a hash
 of the function's module and name (`is_held_out`).
@@ -31,7 +36,7 @@ import json
 import sys
 import sysconfig
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..data.sources import stdlib_files
@@ -128,13 +133,16 @@ def write_request(fn: Function) -> str:
     return WRITE.format(signature=fn.signature, doc=fn.doc)
 
 
-def rejected_answer(fn: Function, other: Function) -> str:
-    """The documented rule: unindented (does not parse) or another function's body."""
+def rejected_answer(fn: Function, others: Iterable[Function]) -> str | None:
+    """The documented rule: unindented (does not parse), or the body of the first of
+    `others` that gives other text than `fn.source`; None if none does."""
     lines = fn.source.splitlines()
     if _hash(fn.key) % 2 == 0:
-        return "\n".join(lines[:fn.header_lines] + [line.lstrip() for line in lines[fn.header_lines:]])
-    body = other.source.splitlines()[other.header_lines:]
-    return "\n".join(lines[:fn.header_lines] + body)
+        candidates = ["\n".join(lines[:fn.header_lines] + [line.lstrip() for line in lines[fn.header_lines:]])]
+    else:
+        candidates = ("\n".join(lines[:fn.header_lines] + other.source.splitlines()[other.header_lines:])
+                      for other in others)
+    return next((text for text in candidates if text != fn.source), None)
 
 
 def records(name: str) -> Iterator[tuple[str, dict, str]]:
@@ -147,8 +155,10 @@ def records(name: str) -> Iterator[tuple[str, dict, str]]:
             yield where, {"prompt": request, "response": fn.source}, fn.key
             yield where, {"prompt": SUMMARIZE.format(source=fn.source), "response": fn.summary}, fn.key
         else:
-            other = found[(i + 1) % len(found)]
-            yield where, {"prompt": request, "chosen": fn.source, "rejected": rejected_answer(fn, other)}, fn.key
+            following = (found[(i + k) % len(found)] for k in range(1, len(found)))  # wrapping around
+            rejected = rejected_answer(fn, following)
+            if rejected is not None:  # None: every body is this one's (no pair to make)
+                yield where, {"prompt": request, "chosen": fn.source, "rejected": rejected}, fn.key
 
 
 def defines_function(answer: str) -> bool:

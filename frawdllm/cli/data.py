@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 
@@ -81,8 +83,9 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
     else:
         from ..data.shards import prepare_shards
 
+        # the bar only where someone watches it (stderr a terminal); a log gets the result lines alone
         meta = prepare_shards(data, tokenizer_path, out, val_fraction=val_fraction, text_field=text_field,
-                              doc_split=doc_split, workers=workers, force=force, progress=True)
+                              doc_split=doc_split, workers=workers, force=force, progress=sys.stderr.isatty())
     from ..data.shards import print_warnings
 
     print_warnings(meta)

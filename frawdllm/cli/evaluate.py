@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
     tok = Tokenizer.load(tok_path).check_fits(cfg.vocab_size, model_dir)
     dev = pick_device(device)
     model = load_model(model_dir, device=dev, kind="decoder").eval()
+    progress = sys.stderr.isatty()  # bars only where someone watches them, never in a log
     with tempfile.TemporaryDirectory(prefix="frawd-eval-") as tmp:
         if is_shard_dir(data):
             shard_dir = Path(data)
@@ -73,14 +75,14 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
         else:
             shard_dir = Path(tmp)
             meta = prepare_shards(data, tok, shard_dir, val_fraction=val_fraction, text_field=text_field,
-                                  doc_split=doc_split, progress=True)
+                                  doc_split=doc_split, progress=progress)
             print_warnings(meta)
         tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
             raise FrawdError(f"the {split} split has {len(tokens)} tokens, too few for one window of {context}; "
                              "use more data, a larger --val-fraction or a shorter --context-length")
         with autocast(dev, dtype):
-            loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=True)
+            loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=progress)
     bytes_per_token = meta.get(f"{split}_bytes_per_token") if split == "val" else None
     bytes_per_token = bytes_per_token or meta.get("bytes_per_token")
     metrics = {**lm_metrics(loss, bytes_per_token), "tokens": count, "bytes_per_token": bytes_per_token,

@@ -10,6 +10,8 @@ import click
 
 from .data import data_source_options
 
+DEFAULT_BPE_VOCAB = 8192
+
 
 @click.group()
 def tokenizer() -> None:
@@ -21,7 +23,7 @@ def tokenizer() -> None:
 @click.option("--kind", type=click.Choice(["bpe", "char", "byte"]), default="bpe", show_default=True,
               help="bpe: byte-level BPE; char: one token per character of the corpus; byte: 256 bytes.")
 @click.option("--vocab-size", type=int, default=None,
-              help="BPE vocabulary size including the 7 special tokens [default: 8192]. "
+              help=f"BPE vocabulary size including the 7 special tokens [default: {DEFAULT_BPE_VOCAB}]. "
                    "char and byte tokenizers take their size from the data.")
 @click.option("--out", required=True, type=click.Path(file_okay=True, dir_okay=True),
               help="Directory to write tokenizer.json into (or a path ending in .json).")
@@ -59,7 +61,8 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
     start = time.perf_counter()
     # Progress bars only where someone watches them; they go to stderr, never stdout.
-    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size or 8192, show_progress=sys.stderr.isatty())
+    size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size  # 0 is a size given (and refused), not none
+    tok = train_tokenizer(documents, kind=kind, vocab_size=size, show_progress=sys.stderr.isatty())
     seconds = time.perf_counter() - start
     tok.save(path)
     if stats.warning():

@@ -218,6 +218,33 @@ def split_files(shard_dir: str | Path, split: str, meta: dict | None = None) -> 
     return [shard_dir / name for name in names]
 
 
+def read_shard_meta(shard_dir: str | Path) -> dict | None:
+    """A folder's meta.json when it is one of prepared shards (a JSON object); None when the
+    folder has none, or a file of that name that is not (unreadable, not JSON, not an
+    object): a folder of text may hold a meta.json of its own."""
+    try:
+        meta = json.loads((Path(shard_dir) / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def shard_files(shard_dir: str | Path, meta: dict) -> list[Path]:
+    """Every shard file `meta` names (both splits), each checked to be there; else one line
+    naming the missing ones."""
+    shard_dir = Path(shard_dir)
+    try:
+        files = split_files(shard_dir, "train", meta) + split_files(shard_dir, "val", meta)
+    except TypeError:  # train_shards / val_shards not a list of names
+        raise FrawdError(f"{shard_dir / META_FILE}: the shard lists are not lists of file names "
+                         "(prepare the shards again with frawd data prepare)") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FrawdError(f"{shard_dir} holds prepared shards but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing (prepare them again with frawd data prepare)")
+    return files
+
+
 def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> TokenArray:
     """The tokens of a split: one shard's memory map, or several read as one stream."""
     files = split_files(shard_dir, split, meta)

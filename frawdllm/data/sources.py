@@ -4,7 +4,8 @@
                                  (tests excluded, sorted by path; one document per file)
     path/to/file.txt[.gz]        a text file; documents split by `doc_split`:
                                  "blank" (a blank line, default), "line", or "file"
-    path/to/folder               every non-hidden file below it, sorted by path
+    path/to/folder               every non-hidden file below it, sorted by path; a folder
+                                 of prepared shards (meta.json) is refused, not read as text
     'data/*.txt', 'data/**/*.gz' a glob (quote it in the shell), sorted
     *.jsonl[.gz]                 one JSON object a line; its `text_field` is the document
     *.parquet                    the `text_field` column, through pyarrow
@@ -139,12 +140,26 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
+        refuse_shard_dir(path)
         files = sorted(p for p in path.rglob("*")
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise FrawdError(f"folder {path} holds no files")
         return files
     raise FrawdError(f"data source not found: {spec!r} (expected {builtin}, hf:NAME, a file, a folder or a glob)")
+
+
+def refuse_shard_dir(path: Path) -> None:
+    """A folder of prepared shards (its meta.json a JSON object) holds token ids, never text
+    to read: one line saying where it goes instead, or which of its shard files is missing
+    (the other split's bytes must not pass for text)."""
+    from .shards import read_shard_meta, shard_files
+
+    meta = read_shard_meta(path)
+    if meta is not None:
+        shard_files(path, meta)  # all there, else the error names the missing ones
+        raise FrawdError(f"{path} holds prepared shards (meta.json), not text; give it to "
+                         f"frawd pretrain --data {path} or frawd eval --data {path}")
 
 
 def file_documents(files: list[Path], text_field: str, doc_split: str, stats: SourceStats) -> Iterator[str]:
