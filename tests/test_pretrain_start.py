@@ -249,3 +249,17 @@ def test_pretrain_says_when_the_corpus_had_invalid_utf8(corpus, tmp_path, capsys
     bad.write_bytes(corpus.read_bytes() + b"caf\xe9 \xff\n")  # Latin-1 bytes: replaced, as data prepare says
     run_pretraining(tiny_config(bad, tmp_path / "run", max_steps=1))
     assert "warning: replaced 2 invalid UTF-8 sequence(s) with U+FFFD in 1 file(s)" in capsys.readouterr().err
+
+
+def test_max_time_none_clears_a_config_files_budget(corpus, tmp_path, capsys):
+    """configs/shakespeare_char.yaml sets max_time: a run by steps alone clears it."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {corpus}\ntokenizer: char\nmax_time: 100s\n")
+    code, err, _ = frawd(capsys, "pretrain", "--config", str(config), "--max-time", "none", "--out",
+                         str(tmp_path / "run"), "--dry-run", "--no-progress")
+    assert code == 1 and "give a budget" in err  # the config's budget is gone, and no other was given
+    from cli_helpers import run_cli
+
+    code, out, err = run_cli(capsys, "pretrain", "--config", config, "--max-time", "none", "--max-steps", "3",
+                             "--out", tmp_path / "run", "--dry-run", "--no-progress")
+    assert code == 0 and "budget:        max-steps 3 (" in out, (err, out)

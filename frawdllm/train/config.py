@@ -83,7 +83,8 @@ class TrainConfig:
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
     max_steps: int | None = option(None, "Stop after this many optimizer steps.")
     max_tokens: int | None = option(None, "Stop after this many training tokens.")
-    max_time: str | None = option(None, "Stop after this much time, e.g. 100s, 5m, 1h30m (evals included).")
+    max_time: str | None = option(None, "Stop after this much time, e.g. 100s, 5m, 1h30m (evals included); "
+                                        "none clears a config file's.")
     # optimizer
     lr: float = option(3e-4, "Peak learning rate.")
     min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak.")
@@ -137,6 +138,8 @@ class TrainConfig:
         self.compile = _compile_setting(self.compile)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if str(self.max_time).strip().lower() in ("none", "null", "off"):  # (a flag clearing a config's)
+            self.max_time = None
         if self.max_time is not None:
             self.max_time = str(self.max_time)
             parse_duration(self.max_time)
