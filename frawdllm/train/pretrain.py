@@ -24,6 +24,7 @@ others wait, then every rank trains its share of each batch (`distributed`).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -205,7 +206,9 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     if cfg.progress:
         print(f"training a {kind} tokenizer on {cfg.data} ...", flush=True)
     documents = iter_documents(cfg.data, text_field=cfg.text_field, doc_split=cfg.doc_split)
-    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size, show_progress=cfg.progress)
+    # the trainer's bars only where someone watches them (in a log they are blank lines)
+    tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size,
+                          show_progress=cfg.progress and sys.stderr.isatty())
     tok.save(saved)
     write_json_atomic(record, source)
     return tok
