@@ -251,3 +251,18 @@ def test_nproc_checks_the_settings_before_starting_any_rank(tmp_path):
         f"frawd: error: data source not found: '{tmp_path / 'missing.txt'}' "
         "(expected stdlib, hf:NAME, a file, a folder or a glob)"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "3", "--grad-accum", "1"], "the global batch (batch_size 3 x grad_accum 1) does not split over 2"),
+    (["--parallel", "fsdp", "--dtype", "fp16"], "--parallel fsdp trains in bf16 or fp32"),
+])
+def test_what_every_rank_would_refuse_is_one_line_before_torchrun(tmp_path, extra, message):
+    """It was refused by each rank after launch: twice, then torchrun's traceback."""
+    for dry in ([], ["--dry-run"]):
+        proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", "pretrain", "--nproc", "2", "--max-steps", "3",
+                               "--out", str(tmp_path / "run"), *extra, *dry],
+                              capture_output=True, text=True, timeout=60, env=environment())
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"frawd: error: {message}"), lines
+        assert not (tmp_path / "run").exists()

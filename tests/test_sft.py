@@ -338,3 +338,14 @@ def test_each_help_names_only_the_built_in_corpus_its_command_takes(command, tak
     code, out, _ = run_cli(capsys, command, "--help")
     text = "".join(out.split())  # a name may be wrapped at its hyphen
     assert code == 0 and takes in text and refuses not in text
+
+
+def test_lora_under_fsdp_is_refused_before_anything_runs():
+    """The adapters' merge into FSDP-sharded weights saved a wrong model (eval loss 5.96
+    against 4.72): the pair is refused where the config is made, before torchrun starts."""
+    from frawdllm.align.sft import SFTConfig
+    from frawdllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--lora-rank .* --parallel fsdp"):
+        SFTConfig(init="m", lora_rank=4, parallel="fsdp", max_steps=1)
+    assert SFTConfig(init="m", lora_rank=4, parallel="ddp", max_steps=1).lora_rank == 4

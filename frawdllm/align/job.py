@@ -66,6 +66,9 @@ class FinetuneConfig(TrainConfig):
         _require("max_length", self.max_length, lambda v: v is None or v >= 8, "an integer >= 8")
         _require("lora_rank", self.lora_rank, lambda v: v >= 0, "an integer >= 0")
         _require("lora_alpha", self.lora_alpha, lambda v: v is None or v > 0, "positive")
+        if self.lora_rank and self.parallel == "fsdp":  # (a sharded merge saved wrong weights: refused)
+            raise ConfigError("--lora-rank trains adapters in one process or under --parallel ddp; with "
+                              "--parallel fsdp the merged model came out wrong, so the pair is refused")
         _require("sample_count", self.sample_count, lambda v: v >= 0, "an integer >= 0")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 from collections.abc import Callable
 
 import click
@@ -36,12 +37,15 @@ def without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def relaunch_under_torchrun(nproc: int) -> None:
-    """Run this command again on `nproc` ranks; exits with torchrun's status."""
-    from ..train.distributed import launched
+def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -> None:
+    """Run this command again on `nproc` ranks; exits with torchrun's status. What the ranks
+    would each refuse (a global batch that does not split, fp16 under FSDP) is refused here,
+    in one line, before torchrun starts."""
+    from ..train.distributed import check_ranks, launched
 
     if launched():
         raise FrawdError("--nproc starts torchrun, and this process already runs under it: leave --nproc out")
+    check_ranks(cfg, nproc, token_batches)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])]
     click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)

@@ -52,6 +52,10 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
     if cfg.init_from is not None and flags.get("preset") is not None:
         raise FrawdError("--preset and --init-from both choose the model; give one")
     if dry_run:
+        if nproc is not None:
+            from ..train.distributed import check_ranks
+
+            check_ranks(cfg, nproc)
         for line in dry_run_plan(cfg):
             click.echo(line)
         return
@@ -59,5 +63,5 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
         from ..train.pretrain import check_pretrain
 
         check_pretrain(cfg)  # bad input: one line here, not one per rank
-        relaunch_under_torchrun(nproc)
+        relaunch_under_torchrun(nproc, cfg)
     train_on_this_rank(lambda: run_pretraining(cfg, started_at=started_at), "pretrain", cfg.out)

@@ -61,7 +61,7 @@ def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None
     cfg = build_config(TranslateConfig, config_file, flags, parse_overrides(Seq2SeqConfig, list(overrides)))
     if nproc is not None:
         check_translation(cfg)  # bad input: one line here, not one per rank
-        relaunch_under_torchrun(nproc)
+        relaunch_under_torchrun(nproc, cfg, token_batches=True)
     train_on_this_rank(lambda: run_translation_training(cfg, started_at=started_at), "translate train", cfg.out)
 
 

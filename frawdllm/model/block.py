@@ -47,6 +47,12 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
+    def memory_kv(self, memory: Float[Tensor, "B S D"]) -> tuple[Tensor, Tensor]:
+        """This (decoder) block's cross-attention keys and values of the encoder output. A
+        method of the block, not of its `cross` child: FSDP shards per block and gathers a
+        block's weights around the methods registered on it (`distributed.wrap`)."""
+        return self.cross.memory_kv(memory)
+
     def forward(
         self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None,
         key_padding_mask: Bool[Tensor, "B T"] | None = None,

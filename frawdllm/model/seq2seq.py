@@ -102,7 +102,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
 
     def memory_kv(self, memory: Float[Tensor, "B S D"]) -> MemoryKV:
         """Every decoder layer's cross-attention keys and values: computed once per source."""
-        return [block.cross.memory_kv(memory) for block in self.decoder]
+        return [block.memory_kv(memory) for block in self.decoder]
 
     # ---- decoder -------------------------------------------------------------------------
     def decode(

@@ -207,6 +207,13 @@ def teardown() -> None:
     _current = Dist()
 
 
+def check_ranks(cfg: Any, world_size: int, token_batches: bool = False) -> None:
+    """What a run on `world_size` ranks would refuse at its start, checked before launching them."""
+    batch_layout(None if token_batches else cfg.batch_size, cfg.grad_accum, world_size)
+    if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
+        raise FrawdError(FSDP_FP16)
+
+
 def batch_layout(batch_size: int | None, grad_accum: int, world_size: int) -> tuple[int | None, int]:
     """(per-rank micro-batch, accumulation steps) that keep the global batch
     `batch_size x grad_accum` on `world_size` ranks. `batch_size` None: batches of no fixed
@@ -297,6 +304,9 @@ class TaskModule(nn.Module):
         return fn(self.model, *args)
 
 
+FSDP_FP16 = "--parallel fsdp trains in bf16 or fp32 (fp16 needs a sharded gradient scaler): use --dtype bf16"
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: FSDP's units (one gather of weights per block)."""
     from ..model.block import TransformerBlock
@@ -319,12 +329,15 @@ def wrap(model: nn.Module, dist_info: Dist, dtype: str) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if dtype == "fp16":
-            raise FrawdError("--parallel fsdp trains in bf16 or fp32 (fp16 needs a sharded gradient scaler): "
-                             "use --dtype bf16")
+            raise FrawdError(FSDP_FP16)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
         for block in _blocks(model):
             fully_shard(block, mp_policy=policy)
+            if hasattr(block, "cross"):  # a decoder block's cross-attention keys/values, called outside forward
+                register_fsdp_forward_method(block, "memory_kv")
         fully_shard(step_module, mp_policy=policy)
     return step_module
 
