@@ -177,10 +177,11 @@ def test_native_rows_do_not_depend_on_the_row_count(model_tok, weights):
     alone = []
     for row, n in enumerate(lengths):
         cache = KVCache(cfg, 1, n + 1)
-        cache.begin(n)
         prompt = torch.randint(4, cfg.vocab_size, (1, n), generator=gen)
-        decoder.forward(prompt, torch.arange(n)[None], cache)
-        batch.load(row, cache, n)
+        for target in (cache, batch.row_view(row)):  # (the batch's row prefilled in place, as the scheduler does)
+            target.begin(n)
+            decoder.forward(prompt, torch.arange(n)[None], target)
+        batch.set_length(row, n)
         token = torch.randint(4, cfg.vocab_size, (1, 1), generator=gen)
         cache.begin(1)
         alone.append((token, decoder.forward(token, torch.tensor([[n]]), cache)))
@@ -193,7 +194,8 @@ def test_native_rows_do_not_depend_on_the_row_count(model_tok, weights):
 
 
 def test_row_cache_torch_path_matches_alone(model_tok):
-    """The PyTorch path over a RowKVCache (one mask per row) agrees with each row alone."""
+    """The PyTorch path over a RowKVCache (one mask per row, each prefilled in place through
+    `row_view`) agrees with each row alone."""
     model, _ = model_tok
     cfg = model.config
     gen = torch.Generator().manual_seed(2)
@@ -202,10 +204,12 @@ def test_row_cache_torch_path_matches_alone(model_tok):
     alone = []
     with torch.inference_mode():
         for row, n in enumerate(lengths):
+            prompt = torch.randint(4, cfg.vocab_size, (1, n), generator=gen)
             cache = KVCache(cfg, 1, n + 1)
-            cache.begin(n)
-            model.hidden_states(torch.randint(4, cfg.vocab_size, (1, n), generator=gen), torch.arange(n)[None], cache)
-            batch.load(row, cache, n)
+            for target in (cache, batch.row_view(row)):
+                target.begin(n)
+                model.hidden_states(prompt, torch.arange(n)[None], target)
+            batch.set_length(row, n)
             token = torch.randint(4, cfg.vocab_size, (1, 1), generator=gen)
             cache.begin(1)
             alone.append((token, decode_logits(model, token, torch.tensor([[n]]), cache)))

@@ -425,3 +425,97 @@ def test_chunks_of_one_step_wake_the_event_loop_once():
     got, wakeups = asyncio.run(main())
     assert got == [list(range(i, 30, 3)) for i in range(3)]
     assert wakeups == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_token_events_are_written_as_json_dumps_would(chat):
+    """A token's SSE event, formatted without building dicts (it runs per token per client),
+    is the event of the dicts through json.dumps, for texts that need escaping too."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from frawdllm.infer.scheduler import Request
+    from frawdllm.serve.app import _Reply
+
+    body = SimpleNamespace(model="m", stream_options=SimpleNamespace(include_usage=True))
+    jobs = [Request([1], SamplingParams(num_samples=2), None)]
+    reply = _Reply(body, jobs, asyncio.Queue(), chat, prompt_tokens=3, created=1, echoes=[""])
+    for index, text in enumerate(['a "quoted" \\ back', "line\nbreak\t\x01", "héllo ✓ 🙂", " "]):
+        field = {"delta": {"content": text}} if chat else {"text": text}
+        choice = {"index": index, **field, "logprobs": None, "finish_reason": None}
+        fast = reply._event(reply._token_choices(index, text))
+        assert fast == reply._event([choice])
+        assert json.loads(fast[len("data: "):])["choices"] == [choice]
+
+
+def test_a_queued_stream_whose_client_leaves_leaves_the_queue_under_asgi_2_4(caplog):
+    """Under ASGI spec 2.4 Starlette does not watch for disconnects (only a failed write
+    tells, and a queued request writes nothing): the reply's own watcher takes a queued
+    request whose client left out of the queue, while the running one goes on. A client
+    gone is not logged as an internal error."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from frawdllm.serve import create_app
+    from test_scheduler import varied_model
+
+    engine = test_engine(*varied_model(context_length=1024))
+    forward = engine.forward
+
+    def paced_forward(*args):  # ~200 steps/s: the first request runs for seconds
+        time.sleep(0.005)
+        return forward(*args)
+
+    engine.forward = paced_forward
+    app = create_app({"m": engine}, ServeOptions(max_batch=1, max_tokens=1000))
+
+    async def stream(gone: asyncio.Event, sent: list) -> None:
+        body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if gone.is_set():
+                raise OSError("the client went away")  # (what a 2.4 server does)
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    async def main():
+        health = next(r for r in app.routes if getattr(r, "path", "") == "/health").endpoint
+        async with app.router.lifespan_context(app):
+            stays, leaves = asyncio.Event(), asyncio.Event()
+            sent_first, sent_second = [], []
+            first = asyncio.ensure_future(stream(stays, sent_first))
+            while not any(m.get("body") for m in sent_first):  # the first is generating
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(stream(leaves, sent_second))
+            while (await health())["waiting"] == 0:
+                await asyncio.sleep(0.01)
+            leaves.set()
+            with pytest.raises(ClientDisconnect):  # (Starlette's way under 2.4: its last write failed)
+                await asyncio.wait_for(second, 2)  # (the first still has seconds to go)
+            deadline = time.time() + 1  # (the scheduler drops it at its next step)
+            while (await health())["waiting"] and time.time() < deadline:
+                await asyncio.sleep(0.01)
+            state = await health()
+            assert not first.done() and state["waiting"] == 0 and state["running"] == 1, state
+            assert [m["body"] for m in sent_second if m["type"] == "http.response.body"] in ([], [b""])
+            stays.set()
+            with pytest.raises(ClientDisconnect):
+                await asyncio.wait_for(first, 5)
+            while (await health())["running"]:
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

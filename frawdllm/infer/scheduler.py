@@ -12,9 +12,10 @@ server's requests arrive at any time. Here one thread runs a loop of steps:
 1. rows of cancelled requests leave (a client that went away frees its row);
 2. waiting requests join while rows are free: each prompt is prefilled alone, exactly as
    `Engine.generate` prefills one prompt (its first token comes from that), and its
-   keys and values are copied into a free row of the batch cache (`RowKVCache`, one
-   length per row; n samples share one prefill). At most `prefill_tokens` prompt tokens
-   are prefilled per step, so a burst of long prompts does not stall the decoding rows;
+   keys and values are written straight into a free row of the batch cache (`RowKVCache`,
+   one length per row; n samples share one prefill, copied to their rows). At most
+   `prefill_tokens` prompt tokens are prefilled per step, so a burst of long prompts does
+   not stall the decoding rows;
 3. one decode step for every row: each row feeds its newest token at its own position,
    and gets its next token from `sampling.sample_next` with its own parameters, random
    generator and repetition history. A finished row leaves at once (the last row moves
@@ -44,7 +45,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import FrawdError
-from .cache import KVCache, RowKVCache
+from .cache import RowKVCache
 from .engine import Engine, StreamChunk
 from .sampling import SamplingParams, greedy_choice, make_generator, sample_next, sample_seed
 from .textstream import TextStream
@@ -230,13 +231,15 @@ class Scheduler:
 
     def _prefill(self, request: Request) -> None:
         engine, ids, params = self.engine, request.prompt, request.params
-        cache = KVCache(engine.config, 1, len(ids), dtype=self.cache.k[0].dtype, device=engine.device)
+        first = len(self.rows)
+        cache = self.cache.row_view(first)  # the prefill writes the new row in place
         cache.begin(len(ids))
         tokens = torch.tensor([ids], dtype=torch.long, device=engine.device)
         positions = torch.arange(len(ids), device=engine.device)[None, :]
         # The native decoder, checked against the model once per request here (not per step).
         self._decoder = engine.native_decoder() if engine.native else None
         logits = engine.forward(tokens, positions, cache, self._decoder)  # (1, V)
+        self.cache.set_length(first, len(ids))
         for sample in range(params.num_samples):
             seed = sample_seed(params.seed, sample)
             seen = None
@@ -245,11 +248,10 @@ class Scheduler:
                 seen[ids] = True
             row = _Row(request, sample, list(ids), TextStream(engine.tokenizer, params.stop),
                        None if params.greedy else make_generator(seed, engine.device), seen)
-            position = len(self.rows)
+            if sample:
+                self.cache.move(len(self.rows), first)  # n samples: copies of the prompt's row
             self.rows.append(row)
-            self.cache.load(position, cache, len(ids))
         self.cache.rows = len(self.rows)
-        first = len(self.rows) - params.num_samples
         self._emit(list(range(first, len(self.rows))), logits.expand(params.num_samples, -1))
 
     def _decode(self) -> None:

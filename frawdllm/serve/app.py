@@ -24,7 +24,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import sys
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import FrawdError, check_unicode
 from ..infer.chat import ROLE_TOKEN_IDS, fit_history
@@ -275,7 +275,9 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         return ApiError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(Exception)
-    async def _bug(request: Request, error: Exception) -> JSONResponse:
+    async def _bug(request: Request, error: Exception) -> Response:
+        if isinstance(error, ClientDisconnect):  # (under ASGI 2.4: a streaming client went away) no bug
+            return Response(status_code=499)
         logging.getLogger("frawdllm.serve").exception("internal error")
         return ApiError(500, f"internal error: {type(error).__name__}").response()
 
@@ -569,14 +571,8 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         raise ApiError(400, str(error)) from None
 
 
-if sys.version_info >= (3, 11):
-    async def _get_within(queue: asyncio.Queue, seconds: float) -> Any:
-        """queue.get(), or TimeoutError after `seconds` (without the task wait_for makes per call)."""
-        async with asyncio.timeout(seconds):
-            return await queue.get()
-else:
-    async def _get_within(queue: asyncio.Queue, seconds: float) -> Any:
-        return await asyncio.wait_for(queue.get(), seconds)
+class _ClientGone(Exception):
+    """Put in a reply's queue when its client disconnects (see `_Reply.events`)."""
 
 
 class _Reply:
@@ -618,6 +614,8 @@ class _Reply:
         return None if first is None else round(1000 * (first - self.submitted), 1)
 
     def _take(self, item: StreamChunk | BaseException) -> StreamChunk:
+        if isinstance(item, _ClientGone):
+            raise item
         if isinstance(item, BaseException):
             raise ApiError(503, f"generation failed: {item}")
         self.counts[item.index] += item.token is not None
@@ -625,18 +623,10 @@ class _Reply:
             self.reasons[item.index] = item.finish_reason
         return item
 
-    async def _next(self, request: Request | None = None) -> StreamChunk:
-        """The next chunk; with `request`, waking up now and then to notice a client that went away."""
-        while True:
-            if not self.chunks.empty():
-                return self._take(self.chunks.get_nowait())
-            if request is None:
-                return self._take(await self.chunks.get())
-            try:
-                return self._take(await _get_within(self.chunks, 1.0))
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError from None
+    async def _next(self) -> StreamChunk:
+        if not self.chunks.empty():
+            return self._take(self.chunks.get_nowait())
+        return self._take(await self.chunks.get())
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -656,9 +646,18 @@ class _Reply:
                 "created": self.created, "model": self.body.model, "system_fingerprint": None,
                 "choices": choices, "usage": self._usage()}
 
-    def _event(self, choices: list[dict], usage: dict | None = None) -> str:
+    def _token_choices(self, index: int, text: str) -> str:
+        """json.dumps of a token event's choices, [{"index", "delta": {"content"} or "text",
+        "logprobs": null, "finish_reason": null}], written without building the dicts: it
+        runs once per token per client (tested equal to json.dumps)."""
+        text = json.dumps(text, ensure_ascii=False)
+        field = f'"delta": {{"content": {text}}}' if self.chat else f'"text": {text}'
+        return f'[{{"index": {index}, {field}, "logprobs": null, "finish_reason": null}}]'
+
+    def _event(self, choices: list[dict] | str, usage: dict | None = None) -> str:
         """One SSE event: {"id", "object", "created", "model", "system_fingerprint", "choices"
-        (, "usage")}, its constant head serialised once per reply (an event per token)."""
+        (, "usage")}, its constant head serialised once per reply (an event per token);
+        `choices` as dicts or already serialised."""
         if self._head is None:
             head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                     "created": self.created, "model": self.body.model, "system_fingerprint": None}
@@ -666,40 +665,58 @@ class _Reply:
             options = self.body.stream_options  # with include_usage every chunk has the field, null until the last
             self._no_usage = ', "usage": null' if options is not None and options.include_usage else ""
         tail = self._no_usage if usage is None else ', "usage": ' + json.dumps(usage, ensure_ascii=False)
-        return self._head + json.dumps(choices, ensure_ascii=False) + tail + "}\n\n"
+        if not isinstance(choices, str):
+            choices = json.dumps(choices, ensure_ascii=False)
+        return self._head + choices + tail + "}\n\n"
 
     async def events(self, request: Request, finish: Any) -> AsyncIterator[str]:
+        # A client that goes away: Starlette cancels this stream where the server speaks ASGI
+        # spec 2.3 (uvicorn), but not under 2.4, where only a failed write would tell, and a
+        # request still queued writes nothing. This watcher (one task a request, not a timer
+        # per chunk) covers both.
+        gone = asyncio.ensure_future(_disconnect(request))
+        gone.add_done_callback(lambda task: task.cancelled() or self.chunks.put_nowait(_ClientGone()))
         try:
-            if self.chat:
-                yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None} for i in range(self.n)])
-            elif any(self.echoes):
-                yield self._event([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
-                                   for i, echo in enumerate(self.echoes)])
-            while None in self.reasons:  # (every sample's last chunk taken)
-                chunks = [await self._next(request)]
-                while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
-                    chunks.append(self._take(self.chunks.get_nowait()))
-                events = []
-                for chunk in chunks:
-                    if not chunk.text and chunk.finish_reason is None:
-                        continue  # (a token that is not printable yet)
-                    if self.chat:
-                        delta = {"content": chunk.text} if chunk.text else {}
-                        choice = {"index": chunk.index, "delta": delta, "logprobs": None,
-                                  "finish_reason": chunk.finish_reason}
-                    else:
-                        choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
-                                  "finish_reason": chunk.finish_reason}
-                    events.append(self._event([choice]))
-                if events:
-                    yield "".join(events)
-            options = self.body.stream_options
-            if options is not None and options.include_usage:
-                yield self._event([], usage=self._usage())
-            yield "data: [DONE]\n\n"
+            async for event in self._events():
+                yield event
+        except _ClientGone:
+            return  # (nobody reads the rest; finish() cancels the jobs)
         finally:
+            gone.cancel()
             finish(self)
+
+    async def _events(self) -> AsyncIterator[str]:
+        """The SSE events of the reply, until its [DONE] (`_ClientGone` ends them early)."""
+        if self.chat:
+            yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(self.n)])
+        elif any(self.echoes):
+            yield self._event([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+                               for i, echo in enumerate(self.echoes)])
+        while None in self.reasons:  # (every sample's last chunk taken)
+            chunks = [await self._next()]
+            while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
+                chunks.append(self._take(self.chunks.get_nowait()))
+            events = []
+            for chunk in chunks:
+                if chunk.finish_reason is None:
+                    if chunk.text:  # (else a token that is not printable yet)
+                        events.append(self._event(self._token_choices(chunk.index, chunk.text)))
+                    continue
+                if self.chat:
+                    delta = {"content": chunk.text} if chunk.text else {}
+                    choice = {"index": chunk.index, "delta": delta, "logprobs": None,
+                              "finish_reason": chunk.finish_reason}
+                else:
+                    choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
+                              "finish_reason": chunk.finish_reason}
+                events.append(self._event([choice]))
+            if events:
+                yield "".join(events)
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            yield self._event([], usage=self._usage())
+        yield "data: [DONE]\n\n"
 
 
 __all__ = ["create_app", "ServeOptions", "ApiError"]
