@@ -174,11 +174,21 @@ class ModelConfig:
             if key not in data:
                 raise ConfigError(f"unknown config field {key!r}; known: {', '.join(data)}")
             data[key] = value
-        if "use_rope" in overrides and "pos_encoding" not in overrides:
-            data["pos_encoding"] = None
+        data.update(positions_override(overrides))
         if "n_head" in overrides and "n_kv_head" not in overrides and self.n_kv_head == self.n_head:
             data["n_kv_head"] = None
         return type(self).from_dict(data)
+
+
+def positions_override(layer: dict[str, Any]) -> dict[str, Any]:
+    """What a mapping of overrides that sets only one of `use_rope` and `pos_encoding` implies
+    for the other (the two say the same thing): a later `pos_encoding=learned` replaces an
+    earlier `use_rope=true` instead of conflicting with it, and the other way round."""
+    if "use_rope" in layer and "pos_encoding" not in layer:
+        return {"pos_encoding": None}  # (from use_rope)
+    if "pos_encoding" in layer and "use_rope" not in layer:
+        return {"use_rope": layer["pos_encoding"] == "rope"}
+    return {}
 
 
 # Largest size of any one dimension: tensor indices and kernels use 32-bit sizes.
@@ -187,6 +197,8 @@ MAX_DIM = 2**31 - 1
 
 def _type_name(hint: Any) -> str:
     options = typing.get_args(hint) or (hint,)
+    if float in options:  # ("a number" takes integers too)
+        options = tuple(o for o in options if o is not int)
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
              type(None): "null"}
     return " or ".join(names.get(o, str(o)) for o in options)

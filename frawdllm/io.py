@@ -202,16 +202,34 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
                 tmp_path.unlink()
 
 
+def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """True when `path` is `folder` or lies below it (links resolved)."""
+    try:
+        Path(path).resolve().relative_to(Path(folder).resolve())
+        return True
+    except ValueError:
+        return False
+
+
 @contextmanager
-def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
+               keep: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
     """Yield an empty temporary folder beside `path`; it becomes `path` only if the block
     succeeds. An existing non-empty `path` is refused unless `overwrite`, and is then
-    replaced only after the new folder is complete."""
+    replaced only after the new folder is complete; never when that would delete one of
+    `keep` (the input being converted) or the current folder."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FrawdError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FrawdError(f"{path} exists and is not empty; choose a new directory (or --overwrite)")
+    if path.is_dir():
+        for source in keep:
+            if is_inside(source, path):
+                raise FrawdError(f"{path} holds {source}, the input: replacing it would delete it; "
+                                 "choose another output folder")
+        if is_inside(Path.cwd(), path):
+            raise FrawdError(f"{path} is the current folder or holds it; choose another output folder")
     with undo_on_error(path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(_temporary_in(tempfile.mkdtemp, path))

@@ -95,6 +95,26 @@ def test_use_rope_and_pos_encoding_agree():
     assert get_config("100m", pos_encoding="learned").use_rope is False
 
 
+def test_a_later_position_setting_replaces_an_earlier_one(tmp_path):
+    """`--set pos_encoding=learned` over a config that says `use_rope: true` (a file, or a
+    model's saved config) replaces it, as export's suggested fix asks; and the other way."""
+    from frawdllm.train.config import PretrainConfig, build_config
+
+    rope = ModelConfig(use_rope=True)
+    assert rope.replace(pos_encoding="learned").pos_encoding == "learned"
+    assert ModelConfig().replace(use_rope=True).pos_encoding == "rope"
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  use_rope: true\n  n_layer: 2\n")
+    built = build_config(PretrainConfig, config, model_overrides={"pos_encoding": "learned"})
+    model = get_config(built.preset, **built.model)
+    assert model.pos_encoding == "learned" and model.n_layer == 2
+    config.write_text("model:\n  pos_encoding: learned\n")
+    built = build_config(PretrainConfig, config, model_overrides={"use_rope": True})
+    assert get_config(built.preset, **built.model).pos_encoding == "rope"
+    with pytest.raises(ConfigError, match="use_rope"):  # (one layer saying both, differently: still refused)
+        build_config(PretrainConfig, config, model_overrides={"use_rope": True, "pos_encoding": "learned"})
+
+
 def test_swiglu_hidden_defaults_to_eight_thirds_rounded():
     cfg = get_config("tiny-llama")
     assert cfg.ffn_dim % 32 == 0 and 0 <= cfg.ffn_dim - 8 * 256 / 3 < 32

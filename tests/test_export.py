@@ -262,6 +262,23 @@ def test_existing_out_is_refused_unless_overwrite_then_replaced_whole(tmp_path, 
     assert not [name for name in entries(tmp_path) if name.startswith(".")]  # no old/temp folders
 
 
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_overwrite_never_deletes_the_model_being_exported(tmp_path, tokenizer, capsys, monkeypatch, fmt):
+    """--out the model's own folder, or a folder holding it, or the current folder: refused
+    in one line with --overwrite, the model untouched (it was deleted, exit 0)."""
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    before = entries(model_dir)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "work")
+    for out, says in ((model_dir, "the input"), (tmp_path, "the input"), (Path("."), "current folder")):
+        with pytest.raises(SystemExit):
+            export(model_dir, out, "--format", fmt, "--overwrite")
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+        assert entries(model_dir) == before and entries(tmp_path / "work") == {"notes.txt"}
+
+
 # ---- import -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["gpt2-untied", "llama-gqa", "llama-bias-gqa"])
 def test_import_of_a_random_transformers_checkpoint_reproduces_its_logits(tmp_path, variant):
@@ -317,6 +334,33 @@ def test_import_refuses_a_corrupt_tokenizer_and_leaves_no_output(tmp_path, token
     err = capsys.readouterr().err
     assert "not a valid tokenizer.json" in err and err.count("\n") == 1
     assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize("index, says", [('{"weight_map": []}', "not a safetensors index"),
+                                         ("[]", "not a safetensors index"),
+                                         ('{"weight_map": {"a": 5}}', "not a safetensors index"),
+                                         ('{"weight_map": {"a": "../../secret.safetensors"}}', "not a file in")])
+def test_import_refuses_a_bad_safetensors_index_in_one_line(tmp_path, tokenizer, capsys, index, says):
+    """A malformed model.safetensors.index.json (it was a traceback), or one naming a shard
+    outside the folder (it was read), is one line naming the index."""
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    export(model_dir, tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "hf" / "model-00001.safetensors")
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(SystemExit):
+        main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    err = capsys.readouterr().err
+    assert says in err and "model.safetensors.index.json" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "ours").exists()
+
+
+def test_import_never_deletes_the_checkpoint_it_reads(tmp_path, tokenizer, capsys):
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    export(model_dir, tmp_path / "hf")
+    before = entries(tmp_path / "hf")
+    with pytest.raises(SystemExit):
+        main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "hf"), "--overwrite"])
+    assert "the input" in capsys.readouterr().err and entries(tmp_path / "hf") == before
 
 
 def test_import_names_a_missing_folder_and_a_frawdllm_directory(tmp_path, tokenizer, capsys):

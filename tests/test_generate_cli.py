@@ -111,6 +111,9 @@ def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_
     _, out, _ = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--json", "--max-new-tokens", "5",
                     "--num-samples", "1", "--echo-prompt")
     assert json.loads(out)["completion_tokens"] == 5 and json.loads(out)["prompt"] == "x"
+    write_json_atomic(directory / "generation_config.json", {"temperature": "hot"})
+    code, _, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x")
+    assert code == 1 and "temperature must be a number, got 'hot'" in err, err  # (not "a number or an integer")
 
 
 def test_int8_flag_generates(capsys, model_dir):
@@ -157,3 +160,20 @@ def test_stats_say_how_fast_and_which_forward_ran(capsys, model_dir):
                            "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--native", "fp16")
         assert code == 0, err
         assert "forward: native fp16" in err and ("KV cache fp16]" in err or "PyTorch eager" in err)
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--json"])
+def test_a_completion_cut_by_the_context_says_so(capsys, model_dir, stream):
+    """Asking for more tokens than the context holds (64 here) ends at the context with a
+    note naming it and --overflow slide (3 prompt tokens + 62: the last is never fed back);
+    --overflow slide generates all of them, no note."""
+    common = ["generate", "--model", str(model_dir), "--prompt", "abc", "--max-new-tokens", "100",
+              "--temperature", "0.8", "--seed", "1", "--ignore-eos", stream]
+    code, out, err = run(capsys, *common)
+    assert code == 0 and "context of 64 tokens after 62 new tokens" in err and "--overflow slide" in err, err
+    if stream == "--json":
+        assert json.loads(out)["completion_tokens"] == 62
+    code, out, err = run(capsys, *common, "--overflow", "slide")
+    assert code == 0 and "note" not in err, err
+    if stream == "--json":
+        assert json.loads(out)["completion_tokens"] == 100

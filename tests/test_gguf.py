@@ -236,6 +236,35 @@ def test_gguf_out_may_name_the_file_itself(tmp_path, tokenizer):
     main(["export", "--model", str(model_dir), "--format", "gguf", "--out", str(out)])
     assert os.listdir(out.parent) == ["tiny.gguf"]
     assert field(gguf.GGUFReader(str(out)), "general.architecture") == "gpt2"
+    upper = tmp_path / "exports" / "TINY.GGUF"  # (any case: a file, not a folder of that name)
+    main(["export", "--model", str(model_dir), "--format", "gguf", "--out", str(upper)])
+    assert upper.is_file() and sorted(os.listdir(out.parent)) == ["TINY.GGUF", "tiny.gguf"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_a_special_id_outside_the_tokenizer_is_refused_by_both_exports(tmp_path, capsys, fmt):
+    """bos_token_id 400 with a 263-token byte tokenizer (vocabulary padded to 512): the HF
+    export refused it, GGUF wrote an unused padding token as bos."""
+    tok = byte_tokenizer()
+    model_dir = tmp_path / "ours"
+    small_model("llama-gqa", vocab_size=512, bos_token_id=400).save_pretrained(model_dir, tokenizer=tok)
+    with pytest.raises(SystemExit):
+        main(["export", "--model", str(model_dir), "--format", fmt, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "bos_token_id 400 is not in the tokenizer's vocabulary" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_named_like_a_gguf_file_is_refused_before_any_work(tmp_path, tokenizer, capsys):
+    model_dir = tmp_path / "ours"
+    small_model("gpt2-tied", vocab_size=320).save_pretrained(model_dir, tokenizer=tokenizer)
+    (tmp_path / "x.gguf").mkdir()
+    with pytest.raises(SystemExit):
+        main(["export", "--model", str(model_dir), "--format", "gguf", "--out", str(tmp_path / "x.gguf"),
+              "--overwrite"])
+    err = capsys.readouterr().err
+    assert "is a folder" in err and ".tmp" not in err and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["ours", "x.gguf"]
 
 
 # ---- llama.cpp itself (where llama-cpp-python is installed: it compiles from source) --------

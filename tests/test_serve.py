@@ -67,6 +67,11 @@ def test_models_and_health(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["varied", "small", "org/small"]
     assert client(server).models.retrieve("org/small").id == "org/small"
+    label = 'frawd_requests_total{path="/v1/models/{model}",status="200"}'  # (one label for every model's page)
+    deadline = time.time() + 5  # (counted just after the reply is sent)
+    while label not in httpx.get(server["url"] + "/metrics").text and time.time() < deadline:
+        time.sleep(0.01)
+    assert label in httpx.get(server["url"] + "/metrics").text
     assert httpx.head(server["url"] + "/health").status_code == 200  # (load balancers' probes)
     health = httpx.get(server["url"] + "/health").json()
     assert health["status"] == "ok"

@@ -258,6 +258,19 @@ def test_cli_refuses_a_bpe_vocab_size_below_263_zero_included(tmp_path, capsys, 
     assert code == 1 and not out and not (tmp_path / "t").exists()  # 0 is a size given, not the default
     assert err == f"frawd: error: BPE vocab_size must be at least 263 (7 specials + 256 bytes), got {size}\n"
 
+
+def test_vocab_size_outside_bpe_gets_a_note_and_a_byte_tokenizer_says_it_read_nothing(tmp_path, capsys):
+    from cli_helpers import run_cli
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    code, out, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--kind", "byte", "--out", tmp_path / "b")
+    assert code == 0 and "documents: none read" in out, out  # (it said "documents: 0")
+    code, _, err = run_cli(capsys, "pretrain", "--data", corpus, "--tokenizer", "char", "--vocab-size", "500",
+                           "--max-steps", "1", "--dry-run", "--out", tmp_path / "run")
+    assert code == 0 and err.count("note: --vocab-size applies to BPE only; a char tokenizer") == 1, err
+
+
 def test_decode_accepts_numpy_arrays_and_tensors(bpe):
     import numpy as np
     import torch

@@ -3,6 +3,7 @@ the time budget, gradient accumulation and the run directory."""
 
 import collections
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -359,6 +360,18 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 
     assert torch.allclose(train(16, 1), train(4, 4), atol=1e-6)
     assert not torch.allclose(train(16, 1), train(4, 1), atol=1e-4)  # the test can tell them apart
+
+
+def test_samples_longer_than_the_context_are_as_long_as_asked(corpus, tmp_path):
+    """sample_tokens beyond the context (the shakespeare recipe: 200 in 64) slide the window:
+    samples go past the context of 32 (a char tokenizer: a character per token, special ids
+    print nothing), where stopping at it gave at most 32 - 6 + 1 new characters."""
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=2, eval_interval=2, sample_tokens=50,
+                                sample_prompt="ROMEO:"))
+    samples = re.findall(r"=== step \d+ sample \d+ ===\n(.*?)\n\n(?==== |$)", (run / "samples.txt").read_text(),
+                         re.S)
+    assert len(samples) == 2 and all(40 < len(s) <= len("ROMEO:") + 50 for s in samples), samples
 
 
 def test_run_directory_has_every_file(corpus, tmp_path):

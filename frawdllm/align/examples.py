@@ -69,7 +69,8 @@ class LoadSummary:
         if self.truncated:
             text += f"; {self.truncated} truncated to the context (prompt tail, response head kept)"
         if self.skipped:
-            text += f"; {self.skipped} bad records skipped (first: {self.first_skipped[0]})"
+            records = "record" if self.skipped == 1 else "records"
+            text += f"; {self.skipped} bad {records} skipped (first: {self.first_skipped[0]})"
         return text
 
 

@@ -56,7 +56,8 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
     fits, else uint32. Running again with the same inputs reuses the shards.
 
     With --engine datatrove, task r of N tokenizes files[r*F//N:(r+1)*F//N] of the sorted
-    file list into OUT/train-r.bin and OUT/val-r.bin; meta.json lists them in task order.
+    file list into OUT/train-0000r.bin and OUT/val-0000r.bin (train-00000.bin, ...); meta.json
+    lists them in task order.
     See docs/data.md.
 
     \b

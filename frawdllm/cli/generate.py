@@ -47,7 +47,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
 
     \b
     Examples:
-      frawd generate --model runs/shakespeare/model --prompt "ROMEO:" --max-new-tokens 200
+      frawd generate --model runs/shakespeare/model --prompt "ROMEO:" --max-new-tokens 200 --overflow slide
       frawd generate --model DIR --prompt "def " --temperature 0 --json
       frawd generate --model DIR --prompt-file story.txt --top-p 0.9 --stop "THE END"
     """
@@ -68,16 +68,19 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     if stream and single and not as_json:
         if echo_prompt:
             click.echo(texts[0], nl=False)
-        n_tokens = 0
+        n_tokens, reason = 0, None
         for chunk in engine.stream(texts[0], params):
             n_tokens += chunk.token is not None
+            reason = chunk.finish_reason or reason
             click.echo(chunk.text, nl=False)
             sys.stdout.flush()
         click.echo()
+        _note_context_stop(engine, params, [(reason, n_tokens)])
         _report(stats, n_tokens, time.perf_counter() - start, engine)
         return
     completions = engine.generate(texts, params)
     seconds = time.perf_counter() - start
+    _note_context_stop(engine, params, [(c.finish_reason, len(c.tokens)) for c in completions])
     for c in completions:
         if as_json:
             record = {"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason,
@@ -91,6 +94,15 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
                 click.echo(f"--- prompt {c.prompt_index + 1}, sample {c.sample_index + 1} ---")
             click.echo((texts[c.prompt_index] if echo_prompt else "") + c.text)
     _report(stats, sum(len(c.tokens) for c in completions), seconds, engine)
+
+
+def _note_context_stop(engine: Any, params: Any, ends: list[tuple[str | None, int]]) -> None:
+    """A note on stderr when a completion ended at the model's context, short of --max-new-tokens."""
+    short = [n for reason, n in ends if reason == "length" and n < params.max_new_tokens]
+    if short:
+        click.echo(f"note: {'a completion' if len(ends) > 1 else 'the completion'} stopped at the model's context "
+                   f"of {engine.config.context_length} tokens after {min(short)} new tokens, short of "
+                   f"--max-new-tokens {params.max_new_tokens}; --overflow slide keeps going", err=True)
 
 
 def _read_prompt_file(path: str) -> str:

@@ -72,6 +72,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
                    "(BPE stops when no pair of tokens occurs twice)", err=True)
     click.echo(f"kind: {tok.kind}")
     click.echo(f"vocab_size: {tok.vocab_size} (7 special tokens at ids 0..6)")
-    click.echo(f"documents: {stats.documents}")
+    click.echo(f"documents: {stats.documents}" if kind != "byte" else "documents: none read (a byte tokenizer "
+               "is the 256 bytes whatever the data)")
     click.echo(f"train_seconds: {seconds:.2f}")
     click.echo(f"wrote {path}")

@@ -34,7 +34,7 @@ from ..model import FrawdLLM
 from ..modeldir import load_config
 from ..tokenizer import Tokenizer
 from .hf import GPT2, hf_architecture, hf_parts
-from .hf_dir import CHAT_TEMPLATE, load_for_export
+from .hf_dir import CHAT_TEMPLATE, load_for_export, special_token
 
 GGUF_FILE = "model.gguf"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -122,6 +122,8 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
+    for what in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (refused as the HF export refuses them)
+        special_token(tokenizer, getattr(cfg, what), what)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_pad_token_id(cfg.pad_token_id)
@@ -182,14 +184,16 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32", 
         raise FrawdError(f"{model_dir}: GGUF export is for decoder-only models; an encoder-decoder translation "
                          f"model exports with --format hf (MarianMTModel)")
     hf_architecture(cfg)  # refuse unexportable configs before touching --out
-    if out.suffix == ".gguf":
+    if out.suffix.lower() == ".gguf":
+        if out.is_dir():
+            raise FrawdError(f"{out} is a folder; give a new file path ending in .gguf, or a folder name without it")
         if out.exists() and not overwrite:
             raise FrawdError(f"{out} exists; choose a new path (or --overwrite)")
         model, tokenizer, _ = load_for_export(model_dir)
         with atomic_path(out) as tmp:
             write_gguf(model, tokenizer, tmp, dtype, model_dir.resolve().name, progress)
         return out
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, keep=(model_dir,)) as tmp:
         model, tokenizer, _ = load_for_export(model_dir)
         write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype, model_dir.resolve().name, progress)
     return out / GGUF_FILE

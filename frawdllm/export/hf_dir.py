@@ -129,7 +129,7 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32", ov
     if isinstance(cfg, Seq2SeqConfig):
         return _export_marian(model_dir, out, cfg, dtype, overwrite)
     arch = hf_architecture(cfg)  # refuse before touching --out
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, keep=(model_dir,)) as tmp:
         model, tokenizer, sampling = load_for_export(model_dir)
         write_hf_dir(model, tokenizer, tmp, dtype, sampling)
     return arch
@@ -139,7 +139,7 @@ def _export_marian(model_dir: str | Path, out: str | Path, cfg: Seq2SeqConfig, d
     from .marian import MARIAN, to_marian_config, to_marian_model
 
     to_marian_config(cfg)  # refuse (naming what does not map) before touching --out
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, keep=(model_dir,)) as tmp:
         model, tokenizer, _ = load_for_export(model_dir)
         with _no_progress_bars():  # transformers' "Writing model shards" bar stays off
             to_marian_model(model).to(DTYPES[dtype]).save_pretrained(tmp)
@@ -175,16 +175,27 @@ def _json_object(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _index_shards(index: Path) -> list[Path]:
+    """The shard files a model.safetensors.index.json names (files beside it, nowhere else)."""
+    weight_map = _json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FrawdError(f"{index}: not a safetensors index (a \"weight_map\" of tensor names to shard files)")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if (index.parent / name).resolve().parent != index.parent.resolve():
+            raise FrawdError(f"{index}: shard {name!r} is not a file in {index.parent}")
+    return [index.parent / name for name in names]
+
+
 def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     try:
         if single.is_file():
             return load_file(str(single))
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             state: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                state.update(load_file(str(directory / shard)))
+            for shard in _index_shards(index):
+                state.update(load_file(str(shard)))
             return state
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise FrawdError(f"{directory}: cannot read the safetensors weights ({exc})") from None
@@ -225,9 +236,11 @@ def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
 def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> FrawdLLM:
     """Convert a transformers checkpoint into a FrawdLLM model directory `out`."""
     directory = Path(hf_dir)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, keep=(directory,)) as tmp:
         model = read_hf_dir(directory)
         tokenizer = directory / TOKENIZER_FILE
+        if tokenizer.exists() and not tokenizer.is_file():
+            raise FrawdError(f"{tokenizer} is not a file")
         if tokenizer.is_file():  # copied as is, once it has shown it loads and fits the model
             Tokenizer.load(tokenizer).check_fits(model.config.vocab_size, tokenizer)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)

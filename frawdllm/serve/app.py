@@ -180,7 +180,7 @@ class _Guard:
 
     def _log(self, scope: dict, status: int, start: float, log: dict) -> None:
         path = scope["path"]
-        known = path if path in KNOWN_PATHS else "other"
+        known = path if path in KNOWN_PATHS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         self.metrics.requests.labels(known, str(status)).inc()
         if not access_log.isEnabledFor(logging.INFO):
             return

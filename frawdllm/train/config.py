@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ModelConfig, check_fields, get_config
+from ..config import ModelConfig, check_fields, get_config, positions_override
 from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
@@ -280,7 +280,10 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
         for layer in layers:
             if layer is not None and not isinstance(layer, dict):
                 raise ConfigError(f"model must be a mapping of ModelConfig fields, got {layer!r}")
-        merged["model"] = {k: v for layer in layers if layer for k, v in layer.items()}
+        merged["model"] = {}
+        for layer in layers:
+            if layer:
+                merged["model"].update({**layer, **positions_override(layer)})
     elif model_overrides:
         raise ConfigError(f"{cls.__name__} has no model fields to --set")
     return cls.from_dict(merged)

@@ -97,7 +97,8 @@ class PretrainTask(TrainTask):
 
         params = SamplingParams(max_new_tokens=self.cfg.sample_tokens, temperature=0.8, top_k=50,
                                 seed=self.cfg.seed)
-        completion = Engine(model, self.data.tokenizer).generate(self.cfg.sample_prompt, params)[0]
+        # slide: a sample of more tokens than the context (shakespeare_char: 200 in 64) goes on
+        completion = Engine(model, self.data.tokenizer, overflow="slide").generate(self.cfg.sample_prompt, params)[0]
         return [self.cfg.sample_prompt + completion.text]
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
@@ -275,6 +276,15 @@ def check_pretrain(cfg: PretrainConfig) -> None:
     if tok is None and (cfg.tokenizer or "bpe") == "bpe" and _bpe_vocab_size(cfg) < MIN_BPE_VOCAB:
         raise FrawdError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB} (7 specials + 256 bytes), "
                          f"got {_bpe_vocab_size(cfg)}")
+
+
+def vocab_size_note(cfg: PretrainConfig) -> str | None:
+    """A note when --vocab-size cannot apply: the tokenizer is given, or is not BPE."""
+    if not cfg.vocab_size or (cfg.tokenizer or "bpe") == "bpe":
+        return None
+    if cfg.tokenizer in ("char", "byte"):
+        return f"note: --vocab-size applies to BPE only; a {cfg.tokenizer} tokenizer takes its size from the data"
+    return "note: --vocab-size applies to a BPE tokenizer trained here, not to a given tokenizer.json"
 
 
 def _check_source(cfg: PretrainConfig) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FrawdError
-from ..io import atomic_path, write_text_atomic
+from ..io import atomic_path, is_inside, write_text_atomic
 from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, list_checkpoints
 
 CONFIG_FILE = "config.yaml"
@@ -58,7 +58,7 @@ def check_run_dir(cfg: Any) -> None:
         raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
     if has_run(run_dir) and not cfg.resume:  # --overwrite: would it delete the model the run starts from?
         for flag, start in (("--init-from", getattr(cfg, "init_from", None)), ("--init", getattr(cfg, "init", None))):
-            if start and any(_inside(Path(start), run_dir / name) for name in RUN_DIRS):
+            if start and any(is_inside(start, run_dir / name) for name in RUN_DIRS):
                 raise FrawdError(f"{flag} {start} lies inside --out {run_dir}, whose run --overwrite deletes; "
                                  "copy the model elsewhere first, or give another --out")
     found = list_checkpoints(run_dir) if cfg.resume else []
@@ -66,14 +66,6 @@ def check_run_dir(cfg: Any) -> None:
         _refuse_fixed_changes(cfg, run_dir)
     if found and cfg.max_steps and found[-1][0] >= cfg.max_steps:  # (tokens and time: Trainer.fit)
         raise FrawdError(budget_spent(run_dir, f"{found[-1][0]} steps of --max-steps {cfg.max_steps}"))
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    try:
-        path.resolve().relative_to(folder.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def budget_spent(run_dir: Path, done: str) -> str:
