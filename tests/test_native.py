@@ -89,20 +89,24 @@ def test_widths_that_are_not_multiples_of_vectors_or_tiles(name, shape):
     check_against_full_forward(model, "fp32")
 
 
-def test_threads_split_the_work_without_changing_a_bit():
+@pytest.mark.parametrize("lengths", [(4, 7), (4, 7, 1, 3, 9, 2, 5, 6, 8)])
+def test_threads_split_the_work_without_changing_a_bit(lengths):
+    """One thread, or several taking the tiles and attention tasks of a phase from a queue
+    (in whatever order they come): the same bits."""
     model = make_model(std=0.2, **CONFIGS["rope-gqa"])
     decoder = native.NativeDecoder(model)
-    ids, positions, valid = padded_prompts((4, 7), model.config.vocab_size)
+    ids, positions, valid = padded_prompts(lengths, model.config.vocab_size)
     out = []
-    for threads in (1, 3):
-        cache = KVCache(model.config, 2, 16)
+    for threads in (1, 3, 2):
+        cache = KVCache(model.config, len(lengths), 16)
         cache.begin(ids.shape[1], valid=valid)
         first = decoder.forward(ids, positions, cache, threads=threads).clone()
         cache.begin(1)
         second = decoder.forward(first.argmax(-1)[:, None], positions[:, -1:] + 1, cache, threads=threads).clone()
         out.append((first, second, cache.k[1].clone()))
-    for a, b in zip(*out):
-        assert torch.equal(a, b)
+    for results in out[1:]:
+        for a, b in zip(out[0], results):
+            assert torch.equal(a, b)
 
 
 def test_the_tiny_preset_with_two_threads_equals_pytorch():
