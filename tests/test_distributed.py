@@ -111,6 +111,9 @@ def test_two_ranks_give_the_losses_of_one_process_with_the_whole_batch(single, t
     parallel, run = two_ranks
     assert_same_losses(run, single, range(1, STEPS + 1))
     assert layout(run) == layout(single)  # `frawd pretrain --nproc 2` writes what one process writes
+    rerun = (run / "config.yaml").read_text().splitlines()[0]  # (it dropped --nproc)
+    assert rerun == f"# rerun: frawd pretrain --nproc 2 --config {run / 'config.yaml'} --out NEW_DIR"
+    assert (single / "config.yaml").read_text().startswith("# rerun: frawd pretrain --config ")
     sharded = (run / "checkpoints" / f"step_{STEPS:08d}" / "optimizer").is_dir()
     assert sharded == (parallel == "fsdp")
     # the published model is the trained one
@@ -251,6 +254,13 @@ def test_nproc_checks_the_settings_before_starting_any_rank(tmp_path):
         f"frawd: error: data source not found: '{tmp_path / 'missing.txt'}' "
         "(expected stdlib, hf:NAME, a file, a folder or a glob)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_without_ranks_says_it_is_one_process(work):
+    """--parallel fsdp without --nproc or torchrun trains (one process, nothing to shard)
+    and says so; it was silent."""
+    proc = frawd(train_args(work, work / "fsdp-alone", "--parallel", "fsdp", "--max-steps", "1"))
+    assert "note: --parallel fsdp shards the model over ranks, and this is one process" in proc.stderr
 
 
 @pytest.mark.parametrize("extra, message", [

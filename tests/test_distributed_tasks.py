@@ -80,6 +80,7 @@ def test_sft_on_two_ranks_gives_the_losses_of_one_process(work):
     two = frawd("sft", work, work / "sft-two", "--nproc", "2")
     assert_same(two, one)
     assert len(set(one.values())) == STEPS  # it trains: not a constant
+    assert (work / "sft-two" / "config.yaml").read_text().startswith("# rerun: frawd sft --nproc 2 --config ")
 
 
 @pytest.mark.timeout(290)

@@ -160,6 +160,32 @@ def test_export_carries_special_ids_and_sampling_defaults_into_generation_config
     assert (gen.do_sample, gen.temperature, gen.top_k, gen.top_p) == (True, 0.7, 40, 0.9)
 
 
+def test_sampling_defaults_mean_the_same_on_both_sides_and_come_back_on_import(tmp_path, tokenizer):
+    """Our defaults sample at temperature 1 without top-k; transformers' are greedy, and
+    top-k 50 when sampling: the export says do_sample and top_k 0; the import reads
+    transformers' defaults back (its bos/eos-only file leaves ours alone)."""
+    from frawdllm.infer import SamplingParams
+    from frawdllm.modeldir import load_generation_config
+
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    export(model_dir, tmp_path / "plain")  # no generation_config.json: our defaults
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
+    assert (gen.do_sample, gen.temperature, gen.top_k) == (True, 1.0, 0)
+    for sampling in ({"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 40}, {"temperature": 0, "top_k": 5}):
+        (model_dir / "generation_config.json").write_text(json.dumps(sampling))
+        export(model_dir, tmp_path / "hf", "--overwrite")
+        main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), "--overwrite"])
+        assert SamplingParams.from_dict(load_generation_config(tmp_path / "back")) == \
+            SamplingParams.from_dict(sampling).replace(**({"top_k": 0} if sampling["temperature"] == 0 else {}))
+    hf_gen = tmp_path / "hf" / "generation_config.json"
+    hf_gen.write_text(json.dumps({"bos_token_id": 2, "eos_token_id": 3}))  # (a Hub GPT-2's)
+    main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ids"), "--overwrite"])
+    assert load_generation_config(tmp_path / "ids") == {}
+    hf_gen.write_text(json.dumps({"do_sample": True, "top_p": 0.8}))
+    main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "k50")])
+    assert load_generation_config(tmp_path / "k50") == {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "min_p": 0.0}
+
+
 def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokenizer):
     model, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
     export(model_dir, tmp_path / "hf", "--dtype", "bfloat16")

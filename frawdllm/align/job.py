@@ -23,7 +23,7 @@ from ..train import distributed
 from ..train.config import TrainConfig, _require, dump_yaml, option, parse_duration
 from ..train.device import pick_device, seed_everything
 from ..train.loop import Trainer, TrainResult, TrainTask
-from ..train.rundir import CONFIG_FILE, check_run_dir, prepare_run_dir, undo_failed_start
+from ..train.rundir import CONFIG_FILE, check_run_dir, prepare_run_dir, rerun_line, undo_failed_start
 from . import lora
 
 
@@ -176,7 +176,7 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
         if cfg.lora_rank:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        header = (f"# rerun: frawd {command} --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+        header = (rerun_line(command, run_dir, place.world_size) +
                   f"# frawdllm {__version__}, torch {torch.__version__}; --init {cfg.init}: "
                   f"{model.config.num_parameters:,} parameters, {trainable:,} trained"
                   f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''}; examples of {length} tokens\n")

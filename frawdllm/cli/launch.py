@@ -52,11 +52,15 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     raise SystemExit(subprocess.call(command))
 
 
-def train_on_this_rank(train: Callable[[], object], command: str, out: str) -> None:
+def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> None:
     """Run `train()` (a training job returning a TrainResult) on this rank and report as
     one process would: rank 0 prints the summary; a lost rank ends the process at once."""
     from ..train import distributed
 
+    if cfg.parallel == "fsdp" and not distributed.launched():
+        click.echo("note: --parallel fsdp shards the model over ranks, and this is one process: "
+                   "--nproc N (or torchrun) starts several", err=True)
+    out = cfg.out
     try:
         result = train()
         rank = distributed.current().rank

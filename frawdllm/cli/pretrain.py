@@ -66,4 +66,4 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
 
         check_pretrain(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc, cfg)
-    train_on_this_rank(lambda: run_pretraining(cfg, started_at=started_at), "pretrain", cfg.out)
+    train_on_this_rank(lambda: run_pretraining(cfg, started_at=started_at), "pretrain", cfg)

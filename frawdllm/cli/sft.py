@@ -25,7 +25,7 @@ def _run(cls: type, command: str, config_file: str | None, nproc: int | None, fl
 
         check_init(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc, cfg)
-    train_on_this_rank(lambda: run(cfg, started_at=started_at), command, cfg.out)
+    train_on_this_rank(lambda: run(cfg, started_at=started_at), command, cfg)
 
 
 # TrainConfig's pretraining-only field: the samples answer held-out prompts of --data

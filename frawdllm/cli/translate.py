@@ -62,7 +62,7 @@ def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None
     if nproc is not None:
         check_translation(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc, cfg, token_batches=True)
-    train_on_this_rank(lambda: run_translation_training(cfg, started_at=started_at), "translate train", cfg.out)
+    train_on_this_rank(lambda: run_translation_training(cfg, started_at=started_at), "translate train", cfg)
 
 
 def _decoding_options(command):

@@ -30,10 +30,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import Seq2SeqConfig
-from ..errors import FrawdError
+from ..errors import ConfigError, FrawdError
+from ..infer.sampling import SamplingParams
 from ..io import atomic_dir, write_json_atomic
 from ..model import FrawdLLM
-from ..modeldir import TOKENIZER_FILE, load_config, load_generation_config, load_model, model_file
+from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, load_config, load_generation_config, load_model,
+                        model_file)
 from ..tokenizer import Tokenizer
 from .hf import from_hf_config, from_hf_state_dict, hf_architecture, to_hf_config, to_hf_state_dict
 
@@ -94,15 +96,33 @@ def tokenizer_config(tokenizer: Tokenizer, cfg) -> dict[str, Any]:
 
 
 def generation_config(cfg, sampling: dict[str, Any]) -> dict[str, Any]:
+    """transformers' generation_config.json for the model's sampling defaults (`sampling`:
+    its own generation_config.json, over `SamplingParams`' defaults): what `frawd generate`
+    does is what `model.generate()` does. Sampling (temperature > 0, ours by default) is
+    do_sample with top_k given even when 0 (off), since transformers' default is 50."""
     config: dict[str, Any] = {
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
     }
     config.update({k: sampling[k] for k in _SAMPLING_KEYS if sampling.get(k) is not None})
-    if config.get("temperature", 0) > 0:
-        config["do_sample"] = True
+    temperature = config.get("temperature", SamplingParams().temperature)
+    if temperature > 0:
+        config.update(do_sample=True, temperature=temperature, top_k=config.get("top_k", 0))
     else:
         config.pop("temperature", None)
     return config
+
+
+def sampling_from_hf(config: dict[str, Any]) -> dict[str, Any]:
+    """Our generation_config.json from transformers' one: its sampling settings, read with
+    transformers' defaults (greedy without do_sample; top_k 50 with it); {} when the file
+    sets none of them (only token ids: the importing side's defaults apply)."""
+    if not config.get("do_sample") and not any(config.get(k) is not None for k in _SAMPLING_KEYS):
+        return {}
+    out = {k: config[k] for k in ("repetition_penalty", "max_new_tokens") if config.get(k) is not None}
+    if not config.get("do_sample"):
+        return {"temperature": 0, **out}
+    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
+    return {**{k: config[k] if config.get(k) is not None else v for k, v in defaults.items()}, **out}
 
 
 def write_hf_dir(model: FrawdLLM, tokenizer: Tokenizer | None, directory: Path, dtype: str = "float32",
@@ -244,6 +264,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         if tokenizer.is_file():  # copied as is, once it has shown it loads and fits the model
             Tokenizer.load(tokenizer).check_fits(model.config.vocab_size, tokenizer)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
+        sampling = sampling_from_hf(_json_object(directory / GENERATION_CONFIG_FILE))
+        if sampling:
+            try:
+                SamplingParams.from_dict(sampling)
+            except ConfigError as exc:
+                raise FrawdError(f"{directory / GENERATION_CONFIG_FILE}: {exc}") from None
+            write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)
     return model
 
 

@@ -46,7 +46,7 @@ from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
-from .rundir import CONFIG_FILE, check_run_dir, has_run, prepare_run_dir, undo_failed_start
+from .rundir import CONFIG_FILE, check_run_dir, has_run, prepare_run_dir, rerun_line, undo_failed_start
 
 DATA_DIR = "data"
 TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was trained on
@@ -376,7 +376,7 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
         model, window = build_model(cfg, data.tokenizer)
         model_cfg = model.config
         start = f"--init-from {cfg.init_from}; " if cfg.init_from else ""
-        header = (f"# rerun: frawd pretrain --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+        header = (rerun_line("pretrain", run_dir, place.world_size) +
                   f"# frawdllm {__version__}, torch {torch.__version__}; {start}model: {model_cfg.num_parameters:,} "
                   f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
                   f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")

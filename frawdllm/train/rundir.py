@@ -68,6 +68,12 @@ def check_run_dir(cfg: Any) -> None:
         raise FrawdError(budget_spent(run_dir, f"{found[-1][0]} steps of --max-steps {cfg.max_steps}"))
 
 
+def rerun_line(command: str, run_dir: Path, world_size: int = 1) -> str:
+    """config.yaml's first line: the command that runs the run again (on as many ranks)."""
+    ranks = f" --nproc {world_size}" if world_size > 1 else ""
+    return f"# rerun: frawd {command}{ranks} --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+
+
 def budget_spent(run_dir: Path, done: str) -> str:
     """The message for a --resume with nothing left to do (`done`: what was used of what)."""
     return f"{run_dir}: the budget is already spent ({done}); give --resume a larger budget to continue"

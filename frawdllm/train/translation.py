@@ -357,7 +357,7 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     from .. import __version__
     from ..model import Seq2SeqTransformer
     from .device import seed_everything
-    from .rundir import CONFIG_FILE, prepare_run_dir, undo_failed_start
+    from .rundir import CONFIG_FILE, prepare_run_dir, rerun_line, undo_failed_start
 
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
@@ -400,7 +400,7 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
         cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
         seed_everything(cfg.seed)
         model = Seq2SeqTransformer(model_cfg)
-        header = (f"# rerun: frawd translate train --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+        header = (rerun_line("translate train", run_dir, place.world_size) +
                   f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
                   f"parameters, vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs\n")
         saved = TranslateConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
