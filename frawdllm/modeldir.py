@@ -140,18 +140,23 @@ def load_config(directory: str | Path) -> ModelConfig:
 def load_generation_config(directory: str | Path) -> dict[str, Any]:
     """The sampling defaults in generation_config.json ({} without one), checked as
     `SamplingParams` so every value has the right type and range."""
-    from .infer.sampling import SamplingParams
-
     path = model_file(directory, GENERATION_CONFIG_FILE, required=False)
     if path is None:
         return {}
     data = _read_json(path)
     if not isinstance(data, dict):
         raise FrawdError(f"{path}: expected a JSON object of sampling parameters")
+    return checked_sampling(data, path)
+
+
+def checked_sampling(data: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """`data` once it reads as `SamplingParams` (a FrawdError naming `where` otherwise)."""
+    from .infer.sampling import SamplingParams
+
     try:
         SamplingParams.from_dict(data)
     except ConfigError as exc:
-        raise FrawdError(f"{path}: {exc}") from None
+        raise FrawdError(f"{where}: {exc}") from None
     return data
 
 

@@ -60,7 +60,6 @@ def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> N
     if cfg.parallel == "fsdp" and not distributed.launched():
         click.echo("note: --parallel fsdp shards the model over ranks, and this is one process: "
                    "--nproc N (or torchrun) starts several", err=True)
-    out = cfg.out
     try:
         result = train()
         rank = distributed.current().rank
@@ -77,5 +76,5 @@ def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> N
     click.echo(result.summary())
     if result.stop_reason == "interrupted":
         click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
-                   f"frawd {command} --out {out} --resume", err=True)
+                   f"frawd {command} --out {cfg.out} --resume", err=True)
         raise SystemExit(130)

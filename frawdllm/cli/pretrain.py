@@ -51,8 +51,9 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
     cfg = build_config(PretrainConfig, config_file, flags, parse_overrides(ModelConfig, list(overrides)))
     if cfg.init_from is not None and flags.get("preset") is not None:
         raise FrawdError("--preset and --init-from both choose the model; give one")
-    if vocab_size_note(cfg):
-        click.echo(vocab_size_note(cfg), err=True)
+    note = vocab_size_note(cfg)
+    if note:
+        click.echo(note, err=True)
     if dry_run:
         if nproc is not None:
             from ..train.distributed import check_ranks

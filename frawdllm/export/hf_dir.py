@@ -30,12 +30,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import Seq2SeqConfig
-from ..errors import ConfigError, FrawdError
+from ..errors import FrawdError
 from ..infer.sampling import SamplingParams
 from ..io import atomic_dir, write_json_atomic
 from ..model import FrawdLLM
-from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, load_config, load_generation_config, load_model,
-                        model_file)
+from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, checked_sampling, load_config,
+                        load_generation_config, load_model, model_file)
 from ..tokenizer import Tokenizer
 from .hf import from_hf_config, from_hf_state_dict, hf_architecture, to_hf_config, to_hf_state_dict
 
@@ -266,10 +266,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
         sampling = sampling_from_hf(_json_object(directory / GENERATION_CONFIG_FILE))
         if sampling:
-            try:
-                SamplingParams.from_dict(sampling)
-            except ConfigError as exc:
-                raise FrawdError(f"{directory / GENERATION_CONFIG_FILE}: {exc}") from None
+            checked_sampling(sampling, directory / GENERATION_CONFIG_FILE)
             write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)
     return model
 

@@ -624,8 +624,6 @@ class _Reply:
         return item
 
     async def _next(self) -> StreamChunk:
-        if not self.chunks.empty():
-            return self._take(self.chunks.get_nowait())
         return self._take(await self.chunks.get())
 
     def _usage(self) -> dict:
