@@ -150,3 +150,39 @@ def test_round_trip_through_dict():
     cfg = get_config("tiny-llama", dropout=0.1)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert math.isclose(cfg.dropout, 0.1)
+
+
+INTEGER_FIELDS = ["batch_size", "grad_accum", "max_steps", "max_tokens", "warmup_steps", "eval_interval",
+                  "eval_batches", "keep_last", "log_interval", "sample_tokens", "max_bad_steps", "seed"]
+
+
+@pytest.mark.parametrize("value", [2.5, 4.0, True, "4"])
+@pytest.mark.parametrize("name", INTEGER_FIELDS)
+def test_train_config_integer_fields_refuse_floats_bools_and_strings_in_one_line(name, value):
+    """The value is set after construction: in the test session beartype already refuses a
+    float or a string at __init__ (a bool passes it), so this runs the validation users meet."""
+    from frawdllm.train.config import TrainConfig
+
+    cfg = TrainConfig()
+    setattr(cfg, name, value)
+    with pytest.raises(ConfigError, match=rf"^{name} must be (a positive integer|an integer\b.*), got {value!r}$"):
+        cfg.__post_init__()
+    if value is True:  # and through the constructor
+        with pytest.raises(ConfigError, match=rf"^{name} must be"):
+            TrainConfig(**{name: value})
+
+
+def test_pretrain_vocab_size_must_be_an_integer_and_numpy_integers_become_ints():
+    import numpy as np
+
+    from frawdllm.train.config import PretrainConfig, TrainConfig, dump_yaml
+
+    cfg = PretrainConfig()
+    cfg.vocab_size = 300.5
+    with pytest.raises(ConfigError, match=r"^vocab_size must be a positive integer, got 300\.5$"):
+        cfg.__post_init__()
+    cfg = TrainConfig()
+    cfg.batch_size, cfg.max_steps = np.int64(8), np.int32(3)  # (numpy's, from a sweep)
+    cfg.__post_init__()
+    assert type(cfg.batch_size) is int and type(cfg.max_steps) is int
+    assert "batch_size: 8" in dump_yaml(cfg)  # config.yaml can hold it

@@ -134,3 +134,27 @@ def test_too_few_tokens_or_bad_rank_is_a_clear_error(tokens):
         SequentialLoader(tokens[:5], 2, 8)
     with pytest.raises(FrawdError, match="rank 2 is outside world_size 2"):
         RandomWindowLoader(tokens, 2, 8, rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (np.zeros(100, dtype=np.float32), "got a 1-D float32 array"),
+    (np.zeros((10, 10), dtype=np.int64), "got a 2-D int64 array"),
+], ids=["float", "2-D"])
+def test_loaders_refuse_tokens_that_are_not_a_1d_integer_array(bad, error):
+    refused = rf"^tokens must be a 1-D integer array \(read_shard, read_split\), {error}$"
+    for loader in (RandomWindowLoader, SequentialLoader):
+        with pytest.raises(FrawdError, match=refused):
+            loader(bad, 2, 8)
+
+
+def test_loader_sizes_and_state_must_be_integers(tokens):
+    with pytest.raises(FrawdError, match="^batch_size must be an integer, got True$"):
+        RandomWindowLoader(tokens, True, 8)
+    with pytest.raises(FrawdError, match="^max_batches must be a positive integer or None, got 0$"):
+        SequentialLoader(tokens, 2, 8, max_batches=0)
+    loader = RandomWindowLoader(tokens, 2, 8)
+    with pytest.raises(FrawdError, match="seed and step must be integers >= 0, got {'seed': 'x', 'step': 1}"):
+        loader.load_state_dict({"seed": "x", "step": 1})
+    with pytest.raises(FrawdError, match="keys seed and step, got {'seed': 1}"):
+        loader.load_state_dict({"seed": 1})
+    assert loader.state_dict() == {"seed": 0, "step": 0}  # a refused state changes nothing

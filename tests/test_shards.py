@@ -6,6 +6,7 @@ import re
 import struct
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -124,6 +125,93 @@ def test_read_shard_rejects_bad_files(tmp_path):
         read_shard(path)
     with pytest.raises(FrawdError, match="shard not found"):
         read_shard(tmp_path / "missing.bin")
+
+
+@pytest.mark.parametrize("tokens, error", [
+    (np.array([5, -1, 7]), "token id -1 at position 1 is outside the vocabulary [0, 1000)"),
+    (np.array([0, 999, 70_000]), "token id 70000 at position 2 is outside the vocabulary [0, 1000)"),
+    (np.array([1000]), "token id 1000 at position 0 is outside the vocabulary [0, 1000)"),
+    (np.array([[1, 2], [3, 4]]), "token ids must be a 1-D integer array, got a 2-D int64 array"),
+    (np.array([1.0, 2.5]), "token ids must be a 1-D integer array, got a 1-D float64 array"),
+], ids=["negative", "above-uint16", "vocab-size", "2-D", "float"])
+def test_write_shard_refuses_ids_it_would_wrap_or_reshape_and_writes_nothing(tmp_path, tokens, error):
+    path = tmp_path / "s.bin"
+    with pytest.raises(FrawdError, match=f"^{re.escape(f'{path}: {error}')}$"):
+        write_shard(path, tokens, vocab_size=1000)
+    assert list(tmp_path.iterdir()) == []
+    write_shard(path, np.array([0, 999], dtype=np.int64), vocab_size=1000)  # the edges fit
+    assert read_shard(path).tolist() == [0, 999]
+
+
+@pytest.mark.parametrize("vocab_size", [0, True, 2**32 + 1])
+def test_write_shard_refuses_a_vocab_size_the_header_cannot_mean(tmp_path, vocab_size):
+    with pytest.raises(FrawdError, match=rf"vocab_size must be an integer in \[1, 2\*\*32\], got {vocab_size!r}$"):
+        write_shard(tmp_path / "s.bin", np.arange(3), vocab_size=vocab_size)
+
+
+def test_prepare_shards_takes_a_pathlib_path_as_the_source(tmp_path, bpe):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    meta = prepare_shards(src, bpe, tmp_path / "out")  # a Path, not str(src)
+    assert meta["source"] == str(src)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["source"] == str(src)
+    assert prepare_shards(str(src), bpe, tmp_path / "out")["reused"]  # the same inputs as the str
+    assert list(iter_documents(src)) == list(iter_documents(str(src)))
+
+
+@pytest.mark.parametrize("meta, error", [
+    (None, "not a folder of prepared shards (meta.json is missing)"),
+    ("", "not a folder of prepared shards (meta.json is not a JSON object)"),
+    ("[1, 2]", "not a folder of prepared shards (meta.json is not a JSON object)"),
+    ('{"train_shards": 5}', "meta.json: the shard lists are not lists of file names"),
+], ids=["missing", "empty", "list", "bad-list"])
+def test_read_split_of_a_folder_without_a_usable_meta_json_is_one_line(tmp_path, meta, error):
+    from frawdllm.data import read_split
+
+    from frawdllm.train.pretrain import is_shard_dir
+
+    if meta is not None:
+        (tmp_path / "meta.json").write_text(meta)
+    with pytest.raises(FrawdError, match=re.escape(error)):
+        read_split(tmp_path, "train")
+    if "lists" in error:  # our meta.json, damaged
+        with pytest.raises(FrawdError, match=re.escape(error)):
+            is_shard_dir(tmp_path)
+    else:  # none, or not ours: a folder of text
+        assert not is_shard_dir(tmp_path)
+
+
+PLAIN_PYTHON_ERRORS = textwrap.dedent("""
+    import numpy as np
+    from frawdllm.data import RandomWindowLoader, SequentialLoader, prepare_shards
+    from frawdllm.errors import FrawdError
+    tokens = np.arange(100)
+    for call in (lambda: RandomWindowLoader(tokens, 2.5, 8), lambda: SequentialLoader(tokens, 2, 8.0),
+                 lambda: RandomWindowLoader(tokens, 2, 8, grad_accum=1.5),
+                 lambda: RandomWindowLoader(list(tokens), 2, 8),
+                 lambda: prepare_shards("stdlib", "tok.json", "out", val_fraction="0.1"),
+                 lambda: prepare_shards("stdlib", "tok.json", "out", workers=1.5),
+                 lambda: prepare_shards(42, "tok.json", "out")):
+        try:
+            call()
+        except FrawdError as error:
+            print(error)
+""")
+
+
+def test_plain_python_arguments_of_a_wrong_type_are_one_line_errors(tmp_path):
+    # without the test session's type checker, as users call them
+    proc = subprocess.run([sys.executable, "-c", PLAIN_PYTHON_ERRORS], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "batch_size must be an integer, got 2.5",
+        "context_length must be an integer, got 8.0",
+        "grad_accum must be a positive integer, got 1.5",
+        "tokens must be a 1-D integer array (read_shard, read_split), got list",
+        "val_fraction must be a number in [0, 1), got '0.1'",
+        "workers must be an integer of at least 1, got 1.5",
+        "a data source is a string (stdlib, hf:NAME, a file, a folder or a glob) or a path, got 42",
+    ]
 
 
 def test_vocab_above_65535_is_stored_as_uint32(tmp_path):

@@ -350,11 +350,13 @@ class LinearTask(ScriptedTask):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    runs = iter(range(100))
+
     def train(batch_size, accum):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 1)
-        cfg = generic_config(tmp_path / f"{batch_size}x{accum}", max_steps=3, grad_accum=accum, eval_interval=0,
-                             grad_clip=0.0)
+        cfg = generic_config(tmp_path / f"{next(runs)}_{batch_size}x{accum}", max_steps=3, grad_accum=accum,
+                             eval_interval=0, grad_clip=0.0)
         Trainer(model, LinearTask(batch_size), cfg).fit()
         return model.weight.detach()
 
@@ -420,6 +422,45 @@ def test_existing_run_needs_resume_or_overwrite(corpus, tmp_path):
         run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=0, overwrite=True,
                                     init_from=str(tmp_path / "run" / "model")))
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_a_trainer_used_directly_guards_its_run_directory_like_the_cli(tmp_path):
+    """Trainer(...).fit() in a folder holding a finished run: refused as `frawd pretrain`
+    refuses it (nothing touched), continued with resume, started over with overwrite; the
+    metrics and checkpoints of two runs never mix."""
+    from frawdllm.errors import FrawdError
+
+    run = tmp_path / "run"
+
+    def fit(**overrides):
+        return Trainer(torch.nn.Linear(4, 1), LinearTask(8), generic_config(tmp_path, **{"max_steps": 4,
+                                                                                          **overrides})).fit()
+
+    def steps():
+        return [r["step"] for r in read_metrics(run) if "loss" in r]
+
+    fit()
+    before = {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(FrawdError, match=f"^{re.escape(str(run))} already holds a run; --resume continues it, "
+                                         "--overwrite starts over, or give another --out$"):
+        fit()
+    assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    assert fit(resume=True, max_steps=6).steps == 6 and steps() == [1, 2, 3, 4, 5, 6]
+    assert fit(overwrite=True, max_steps=3).steps == 3 and steps() == [1, 2, 3]
+    assert [step for step, _ in list_checkpoints(run)] == [2, 3]  # none of the old run's (4, 6)
+    # a run killed before its first checkpoint: refused; resume has nothing to continue, so starts over
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(FrawdError, match="stopped before its first checkpoint; --resume or --overwrite starts it over"):
+        fit()
+    assert fit(resume=True, max_steps=2).steps == 2 and steps() == [1, 2]
+
+
+def test_no_budget_is_refused_before_anything_is_written(tmp_path):
+    from frawdllm.errors import FrawdError
+
+    with pytest.raises(FrawdError, match="^give a budget: --max-steps, --max-tokens or --max-time$"):
+        Trainer(torch.nn.Linear(4, 1), LinearTask(8), generic_config(tmp_path, max_steps=None)).fit()
+    assert not (tmp_path / "run").exists()
 
 
 def test_resuming_a_run_whose_budget_is_spent_is_one_line_and_writes_nothing(corpus, tmp_path):

@@ -26,11 +26,24 @@ from ..errors import FrawdError
 from .shard_format import TokenArray
 
 
-def _check_layout(n_tokens: int, batch_size: int, context_length: int, rank: int, world_size: int) -> None:
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank: int, world_size: int) -> None:
+    shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
+    if shape is None or len(shape) != 1 or getattr(dtype, "kind", None) not in ("i", "u"):
+        what = f"a {len(shape)}-D {dtype} array" if shape is not None else type(tokens).__name__
+        raise FrawdError(f"tokens must be a 1-D integer array (read_shard, read_split), got {what}")
+    for name, value in (("batch_size", batch_size), ("context_length", context_length), ("rank", rank),
+                        ("world_size", world_size)):
+        if not _is_int(value):
+            raise FrawdError(f"{name} must be an integer, got {value!r}")
     if batch_size < 1 or context_length < 1:
         raise FrawdError(f"batch_size and context_length must be positive, got {batch_size} and {context_length}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise FrawdError(f"rank {rank} is outside world_size {world_size}")
+    n_tokens = len(tokens)
     if n_tokens < context_length + 1:
         raise FrawdError(f"only {n_tokens} tokens; a window of context_length {context_length} needs "
                          f"{context_length + 1}: use more data or a shorter context")
@@ -48,9 +61,9 @@ class RandomWindowLoader:
 
     def __init__(self, tokens: TokenArray, batch_size: int, context_length: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1):
-        _check_layout(len(tokens), batch_size, context_length, rank, world_size)
-        if grad_accum < 1:
-            raise FrawdError(f"grad_accum must be positive, got {grad_accum}")
+        _check_layout(tokens, batch_size, context_length, rank, world_size)
+        if not _is_int(grad_accum) or grad_accum < 1:
+            raise FrawdError(f"grad_accum must be a positive integer, got {grad_accum!r}")
         self.tokens = tokens
         self.batch_size = batch_size
         self.context_length = context_length
@@ -80,8 +93,10 @@ class RandomWindowLoader:
         return {"seed": self.seed, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state) != {"seed", "step"}:
-            raise FrawdError(f"loader state must have keys seed and step, got {sorted(state)}")
+        if not isinstance(state, dict) or set(state) != {"seed", "step"}:
+            raise FrawdError(f"loader state must be a mapping with keys seed and step, got {state!r:.100}")
+        if not all(_is_int(state[key]) and state[key] >= 0 for key in ("seed", "step")):
+            raise FrawdError(f"loader state: seed and step must be integers >= 0, got {state!r}")
         self.seed = int(state["seed"])
         self.step = int(state["step"])
         self._micro = 0
@@ -92,7 +107,9 @@ class SequentialLoader:
 
     def __init__(self, tokens: TokenArray, batch_size: int, context_length: int,
                  max_batches: int | None = None, rank: int = 0, world_size: int = 1):
-        _check_layout(len(tokens), batch_size, context_length, rank, world_size)
+        _check_layout(tokens, batch_size, context_length, rank, world_size)
+        if max_batches is not None and (not _is_int(max_batches) or max_batches < 1):
+            raise FrawdError(f"max_batches must be a positive integer or None, got {max_batches!r}")
         self.tokens = tokens
         self.batch_size = batch_size
         self.context_length = context_length

@@ -74,13 +74,24 @@ class ShardWriter:
     """Append token arrays to an open shard file; the header is patched on close."""
 
     def __init__(self, file: BinaryIO, vocab_size: int):
+        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) \
+                or not 1 <= vocab_size <= 2**32:
+            raise FrawdError(f"vocab_size must be an integer in [1, 2**32], got {vocab_size!r}")
         self.file = file
-        self.vocab_size = vocab_size
-        self.dtype = token_dtype(vocab_size)
+        self.vocab_size = int(vocab_size)
+        self.dtype = token_dtype(self.vocab_size)
         self.n_tokens = 0
         file.write(b"\0" * HEADER_BYTES)  # placeholder until the count is known
 
     def write(self, tokens: np.ndarray) -> None:
+        """Append `tokens`: a 1-D integer array of ids in [0, vocab_size) (never wrapped into the dtype)."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or (tokens.dtype.kind not in "iu" and tokens.size):
+            raise FrawdError(f"token ids must be a 1-D integer array, got a {tokens.ndim}-D {tokens.dtype} array")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            position = int(np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))[0])
+            raise FrawdError(f"token id {tokens[position]} at position {self.n_tokens + position} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
         self.file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.n_tokens += len(tokens)
 
@@ -101,9 +112,12 @@ def open_shard_writer(path: str | Path, vocab_size: int) -> Iterator[ShardWriter
 
 
 def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int) -> None:
-    """Write a whole array as one shard (atomically)."""
-    with open_shard_writer(path, vocab_size) as writer:
-        writer.write(tokens)
+    """Write a whole array as one shard (atomically): a 1-D integer array of ids in [0, vocab_size)."""
+    try:
+        with open_shard_writer(path, vocab_size) as writer:
+            writer.write(tokens)
+    except FrawdError as error:
+        raise FrawdError(f"{path}: {error}") from None
 
 
 class ShardStream:

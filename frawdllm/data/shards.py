@@ -49,7 +49,7 @@ from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_e
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
 from .shard_format import (HEADER_BYTES, VERSION, ShardStream, ShardWriter, TokenArray, read_header, read_shard,
                            token_dtype)
-from .sources import SourceStats, iter_documents, source_files
+from .sources import SourceStats, iter_documents, source_files, source_spec
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
 PIECE_CHARS = 16_384  # long documents are encoded in pieces of about this many characters
@@ -66,7 +66,7 @@ class _Batch:
     chars: int = 0
 
 
-def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path, *,
+def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str | Path, *,
                    val_fraction: float = 0.005, text_field: str = "text", doc_split: str = "blank",
                    workers: int | None = None, force: bool = False, progress: bool = False) -> dict:
     """Tokenize the corpus `data` into `out/train.bin`, `out/val.bin` and `out/meta.json`.
@@ -74,11 +74,12 @@ def prepare_shards(data: str, tokenizer: Tokenizer | str | Path, out: str | Path
     Returns the metadata (also written to meta.json): token counts, dtype, UTF-8 bytes of
     text per token, the tokenizer's hash and what was replaced or unknown.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise FrawdError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    data = source_spec(data)  # a Path, as the str meta.json records
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise FrawdError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
     if workers is not None:
-        if workers < 1:
-            raise FrawdError(f"workers must be at least 1, got {workers}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise FrawdError(f"workers must be an integer of at least 1, got {workers!r}")
         # The Rust thread pool reads this when it starts (the first parallel encode of the process).
         os.environ["RAYON_NUM_THREADS"] = str(workers)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
@@ -213,8 +214,15 @@ def split_files(shard_dir: str | Path, split: str, meta: dict | None = None) -> 
         raise FrawdError(f"split must be train or val, got {split!r}")
     shard_dir = Path(shard_dir)
     if meta is None:
-        meta = json.loads((shard_dir / META_FILE).read_text(encoding="utf-8"))
+        meta = read_shard_meta(shard_dir)
+    if meta is None:
+        what = "is not a JSON object" if (shard_dir / META_FILE).is_file() else "is missing"
+        raise FrawdError(f"{shard_dir}: not a folder of prepared shards ({META_FILE} {what}); "
+                         "make them with frawd data prepare")
     names = meta.get(f"{split}_shards") or [f"{split}.bin"]
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise FrawdError(f"{shard_dir / META_FILE}: the shard lists are not lists of file names "
+                         "(prepare the shards again with frawd data prepare)")
     return [shard_dir / name for name in names]
 
 
@@ -233,11 +241,7 @@ def shard_files(shard_dir: str | Path, meta: dict) -> list[Path]:
     """Every shard file `meta` names (both splits), each checked to be there; else one line
     naming the missing ones."""
     shard_dir = Path(shard_dir)
-    try:
-        files = split_files(shard_dir, "train", meta) + split_files(shard_dir, "val", meta)
-    except TypeError:  # train_shards / val_shards not a list of names
-        raise FrawdError(f"{shard_dir / META_FILE}: the shard lists are not lists of file names "
-                         "(prepare the shards again with frawd data prepare)") from None
+    files = split_files(shard_dir, "train", meta) + split_files(shard_dir, "val", meta)
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise FrawdError(f"{shard_dir} holds prepared shards but {', '.join(missing)} "

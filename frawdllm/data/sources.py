@@ -80,10 +80,20 @@ class SourceStats:
                 f"in {len(self.replaced_in)} file(s): {shown}")
 
 
-def iter_documents(spec: str, text_field: str = "text", doc_split: str = "blank",
+def source_spec(spec: str | os.PathLike) -> str:
+    """A source as the string the readers take: a `pathlib.Path` is a file, folder or glob."""
+    spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
+    if not isinstance(spec, str):
+        raise FrawdError(f"a data source is a string (stdlib, hf:NAME, a file, a folder or a glob) or a path, "
+                         f"got {spec!r}")
+    return spec
+
+
+def iter_documents(spec: str | os.PathLike, text_field: str = "text", doc_split: str = "blank",
                    stats: SourceStats | None = None) -> Iterator[str]:
     """Documents of a source, in a deterministic order. The source is checked at once;
     an empty corpus raises when the stream ends without a document."""
+    spec = source_spec(spec)
     if doc_split not in DOC_SPLITS:
         raise FrawdError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {doc_split!r}")
     stats = stats if stats is not None else SourceStats()
@@ -121,8 +131,9 @@ def stdlib_files() -> list[Path]:
     return list(_stdlib_files())
 
 
-def source_files(spec: str) -> list[Path] | None:
+def source_files(spec: str | os.PathLike) -> list[Path] | None:
     """The files a spec reads, in reading order; None for hf: datasets."""
+    spec = source_spec(spec)
     if spec.startswith("hf:"):
         return None
     return stdlib_files() if spec == "stdlib" else resolve_files(spec)

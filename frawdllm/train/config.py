@@ -14,6 +14,7 @@ Values are validated once, here; the loop trusts them.
 
 from __future__ import annotations
 
+import numbers
 import re
 import types
 import typing
@@ -118,14 +119,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "grad_accum", "eval_batches", "keep_last", "log_interval", "max_bad_steps")
-        for name in positive:
-            _require(name, getattr(self, name), lambda v: v >= 1, "a positive integer")
-        for name in ("max_steps", "max_tokens"):
-            _require(name, getattr(self, name), lambda v: v is None or v >= 1, "a positive integer")
-        for name in ("warmup_steps", "eval_interval", "sample_tokens"):
-            _require(name, getattr(self, name), lambda v: v >= 0, "an integer >= 0")
+        _require_integers(self, positive, lambda v: v >= 1, "a positive integer")
+        _require_integers(self, ("max_steps", "max_tokens"), lambda v: v is None or v >= 1, "a positive integer")
+        _require_integers(self, ("warmup_steps", "eval_interval", "sample_tokens"), lambda v: v >= 0,
+                          "an integer >= 0")
+        _require_integers(self, ("seed",), lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")  # (numpy's, torch's)
         _require("lr", self.lr, lambda v: v > 0, "positive")
-        _require("seed", self.seed, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")  # (numpy's and torch's range)
         _require("min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]")
         _require("decay_fraction", self.decay_fraction, lambda v: 0 < v <= 1, "in (0, 1]")
         _require("weight_decay", self.weight_decay, lambda v: v >= 0, ">= 0")
@@ -194,7 +193,7 @@ class PretrainConfig(TrainConfig):
         if get_config(self.preset, **self.model).__class__ is not ModelConfig:
             raise ConfigError(f"{self.preset} is an encoder-decoder preset: train it with `frawd translate train`")
         _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
-        _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
+        _require_integers(self, ("vocab_size",), lambda v: v is None or v >= 1, "a positive integer")
 
 
 def _compile_setting(value: Any) -> str:
@@ -208,12 +207,24 @@ def _compile_setting(value: Any) -> str:
 
 
 def _require(name: str, value: Any, ok, what: str) -> None:
+    """`value` passes `ok`, else one line saying `name` must be `what`. A `what` that promises
+    an integer also refuses floats (2.5, and 16.0 too) and booleans; None is left to `ok`."""
+    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     try:
-        good = ok(value)
+        good = ok(value) and (integer or value is None or "integer" not in what)
     except TypeError:
         good = False
     if not good:
         raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def _require_integers(cfg: Any, names: tuple[str, ...], ok, what: str) -> None:
+    """`_require` for integer fields; a numpy integer becomes a plain int (config.yaml holds it)."""
+    for name in names:
+        value = getattr(cfg, name)
+        _require(name, value, ok, what)
+        if value is not None:
+            setattr(cfg, name, int(value))
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

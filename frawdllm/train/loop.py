@@ -60,8 +60,8 @@ from .config import TrainConfig, parse_duration
 from .device import (autocast, choose_dtype, cpu_has_bf16, format_mfu, keep_freed_memory, matmul_dtype, mfu,
                      peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
-from .rundir import (BEST_MODEL_DIR, MetricsLog, append_samples, budget_spent, load_pyplot, plot_losses,
-                     truncate_metrics, truncate_samples)
+from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, budget_spent, load_pyplot,
+                     plot_losses, settle_run_dir, truncate_metrics, truncate_samples)
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -191,13 +191,19 @@ class Trainer:
     def __init__(self, model: nn.Module, task: TrainTask, cfg: TrainConfig, run_dir: str | Path | None = None,
                  callbacks: list[Callable[["Trainer", dict], None]] | None = None,
                  config_for_loggers: dict | None = None, started_at: float | None = None) -> None:
-        """`started_at`: the `time.perf_counter()` from which --max-time counts (default: fit's start)."""
+        """`started_at`: the `time.perf_counter()` from which --max-time counts (default: fit's start).
+
+        `run_dir` (default `cfg.out`) is made ready as `frawd pretrain` makes OUT: an earlier
+        run there is continued with `cfg.resume`, deleted with `cfg.overwrite`, else refused."""
+        if not cfg.has_budget:  # before anything is written
+            raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
         self.dist = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
         if not self.dist.is_main:
             cfg = cfg.from_dict({**cfg.to_dict(), "progress": False})
         self.cfg, self.task = cfg, task
         self.started_at = started_at
         self.run_dir = Path(run_dir if run_dir is not None else cfg.out)
+        self.resumes = self._settle_run_dir()
         self.callbacks = list(callbacks or [])
         self.device = self.dist.device or pick_device(cfg.device)
         # the same global batch on any number of ranks
@@ -210,7 +216,7 @@ class Trainer:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = model.to(self.device)
-        self._resume_from = self._resume_weights() if cfg.resume else None  # before FSDP shards them
+        self._resume_from = self._resume_weights() if self.resumes else None  # before FSDP shards them
         self.step_module = distributed.wrap(self.model, self.dist, self.dtype)  # what a step calls
         self._plain: dict = {}  # FSDP: rank 0's whole copy of the model, for saving and samples
         self.frozen = task.frozen_modules()
@@ -270,10 +276,25 @@ class Trainer:
             self.peak_flops = self._peaks.get(self.dtype)
         if self.plan is not None:
             self.plan.peaks = self._peaks
-        if cfg.resume:
+        if self.resumes:
             self._resume()
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
                                   config_for_loggers) if self.dist.is_main else _NoMetrics()
+
+    def _settle_run_dir(self) -> bool:
+        """Whether the run resumes. A job's start (`prepare_run_dir`) leaves no loop output in
+        OUT, only its config.yaml; any output means an earlier run, which `settle_run_dir`
+        continues, deletes or refuses, as the CLI does. Rank 0 decides; every rank follows."""
+        decision: bool | str = self.cfg.resume
+        if self.dist.is_main:
+            try:
+                decision = settle_run_dir(self.run_dir, self.cfg.resume, self.cfg.overwrite, LOOP_OUTPUTS)
+            except FrawdError as error:
+                decision = str(error)  # raised on every rank, so none waits for the others
+        decision = self.dist.from_main(decision)
+        if isinstance(decision, str):
+            raise FrawdError(decision)
+        return decision
 
     def _say(self, message: str) -> None:
         """A one-line message on stderr (above the progress bar, if one is shown)."""
@@ -362,8 +383,6 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg = self.cfg
-        if not cfg.has_budget:
-            raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
         spent = self._check_stop() if self.step > 0 else None  # a resumed run: nothing left to do?
         if spent is not None:
             if spent == "max_steps":

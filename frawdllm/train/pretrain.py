@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..config import PRESETS, ModelConfig, get_config, parse_value
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
-from ..data.shards import print_warnings
+from ..data.shards import print_warnings, read_shard_meta
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
@@ -119,12 +119,10 @@ def is_shard_dir(path: str | Path) -> bool:
     A folder with meta.json and some of those files but not all is an error (one missing
     split would otherwise be read as a text corpus: the bytes of the other)."""
     path = Path(path)
-    if not (path / META_FILE).is_file():
+    meta = read_shard_meta(path)
+    if meta is None:  # none, or not ours (unreadable, not JSON, not an object)
         return False
-    try:
-        files = split_files(path, "train") + split_files(path, "val")
-    except (OSError, ValueError, AttributeError):  # not our meta.json (unreadable, not JSON, not an object)
-        return False
+    files = split_files(path, "train", meta) + split_files(path, "val", meta)
     missing = [f.name for f in files if not f.is_file()]
     if missing and len(missing) < len(files):
         raise FrawdError(f"{path} holds prepared shards but {', '.join(missing)} is missing "

@@ -14,6 +14,8 @@ offline unless WANDB_MODE says otherwise, so it needs no network or account).
 Every training command (pretrain, sft, dpo, ...) starts its run the same way:
 `check_run_dir` before any work, then inside `undo_failed_start` the `prepare_run_dir`
 and the job's own preparation, so a start that fails leaves nothing in the way of the next.
+A `Trainer` used directly, with no job around it, applies the same rules (`settle_run_dir`)
+to what the loop itself writes: an earlier run is resumed, overwritten or refused, never mixed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ SAMPLES_FILE = "samples.txt"
 BEST_MODEL_DIR = "model"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, SAMPLES_FILE)
 RUN_DIRS = (CHECKPOINTS_DIR, BEST_MODEL_DIR, "tensorboard", "wandb")
+# what the training loop writes: a job's start writes config.yaml before the loop begins
+LOOP_OUTPUTS = (METRICS_FILE, PLOT_FILE, SAMPLES_FILE, *RUN_DIRS)
 
 
 # ---- starting a run --------------------------------------------------------------------------
@@ -47,15 +51,11 @@ def check_run_dir(cfg: Any) -> None:
     """OUT (`cfg.out`) suits the run: a new run needs one without a run (or `cfg.overwrite`),
     `cfg.resume` a previous run."""
     run_dir = Path(cfg.out)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise FrawdError(f"--out {run_dir} is a file, not a folder")
+    _refuse_file(run_dir)
     if cfg.resume and not has_run(run_dir):
         raise FrawdError(f"{run_dir}: no run to resume")
     if has_run(run_dir) and not cfg.resume and not cfg.overwrite:
-        if latest_checkpoint(run_dir) is None:  # stopped before its first checkpoint
-            raise FrawdError(f"{run_dir} holds a run that stopped before its first checkpoint; "
-                             "--resume or --overwrite starts it over")
-        raise FrawdError(f"{run_dir} already holds a run; --resume continues it, --overwrite starts over")
+        raise FrawdError(existing_run_message(run_dir))
     if has_run(run_dir) and not cfg.resume:  # --overwrite: would it delete the model the run starts from?
         for flag, start in (("--init-from", getattr(cfg, "init_from", None)), ("--init", getattr(cfg, "init", None))):
             if start and any(is_inside(start, run_dir / name) for name in RUN_DIRS):
@@ -79,8 +79,45 @@ def budget_spent(run_dir: Path, done: str) -> str:
     return f"{run_dir}: the budget is already spent ({done}); give --resume a larger budget to continue"
 
 
-def has_run(run_dir: Path) -> bool:
-    return any((Path(run_dir) / name).exists() for name in RUN_FILES + RUN_DIRS)
+def has_run(run_dir: Path, names: tuple[str, ...] = RUN_FILES + RUN_DIRS) -> bool:
+    return any((Path(run_dir) / name).exists() for name in names)
+
+
+def existing_run_message(run_dir: Path) -> str:
+    """Why a new run may not start in `run_dir`, which holds one, and what to do instead."""
+    if latest_checkpoint(run_dir) is None:
+        return (f"{run_dir} holds a run that stopped before its first checkpoint; --resume or --overwrite starts "
+                "it over, or give another --out")
+    return f"{run_dir} already holds a run; --resume continues it, --overwrite starts over, or give another --out"
+
+
+def _refuse_file(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FrawdError(f"--out {run_dir} is a file, not a folder")
+
+
+def settle_run_dir(run_dir: Path, resume: bool, overwrite: bool,
+                   names: tuple[str, ...] = RUN_FILES + RUN_DIRS) -> bool:
+    """Make `run_dir` ready for a run, by the rules every way of starting one follows (`frawd
+    pretrain`, `Trainer` used directly), so two runs never mix; returns whether the run resumes.
+
+    An earlier run there (any of `names`) is continued with `resume`, deleted with `overwrite`,
+    and otherwise refused; a `resume` of a run killed before its first complete checkpoint has
+    nothing to continue, so it starts over."""
+    _refuse_file(run_dir)
+    if not has_run(run_dir, names):
+        return resume
+    if resume and latest_checkpoint(run_dir) is not None:
+        return True
+    if resume:
+        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
+    elif not overwrite:
+        raise FrawdError(existing_run_message(run_dir))
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    return False
 
 
 def prepare_run_dir(cfg: Any) -> Path:
@@ -89,18 +126,11 @@ def prepare_run_dir(cfg: Any) -> Path:
     changed to say so)."""
     check_run_dir(cfg)
     run_dir = Path(cfg.out)
-    if cfg.resume and latest_checkpoint(run_dir) is None:
-        # killed before its first complete checkpoint: nothing to continue, so start it again
-        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
-        cfg.resume = False
-        cfg.overwrite = True
+    resumes = settle_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    if cfg.resume and not resumes:  # started over: from here on a new run
+        cfg.resume, cfg.overwrite = False, True
     if cfg.resume:
         _note_changed_settings(cfg, run_dir)
-    if has_run(run_dir) and not cfg.resume:
-        for name in RUN_FILES:
-            (run_dir / name).unlink(missing_ok=True)
-        for name in RUN_DIRS:
-            shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
