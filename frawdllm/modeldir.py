@@ -251,7 +251,8 @@ def checked_weights(directory: str | Path, cfg: ModelConfig) -> Path:
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None,
                kind: str | None = None):
-    """The model in `directory`; `config` builds it instead of config.json's (the weights'
+    """The model in `directory`, in eval mode (as transformers returns one; the training
+    loop sets train mode itself); `config` builds it instead of config.json's (the weights'
     shapes must fit it, e.g. the same model with another dropout). `kind` ("decoder" or
     "seq2seq"): refuse, in one line, a directory holding the other kind."""
     directory = Path(directory)
@@ -267,4 +268,4 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
         state[TIED_KEY] = state["embed.tok.weight"]
     model = model_class(cfg)(cfg)
     model.load_state_dict(state)
-    return model.to(device)
+    return model.to(device).eval()

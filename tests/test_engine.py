@@ -361,3 +361,91 @@ def test_kv_caches_start_as_zeros_of_their_own_and_hold_what_is_written(dtype):
         assert len({t.data_ptr() for t in tensors}) == len(tensors)  # no two layers share storage
         cache.k[0][0, 1, 5] = 2.5
         assert cache.k[0][0, 1, 5].eq(2.5).all() and torch.count_nonzero(cache.v[0]) == 0
+
+
+def test_a_model_in_train_mode_decodes_as_in_eval_mode_and_keeps_its_modes():
+    model = make_model(dropout=0.5, **CONFIGS["learned"])
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_new_tokens=12, ignore_eos=True)
+    prompts = [prompt_ids(1, 5), prompt_ids(2, 3)]
+    engine = Engine(model, IdTokenizer(), native=False)
+    expected = [[c.tokens for c in engine.generate(prompts, p)] for p in (greedy, seeded)]
+    model.train()
+    model.blocks[0].eval()  # a mixed state comes back exactly as it was
+    modes = [m.training for m in model.modules()]
+    engine = Engine(model, IdTokenizer(), native=False)  # construction changes nothing either
+    assert [m.training for m in model.modules()] == modes
+    for _ in range(2):  # with dropout on, two runs would differ from each other and from eval mode
+        assert [[c.tokens for c in engine.generate(prompts, p)] for p in (greedy, seeded)] == expected
+        assert "".join(c.text for c in engine.stream(prompts[0], greedy)) == engine.generate(prompts[0], greedy)[0].text
+    assert [m.training for m in model.modules()] == modes
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_one_clear_error():
+    from frawdllm.tokenizer import byte_tokenizer
+
+    with pytest.raises(FrawdError, match="the tokenizer has 263 ids but the model only 97") as info:
+        Engine(make_model(), byte_tokenizer())
+    assert "\n" not in str(info.value)
+
+
+def test_an_encoder_decoder_model_is_refused_with_a_pointer_to_translate():
+    from frawdllm import Seq2SeqTransformer
+
+    cfg = get_config("aiayn-tiny", vocab_size=VOCAB, n_layer=1, n_encoder_layer=1, n_embd=32, n_head=4)
+    with pytest.raises(FrawdError, match="decoder-only.*frawdllm.infer.translate"):
+        Engine(Seq2SeqTransformer(cfg), IdTokenizer())
+
+
+def test_prompt_ids_as_tensors_arrays_and_numpy_integers_equal_a_list_of_ints():
+    import numpy as np
+
+    engine = Engine(make_model(**CONFIGS["learned"]), IdTokenizer(), native=False)
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    ids, other = prompt_ids(3, 5), prompt_ids(4, 5)
+    expected = engine.generate(ids, params)[0].tokens
+    for prompt in (tuple(ids), torch.tensor(ids), np.array(ids), np.array(ids, dtype=np.int32),
+                   [np.int64(i) for i in ids], list(torch.tensor(ids))):
+        out = engine.generate(prompt, params)
+        assert len(out) == 1 and out[0].tokens == expected, type(prompt)
+    assert engine.encode(np.array(ids)) == ids and all(type(i) is int for i in engine.encode(torch.tensor(ids)))
+    both = [c.tokens for c in engine.generate([ids, other], params)]
+    for batch in (torch.tensor([ids, other]), np.array([ids, other]), [torch.tensor(ids), np.array(other)]):
+        assert [c.tokens for c in engine.generate(batch, params)] == both, type(batch)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (b"hello", "not bytes: decode it first"),
+    ([b"hello", "x"], "not bytes: decode it first"),
+    (bytearray(b"hi"), "not bytes: decode it first"),
+    ([5.0, 6.0], "prompt token ids must be integers; got 5.0"),
+    ([5, True], "prompt token ids must be integers; got True"),
+    (torch.tensor([5.0, 6.0]), "1-D integer token ids; got shape \\(2,\\), dtype torch.float32"),
+    (torch.tensor(5), "1-D integer token ids; got shape \\(\\)"),
+    ([torch.zeros(2, 2, dtype=torch.long)], "1-D integer token ids; got shape \\(2, 2\\)"),
+    ([{"text": "x"}], "a prompt is text \\(str\\) or a sequence of token ids; got dict"),
+    (7, "prompts must be a prompt \\(str or token ids\\) or a list of prompts; got int"),
+    (None, "got NoneType"),
+])
+def test_prompts_of_other_types_are_one_clear_error(prompts, message):
+    engine = Engine(make_model(), IdTokenizer(), native=False)
+    with pytest.raises(FrawdError, match=message) as info:
+        engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not (native.available() and native.has_fp16()), reason="needs the native forward with fp16")
+def test_keys_past_fp16_range_in_a_half_cache_are_refused_not_decoded_as_nan():
+    model = make_model(**CONFIGS["learned"])
+    with torch.no_grad():  # weights inside fp16's range whose keys are not: |k| ~ 30000 * sqrt(32)
+        qkv = model.blocks[0].attn.qkv.weight
+        qkv.copy_(torch.sign(torch.randn_like(qkv)) * 30000)
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    half = Engine(model, IdTokenizer(), native=True, weights="fp16")
+    assert half.kv_dtype == torch.float16
+    for prompts in ([prompt_ids(5, 4)], [prompt_ids(5, 4), prompt_ids(6, 2)], [[9]]):  # alone, padded, one token
+        with pytest.raises(FrawdError, match="exceed fp16's range.*fp32 cache: weights='fp32'"):
+            half.generate(prompts, params)
+    exact = Engine(model, IdTokenizer(), native=True, weights="fp32")
+    assert exact.generate([prompt_ids(5, 4)], params)[0].tokens == \
+        Engine(model, IdTokenizer(), native=False).generate([prompt_ids(5, 4)], params)[0].tokens

@@ -166,3 +166,52 @@ def test_tiny_model_overfits_one_batch(pos):
         if loss.item() < 0.1:
             break
     assert loss.item() < 0.1, f"{pos}: loss {loss.item():.3f} after {step + 1} steps"
+
+
+def test_the_model_keeps_a_copy_of_its_config():
+    cfg = small_cfg()
+    model = FrawdLLM(cfg)
+    cfg.n_layer, cfg.dropout = 5, 0.5  # the caller's object changes; the model's does not
+    assert model.config is not cfg and model.config == small_cfg() and len(model.blocks) == 2
+
+
+def test_a_config_of_another_kind_of_model_is_one_clear_error():
+    from frawdllm import Seq2SeqTransformer, get_config
+    from frawdllm.errors import ConfigError
+    from frawdllm.model.gpt import model_config
+    from frawdllm.config import Seq2SeqConfig
+
+    seq2seq = get_config("aiayn-tiny", vocab_size=64, n_layer=1, n_encoder_layer=1, n_embd=32, n_head=4)
+    with pytest.raises(ConfigError, match="FrawdLLM is decoder-only but got a Seq2SeqConfig.*Seq2SeqTransformer"):
+        FrawdLLM(seq2seq)
+    # What Seq2SeqTransformer.__init__ runs first (in this test session the import hook's
+    # beartype refuses a ModelConfig at the call, before it could).
+    with pytest.raises(ConfigError, match="needs a Seq2SeqConfig, got a ModelConfig: build a FrawdLLM"):
+        model_config(small_cfg(), Seq2SeqConfig, "Seq2SeqTransformer")
+    assert isinstance(Seq2SeqTransformer(seq2seq).config, Seq2SeqConfig)
+
+
+def test_from_pretrained_returns_the_model_in_eval_mode(tmp_path):
+    FrawdLLM(small_cfg(dropout=0.5)).save_pretrained(tmp_path / "m")
+    model = FrawdLLM.from_pretrained(tmp_path / "m")
+    assert not any(m.training for m in model.modules())
+
+
+def test_eval_mode_restores_the_modes_when_the_last_of_overlapping_blocks_ends():
+    """Two threads generating with one model overlap like this: the first to finish must not
+    switch dropout back on under the other."""
+    from frawdllm.model.gpt import eval_mode
+
+    model = FrawdLLM(small_cfg(dropout=0.5)).train()
+    model.blocks[1].eval()
+    modes = [m.training for m in model.modules()]
+    first, second = eval_mode(model), eval_mode(model)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not any(m.training for m in model.modules())
+    second.__exit__(None, None, None)
+    assert [m.training for m in model.modules()] == modes
+    with pytest.raises(RuntimeError), eval_mode(model):  # an error inside restores them too
+        raise RuntimeError
+    assert [m.training for m in model.modules()] == modes

@@ -1,6 +1,7 @@
 """Sampling: the filters keep exactly the right tokens, the draw follows the distribution,
 seeds reproduce, the penalty follows its definition, bad parameters are refused clearly."""
 
+import dataclasses
 import math
 
 import pytest
@@ -185,6 +186,24 @@ def test_invalid_parameters_raise_one_clear_error(field, value, message):
     with pytest.raises(ConfigError, match=message) as info:
         SamplingParams(**{field: value})
     assert isinstance(info.value, FrawdError) and isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ignore_eos", "no"), ("ignore_eos", 1), ("ignore_eos", None),
+    ("max_new_tokens", True), ("max_new_tokens", 2.0), ("top_k", True), ("top_k", 2.0),
+    ("num_samples", True), ("seed", True), ("seed", 1.0),
+    ("temperature", "1"), ("temperature", True), ("top_p", "0.5"), ("min_p", False), ("repetition_penalty", None),
+    ("stop", b"x"), ("stop", 5), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]), ("stop_token_ids", "3"),
+])
+def test_every_field_refuses_a_value_of_the_wrong_type(field, value):
+    # The fields set as the dataclass's __init__ sets them, then its own checks: in this test
+    # session the import hook's beartype would refuse the call to __init__ before they ran.
+    params = object.__new__(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        object.__setattr__(params, f.name, value if f.name == field else f.default)
+    with pytest.raises(ConfigError, match=f"^{field} must") as info:
+        params.__post_init__()
     assert "\n" not in str(info.value)
 
 

@@ -181,3 +181,25 @@ def test_decoder_only_model_directory_has_no_model_type(tmp_path):
     assert isinstance(load_model(tmp_path / "m"), FrawdLLM)
     with pytest.raises(Exception, match="holds a FrawdLLM model, not a Seq2SeqTransformer"):
         Seq2SeqTransformer.from_pretrained(tmp_path / "m")
+
+
+def test_from_pretrained_is_in_eval_mode_and_a_training_model_decodes_as_in_eval_mode(tmp_path):
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(small(dropout=0.5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
+    model.save_pretrained(tmp_path / "m")
+    loaded = Seq2SeqTransformer.from_pretrained(tmp_path / "m")
+    assert not any(m.training for m in loaded.modules())
+    src, mask = pad_batch(_sources(4), 0)
+    def decode():
+        return greedy_decode(loaded, src, mask, max_extra=6), beam_search(loaded, src, mask, 3, max_extra=6)
+
+    expected = decode()
+    loaded.train()
+    loaded.decoder[0].eval()  # a mixed state comes back exactly as it was
+    modes = [m.training for m in loaded.modules()]
+    for _ in range(2):  # with dropout on, runs would differ from each other and from eval mode
+        assert decode() == expected
+    assert [m.training for m in loaded.modules()] == modes

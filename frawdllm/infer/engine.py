@@ -27,7 +27,19 @@ forward in every phase with fp16 (or int8) weights, the KV cache is fp16 too
 (`Engine.kv_dtype`). `native=True` forces the C forward everywhere, `native=False`
 PyTorch; `compile=True` runs decode steps under
 `torch.compile` (the cache is then static, fixed shapes with the slot to write as a
-tensor, so one graph serves every step). The model given is never changed.
+tensor, so one graph serves every step). The model given is never changed: each PyTorch
+forward runs it in eval mode (no dropout) and leaves it in the mode it was in.
+
+Prompts: text (`str`, encoded without special tokens) or token ids: a list or tuple of
+integers (numpy integers too), or a 1-D integer tensor or numpy array. A list whose first
+item is a number is one prompt of ids; otherwise a list holds prompts (a 2-D tensor or
+array: a prompt per row). `bytes` is refused: decode it to `str` first. (Annotated `Any`:
+checked here, so that a wrong type is one clear line.)
+
+fp16 KV cache: keys and values past fp16's range (65504) would be stored as inf and turn
+every later logit into NaN. Each prefill into an fp16 cache is checked, and such a prompt
+is refused with an error that names the fp32 cache (weights="fp32"); decode steps are not
+checked (that would cost a scan of each new slot every step).
 
 One engine may be shared by several threads (a server's requests): each call has its own
 cache and run state, and the native forward serves one call at a time.
@@ -38,15 +50,19 @@ from __future__ import annotations
 import threading
 import time
 import types
+from numbers import Number
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from ..config import Seq2SeqConfig
 from ..errors import FrawdError
+from ..model.gpt import eval_mode
 from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
@@ -99,7 +115,7 @@ class _TokenEvent:
 class Engine:
     """Generation for one model and its tokenizer.
 
-    Construction puts the model in eval mode and changes nothing else in it. `native`
+    Construction changes nothing in the model (forwards run it in eval mode). `native`
     (None: per phase, where it measures fastest; True: everywhere; False: never) uses the
     C forward, reading `weights` ("auto" = "fp16" copies, or "fp32"; an int8 model is read
     as int8); `compile=True` runs PyTorch decode steps under torch.compile instead;
@@ -118,7 +134,13 @@ class Engine:
     ) -> None:
         if overflow not in OVERFLOW_MODES:
             raise FrawdError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}; got {overflow!r}")
-        self.model = model.eval()
+        if isinstance(getattr(model, "config", None), Seq2SeqConfig):
+            raise FrawdError("Engine generates with a decoder-only model (FrawdLLM); for an encoder-decoder "
+                             "Seq2SeqTransformer use frawdllm.infer.translate "
+                             "(translate_ids, greedy_decode, beam_search)")
+        if hasattr(tokenizer, "check_fits"):  # (a duck-typed tokenizer without it is trusted)
+            tokenizer.check_fits(model.config.vocab_size, "Engine(model, tokenizer)")
+        self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         self.overflow = overflow
@@ -188,8 +210,24 @@ class Engine:
     def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
                        positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache, path: paths.Path) -> Float[Tensor, "B V"]:
         """The C forward for one phase, at the thread count that phase currently runs fastest with."""
-        return self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
-                                     lambda threads: decoder.forward(tokens, positions, cache, threads))
+        logits = self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
+                                       lambda threads: decoder.forward(tokens, positions, cache, threads))
+        if isinstance(cache, KVCache) and cache.length == tokens.shape[1] and cache.k[0].dtype == torch.float16:
+            self._check_half_cache(cache, tokens.shape[0])  # a prefill (filled from slot 0)
+        return logits
+
+    def _check_half_cache(self, cache: KVCache, rows: int) -> None:
+        """Refuse a prefill whose keys or values passed fp16's range (stored as inf: every
+        logit after would be NaN). Padding slots, never attended, do not count."""
+        for stored in (*cache.k, *cache.v):
+            finite = torch.isfinite(stored[:rows, :, :cache.length]).all(dim=3).all(dim=1)  # (rows, length)
+            if cache.padded:
+                finite |= ~cache.valid[:rows, :cache.length]
+            if not bool(finite.all()):
+                fix = ("native=False (--native off)" if self.weights == "int8"
+                       else "weights='fp32' (--native fp32)")
+                raise FrawdError(f"the prompt's keys/values exceed fp16's range (65504) in the fp16 KV cache; "
+                                 f"use an fp32 cache: {fix}")
 
     def row_step(self, step: native_forward.RowStep, token: int, position: int, slot: int) -> Float[Tensor, "1 V"]:
         """A batch-1 native decode step (`native.RowStep`), at the decode phase's thread count."""
@@ -236,15 +274,17 @@ class Engine:
         return "; ".join(f"{label} ({', '.join(names)})" for label, names in groups.items())
 
     # ---- prompts ------------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Text -> ids (plain text, no special tokens added); an id list passes through.
+    def encode(self, prompt: Any) -> list[int]:
+        """One prompt as a list of Python ints: text encoded (no special tokens added), token
+        ids (any form the module docstring's "Prompts" names) checked against the vocabulary.
 
         An empty prompt becomes <|eos|>: in pretraining data a document starts after one.
         """
+        prompt = _one_prompt(prompt)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(i) for i in prompt]
+            ids = prompt
             bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
             if bad:
                 raise FrawdError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
@@ -257,18 +297,27 @@ class Engine:
             )
         return ids
 
-    def _prompt_list(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[list[int]]:
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
+    def _prompt_list(self, prompts: Any) -> list[list[int]]:
+        if _is_one_prompt(prompts):
+            prompts = [prompts]
+        elif isinstance(prompts, (Tensor, np.ndarray)):
+            prompts = list(prompts)  # a prompt per row
+        elif not isinstance(prompts, Sequence):
+            raise FrawdError(f"prompts must be a prompt (str or token ids) or a list of prompts; "
+                             f"got {type(prompts).__name__}")
         if len(prompts) == 0:
             raise FrawdError("no prompts given")
         return [self.encode(p) for p in prompts]
 
     # ---- public API ---------------------------------------------------------------------------
-    def generate(
-        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None
-    ) -> list[Completion]:
-        """Completions for every prompt, `params.num_samples` each, in prompt order."""
+    def generate(self, prompts: Any, params: SamplingParams | None = None) -> list[Completion]:
+        """Completions for every prompt, `params.num_samples` each, in prompt order.
+
+        `prompts`: one prompt or a list of them. A prompt is text (`str`) or token ids: a
+        list/tuple of ints (numpy integers too) or a 1-D integer tensor or numpy array (a 2-D
+        one is a prompt per row). A list starting with a number is one prompt; `bytes` is an
+        error (decode it to str).
+        """
         params = params or SamplingParams()
         encoded = self._prompt_list(prompts)
         n = params.num_samples
@@ -288,10 +337,9 @@ class Engine:
             out.append(Completion(texts[i], ids, reasons[i], len(encoded[i // n]), i // n, i % n))
         return out
 
-    def stream(
-        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], params: SamplingParams | None = None
-    ) -> Iterator[StreamChunk]:
-        """Text as it becomes printable: never half a character, never (part of) a stop string."""
+    def stream(self, prompts: Any, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Text as it becomes printable: never half a character, never (part of) a stop
+        string. `prompts` as in `generate`."""
         params = params or SamplingParams()
         yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
 
@@ -485,12 +533,12 @@ class _Run:
         elif self.warm:
             # Same model, cache tensors and shapes as the previous step of this run: the
             # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True), eval_mode(self.model):
                 logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
         else:
             # Freezing is read while dynamo traces (weights become constants of the graph),
             # so it is set around the call rather than passed in torch.compile's options.
-            with torch._inductor.config.patch(freezing=True):
+            with torch._inductor.config.patch(freezing=True), eval_mode(self.model):
                 logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
             self.warm = True
         self.positions += 1
@@ -528,11 +576,55 @@ class _Run:
         return index
 
 
+def _is_token_id(value: Any) -> bool:
+    """A Python or numpy integer, or a 0-d integer tensor (a bool is not a token id)."""
+    if isinstance(value, Tensor):
+        return value.ndim == 0 and _integer_dtype(value)
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _integer_dtype(array: Tensor | np.ndarray) -> bool:
+    if isinstance(array, Tensor):
+        return not (array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool)
+    return np.issubdtype(array.dtype, np.integer)
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    """Whether `generate`'s argument is one prompt rather than a list of them."""
+    if isinstance(prompts, (str, bytes, bytearray, memoryview)):
+        return True
+    if isinstance(prompts, (Tensor, np.ndarray)):
+        return prompts.ndim <= 1
+    first = prompts[0] if isinstance(prompts, Sequence) and len(prompts) > 0 else None
+    return isinstance(first, (Number, np.bool_)) or (isinstance(first, Tensor) and first.ndim == 0)
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    """A prompt as text or as a list of Python ints; anything else is a one-line FrawdError."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise FrawdError("a prompt is text (str) or token ids, not bytes: decode it first, "
+                         "e.g. prompt.decode('utf-8')")
+    if isinstance(prompt, (Tensor, np.ndarray)):
+        if prompt.ndim != 1 or not _integer_dtype(prompt):
+            raise FrawdError(f"a prompt given as a tensor or array must hold 1-D integer token ids; "
+                             f"got shape {tuple(prompt.shape)}, dtype {prompt.dtype}")
+        return prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise FrawdError(f"a prompt is text (str) or a sequence of token ids; got {type(prompt).__name__}")
+    for i in prompt:
+        if not _is_token_id(i):
+            raise FrawdError(f"prompt token ids must be integers; got {i!r}")
+    return [int(i) for i in prompt]
+
+
 def decode_logits(
     model: nn.Module, tokens: Int[Tensor, "B 1"], positions: Int[Tensor, "B 1"], cache: KVCache | RowKVCache
 ) -> Float[Tensor, "B V"]:
-    """One decode step: each row's newest token in, next-token logits out."""
-    return _decode_step(model, tokens, positions, cache)
+    """One decode step: each row's newest token in, next-token logits out (in eval mode)."""
+    with eval_mode(model):
+        return _decode_step(model, tokens, positions, cache)
 
 
 def _decode_step(model, tokens, positions, cache):  # what torch.compile traces (no run-time type checks)

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from ..cbuild import cache_dir, cpu_signature, march, source_digest
 from ..io import atomic_path
+from ..model.gpt import eval_mode
 from . import native as native_forward
 from .cache import KVCache, RowKVCache
 
@@ -107,9 +108,10 @@ def phase(rows: int, new_tokens: int) -> str:
 def torch_logits(
     model: nn.Module, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache
 ) -> Float[Tensor, "B V"]:
-    """PyTorch eager: the last token's logits of each row (keys and values go into `cache`)."""
-    hidden = model.hidden_states(tokens, positions, cache)  # (B, T, D)
-    return model.lm_head(hidden[:, -1]).float()
+    """PyTorch eager, in eval mode: the last token's logits of each row (keys and values go into `cache`)."""
+    with eval_mode(model):
+        hidden = model.hidden_states(tokens, positions, cache)  # (B, T, D)
+        return model.lm_head(hidden[:, -1]).float()
 
 
 def _key(model: nn.Module, weights: str, threads: int) -> str:

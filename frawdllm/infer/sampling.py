@@ -18,7 +18,7 @@ the same tokens run after run.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,6 +77,8 @@ class SamplingParams:
                f"num_samples must be a positive integer, got {self.num_samples!r}")
         _check(all(self.stop), "stop strings must not be empty")
         _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
+        # The rest (ignore_eos: "no" is not a bool) by declared type; the checks above say more.
+        check_types(type(self), {f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +112,8 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _as_tuple(name: str, value: Any, kind: type) -> tuple:
+    if isinstance(value, (bytes, bytearray)):  # (iterating would give ints)
+        raise ConfigError(f"{name} must be a list of {kind.__name__}, got {value!r}")
     if isinstance(value, (str, int)):
         value = (value,)
     try:

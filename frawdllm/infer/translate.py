@@ -16,6 +16,8 @@ the score sum / lp, where lp = ((5 + length) / 6) ** alpha (GNMT's length penalt
 0.6 in the paper), so that longer translations are not ruled out just for having more
 terms. A sentence is done when it has `beam_size` ended hypotheses (or reaches its
 limit); the search stops when every sentence is done. With beam_size 1 it is greedy.
+
+Both run the model in eval mode (no dropout) and leave it in the mode it was given in.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from ..model.gpt import eval_mode
 from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
 from .cache import KVCache
 
@@ -70,24 +73,25 @@ def greedy_decode(
 ) -> list[list[int]]:
     """The greedy translation of each row (token ids, without BOS and EOS); `max_steps` cuts
     every row short after that many tokens (a timing probe)."""
-    cfg = model.config
-    src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
-    limits = length_limits(model, src_mask, max_extra)
-    if max_steps is not None:
-        limits = [min(n, max_steps) for n in limits]
-    decoder = _Decoder(model, model.memory_kv(model.encode(src, src_mask)), src_mask, max(limits) + 1, use_cache)
-    B = src.shape[0]
-    tokens = torch.full((B, 1), cfg.bos_token_id, dtype=torch.long, device=src.device)
-    limit = torch.tensor(limits, device=src.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
-    for step in range(max(limits)):
-        next_token = decoder.next_logits(tokens).argmax(dim=-1)  # (B,)
-        next_token = torch.where(done, cfg.pad_token_id, next_token)
-        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        done |= (next_token == cfg.eos_token_id) | (step + 1 >= limit)
-        if bool(done.all()):
-            break
-    return [_strip(row, cfg.eos_token_id, cfg.pad_token_id) for row in tokens[:, 1:].tolist()]
+    with eval_mode(model):  # no dropout; the caller's mode comes back after
+        cfg = model.config
+        src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
+        limits = length_limits(model, src_mask, max_extra)
+        if max_steps is not None:
+            limits = [min(n, max_steps) for n in limits]
+        decoder = _Decoder(model, model.memory_kv(model.encode(src, src_mask)), src_mask, max(limits) + 1, use_cache)
+        B = src.shape[0]
+        tokens = torch.full((B, 1), cfg.bos_token_id, dtype=torch.long, device=src.device)
+        limit = torch.tensor(limits, device=src.device)
+        done = torch.zeros(B, dtype=torch.bool, device=src.device)
+        for step in range(max(limits)):
+            next_token = decoder.next_logits(tokens).argmax(dim=-1)  # (B,)
+            next_token = torch.where(done, cfg.pad_token_id, next_token)
+            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+            done |= (next_token == cfg.eos_token_id) | (step + 1 >= limit)
+            if bool(done.all()):
+                break
+        return [_strip(row, cfg.eos_token_id, cfg.pad_token_id) for row in tokens[:, 1:].tolist()]
 
 
 def _strip(ids: list[int], eos: int, pad: int) -> list[int]:
@@ -110,61 +114,62 @@ def beam_search(
     beam_size: int = 4, alpha: float = 0.6, max_extra: int = MAX_EXTRA, use_cache: bool = True,
 ) -> list[list[int]]:
     """The best beam-search translation of each row (token ids, without BOS and EOS)."""
-    cfg = model.config
-    K = beam_size
-    src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
-    B, device = src.shape[0], src.device
-    limits = length_limits(model, src_mask, max_extra)
-    memory_kv = model.memory_kv(model.encode(src, src_mask))
-    decoder = _Decoder(model, memory_kv, src_mask, max(limits) + 1, use_cache)
-    decoder.select_rows(torch.arange(B, device=device).repeat_interleave(K))  # row b * K + i: beam i of b
-    tokens = torch.full((B * K, 1), cfg.bos_token_id, dtype=torch.long, device=device)
-    scores = torch.full((B, K), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # all beams start equal: keep one, or the first step would pick K copies
-    ended: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done = [False] * B
-    for step in range(max(limits)):
-        logprobs = torch.log_softmax(decoder.next_logits(tokens), dim=-1)  # (B*K, V)
-        V = logprobs.shape[-1]
-        candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
-        top_scores, top_index = candidates.topk(2 * K, dim=1)  # enough to fill K beams after K end
-        top_scores, top_index = top_scores.tolist(), top_index.tolist()
-        rows, next_tokens, next_scores = [], [], []
-        for b in range(B):
-            keep: list[tuple[int, int, float]] = []  # (beam, token, score)
-            if not done[b]:
-                for score, index in zip(top_scores[b], top_index[b]):
-                    beam, token = divmod(index, V)
-                    if score == float("-inf"):
-                        break
-                    if token == cfg.eos_token_id:
-                        prefix = tokens[b * K + beam, 1:].tolist()
-                        ended[b].append((score / length_penalty(len(prefix) + 1, alpha), prefix))
-                    else:
-                        keep.append((beam, token, score))
-                    if len(keep) == K:
-                        break
-                if len(ended[b]) >= K:
-                    done[b] = True
-                elif step + 1 >= limits[b]:  # out of length: the live beams end here
-                    for beam, token, score in keep:
-                        prefix = tokens[b * K + beam, 1:].tolist() + [token]
-                        ended[b].append((score / length_penalty(len(prefix), alpha), prefix))
-                    done[b] = True
-            if done[b] or not keep:
-                keep = [(0, cfg.pad_token_id, float("-inf"))]
-            keep += [keep[0][:2] + (float("-inf"),)] * (K - len(keep))  # fill with dead beams
-            for beam, token, score in keep:
-                rows.append(b * K + beam)
-                next_tokens.append(token)
-                next_scores.append(score)
-        if all(done):
-            break
-        rows_t = torch.tensor(rows, device=device)
-        decoder.select_rows(rows_t)
-        tokens = torch.cat([tokens[rows_t], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
-        scores = torch.tensor(next_scores, device=device).view(B, K)
-    return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in ended]
+    with eval_mode(model):  # no dropout; the caller's mode comes back after
+        cfg = model.config
+        K = beam_size
+        src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
+        B, device = src.shape[0], src.device
+        limits = length_limits(model, src_mask, max_extra)
+        memory_kv = model.memory_kv(model.encode(src, src_mask))
+        decoder = _Decoder(model, memory_kv, src_mask, max(limits) + 1, use_cache)
+        decoder.select_rows(torch.arange(B, device=device).repeat_interleave(K))  # row b * K + i: beam i of b
+        tokens = torch.full((B * K, 1), cfg.bos_token_id, dtype=torch.long, device=device)
+        scores = torch.full((B, K), float("-inf"), device=device)
+        scores[:, 0] = 0.0  # all beams start equal: keep one, or the first step would pick K copies
+        ended: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+        done = [False] * B
+        for step in range(max(limits)):
+            logprobs = torch.log_softmax(decoder.next_logits(tokens), dim=-1)  # (B*K, V)
+            V = logprobs.shape[-1]
+            candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
+            top_scores, top_index = candidates.topk(2 * K, dim=1)  # enough to fill K beams after K end
+            top_scores, top_index = top_scores.tolist(), top_index.tolist()
+            rows, next_tokens, next_scores = [], [], []
+            for b in range(B):
+                keep: list[tuple[int, int, float]] = []  # (beam, token, score)
+                if not done[b]:
+                    for score, index in zip(top_scores[b], top_index[b]):
+                        beam, token = divmod(index, V)
+                        if score == float("-inf"):
+                            break
+                        if token == cfg.eos_token_id:
+                            prefix = tokens[b * K + beam, 1:].tolist()
+                            ended[b].append((score / length_penalty(len(prefix) + 1, alpha), prefix))
+                        else:
+                            keep.append((beam, token, score))
+                        if len(keep) == K:
+                            break
+                    if len(ended[b]) >= K:
+                        done[b] = True
+                    elif step + 1 >= limits[b]:  # out of length: the live beams end here
+                        for beam, token, score in keep:
+                            prefix = tokens[b * K + beam, 1:].tolist() + [token]
+                            ended[b].append((score / length_penalty(len(prefix), alpha), prefix))
+                        done[b] = True
+                if done[b] or not keep:
+                    keep = [(0, cfg.pad_token_id, float("-inf"))]
+                keep += [keep[0][:2] + (float("-inf"),)] * (K - len(keep))  # fill with dead beams
+                for beam, token, score in keep:
+                    rows.append(b * K + beam)
+                    next_tokens.append(token)
+                    next_scores.append(score)
+            if all(done):
+                break
+            rows_t = torch.tensor(rows, device=device)
+            decoder.select_rows(rows_t)
+            tokens = torch.cat([tokens[rows_t], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
+            scores = torch.tensor(next_scores, device=device).view(B, K)
+        return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in ended]
 
 
 def pad_batch(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
@@ -187,18 +192,13 @@ def translate_ids(
     device = next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]
-    was_training = model.training
-    model.eval()
-    try:
-        for a in range(0, len(order), batch_size):
-            chunk = order[a: a + batch_size]
-            src, mask = pad_batch([sources[i] for i in chunk], model.config.pad_token_id, device)
-            if beam_size == 1:
-                hyps = greedy_decode(model, src, mask, max_extra)
-            else:
-                hyps = beam_search(model, src, mask, beam_size, alpha, max_extra)
-            for i, hyp in zip(chunk, hyps):
-                out[i] = hyp
-    finally:
-        model.train(was_training)
+    for a in range(0, len(order), batch_size):
+        chunk = order[a: a + batch_size]
+        src, mask = pad_batch([sources[i] for i in chunk], model.config.pad_token_id, device)
+        if beam_size == 1:
+            hyps = greedy_decode(model, src, mask, max_extra)
+        else:
+            hyps = beam_search(model, src, mask, beam_size, alpha, max_extra)
+        for i, hyp in zip(chunk, hyps):
+            out[i] = hyp
     return out

@@ -11,7 +11,11 @@ and, through an optional KV cache, for inference.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,7 +23,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, Seq2SeqConfig
+from ..errors import ConfigError
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
 from .norm import make_norm
@@ -42,10 +47,59 @@ def init_weights(module: nn.Module, n_layer: int, embedding_std: float = 0.02) -
         nn.init.normal_(module.weight, mean=0.0, std=embedding_std)
 
 
+# Models some eval_mode block has switched to eval: id -> (blocks inside, modules switched).
+# Counted, so that threads generating with one model concurrently restore it once, at the end.
+_EVAL_LOCK = threading.Lock()
+_EVAL_HELD: dict[int, tuple[int, list[nn.Module]]] = {}
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode (no dropout) inside the block, every module's own mode back
+    after the last block using it ends. Generation and decoding run under it, so a model
+    left in train mode still decodes deterministically. A model in eval mode (the root's
+    flag: what `.train()` and `.eval()` set) is used as it is, for one attribute read.
+    Not for a model that another thread is training meanwhile."""
+    if not model.training and id(model) not in _EVAL_HELD:
+        yield model
+        return
+    with _EVAL_LOCK:
+        depth, switched = _EVAL_HELD.get(id(model), (0, []))
+        if depth == 0:
+            switched = [m for m in model.modules() if m.training]
+        _EVAL_HELD[id(model)] = (depth + 1, switched)  # (held before the flags change: see the fast path)
+        for m in switched:  # the flag itself: train(False) would also reach children meant to stay as they are
+            m.training = False
+    try:
+        yield model
+    finally:
+        with _EVAL_LOCK:
+            depth, switched = _EVAL_HELD[id(model)]
+            if depth == 1:
+                for m in switched:
+                    m.training = True
+                del _EVAL_HELD[id(model)]
+            else:
+                _EVAL_HELD[id(model)] = (depth - 1, switched)
+
+
+def model_config(config: Any, cls: type[ModelConfig], model: str) -> ModelConfig:
+    """A validated copy of `config` for `model` (the caller's object may change later), or
+    a one-line ConfigError when it is the other kind of model's config."""
+    wanted_seq2seq = cls is Seq2SeqConfig
+    if isinstance(config, Seq2SeqConfig) and not wanted_seq2seq:
+        raise ConfigError(f"{model} is decoder-only but got a Seq2SeqConfig (an encoder-decoder model): "
+                          "build a Seq2SeqTransformer from it")
+    if not isinstance(config, cls):
+        hint = ": build a FrawdLLM from it" if wanted_seq2seq and isinstance(config, ModelConfig) else ""
+        raise ConfigError(f"{model} needs a {cls.__name__}, got a {type(config).__name__}{hint}")
+    return dataclasses.replace(config)
+
+
 class FrawdLLM(ModelDirectoryMixin, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = cfg = config
+        self.config = cfg = model_config(config, ModelConfig, "FrawdLLM")
         self.embed = Embeddings(
             cfg.vocab_size, cfg.n_embd, cfg.context_length, cfg.pos_encoding, cfg.scale_embeddings, cfg.dropout
         )

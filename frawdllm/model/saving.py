@@ -23,7 +23,8 @@ class ModelDirectoryMixin:
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu"):
-        """The model a directory holds; an error if it holds another kind of model."""
+        """The model a directory holds, in eval mode (`.train()` to train it); an error if it
+        holds another kind of model."""
         from ..errors import FrawdError
         from ..modeldir import load_model
 

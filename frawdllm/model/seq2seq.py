@@ -34,7 +34,7 @@ from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
-from .gpt import IGNORE_INDEX, init_weights
+from .gpt import IGNORE_INDEX, init_weights, model_config
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -44,7 +44,7 @@ MemoryKV = list[tuple[Tensor, Tensor]]  # per decoder layer: the memory's (k, v)
 class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
-        self.config = cfg = config
+        self.config = cfg = model_config(config, Seq2SeqConfig, "Seq2SeqTransformer")
 
         def embeddings() -> Embeddings:
             return Embeddings(cfg.vocab_size, cfg.n_embd, cfg.context_length, cfg.pos_encoding,
