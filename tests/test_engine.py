@@ -444,7 +444,7 @@ def test_keys_past_fp16_range_in_a_half_cache_are_refused_not_decoded_as_nan():
     half = Engine(model, IdTokenizer(), native=True, weights="fp16")
     assert half.kv_dtype == torch.float16
     for prompts in ([prompt_ids(5, 4)], [prompt_ids(5, 4), prompt_ids(6, 2)], [[9]]):  # alone, padded, one token
-        with pytest.raises(FrawdError, match="exceed fp16's range.*fp32 cache: weights='fp32'"):
+        with pytest.raises(FrawdError, match=r"exceed fp16's range.*fp32 cache: --native fp32 \(weights='fp32'\)"):
             half.generate(prompts, params)
     exact = Engine(model, IdTokenizer(), native=True, weights="fp32")
     assert exact.generate([prompt_ids(5, 4)], params)[0].tokens == \

@@ -342,6 +342,37 @@ def test_one_row_steps_on_an_fp16_cache_equal_the_general_forward():
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not native.has_fp16(), reason="no F16C")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_decode_step_whose_keys_pass_fp16s_range_fails_clearly(rows):
+    """One token's embedding is huge: prompts without it fit the fp16 cache; a decode step
+    (the general forward and the one-row step) that feeds it fails with one clear error
+    instead of caching inf. An fp32 cache takes the same step."""
+    torch.manual_seed(0)
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=64, n_head=2, context_length=24, vocab_size=150,
+                                **CONFIGS["learned"])).eval()
+    with torch.no_grad():  # token 99 = e, a +-1 pattern of mean 0 (its own norm); every key row = 1500 e:
+        e = torch.tensor([1.0, -1.0] * 32)  # 99's keys are 1500 * 64 = 96000, past fp16's 65504;
+        model.embed.tok.weight[99] = e  # another token's are 1500 * 8 * N(0, 1)
+        model.blocks[0].attn.qkv.weight[64:128] = 1500 * e
+    decoder = native.NativeDecoder(model, "fp16")
+    exact = native.NativeDecoder(model, "fp32")
+    for weights, dtype in ((decoder, torch.float16), (exact, torch.float32)):
+        cache = KVCache(model.config, rows, 12, dtype=dtype)
+        cache.begin(3)
+        weights.forward(torch.tensor([[5, 17, 2]] * rows), torch.arange(3).expand(rows, 3), cache)
+        cache.begin(1)
+        step = lambda: weights.forward(torch.tensor([[99]] * rows), torch.full((rows, 1), 3), cache)  # noqa: E731
+        if dtype == torch.float32:
+            assert torch.isfinite(step()).all()
+            continue
+        with pytest.raises(FrawdError, match="exceed fp16's range.*--native fp32"):
+            step()
+        if rows == 1:
+            with pytest.raises(FrawdError, match="exceed fp16's range"):
+                native.RowStep(decoder, cache)(99, 3, 3, 1)
+
+
 def test_the_kv_cache_dtype_follows_the_weights_and_the_plan(monkeypatch):
     """fp16 keys and values where the C forward reads fp16 (or int8) weights in every phase;
     exact fp32 with fp32 weights, with PyTorch anywhere in the plan, or without F16C."""

@@ -37,9 +37,8 @@ array: a prompt per row). `bytes` is refused: decode it to `str` first. (Annotat
 checked here, so that a wrong type is one clear line.)
 
 fp16 KV cache: keys and values past fp16's range (65504) would be stored as inf and turn
-every later logit into NaN. Each prefill into an fp16 cache is checked, and such a prompt
-is refused with an error that names the fp32 cache (weights="fp32"); decode steps are not
-checked (that would cost a scan of each new slot every step).
+later logits into NaN. The C forward notices as it stores them (prefill and decode alike)
+and the call fails with an error that names the fp32 cache (weights="fp32").
 
 One engine may be shared by several threads (a server's requests): each call has its own
 cache and run state, and the native forward serves one call at a time.
@@ -210,24 +209,8 @@ class Engine:
     def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
                        positions: Int[Tensor, "B T"], cache: KVCache | RowKVCache, path: paths.Path) -> Float[Tensor, "B V"]:
         """The C forward for one phase, at the thread count that phase currently runs fastest with."""
-        logits = self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
-                                       lambda threads: decoder.forward(tokens, positions, cache, threads))
-        if isinstance(cache, KVCache) and cache.length == tokens.shape[1] and cache.k[0].dtype == torch.float16:
-            self._check_half_cache(cache, tokens.shape[0])  # a prefill (filled from slot 0)
-        return logits
-
-    def _check_half_cache(self, cache: KVCache, rows: int) -> None:
-        """Refuse a prefill whose keys or values passed fp16's range (stored as inf: every
-        logit after would be NaN). Padding slots, never attended, do not count."""
-        for stored in (*cache.k, *cache.v):
-            finite = torch.isfinite(stored[:rows, :, :cache.length]).all(dim=3).all(dim=1)  # (rows, length)
-            if cache.padded:
-                finite |= ~cache.valid[:rows, :cache.length]
-            if not bool(finite.all()):
-                fix = ("native=False (--native off)" if self.weights == "int8"
-                       else "weights='fp32' (--native fp32)")
-                raise FrawdError(f"the prompt's keys/values exceed fp16's range (65504) in the fp16 KV cache; "
-                                 f"use an fp32 cache: {fix}")
+        return self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
+                                     lambda threads: decoder.forward(tokens, positions, cache, threads))
 
     def row_step(self, step: native_forward.RowStep, token: int, position: int, slot: int) -> Float[Tensor, "1 V"]:
         """A batch-1 native decode step (`native.RowStep`), at the decode phase's thread count."""

@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void prefetch_w(int hint, const cha
 
 enum { POS_NONE = 0, POS_LEARNED = 1, POS_SINUSOIDAL = 2, POS_ROPE = 3 };
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_GELU = 2 };
-enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2, BAD_SLOT = 3, BAD_CACHE = 4 };
+enum { OK = 0, BAD_TOKEN = 1, BAD_POSITION = 2, BAD_SLOT = 3, BAD_CACHE = 4, KV_OVERFLOW = 5 };
 
 /* The structs below are mirrored by ctypes in native.py: keep the two in step.
    A Linear's weights are packed by tiles of TILE outputs: W[t, i, k] = W^T[i, t TILE + k],
@@ -537,22 +537,37 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-static void to_half(uint16_t *y, const float *x, int64_t n) {
+/* Stores x rounded to fp16; returns 1 when a finite value was too large for fp16 (it would
+   be cached as inf, and every later score that reads it NaN): the caller reports it. */
+static int to_half(uint16_t *y, const float *x, int64_t n) {
     int64_t i = 0;
+    float largest = 0.0f; /* |x| at most; a NaN input is not counted (it is NaN in fp32 too) */
 #if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+    __m256 top = _mm256_setzero_ps(), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        top = _mm256_max_ps(_mm256_and_ps(v, magnitude), top); /* (max_ps keeps `top` where v is NaN) */
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int k = 0; k < 8; k++) largest = lanes[k] > largest ? lanes[k] : largest;
+    for (; i < n; i++) {
+        largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+        y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+    }
 #else
     for (; i < n; i++) {
+        largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
         __fp16 h = (__fp16)x[i];
         memcpy(y + i, &h, 2);
     }
 #endif
+    return largest >= 65520.0f; /* rounds to inf (65504 is fp16's largest; inf from fp32 too) */
 }
 #else
 static inline float half_to_float(uint16_t h) { (void)h; return 0.0f; } /* never called: python refuses kv_half */
-static void to_half(uint16_t *y, const float *x, int64_t n) { (void)y, (void)x, (void)n; }
+static int to_half(uint16_t *y, const float *x, int64_t n) { (void)y, (void)x, (void)n; return 0; }
 #endif
 
 /* VW keys or values of a cache row (fp32 or fp16), as fp32. */
@@ -565,8 +580,9 @@ static inline __attribute__((always_inline)) float kv_at(int half, const void *b
 }
 
 /* Token n = (b, t) of the batch, kv head g: RoPE on k and on the query heads sharing g,
-   then k and v into cache slot `start[b] + t` of row b. */
-static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *qkv, void *k_cache,
+   then k and v into cache slot `start[b] + t` of row b. Returns 1 when an fp16 cache could
+   not hold them (to_half). */
+static int store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *qkv, void *k_cache,
                         void *v_cache, int64_t max_len, const int64_t *start, int64_t position, int half) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
     int64_t b = n / T, slot = start[b] + n % T;
@@ -577,13 +593,11 @@ static void store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *
         for (int64_t h = g * rep; h < (g + 1) * rep; h++) rope(m, row + h * hd, position);
     }
     int64_t at = ((b * nkv + g) * max_len + slot) * hd;
-    if (half) { /* fp16 cache: rounded to nearest, as PyTorch's .half() */
-        to_half((uint16_t *)k_cache + at, k, hd);
-        to_half((uint16_t *)v_cache + at, v, hd);
-        return;
-    }
+    if (half) /* fp16 cache: rounded to nearest, as PyTorch's .half() */
+        return to_half((uint16_t *)k_cache + at, k, hd) | to_half((uint16_t *)v_cache + at, v, hd);
     memcpy((float *)k_cache + at, k, hd * sizeof(float));
     memcpy((float *)v_cache + at, v, hd * sizeof(float));
+    return 0;
 }
 
 /* Lanes [0, h) of each block of 2h lanes from x's block, [h, 2h) from y's, each the sum of
@@ -783,7 +797,8 @@ int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64
    T = 1 is a decode step; T > 1 a prefill. k_cache[l], v_cache[l]: (B, n_kv_head,
    max_len, head_dim), fp32, or fp16 with kv_half (see "an fp16 KV cache").
    logits: (B, vocab), of each row's last token.
-   Returns OK, BAD_TOKEN, BAD_POSITION, BAD_SLOT or BAD_CACHE (nothing computed then).
+   Returns OK, BAD_TOKEN, BAD_POSITION, BAD_SLOT or BAD_CACHE (nothing computed then), or
+   KV_OVERFLOW: a key or value was too large for the fp16 cache (computed, not usable).
 
    Barriers only where a phase reads what other threads wrote: after each product, and
    between the cache writes and the attention of a prefill. A pre-LN norm and the SwiGLU
@@ -810,8 +825,10 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     float *scratch = ff + N * ff_w;
 
     Barrier team = {0, 0, 0, 0};
+    int overflow = 0; /* some thread's to_half saw a value fp16 cannot hold */
 #pragma omp parallel num_threads((int)threads)
     {
+        int too_large = 0;
         int t = omp_get_thread_num(), P = omp_get_num_threads();
         atomic_store_explicit(&team.P, P, memory_order_relaxed); /* the same value from everyone */
         float *scores = scratch + t * (max_len + 16 + own_floats + 16);
@@ -831,7 +848,8 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
             if (T == 1) {
                 for (int64_t task = t; task < N * nkv; task += P) {
                     int64_t n = task / nkv, g = task % nkv;
-                    store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n], half);
+                    too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
+                                             half);
                     if (task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
                         prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
                                        start, half);
@@ -841,8 +859,8 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
                 }
             } else {
                 for (int64_t task = t; task < N * nkv; task += P)
-                    store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len, start,
-                                position[task / nkv], half);
+                    too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
+                                             start, position[task / nkv], half);
                 barrier_wait(&team);
                 for (int64_t task = t; task < N * nh; task += P)
                     attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
@@ -872,9 +890,10 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
             else memcpy(own + b * D, last, D * sizeof(float));
         }
         linear(&m->head, own, D, logits, m->vocab, B, EPI_STORE);
+        if (too_large) __atomic_store_n(&overflow, 1, __ATOMIC_RELAXED);
         barrier_wait(&team); /* everyone done: OpenMP's closing barrier then waits for no one */
     }
-    return OK;
+    return overflow ? KV_OVERFLOW : OK;
 }
 
 /* frawd_forward's arguments in one struct: a caller that makes the same call every step

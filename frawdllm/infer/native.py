@@ -60,6 +60,18 @@ from .quantize import Int8Linear
 POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2, "rope": 3}
 _ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is past the model's context",
            3: "a row's cache slots are outside the cache", 4: "this build cannot read an fp16 KV cache"}
+KV_OVERFLOW = 5  # computed, but a key or value passed fp16's range in the fp16 cache (cached as inf)
+
+
+def _check(status: int) -> None:
+    """A failed call as an error: a caller's mistake is a ValueError; a model whose keys or
+    values do not fit an fp16 cache is a FrawdError naming the way out."""
+    if status == KV_OVERFLOW:
+        raise FrawdError("this model's keys/values exceed fp16's range (65504) in the fp16 KV cache "
+                         "(they would decode as NaN); use an fp32 cache: --native fp32 (weights='fp32'), "
+                         "or for an int8 model --native off (native=False)")
+    if status:
+        raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
 
 i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
@@ -414,8 +426,7 @@ class NativeDecoder:
             cache.max_len, starts.data_ptr(), cache.valid.data_ptr(), int(cache.padded),
             logits.data_ptr(), self._work.data_ptr(), threads, int(self._kv_half),
         )
-        if status:
-            raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
+        _check(status)
         return logits
 
     def _point_at(self, cache, B: int) -> None:
@@ -489,8 +500,7 @@ class RowStep:
         args.threads, args.padded = threads, self.cache.padded
         with self.decoder._lock:  # the engine's rule: one native call at a time
             status = self._call(self._model_at, self._args_at)
-        if status:
-            raise ValueError(f"native forward: {_ERRORS.get(status, f'error {status}')}")
+        _check(status)
         return self.logits
 
 
