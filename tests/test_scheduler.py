@@ -1,6 +1,7 @@
 """Continuous batching (`infer/scheduler.py`, `RowKVCache`): a request's tokens do not depend
 on what else runs beside it. The reference is `Engine.generate` of that prompt alone."""
 
+import gc
 import threading
 import time
 
@@ -12,7 +13,7 @@ from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer import native as native_forward
 from frawdllm.infer.cache import KVCache, RowKVCache
 from frawdllm.infer.engine import decode_logits
-from frawdllm.infer.scheduler import QueueFull, Scheduler
+from frawdllm.infer.scheduler import Cancelled, QueueFull, Scheduler
 from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -264,3 +265,97 @@ def test_a_failing_prefill_fails_its_request_alone(model_tok, monkeypatch):
         assert [c.token for c in scheduler.submit(PROMPTS[1], params)] == expected
     finally:
         scheduler.close()
+
+
+def test_cancel_ends_a_reader_that_is_iterating(model_tok, monkeypatch):
+    """A reader blocked waiting for the next chunk when another thread cancels gets
+    `Cancelled` (it used to wait forever: the cancelled rows left without a word)."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    real_forward = engine.forward
+
+    def slow_forward(*args, **kwargs):  # steps slow enough that the reader waits on each
+        time.sleep(0.005)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", slow_forward)
+    scheduler = Scheduler(engine)
+    try:
+        request = scheduler.submit(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True))
+        first_chunk, outcome = threading.Event(), []
+
+        def reader():
+            try:
+                for _ in request:
+                    first_chunk.set()
+            except Exception as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        assert first_chunk.wait(10)
+        request.cancel()
+        thread.join(5)
+        assert not thread.is_alive(), "the reader still waits after cancel()"
+        assert len(outcome) == 1 and isinstance(outcome[0], Cancelled)
+    finally:
+        scheduler.close(drain=False, timeout=5.0)
+
+
+@pytest.mark.parametrize("limit", [dict(max_batch=0), dict(max_queue=0), dict(max_queue=-1),
+                                   dict(prefill_tokens=0), dict(prefill_tokens=-5)])
+def test_nonsense_limits_are_refused(model_tok, limit):
+    """prefill_tokens <= 0 admitted nothing ever (requests waited forever); max_queue = 0
+    refused every request."""
+    model, tok = model_tok
+    (name, value), = limit.items()
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer >= 1, got {value}$"):
+        Scheduler(Engine(model, tok), **limit)
+
+
+def test_a_failing_listener_fails_its_request_alone(model_tok):
+    """A listener that raises mid-decode gets its error and nothing more, its rows leave, and
+    the request decoding beside it is undisturbed (it used to fail every request in flight)."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    expected = engine.generate(PROMPTS[2], params)[0].tokens
+    received = []
+
+    def failing_listener(item):
+        received.append(item)
+        if len(received) == 3:  # the third chunk comes from a decode step
+            raise RuntimeError("listener broke")
+
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        scheduler.submit(PROMPTS[1], params, listener=failing_listener)
+        other = scheduler.submit(PROMPTS[2], params)
+        assert [c.token for c in other] == expected
+        deadline = time.time() + 5
+        while scheduler.running and time.time() < deadline:
+            time.sleep(0.01)
+        assert scheduler.running == 0
+    finally:
+        scheduler.close()
+    assert len(received) == 4 and isinstance(received[3], RuntimeError)  # 3 chunks, then its error
+
+
+def test_a_dropped_scheduler_ends_its_thread(model_tok):
+    """A scheduler nobody holds still finishes what it accepted, then is collected and its
+    thread ends (the thread used to hold it, so both lived forever)."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    expected = engine.generate(PROMPTS[1], params)[0].tokens
+    scheduler = Scheduler(engine)
+    request, thread = scheduler.submit(PROMPTS[1], params), scheduler._thread
+    del scheduler
+    gc.collect()
+    assert [c.token for c in request] == expected
+    thread.join(5)
+    assert not thread.is_alive()
+
+    idle_thread = Scheduler(engine)._thread  # dropped at once, never used
+    idle_thread.join(5)
+    assert not idle_thread.is_alive()

@@ -27,15 +27,20 @@ its own slots. So greedy output equals `Engine.generate`'s token for token (when
 the native forward; PyTorch's batched products may round differently).
 
 `submit` raises `QueueFull` when `max_queue` requests already wait; `close(drain=True)`
-finishes what was accepted first. The HTTP server (`frawdllm.serve`) is a thin layer over this.
+finishes what was accepted first. A cancelled request's reader gets `Cancelled`; a listener
+that raises fails its own request alone. The thread holds the scheduler only while there is
+work, so a scheduler dropped without `close()` is collected once idle and its thread ends.
+The HTTP server (`frawdllm.serve`) is a thin layer over this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,16 +49,23 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..errors import FrawdError
+from ..errors import ConfigError, FrawdError
 from .cache import RowKVCache
 from .engine import Engine, StreamChunk
 from .sampling import SamplingParams, greedy_choice, make_generator, sample_next, sample_seed
 from .textstream import TextStream
 
+# The longest an idle scheduler thread sleeps before it looks again whether its scheduler was
+# dropped (the scheduler's finalizer wakes it at once; see `_run` for when it cannot).
+_IDLE_RECHECK_S = 1.0
 
 
 class QueueFull(FrawdError):
     """More requests are waiting than the scheduler accepts."""
+
+
+class Cancelled(FrawdError):
+    """The request was cancelled before it finished (raised to a reader iterating it)."""
 
 
 class Request:
@@ -69,6 +81,7 @@ class Request:
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished_samples = 0
+        self._listener_failed = False
         self._queue: queue.SimpleQueue | None = None
         if listener is None:
             self._queue = queue.SimpleQueue()
@@ -76,8 +89,25 @@ class Request:
         self.listener = listener
 
     def cancel(self) -> None:
-        """Stop generating for this request (its rows leave at the next step)."""
+        """Stop generating for this request (its rows leave at the next step). A reader
+        iterating it gets the chunks already delivered, then `Cancelled`; a listener gets
+        nothing more."""
         self.cancelled = True
+        if self._queue is not None:  # the scheduler drops the rows silently: wake the reader
+            self._queue.put(Cancelled(f"request {self.id} was cancelled"))
+
+    def _deliver(self, item: StreamChunk | BaseException) -> None:
+        """Hand `item` to the listener. A listener that raises fails this request alone: it is
+        cancelled, gets its error, and hears nothing more; the other requests go on."""
+        if self._listener_failed:
+            return
+        try:
+            self.listener(item)
+        except Exception as error:
+            self._listener_failed = True
+            self.cancelled = True
+            with contextlib.suppress(Exception):  # (failing on its own error: no one is left to tell)
+                self.listener(error)
 
     @property
     def done(self) -> bool:
@@ -113,8 +143,9 @@ class Scheduler:
 
     def __init__(self, engine: Engine, *, max_batch: int = 32, max_queue: int = 256,
                  prefill_tokens: int = 512) -> None:
-        if max_batch < 1 or max_queue < 0:
-            raise FrawdError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
+        for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_tokens", prefill_tokens)):
+            if value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if engine.overflow != "stop":
             raise FrawdError("continuous batching needs an engine with overflow='stop'")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
@@ -127,7 +158,10 @@ class Scheduler:
         self.generated_tokens = 0  # since start, all requests
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="frawd-scheduler", daemon=True)
+        self._pin = _Pin()  # the thread reaches the scheduler only through this (see _Pin)
+        weakref.finalize(self, _dropped, self._pin, self._cond)
+        self._thread = threading.Thread(target=_run, args=(self._pin, self._cond), name="frawd-scheduler",
+                                        daemon=True)
         self._thread.start()
 
     # ---- the outside ---------------------------------------------------------------------------
@@ -146,6 +180,7 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are already waiting (the queue's limit)")
             self.waiting.append(request)
+            self._pin.scheduler = self
             self._cond.notify()
         return request
 
@@ -164,27 +199,22 @@ class Scheduler:
             self._closing = True
             if not drain:
                 for request in [*self.waiting, *{id(r.request): r.request for r in self.rows}.values()]:
-                    request.cancel()
-                    request.listener(FrawdError("the scheduler was closed"))
+                    request.cancelled = True  # (not cancel(): the reader learns why from this error)
+                    request._deliver(FrawdError("the scheduler was closed"))
+            self._pin.scheduler = self
             self._cond.notify()
         self._thread.join(timeout)
 
-    # ---- the loop ------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self.waiting and not self.rows and not self._closing:
-                    self._cond.wait()
-                if self._closing and not self.waiting and not self.rows:
-                    return
-            try:
-                with torch.inference_mode():  # (entered once a step, not around each forward)
-                    self._drop_cancelled()
-                    self._admit()
-                    if self.rows:
-                        self._decode()
-            except Exception as error:  # never leave a client waiting forever
-                self._fail_all(error)
+    # ---- the loop (run by `_run` on the scheduler's thread) -------------------------------------
+    def _step(self) -> None:
+        try:
+            with torch.inference_mode():  # (entered once a step, not around each forward)
+                self._drop_cancelled()
+                self._admit()
+                if self.rows:
+                    self._decode()
+        except Exception as error:  # never leave a client waiting forever
+            self._fail_all(error)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:
@@ -193,7 +223,7 @@ class Scheduler:
         self.rows.clear()
         self.cache.rows = 0
         for request in requests.values():
-            request.listener(error)
+            request._deliver(error)
 
     def _drop_cancelled(self) -> None:
         for i in reversed(range(len(self.rows))):
@@ -227,7 +257,7 @@ class Scheduler:
                 for i in reversed(range(len(self.rows))):
                     if self.rows[i].request is request:
                         self._remove(i)
-                request.listener(error)
+                request._deliver(error)
 
     def _prefill(self, request: Request) -> None:
         engine, ids, params = self.engine, request.prompt, request.params
@@ -284,7 +314,7 @@ class Scheduler:
             if reason is not None:
                 finished.append(i)
                 request.finished_samples += 1
-            request.listener(StreamChunk(row.sample, text, token, reason))
+            request._deliver(StreamChunk(row.sample, text, token, reason))
         for i in sorted(finished, reverse=True):
             self._remove(i)
 
@@ -304,4 +334,39 @@ class Scheduler:
         return out  # type: ignore[return-value]
 
 
-__all__ = ["Scheduler", "Request", "QueueFull"]
+@dataclass
+class _Pin:
+    """What the scheduler's thread holds: the scheduler, only while it may have work (set by
+    `submit` and `close`, cleared by the thread once idle), so that accepted requests finish
+    even when nobody else holds the scheduler, and an idle one nobody holds is collected."""
+    scheduler: Scheduler | None = None
+    dropped: bool = False  # set by the scheduler's finalizer
+
+
+def _run(pin: _Pin, cond: threading.Condition) -> None:
+    """The scheduler's thread: steps while there is work; ends on close() or once the
+    scheduler was dropped and collected."""
+    while True:
+        with cond:
+            while pin.scheduler is None:
+                if pin.dropped:
+                    return
+                # (the timeout: a collection on this thread as it starts waiting would notify no one)
+                cond.wait(_IDLE_RECHECK_S)
+            scheduler = pin.scheduler
+            if not scheduler.waiting and not scheduler.rows:
+                pin.scheduler = None
+                if scheduler._closing:
+                    return
+                del scheduler  # (when that was the last reference, `dropped` is set now)
+                continue
+        scheduler._step()
+
+
+def _dropped(pin: _Pin, cond: threading.Condition) -> None:
+    with cond:
+        pin.dropped = True
+        cond.notify()
+
+
+__all__ = ["Scheduler", "Request", "QueueFull", "Cancelled"]
