@@ -43,6 +43,14 @@ def model_tok():
 needs_native = pytest.mark.skipif(not native_forward.available(), reason="no C compiler")
 
 
+def wait_idle(scheduler, seconds=5.0) -> bool:
+    """Whether every row has left within `seconds`."""
+    deadline = time.time() + seconds
+    while scheduler.running and time.time() < deadline:
+        time.sleep(0.01)
+    return scheduler.running == 0
+
+
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
 def test_greedy_tokens_equal_generate_alone(model_tok, native):
     model, tok = model_tok
@@ -104,10 +112,7 @@ def test_cancel_frees_the_row_and_others_are_undisturbed(model_tok):
         third = scheduler.submit(PROMPTS[1], params)  # needs the freed row (max_batch 2)
         assert [c.token for c in keep] == expected
         assert [c.token for c in third] == expected
-        deadline = time.time() + 5
-        while scheduler.running and time.time() < deadline:
-            time.sleep(0.01)
-        assert scheduler.running == 0
+        assert wait_idle(scheduler)
     finally:
         scheduler.close()
 
@@ -332,10 +337,7 @@ def test_a_failing_listener_fails_its_request_alone(model_tok):
         scheduler.submit(PROMPTS[1], params, listener=failing_listener)
         other = scheduler.submit(PROMPTS[2], params)
         assert [c.token for c in other] == expected
-        deadline = time.time() + 5
-        while scheduler.running and time.time() < deadline:
-            time.sleep(0.01)
-        assert scheduler.running == 0
+        assert wait_idle(scheduler)
     finally:
         scheduler.close()
     assert len(received) == 4 and isinstance(received[3], RuntimeError)  # 3 chunks, then its error
