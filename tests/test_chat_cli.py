@@ -11,6 +11,7 @@ import torch
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.infer import Engine, SamplingParams
+from frawdllm.errors import FrawdError
 from frawdllm.infer.chat import ROLE_TOKEN_IDS
 from frawdllm.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -150,3 +151,46 @@ def test_a_tokenizer_without_chat_tokens_is_refused_at_start(tmp_path):
     assert done.returncode == 1
     err = done.stderr.decode().strip().splitlines()
     assert len(err) == 1 and "lacks FrawdLLM's special tokens" in err[0] and "frawd generate" in err[0], err
+
+
+def test_history_is_dropped_by_whole_exchanges_never_leaving_a_reply_without_its_question():
+    """Dropping one message at a time kept "reply 1" without the message it answers."""
+    from frawdllm.infer.chat import fit_history
+
+    tok = train_tokenizer([ALPHABET], kind="char")
+    system = {"role": "system", "content": "be brief" * 3}  # 26 tokens as a turn
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "bbbbbbbbbbbbbbbbbbbbbbbb"},
+               {"role": "user", "content": "c"}, {"role": "assistant", "content": "dd"},
+               {"role": "user", "content": "e"}]
+
+    def kept(messages, context):
+        ids, dropped = fit_history(tok, messages, context, reserve=4)
+        rest = messages[len(messages) - len(history) + dropped:]
+        assert ids == tok.render_chat(messages[:len(messages) - len(history)] + rest, add_generation_prompt=True)
+        return [m["content"] for m in rest]
+
+    full = len(tok.render_chat(history, add_generation_prompt=True))
+    assert kept(history, full + 4) == ["a", "bbbbbbbbbbbbbbbbbbbbbbbb", "c", "dd", "e"]  # fits: untouched
+    assert kept(history, full + 3) == ["c", "dd", "e"]  # not "bbbb...", "c", ...
+    assert kept([system, *history], 26 + 12 + 4) == ["c", "dd", "e"]
+    assert kept([system, *history], 26 + 12 + 3) == ["e"]  # the system message stays; whole exchanges go
+    with pytest.raises(FrawdError, match="the system message needs"):
+        fit_history(tok, [{"role": "system", "content": "be brief" * 20}, *history], 64, reserve=4)
+
+
+def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat_model):
+    import subprocess
+
+    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1"], input=b"/quit\n",
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.endswith(b"> \n"), done.stdout  # the shell prompt on its own line
+    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1", "--max-new-tokens", "8",
+                           "--system", "abc " * 39 + "abc"], input=b"hi\n", capture_output=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == b""
+    assert done.stderr.decode().strip().splitlines() == [
+        "frawd: error: --system needs 165 tokens with the template (an empty user message included) but the "
+        "model's context leaves 120 (context 128 - 8 for the reply); shorten it"]
+    child = spawn(chat_model, "--max-new-tokens", "8")
+    assert "error: the system message needs 165 tokens" in say(child, "/system " + "abc " * 39 + "abc")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)

@@ -192,7 +192,7 @@ def test_no_built_in_pair_rejects_its_own_answer():
     same = [where for where, r, _ in prefs if r["chosen"] == r["rejected"]]
     assert not same, same
     train, val, summary = load_pairs(DPOConfig(data="stdlib-prefs"), byte_tokenizer(), 64)  # not one bad record
-    assert summary.skipped == 0 and summary.examples == len(prefs)
+    assert summary.skipped == 0 and summary.examples + summary.dropped == len(prefs)  # (dropped: same once cut)
     # the rule itself: bodies equal to this one's are passed over (odd hash: another function's body)
     odd = next(f"f{i}" for i in range(100) if stdlib_corpus._hash(f"m:f{i}") % 2)
     fn, twin, other = (Function(f"m:{name}", f"{name}(x)", "d", "d", f"def {name}(x):\n    {body}", 1)
@@ -208,3 +208,44 @@ def test_the_pair_summary_prints_without_progress(tmp_path, capsys):
                                                tmp_path / "run"))
     assert code == 0, err
     assert "dpo data: 10 pairs" in out and "1 bad record skipped (first: " in out and "prefs.jsonl:11" in out
+
+
+def test_pairs_whose_answers_are_the_same_once_cut_are_dropped_and_counted(tmp_path):
+    """They trained nothing (loss ln 2, margins 0) and were counted as ordinary pairs."""
+    from frawdllm.errors import FrawdError
+
+    stem = "the cat sat on the mat " * 4
+    samehead = [{"prompt": f"q{i}", "chosen": stem + "yes", "rejected": stem + "no"} for i in range(3)]
+    data = write_jsonl(tmp_path / "prefs.jsonl", [*word_prefs(10), *samehead])
+    train, _, summary = load_pairs(DPOConfig(data=str(data), val_fraction=0.0), byte_tokenizer(), 64)
+    assert len(train) == 10 and all(p.chosen != p.rejected for p in train)
+    assert summary.dropped == 3 and "; 3 dropped with nothing to learn (first: " in summary.line("pairs")
+    assert "prefs.jsonl:11: 'chosen' and 'rejected' are the same once cut to fit 64-token rows" in summary.line("pairs")
+    train, _, summary = load_pairs(DPOConfig(data=str(data), val_fraction=0.0), byte_tokenizer(), 256)
+    assert len(train) == 13 and summary.dropped == 0  # with room for the difference they are kept
+    only = write_jsonl(tmp_path / "only.jsonl", samehead)
+    with pytest.raises(FrawdError, match="holds no usable pairs: all 3 had nothing to learn"):
+        load_pairs(DPOConfig(data=str(only), val_fraction=0.0), byte_tokenizer(), 64)
+
+
+def test_an_sft_run_or_config_given_to_dpo_is_named_as_such(tmp_path, capsys):
+    """It used to say "unknown DPOConfig field(s): pack, train_on; known: <50 names>"."""
+    from frawdllm.align.sft import SFTConfig
+    from frawdllm.train.config import dump_yaml
+    from frawdllm.train.rundir import rerun_line
+
+    run = tmp_path / "sft-run"
+    run.mkdir()
+    cfg = SFTConfig(init="base", out=str(run), max_steps=1)
+    (run / "config.yaml").write_text(dump_yaml(cfg, rerun_line("sft", run)))
+    code, _, err = run_cli(capsys, "dpo", "--out", run, "--resume")
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"--out {run} holds a frawd sft run, not a frawd dpo run; continue it with frawd sft --out {run} --resume" \
+        in err
+    hand_written = tmp_path / "mine.yaml"  # no rerun line: known by its sft-only fields
+    hand_written.write_text("train_on: last\npack: false\nmax_steps: 1\n")
+    for config in (run / "config.yaml", hand_written):
+        code, _, err = run_cli(capsys, "dpo", "--config", config, "--out", tmp_path / "new")
+        assert code == 1 and err.count("\n") == 1, err
+        assert f"--config {config} is a config of frawd sft, not of frawd dpo; give it to frawd sft" in err
+    assert not (tmp_path / "new").exists()

@@ -524,3 +524,21 @@ def test_a_queued_stream_whose_client_leaves_leaves_the_queue_under_asgi_2_4(cap
 
     asyncio.run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_truncate_drops_a_too_long_turn_with_its_answers_never_starting_at_a_reply():
+    """A too-long user turn went with the turns before it, but its answer stayed as the
+    first turn of the prompt: a reply without the message it answers."""
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.infer import Engine
+    from frawdllm.serve.app import _reach, _within_reach
+    from frawdllm.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["sxrq"], kind="char")
+    engine = Engine(FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=16, n_head=2,
+                                        context_length=8)), tok)
+    system, long = {"role": "system", "content": "s"}, {"role": "user", "content": "x" * (_reach(engine) + 1)}
+    reply, question = {"role": "assistant", "content": "r"}, {"role": "user", "content": "q"}
+    assert _within_reach([system, long, reply, question], engine, True) == [system, question]
+    assert _within_reach([long, reply, reply, question, reply], engine, True) == [question, reply]
+    assert _within_reach([system, question, reply], engine, True) == [system, question, reply]  # nothing too long

@@ -349,3 +349,67 @@ def test_lora_under_fsdp_is_refused_before_anything_runs():
     with pytest.raises(ConfigError, match="--lora-rank .* --parallel fsdp"):
         SFTConfig(init="m", lora_rank=4, parallel="fsdp", max_steps=1)
     assert SFTConfig(init="m", lora_rank=4, parallel="ddp", max_steps=1).lora_rank == 4
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_tokenizer_with_more_ids_than_the_model_is_one_line_before_any_work(command, tmp_path, capsys):
+    """It used to start the run, crash with an IndexError at step 0 and leave a half-made OUT."""
+    from frawdllm import FrawdLLM, get_config
+
+    from align_helpers import word_prefs
+
+    small = tmp_path / "small"
+    FrawdLLM(get_config("tiny-llama", vocab_size=200, n_layer=1, n_embd=32, n_head=4, context_length=64)
+             ).save_pretrained(small, tokenizer=byte_tokenizer())  # 263 ids
+    data = write_jsonl(tmp_path / "data.jsonl", word_chats(20) if command == "sft" else word_prefs(20))
+    code, _, err = run_cli(capsys, command, "--init", small, "--data", data, "--max-steps", "1", "--out",
+                           tmp_path / "run", "--no-progress")
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{small}: the tokenizer has 263 ids but the model only 200" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_invalid_utf8_and_lone_surrogates_are_bad_records_named_by_line(tmp_path, capsys):
+    """Bad bytes used to become U+FFFD silently (and be trained on), a bad first byte read as
+    "not valid JSON", and a JSON "\\ud800" stopped the run without file:line even with
+    --skip-bad-lines."""
+    good = "".join(__import__("json").dumps(r) + "\n" for r in word_chats(6)).encode()
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(good + b'\xff{"prompt": "a", "response": "b"}\n'  # line 7: a bad byte first
+                     + b'{"prompt": "a\xfe", "response": "b"}\n'  # 8: inside a string
+                     + b'{"prompt": "a\\ud800", "response": "b"}\r\n' + good)  # 9: a lone surrogate
+    cfg = SFTConfig(init=None, data=str(data), progress=False, max_steps=1, val_fraction=0.0)
+    with pytest.raises(BadExample, match=r"chats.jsonl:7: not valid UTF-8 \(byte 0xff at byte 1 of the line\)"):
+        load_examples(cfg, byte_tokenizer(), 64)
+    cfg.skip_bad_lines = True
+    train, _, summary = load_examples(cfg, byte_tokenizer(), 64)
+    assert (summary.skipped, len(train)) == (3, 12)
+    assert "chats.jsonl:8: not valid UTF-8 (byte 0xfe at byte 14 of the line)" in summary.first_skipped[1]
+    assert "chats.jsonl:9: holds a lone surrogate \\ud800" in summary.first_skipped[2]
+    assert not any("\ufffd" in byte_tokenizer().decode(e.ids) for e in train)  # nothing replaced was learned
+    # a pair whose answers differ only in bad bytes is named for them, not as "the same text"
+    from frawdllm.align.dpo import DPOConfig, load_pairs
+
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_bytes(b'{"prompt": "a", "chosen": "x\xff", "rejected": "x\xfe"}\n')
+    with pytest.raises(BadExample, match=r"prefs.jsonl:1: not valid UTF-8 \(byte 0xff"):
+        load_pairs(DPOConfig(data=str(prefs), val_fraction=0.0), byte_tokenizer(), 64)
+
+
+def test_a_data_folder_ignores_other_files_but_a_named_one_is_refused(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", word_chats(10))
+    (folder / "README.md").write_text("# chats\n")
+    cfg = SFTConfig(init=None, data=str(folder), progress=False, max_steps=1, val_fraction=0.0)
+    train, _, summary = load_examples(cfg, byte_tokenizer(), 64)
+    assert len(train) == 10 and "; 1 other file in --data ignored (README.md)" in summary.line()
+    from frawdllm.errors import FrawdError
+
+    cfg.data = str(folder / "README.md")
+    with pytest.raises(FrawdError, match="README.md: expected a .jsonl, .jsonl.gz or .parquet file"):
+        load_examples(cfg, byte_tokenizer(), 64)
+    (folder / "a.jsonl").unlink()
+    cfg.data = str(folder)
+    with pytest.raises(FrawdError, match=r"holds no .jsonl, .jsonl.gz or .parquet file of examples \(found: README"):
+        load_examples(cfg, byte_tokenizer(), 64)

@@ -43,7 +43,7 @@ from ..train.config import _require, option
 from ..train.device import pick_device
 from ..train.distributed import Share
 from ..train.loop import TrainResult, to_device
-from .examples import LoadSummary, Pair, collect, iter_source, preference, tokenize_pair
+from .examples import LoadSummary, NothingToLearn, Pair, collect, iter_source, preference, tokenize_pair
 from .job import FinetuneConfig, FinetuneTask, run_finetune
 
 LOSSES = ("sigmoid", "ipo")
@@ -255,11 +255,16 @@ class DPOTask(FinetuneTask):
 def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[Pair], list[Pair], LoadSummary]:
     def convert(record, where):
         # a row holds prompt + answer minus its last token: length + 1 ids
-        return tokenize_pair(tokenizer, *preference(record, where), max_len=length + 1)
+        pair, cut = tokenize_pair(tokenizer, *preference(record, where), max_len=length + 1)
+        if pair.chosen == pair.rejected:  # no preference left: loss ln 2 and no gradient, whatever the weights
+            how = (f"are the same once cut to fit {length}-token rows (they differ only after that)" if cut
+                   else "tokenize to the same ids")
+            raise NothingToLearn(f"{where}: 'chosen' and 'rejected' {how}")
+        return pair, cut
 
     summary = LoadSummary()
-    train, val = collect(iter_source(cfg.data, "dpo"), convert, cfg.val_fraction, cfg.skip_bad_lines, summary,
-                         source=cfg.data, what="pairs")
+    train, val = collect(iter_source(cfg.data, "dpo", summary.ignored), convert, cfg.val_fraction,
+                         cfg.skip_bad_lines, summary, source=cfg.data, what="pairs")
     if not train:
         raise FrawdError(f"--data {cfg.data}: every pair fell in the held-out split; lower --val-fraction")
     return train, val, summary

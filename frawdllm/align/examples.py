@@ -37,6 +37,11 @@ class BadExample(FrawdError):
     """A record that is not a valid example (the message names the file and line)."""
 
 
+class NothingToLearn(FrawdError):
+    """A valid record that teaches nothing once tokenized and cut to the context (a pair
+    whose answers become the same ids): dropped and counted, not an error of the data."""
+
+
 @dataclass
 class Example:
     """A tokenized SFT example: `ids[i]` is trained (a target, predicted from ids[:i]) where
@@ -62,7 +67,10 @@ class LoadSummary:
     val: int = 0
     skipped: int = 0  # bad records skipped (--skip-bad-lines)
     truncated: int = 0
+    dropped: int = 0  # records with nothing to learn once cut (NothingToLearn)
     first_skipped: list[str] = field(default_factory=list)
+    first_dropped: str = ""
+    ignored: list = field(default_factory=list)  # files of a --data folder or glob that hold no records
 
     def line(self, what: str = "examples") -> str:
         text = f"{self.examples} {what} ({self.train} train, {self.val} held out)"
@@ -71,6 +79,12 @@ class LoadSummary:
         if self.skipped:
             records = "record" if self.skipped == 1 else "records"
             text += f"; {self.skipped} bad {records} skipped (first: {self.first_skipped[0]})"
+        if self.dropped:
+            text += f"; {self.dropped} dropped with nothing to learn (first: {self.first_dropped})"
+        if self.ignored:
+            files = "file" if len(self.ignored) == 1 else "files"
+            shown = ", ".join(p.name for p in self.ignored[:3]) + (", ..." if len(self.ignored) > 3 else "")
+            text += f"; {len(self.ignored)} other {files} in --data ignored ({shown})"
         return text
 
 
@@ -203,9 +217,9 @@ def record_key(record: object) -> str:
     return json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
 
 
-def iter_source(spec: str, kind: str) -> Iterator[tuple[str, object, str]]:
+def iter_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[tuple[str, object, str]]:
     """(where, record, split key) of a data source: a built-in corpus or a record file.
-    `kind`: "sft" or "dpo"."""
+    `kind`: "sft" or "dpo"; a folder's files that hold no records are added to `ignored`."""
     from . import stdlib_corpus
 
     if spec in stdlib_corpus.CORPORA:
@@ -216,7 +230,7 @@ def iter_source(spec: str, kind: str) -> Iterator[tuple[str, object, str]]:
         return
     from ..data.records import iter_records
 
-    for where, record in iter_records(spec, stdlib_corpus.NAME_FOR[kind]):
+    for where, record in iter_records(spec, stdlib_corpus.NAME_FOR[kind], ignored):
         yield where, record, record_key(record)
 
 
@@ -236,11 +250,19 @@ def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: flo
             if len(summary.first_skipped) < 3:
                 summary.first_skipped.append(str(exc))
             continue
+        except NothingToLearn as exc:
+            summary.dropped += 1
+            summary.first_dropped = summary.first_dropped or str(exc)
+            continue
         summary.truncated += cut
         (val if is_held_out(key, val_fraction) else train).append(example)
     summary.examples, summary.train, summary.val = len(train) + len(val), len(train), len(val)
     if not summary.examples:
-        skipped = (f": all {summary.skipped} records were bad and skipped (first: {summary.first_skipped[0]})"
-                   if summary.skipped else "")
-        raise FrawdError(f"--data {source} holds no usable {what}{skipped}")
+        why = []
+        if summary.skipped:
+            why.append(f"{summary.skipped} records were bad and skipped (first: {summary.first_skipped[0]})")
+        if summary.dropped:
+            why.append(f"{summary.dropped} had nothing to learn (first: {summary.first_dropped})")
+        all_ = "all " if len(why) == 1 else ""
+        raise FrawdError(f"--data {source} holds no usable {what}" + (f": {all_}{'; '.join(why)}" if why else ""))
     return train, val

@@ -82,9 +82,10 @@ def check_init(cfg: FinetuneConfig) -> None:
     if cfg.init is None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
     pick_device(cfg.device)
-    require_kind(cfg.init, load_config(cfg.init), "decoder")
-    Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE)).require_frawd_specials(
-        f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
+    model_config = load_config(cfg.init)
+    require_kind(cfg.init, model_config, "decoder")
+    tokenizer = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE)).check_fits(model_config.vocab_size, cfg.init)
+    tokenizer.require_frawd_specials(f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
 
 
 def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:

@@ -3,7 +3,7 @@
 A read-eval-print loop over the chat template. Each reply streams as it is generated;
 Ctrl-C stops the reply (what was printed stays in the history) and returns to the
 prompt; Ctrl-D or /quit leaves. History that no longer fits the context is dropped,
-oldest first, and the REPL says so the first time.
+oldest exchange first (a message with its reply), and the REPL says so the first time.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     Example:
       frawd chat --model runs/shakespeare/model --temperature 0.7 --top-p 0.9
     """
-    from ..infer.chat import ROLE_TOKEN_IDS
+    from ..infer.chat import ROLE_TOKEN_IDS, check_system_message, reply_reserve
 
     if system_message is not None:
         check_unicode(system_message, "--system")
@@ -54,6 +54,10 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     # (known before the first message: no message could be rendered)
     engine.tokenizer.require_frawd_specials(f"{model_dir}: the tokenizer", "which the chat template needs; "
                                             "frawd generate continues plain text with it")
+    if system_message:
+        context = engine.config.context_length
+        check_system_message(engine.tokenizer, system_message, context,
+                             reply_reserve(context, params.max_new_tokens), what="--system")
     _Repl(engine, params, system_message, model_dir).run()
 
 
@@ -91,6 +95,8 @@ class _Repl:
                 continue
             if line.startswith("/"):
                 if self.command(line) == "quit":
+                    if not sys.stdin.isatty():  # (a terminal echoed the Enter; piped input did not)
+                        self.out("\n")
                     return
                 continue
             self.reply(line)
@@ -106,6 +112,16 @@ class _Repl:
             self.turns = []
             self.out("(conversation cleared)\n")
         elif name == "/system":
+            if arg:
+                from ..infer.chat import check_system_message, reply_reserve
+
+                context = self.engine.config.context_length
+                try:
+                    check_system_message(self.engine.tokenizer, arg, context,
+                                         reply_reserve(context, self.params.max_new_tokens))
+                except FrawdError as exc:
+                    self.out(f"error: {exc}\n")
+                    return None
             self.system = arg or None
             self.out("(system message set)\n" if arg else "(system message removed)\n")
         elif name == "/params":

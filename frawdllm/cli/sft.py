@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import fields
+from pathlib import Path
+
 import click
 
 from ..align.dpo import DPOConfig
 from ..align.sft import SFTConfig
+from ..errors import ConfigError
 from .flags import dataclass_options
 from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 
@@ -15,6 +20,7 @@ def _run(cls: type, command: str, config_file: str | None, nproc: int | None, fl
     from ..train.device import process_started_at
 
     started_at = process_started_at()  # --max-time counts the whole command
+    _refuse_another_commands_config(cls, command, config_file, flags)
     cfg = build_config(cls, config_file, flags)
     if command == "sft":
         from ..align.sft import run_sft as run
@@ -26,6 +32,46 @@ def _run(cls: type, command: str, config_file: str | None, nproc: int | None, fl
         check_init(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc, cfg)
     train_on_this_rank(lambda: run(cfg, started_at=started_at), command, cfg)
+
+
+_RERUN = re.compile(r"# rerun: frawd (.+?)(?: --nproc \d+)? --config ")
+
+
+def _command_of(path: Path, data: dict, cls: type, command: str) -> str | None:
+    """The command a config file is for, when it is not `command`: the one its rerun line
+    names (a run's config.yaml), else the one whose fields it holds that `cls` lacks."""
+    from ..train.config import PretrainConfig
+
+    with open(path, "rb") as f:
+        match = _RERUN.match(f.readline().decode("utf-8", "replace"))
+    if match:
+        return match.group(1)
+    unknown = set(data) - {f.name for f in fields(cls)}
+    for other, other_cls in (("sft", SFTConfig), ("dpo", DPOConfig), ("pretrain", PretrainConfig)):
+        if unknown and other != command and unknown <= {f.name for f in fields(other_cls)}:
+            return other
+    return None
+
+
+def _refuse_another_commands_config(cls: type, command: str, config_file: str | None, flags: dict) -> None:
+    """One line when --config, or the run --resume continues, belongs to another command
+    (`frawd dpo --out SFT_RUN --resume`), rather than a list of fields it does not know."""
+    from ..train.config import field_defaults, load_yaml
+    from ..train.rundir import CONFIG_FILE
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    from_file = load_yaml(config_file) if config_file else {}
+    held = _command_of(Path(config_file), from_file, cls, command) if config_file else None
+    if held and held != command:
+        raise ConfigError(f"--config {config_file} is a config of frawd {held}, not of frawd {command}; "
+                          f"give it to frawd {held}")
+    out = given.get("out", from_file.get("out", field_defaults(cls)["out"]))
+    saved = Path(out) / CONFIG_FILE
+    if given.get("resume", from_file.get("resume", False)) and saved.is_file():
+        held = _command_of(saved, load_yaml(saved), cls, command)
+        if held and held != command:
+            raise ConfigError(f"--out {out} holds a frawd {held} run, not a frawd {command} run; continue it with "
+                              f"frawd {held} --out {out} --resume, or give frawd {command} another --out")
 
 
 # TrainConfig's pretraining-only field: the samples answer held-out prompts of --data

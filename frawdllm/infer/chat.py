@@ -6,8 +6,11 @@ project):
     <|bos|><|system|>...<|eos|><|user|>...<|eos|><|assistant|>...<|eos|><|user|>...<|eos|><|assistant|>
 
 A model sees at most `context_length` tokens, and the reply needs room too. `fit_history`
-drops the oldest turns (never the system message, never the newest user message) until
-the rendered prompt leaves `reserve` tokens for the reply. `frawd chat` goes through it.
+drops the oldest exchanges, a user turn with the replies after it, until the rendered
+prompt leaves `reserve` tokens for the reply. The system message and the newest user
+message always stay, and a shortened history starts with a user turn: a reply kept
+without its question would read as the model's own unprompted words and change the
+answers. `frawd chat` and the server's "truncate" go through it.
 
 Chat replies end at <|eos|>; a role token (<|user|>, <|system|>, <|assistant|>) inside a
 reply means the model is writing the next turn itself, so those stop a reply too.
@@ -31,20 +34,39 @@ def reply_reserve(context_length: int, max_new_tokens: int) -> int:
 def fit_history(
     tokenizer: Any, messages: list[dict], context_length: int, reserve: int
 ) -> tuple[list[int], int]:
-    """(prompt ids, number of oldest messages dropped) for a prompt of at most context - reserve tokens."""
+    """(prompt ids, number of oldest messages dropped) for a prompt of at most context - reserve
+    tokens, dropping whole exchanges (the kept turns start at a user or system turn)."""
     system = [m for m in messages[:1] if m.get("role") == "system"]
     turns = messages[len(system):]
     budget = context_length - reserve
-    for dropped in range(len(turns)):
+    # everything, else from a later user (or system) turn on: never from an answer on
+    starts = [0] + [i for i, m in enumerate(turns) if i and m.get("role") != "assistant"]
+    for dropped in starts:
         ids = tokenizer.render_chat(system + turns[dropped:], add_generation_prompt=True)
         if len(ids) <= budget:
             return ids, dropped
-    need = len(tokenizer.render_chat(system + turns[-1:], add_generation_prompt=True)) if turns else 0
+    if system:
+        check_system_message(tokenizer, system[0]["content"], context_length, reserve)
+    need = len(tokenizer.render_chat(system + turns[starts[-1]:], add_generation_prompt=True))
     raise FrawdError(
-        f"the message needs {need} tokens with the template but the model's context leaves "
-        f"{budget} (context {context_length} - {reserve} for the reply); shorten it"
-        + (" or the system message" if system else "")
+        f"the message needs {need} tokens with the template"
+        + (" and the system message" if system else "")
+        + f" but the model's context leaves {budget} (context {context_length} - {reserve} for the reply); "
+        + "shorten it"
     )
 
 
-__all__ = ["fit_history", "reply_reserve", "ROLE_TOKEN_IDS"]
+def check_system_message(tokenizer: Any, system: str, context_length: int, reserve: int,
+                         what: str = "the system message") -> None:
+    """Refuse a system message that leaves no room for any user message and the reply."""
+    need = len(tokenizer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": ""}],
+                                     add_generation_prompt=True))
+    budget = context_length - reserve
+    if need > budget:
+        raise FrawdError(
+            f"{what} needs {need} tokens with the template (an empty user message included) but "
+            f"the model's context leaves {budget} (context {context_length} - {reserve} for the reply); shorten it"
+        )
+
+
+__all__ = ["fit_history", "check_system_message", "reply_reserve", "ROLE_TOKEN_IDS"]

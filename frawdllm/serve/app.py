@@ -475,8 +475,9 @@ def _text_within_reach(text: str, engine: Engine, truncate: bool, what: str) -> 
 
 def _within_reach(messages: list[dict], engine: Engine, truncate: bool) -> list[dict]:
     """The conversation without turns too long to ever fit the context: with "truncate"
-    they and every turn before them go (as fit_history would drop them), else a 400; the
-    system message and the newest one must fit either way."""
+    they, every turn before them and the answers right after them go (whole exchanges, as
+    fit_history drops them: the rest never starts with an answer), else a 400; the system
+    message and the newest one must fit either way."""
     reach = _reach(engine)
     long = [i for i, m in enumerate(messages) if len(m["content"]) > reach]
     if not long:
@@ -488,7 +489,10 @@ def _within_reach(messages: list[dict], engine: Engine, truncate: bool) -> list[
                             f"model's context of {engine.config.context_length} tokens can hold"
                             + ("" if truncate else '; "truncate": true drops old turns'),
                        param="messages", code="context_length_exceeded")
-    return messages[:system] + messages[long[-1] + 1:]
+    rest = long[-1] + 1
+    while rest < len(messages) - 1 and messages[rest]["role"] == "assistant":  # its answers go with it
+        rest += 1
+    return messages[:system] + messages[rest:]
 
 
 def _shifted(listener, offset: int):
