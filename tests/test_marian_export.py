@@ -86,3 +86,26 @@ def test_gguf_export_of_a_translation_model_points_to_hf(tmp_path, capsys, out):
         f"frawd: error: {tmp_path / 'm'}: GGUF export is for decoder-only models; an encoder-decoder translation "
         "model exports with --format hf (MarianMTModel)"]
     assert not (tmp_path / out).exists()
+
+
+def test_the_multi30k_recipe_does_not_map_and_the_docs_and_help_say_so(capsys):
+    """configs/multi30k.yaml trains pre-LN: refused by the Marian export, which the export
+    docs, the module docstring and `frawd export --help` (AutoModelForSeq2SeqLM) tell."""
+    from pathlib import Path
+
+    import yaml
+
+    import frawdllm.export.marian as marian
+    from cli_helpers import run_cli
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = yaml.safe_load((root / "configs" / "multi30k.yaml").read_text())
+    cfg = get_config(recipe["preset"], vocab_size=recipe["vocab_size"], **recipe["model"])
+    assert "norm_placement='pre'" in " ".join(marian_mismatches(cfg))
+    assert "scale_embeddings=False" in " ".join(marian_mismatches(get_config("aiayn-tiny", scale_embeddings=False)))
+    docs = (root / "docs" / "seq2seq.md").read_text()
+    export_section = docs[docs.index("## Export to Hugging Face"): docs.index("## Benchmark")]
+    assert "configs/multi30k.yaml" in export_section and "scale_embeddings" in export_section
+    assert "scale_embeddings=False" in marian.__doc__ and "multi30k.yaml" in marian.__doc__
+    code, out, _ = run_cli(capsys, "export", "--help")
+    assert code == 0 and "AutoModelForSeq2SeqLM.from_pretrained(OUT)" in out

@@ -203,3 +203,64 @@ def test_from_pretrained_is_in_eval_mode_and_a_training_model_decodes_as_in_eval
     for _ in range(2):  # with dropout on, runs would differ from each other and from eval mode
         assert decode() == expected
     assert [m.training for m in loaded.modules()] == modes
+
+
+# ---- decoding arguments: one line naming the argument, before any work ----------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(beam_size=0), "beam_size must be an integer >= 1, got 0"),
+    (dict(beam_size=-1), "beam_size must be an integer >= 1, got -1"),
+    (dict(beam_size=41), r"beam_size 41 exceeds the model's vocabulary size \(40 tokens\)"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+    (dict(max_extra=-100), "max_extra must be an integer >= 0, got -100"),
+    (dict(alpha=float("nan")), "alpha must be a finite number >= 0, got nan"),
+    (dict(alpha=float("inf")), "alpha must be a finite number >= 0, got inf"),
+    (dict(sources=[[5, 6], [7, 40]]), r"sources\[1\] holds token id 40, outside the model's vocabulary \(0..39\)"),
+    (dict(sources=[[-3]]), r"sources\[0\] holds token id -3, outside the model's vocabulary \(0..39\)"),
+    (dict(sources=[[5] * 65]), r"sources\[0\] has 65 tokens, more than the model's context_length 64"),
+])
+def test_translate_ids_refuses_bad_arguments_naming_them(kwargs, message):
+    from frawdllm.infer.translate import translate_ids
+
+    kwargs = {"sources": [[5, 6, 7], [8, 9]], "beam_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        translate_ids(model_for("paper"), **kwargs)
+
+
+def test_greedy_and_beam_search_refuse_bad_arguments_naming_them():
+    model = model_for("paper")
+    src, mask = pad_batch(_sources(), 0)
+    with pytest.raises(ValueError, match="^beam_size must be an integer >= 1, got 0$"):
+        beam_search(model, src, mask, beam_size=0)
+    with pytest.raises(ValueError, match="^max_extra must be an integer >= 0, got -1$"):
+        greedy_decode(model, src, mask, max_extra=-1)
+    with pytest.raises(ValueError, match=r"^src holds token id \d+, outside the model's vocabulary \(0..39\)$"):
+        greedy_decode(model, src + 40, mask)
+
+
+def test_decoding_bytes_covers_the_caches_a_beam_search_allocates():
+    """The estimate behind the memory refusal, against the tensors a search really holds:
+    the decoder's KV cache and cross-attention keys/values of batch x beam rows, twice
+    (reordering the beams copies them), plus a step's activations and logits."""
+    from frawdllm.infer.translate import _Decoder, decoding_bytes
+
+    model = model_for("paper")
+    src, mask = pad_batch(_sources(), 0)
+    B, S, K, extra = src.shape[0], src.shape[1], 3, 6
+    decoder = _Decoder(model, model.memory_kv(model.encode(src, mask)), mask, S + extra + 1, use_cache=True)
+    decoder.select_rows(torch.arange(B).repeat_interleave(K))
+    held = sum(t.nbytes for t in decoder.cache.k + decoder.cache.v)
+    held += sum(k.nbytes + v.nbytes for k, v in decoder.memory_kv)
+    assert 2 * held <= decoding_bytes(model, B * K, S, extra) <= 3 * held
+
+
+def test_a_batch_whose_beams_do_not_fit_in_memory_is_refused_before_decoding(monkeypatch):
+    import frawdllm.infer.translate as decoding
+
+    model = model_for("paper")
+    monkeypatch.setattr(decoding, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(decoding, "_Decoder", lambda *a, **k: pytest.fail("decoding started"))
+    with pytest.raises(ValueError, match=r"^beam_size 40 with 6 sentences at a time: decoding 6 x 40 rows of up to "
+                                         r"\d+ source tokens needs about [\d.]+ GiB, more than the 0\.0 GiB free on "
+                                         r"cpu; lower beam_size or batch_size$"):
+        decoding.translate_ids(model, _sources(6), beam_size=40)

@@ -36,6 +36,12 @@ TINY = ["--set", "n_embd=32", "--set", "n_head=2", "--set", "n_layer=1", "--set"
         "--dtype", "fp32", "--peak-tflops", "1", "--bleu-sentences", "2"]
 
 
+def _without_vocab_size(args: list[str]) -> list[str]:
+    """TINY for a run given --tokenizer (whose vocabulary is its own: --vocab-size is refused)."""
+    i = args.index("--vocab-size")
+    return args[:i] + args[i + 2:]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("translate")
@@ -191,7 +197,7 @@ def test_a_tokenizer_without_frawd_special_tokens_is_refused(tmp_path, capsys):
     plain.save(str(tmp_path / "plain.json"))
     code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
                            tmp_path / "train.en", "--tokenizer", tmp_path / "plain.json", "--out", tmp_path / "run",
-                           "--max-steps", "1", *TINY)
+                           "--max-steps", "1", *_without_vocab_size(TINY))
     assert code == 1 and len(err.strip().splitlines()) == 1  # refused before any work
     assert "lacks FrawdLLM's special tokens" in err and "<|pad|>" in err and "<|eos|>" in err
     assert not (tmp_path / "run").exists()
@@ -256,3 +262,187 @@ def test_resume_continues_the_uninterrupted_trajectory(tmp_path, capsys):
     a = Seq2SeqTransformer.from_pretrained(tmp_path / "full" / "checkpoints" / "step_00000010" / "model")
     b = Seq2SeqTransformer.from_pretrained(tmp_path / "split" / "checkpoints" / "step_00000010" / "model")
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---- bad input to decoding: one line, before any work -------------------------------------------
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_beam_wider_than_the_vocabulary_is_refused_before_decoding(trained, capsys):
+    code, out, err = run_cli(capsys, "translate", "run", "--model", trained / "run" / "model", "--beam", "100000",
+                             "ein mann")
+    assert code == 1 and out == ""
+    assert _one_line_error(err) == "frawd: error: --beam 100000 exceeds the model's vocabulary size (300 tokens)"
+
+
+def test_beams_that_would_not_fit_in_memory_are_refused_before_decoding(trained, capsys, monkeypatch, tmp_path):
+    import frawdllm.infer.translate as decoding
+
+    monkeypatch.setattr(decoding, "free_memory", lambda device: 2**20)  # 1 MiB free
+    code, _, err = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--src",
+                           trained / "val.de", "--ref", trained / "val.en", "--beam", "200", "--hyp-out",
+                           tmp_path / "h.txt")
+    line = _one_line_error(err)
+    assert code == 1 and line.startswith("frawd: error: --beam 200 with --batch-size 64: decoding 10 x 200 rows")
+    assert "more than the 0.0 GiB free on cpu; lower --beam or --batch-size" in line
+    assert not (tmp_path / "h.txt").exists()
+
+
+@pytest.mark.parametrize("alpha", ["nan", "inf", "-inf"])
+def test_alpha_must_be_a_finite_number(trained, capsys, alpha):
+    code, out, err = run_cli(capsys, "translate", "run", "--model", trained / "run" / "model", "--alpha", alpha, "x")
+    assert code == 2 and out == "" and "Invalid value for '--alpha'" in _one_line_error(err)
+
+
+# ---- --hyp-out -----------------------------------------------------------------------------------
+
+def test_hyp_out_never_replaces_an_input_and_an_existing_file_needs_overwrite(trained, capsys, tmp_path):
+    ref = tmp_path / "ref.en"
+    ref.write_text((trained / "val.en").read_text())
+    (tmp_path / "link.en").symlink_to(ref)
+    args = ["translate", "eval", "--model", trained / "run" / "model", "--src", trained / "val.de", "--beam", "1"]
+    for given_ref, hyp_out in ((ref, ref), (ref, tmp_path / "." / "ref.en"), (tmp_path / "link.en", ref)):
+        code, _, err = run_cli(capsys, *args, "--ref", given_ref, "--hyp-out", hyp_out, "--overwrite")
+        assert code == 1 and _one_line_error(err) == f"frawd: error: --hyp-out {hyp_out} is the --ref file; give " \
+                                                     "another file name"
+    code, _, err = run_cli(capsys, *args, "--ref", ref, "--hyp-out", trained / "val.de", "--overwrite")
+    assert code == 1 and "is the --src file" in err
+    assert ref.read_text() == (trained / "val.en").read_text()
+    old = tmp_path / "old.txt"
+    old.write_text("keep me\n")
+    code, _, err = run_cli(capsys, *args, "--ref", ref, "--hyp-out", old)
+    assert code == 1 and _one_line_error(err) == f"frawd: error: --hyp-out {old} exists; give a new file name " \
+                                                 "(or --overwrite to replace it)"
+    assert old.read_text() == "keep me\n"
+    code, _, err = run_cli(capsys, *args, "--ref", ref, "--hyp-out", old, "--overwrite")
+    assert code == 0, err
+    assert old.read_text().count("\n") == 10
+
+
+def test_a_refused_input_leaves_no_hyp_out_folders_behind(trained, capsys, tmp_path):
+    code, _, err = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--src",
+                           tmp_path / "nope.de", "--ref", trained / "val.en", "--hyp-out", tmp_path / "nd" / "sub" / "h.txt")
+    assert code == 1 and _one_line_error(err) == f"frawd: error: file not found: {tmp_path / 'nope.de'}"
+    assert not (tmp_path / "nd").exists()
+
+
+# ---- what files hold -----------------------------------------------------------------------------
+
+def _fifo_holding(path: Path, data: bytes):
+    """A named pipe at `path` that a thread fills with `data` (as `<(...)` gives a command)."""
+    import threading
+
+    os.mkfifo(path)
+
+    def fill():
+        with open(path, "wb") as pipe:
+            pipe.write(data)
+
+    thread = threading.Thread(target=fill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _eval_output(capsys, trained, src, ref, hyp_out) -> tuple[str, str]:
+    """(stdout, translations written) of a greedy `translate eval`."""
+    code, out, err = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--beam", "1",
+                             "--src", src, "--ref", ref, "--hyp-out", hyp_out)
+    assert code == 0, err
+    return out, Path(hyp_out).read_text()
+
+
+def test_eval_reads_a_pipe(trained, capsys, tmp_path):
+    expected = _eval_output(capsys, trained, trained / "val.de", trained / "val.en", tmp_path / "plain.txt")
+    thread = _fifo_holding(tmp_path / "ref.pipe", (trained / "val.en").read_bytes())  # as --ref <(cat val.en)
+    assert _eval_output(capsys, trained, trained / "val.de", tmp_path / "ref.pipe", tmp_path / "piped.txt") == expected
+    thread.join(timeout=10)
+
+
+def test_eval_drops_a_byte_order_mark(trained, capsys, tmp_path):
+    expected = _eval_output(capsys, trained, trained / "val.de", trained / "val.en", tmp_path / "plain.txt")
+    for name in ("val.de", "val.en"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + (trained / name).read_bytes())
+    # the same translations and BLEU: no BOM left on the first source or reference
+    assert _eval_output(capsys, trained, tmp_path / "val.de", tmp_path / "val.en", tmp_path / "bom.txt") == expected
+
+
+def test_run_drops_a_byte_order_mark_on_stdin(trained, capsys, monkeypatch):
+    model = trained / "run" / "model"
+    code, expected, _ = run_cli(capsys, "translate", "run", "--model", model, "ein mann")
+    monkeypatch.setattr("sys.stdin", _stdin(b"\xef\xbb\xbfein mann\n"))
+    code, out, err = run_cli(capsys, "translate", "run", "--model", model)
+    assert code == 0 and out == expected, err
+
+
+# ---- translate train: flags and data checked before any work -------------------------------------
+
+@pytest.mark.parametrize("case", ["missing", "misaligned", "not_utf8", "all_empty", "max_len", "pipe"])
+def test_nproc_checks_flags_and_data_before_starting_torchrun(tmp_path, capsys, monkeypatch, case):
+    _corpus(tmp_path, n=20)
+    monkeypatch.setattr("frawdllm.cli.launch.subprocess.call",
+                        lambda *a, **k: pytest.fail("torchrun started despite bad input"))
+    files = {"src": tmp_path / "train.de.gz", "tgt": tmp_path / "train.en"}
+    extra = []
+    if case == "missing":
+        files["src"] = tmp_path / "nope.de"
+        expected = f"file not found: {tmp_path / 'nope.de'}"
+    elif case == "misaligned":
+        files["tgt"] = tmp_path / "val.en"
+        expected = "misaligned parallel files"
+    elif case == "not_utf8":
+        (tmp_path / "bad.en").write_bytes(b"a\n" * 5 + b"\xff\n" + b"b\n" * 14)
+        files["tgt"] = tmp_path / "bad.en"
+        expected = f"{tmp_path / 'bad.en'}: line 6 is not UTF-8 text"
+    elif case == "all_empty":
+        (tmp_path / "blank.en").write_text("\n" * 20)
+        files["tgt"] = tmp_path / "blank.en"
+        expected = "no training pairs left in --src/--tgt: all 20 skipped, 20 with an empty side"
+    elif case == "max_len":
+        extra = ["--max-len", "64", "--set", "context_length=64"]
+        expected = "--max-len 64 exceeds the 63 tokens a sentence may have in the model's context_length 64"
+    else:
+        _fifo_holding(tmp_path / "train.pipe", b"")  # (never opened: the thread waits, as a daemon)
+        files["tgt"] = tmp_path / "train.pipe"
+        expected = f"--tgt {tmp_path / 'train.pipe'} is a pipe or device, which the --nproc ranks cannot each read"
+    code, _, err = run_cli(capsys, "translate", "train", "--nproc", "2", "--src", files["src"], "--tgt", files["tgt"],
+                           "--out", tmp_path / "run", "--max-steps", "1", *TINY, *extra)
+    assert code == 1 and expected in _one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_resume_gives_advice_translate_train_has(trained, capsys, tmp_path):
+    import shutil
+
+    shutil.copytree(trained / "run", tmp_path / "run")
+    code, _, err = run_cli(capsys, "translate", "train", "--out", tmp_path / "run", "--resume", "--max-steps", "9",
+                           "--set", "n_embd=64")
+    line = _one_line_error(err)
+    assert code == 1 and "these settings differ: model=" in line
+    assert "--init" not in line and line.endswith("start a new run (another --out, or --overwrite to replace this one)")
+
+
+def test_vocab_size_with_a_tokenizer_is_refused(trained, capsys, tmp_path):
+    code, _, err = run_cli(capsys, "translate", "train", "--src", trained / "train.de.gz", "--tgt",
+                           trained / "train.en", "--tokenizer", trained / "run" / "model", "--vocab-size", "500",
+                           "--out", tmp_path / "run", "--max-steps", "1")
+    assert code == 1 and "vocab_size 500: the vocabulary is --tokenizer" in _one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_batch_size_in_a_config_file_is_refused(tmp_path, capsys):
+    _corpus(tmp_path, n=20)
+    (tmp_path / "c.yaml").write_text("batch_size: 8\n")
+    code, _, err = run_cli(capsys, "translate", "train", "--config", tmp_path / "c.yaml", "--src",
+                           tmp_path / "train.de.gz", "--tgt", tmp_path / "train.en", "--out", tmp_path / "run",
+                           "--max-steps", "1", *TINY)
+    assert code == 1 and "batch_size: translate train cuts batches by token count" in _one_line_error(err)
+    assert "tokens_per_batch" in err and not (tmp_path / "run").exists()
+
+
+def test_run_help_says_stdin_is_translated_a_line_at_a_time(capsys):
+    code, out, _ = run_cli(capsys, "translate", "run", "--help")
+    assert code == 0 and "standard input is translated a line at a time" in " ".join(out.split())

@@ -35,12 +35,14 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
     llama.cpp "gpt2"; Llama style configs (RoPE, RMSNorm, SwiGLU, GQA) become
     LlamaForCausalLM / llama.cpp "llama". Other configs are refused with the nearest
     exportable one. An encoder-decoder translation model (post-LN, sinusoidal positions,
-    tied embeddings: the aiayn presets) becomes MarianMTModel (hf only); options that do
-    not map are named. The hf export loads with stock transformers, no trust_remote_code:
+    tied embeddings: the aiayn presets, not configs/multi30k.yaml's pre-LN) becomes
+    MarianMTModel (hf only); options that do not map are named. The hf export loads with
+    stock transformers, no trust_remote_code:
 
     \b
-      AutoModelForCausalLM.from_pretrained(OUT)
-      AutoTokenizer.from_pretrained(OUT)     # with our chat template
+      AutoModelForCausalLM.from_pretrained(OUT)    # a language model
+      AutoModelForSeq2SeqLM.from_pretrained(OUT)   # a translation model (MarianMTModel)
+      AutoTokenizer.from_pretrained(OUT)           # a language model's has our chat template
 
     Nothing is written at --out unless the whole export succeeds.
     """

@@ -52,27 +52,18 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     return SamplingParams.from_dict(values)
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def check_rows_fit(model_dir: str | Path, rows: int, dtype: str = "fp32") -> None:
     """FrawdError if `rows` sequences at once (prompts x --num-samples) would need a
     KV cache larger than the memory available; the cache is sized for the full context."""
+    import torch
+
+    from ..memory import free_memory
     from ..modeldir import load_config
 
     cfg = load_config(model_dir)
     item = 2 if dtype == "bf16" else 4
     per_row = (2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.context_length + 4 * cfg.vocab_size) * item
-    need, have = rows * per_row, available_memory()
+    need, have = rows * per_row, free_memory(torch.device("cpu"))
     if have is not None and need > have:
         raise FrawdError(f"{rows:,} sequences at once (prompts x --num-samples) need about {need / 2**30:.1f} GiB "
                          f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")

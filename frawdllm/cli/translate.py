@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,18 +62,40 @@ def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None
     started_at = process_started_at()
     cfg = build_config(TranslateConfig, config_file, flags, parse_overrides(Seq2SeqConfig, list(overrides)))
     if nproc is not None:
-        check_translation(cfg)  # bad input: one line here, not one per rank
+        _require_files(cfg)
+        check_translation(cfg)  # bad flags or data: one line here, not one per rank
         relaunch_under_torchrun(nproc, cfg, token_batches=True)
     train_on_this_rank(lambda: run_translation_training(cfg, started_at=started_at), "translate train", cfg)
 
 
+class _FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan (which passes every range: its comparisons are all
+    false) and inf."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return number
+
+
+def _require_files(cfg: TranslateConfig) -> None:
+    """Under --nproc every rank reads the text itself: a pipe (`<(...)`) can be read only once."""
+    for flag, path in (("--src", cfg.src), ("--tgt", cfg.tgt), ("--valid-src", cfg.valid_src),
+                       ("--valid-tgt", cfg.valid_tgt)):
+        if path and Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():
+            raise FrawdError(f"{flag} {path} is a pipe or device, which the --nproc ranks cannot each read; "
+                             "give a file")
+
+
 def _decoding_options(command):
     command = click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
-                           help="Sentences translated together.")(command)
-    command = click.option("--alpha", type=click.FloatRange(min=0), default=0.6, show_default=True,
+                           help="Sentences translated together (of the SENTENCES or --src given; standard "
+                                "input is translated a line at a time).")(command)
+    command = click.option("--alpha", type=_FiniteFloat(min=0), default=0.6, show_default=True,
                            help="Length penalty exponent of beam search (the paper's 0.6).")(command)
     command = click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
-                           help="Beam size (1 = greedy).")(command)
+                           help="Beam size (1 = greedy; at most the model's vocabulary size).")(command)
     command = click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
                            help="A model directory (frawd translate train's OUT/model).")(command)
     return command
@@ -95,8 +119,21 @@ class _Translator:
         self.beam, self.alpha, self.batch_size = beam, alpha, batch_size
         self.limit = self.model.config.context_length
         self.empty = self.too_long = 0
+        vocab = self.model.config.vocab_size
+        if beam > vocab:
+            raise FrawdError(f"--beam {beam} exceeds the model's vocabulary size ({vocab} tokens)")
 
-    def __call__(self, sentences: list[str]) -> list[str]:
+    def _check_memory(self, sentences: int, src_len: int) -> None:
+        """Refuse, before any is decoded, batches whose beams would not fit in memory."""
+        from ..infer.translate import decoding_memory_problem
+
+        problem = decoding_memory_problem(self.model, min(sentences, self.batch_size), self.beam, src_len)
+        if problem:
+            raise FrawdError(f"--beam {self.beam} with --batch-size {self.batch_size}: {problem}; lower --beam "
+                             "or --batch-size")
+
+    def __call__(self, sentences: list[str], announce: str | None = None) -> list[str]:
+        """Their translations; `announce`: a line for stderr once they pass the checks."""
         from ..train.translation import translate_texts
 
         ids = self.tokenizer.encode_batch(sentences)
@@ -108,6 +145,10 @@ class _Translator:
                 self.too_long += 1
             else:
                 usable.append(i)
+        if usable:
+            self._check_memory(len(usable), max(len(ids[i]) for i in usable))
+        if announce:
+            click.echo(announce, err=True)
         out = [""] * len(sentences)
         for i, hyp in zip(usable, translate_texts(self.model, self.tokenizer, [ids[i] for i in usable],
                                                   self.beam, self.alpha, self.batch_size)):
@@ -122,35 +163,59 @@ class _Translator:
                        "tokens): not translated (empty lines)", err=True)
 
 
-def _check_output_file(path: str, flag: str) -> None:
-    """Refuse, before any work, an output file that cannot be written: its missing folders
-    are made and a file is tried there (asking `os.access` is not enough: root passes it,
-    and it cannot tell a folder that refuses subfolders)."""
+def _check_output_file(path: str, flag: str, overwrite: bool, inputs: dict[str, str]) -> None:
+    """Refuse, before any work, an output file that must not or cannot be written: one of
+    the `inputs` ({flag: path}), an existing file without --overwrite, a place where nothing
+    can be written. Its missing folders are made only when it is written (bad input found
+    meanwhile leaves nothing behind); that they can be is tried now, in the nearest folder
+    that exists (asking `os.access` is not enough: root passes it, and it cannot tell a
+    folder that refuses subfolders)."""
     import tempfile
 
     target = Path(path)
     if target.is_dir():
         raise FrawdError(f"{flag} {path} is a folder; give a file name")
+    for input_flag, input_path in inputs.items():
+        if target.resolve() == Path(input_path).resolve() or (
+                target.exists() and Path(input_path).exists() and os.path.samefile(target, input_path)):
+            raise FrawdError(f"{flag} {path} is the {input_flag} file; give another file name")
+    if target.is_file() and not overwrite:
+        raise FrawdError(f"{flag} {path} exists; give a new file name (or --overwrite to replace it)")
+    if target.exists() and not target.is_file():  # a device or pipe (/dev/stdout): written into
+        return
     folder = target.absolute().parent
-    for above in (folder, *folder.parents):
-        if above.exists():
-            if not above.is_dir():
-                raise FrawdError(f"{flag} {path}: {above} is not a folder")
-            break
+    nearest = next(above for above in (folder, *folder.parents) if above.exists())
+    if not nearest.is_dir():
+        raise FrawdError(f"{flag} {path}: {nearest} is not a folder")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        if nearest == folder:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        else:
+            tempfile.TemporaryDirectory(dir=nearest).cleanup()
     except OSError as error:
         raise FrawdError(f"{flag} {path}: cannot write there ({(error.strerror or str(error)).lower()})") from None
 
 
+def _write_output(path: Path, text: str) -> None:
+    """A file written whole or not at all (its missing folders made now); a device or pipe
+    that exists (/dev/stdout, a FIFO) is written into, not replaced."""
+    from ..io import write_text_atomic
+
+    if path.exists() and not path.is_file():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        write_text_atomic(path, text)
+
+
 def _stdin_lines() -> Iterator[str]:
     """Standard input line by line, read as bytes so that a line that is not UTF-8 is named."""
-    from ..data.parallel import decode_utf8
+    from ..data.parallel import BOM, decode_utf8
 
     for number, raw in enumerate(sys.stdin.buffer, start=1):
-        yield decode_utf8(raw, "stdin", number).rstrip("\r\n")
+        line = decode_utf8(raw, "stdin", number).rstrip("\r\n")
+        yield line.removeprefix(BOM) if number == 1 else line
 
 
 @translate.command(name="eval")
@@ -158,26 +223,26 @@ def _stdin_lines() -> Iterator[str]:
 @click.option("--src", "src_path", required=True, type=click.Path(dir_okay=False), help="Source sentences.")
 @click.option("--ref", "ref_path", required=True, type=click.Path(dir_okay=False),
               help="Raw reference translations, line i for line i of --src.")
-@click.option("--hyp-out", default=None, metavar="FILE", help="Also write the translations here.")
+@click.option("--hyp-out", default=None, metavar="FILE",
+              help="Also write the translations here (a new file; never --src or --ref).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --hyp-out file.")
 def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path: str, ref_path: str,
-             hyp_out: str | None) -> None:
+             hyp_out: str | None, overwrite: bool) -> None:
     """Translate --src and score it against --ref with sacreBLEU (cased, 13a tokenization,
     on detokenized output and raw references): prints sacreBLEU's `BLEU = ...` line, its
     signature, and chrF."""
     from sacrebleu.metrics import BLEU, CHRF
 
     from ..data.parallel import read_parallel
-    from ..io import write_text_atomic
 
     if hyp_out is not None:
-        _check_output_file(hyp_out, "--hyp-out")
+        _check_output_file(hyp_out, "--hyp-out", overwrite, {"--src": src_path, "--ref": ref_path})
     sources, references = read_parallel(src_path, ref_path)
     translator = _Translator(model_dir, beam, alpha, batch_size)
-    click.echo(f"translating {len(sources):,} sentences (beam {beam})...", err=True)
-    hyps = translator(sources)
+    hyps = translator(sources, announce=f"translating {len(sources):,} sentences (beam {beam})...")
     translator.report()
     if hyp_out is not None:
-        write_text_atomic(Path(hyp_out), "".join(h + "\n" for h in hyps))
+        _write_output(Path(hyp_out), "".join(h + "\n" for h in hyps))
     bleu, chrf = BLEU(), CHRF()
     click.echo(str(bleu.corpus_score(hyps, [references])))
     click.echo(f"signature: {bleu.get_signature()}")

@@ -1,5 +1,6 @@
 """Parallel text for translation: two files, one sentence a line, line i of one the
-translation of line i of the other (gzip-compressed files are read transparently).
+translation of line i of the other (gzip-compressed files are read transparently, and
+so is a pipe such as `<(head -100 test.de)`).
 
 Bad input is named before any training: files of different line counts (misaligned),
 undecodable bytes. Pairs with an empty side, and pairs longer than a token limit, are
@@ -15,6 +16,7 @@ from pathlib import Path
 from ..errors import FrawdError
 
 GZIP_MAGIC = b"\x1f\x8b"
+BOM = "\ufeff"  # the UTF-8 byte-order mark some editors write first
 
 
 def decode_utf8(raw: bytes, where: str | Path, first_line: int = 1) -> str:
@@ -28,18 +30,24 @@ def decode_utf8(raw: bytes, where: str | Path, first_line: int = 1) -> str:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a text file (gzip or plain), without their line ends."""
+    """The lines of a text file (gzip or plain), without their line ends or a leading UTF-8
+    byte-order mark. A pipe (`<(...)`, /dev/stdin) is read too: its bytes are read once."""
     path = Path(path)
-    if not path.is_file():
-        raise FrawdError(f"{path} is a folder; give a text file of one sentence a line" if path.is_dir()
-                         else f"file not found: {path}")
-    with open(path, "rb") as f:
-        gzipped = f.read(2) == GZIP_MAGIC
+    if path.is_dir():
+        raise FrawdError(f"{path} is a folder; give a text file of one sentence a line")
+    if not path.exists():
+        raise FrawdError(f"file not found: {path}")
     try:
-        raw = gzip.decompress(path.read_bytes()) if gzipped else path.read_bytes()
-    except (OSError, EOFError) as exc:
-        raise FrawdError(f"{path}: not a readable gzip file ({exc})") from None
-    lines = decode_utf8(raw, path).split("\n")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise FrawdError(f"{path}: cannot read it ({(exc.strerror or str(exc)).lower()})") from None
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise FrawdError(f"{path}: not a readable gzip file ({exc})") from None
+    text = decode_utf8(raw, path).removeprefix(BOM)  # a BOM is not part of the first sentence
+    lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final line end
     return [line.rstrip("\r") for line in lines]

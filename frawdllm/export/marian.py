@@ -4,8 +4,9 @@ Marian is the 2017 encoder-decoder as `transformers` builds it: post-LN, sinusoi
 positions, embeddings x sqrt(d), one embedding matrix for source, target and output,
 biases everywhere, LayerNorm with eps 1e-5. Configs with those settings map exactly (ReLU
 or tanh-GELU MLPs, any sizes); anything else is refused, naming each option that does
-not map (pre-LN, learned or rotary positions, RMSNorm, GQA, untied embeddings, no biases,
-another LayerNorm eps).
+not map (pre-LN, learned or rotary positions, embeddings not scaled by sqrt(d)
+(scale_embeddings=False), RMSNorm, GQA, untied embeddings, no biases, another LayerNorm
+eps). So configs/multi30k.yaml's models (norm_placement: pre) do not export.
 
 The tensors are the same numbers under other names, with one twist: our sinusoidal table
 interleaves sin and cos (PE[p, 2i] = sin, PE[p, 2i+1] = cos, as the paper writes it),

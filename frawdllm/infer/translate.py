@@ -18,19 +18,75 @@ terms. A sentence is done when it has `beam_size` ended hypotheses (or reaches i
 limit); the search stops when every sentence is done. With beam_size 1 it is greedy.
 
 Both run the model in eval mode (no dropout) and leave it in the mode it was given in.
+Arguments are checked first, each refused in one line naming it (a ValueError): a beam
+wider than the vocabulary, or a batch whose decoding state (the KV caches of batch x beam
+rows, `decoding_bytes`) would not fit in the device's free memory, is refused before any
+of it is allocated.
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from ..memory import free_memory
 from ..model.gpt import eval_mode
 from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
 from .cache import KVCache
 
 MAX_EXTRA = 50  # target length limit = source length + this
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_search(model: Seq2SeqTransformer, src: Tensor, beam_size: int, alpha: float, max_extra: int) -> None:
+    """One line naming the argument that decoding `src` with these settings cannot take."""
+    _require_int("beam_size", beam_size, 1)
+    _require_int("max_extra", max_extra, 0)
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+    vocab = model.config.vocab_size
+    if src.numel() and (int(src.min()) < 0 or int(src.max()) >= vocab):
+        bad = int(src.min()) if int(src.min()) < 0 else int(src.max())
+        raise ValueError(f"src holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
+    if beam_size > vocab:
+        raise ValueError(f"beam_size {beam_size} exceeds the model's vocabulary size ({vocab} tokens)")
+    problem = decoding_memory_problem(model, src.shape[0], beam_size, src.shape[1], max_extra)
+    if problem:
+        raise ValueError(f"beam_size {beam_size} with {src.shape[0]} sentences at a time: {problem}; lower "
+                         "beam_size or batch_size")
+
+
+def decoding_bytes(model: Seq2SeqTransformer, rows: int, src_len: int, max_extra: int) -> int:
+    """About the most memory decoding `rows` rows (sentences x beams) of sources of up to
+    `src_len` tokens takes: every decoder layer's self-attention KV cache and cross-attention
+    keys/values, twice (reordering the beams copies them), and one step's activations and
+    (rows, vocab) fp32 logits, log-probabilities and candidate scores."""
+    cfg = model.config
+    element = next(model.parameters()).element_size()
+    positions = min(src_len + max_extra, cfg.context_length - 1) + 1 + src_len  # cached target + source
+    state = rows * positions * cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * element
+    step = rows * ((cfg.ffn_dim + 4 * cfg.n_embd) * element + 3 * cfg.vocab_size * 4)
+    return 2 * state + step
+
+
+def decoding_memory_problem(model: Seq2SeqTransformer, sentences: int, beam_size: int, src_len: int,
+                            max_extra: int = MAX_EXTRA) -> str | None:
+    """Why `sentences` sources of up to `src_len` tokens do not fit in the model's device's
+    free memory decoded together with `beam_size` beams (`decoding_bytes`), or None."""
+    device = next(model.parameters()).device
+    need, free = decoding_bytes(model, sentences * beam_size, src_len, max_extra), free_memory(device)
+    if free is None or need <= free:
+        return None
+    return (f"decoding {sentences} x {beam_size} rows of up to {src_len} source tokens needs about "
+            f"{need / 2**30:.1f} GiB, more than the {max(free, 0) / 2**30:.1f} GiB free on {device.type}")
 
 
 class _Decoder:
@@ -73,6 +129,9 @@ def greedy_decode(
 ) -> list[list[int]]:
     """The greedy translation of each row (token ids, without BOS and EOS); `max_steps` cuts
     every row short after that many tokens (a timing probe)."""
+    _check_search(model, src, 1, 0.0, max_extra)
+    if max_steps is not None:
+        _require_int("max_steps", max_steps, 1)
     with eval_mode(model):  # no dropout; the caller's mode comes back after
         cfg = model.config
         src_mask = torch.ones_like(src, dtype=torch.bool) if src_mask is None else src_mask
@@ -114,6 +173,7 @@ def beam_search(
     beam_size: int = 4, alpha: float = 0.6, max_extra: int = MAX_EXTRA, use_cache: bool = True,
 ) -> list[list[int]]:
     """The best beam-search translation of each row (token ids, without BOS and EOS)."""
+    _check_search(model, src, beam_size, alpha, max_extra)
     with eval_mode(model):  # no dropout; the caller's mode comes back after
         cfg = model.config
         K = beam_size
@@ -188,7 +248,20 @@ def translate_ids(
     model: Seq2SeqTransformer, sources: list[list[int]], beam_size: int = 4, alpha: float = 0.6,
     max_extra: int = MAX_EXTRA, batch_size: int = 64,
 ) -> list[list[int]]:
-    """Translations of token-id sources, batched by length (similar lengths together: less padding)."""
+    """Translations of token-id sources, batched by length (similar lengths together: less padding).
+    Every argument is checked, and the widest batch's memory, before the first is decoded."""
+    _require_int("batch_size", batch_size, 1)
+    vocab, context = model.config.vocab_size, model.config.context_length
+    for i, row in enumerate(sources):
+        if len(row) > context:
+            raise ValueError(f"sources[{i}] has {len(row)} tokens, more than the model's context_length {context}")
+        if row and (min(row) < 0 or max(row) >= vocab):
+            bad = min(row) if min(row) < 0 else max(row)
+            raise ValueError(f"sources[{i}] holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
+    if not sources:
+        return []
+    widest = pad_batch(sorted(sources, key=len)[-batch_size:], model.config.pad_token_id)[0]  # the last batch
+    _check_search(model, widest, beam_size, alpha, max_extra)
     device = next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]

@@ -163,8 +163,16 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
     if fixed:
         listed = ", ".join(f"{key}={new!r} (the run has {old!r})" for key, (old, new) in fixed.items())
         raise FrawdError(f"{run_dir}: --resume continues the run's own model and tokenizer; these settings differ: "
-                         f"{listed}; drop them, or start a new run (--init-from {run_dir / BEST_MODEL_DIR} trains "
-                         "its model further)")
+                         f"{listed}; drop them, or {_new_run_advice(cfg, run_dir)}")
+
+
+def _new_run_advice(cfg: Any, run_dir: Path) -> str:
+    """How this command starts a new run, from the run's model where it can (pretrain:
+    --init-from, sft and dpo: --init; translate train has neither)."""
+    for flag, field in (("--init-from", "init_from"), ("--init", "init")):
+        if hasattr(cfg, field):
+            return f"start a new run ({flag} {run_dir / BEST_MODEL_DIR} trains its model further)"
+    return "start a new run (another --out, or --overwrite to replace this one)"
 
 
 def _note_changed_settings(cfg: Any, run_dir: Path) -> None:

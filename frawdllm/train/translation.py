@@ -95,6 +95,13 @@ class TranslateConfig(TrainConfig):
         if self.sample_prompt:  # a pretrain option (TrainConfig's); not a flag of translate train
             raise ConfigError("sample_prompt: translate train takes no prompt; its samples translate the first "
                               "validation sentences")
+        # TrainConfig's, not a flag of translate train (config.yaml holds its default)
+        if self.batch_size != TrainConfig.batch_size:
+            raise ConfigError(f"batch_size: translate train cuts batches by token count, not sentences; use "
+                              f"tokens_per_batch (--tokens-per-batch) instead of batch_size {self.batch_size!r}")
+        if self.tokenizer is not None and self.vocab_size is not None:
+            raise ConfigError(f"vocab_size {self.vocab_size}: the vocabulary is --tokenizer {self.tokenizer}'s own; "
+                              "--vocab-size sizes a tokenizer trained on the data: give one of them, not both")
 
 
 # ---- batches ---------------------------------------------------------------------------------
@@ -339,17 +346,45 @@ def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Toke
     return train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
 
 
-def check_translation(cfg: TranslateConfig) -> None:
-    """The checks that need no work (a FrawdError here means nothing was written)."""
+@dataclass
+class ParallelText:
+    train: tuple[list[str], list[str]]  # (source sentences, target sentences)
+    valid: tuple[list[str], list[str]] | None
+
+
+def check_translation(cfg: TranslateConfig) -> ParallelText:
+    """Everything about the job that can be checked without a tokenizer, before any work (a
+    FrawdError here means nothing was written): flags, OUT, --tokenizer, --max-len against
+    the model's context, and the parallel text, read and returned (files that exist, decode
+    and align, with a pair that has two sides). `frawd translate train --nproc N` calls it
+    before torchrun starts: bad input is one line, not one per rank."""
     from .rundir import check_run_dir
 
     if not cfg.src or not cfg.tgt:
         raise FrawdError("give the training text: --src FILE --tgt FILE")
     if not cfg.has_budget:
         raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    context = get_config(cfg.preset, **cfg.model).context_length
+    if cfg.max_len > context - 1:  # a target side and its BOS (or EOS) fill the decoder's positions
+        raise FrawdError(f"--max-len {cfg.max_len} exceeds the {context - 1} tokens a sentence may have in the "
+                         f"model's context_length {context} (with BOS/EOS); lower --max-len or --set "
+                         "context_length=N")
     check_run_dir(cfg)
     if cfg.tokenizer is not None and not cfg.resume:  # a resumed run uses the tokenizer in its folder
         given_tokenizer(cfg.tokenizer)
+    train = read_parallel(cfg.src, cfg.tgt)
+    _require_two_sides(*train, "training", "--src/--tgt")
+    valid = read_parallel(cfg.valid_src, cfg.valid_tgt) if cfg.valid_src else None
+    if valid is not None:
+        _require_two_sides(*valid, "validation", "--valid-src/--valid-tgt")
+    return ParallelText(train, valid)
+
+
+def _require_two_sides(src: list[str], tgt: list[str], what: str, flags: str) -> None:
+    """Refuse text of which every pair has an empty side (the skip a tokenizer is not needed for)."""
+    if all(not s.strip() or not t.strip() for s, t in zip(src, tgt)):
+        raise FrawdError(f"no {what} pairs left in {flags}: all {len(src):,} skipped, {len(src):,} with an "
+                         "empty side")
 
 
 def run_translation_training(cfg: TranslateConfig, started_at: float | None = None) -> TrainResult:
@@ -362,9 +397,8 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
     cfg = distributed.rank_config(cfg)
-    check_translation(cfg)
-    src, tgt = read_parallel(cfg.src, cfg.tgt)
-    valid_text = read_parallel(cfg.valid_src, cfg.valid_tgt) if cfg.valid_src else None
+    data = check_translation(cfg)
+    (src, tgt), valid_text = data.train, data.valid
     run_dir = Path(cfg.out)
     tokenizer_file = run_dir / "tokenizer.json"
     if place.is_main:
@@ -389,10 +423,6 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
         say(encoded, "validation data", limit)
         valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
                               [valid_text[1][i] for i in encoded.kept])
-    longest = max(max(len(s), len(t) + 1) for s, t in train.pairs)
-    if longest > model_cfg.context_length:
-        raise FrawdError(f"--max-len {cfg.max_len} allows sentences of {longest} tokens but the model's "
-                         f"context_length is {model_cfg.context_length}; lower --max-len or --set context_length=N")
     with undo_failed_start(cfg, enabled=place.is_main):
         if place.is_main:
             prepare_run_dir(cfg)
