@@ -449,3 +449,18 @@ def test_keys_past_fp16_range_in_a_half_cache_are_refused_not_decoded_as_nan():
     exact = Engine(model, IdTokenizer(), native=True, weights="fp32")
     assert exact.generate([prompt_ids(5, 4)], params)[0].tokens == \
         Engine(model, IdTokenizer(), native=False).generate([prompt_ids(5, 4)], params)[0].tokens
+
+
+def test_a_stop_string_found_in_the_flushed_tail_finishes_as_stop():
+    """The last token starts a character that never completes: finish() flushes it as U+FFFD,
+    and a stop string there cuts the text: the reason is "stop", not the "length" that
+    ended the row."""
+    from frawdllm.infer.textstream import TextStream
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    engine = Engine(make_model(vocab_size=tokenizer.vocab_size), tokenizer)
+    params = SamplingParams(max_new_tokens=2, stop=["\ufffd"])
+    stream = TextStream(tokenizer, params.stop)
+    assert engine.push_text(stream, 7 + ord("a"), None, params) == ("a", None)
+    assert engine.push_text(stream, 7 + 0xE2, "length", params) == ("", "stop")  # 0xE2: the head of "€"

@@ -275,3 +275,37 @@ def test_serve_refuses_an_empty_api_key_from_the_environment(capsys, tmp_path, m
     monkeypatch.delenv("FRAWD_API_KEY")
     from_flag = one_line_error(capsys, "--model", tmp_path / "m", "--api-key", "")
     assert from_env == from_flag and "API key is empty" in from_env, from_env
+
+
+@pytest.mark.parametrize("key", ["secret ", " secret", "sécret", "sec\tret"])
+def test_serve_refuses_an_api_key_no_client_could_send(capsys, tmp_path, key):
+    """HTTP trims a header's spaces and clients send ASCII: such a key would make every
+    request a 401."""
+    error = one_line_error(capsys, "--model", tmp_path / "m", "--api-key", key)
+    assert "printable ASCII without leading or trailing spaces" in error, error
+
+
+def test_nulls_openai_allows_mean_the_defaults(server):
+    """OpenAI declares n, stream, echo and prompt nullable (generated clients send nulls)."""
+    base = {"model": "m", "max_tokens": 3, "temperature": 0}
+    status, plain = post(server, "/v1/completions", {**base, "prompt": "ab"})
+    assert status == 200
+    status, nulls = post(server, "/v1/completions", {**base, "prompt": "ab", "n": None, "stream": None,
+                                                     "echo": None})
+    assert status == 200 and [c["text"] for c in nulls["choices"]] == [c["text"] for c in plain["choices"]]
+    status, empty = post(server, "/v1/completions", {**base, "prompt": ""})
+    status_null, null = post(server, "/v1/completions", {**base, "prompt": None})
+    assert (status, status_null) == (200, 200) and null["choices"][0]["text"] == empty["choices"][0]["text"]
+    chat = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    assert post(server, "/v1/chat/completions", {**chat, "n": None, "stream": None})[0] == 200
+
+
+def test_any_int64_seed_and_top_p_zero_are_taken(server):
+    """OpenAI's seed is any int64 (-1 is a common sentinel); top_p 0 keeps the likeliest token."""
+    base = {"model": "m", "prompt": "ab", "max_tokens": 6}
+    texts = [post(server, "/v1/completions", {**base, "seed": seed, "temperature": 1.0})[1]["choices"][0]["text"]
+             for seed in (-1, -1, -(2**63))]
+    assert texts[0] == texts[1]
+    greedy = post(server, "/v1/completions", {**base, "temperature": 0})[1]["choices"][0]["text"]
+    status, top_p_zero = post(server, "/v1/completions", {**base, "temperature": 1.0, "top_p": 0})
+    assert status == 200 and top_p_zero["choices"][0]["text"] == greedy

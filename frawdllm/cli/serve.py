@@ -117,6 +117,10 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
                          "give each its own name: --model NAME=DIR")
     if api_key == "" or (api_key is None and os.environ.get("FRAWD_API_KEY") == ""):  # (click: "" = unset)
         raise FrawdError("the API key is empty (--api-key or FRAWD_API_KEY): give a key, or neither to need none")
+    if api_key is not None and (api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
+        # HTTP trims a header's spaces and clients send ASCII only: such a key could never match
+        raise FrawdError("the API key (--api-key or FRAWD_API_KEY) must be printable ASCII without leading or "
+                         "trailing spaces: no client could send it")
     default_max_tokens = default_tokens(default_max_tokens, max_tokens)
     options = ServeOptions(api_key=api_key, max_batch=max_batch, max_queue=max_queue, max_in_flight=max_in_flight,
                            max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,

@@ -352,6 +352,8 @@ class Engine:
             reason = "stop"
         if reason is not None:
             text += stream.finish()
+            if stream.stopped:  # (a stop string can end in the held-back tail finish() flushes)
+                reason = "stop"
         return text, reason
 
     def finish_reason(self, token: int, params: SamplingParams, generated: int, length: int) -> str | None:

@@ -562,13 +562,15 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         raise ApiError(400, "stop strings must not be empty", param="stop")
     for i, text in enumerate(stop):
         _check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{i}]", param="stop")
+    seed = None if body.seed is None else body.seed % 2**63  # OpenAI's seeds are any int64 (-1 included)
     values = dict(max_new_tokens=max_new, num_samples=body.n, stop=stop, stop_token_ids=stop_token_ids,
-                  seed=body.seed, temperature=1.0 if body.temperature is None else body.temperature)
+                  seed=seed, temperature=1.0 if body.temperature is None else body.temperature)
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(body, name) is not None:
             values[name] = getattr(body, name)
-    if 0 < values["temperature"] < 1e-4:
-        values["temperature"] = 0  # below the sampler's floor: greedy in all but name
+    if 0 < values["temperature"] < 1e-4 or values.get("top_p") == 0:
+        values["temperature"] = 0  # below the sampler's floor, or top_p 0 (the likeliest token): greedy
+        values.pop("top_p", None)
     try:
         return SamplingParams(**values)
     except FrawdError as error:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # OpenAI's seed: any int64
 
 
 class StreamOptions(BaseModel):
@@ -33,17 +33,17 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (capped by the server).")
     max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of max_tokens.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1, description="0 = the likeliest token alone (greedy).")
     top_k: int | None = Field(None, ge=0, le=1_000_000, description="FrawdLLM extension: 0 = off.")
     min_p: float | None = Field(None, ge=0, le=1, description="FrawdLLM extension: 0 = off.")
     repetition_penalty: float | None = Field(None, ge=0.001, le=1000,
                                              description="FrawdLLM extension (CTRL's): 1 = off.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported.")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported.")
-    n: int = Field(1, ge=1, le=128, description="Completions for the prompt (capped by the server).")
+    n: int | None = Field(1, ge=1, le=128, description="Completions for the prompt (capped by the server).")
     stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP} stop strings.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stream: bool = False
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     truncate: bool = Field(False, description="FrawdLLM extension: drop the oldest prompt tokens (chat: "
                                               "turns) that do not fit the context, instead of a 400.")
@@ -51,6 +51,15 @@ class _Sampling(BaseModel):
     # OpenAI fields this server does not support: only their neutral values pass
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
     response_format: dict | None = Field(None, description='Not supported: only null or {"type": "text"}.')
+
+    @field_validator("n", "stream", "echo", "prompt", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """OpenAI's API declares these nullable, null meaning the default (generated clients
+        send explicit nulls); a null prompt is the empty one."""
+        if value is not None:
+            return value
+        return "" if info.field_name == "prompt" else cls.model_fields[info.field_name].default
 
 
 class TextPart(BaseModel):
@@ -83,10 +92,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[int] | list[str] | list[list[int]] | None = Field(
         description="Text or token ids, or a list of either: n completions for each prompt, "
                     "choice prompt_index * n + sample_index.")
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5, description="Not supported: only null or 0.")
     best_of: int | None = Field(None, ge=1, le=20, description="Not supported: only null or 1.")
     suffix: str | None = Field(None, description='Not supported: only null or "".')
