@@ -199,8 +199,8 @@ def test_errors_are_openai_errors(server):
     with pytest.raises(openai.NotFoundError) as info:
         c.completions.create(model="nope", prompt="a", max_tokens=2)
     assert info.value.body["code"] == "model_not_found"
-    bad = [dict(temperature=3), dict(n=5), dict(max_tokens=MAX_TOKENS + 1), dict(top_p=0), dict(logprobs=True),
-           dict(presence_penalty=1.0), dict(stop=["a", "b", "c", "d", "e"]), dict(seed=-1), dict(max_tokens=0)]
+    bad = [dict(temperature=3), dict(n=5), dict(max_tokens=MAX_TOKENS + 1), dict(top_p=-0.1), dict(logprobs=True),
+           dict(presence_penalty=1.0), dict(stop=["a", "b", "c", "d", "e"]), dict(seed=2**63), dict(max_tokens=0)]
     for extra in bad:
         with pytest.raises(openai.BadRequestError) as info:
             c.completions.create(model="varied", prompt="abc", **extra)
