@@ -188,6 +188,12 @@ def _table_bytes(cfg: ModelConfig) -> int:
     return cfg.context_length * width * 8
 
 
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first `shown` names, and how many more there are."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return (", ".join(names[:shown]) or "-") + more
+
+
 def check_weights(cfg: ModelConfig, path: Path) -> None:
     """FrawdError unless the safetensors file at `path` holds exactly the tensors `cfg`
     implies; decided from the header before any tensor or model is allocated."""
@@ -213,7 +219,7 @@ def check_weights(cfg: ModelConfig, path: Path) -> None:
     if missing or unexpected:
         raise FrawdError(
             f"{path}: weights do not match config.json "
-            f"(missing: {', '.join(missing[:5]) or '-'}; unexpected: {', '.join(unexpected[:5]) or '-'})"
+            f"(missing: {_some(missing)}; unexpected: {_some(unexpected)})"
         )
     for key, (_, shape) in stored.items():
         if shape != expected[key]:

@@ -219,7 +219,12 @@ class Tokenizer:
             backend = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise FrawdError(f"{path}: not a valid tokenizer.json ({first_line})") from None
+            try:  # its message reads as a JSON syntax error even for JSON that is not a tokenizer
+                json.loads(path.read_bytes())
+                what = f"JSON, but not a tokenizer (the tokenizers library: {first_line})"
+            except (ValueError, OSError):
+                what = f"not valid JSON ({first_line})"
+            raise FrawdError(f"{path}: not a valid tokenizer.json: {what}") from None
         return cls(backend)
 
     def check_fits(self, vocab_size: int, where: str | Path) -> "Tokenizer":

@@ -85,3 +85,12 @@ def test_config_weights_shape_mismatch_names_the_tensor(tmp_path):
     (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(FrawdError, match=r"embed\.tok\.weight.*\(50, 16\)"):
         FrawdLLM.from_pretrained(tmp_path)
+
+
+def test_a_layer_count_mismatch_lists_some_names_and_counts_the_rest(tmp_path):
+    tiny().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_FILE).read_text())
+    config["n_layer"] = 4  # two layers' tensors missing: more names than the message shows
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(FrawdError, match=r"missing: blocks\.2\.\S+(, \S+){4} and \d+ more; unexpected: -\)"):
+        FrawdLLM.from_pretrained(tmp_path)

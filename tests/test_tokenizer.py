@@ -170,7 +170,10 @@ def test_load_names_the_missing_or_corrupt_file(tmp_path):
         Tokenizer.load(tmp_path)  # a directory without tokenizer.json
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"model": 3')
-    with pytest.raises(FrawdError, match="not a valid tokenizer.json"):
+    with pytest.raises(FrawdError, match="not a valid tokenizer.json: not valid JSON"):
+        Tokenizer.load(bad)
+    bad.write_text('{"a": 1}')  # JSON, but not a tokenizer: not reported as a syntax error
+    with pytest.raises(FrawdError, match="not a valid tokenizer.json: JSON, but not a tokenizer"):
         Tokenizer.load(bad)
 
 
