@@ -11,7 +11,7 @@ from frawdllm.cli import main
 from frawdllm.infer import Engine
 from frawdllm.infer.native import fp16_rounded_copy, has_fp16
 from frawdllm.io import write_json_atomic
-from frawdllm.tokenizer import EOS_ID, byte_tokenizer
+from frawdllm.tokenizer import EOS_ID, byte_tokenizer, train_tokenizer
 from infer_helpers import HalfKV, one_thread  # noqa: F401  (autouse fixture)
 
 
@@ -177,3 +177,17 @@ def test_a_completion_cut_by_the_context_says_so(capsys, model_dir, stream):
     assert code == 0 and "note" not in err, err
     if stream == "--json":
         assert json.loads(out)["completion_tokens"] == 100
+
+
+def test_prompt_characters_a_char_tokenizer_does_not_know_are_named(capsys, tmp_path):
+    tok = train_tokenizer(["abc abc"], kind="char")
+    torch.manual_seed(0)
+    FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=16, n_head=2,
+                        context_length=32)).save_pretrained(tmp_path, tokenizer=tok)
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab€z", "--max-new-tokens", "2",
+                       "--json")
+    assert code == 0 and "2 character(s) of the prompt are not in the tokenizer's vocabulary" in err, err
+    assert "'z€'" in err
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "2",
+                       "--json")
+    assert code == 0 and "warning" not in err

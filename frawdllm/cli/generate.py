@@ -61,6 +61,11 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     params = params_from_flags(model_dir, sampling, **given)
     check_rows_fit(model_dir, len(texts) * params.num_samples, dtype)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
+    unknown = sorted(set().union(*(engine.tokenizer.unknown_characters(text) for text in texts)))
+    if unknown:  # (a char tokenizer: the model sees <|unk|> for them, as data prepare and eval warn)
+        shown = "".join(unknown[:20]) + (f" and {len(unknown) - 20} more" if len(unknown) > 20 else "")
+        click.echo(f"warning: {len(unknown)} character(s) of the prompt are not in the tokenizer's vocabulary "
+                   f"and become <|unk|>: {shown!r}", err=True)
     if stream is None:
         stream = sys.stdout.isatty() and not as_json
     single = len(texts) == 1 and params.num_samples == 1
