@@ -263,3 +263,35 @@ def test_max_time_none_clears_a_config_files_budget(corpus, tmp_path, capsys):
     code, out, err = run_cli(capsys, "pretrain", "--config", config, "--max-time", "none", "--max-steps", "3",
                              "--out", tmp_path / "run", "--dry-run", "--no-progress")
     assert code == 0 and "budget:        max-steps 3 (" in out, (err, out)
+
+
+# ---- a --resume whose start fails leaves the run as it was ----------------------------------------
+
+def _run_files(run):
+    names = ["config.yaml", "tokenizer.json", *(f"data/{p.name}" for p in sorted((run / "data").iterdir()))]
+    return {name: (run / name).read_bytes() for name in names if (run / name).is_file()}
+
+
+def test_a_failed_resume_with_other_data_leaves_config_and_data_as_they_were(corpus, tmp_path):
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=2))
+    before = _run_files(run)
+    small = tmp_path / "small.txt"
+    small.write_text("The king shall speak.\n", encoding="utf-8")  # fewer tokens than one window needs
+    with pytest.raises(FrawdError, match="only .* tokens; a window of context_length 32"):
+        run_pretraining(tiny_config(corpus, run, resume=True, data=str(small), max_steps=4))
+    assert _run_files(run) == before  # config.yaml, tokenizer.json and data/ untouched
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []  # no backup left
+    assert run_pretraining(tiny_config(corpus, run, resume=True, max_steps=3)).steps == 3  # a plain --resume
+
+
+def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corpus, tmp_path):
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=2))
+    with pytest.raises(FrawdError) as info:
+        run_pretraining(tiny_config(corpus, run, resume=True, model={**TINY_MODEL, "n_layer": 3}, max_steps=3))
+    assert "n_layer=3 (the run has 2)" in str(info.value) and "{" not in str(info.value)
+    # the preset's own value, given as an override, changes nothing: not refused
+    same = {**TINY_MODEL, "tie_embeddings": pretrain_module.model_config_for(
+        tiny_config(corpus, run), 20).tie_embeddings}
+    assert run_pretraining(tiny_config(corpus, run, resume=True, model=same, max_steps=3)).steps == 3

@@ -82,3 +82,16 @@ def test_truncate_samples_keeps_steps_up_to_the_checkpoint(tmp_path):
     (tmp_path / SAMPLES_FILE).write_text(text)
     truncate_samples(tmp_path, 4)
     assert (tmp_path / SAMPLES_FILE).read_text() == text[: text.index("=== step 8")]
+
+
+def test_the_summary_says_what_its_figures_cover(tmp_path):
+    """After a resume the step, token and time counts are the whole run's, the speed this
+    session's: each is labelled, so 30.7k tokens in 18 s beside 3.7k tok/s is not a puzzle."""
+    from frawdllm.train.loop import TrainResult
+
+    result = TrainResult(steps=30, tokens=30_700, elapsed_s=18.0, stop_reason="max_steps", last_loss=1.0,
+                         val_loss=None, best_val_loss=None, best_step=None, tokens_per_s=3_700.0, mfu=0.1,
+                         checkpoint=None, run_dir=tmp_path, flops_known=True)
+    line = result.summary()
+    assert "30 steps, 30.7k tokens in 18.0 s (the run so far)" in line
+    assert "this session 3.7k tok/s, MFU" in line

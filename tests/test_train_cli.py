@@ -169,3 +169,31 @@ def test_the_projects_warnings_are_one_line_under_the_cli(capsys, tmp_path):
         warnings.warn_explicit("step 4: loss nan; update skipped (1 in a row)", UserWarning,
                                filename=str(ROOT / "frawdllm" / "train" / "loop.py"), lineno=534)
     assert capsys.readouterr().err == "warning: step 4: loss nan; update skipped (1 in a row)\n"
+
+
+def test_a_shard_folder_with_a_corrupt_meta_json_is_an_error_not_text(corpus, tmp_path):
+    from frawdllm.data.shards import read_shard_meta
+    from frawdllm.errors import FrawdError
+    from frawdllm.train.pretrain import is_shard_dir
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (shards / name).write_bytes(bytes(range(256)) * 4)
+    (shards / "meta.json").write_text("{oops\n")
+    with pytest.raises(FrawdError, match=r"meta.json is not valid JSON; prepare the shards again"):
+        is_shard_dir(shards)
+    model = tmp_path / "model"
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=16,
+                        vocab_size=tok.vocab_size)).save_pretrained(model, tokenizer=tok)
+    with pytest.raises(FrawdError, match="meta.json is not valid JSON"):  # not scored as text
+        run_cli("eval", "--model", str(model), "--data", str(shards), "--device", "cpu")
+    with pytest.raises(FrawdError, match="meta.json is not valid JSON"):
+        run_cli("data", "prepare", "--data", str(shards), "--tokenizer", str(model / "tokenizer.json"),
+                "--out", str(tmp_path / "out"))
+    text = tmp_path / "text"  # a text folder may hold a meta.json of its own
+    text.mkdir()
+    (text / "meta.json").write_text("{oops\n")
+    (text / "a.txt").write_text("hello\n")
+    assert read_shard_meta(text) is None and not is_shard_dir(text)

@@ -229,12 +229,26 @@ def split_files(shard_dir: str | Path, split: str, meta: dict | None = None) -> 
 def read_shard_meta(shard_dir: str | Path) -> dict | None:
     """A folder's meta.json when it is one of prepared shards (a JSON object); None when the
     folder has none, or a file of that name that is not (unreadable, not JSON, not an
-    object): a folder of text may hold a meta.json of its own."""
+    object): a folder of text may hold a meta.json of its own. Beside train.bin or val.bin,
+    though, a meta.json that cannot be read is prepared shards damaged, an error (their
+    token ids must not pass for text)."""
+    path = Path(shard_dir) / META_FILE
+    problem = None
     try:
-        meta = json.loads((Path(shard_dir) / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return None
-    return meta if isinstance(meta, dict) else None
+    except OSError as exc:
+        meta, problem = None, f"cannot be read ({exc.strerror or exc})"
+    except ValueError:
+        meta, problem = None, "is not valid JSON"
+    if problem is None and not isinstance(meta, dict):
+        problem = "is not a JSON object"
+    if problem is None:
+        return meta
+    if path.is_file() and any((Path(shard_dir) / name).is_file() for name in (TRAIN_FILE, VAL_FILE)):
+        raise FrawdError(f"{path} {problem}; prepare the shards again with frawd data prepare")
+    return None
 
 
 def shard_files(shard_dir: str | Path, meta: dict) -> list[Path]:

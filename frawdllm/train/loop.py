@@ -166,10 +166,13 @@ class TrainResult:
     flops_known: bool = False  # the task counts its FLOPs (MFU is shown, n/a without a peak)
 
     def summary(self) -> str:
-        parts = [f"{self.stop_reason}: {self.steps} steps, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s",
-                 f"{_si(self.tokens_per_s)} tok/s"]
+        # steps, tokens and time count the whole run (earlier sessions of a resumed run too);
+        # the speed is this session's average, so each is labelled with what it covers
+        speed = f"this session {_si(self.tokens_per_s)} tok/s"
         if self.flops_known:
-            parts.append(f"MFU {format_mfu(self.mfu)}")
+            speed += f", MFU {format_mfu(self.mfu)}"
+        parts = [f"{self.stop_reason}: {self.steps} steps, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s "
+                 "(the run so far)", speed]
         if self.last_loss is not None:
             parts.append(f"loss {self.last_loss:.4f}")
         if self.val_loss is not None:

@@ -364,7 +364,7 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
     cfg = distributed.rank_config(cfg)
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
-    with undo_failed_start(cfg, enabled=place.is_main):
+    with undo_failed_start(cfg, enabled=place.is_main, keep=(DATA_DIR, TOKENIZER_FILE)):
         if place.is_main:  # the others wait, then read what rank 0 made
             prepare_run_dir(cfg)
             data = prepare_data(cfg, run_dir)
@@ -379,9 +379,9 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
                   f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
                   f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
         saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+        task = PretrainTask(data, model_cfg, cfg, context_length=window)  # data too short: refused here
         if place.is_main:
             write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
-        task = PretrainTask(data, model_cfg, cfg, context_length=window)
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
                           started_at=started_at)
     return trainer.fit()

@@ -160,10 +160,42 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
     """A --resume that changes what the checkpoint was trained as (the model, its tokenizer)
     cannot load it: refused before anything is written, so the run stays resumable."""
     fixed = {k: v for k, v in _changed_settings(cfg, run_dir).items() if k in RESUME_FIXED}
-    if fixed:
-        listed = ", ".join(f"{key}={new!r} (the run has {old!r})" for key, (old, new) in fixed.items())
+    listed = []
+    for key, (old, new) in fixed.items():
+        if key == "model":  # overrides of the preset: compared and shown as the values they give
+            preset_now = getattr(cfg, "preset", None)
+            preset_then = fixed["preset"][0] if "preset" in fixed else preset_now
+            values = _model_values(preset_then, old, preset_now, new)
+            if values is not None:
+                listed += [f"{name}={now!r} (the run has {then!r})" for name, (then, now) in values.items()]
+                continue
+        listed.append(f"{key}={new!r} (the run has {old!r})")
+    if listed:
+        listed = ", ".join(listed)
         raise FrawdError(f"{run_dir}: --resume continues the run's own model and tokenizer; these settings differ: "
                          f"{listed}; drop them, or {_new_run_advice(cfg, run_dir)}")
+
+
+def _model_values(preset_then: Any, then: Any, preset_now: Any, now: Any) -> dict[str, tuple[Any, Any]] | None:
+    """{field: (the run's value, the value now)} for the model fields whose effective values
+    (the preset with its overrides) differ; None where they cannot be worked out."""
+    from dataclasses import fields as dataclass_fields
+
+    from ..config import ModelConfig, get_config, parse_value
+
+    def effective(preset: Any, overrides: Any) -> dict[str, Any]:
+        parsed = {k: parse_value(ModelConfig, k, v) if isinstance(v, str) else v for k, v in overrides.items()}
+        config = get_config(preset, **parsed)
+        return {f.name: getattr(config, f.name) for f in dataclass_fields(config)}
+
+    if not (isinstance(then, dict) and isinstance(now, dict) and isinstance(preset_then, str)
+            and isinstance(preset_now, str)):
+        return None
+    try:
+        old, new = effective(preset_then, then), effective(preset_now, now)
+    except Exception:  # an override the run's own code would refuse: shown as given
+        return None
+    return {name: (old.get(name), new[name]) for name in new if old.get(name) != new[name]}
 
 
 def _new_run_advice(cfg: Any, run_dir: Path) -> str:
@@ -185,17 +217,25 @@ def _note_changed_settings(cfg: Any, run_dir: Path) -> None:
               flush=True)
 
 
+START_BACKUP_DIR = ".start-backup"  # what a --resume's start may replace, until it has succeeded
+
+
 @contextmanager
-def undo_failed_start(cfg: Any, enabled: bool = True) -> Iterator[Path]:
+def undo_failed_start(cfg: Any, enabled: bool = True, keep: tuple[str, ...] = ()) -> Iterator[Path]:
     """Wraps a run's start: if it raises, the folders it created are removed, else the
     config.yaml it wrote (reusable data such as a tokenizer and shards stays). `enabled`
-    False (ranks other than 0, which write nothing) leaves everything in place."""
+    False (ranks other than 0, which write nothing) leaves everything in place.
+
+    A --resume's start leaves the run as it was: its config.yaml and the names in `keep`
+    (e.g. the run's own data/ and tokenizer.json, which other --data replaces) are put back,
+    so a plain --resume still continues it."""
     run_dir = Path(cfg.out)
     created = None  # the outermost folder this start creates
     for folder in (run_dir, *run_dir.parents):
         if folder.exists():
             break
         created = folder
+    backup = _back_up(run_dir, (CONFIG_FILE, *keep)) if enabled and cfg.resume and created is None else None
     try:
         yield run_dir
     except BaseException:
@@ -203,9 +243,48 @@ def undo_failed_start(cfg: Any, enabled: bool = True) -> Iterator[Path]:
             raise
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+        elif backup is not None and cfg.resume:  # (not a resume that started the run over)
+            _restore(run_dir, backup, (CONFIG_FILE, *keep))
         elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():
             (run_dir / CONFIG_FILE).unlink(missing_ok=True)
         raise
+    finally:
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where it can (the files are replaced by renames, never rewritten in place), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _back_up(run_dir: Path, names: tuple[str, ...]) -> Path:
+    """`names` of `run_dir` as they are now, in a backup folder inside it."""
+    backup = run_dir / START_BACKUP_DIR
+    shutil.rmtree(backup, ignore_errors=True)  # one left by a killed start
+    backup.mkdir()
+    for name in names:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.copytree(path, backup / name, copy_function=_link_or_copy, symlinks=True)
+        elif path.is_file():
+            _link_or_copy(str(path), str(backup / name))
+    return backup
+
+
+def _restore(run_dir: Path, backup: Path, names: tuple[str, ...]) -> None:
+    """Put `names` back as `_back_up` saved them (a name that was not there is removed)."""
+    for name in names:
+        path, saved = run_dir / name, backup / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        if saved.exists():
+            os.replace(saved, path)
 
 
 def _clean(value: Any) -> Any:
