@@ -421,7 +421,7 @@ def test_a_refused_resume_gives_advice_translate_train_has(trained, capsys, tmp_
     code, _, err = run_cli(capsys, "translate", "train", "--out", tmp_path / "run", "--resume", "--max-steps", "9",
                            "--set", "n_embd=64")
     line = _one_line_error(err)
-    assert code == 1 and "these settings differ: model=" in line
+    assert code == 1 and "these settings differ: n_embd=64 (the run has 32)" in line
     assert "--init" not in line and line.endswith("start a new run (another --out, or --overwrite to replace this one)")
 
 
