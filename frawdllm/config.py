@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -203,6 +204,11 @@ def _type_name(hint: Any) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
              type(None): "null"}
     return " or ".join(names.get(o, str(o)) for o in options)
+
+
+def is_integer(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _fits(value: Any, kind: Any) -> bool:

@@ -22,12 +22,9 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from ..config import is_integer
 from ..errors import FrawdError
 from .shard_format import TokenArray
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank: int, world_size: int) -> None:
@@ -37,7 +34,7 @@ def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank
         raise FrawdError(f"tokens must be a 1-D integer array (read_shard, read_split), got {what}")
     for name, value in (("batch_size", batch_size), ("context_length", context_length), ("rank", rank),
                         ("world_size", world_size)):
-        if not _is_int(value):
+        if not is_integer(value):
             raise FrawdError(f"{name} must be an integer, got {value!r}")
     if batch_size < 1 or context_length < 1:
         raise FrawdError(f"batch_size and context_length must be positive, got {batch_size} and {context_length}")
@@ -62,7 +59,7 @@ class RandomWindowLoader:
     def __init__(self, tokens: TokenArray, batch_size: int, context_length: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, grad_accum: int = 1):
         _check_layout(tokens, batch_size, context_length, rank, world_size)
-        if not _is_int(grad_accum) or grad_accum < 1:
+        if not is_integer(grad_accum) or grad_accum < 1:
             raise FrawdError(f"grad_accum must be a positive integer, got {grad_accum!r}")
         self.tokens = tokens
         self.batch_size = batch_size
@@ -95,7 +92,7 @@ class RandomWindowLoader:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or set(state) != {"seed", "step"}:
             raise FrawdError(f"loader state must be a mapping with keys seed and step, got {state!r:.100}")
-        if not all(_is_int(state[key]) and state[key] >= 0 for key in ("seed", "step")):
+        if not all(is_integer(state[key]) and state[key] >= 0 for key in ("seed", "step")):
             raise FrawdError(f"loader state: seed and step must be integers >= 0, got {state!r}")
         self.seed = int(state["seed"])
         self.step = int(state["step"])
@@ -108,7 +105,7 @@ class SequentialLoader:
     def __init__(self, tokens: TokenArray, batch_size: int, context_length: int,
                  max_batches: int | None = None, rank: int = 0, world_size: int = 1):
         _check_layout(tokens, batch_size, context_length, rank, world_size)
-        if max_batches is not None and (not _is_int(max_batches) or max_batches < 1):
+        if max_batches is not None and (not is_integer(max_batches) or max_batches < 1):
             raise FrawdError(f"max_batches must be a positive integer or None, got {max_batches!r}")
         self.tokens = tokens
         self.batch_size = batch_size

@@ -22,6 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ..config import is_integer
 from ..errors import FrawdError
 from ..io import atomic_path
 
@@ -74,8 +75,7 @@ class ShardWriter:
     """Append token arrays to an open shard file; the header is patched on close."""
 
     def __init__(self, file: BinaryIO, vocab_size: int):
-        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) \
-                or not 1 <= vocab_size <= 2**32:
+        if not is_integer(vocab_size) or not 1 <= vocab_size <= 2**32:
             raise FrawdError(f"vocab_size must be an integer in [1, 2**32], got {vocab_size!r}")
         self.file = file
         self.vocab_size = int(vocab_size)

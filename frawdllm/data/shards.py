@@ -44,6 +44,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from ..config import is_integer
 from ..errors import FrawdError
 from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_error, write_json_atomic
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
@@ -78,7 +79,7 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise FrawdError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
     if workers is not None:
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        if not is_integer(workers) or workers < 1:
             raise FrawdError(f"workers must be an integer of at least 1, got {workers!r}")
         # The Rust thread pool reads this when it starts (the first parallel encode of the process).
         os.environ["RAYON_NUM_THREADS"] = str(workers)

@@ -59,7 +59,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..config import Seq2SeqConfig
+from ..config import Seq2SeqConfig, is_integer
 from ..errors import FrawdError
 from ..model.gpt import eval_mode
 from . import native as native_forward
@@ -565,7 +565,7 @@ def _is_token_id(value: Any) -> bool:
     """A Python or numpy integer, or a 0-d integer tensor (a bool is not a token id)."""
     if isinstance(value, Tensor):
         return value.ndim == 0 and _integer_dtype(value)
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    return is_integer(value)
 
 
 def _integer_dtype(array: Tensor | np.ndarray) -> bool:

@@ -33,6 +33,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from ..config import is_integer
 from ..memory import free_memory
 from ..model.gpt import eval_mode
 from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
@@ -42,7 +43,7 @@ MAX_EXTRA = 50  # target length limit = source length + this
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 

@@ -14,7 +14,6 @@ Values are validated once, here; the loop trusts them.
 
 from __future__ import annotations
 
-import numbers
 import re
 import types
 import typing
@@ -24,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ModelConfig, check_fields, get_config, positions_override
+from ..config import ModelConfig, check_fields, get_config, is_integer, positions_override
 from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
@@ -209,7 +208,7 @@ def _compile_setting(value: Any) -> str:
 def _require(name: str, value: Any, ok, what: str) -> None:
     """`value` passes `ok`, else one line saying `name` must be `what`. A `what` that promises
     an integer also refuses floats (2.5, and 16.0 too) and booleans; None is left to `ok`."""
-    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    integer = is_integer(value)
     try:
         good = ok(value) and (integer or value is None or "integer" not in what)
     except TypeError:
