@@ -172,7 +172,7 @@ def test_queue_limit(model_tok):
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_native_rows_do_not_depend_on_the_row_count(model_tok, weights):
     """native.c sums each row of a product in the same order whatever the number of rows:
-    a row of a batch of 11 (rows 8, 2 and 1 at a time) is bit for bit the row computed
+    a row of a batch of 11 (rows 6, 4 and 1 at a time) is bit for bit the row computed
     alone (the continuous batch's promise), with per-row cache lengths."""
     model, _ = model_tok
     decoder = native_forward.NativeDecoder(model, weights)
