@@ -205,6 +205,22 @@ def test_thread_choice_follows_the_cheaper_count_and_probes_less_when_probes_los
     assert [choice.pick() for _ in range(5)].count(2) >= 4
 
 
+def test_one_slow_call_does_not_move_a_phase_to_the_slower_thread_count():
+    """A call slowed once (another thread of the process took a core) leaves the choice as it
+    was; a count that stays slow loses it after two calls."""
+    choice = paths.ThreadChoice(first=2, threads=2)
+    cost = {2: 1.0, 1: 1.8}
+    for _ in range(100):
+        n = choice.pick()
+        choice.record(n, cost[n], 1)
+    assert choice.pick() == 2
+    choice.record(2, 6.0, 1)  # one step that waited for a core
+    assert [choice.pick() for _ in range(3)] == [2, 2, 2]
+    for _ in range(2):  # now two threads stay slow
+        choice.record(2, 6.0, 1)
+    assert choice.pick() == 1
+
+
 @NATIVE
 def test_an_int8_engine_names_its_forward_int8():
     engine = Engine(quantize_int8(make_model(**CONFIGS["learned"])), IdTokenizer(), native=True)

@@ -66,23 +66,35 @@ class Path:
 class ThreadChoice:
     """The thread count of one native phase, re-decided from the times of its own calls.
 
-    `pick()` returns the count with the lower recent cost per token (a moving average
-    for the count in use, the latest probe for the other);
-    now and then it tries the other one, less often each time that one loses (every 8
-    calls, doubling up to every 512), so a loaded machine pays little for the probes and
-    a machine that quiets down gets its threads back.
+    `pick()` returns the count with the lower recent cost per token: the median of its
+    last three times, so that one call slowed by something else (another thread of this
+    process taking a core for a moment: the server's event loop) does not move a phase to
+    the count that is slower the rest of the time (in the server, 32-row steps went to one
+    thread after single slow calls: 0.6-0.75x the throughput). Now and then it tries the
+    other count: every 8 calls while that one looks as fast, doubling up to every 512 while
+    it loses, so a loaded machine pays little for the probes and a machine that quiets
+    down gets its threads back (two winning probes, 8 calls apart).
     """
+
+    RECENT = 3  # times kept per count
 
     def __init__(self, first: int, threads: int) -> None:
         self.options = [first] + [n for n in {threads, 1} if n != first]
-        self.cost: dict[int, float] = {}
+        self.times: dict[int, list[float]] = {}  # count -> its latest costs per token, newest last
         self.calls, self.interval = 0, 8
 
+    def cost(self, threads: int) -> float:
+        recent = self.times.get(threads)
+        return statistics.median(recent) if recent else float("inf")
+
+    def _best(self) -> int:
+        return min(self.options, key=self.cost)
+
     def pick(self) -> int:
-        untried = [n for n in self.options if n not in self.cost]
+        untried = [n for n in self.options if n not in self.times]
         if untried and self.calls > 0:
             return untried[0]
-        best = min(self.options, key=lambda n: self.cost.get(n, float("inf")))
+        best = self._best()
         self.calls += 1
         if len(self.options) > 1 and self.calls % self.interval == 0:
             return next(n for n in self.options if n != best)
@@ -90,12 +102,13 @@ class ThreadChoice:
 
     def record(self, threads: int, seconds: float, tokens: int) -> None:
         per_token = seconds / max(tokens, 1)
-        was_best = min(self.options, key=lambda n: self.cost.get(n, float("inf")))
-        old = self.cost.get(threads)  # the count in use: a moving average; a probe: its fresh time
-        self.cost[threads] = per_token if old is None or threads != was_best else 0.7 * old + 0.3 * per_token
-        if threads != was_best and len(self.cost) == len(self.options):
-            won = self.cost[threads] < self.cost[was_best]
-            self.interval = 8 if won else min(512, 2 * self.interval)
+        was_best = self._best()
+        recent = self.times.setdefault(threads, [])
+        recent.append(per_token)
+        del recent[:-self.RECENT]
+        if threads != was_best and len(self.times) == len(self.options):
+            promising = per_token < self.cost(was_best)  # (this probe alone; the choice takes two)
+            self.interval = 8 if promising else min(512, 2 * self.interval)
 
 
 def phase(rows: int, new_tokens: int) -> str:
