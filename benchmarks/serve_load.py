@@ -252,7 +252,7 @@ def without_http(model_dir: Path, texts: list[list[int]], args) -> dict[str, lis
     server starts (nothing else running: an idle server's threads still cost a 1-row step)."""
     engine = load_engine(str(model_dir), threads=args.threads)  # as `frawd serve` loads it
     alone: dict[str, list[float]] = {}
-    for _ in range(args.rounds):  # first: with the scheduler's thread alive, idle, a 1-row step is ~13% slower
+    for _ in range(args.rounds):  # first: nothing else alive (an idle scheduler thread once cost a 1-row step ~13-20%)
         for n in (1, 32):
             alone.setdefault(f"forward_tokens_per_s_{n}", []).append(forward_steps(engine, n, 60 if n == 1 else 20))
     scheduler = Scheduler(engine, max_batch=32)

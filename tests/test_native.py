@@ -6,6 +6,10 @@ weights, threads, the rebuild after a weight change, and the ways it says no.
 """
 
 import ctypes
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -107,6 +111,54 @@ def test_threads_split_the_work_without_changing_a_bit(lengths):
     for results in out[1:]:
         for a, b in zip(out[0], results):
             assert torch.equal(a, b)
+
+
+def test_callers_on_other_threads_and_in_a_forked_child_get_the_same_bits():
+    """Beside the main thread (OpenMP's team, torch's), native.c's own team of threads serves
+    every other calling thread, one forward at a time (here four Python threads and two
+    decoders at once), and a forked child starts a team of its own (the parent's threads do
+    not exist there)."""
+    model = make_model(std=0.2, **CONFIGS["rope-gqa"])
+    decoders = [native.NativeDecoder(model), native.NativeDecoder(model)]
+    ids, positions, valid = padded_prompts((4, 7, 2), model.config.vocab_size)
+
+    def run(decoder, threads):
+        cache = KVCache(model.config, 3, 16)
+        cache.begin(ids.shape[1], valid=valid)
+        return decoder.forward(ids, positions, cache, threads=threads).clone()
+
+    expected = run(decoders[0], 1)
+    results: dict[int, list] = {}
+    callers = [threading.Thread(target=lambda i=i: results.__setitem__(i, [run(decoders[i % 2], 2) for _ in range(25)]))
+               for i in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(60)
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(torch.equal(out, expected) for outs in results.values() for out in outs)
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a forward from a thread of its own, answered through the pipe; never back into pytest
+        try:
+            out = []
+            caller = threading.Thread(target=lambda: out.append(run(decoders[0], 2)))
+            caller.start()
+            caller.join()
+            os.write(write, b"same" if out and torch.equal(out[0], expected) else b"different")
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's forward did not finish within 60 s")
+        time.sleep(0.02)
+    with os.fdopen(read, "rb") as answer:
+        assert answer.read() == b"same"
 
 
 def test_the_tiny_preset_with_two_threads_equals_pytorch():

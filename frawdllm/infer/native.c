@@ -26,8 +26,8 @@ as many as the registers hold: plain multiply-adds, no horizontal sums, no scala
 fp32, fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a
 quarter), each converted exactly to fp32 in registers.
 
-Threads (OpenMP) split every product by output tiles and the attention by token and
-head; a barrier of our own separates dependent phases (it sleeps after a short spin, so
+Threads (a team of our own, not OpenMP's: see "the team") split every product by output
+tiles and the attention by token and head; a barrier of our own separates dependent phases (it sleeps after a short spin, so
 a busy core elsewhere does not stall the team). Arithmetic is fp32 throughout, as in the
 model: with fp32 weights results equal PyTorch's up to rounding order
 (tests/test_native.py checks 1e-5 against the full forward). The KV cache holds fp32, or
@@ -41,6 +41,7 @@ and the compiler's portable conversions elsewhere (aarch64).
 */
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -48,6 +49,7 @@ and the compiler's portable conversions elsewhere (aarch64).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -156,6 +158,10 @@ int frawd_has_fp16(void) { return HAS_FP16; }
 
 /* Outputs per packed tile: the layout native.py writes. */
 int64_t frawd_tile(void) { return TILE; }
+
+/* This thread's index in the team running the current forward, and the team's size (see
+   "the team" below). */
+static _Thread_local int crew_t = 0, crew_P = 1;
 
 /* ---- matrix-vector products ---------------------------------------------------------- */
 
@@ -391,7 +397,7 @@ static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c
 /* This thread's share of y = x @ W^T (+ b) (then GELU, for EPI_GELU): tiles split evenly
    between threads. */
 static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, int mode) {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int t = crew_t, T = crew_P;
     int64_t tiles = (L->out + TILE - 1) / TILE, t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
     int store = mode == EPI_GELU ? EPI_STORE : mode;
     if (B == 1) one_row_tiles(L, x, y, t0, t1, store);
@@ -473,6 +479,145 @@ static void barrier_wait(Barrier *b) {
     atomic_fetch_sub(&b->sleepers, 1);
 }
 
+/* ---- the team ------------------------------------------------------------------------- */
+
+/* Who runs a forward's parts. On the main thread: OpenMP's team, which is torch's: it spins
+   for a while after each parallel region (torch's or ours), and a second team of spinning
+   threads on the same cores would collide with it (a 16-row decode ran 10% slower, a decode
+   step after a PyTorch prefill waited for a core). On any other thread (a server's scheduler):
+   threads of our own, because libgomp keeps a team per calling thread, and once it manages
+   more threads than there are cores its idle threads stop spinning after ~100 iterations and
+   sleep: every forward then began by waking each helper in the kernel, ~70 us in a VM, a
+   fifth of a batch-1 decode step (0.38 ms against 0.31 on the main thread), and the main
+   thread's team slowed down the same way (a 1-row step ~13% slower beside an idle server
+   scheduler). Our team serves every other thread, one forward at a time (two models served
+   by one process take turns instead of splitting the cores), and a helper that finished its
+   part keeps looking for the next for IDLE_SPIN_NS before it sleeps, so steps in a loop find
+   it awake. A call with one thread runs on the caller alone. */
+#define MAX_TEAM 256
+#define IDLE_SPIN_NS 500000
+
+typedef void (*Part)(void *job, int t, int P);
+
+static struct {
+    pthread_mutex_t calls;             /* held for a whole job: one at a time */
+    int helpers;                       /* started: threads 1..helpers */
+    atomic_int job_no, job_sleepers;   /* bumped to publish a job; helpers asleep waiting for one */
+    atomic_int done, done_sleepers;    /* helpers through with the current job; a caller asleep */
+    Part part;
+    void *job;
+    int P;
+} crew = {.calls = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void futex_wake_all(atomic_int *word) {
+#if defined(__linux__)
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#else
+    (void)word;
+#endif
+}
+
+/* Until *word != old: spin for spin_ns, then sleep (the waker wakes sleepers, see barrier_wait
+   for why a sleeper counted before its check is never missed). */
+static void wait_while(atomic_int *word, int old, atomic_int *sleepers, uint64_t spin_ns) {
+    uint64_t until = 0;
+    for (unsigned i = 1;; i++) {
+        if (atomic_load_explicit(word, memory_order_acquire) != old) return;
+        cpu_relax();
+        if (i % 256 == 0) {
+            uint64_t now = now_ns();
+            if (!until) until = now + spin_ns;
+            else if (now > until) break;
+        }
+    }
+    atomic_fetch_add(sleepers, 1);
+    while (atomic_load(word) == old) {
+#if defined(__linux__)
+        syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, old, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(sleepers, 1);
+}
+
+static void *helper_main(void *arg) {
+    uintptr_t code = (uintptr_t)arg;
+    int t = (int)(code & 0xff) + 1, seen = (int)(unsigned)(code >> 8); /* (the job number when it was started) */
+    for (;;) {
+        wait_while(&crew.job_no, seen, &crew.job_sleepers, IDLE_SPIN_NS);
+        seen = atomic_load_explicit(&crew.job_no, memory_order_acquire); /* (the caller waits for every
+            helper before the next job, so this is the job after the last one seen) */
+        if (t < crew.P) {
+            crew_t = t, crew_P = crew.P;
+            crew.part(crew.job, t, crew.P);
+        }
+        atomic_fetch_add(&crew.done, 1);
+        if (atomic_load(&crew.done_sleepers) > 0) futex_wake_all(&crew.done);
+    }
+    return NULL;
+}
+
+/* A forked child has the caller's thread only: it starts a team of its own when it needs one. */
+static void crew_after_fork(void) {
+    pthread_mutex_init(&crew.calls, NULL);
+    crew.helpers = 0;
+    atomic_store(&crew.job_sleepers, 0);
+    atomic_store(&crew.done_sleepers, 0);
+}
+
+static int on_main_thread(void) {
+#if defined(__linux__)
+    static _Thread_local int main_thread = -1;
+    if (main_thread < 0) main_thread = syscall(SYS_gettid) == getpid();
+    return main_thread;
+#else
+    return 1;
+#endif
+}
+
+static pthread_once_t crew_once = PTHREAD_ONCE_INIT;
+static void crew_init(void) { pthread_atfork(NULL, NULL, crew_after_fork); }
+
+/* part(job, t, P) for t = 0..P-1 at once, t = 0 on the calling thread; returns when all are
+   done. P is cut to the threads that could be started. */
+static void crew_run(Part part, void *job, int P) {
+    if (P > MAX_TEAM) P = MAX_TEAM;
+    if (P <= 1) {
+        crew_t = 0, crew_P = 1;
+        part(job, 0, 1);
+        return;
+    }
+    pthread_once(&crew_once, crew_init);
+    pthread_mutex_lock(&crew.calls);
+    while (crew.helpers < P - 1) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        uintptr_t code = ((uintptr_t)(unsigned)atomic_load(&crew.job_no) << 8) | (uintptr_t)crew.helpers;
+        int failed = pthread_create(&id, &attr, helper_main, (void *)code);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        crew.helpers++;
+    }
+    if (P > crew.helpers + 1) P = crew.helpers + 1;
+    crew.part = part, crew.job = job, crew.P = P;
+    atomic_store(&crew.done, 0);
+    atomic_fetch_add(&crew.job_no, 1); /* publishes the fields above */
+    if (atomic_load(&crew.job_sleepers) > 0) futex_wake_all(&crew.job_no);
+    crew_t = 0, crew_P = P;
+    part(job, 0, P);
+    for (int d; (d = atomic_load(&crew.done)) != crew.helpers;) wait_while(&crew.done, d, &crew.done_sleepers, 100000);
+    pthread_mutex_unlock(&crew.calls);
+}
+
 /* ---- the other pieces ------------------------------------------------------------------ */
 
 /* sum of (x[i] - c)^p for p = 1 or 2, in 16 lanes (a scalar sum is one long chain of adds) */
@@ -498,7 +643,7 @@ static void norm_row(const Model *m, const Norm *n, const float *x, float *y) {
 
 /* This thread's rows of y = norm(x). */
 static void norm_rows(const Model *m, const Norm *n, const float *x, float *y, int64_t B) {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int t = crew_t, T = crew_P;
     for (int64_t r = t; r < B; r += T) norm_row(m, n, x + r * m->d, y + r * m->d);
 }
 
@@ -827,6 +972,99 @@ int64_t frawd_workspace_floats(const Model *m, int64_t N, int64_t max_len, int64
    product are computed by every thread for itself; in a decode step (T = 1) a token
    attends only its own row's cache, so one task writes a kv head's slot and then runs
    the query heads that read it. */
+/* One forward's arguments and shared state, for its parts (forward_part). */
+typedef struct {
+    const Model *m;
+    int64_t B, T, max_len, padded;
+    const int64_t *token, *position, *start;
+    void *const *k_cache, *const *v_cache;
+    const uint8_t *valid;
+    float *logits, *work;
+    int half;
+    Barrier team;
+    int overflow; /* some thread's to_half saw a value fp16 cannot hold */
+} Forward;
+
+/* Thread t of P's part of a forward. */
+static void forward_part(void *job, int t, int P) {
+    Forward *f = job;
+    const Model *m = f->m;
+    const int64_t B = f->B, T = f->T, N = B * T, max_len = f->max_len, padded = f->padded;
+    const int64_t *token = f->token, *position = f->position, *start = f->start;
+    void *const *k_cache = f->k_cache, *const *v_cache = f->v_cache;
+    const uint8_t *valid = f->valid;
+    float *logits = f->logits;
+    const int half = f->half;
+    Barrier *team = &f->team;
+    int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
+    int64_t qkv_w = (nh + 2 * nkv) * m->head_dim, ff_w = m->swiglu ? 2 * m->ffn : m->ffn;
+    int64_t own_floats = N * (D > m->ffn ? D : m->ffn);
+    float *x = f->work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
+    float *scratch = ff + N * ff_w;
+    int too_large = 0;
+    atomic_store_explicit(&team->P, P, memory_order_relaxed); /* the same value from everyone */
+    float *scores = scratch + t * (max_len + 16 + own_floats + 16);
+    float *own = scores + max_len + 16;
+    for (int64_t n = t; n < N; n += P) { /* embeddings */
+        const float *e = m->tok + token[n] * m->tok_s0;
+        const float *p = m->pos ? m->pos + position[n] * D : NULL;
+        for (int64_t i = 0; i < D; i++)
+            x[n * D + i] = e[i * m->tok_s1] * m->embed_scale + (p ? p[i] : 0.0f);
+    }
+    barrier_wait(team);
+    for (int64_t l = 0; l < m->n_layer; l++) {
+        const Layer *L = &m->layers[l];
+        /* attention */
+        linear(&L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
+        barrier_wait(team);
+        if (T == 1) {
+            for (int64_t task = t; task < N * nkv; task += P) {
+                int64_t n = task / nkv, g = task % nkv;
+                too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
+                                         half);
+                if (task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
+                    prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
+                                   start, half);
+                for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+                    attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
+                                scores, half);
+            }
+        } else {
+            for (int64_t task = t; task < N * nkv; task += P)
+                too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
+                                         start, position[task / nkv], half);
+            barrier_wait(team);
+            for (int64_t task = t; task < N * nh; task += P)
+                attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
+                            valid, padded, scores, half);
+        }
+        barrier_wait(team);
+        linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
+        barrier_wait(team);
+        after_residual(m, &L->norm1, x, N, team);
+        /* MLP */
+        linear(&L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
+               m->swiglu ? EPI_STORE : EPI_GELU);
+        barrier_wait(team);
+        const float *hidden = ff;
+        if (m->swiglu) { /* silu(gate) * up, gate = ff[:, :H], up = ff[:, H:], into own */
+            for (int64_t n = 0; n < N; n++) swiglu_row(ff + n * ff_w, own + n * m->ffn, m->ffn);
+            hidden = own;
+        }
+        linear(&L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
+        barrier_wait(team);
+        after_residual(m, &L->norm2, x, N, team);
+    }
+    /* each row's last token: final norm (or a copy) into own, then the LM head */
+    for (int64_t b = 0; b < B; b++) {
+        const float *last = x + ((b + 1) * T - 1) * D;
+        if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
+        else memcpy(own + b * D, last, D * sizeof(float));
+    }
+    linear(&m->head, own, D, logits, m->vocab, B, EPI_STORE);
+    if (too_large) __atomic_store_n(&f->overflow, 1, __ATOMIC_RELAXED);
+}
+
 int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, const int64_t *position,
                   void *const *k_cache, void *const *v_cache, int64_t max_len, const int64_t *start,
                   const uint8_t *valid, int64_t padded, float *logits, float *work, int64_t threads,
@@ -840,82 +1078,20 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     }
     for (int64_t b = 0; b < B; b++)
         if (start[b] < 0 || start[b] + T > max_len) return BAD_SLOT;
-    int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
-    int64_t qkv_w = (nh + 2 * nkv) * m->head_dim, ff_w = m->swiglu ? 2 * m->ffn : m->ffn;
-    int64_t own_floats = N * (D > m->ffn ? D : m->ffn);
-    float *x = work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
-    float *scratch = ff + N * ff_w;
-
-    Barrier team = {0, 0, 0, 0};
-    int overflow = 0; /* some thread's to_half saw a value fp16 cannot hold */
-#pragma omp parallel num_threads((int)threads)
-    {
-        int too_large = 0;
-        int t = omp_get_thread_num(), P = omp_get_num_threads();
-        atomic_store_explicit(&team.P, P, memory_order_relaxed); /* the same value from everyone */
-        float *scores = scratch + t * (max_len + 16 + own_floats + 16);
-        float *own = scores + max_len + 16;
-        for (int64_t n = t; n < N; n += P) { /* embeddings */
-            const float *e = m->tok + token[n] * m->tok_s0;
-            const float *p = m->pos ? m->pos + position[n] * D : NULL;
-            for (int64_t i = 0; i < D; i++)
-                x[n * D + i] = e[i * m->tok_s1] * m->embed_scale + (p ? p[i] : 0.0f);
+    Forward f = {m, B, T, max_len, padded, token, position, start, k_cache, v_cache, valid, logits, work, half,
+                 {0, 0, 0, 0}, 0};
+    int P = threads < 1 ? 1 : threads > MAX_TEAM ? MAX_TEAM : (int)threads;
+    if (P > 1 && on_main_thread()) { /* torch's OpenMP team: see "the team" */
+#pragma omp parallel num_threads(P)
+        {
+            crew_t = omp_get_thread_num(), crew_P = omp_get_num_threads();
+            forward_part(&f, crew_t, crew_P);
+            barrier_wait(&f.team); /* everyone done: OpenMP's closing barrier then waits for no one */
         }
-        barrier_wait(&team);
-        for (int64_t l = 0; l < m->n_layer; l++) {
-            const Layer *L = &m->layers[l];
-            /* attention */
-            linear(&L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
-            barrier_wait(&team);
-            if (T == 1) {
-                for (int64_t task = t; task < N * nkv; task += P) {
-                    int64_t n = task / nkv, g = task % nkv;
-                    too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
-                                             half);
-                    if (task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
-                        prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
-                                       start, half);
-                    for (int64_t h = g * rep; h < (g + 1) * rep; h++)
-                        attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
-                                    scores, half);
-                }
-            } else {
-                for (int64_t task = t; task < N * nkv; task += P)
-                    too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
-                                             start, position[task / nkv], half);
-                barrier_wait(&team);
-                for (int64_t task = t; task < N * nh; task += P)
-                    attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
-                                valid, padded, scores, half);
-            }
-            barrier_wait(&team);
-            linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
-            barrier_wait(&team);
-            after_residual(m, &L->norm1, x, N, &team);
-            /* MLP */
-            linear(&L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
-                   m->swiglu ? EPI_STORE : EPI_GELU);
-            barrier_wait(&team);
-            const float *hidden = ff;
-            if (m->swiglu) { /* silu(gate) * up, gate = ff[:, :H], up = ff[:, H:], into own */
-                for (int64_t n = 0; n < N; n++) swiglu_row(ff + n * ff_w, own + n * m->ffn, m->ffn);
-                hidden = own;
-            }
-            linear(&L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
-            barrier_wait(&team);
-            after_residual(m, &L->norm2, x, N, &team);
-        }
-        /* each row's last token: final norm (or a copy) into own, then the LM head */
-        for (int64_t b = 0; b < B; b++) {
-            const float *last = x + ((b + 1) * T - 1) * D;
-            if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
-            else memcpy(own + b * D, last, D * sizeof(float));
-        }
-        linear(&m->head, own, D, logits, m->vocab, B, EPI_STORE);
-        if (too_large) __atomic_store_n(&overflow, 1, __ATOMIC_RELAXED);
-        barrier_wait(&team); /* everyone done: OpenMP's closing barrier then waits for no one */
+    } else {
+        crew_run(forward_part, &f, P);
     }
-    return overflow ? KV_OVERFLOW : OK;
+    return f.overflow ? KV_OVERFLOW : OK;
 }
 
 /* frawd_forward's arguments in one struct: a caller that makes the same call every step
