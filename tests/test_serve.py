@@ -374,6 +374,10 @@ def test_sigterm_drains_open_requests(tmp_path, stop):
                 pass
             assert proc.poll() is None and time.time() < deadline, "the server did not start"
             time.sleep(0.2)
+        if hasattr(os, "SCHED_BATCH"):  # the event loop's thread does not preempt the engine's (yield_to_the_engine)
+            policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
+            assert policies.pop(proc.pid) == os.SCHED_BATCH
+            assert os.SCHED_OTHER in policies.values()  # the scheduler's thread, made before
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         stream = c.completions.create(model="m", prompt="abc", max_tokens=80, temperature=0, stream=True)
         chunks = iter(stream)
