@@ -81,14 +81,14 @@ class ThreadChoice:
     def __init__(self, first: int, threads: int) -> None:
         self.options = [first] + [n for n in {threads, 1} if n != first]
         self.times: dict[int, list[float]] = {}  # count -> its latest costs per token, newest last
+        self._cost = dict.fromkeys(self.options, float("inf"))  # count -> median of its times (kept current)
         self.calls, self.interval = 0, 8
 
     def cost(self, threads: int) -> float:
-        recent = self.times.get(threads)
-        return statistics.median(recent) if recent else float("inf")
+        return self._cost[threads]
 
     def _best(self) -> int:
-        return min(self.options, key=self.cost)
+        return min(self.options, key=self._cost.__getitem__)
 
     def pick(self) -> int:
         untried = [n for n in self.options if n not in self.times]
@@ -106,6 +106,7 @@ class ThreadChoice:
         recent = self.times.setdefault(threads, [])
         recent.append(per_token)
         del recent[:-self.RECENT]
+        self._cost[threads] = statistics.median(recent)
         if threads != was_best and len(self.times) == len(self.options):
             promising = per_token < self.cost(was_best)  # (this probe alone; the choice takes two)
             self.interval = 8 if promising else min(512, 2 * self.interval)
