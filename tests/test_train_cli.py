@@ -103,6 +103,27 @@ def test_frawd_eval_accepts_a_prepared_shard_folder_and_prints_key_values(corpus
     assert int(lines["tokens"]) == 2 * 4 * 16
 
 
+def test_frawd_eval_notes_raw_source_flags_given_with_a_shard_folder(corpus, tmp_path):
+    """A shard folder keeps the split it was prepared with; a --val-fraction given anyway
+    gets a one-line note on stderr, not silence, and one left at its default gets nothing."""
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=16, vocab_size=tok.vocab_size))
+    model.save_pretrained(tmp_path / "model", tokenizer=tok)
+    meta = prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.2)
+    args = ["eval", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "shards"), "--max-batches", "1",
+            "--device", "cpu", "--json"]
+    plain = run_cli(*args)
+    assert plain.exit_code == 0 and plain.stderr == ""
+    for value in ("0.5", "0.005"):  # the default's value, given explicitly, still notes
+        given = run_cli(*args, "--val-fraction", value)
+        assert given.exit_code == 0, given.output
+        assert given.stderr == (f"note: --val-fraction applies to a raw source; {tmp_path / 'shards'} holds shards "
+                                f"with their own validation split ({meta['val_tokens']:,} tokens)\n")
+        assert json.loads(given.stdout) == json.loads(plain.stdout)  # the shards' split, as before
+    both = run_cli(*args, "--val-fraction", "0.5", "--doc-split", "file")
+    assert both.stderr.startswith("note: --val-fraction and --doc-split apply to a raw source; ")
+
+
 FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
 
 

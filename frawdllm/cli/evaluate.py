@@ -33,9 +33,10 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
 
     --data is a raw source (tokenized here with the model's tokenizer; its val split is
     chosen as in `frawd data prepare`, by --val-fraction and --doc-split) or a folder of
-    prepared shards. Every non-overlapping window of the split is scored. Bits per byte
-    divide the loss by the shard's UTF-8 bytes per token, so they compare across
-    tokenizers.
+    prepared shards, whose own split is used (--val-fraction, --doc-split or --text-field
+    given with one gets a note on stderr, and no effect). Every non-overlapping window of
+    the split is scored. Bits per byte divide the loss by the shard's UTF-8 bytes per
+    token, so they compare across tokenizers.
 
     \b
     Example:
@@ -72,6 +73,9 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             meta = json.loads((shard_dir / META_FILE).read_text(encoding="utf-8"))
             if meta.get("tokenizer_hash") not in (None, tok.fingerprint):
                 raise FrawdError(f"the shards in {data} were made with another tokenizer than {model_dir}'s")
+            note = _raw_source_flags_note(data, meta)
+            if note:
+                click.echo(note, err=True)
         else:
             shard_dir = Path(tmp)
             meta = prepare_shards(data, tok, shard_dir, val_fraction=val_fraction, text_field=text_field,
@@ -95,3 +99,20 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
                 value = metrics[key]
                 click.echo(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
 
+
+def _raw_source_flags_note(data: str, meta: dict) -> str | None:
+    """A note naming the raw-source flags the user gave (none at their defaults) that a
+    shard folder makes moot: its split was fixed when it was prepared."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = [flag for flag, name in (("--val-fraction", "val_fraction"), ("--doc-split", "doc_split"),
+                                     ("--text-field", "text_field"))
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
+    if not given:
+        return None
+    flags = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+    val_tokens = meta.get("val_tokens")
+    count = f" ({val_tokens:,} tokens)" if isinstance(val_tokens, int) else ""  # hand-made meta.json may lack it
+    return (f"note: {flags} appl{'ies' if len(given) == 1 else 'y'} to a raw source; {data} holds shards "
+            f"with their own validation split{count}")
