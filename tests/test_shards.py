@@ -313,6 +313,43 @@ def test_cli_prepare_writes_train_val_and_meta(tmp_path, bpe):
     assert "reusing" in again and "wrote" not in again  # the second run wrote nothing
 
 
+def test_cli_prepare_refuses_to_replace_another_sources_shards_unless_overwrite(tmp_path, bpe, capsys,
+                                                                               monkeypatch):
+    from cli_helpers import run_cli
+
+    first = _write_corpus(tmp_path / "a.txt", _corpus(40, seed=2))
+    second = _write_corpus(tmp_path / "b.txt", _corpus(40, seed=3))
+    bpe.save(tmp_path / "tok.json")
+    out = tmp_path / "shards"
+
+    def prepare(src, *flags):
+        return run_cli(capsys, "data", "prepare", "--data", src, "--tokenizer", tmp_path / "tok.json",
+                       "--out", out, *flags)
+
+    assert prepare(first)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for flags in ((), ("--force",)):  # --force rebuilds the same source; it replaces no other
+        code, stdout, err = prepare(second, *flags)
+        assert code == 1 and stdout == ""
+        assert err == (f"frawd: error: {out} holds the shards of {first.resolve()}, not of {second}; "
+                       "give another --out, or --overwrite to replace them\n")
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # the same source is reused, or rebuilt when it is named another way or an option changed
+    assert "reusing" in prepare(first)[1]
+    monkeypatch.chdir(tmp_path)
+    for src, flags in (("a.txt", ()), (first, ("--val-fraction", "0.3"))):
+        code, stdout, _ = prepare(src, *flags)
+        assert code == 0 and "wrote" in stdout
+    code, stdout, _ = prepare(second, "--overwrite")
+    assert code == 0 and "wrote" in stdout
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["source"] == str(second) and meta["resolved_source"] == str(second.resolve())
+    # shard files whose source nothing records are not replaced either
+    (out / "meta.json").unlink()
+    code, _, err = prepare(second)
+    assert code == 1 and err.startswith(f"frawd: error: {out} holds train.bin and val.bin but no meta.json")
+
+
 def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path):
     src = _write_corpus(tmp_path / "c.txt", _corpus(3))
     proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", "data", "prepare",

@@ -47,13 +47,17 @@ def data() -> None:
 @click.option("--slurm-time", default="4:00:00", show_default=True, help="Slurm time limit per task.")
 @click.option("--slurm-cpus", type=int, default=8, show_default=True, help="Slurm CPUs per task.")
 @click.option("--force", is_flag=True, help="Rebuild even if OUT holds shards of the same inputs.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the shards OUT holds of another source (or of none it can name).")
 def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out: str, val_fraction: float,
             workers: int | None, engine: str, executor: str, slurm_partition: str | None, slurm_time: str,
-            slurm_cpus: int, force: bool) -> None:
+            slurm_cpus: int, force: bool, overwrite: bool) -> None:
     """Tokenize --data into OUT/train.bin, OUT/val.bin and OUT/meta.json.
 
     Documents are separated by <|eos|>; tokens are stored as uint16 when the vocabulary
-    fits, else uint32. Running again with the same inputs reuses the shards.
+    fits, else uint32. Running again with the same source reuses the shards (or rebuilds
+    them when its files, the tokenizer or the options changed). An OUT holding the shards
+    of another source is refused unless --overwrite is given.
 
     With --engine datatrove, task r of N tokenizes files[r*F//N:(r+1)*F//N] of the sorted
     file list into OUT/train-0000r.bin and OUT/val-0000r.bin (train-00000.bin, ...); meta.json
@@ -66,6 +70,12 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
       frawd data prepare --data 'corpus/*.jsonl.gz' --tokenizer tok/tokenizer.json --out data/c \\
           --engine datatrove --workers 64 --executor slurm --slurm-partition cpu
     """
+    if engine != "datatrove" and (executor != "local" or slurm_partition is not None):
+        raise click.UsageError("--executor and --slurm-* apply to --engine datatrove")
+    if not overwrite:
+        from ..data.shards import refuse_other_shards
+
+        refuse_other_shards(out, data)  # never silently replace another corpus's shards
     if engine == "datatrove":
         try:
             from ..data.datatrove_shards import prepare_shards_datatrove
@@ -79,8 +89,6 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
             click.echo(f"submitted {workers or 2} tokenize tasks and a merge task; {out}/meta.json appears "
                        f"when they finish (logs in {out}/.datatrove)")
             return
-    elif executor != "local" or slurm_partition is not None:
-        raise click.UsageError("--executor and --slurm-* apply to --engine datatrove")
     else:
         from ..data.shards import prepare_shards
 

@@ -17,9 +17,12 @@ The new shards are written under temporary names and renamed into place when com
 meta.json last, so until then an old shard set in `out` stays usable (a run that fails or
 is killed leaves it as it was). A second run with the same inputs (source files by path,
 size and mtime; the tokenizer's content; the options) finds the matching `inputs_hash` in
-meta.json and reuses the shards unless `force`. Documents end with <|eos|>, or with the
-end-of-text token of a tokenizer without FrawdLLM's specials (an imported GPT-2's
-<|endoftext|>); a tokenizer with neither is refused.
+meta.json and reuses the shards unless `force`. `frawd data prepare` first calls
+`refuse_other_shards`: a folder holding the shards of another source is refused unless
+--overwrite, so preparing a second corpus never silently replaces the first
+(`prepare_shards` itself replaces them: pretrain's run folder caches the data it was last
+given). Documents end with <|eos|>, or with the end-of-text token of a tokenizer without
+FrawdLLM's specials (an imported GPT-2's <|endoftext|>); a tokenizer with neither is refused.
 
 `read_split` reads a split back: train.bin, or the several shard files meta.json lists
 (`--engine datatrove` writes one per worker, see datatrove_shards.py) as one stream.
@@ -177,6 +180,7 @@ def shard_meta(data: str, tok: Tokenizer, totals: dict, *, val_fraction: float, 
     meta = {
         "format_version": VERSION,
         "source": data,
+        "resolved_source": resolved_source(data),
         "text_field": text_field,
         "doc_split": doc_split,
         "val_fraction": val_fraction,
@@ -296,6 +300,48 @@ def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str
         st = path.stat()
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+def resolved_source(spec: str) -> str:
+    """The source the same from any working directory: a path or glob made absolute (links
+    resolved for a path), stdlib and hf: names as given."""
+    if spec == "stdlib" or spec.startswith("hf:"):
+        return spec
+    if any(ch in spec for ch in "*?["):
+        return os.path.abspath(spec)
+    return str(Path(spec).resolve())
+
+
+def refuse_other_shards(out: str | Path, data: str) -> None:
+    """One line when `out` holds shards that are not of the source `data`: those of another
+    source (meta.json's `resolved_source`, or its `source` for shards made before it was
+    recorded), or shard files without a meta.json saying what they were made from. Shards
+    of the same source pass: they are reused, or rebuilt when its files, the tokenizer or
+    the options changed."""
+    out = Path(out)
+    fix = "give another --out, or --overwrite to replace"
+    meta_path = out / META_FILE
+    if not meta_path.is_file():
+        orphans = [name for name in (TRAIN_FILE, VAL_FILE) if (out / name).is_file()]
+        if orphans:
+            them = "them" if len(orphans) > 1 else "it"
+            raise FrawdError(f"{out} holds {' and '.join(orphans)} but no {META_FILE} saying what "
+                             f"{'they were' if len(orphans) > 1 else 'it was'} made from; {fix} {them}")
+        return
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = None
+    held = None
+    if isinstance(meta, dict):
+        if isinstance(meta.get("resolved_source"), str):
+            held = meta["resolved_source"]
+        elif isinstance(meta.get("source"), str):
+            held = resolved_source(meta["source"])
+    if held is None:
+        raise FrawdError(f"{out} holds a {META_FILE} that names no source it was prepared from; {fix} it")
+    if held != resolved_source(data):
+        raise FrawdError(f"{out} holds the shards of {held}, not of {data}; {fix} them")
 
 
 def _reusable(out: Path, inputs_hash: str) -> dict | None:
