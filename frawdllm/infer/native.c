@@ -42,6 +42,8 @@ and the compiler's portable conversions elsewhere (aarch64).
 #include <math.h>
 #include <omp.h>
 #include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -50,10 +52,10 @@ and the compiler's portable conversions elsewhere (aarch64).
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #else
 #include <sched.h>
 #endif
@@ -547,32 +549,46 @@ static void wait_while(atomic_int *word, int old, atomic_int *sleepers, uint64_t
     atomic_fetch_sub(sleepers, 1);
 }
 
+static int start_no[MAX_TEAM]; /* the job number when helper t was started (written under crew.calls) */
+
 static void *helper_main(void *arg) {
-    uintptr_t code = (uintptr_t)arg;
-    int t = (int)(code & 0xff) + 1, seen = (int)(unsigned)(code >> 8); /* (the job number when it was started) */
+    int t = (int)(intptr_t)arg, seen = start_no[t];
+    uint64_t spin = IDLE_SPIN_NS;
     for (;;) {
-        wait_while(&crew.job_no, seen, &crew.job_sleepers, IDLE_SPIN_NS);
+        wait_while(&crew.job_no, seen, &crew.job_sleepers, spin);
         seen = atomic_load_explicit(&crew.job_no, memory_order_acquire); /* (the caller waits for every
             helper before the next job, so this is the job after the last one seen) */
-        if (t < crew.P) {
-            crew_t = t, crew_P = crew.P;
-            crew.part(crew.job, t, crew.P);
+        int P = crew.P;
+        if (t < P) {
+            crew_t = t, crew_P = P;
+            crew.part(crew.job, t, P);
         }
+        /* A helper beyond this job's P (an earlier call wanted more threads) only says so, and
+           sleeps at once rather than spin beside the ones working. */
+        spin = t < P ? IDLE_SPIN_NS : 0;
         atomic_fetch_add(&crew.done, 1);
         if (atomic_load(&crew.done_sleepers) > 0) futex_wake_all(&crew.done);
     }
     return NULL;
 }
 
-/* A forked child has the caller's thread only: it starts a team of its own when it needs one. */
+/* After fork() the child has only the forking thread: no helpers, and libgomp's team of a
+   thread that had one lists threads that do not exist (an OpenMP forward would wait for them
+   for ever), so a child's forwards all run on a team of its own. */
+static int forked_child = 0;
+
 static void crew_after_fork(void) {
+    forked_child = 1;
     pthread_mutex_init(&crew.calls, NULL);
     crew.helpers = 0;
     atomic_store(&crew.job_sleepers, 0);
     atomic_store(&crew.done_sleepers, 0);
 }
 
+__attribute__((constructor)) static void crew_at_load(void) { pthread_atfork(NULL, NULL, crew_after_fork); }
+
 static int on_main_thread(void) {
+    if (forked_child) return 0;
 #if defined(__linux__)
     static _Thread_local int main_thread = -1;
     if (main_thread < 0) main_thread = syscall(SYS_gettid) == getpid();
@@ -582,31 +598,42 @@ static int on_main_thread(void) {
 #endif
 }
 
-static pthread_once_t crew_once = PTHREAD_ONCE_INIT;
-static void crew_init(void) { pthread_atfork(NULL, NULL, crew_after_fork); }
+/* A helper: detached, no signals (they go to the process's other threads), the default
+   scheduling whatever the creating thread runs under (the server's event loop yields to the
+   engine: see serve/app.py). */
+static int start_helper(int t) {
+    pthread_t id;
+    pthread_attr_t attr;
+    struct sched_param normal = {0};
+    sigset_t all, old;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setinheritsched(&attr, PTHREAD_EXPLICIT_SCHED);
+    pthread_attr_setschedpolicy(&attr, SCHED_OTHER);
+    pthread_attr_setschedparam(&attr, &normal);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    start_no[t] = atomic_load(&crew.job_no);
+    int failed = pthread_create(&id, &attr, helper_main, (void *)(intptr_t)t);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    return failed;
+}
 
 /* part(job, t, P) for t = 0..P-1 at once, t = 0 on the calling thread; returns when all are
    done. P is cut to the threads that could be started. */
 static void crew_run(Part part, void *job, int P) {
+    static int cpus = 0; /* more threads than cores would only wait for each other */
+    if (!cpus) cpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpus > 0 && P > cpus) P = cpus;
     if (P > MAX_TEAM) P = MAX_TEAM;
     if (P <= 1) {
         crew_t = 0, crew_P = 1;
         part(job, 0, 1);
         return;
     }
-    pthread_once(&crew_once, crew_init);
     pthread_mutex_lock(&crew.calls);
-    while (crew.helpers < P - 1) {
-        pthread_t id;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        uintptr_t code = ((uintptr_t)(unsigned)atomic_load(&crew.job_no) << 8) | (uintptr_t)crew.helpers;
-        int failed = pthread_create(&id, &attr, helper_main, (void *)code);
-        pthread_attr_destroy(&attr);
-        if (failed) break;
-        crew.helpers++;
-    }
+    while (crew.helpers < P - 1 && start_helper(crew.helpers + 1) == 0) crew.helpers++;
     if (P > crew.helpers + 1) P = crew.helpers + 1;
     crew.part = part, crew.job = job, crew.P = P;
     atomic_store(&crew.done, 0);
