@@ -525,7 +525,7 @@ static void futex_wake_all(atomic_int *word) {
 #endif
 }
 
-/* Until *word != old: spin for spin_ns, then sleep (the waker wakes sleepers, see barrier_wait
+/* Until *word != old: spin for spin_ns, offering the core to other threads now and then, then sleep (the waker wakes sleepers, see barrier_wait
    for why a sleeper counted before its check is never missed). */
 static void wait_while(atomic_int *word, int old, atomic_int *sleepers, uint64_t spin_ns) {
     uint64_t until = 0;
@@ -536,6 +536,7 @@ static void wait_while(atomic_int *word, int old, atomic_int *sleepers, uint64_t
             uint64_t now = now_ns();
             if (!until) until = now + spin_ns;
             else if (now > until) break;
+            sched_yield(); /* the core to a thread that wants it (the server's event loop does not preempt) */
         }
     }
     atomic_fetch_add(sleepers, 1);
