@@ -11,8 +11,10 @@ import sys
 from frawdllm.io import clean_partial
 from frawdllm.train import run_pretraining
 from frawdllm.train.checkpoint import list_checkpoints
+from frawdllm.train.loop import Trainer
 from frawdllm.train.rundir import SAMPLES_FILE, read_metrics, truncate_samples
 
+from cli_helpers import run_cli
 from conftest import ROOT
 from test_train_loop import KILL_SCRIPT, corpus, tiny_config  # noqa: F401  (corpus is a fixture)
 
@@ -37,6 +39,32 @@ def test_kill_during_the_first_checkpoint_then_resume_starts_over(corpus, tmp_pa
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 9))
     assert sample_steps(run) == [0, 4, 8]
     assert not [p.name for p in run.rglob(".*")]
+
+
+def test_a_crash_before_the_first_checkpoint_is_named_and_resume_starts_over(corpus, tmp_path, monkeypatch,  # noqa: F811
+                                                                            capsys):
+    """fit() failing at step 1 leaves config.yaml and logs but no checkpoint: a plain rerun
+    says so in one line, and --resume (its --dry-run too) starts over, never "resumes" nothing."""
+    run = tmp_path / "run"
+
+    def broken_step(self):
+        raise RuntimeError("broken step")
+
+    monkeypatch.setattr(Trainer, "train_step", broken_step)
+    with pytest.raises(RuntimeError, match="broken step"):
+        run_pretraining(tiny_config(corpus, run, max_steps=4, eval_interval=4, compile=False))
+    monkeypatch.undo()
+    assert (run / "config.yaml").is_file() and list_checkpoints(run) == []
+    rerun = ("pretrain", "--config", run / "config.yaml", "--out", run, "--no-progress")
+    code, _, err = run_cli(capsys, *rerun)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "stopped before its first checkpoint; --resume or --overwrite starts it over" in err
+    code, out, err = run_cli(capsys, *rerun, "--resume", "--dry-run")
+    assert code == 0, err
+    assert "no complete checkpoint to resume from: --resume starts the run over" in out and "(resume)" not in out
+    result = run_pretraining(tiny_config(corpus, run, max_steps=4, eval_interval=4, compile=False, resume=True))
+    assert "no complete checkpoint to resume from; starting the run over" in capsys.readouterr().out
+    assert result.steps == 4 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path, capsys):  # noqa: F811

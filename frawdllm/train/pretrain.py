@@ -41,6 +41,7 @@ from ..io import write_json_atomic, write_text_atomic
 from ..modeldir import checked_weights, load_config, load_model, require_kind
 from ..tokenizer import KINDS, MIN_BPE_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
 from . import distributed
+from .checkpoint import latest_checkpoint
 from .config import PretrainConfig, dump_yaml, parse_duration
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
@@ -330,6 +331,8 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
     budget = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in (("max_steps", cfg.max_steps),
                        ("max_tokens", cfg.max_tokens), ("max_time", cfg.max_time)) if v is not None)
     action = "resume" if cfg.resume else "overwrite" if has_run(run_dir) else "new run"
+    if cfg.resume and latest_checkpoint(run_dir) is None:  # as `settle_run_dir` will do
+        action = "no complete checkpoint to resume from: --resume starts the run over"
     lines = ["dry run: nothing trained, nothing written",
              f"out:           {run_dir} ({action})",
              f"data:          {cfg.data} ({tokenizer})",
