@@ -210,3 +210,23 @@ def test_stdlib_corpus_is_the_standard_library_without_tests_in_path_order():
     docs = iter_documents("stdlib", doc_split="blank")  # stdlib is always one document per file
     first = next(docs)
     assert first == files[0].read_text(encoding="utf-8")
+
+
+def test_hf_rows_the_reader_cannot_decode_are_one_clear_error(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    surrogate = tmp_path / "surrogate"  # pyarrow's JSON parser refuses a lone surrogate
+    surrogate.mkdir()
+    (surrogate / "train.jsonl").write_text('{"text": "ok"}\n{"text": "lone \\ud800 s"}\n', encoding="utf-8")
+    with pytest.raises(FrawdError, match=r"surrogate: cannot read row 1 or a later one \(JSON parse error"):
+        list(iter_documents(f"hf:{surrogate}"))
+    bad_utf8 = tmp_path / "bad_utf8"  # a string column holding invalid UTF-8 (pyarrow writes it unchecked)
+    bad_utf8.mkdir()
+    raw = pa.array([b"ok", b"bad \xff byte"], pa.binary())
+    column = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+    pq.write_table(pa.table({"text": column}), bad_utf8 / "train.parquet")
+    for spec in (f"hf:{bad_utf8}", str(bad_utf8 / "train.parquet")):
+        with pytest.raises(FrawdError, match=r"cannot read row 1 or a later one \('utf-8' codec can't decode"):
+            list(iter_documents(spec))

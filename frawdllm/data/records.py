@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FrawdError
-from .sources import _SURROGATE, open_hf_dataset, open_parquet, resolve_files
+from .sources import _SURROGATE, open_hf_dataset, open_parquet, resolve_files, unreadable_rows
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -124,11 +124,24 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
     parquet = open_parquet(path)
     row = 0
     for batch in parquet.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
+        with unreadable_rows(str(path), row):
+            records = batch.to_pylist()
+        for record in records:
             row += 1
             yield f"{path}:row {row}", record
 
 
 def _hf_records(spec: str) -> Iterator[tuple[str, object]]:
     dataset = open_hf_dataset(spec)
-    return ((f"{spec}:row {i + 1}", record) for i, record in enumerate(dataset))
+    return _hf_rows_of(dataset, spec)
+
+
+def _hf_rows_of(dataset, spec: str) -> Iterator[tuple[str, object]]:
+    rows, row = iter(dataset), 0
+    while True:
+        with unreadable_rows(spec, row):
+            record = next(rows, None)
+        if record is None:
+            return
+        row += 1
+        yield f"{spec}:row {row}", record

@@ -20,6 +20,7 @@ line without the field is a `FrawdError` naming the file and line.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import glob
 import gzip
@@ -310,13 +311,27 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
                          f"choose one with --text-field")
     row = 0
     for batch in parquet.iter_batches(batch_size=4096, columns=[text_field]):
-        for text in batch.column(0).to_pylist():
+        with unreadable_rows(str(path), row):
+            texts = batch.column(0).to_pylist()
+        for text in texts:
             row += 1
             if not isinstance(text, str):
                 raise FrawdError(f"{path}: row {row}: column {text_field!r} is "
                                  f"{type(text).__name__}, expected a string")
             if text.strip():
                 yield text
+
+
+@contextlib.contextmanager
+def unreadable_rows(where: str, rows_read: int):
+    """Turn a reader's failure on the data itself (pyarrow's JSON parser refusing a lone
+    surrogate, a string column holding invalid UTF-8) into one line saying how far it got;
+    readers parse rows in blocks, so the bad row is at or after the one named."""
+    try:
+        yield
+    except (UnicodeError, ValueError) as exc:  # pyarrow.ArrowInvalid is a ValueError
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FrawdError(f"{where}: cannot read row {rows_read + 1} or a later one ({problem})") from None
 
 
 def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
@@ -368,7 +383,12 @@ def _hf_documents(spec: str, text_field: str, stats: SourceStats) -> Iterator[st
 
 def _hf_rows(dataset, spec: str, text_field: str, stats: SourceStats) -> Iterator[str]:
     row = 0
-    for batch in dataset.iter(batch_size=1024):
+    batches = iter(dataset.iter(batch_size=1024))
+    while True:
+        with unreadable_rows(spec, row):
+            batch = next(batches, None)
+        if batch is None:
+            return
         if text_field not in batch:
             raise FrawdError(f"{spec}: no column {text_field!r} (columns: {', '.join(batch)})")
         for text in batch[text_field]:
