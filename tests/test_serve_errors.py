@@ -237,6 +237,27 @@ def test_a_client_that_leaves_cancels_its_non_streaming_request(server):
     assert counted(server, "/v1/chat/completions", 499) == before + 1
 
 
+def test_a_client_that_leaves_mid_body_is_logged_499_not_400(server):
+    """A body cut short by the client's disconnect is no malformed request: 499, as a
+    stream its client left (a complete but malformed body stays a 400)."""
+    before = counted(server, "/v1/completions", 499)
+    records = server["log"].records
+    seen = len(records)
+    host, port = server["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1000\r\n\r\n" + b'{"model": "m", "prompt": "ab')
+        time.sleep(0.2)  # (the server has the partial body before the socket closes)
+    deadline = time.time() + 5
+    while not [r for r in records[seen:] if r["path"] == "/v1/completions"] and time.time() < deadline:
+        time.sleep(0.01)
+    record = [r for r in records[seen:] if r["path"] == "/v1/completions"][-1]
+    assert record["status"] == 499, record
+    assert counted(server, "/v1/completions", 499) == before + 1
+    status, error = post(server, "/v1/completions", content=b'{"model": "m", "prompt": "ab')
+    assert status == 400, error
+
+
 # ---- the command ---------------------------------------------------------------------------------
 def one_line_error(capsys, *args) -> str:
     code, _, err = run_cli(capsys, "serve", *args)

@@ -146,13 +146,16 @@ class _Guard:
         start = time.perf_counter()
         scope.setdefault("state", {})["log"] = log = {}
         status = {"code": 0}
-        received = 0
+        received, body_done, body_cut = 0, False, False
         too_large = f"the request body is larger than {self.max_body} bytes"
 
         async def limited_receive() -> dict:
-            nonlocal received
+            nonlocal received, body_done, body_cut
             message = await receive()
+            if message["type"] == "http.disconnect" and not body_done:
+                body_cut = True  # the client left mid-body: 499, though FastAPI answers it as a 400
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.max_body:  # (a chunked body has no length header)
                     # an HTTPException: FastAPI turns any other error while reading a body into a 400
@@ -177,7 +180,8 @@ class _Guard:
             status["code"] = status["code"] or 500  # (answered by the last-resort handler, outside this middleware)
             raise
         finally:  # also when the client went away mid-stream (status 499, as nginx logs it)
-            self._log(scope, status["code"] if status["code"] and "cancelled" not in log else 499, start, log)
+            gone = body_cut or "cancelled" in log
+            self._log(scope, status["code"] if status["code"] and not gone else 499, start, log)
 
     def _log(self, scope: dict, status: int, start: float, log: dict) -> None:
         path = scope["path"]
