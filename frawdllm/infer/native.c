@@ -19,16 +19,17 @@ Matrices are read from copies the decoder owns (`native.py` writes them; the mod
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
 consecutive rows of 64, so each thread's share of a product is one contiguous stream,
 which the hardware prefetcher follows and which is also prefetched 8 KB ahead (with the
-hint measured fastest for the model, see frawd_set_forms). A
-product walks the inputs i and adds x[i] * W^T[i, tile] into register accumulators: one
-row 64 outputs at a time, many rows by blocks of up to 6 rows x 32 outputs (AVX2: 4 x 16),
-as many as the registers hold: plain multiply-adds, no horizontal sums, no scalar loops. Weights are
-fp32, fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a
-quarter), each converted exactly to fp32 in registers.
+hint measured fastest for the model, see frawd_set_forms). A product walks the inputs i
+and adds x[i] * W^T[i, tile] into register accumulators: one row 64 outputs at a time,
+many rows by blocks of up to 6 rows x 32 outputs (AVX2: 4 x 16), as many as the registers
+hold: plain multiply-adds, no horizontal sums, no scalar loops. Weights are fp32, fp16
+(half the bytes) or int8 with a scale per output (`--quantize int8`: a quarter), each
+converted exactly to fp32 in registers.
 
-Threads (a team of our own, not OpenMP's: see "the team") split every product by output
-tiles and the attention by token and head; a barrier of our own separates dependent phases (it sleeps after a short spin, so
-a busy core elsewhere does not stall the team). Arithmetic is fp32 throughout, as in the
+Threads (OpenMP's team on the main thread, one of our own elsewhere: see "the team")
+split every product by output tiles and the attention by token and head; a barrier of
+our own separates dependent phases (it sleeps after a short spin, so a busy core
+elsewhere does not stall the team). Arithmetic is fp32 throughout, as in the
 model: with fp32 weights results equal PyTorch's up to rounding order
 (tests/test_native.py checks 1e-5 against the full forward). The KV cache holds fp32, or
 fp16 (kv_half: rounded once when stored, converted exactly when read; the engine's
@@ -160,10 +161,6 @@ int frawd_has_fp16(void) { return HAS_FP16; }
 
 /* Outputs per packed tile: the layout native.py writes. */
 int64_t frawd_tile(void) { return TILE; }
-
-/* This thread's index in the team running the current forward, and the team's size (see
-   "the team" below). */
-static _Thread_local int crew_t = 0, crew_P = 1;
 
 /* ---- matrix-vector products ---------------------------------------------------------- */
 
@@ -317,12 +314,15 @@ static inline __attribute__((always_inline)) void rows_chunk(
     }
 }
 
+/* Accumulators a block of R rows keeps per output vector (two chains each with SPLIT). */
+#define ACC_ROWS(R) (SPLIT ? 2 * (R) : (R))
+
 /* One row (batch-1 decode): the product runs at the rate weights stream in, so each tile
    is read once, 4 vectors wide (twice that many sums with SPLIT), in the form timed fastest
    (the prefetch hint; fp16 converted 8 at a time or 16). */
 #define ROW_TILE(KIND)                                                                          \
     for (int c0 = 0; c0 < NV; c0 += ROW_CHUNK) rows_chunk(1, ROW_CHUNK, KIND, L->hint, L, tile, x, 0, y, 0, 0, t, c0, mode)
-#define ROW_CHUNK (NV < ACC_MAX / (SPLIT ? 2 : 1) ? NV : ACC_MAX / (SPLIT ? 2 : 1))
+#define ROW_CHUNK (NV < ACC_MAX / ACC_ROWS(1) ? NV : ACC_MAX / ACC_ROWS(1))
 
 static void one_row_tiles(const Linear *L, const float *x, float *y, int64_t t0, int64_t t1, int mode) {
     for (int64_t t = t0; t < t1; t++) {
@@ -345,7 +345,6 @@ static void one_row_tiles(const Linear *L, const float *x, float *y, int64_t t0,
    so blocks are as large as the registers allow: WIDE_ACC accumulators (R C, twice that
    with SPLIT), 6 rows x 2 vectors with AVX-512 (~10% faster than 8 x 1 for 32 rows, 20% for
    8). The sums are the same, in the same order, as one row's: the row count changes no bit. */
-#define ACC_ROWS(R) (SPLIT ? 2 * (R) : (R))
 #if VW == 16
 #define WIDE_ACC 24 /* of 32 registers: the rest hold weights and broadcasts */
 #define WIDE_ROWS 6
@@ -396,10 +395,10 @@ static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c
     }
 }
 
-/* This thread's share of y = x @ W^T (+ b) (then GELU, for EPI_GELU): tiles split evenly
+/* Thread t of T's share of y = x @ W^T (+ b) (then GELU, for EPI_GELU): tiles split evenly
    between threads. */
-static void linear(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, int mode) {
-    int t = crew_t, T = crew_P;
+static void linear(int t, int T, const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B,
+                   int mode) {
     int64_t tiles = (L->out + TILE - 1) / TILE, t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
     int store = mode == EPI_GELU ? EPI_STORE : mode;
     if (B == 1) one_row_tiles(L, x, y, t0, t1, store);
@@ -525,8 +524,9 @@ static void futex_wake_all(atomic_int *word) {
 #endif
 }
 
-/* Until *word != old: spin for spin_ns, offering the core to other threads now and then, then sleep (the waker wakes sleepers, see barrier_wait
-   for why a sleeper counted before its check is never missed). */
+/* Until *word != old: spin for spin_ns, offering the core to other threads now and then,
+   then sleep (the waker wakes sleepers; see barrier_wait for why a sleeper counted before
+   its check is never missed). */
 static void wait_while(atomic_int *word, int old, atomic_int *sleepers, uint64_t spin_ns) {
     uint64_t until = 0;
     for (unsigned i = 1;; i++) {
@@ -560,10 +560,7 @@ static void *helper_main(void *arg) {
         seen = atomic_load_explicit(&crew.job_no, memory_order_acquire); /* (the caller waits for every
             helper before the next job, so this is the job after the last one seen) */
         int P = crew.P;
-        if (t < P) {
-            crew_t = t, crew_P = P;
-            crew.part(crew.job, t, P);
-        }
+        if (t < P) crew.part(crew.job, t, P);
         /* A helper beyond this job's P (an earlier call wanted more threads) only says so, and
            sleeps at once rather than spin beside the ones working. */
         spin = t < P ? IDLE_SPIN_NS : 0;
@@ -629,7 +626,6 @@ static void crew_run(Part part, void *job, int P) {
     if (cpus > 0 && P > cpus) P = cpus;
     if (P > MAX_TEAM) P = MAX_TEAM;
     if (P <= 1) {
-        crew_t = 0, crew_P = 1;
         part(job, 0, 1);
         return;
     }
@@ -640,7 +636,6 @@ static void crew_run(Part part, void *job, int P) {
     atomic_store(&crew.done, 0);
     atomic_fetch_add(&crew.job_no, 1); /* publishes the fields above */
     if (atomic_load(&crew.job_sleepers) > 0) futex_wake_all(&crew.job_no);
-    crew_t = 0, crew_P = P;
     part(job, 0, P);
     for (int d; (d = atomic_load(&crew.done)) != crew.helpers;) wait_while(&crew.done, d, &crew.done_sleepers, 100000);
     pthread_mutex_unlock(&crew.calls);
@@ -669,9 +664,8 @@ static void norm_row(const Model *m, const Norm *n, const float *x, float *y) {
     for (int64_t i = 0; i < D; i++) y[i] = (x[i] - mean) * inv * n->w[i] + (n->b ? n->b[i] : 0.0f);
 }
 
-/* This thread's rows of y = norm(x). */
-static void norm_rows(const Model *m, const Norm *n, const float *x, float *y, int64_t B) {
-    int t = crew_t, T = crew_P;
+/* Thread t of T's rows of y = norm(x). */
+static void norm_rows(int t, int T, const Model *m, const Norm *n, const float *x, float *y, int64_t B) {
     for (int64_t r = t; r < B; r += T) norm_row(m, n, x + r * m->d, y + r * m->d);
 }
 
@@ -685,9 +679,9 @@ static const float *sublayer_input(const Model *m, const Norm *n, const float *x
 }
 
 /* After a residual add: post-LN normalises the stream in place; pre-LN leaves it. */
-static void after_residual(const Model *m, const Norm *n, float *x, int64_t N, Barrier *team) {
+static void after_residual(int t, int T, const Model *m, const Norm *n, float *x, int64_t N, Barrier *team) {
     if (m->pre_norm) return;
-    norm_rows(m, n, x, x, N);
+    norm_rows(t, T, m, n, x, x, N);
     barrier_wait(team);
 }
 
@@ -1043,7 +1037,7 @@ static void forward_part(void *job, int t, int P) {
     for (int64_t l = 0; l < m->n_layer; l++) {
         const Layer *L = &m->layers[l];
         /* attention */
-        linear(&L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
+        linear(t, P, &L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
         barrier_wait(team);
         if (T == 1) {
             for (int64_t task = t; task < N * nkv; task += P) {
@@ -1067,11 +1061,11 @@ static void forward_part(void *job, int t, int P) {
                             valid, padded, scores, half);
         }
         barrier_wait(team);
-        linear(&L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
+        linear(t, P, &L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
         barrier_wait(team);
-        after_residual(m, &L->norm1, x, N, team);
+        after_residual(t, P, m, &L->norm1, x, N, team);
         /* MLP */
-        linear(&L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
+        linear(t, P, &L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
                m->swiglu ? EPI_STORE : EPI_GELU);
         barrier_wait(team);
         const float *hidden = ff;
@@ -1079,9 +1073,9 @@ static void forward_part(void *job, int t, int P) {
             for (int64_t n = 0; n < N; n++) swiglu_row(ff + n * ff_w, own + n * m->ffn, m->ffn);
             hidden = own;
         }
-        linear(&L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
+        linear(t, P, &L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
         barrier_wait(team);
-        after_residual(m, &L->norm2, x, N, team);
+        after_residual(t, P, m, &L->norm2, x, N, team);
     }
     /* each row's last token: final norm (or a copy) into own, then the LM head */
     for (int64_t b = 0; b < B; b++) {
@@ -1089,7 +1083,7 @@ static void forward_part(void *job, int t, int P) {
         if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
         else memcpy(own + b * D, last, D * sizeof(float));
     }
-    linear(&m->head, own, D, logits, m->vocab, B, EPI_STORE);
+    linear(t, P, &m->head, own, D, logits, m->vocab, B, EPI_STORE);
     if (too_large) __atomic_store_n(&f->overflow, 1, __ATOMIC_RELAXED);
 }
 
@@ -1112,8 +1106,7 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     if (P > 1 && on_main_thread()) { /* torch's OpenMP team: see "the team" */
 #pragma omp parallel num_threads(P)
         {
-            crew_t = omp_get_thread_num(), crew_P = omp_get_num_threads();
-            forward_part(&f, crew_t, crew_P);
+            forward_part(&f, omp_get_thread_num(), omp_get_num_threads());
             barrier_wait(&f.team); /* everyone done: OpenMP's closing barrier then waits for no one */
         }
     } else {
