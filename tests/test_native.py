@@ -48,9 +48,11 @@ def full_logits(model, ids_row):
 
 
 @torch.no_grad()
-def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threads=1, atol=1e-5):
-    """Prefill ragged rows, decode a few steps; every row's logits equal the full forward."""
-    decoder = native.NativeDecoder(model, weights)
+def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threads=1, atol=1e-5, amx_rows=None):
+    """Prefill ragged rows, decode a few steps; every row's logits equal the full forward.
+    `amx_rows`: products of at least that many rows on AMX tiles (else as timed)."""
+    decoder = native.NativeDecoder(model, weights, amx_rows=amx_rows)
+    assert amx_rows is None or decoder.amx_rows == amx_rows
     ref = native.fp16_rounded_copy(model) if weights == "fp16" else model
     cfg = model.config
     ids, positions, valid = padded_prompts(lengths, cfg.vocab_size)
@@ -274,7 +276,7 @@ def test_every_stream_form_gives_the_same_bits(name, shape):
     tokens = torch.tensor([[3, 9, 27, 81], [5, 7, 11, 13]])
     for hint, narrow, rows in [(None, None, None), (0, 0, 0), (1, 0, 1), (2, 0, 2), (2, 1, 0)]:
         if hint is not None:
-            decoder.lib.frawd_set_forms(ctypes.byref(decoder.model), hint, narrow, rows)
+            decoder.set_forms(hint, narrow, rows, decoder.amx_rows)
         logits = []
         for batch in (tokens[:1], tokens):  # one row, then two (the many-row hint)
             cache = KVCache(model.config, len(batch), 8)
@@ -287,6 +289,42 @@ def test_every_stream_form_gives_the_same_bits(name, shape):
         assert torch.equal(results[0], other)
 
 
+def test_amx_planes_hold_each_fp16_weight_exactly_in_the_tile_layout():
+    """wh + wl == the fp16-rounded weight, bit for bit (wh its bf16 rounding, wl the rest),
+    placed where native.c's AMX products read it: per 16 outputs (padded to whole tiles),
+    per 32 inputs, wh then wl, each 16 input pairs x 16 outputs x 2. (Runs everywhere: the
+    layout is Python's.)"""
+    torch.manual_seed(0)
+    out, inputs, tile = 70, 64, 64
+    weight = torch.randn(out, inputs) * torch.logspace(-6, 2, inputs)  # (magnitudes from fp16 subnormals up)
+    planes = native.amx_planes(weight, tile)
+    blocks = -(-out // tile) * tile // 16
+    assert planes.dtype == torch.bfloat16 and planes.shape == (blocks, inputs // 32, 2, 16, 16, 2)
+    flat = planes.view(-1)
+    w16 = weight.to(torch.float16).float()
+    for o, i in [(0, 0), (1, 0), (0, 1), (17, 33), (63, 63), (69, 40), (5, 62)]:
+        at = ((o // 16 * (inputs // 32) + i // 32) * 2 * 16 * 16 + (i % 32) // 2 * 16 + o % 16) * 2 + i % 2
+        hi, lo = flat[at], flat[at + 512]  # (wl: one plane, 16 x 16 x 2 values, further)
+        assert hi == w16[o, i].to(torch.bfloat16)
+        assert hi.float() + lo.float() == w16[o, i]
+    assert planes[blocks * 16 // 16 - 1:, :, :, :, out % 16:].abs().sum() == 0  # padding outputs are zero
+    whole = planes.float().sum(dim=2)  # wh + wl, back to (outputs, inputs)
+    whole = whole.permute(0, 3, 1, 2, 4).reshape(blocks * 16, inputs)
+    assert torch.equal(whole[:out], w16)
+
+
+@pytest.mark.skipif(not native.available() or not native.has_amx(), reason="no AMX (Intel Xeon since Sapphire Rapids)")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_amx_products_equal_the_full_forward(name):
+    """Products of 2 rows and more on AMX tiles (inputs split into three bf16 parts, weights
+    into two: fp32-accurate sums in another order): ragged prefills of 3 to 240 rows (past
+    the 128 rows split at a time) and decode batches of 3 to 40 rows (blocks of 32 rows and
+    the 16 left) give the fp16 model's logits."""
+    model = make_model(std=0.2, **CONFIGS[name])
+    for lengths in [(5, 9, 1), (7,) * 8 + (30,) * 8, tuple(range(1, 41))]:
+        check_against_full_forward(model, "fp16", lengths=lengths, steps=2, amx_rows=2, threads=2)
+
+
 def test_stream_forms_are_timed_once_per_model_shape_and_say_what_they_are(tmp_path, monkeypatch):
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
@@ -294,14 +332,24 @@ def test_stream_forms_are_timed_once_per_model_shape_and_say_what_they_are(tmp_p
     fastest = native.NativeDecoder._fastest
     monkeypatch.setattr(native.NativeDecoder, "_fastest", lambda self, *a, **k: timed.append(a[2]) or fastest(self, *a, **k))
     model = FrawdLLM(get_config("tiny", n_layer=2, n_embd=64, n_head=4)).eval()
+    amx_timed = []
     for weights in ("fp32", "fp16", "fp32", "fp16"):
-        forms = native.NativeDecoder(model, weights).stream_forms
-        one_row, batches = forms.split("; ")
+        decoder = native.NativeDecoder(model, weights)
+        one_row, batches, *amx = decoder.stream_forms.split("; ")
         hint, *width = one_row.split(", ")
         assert hint.split()[0] == "prefetch" and hint.split()[1] in native.PREFETCH_HINTS
         assert width in ([], ["fp16 8 at a time"]) and (weights == "fp16" or not width)
         assert batches.split()[0] in native.PREFETCH_HINTS and batches.endswith(" in batches")
-    assert timed == [1, 8, 1, 8]  # one row, then 8 rows; for each weight type once
+        assert amx == ([f"AMX from {decoder.amx_rows} rows"] if decoder.amx_rows else [])
+        assert not decoder.amx_rows or (weights == "fp16" and decoder.amx_rows in native.AMX_ROWS)
+        assert bool(decoder._planes) == bool(decoder.amx_rows)  # (planes freed where AMX does not pay)
+        if weights == "fp16" and not amx_timed:
+            amx_timed = timed[4:]  # fp32, then fp16: one row, 8 rows, then AMX's row counts
+    assert timed[:4] == [1, 8, 1, 8] and timed[4:] == amx_timed  # once per weight type
+    if native.has_amx():  # from 32 rows down while AMX keeps winning
+        assert amx_timed and amx_timed == list(native.AMX_ROWS[:len(amx_timed)])
+    else:
+        assert amx_timed == []
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)

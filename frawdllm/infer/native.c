@@ -22,8 +22,9 @@ which the hardware prefetcher follows and which is also prefetched 8 KB ahead (w
 hint measured fastest for the model, see frawd_set_forms). A product walks the inputs i
 and adds x[i] * W^T[i, tile] into register accumulators: one row 64 outputs at a time,
 many rows by blocks of up to 6 rows x 32 outputs (AVX2: 4 x 16), as many as the registers
-hold: plain multiply-adds, no horizontal sums, no scalar loops. Weights are fp32, fp16
-(half the bytes) or int8 with a scale per output (`--quantize int8`: a quarter), each
+hold: plain multiply-adds, no horizontal sums, no scalar loops; or, on CPUs with AMX and
+from as many rows as timing says it pays, on the tile unit (see "AMX"). Weights are fp32,
+fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a quarter), each
 converted exactly to fp32 in registers.
 
 Threads (OpenMP's team on the main thread, one of our own elsewhere: see "the team")
@@ -105,6 +106,8 @@ typedef struct {
     const float *b;     /* (tiles * TILE) or NULL */
     int64_t in, out;
     int64_t hint, narrow, hint_rows; /* how its stream is read: one row, many (frawd_set_forms) */
+    const uint16_t *wb; /* or NULL: the fp16 weights again as two bf16 planes for AMX (see "AMX") */
+    int64_t amx_rows;   /* products of at least this many rows run on AMX (0: never; frawd_set_forms) */
 } Linear;
 
 typedef struct {
@@ -186,7 +189,7 @@ static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) 
 /* Whether products keep a second set of sums for odd inputs (hides the add latency): where
    the register file holds twice a tile's sums. Every row count sums the same way, so a
    row's result does not depend on how many rows share the product (a continuous batch
-   gives each request exactly what it would get alone). */
+   gives each request exactly what it would get alone; with AMX, below its row count). */
 #define SPLIT (2 * NV <= ACC_MAX)
 
 /* acc[r][k] = x[r] . W^T[:, chunk k] for R rows, C vectors of one tile; p = the tile's
@@ -344,7 +347,8 @@ static void one_row_tiles(const Linear *L, const float *x, float *y, int64_t t0,
    about what a multiply-add does) and broadcasts R inputs per input for R C multiply-adds,
    so blocks are as large as the registers allow: WIDE_ACC accumulators (R C, twice that
    with SPLIT), 6 rows x 2 vectors with AVX-512 (~10% faster than 8 x 1 for 32 rows, 20% for
-   8). The sums are the same, in the same order, as one row's: the row count changes no bit. */
+   8). The sums are the same, in the same order, as one row's: the row count changes no bit
+   (AMX products, where they run, sum in another order: see "AMX"). */
 #if VW == 16
 #define WIDE_ACC 24 /* of 32 registers: the rest hold weights and broadcasts */
 #define WIDE_ROWS 6
@@ -395,6 +399,176 @@ static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c
     }
 }
 
+/* ---- AMX: many rows on Intel's matrix units ---------------------------------------------
+
+   Many-row products are bound by arithmetic (see wide_tiles). Where the CPU has AMX
+   (Intel Xeon since Sapphire Rapids), its tile unit multiplies bf16 matrices with fp32 sums
+   ~14x faster than AVX-512 fp32 multiply-adds. bf16 keeps 8 significant bits, so the
+   operands are split exactly: an fp16 weight w (11 bits) = wh + wl, two bf16; an fp32 input
+   x (24 bits) = xh + xm + xl, three bf16 (each the rounded rest of the one before). bf16
+   products are exact in fp32, so x w = xh wh + xm wh + xl wh + xh wl + xm wl (+ xl wl,
+   ~2^-27 of x w, left out) is five tile products with fp32 sums: the error is that of an
+   fp32 dot product (a different summation order from wide_tiles', so a row's last bits
+   depend on whether its batch was large enough for AMX). native.py writes the planes
+   (Linear.wb: per 16 outputs, per 32 inputs, wh then wl, each 16 input pairs x 16 outputs
+   x 2, the tile unit's layout); frawd_amx_init asks Linux for the tile registers once. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define HAS_AMX 1
+#define AMX_CHUNK 128    /* rows split into bf16 at a time (per-thread scratch: 768 KB for 1024 inputs) */
+static int amx_ready = 0;
+static __thread uint16_t *amx_scratch = NULL;
+static __thread size_t amx_scratch_n = 0;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+int frawd_amx_init(void) {
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
+    amx_ready = 1;
+    return 1;
+}
+
+static inline __m512 bf16_to_fp32(__m256bh v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
+}
+
+/* Rows [0, N) of x (K inputs, K % 32 == 0) as three bf16 matrices h, m, l of Np rows (zero
+   rows past N), K apart. */
+static void split_bf16(const float *x, int64_t ldx, int64_t N, int64_t Np, int64_t K, uint16_t *h, uint16_t *m,
+                       uint16_t *l) {
+    for (int64_t r = 0; r < Np; r++)
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 v = r < N ? _mm512_loadu_ps(x + r * ldx + k) : _mm512_setzero_ps();
+            __m256bh vh = _mm512_cvtneps_pbh(v);
+            __m512 rest = _mm512_sub_ps(v, bf16_to_fp32(vh)); /* exact */
+            __m256bh vm = _mm512_cvtneps_pbh(rest);
+            __m256bh vl = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, bf16_to_fp32(vm)));
+            _mm256_storeu_si256((__m256i *)(h + r * K + k), (__m256i)vh);
+            _mm256_storeu_si256((__m256i *)(m + r * K + k), (__m256i)vm);
+            _mm256_storeu_si256((__m256i *)(l + r * K + k), (__m256i)vl);
+        }
+}
+
+/* One 16 x 16 block of sums (tile register `tile`) into y, through the epilogue. */
+#define AMX_STORE(tile, rows_at, col)                                                               \
+    do {                                                                                            \
+        __asm__ __volatile__("" ::: "memory"); /* (GCC's tile asm declares no memory access) */   \
+        _tile_stored(tile, sums, 64);                                                               \
+        __asm__ __volatile__("" ::: "memory");                                                      \
+        for (int r = 0; r < 16 && (rows_at) + r < B; r++) {                                        \
+            int64_t o_ = (col);                                                                     \
+            if (o_ >= L->out) break;                                                                \
+            vw value = *(const vw *)(sums + r * 16) + (L->b ? *(const vw *)(L->b + o_) : vw_splat(0.0f)); \
+            epilogue(mode, y + ((rows_at) + r) * ldy + o_, value, L->out - o_);                     \
+        }                                                                                           \
+    } while (0)
+
+/* Sums of 32 rows x 32 outputs (at r0 of the split rows, outputs 32 pair): four 16 x 16
+   sums (tiles 0-3), two input tiles (4, 5), two weight tiles (6, 7). */
+static inline __attribute__((always_inline)) void amx_block_32x32(const uint16_t *w0, const uint16_t *w1, const uint16_t *h, const uint16_t *m,
+                                   const uint16_t *l, int64_t r0, int64_t K) {
+    const int64_t plane = 512;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t c = 0; c < K / 32; c++) {
+        const uint16_t *a[3] = {h + r0 * K + 32 * c, m + r0 * K + 32 * c, l + r0 * K + 32 * c};
+        const uint16_t *p0 = w0 + 2 * plane * c, *p1 = w1 + 2 * plane * c;
+        for (int s = 0; s < 3; s++) { /* x part s times wh, and (s < 2) times wl */
+            _tile_loadd(4, a[s], K * 2);
+            _tile_loadd(5, a[s] + 16 * K, K * 2);
+            _tile_loadd(6, p0, 64);
+            _tile_loadd(7, p1, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            if (s < 2) {
+                _tile_loadd(6, p0 + plane, 64);
+                _tile_loadd(7, p1 + plane, 64);
+                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+}
+
+/* Sums of 16 rows x 64 outputs (the last 16 rows): four 16 x 16 sums (tiles 0-3), one
+   input tile (4), weight tiles 5-7 in turn. w: the first of four 16-output blocks. */
+static inline __attribute__((always_inline)) void amx_block_16x64(const uint16_t *w, int64_t block, const uint16_t *h, const uint16_t *m,
+                                   const uint16_t *l, int64_t r0, int64_t K) {
+    const int64_t plane = 512;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t c = 0; c < K / 32; c++) {
+        const uint16_t *a[3] = {h + r0 * K + 32 * c, m + r0 * K + 32 * c, l + r0 * K + 32 * c};
+        const uint16_t *p = w + 2 * plane * c;
+        for (int s = 0; s < 3; s++)
+            for (int lo = 0; lo < (s < 2 ? 2 : 1); lo++) {
+                const uint16_t *q = p + lo * plane;
+                _tile_loadd(4, a[s], K * 2);
+                _tile_loadd(5, q, 64);
+                _tile_loadd(6, q + block, 64);
+                _tile_loadd(7, q + 2 * block, 64);
+                _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, q + 3 * block, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+    }
+}
+
+/* wide_tiles on the tile unit: tiles [t0, t1) of y = x W^T for B rows, by blocks of 32 rows
+   (and 16 for the rest). */
+static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, int64_t t0,
+                      int64_t t1, int mode) {
+    const int64_t K = L->in, block = 2 * 512 * (K / 32); /* elements per 16 outputs */
+    size_t need = (size_t)3 * AMX_CHUNK * K;
+    if (amx_scratch_n < need) {
+        free(amx_scratch);
+        amx_scratch = aligned_alloc(64, need * sizeof(uint16_t));
+        amx_scratch_n = amx_scratch ? need : 0;
+        if (!amx_scratch) {
+            wide_tiles(L, x, ldx, y, ldy, B, t0, t1, mode);
+            return;
+        }
+    }
+    TileConfig cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+    float sums[16 * 16] __attribute__((aligned(64)));
+    for (int64_t rc = 0; rc < B; rc += AMX_CHUNK) {
+        int64_t n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK, np = (n + 15) / 16 * 16;
+        uint16_t *h = amx_scratch, *m = h + np * K, *l = m + np * K;
+        split_bf16(x + rc * ldx, ldx, n, np, K, h, m, l);
+        __asm__ __volatile__("" ::: "memory"); /* the split rows are in memory before tile loads read them */
+        for (int64_t t = t0; t < t1; t++) {
+            const uint16_t *w = L->wb + 4 * t * block; /* tile t: 16-output blocks 4t .. 4t + 3 */
+            int64_t r0 = 0;
+            for (; r0 + 32 <= np; r0 += 32)
+                for (int pair = 0; pair < 2; pair++) {
+                    int64_t out0 = TILE * t + 32 * pair;
+                    amx_block_32x32(w + 2 * pair * block, w + (2 * pair + 1) * block, h, m, l, r0, K);
+                    AMX_STORE(0, rc + r0, out0);
+                    AMX_STORE(1, rc + r0, out0 + 16);
+                    AMX_STORE(2, rc + r0 + 16, out0);
+                    AMX_STORE(3, rc + r0 + 16, out0 + 16);
+                }
+            if (r0 < np) {
+                amx_block_16x64(w, block, h, m, l, r0, K);
+                AMX_STORE(0, rc + r0, TILE * t);
+                AMX_STORE(1, rc + r0, TILE * t + 16);
+                AMX_STORE(2, rc + r0, TILE * t + 32);
+                AMX_STORE(3, rc + r0, TILE * t + 48);
+            }
+        }
+    }
+    _tile_release();
+}
+#else
+#define HAS_AMX 0
+int frawd_amx_init(void) { return 0; }
+#endif
+
+int frawd_has_amx(void) { return HAS_AMX; }
+
 /* Thread t of T's share of y = x @ W^T (+ b) (then GELU, for EPI_GELU): tiles split evenly
    between threads. */
 static void linear(int t, int T, const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B,
@@ -402,6 +576,9 @@ static void linear(int t, int T, const Linear *L, const float *x, int64_t ldx, f
     int64_t tiles = (L->out + TILE - 1) / TILE, t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
     int store = mode == EPI_GELU ? EPI_STORE : mode;
     if (B == 1) one_row_tiles(L, x, y, t0, t1, store);
+#if HAS_AMX
+    else if (L->amx_rows && B >= L->amx_rows && L->wb && amx_ready) amx_tiles(L, x, ldx, y, ldy, B, t0, t1, store);
+#endif
     else wide_tiles(L, x, ldx, y, ldy, B, t0, t1, store);
     if (mode == EPI_GELU) gelu_columns(y, ldy, B, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
 }
@@ -420,9 +597,10 @@ static Linear *model_linear(const Model *m, int64_t i) {
 /* Read every Linear of the model in these forms from now on (native.py times them on real
    decode steps and keeps the fastest): the prefetch hint of one-row products and whether
    they convert fp16 8 at a time (fp16 weights in AVX-512 builds), the hint of many-row ones. */
-void frawd_set_forms(const Model *m, int64_t hint, int64_t narrow, int64_t hint_rows) {
+void frawd_set_forms(const Model *m, int64_t hint, int64_t narrow, int64_t hint_rows, int64_t amx_rows) {
     for (int64_t i = 0; i <= 4 * m->n_layer; i++) {
         Linear *L = model_linear(m, i);
+        L->amx_rows = L->wb && amx_rows > 0 ? amx_rows : 0;
         L->hint = hint >= PF_NTA && hint <= PF_NONE ? hint : PF_NTA;
         L->narrow = HAS_NARROW && narrow && storage(L) == W_FP16;
         L->hint_rows = hint_rows >= PF_NTA && hint_rows <= PF_NONE ? hint_rows : PF_NTA;

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -79,7 +80,8 @@ i64, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 # ctypes mirrors of the structs in native.c (same fields, same order).
 class _Linear(ctypes.Structure):
     _fields_ = [("w", f32p), ("wh", ctypes.c_void_p), ("wq", ctypes.c_void_p), ("scale", f32p), ("b", f32p),
-                ("in_", i64), ("out", i64), ("hint", i64), ("narrow", i64), ("hint_rows", i64)]
+                ("in_", i64), ("out", i64), ("hint", i64), ("narrow", i64), ("hint_rows", i64),
+                ("wb", ctypes.c_void_p), ("amx_rows", i64)]
 
 
 class _Norm(ctypes.Structure):
@@ -122,7 +124,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
-    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
+    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64, i64, i64]
+    lib.frawd_has_amx.restype = ctypes.c_int
+    lib.frawd_amx_init.restype = ctypes.c_int
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
@@ -174,6 +178,39 @@ def packed_tiles(weight: Tensor, tile: int, dtype: torch.dtype) -> Tensor:
     padded = torch.zeros(tiles * tile, inputs, dtype=dtype)
     padded[:out] = weight.detach()
     return padded.view(tiles, tile, inputs).transpose(1, 2).contiguous()
+
+
+def amx_planes(weight: Tensor, tile: int) -> Tensor:
+    """W (out, in), rounded to fp16, as the two bf16 planes `native.c`'s AMX products read
+    (wh = bf16(w), wl = w - wh, both exact): per 16 outputs (padded to whole tiles), per 32
+    inputs, wh then wl, each 16 input pairs x 16 outputs x 2 (the tile unit's layout)."""
+    out, inputs = weight.shape
+    blocks = -(-out // tile) * tile // 16
+    w = torch.zeros(blocks * 16, inputs)
+    w[:out] = weight.detach().to(torch.float16).float()
+    hi = w.to(torch.bfloat16)
+    lo = (w - hi.float()).to(torch.bfloat16)
+
+    def tiles(plane: Tensor) -> Tensor:  # (outputs, in) -> (blocks, in/32, 16 pairs, 16 outputs, 2)
+        return plane.view(blocks, 16, inputs // 32, 16, 2).permute(0, 2, 3, 1, 4)
+
+    return torch.stack([tiles(hi), tiles(lo)], dim=2).contiguous()
+
+
+AMX_ROWS = (32, 16, 8, 4, 2)  # the row counts from which AMX products are timed, largest first
+
+
+def has_amx() -> bool:
+    """Whether many-row products run on AMX tiles (an AMX build that Linux let use them;
+    `FRAWD_AMX=0` turns them off)."""
+    global _AMX
+    if _AMX is None:
+        lib = library()
+        _AMX = bool(os.environ.get("FRAWD_AMX", "1") != "0" and lib.frawd_has_amx() and lib.frawd_amx_init())
+    return _AMX
+
+
+_AMX: bool | None = None
 
 
 def _padded(vector: Tensor | None, tile: int) -> Tensor | None:
@@ -236,7 +273,9 @@ class NativeDecoder:
     the model is still that (the engine rebuilds the decoder when it is not).
     """
 
-    def __init__(self, model: nn.Module, weights: str = "fp32") -> None:
+    def __init__(self, model: nn.Module, weights: str = "fp32", amx_rows: int | None = None) -> None:
+        """`amx_rows` (fp16 weights on a CPU with AMX): products of at least that many rows on
+        the tile unit, 0 never; None (the default): as timed (`_choose_forms`)."""
         reason = supports(model)
         if reason is not None:
             raise FrawdError(f"the native forward cannot run this model: {reason}")
@@ -274,6 +313,8 @@ class NativeDecoder:
                 return packed_tiles(module.weight.to(torch.float16), tile, torch.float16)
             return packed_tiles(module.weight, tile, torch.float32)
 
+        amx = weights == "fp16" and has_amx()  # many-row products on AMX tiles (see native.c)
+        self._planes: list[Tensor] = []  # their weights, while timing says they pay (_choose_forms)
         # Every matrix packed first, so that one block of 2 MB pages holds them all, one after another.
         linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
         packs = {id(m): pack(m) for m in (*linears, model.lm_head)}
@@ -288,7 +329,11 @@ class NativeDecoder:
                 return _Linear(None, None, ptr(w, ctypes.c_void_p), ptr(_padded(module.scale, tile)), bias, *sizes)
             stream(w)
             if w.dtype == torch.float16:
-                return _Linear(None, ptr(w, ctypes.c_void_p), None, None, bias, *sizes)
+                made = _Linear(None, ptr(w, ctypes.c_void_p), None, None, bias, *sizes)
+                if amx and module.in_features % 32 == 0:
+                    self._planes.append(amx_planes(module.weight, tile))
+                    made.wb = self._planes[-1].data_ptr()
+                return made
             return _Linear(ptr(w), None, None, None, bias, *sizes)
 
         def norm(module: nn.Module) -> _Norm:
@@ -323,20 +368,22 @@ class NativeDecoder:
         self._cache_rows = 0
         self._work: Tensor | None = None
         self._lock = threading.Lock()
-        self.stream_forms = self._choose_forms()
+        self.stream_forms = self._choose_forms(amx_rows)
 
-    def _choose_forms(self) -> str:
+    def _choose_forms(self, amx_rows: int | None = None) -> str:
         """How this machine streams these weights fastest, timed on real decode steps once per
         CPU, build and model shape (kept with the engine's paths, `paths.remembered`: ~0.1 s
-        for `tiny`, ~0.5 s for `small`); every form gives the same bits. Two choices:
+        for `tiny`, ~0.5 s for `small`). Three choices:
 
         - one-row products (batch-1 decode): the prefetch hint of the weight stream (NTA,
           T0 or none) and, for fp16 weights in AVX-512 builds, conversions 8 at a time
-          (without prefetch): one row after 8 cached tokens;
-        - many-row products (batches, prefill): the hint, on a step of 8 rows.
+          (without prefetch): one row after 8 cached tokens; every form gives the same bits;
+        - many-row products (batches, prefill): the hint, on a step of 8 rows;
+        - with AMX (fp16 weights): from how many rows products run on the tile unit, timed
+          at 32 rows, then 16, 8, 4 and 2 while it keeps winning (never: its planes freed).
         NTA paid on an AMD Zen 4 and ran 1.6-4.4x slower on an Intel Xeon with AMX. The
-        first form (NTA, what native.c used before it was timed) stays unless another is 3%
-        faster."""
+        first form (NTA, what native.c used before it was timed; AMX off) stays unless
+        another is 3% faster."""
         from . import paths
 
         model = ctypes.byref(self.model)
@@ -347,17 +394,39 @@ class NativeDecoder:
             forms = [(0, 0), (1, 0), (2, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
             if self.weights == "fp16" and self.lib.frawd_has_narrow():
                 forms.append((2, 1))
-            hint, narrow = forms[self._fastest(forms, lambda f: self.lib.frawd_set_forms(model, *f, 0), 1)]
-            rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h), 8)
-            return [hint, narrow, rows]
+            hint, narrow = forms[self._fastest(forms, lambda f: self.lib.frawd_set_forms(model, *f, 0, 0), 1)]
+            rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h, 0), 8)
+            amx = 0
+            for count in AMX_ROWS if self._planes else ():
+                if not self._fastest([0, count], lambda a: self.lib.frawd_set_forms(model, hint, narrow, rows, a),
+                                     count):
+                    break
+                amx = count
+            return [hint, narrow, rows, amx]
 
         forms = paths.remembered("forms", self.source, self.weights, measure)
-        if not (isinstance(forms, list) and len(forms) == 3 and all(f in (0, 1, 2) for f in forms)):
-            forms = measure()  # (a file written by something else)
-        hint, narrow, rows = forms
-        self.lib.frawd_set_forms(model, hint, narrow, rows)
+        if not (isinstance(forms, list) and len(forms) == 4 and all(f in (0, 1, 2) for f in forms[:3])
+                and forms[3] in (0, *AMX_ROWS)):
+            forms = measure()  # (a file written by something else, or before AMX was timed)
+        hint, narrow, rows, amx = forms
+        self.set_forms(hint, narrow, rows, amx if amx_rows is None else amx_rows)
+        amx = self.amx_rows
+        if not amx and self._planes:  # AMX does not pay here: its copies of the weights go
+            for layer in self._layers:
+                for linear in (layer.qkv, layer.proj, layer.up, layer.down):
+                    linear.wb = None
+            self.model.head.wb = None
+            self._planes.clear()
         return (f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
-                + f"; {PREFETCH_HINTS[rows]} in batches")
+                + f"; {PREFETCH_HINTS[rows]} in batches" + (f"; AMX from {amx} rows" if self.amx_rows else ""))
+
+    def set_forms(self, hint: int, narrow: int, rows: int, amx_rows: int) -> None:
+        """Read the weights in these forms from now on (see `_choose_forms`; tests and
+        benchmarks set them to compare). `amx_rows`: products of at least this many rows run on
+        AMX (0: never); where the decoder has no AMX planes it is 0."""
+        self.amx_rows = amx_rows if self._planes else 0
+        self.forms = (hint, narrow, rows, self.amx_rows)
+        self.lib.frawd_set_forms(ctypes.byref(self.model), hint, narrow, rows, self.amx_rows)
 
     def _fastest(self, options: list, apply, rows: int, fill: int = 8) -> int:
         """The index of the option (set by `apply`) whose decode steps of `rows` rows after
