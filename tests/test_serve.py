@@ -229,7 +229,16 @@ def test_errors_are_openai_errors(server):
 
 def test_too_many_requests():
     model, tok = varied_model()
-    with live_server({"m": test_engine(model, tok)}, ServeOptions(max_in_flight=1, max_tokens=64, max_queue=2)) as url:
+    engine = test_engine(model, tok)
+    forward = engine.forward
+
+    def slow_forward(tokens, *args):  # decode steps of 20 ms: the open stream below outlasts the next request
+        if tokens.shape[1] == 1:
+            time.sleep(0.02)
+        return forward(tokens, *args)
+
+    engine.forward = slow_forward
+    with live_server({"m": engine}, ServeOptions(max_in_flight=1, max_tokens=64, max_queue=2)) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         # a list of prompts the queue could never take at once is a 400, not a 429 forever
         with pytest.raises(openai.BadRequestError, match="at most 2 in one request"):
