@@ -142,6 +142,29 @@ def test_pretrain_on_the_multi_shard_folder_trains_exactly_as_on_the_single_file
     assert len(losses[0]) >= 4 and losses[0] == losses[1]
 
 
+@pytest.mark.timeout(180)
+def test_a_rebuild_by_either_engine_leaves_only_its_own_shards_and_logs(corpus, tokenizer, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("part2.txt", "part4.txt"):
+        (other / name).write_text((corpus / name).read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "out"
+
+    def contents() -> list[str]:
+        return sorted(p.name for p in out.iterdir()) + sorted(p.name for p in (out / ".datatrove").glob("*"))
+
+    prepare_shards_datatrove(str(corpus), tokenizer, out, workers=3, val_fraction=0.1)
+    meta = prepare_shards_datatrove(str(other), tokenizer, out, workers=2, val_fraction=0.1)
+    shards = ["train-00000.bin", "train-00001.bin", "val-00000.bin", "val-00001.bin"]
+    assert contents() == [".datatrove", "meta.json", *shards, f"{meta['inputs_hash'][:16]}-w2"]
+    prepare_shards(str(corpus), tokenizer, out, val_fraction=0.1)
+    assert contents() == ["meta.json", "train.bin", "val.bin"]
+    # the logs of the 2-task run went with its shards, so running it again redoes every task
+    again = prepare_shards_datatrove(str(other), tokenizer, out, workers=2, val_fraction=0.1)
+    assert not again.get("reused") and again["train_tokens"] == meta["train_tokens"]
+    assert sorted(p.name for p in out.iterdir()) == [".datatrove", "meta.json", *shards]
+
+
 def test_hf_sources_have_no_files_to_split_and_are_refused(tokenizer, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["data", "prepare", "--data", "hf:x", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "h"),

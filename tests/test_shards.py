@@ -350,6 +350,53 @@ def test_cli_prepare_refuses_to_replace_another_sources_shards_unless_overwrite(
     assert code == 1 and err.startswith(f"frawd: error: {out} holds train.bin and val.bin but no meta.json")
 
 
+def test_overwrite_leaves_only_the_new_shards_once_they_are_complete(tmp_path, bpe, capsys, monkeypatch):
+    from cli_helpers import run_cli
+
+    from frawdllm.data import read_split
+
+    first = _write_corpus(tmp_path / "a.txt", _corpus(60, seed=2))
+    second = _write_corpus(tmp_path / "b.txt", _corpus(20, seed=3))
+    bpe.save(tmp_path / "tok.json")
+    out = tmp_path / "shards"
+    # what a 5-task datatrove run of the first source leaves: its shards, meta.json and logs
+    meta = prepare_shards(str(first), bpe, out)
+    shards = {"train": [f"train-{r:05d}.bin" for r in range(5)], "val": [f"val-{r:05d}.bin" for r in range(5)]}
+    for split in ("train", "val"):
+        tokens = np.asarray(read_shard(out / f"{split}.bin"))
+        for name, part in zip(shards[split], np.array_split(tokens, 5)):
+            write_shard(out / name, part, bpe.vocab_size)
+        (out / f"{split}.bin").unlink()
+    (out / "meta.json").write_text(json.dumps({**meta, "train_shards": shards["train"], "val_shards": shards["val"]}))
+    (out / ".datatrove" / f"{'0' * 16}-w5" / "completions").mkdir(parents=True)
+    # files of the user's that only look like shards by name, or not at all
+    user_files = {"notes.txt": b"mine\n", "val-00007.bin": b"not a shard", "train-notes.bin": MAGIC}
+    for name, content in user_files.items():
+        (out / name).write_bytes(content)
+    old_train = np.asarray(read_split(out, "train"))
+
+    def prepare(*flags):
+        return run_cli(capsys, "data", "prepare", "--data", second, "--tokenizer", tmp_path / "tok.json",
+                       "--out", out, "--overwrite", *flags)
+
+    def failed(self):
+        raise FrawdError("failed")
+
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with monkeypatch.context() as patch:  # a run that fails once every new token is written deletes nothing
+        patch.setattr(shards_module.ShardWriter, "finish", failed)
+        assert prepare()[0] == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    np.testing.assert_array_equal(np.asarray(read_split(out, "train")), old_train)
+
+    code, stdout, _ = prepare()
+    assert code == 0 and f"wrote {out}/train.bin" in stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(["meta.json", "train.bin", "val.bin", *user_files])
+    assert all((out / name).read_bytes() == content for name, content in user_files.items())
+    new = json.loads((out / "meta.json").read_text())
+    assert len(read_shard(out / "train.bin")) == new["train_tokens"] and new["resolved_source"] == str(second.resolve())
+
+
 def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path):
     src = _write_corpus(tmp_path / "c.txt", _corpus(3))
     proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", "data", "prepare",

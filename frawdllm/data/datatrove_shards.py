@@ -9,7 +9,8 @@ Two stages, each a datatrove executor, the second depending on the first:
                    `prepare_shards` into train-RRRRR.bin, val-RRRRR.bin and part-RRRRR.json
                    (its counts)
     MergeShards    one task: sums the parts into meta.json, which lists the shards of each
-                   split in rank order (`train_shards`, `val_shards`)
+                   split in rank order (`train_shards`, `val_shards`); then removes the shard
+                   files of earlier runs it does not list, and their logs
 
 Order: the loaders read a split as its shards in rank order. Since the blocks are
 contiguous and each document goes to train or val by a hash of its own text, that stream
@@ -32,11 +33,16 @@ from ..errors import FrawdError
 from ..io import clean_partial, undo_on_error, write_json_atomic
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
-from .shards import META_FILE, _inputs_hash, _reusable, document_end, shard_meta, tokenize_documents
+from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _reusable, document_end, remove_stale_shards, shard_meta,
+                     tokenize_documents)
 from .sources import SourceStats, file_documents, source_files
 
 EXECUTORS = ("local", "slurm", "ray")
-LOGS_DIR = ".datatrove"  # datatrove's logs and completion marks, inside the output folder
+
+
+def logs_name(inputs_hash: str, workers: int) -> str:
+    """The run's folder under OUT/.datatrove: the same inputs and workers resume there."""
+    return f"{inputs_hash[:16]}-w{workers}"
 
 
 def rank_files(files: list, rank: int, world_size: int) -> list:
@@ -128,6 +134,7 @@ def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fractio
     write_json_atomic(out / META_FILE, meta)
     for rank in range(parts):
         (out / _names(rank)["part"]).unlink(missing_ok=True)
+    remove_stale_shards(out, meta, keep_logs=logs_name(inputs_hash, parts))
     return meta
 
 
@@ -159,7 +166,7 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
         reused = _reusable(out, inputs_hash)
         if reused is not None:
             return reused
-    logs = out / LOGS_DIR / f"{inputs_hash[:16]}-w{workers}"  # same inputs and workers: resume
+    logs = out / LOGS_DIR / logs_name(inputs_hash, workers)
     with undo_on_error(out):
         out.mkdir(parents=True, exist_ok=True)
         clean_partial(out)  # temporary shard files of tasks that were killed

@@ -15,14 +15,16 @@ Three stages overlap, so the cores stay busy with tokenization:
 
 The new shards are written under temporary names and renamed into place when complete,
 meta.json last, so until then an old shard set in `out` stays usable (a run that fails or
-is killed leaves it as it was). A second run with the same inputs (source files by path,
-size and mtime; the tokenizer's content; the options) finds the matching `inputs_hash` in
-meta.json and reuses the shards unless `force`. `frawd data prepare` first calls
-`refuse_other_shards`: a folder holding the shards of another source is refused unless
---overwrite, so preparing a second corpus never silently replaces the first
-(`prepare_shards` itself replaces them: pretrain's run folder caches the data it was last
-given). Documents end with <|eos|>, or with the end-of-text token of a tokenizer without
-FrawdLLM's specials (an imported GPT-2's <|endoftext|>); a tokenizer with neither is refused.
+is killed leaves it as it was); only then are the old set's other shard files removed
+(`remove_stale_shards`: say the train-RRRRR.bin of a datatrove run). A second run with the
+same inputs (source files by path, size and mtime; the tokenizer's content; the options)
+finds the matching `inputs_hash` in meta.json and reuses the shards unless `force`.
+`frawd data prepare` first calls `refuse_other_shards`: a folder holding the shards of
+another source is refused unless --overwrite, so preparing a second corpus never silently
+replaces the first (`prepare_shards` itself replaces them: pretrain's run folder caches the
+data it was last given). Documents end with <|eos|>, or with the end-of-text token of a
+tokenizer without FrawdLLM's specials (an imported GPT-2's <|endoftext|>); a tokenizer with
+neither is refused.
 
 `read_split` reads a split back: train.bin, or the several shard files meta.json lists
 (`--engine datatrove` writes one per worker, see datatrove_shards.py) as one stream.
@@ -35,6 +37,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import sys
 import threading
 import time
@@ -51,11 +54,15 @@ from ..config import is_integer
 from ..errors import FrawdError
 from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_error, write_json_atomic
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
-from .shard_format import (HEADER_BYTES, VERSION, ShardStream, ShardWriter, TokenArray, read_header, read_shard,
-                           token_dtype)
+from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
+                           read_shard, token_dtype)
 from .sources import SourceStats, iter_documents, source_files, source_spec
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
+LOGS_DIR = ".datatrove"  # datatrove's logs and completion marks, inside the output folder
+# The names a prepare gives its shards (either engine) and datatrove's log folders.
+_SHARD_NAME = re.compile(r"(train|val)(-[0-9]{5,})?\.bin")
+_LOGS_NAME = re.compile(r"[0-9a-f]{16}-w[0-9]+")
 PIECE_CHARS = 16_384  # long documents are encoded in pieces of about this many characters
 BATCH_CHARS = 1 << 20  # characters per encode_batch call
 ENCODES_IN_FLIGHT = 3  # concurrent encode_batch calls: one's straggling pieces overlap the next's work
@@ -132,6 +139,7 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
         meta = shard_meta(data, tok, totals, val_fraction=val_fraction, text_field=text_field,
                           doc_split=doc_split, inputs_hash=inputs_hash)
         write_json_atomic(out / META_FILE, meta)
+        remove_stale_shards(out, meta)
     meta["warnings"] = [w for w in (stats.warning(), _unk_warning(meta)) if w]
     return meta
 
@@ -287,6 +295,34 @@ def _unk_warning(meta: dict) -> str | None:
         return None
     return (f"{meta['unk_tokens']} character(s) are not in the {meta['tokenizer_kind']} tokenizer's "
             f"vocabulary and became <|unk|>")
+
+
+def remove_stale_shards(out: Path, meta: dict, keep_logs: str | None = None) -> None:
+    """Delete what earlier prepares left in `out` beside the shard set `meta` lists: the shard
+    files it does not list (known by their names and FrawdLLM's header) and datatrove's log
+    folders other than `keep_logs` (their completion marks would skip tasks whose shards are
+    gone). Nothing else is touched. Call only once the new meta.json is in place."""
+    listed = {f.name for split in ("train", "val") for f in split_files(out, split, meta)}
+    for path in out.iterdir():
+        if path.name in listed or path.is_symlink() or not path.is_file():
+            continue
+        if _SHARD_NAME.fullmatch(path.name) and _is_shard_file(path):
+            path.unlink(missing_ok=True)
+    logs = out / LOGS_DIR
+    if logs.is_dir() and not logs.is_symlink():
+        for run in logs.iterdir():
+            if run.name != keep_logs and _LOGS_NAME.fullmatch(run.name) and run.is_dir() and not run.is_symlink():
+                shutil.rmtree(run)
+        if not any(logs.iterdir()):
+            logs.rmdir()
+
+
+def _is_shard_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 # ---- reuse -------------------------------------------------------------------------------------
