@@ -399,7 +399,7 @@ class NativeDecoder:
             amx = 0
             for count in AMX_ROWS if self._planes else ():
                 if not self._fastest([0, count], lambda a: self.lib.frawd_set_forms(model, hint, narrow, rows, a),
-                                     count):
+                                     count, rounds=7):  # (more rounds: a wrong "never" is kept for good)
                     break
                 amx = count
             return [hint, narrow, rows, amx]
@@ -428,10 +428,10 @@ class NativeDecoder:
         self.forms = (hint, narrow, rows, self.amx_rows)
         self.lib.frawd_set_forms(ctypes.byref(self.model), hint, narrow, rows, self.amx_rows)
 
-    def _fastest(self, options: list, apply, rows: int, fill: int = 8) -> int:
+    def _fastest(self, options: list, apply, rows: int, fill: int = 8, rounds: int = 4) -> int:
         """The index of the option (set by `apply`) whose decode steps of `rows` rows after
-        `fill` cached tokens run fastest: options interleaved, the best of 3 rounds of 2 steps
-        after a warm-up round; the first is kept unless another is 3% faster."""
+        `fill` cached tokens run fastest: options interleaved, the best of `rounds` - 1 rounds
+        of 2 steps after a warm-up round; the first is kept unless another is 3% faster."""
         cfg = self.source.config
         fill = min(fill, cfg.context_length - 1)
         if fill < 1:
@@ -444,7 +444,7 @@ class NativeDecoder:
         self.forward(tokens, torch.arange(fill).expand(rows, fill).contiguous(), cache)
         step, position = tokens[:, :1].contiguous(), torch.full((rows, 1), fill)
         best = [float("inf")] * len(options)
-        for rnd in range(4):
+        for rnd in range(rounds):
             for i, option in enumerate(options):
                 apply(option)
                 start = time.perf_counter()
