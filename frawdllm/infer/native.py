@@ -314,11 +314,14 @@ class NativeDecoder:
             return packed_tiles(module.weight, tile, torch.float32)
 
         amx = weights == "fp16" and has_amx()  # many-row products on AMX tiles (see native.c)
-        self._planes: list[Tensor] = []  # their weights, while timing says they pay (_choose_forms)
+        self._planes: list[Tensor] = []  # their weights (2 MB pages), while timing says they pay (_choose_forms)
         # Every matrix packed first, so that one block of 2 MB pages holds them all, one after another.
         linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
         packs = {id(m): pack(m) for m in (*linears, model.lm_head)}
         self.arena = Arena(Arena.size_of([t.numel() * t.element_size() for t in packs.values()]))
+        planes = {id(m): amx_planes(m.weight, tile) for m in (*linears, model.lm_head)
+                  if amx and not isinstance(m, Int8Linear) and m.in_features % 32 == 0}
+        self._plane_arena = Arena(Arena.size_of([t.numel() * t.element_size() for t in planes.values()]))
 
         def linear(module: nn.Module) -> _Linear:
             bias = ptr(_padded(module.bias, tile))
@@ -330,8 +333,8 @@ class NativeDecoder:
             stream(w)
             if w.dtype == torch.float16:
                 made = _Linear(None, ptr(w, ctypes.c_void_p), None, None, bias, *sizes)
-                if amx and module.in_features % 32 == 0:
-                    self._planes.append(amx_planes(module.weight, tile))
+                if id(module) in planes:
+                    self._planes.append(self._plane_arena.place(planes.pop(id(module))))
                     made.wb = self._planes[-1].data_ptr()
                 return made
             return _Linear(ptr(w), None, None, None, bias, *sizes)
@@ -417,6 +420,7 @@ class NativeDecoder:
                     linear.wb = None
             self.model.head.wb = None
             self._planes.clear()
+            self._plane_arena = None
         return (f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
                 + f"; {PREFETCH_HINTS[rows]} in batches" + (f"; AMX from {amx} rows" if self.amx_rows else ""))
 
