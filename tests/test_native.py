@@ -274,9 +274,9 @@ def test_every_stream_form_gives_the_same_bits(name, shape):
     decoder = native.NativeDecoder(model, "fp16")
     results = []
     tokens = torch.tensor([[3, 9, 27, 81], [5, 7, 11, 13]])
-    for hint, narrow, rows in [(None, None, None), (0, 0, 0), (1, 0, 1), (2, 0, 2), (2, 1, 0)]:
+    for hint, narrow, rows, kv in [(None,) * 4, (0, 0, 0, 1), (1, 0, 1, 0), (2, 0, 2, 1), (2, 1, 0, 0)]:
         if hint is not None:
-            decoder.set_forms(hint, narrow, rows, decoder.amx_rows)
+            decoder.set_forms(hint, narrow, rows, decoder.amx_rows, kv)
         logits = []
         for batch in (tokens[:1], tokens):  # one row, then two (the many-row hint)
             cache = KVCache(model.config, len(batch), 8)
@@ -335,17 +335,19 @@ def test_stream_forms_are_timed_once_per_model_shape_and_say_what_they_are(tmp_p
     amx_timed = []
     for weights in ("fp32", "fp16", "fp32", "fp16"):
         decoder = native.NativeDecoder(model, weights)
-        one_row, batches, *amx = decoder.stream_forms.split("; ")
+        one_row, batches, *more = decoder.stream_forms.split("; ")
         hint, *width = one_row.split(", ")
         assert hint.split()[0] == "prefetch" and hint.split()[1] in native.PREFETCH_HINTS
         assert width in ([], ["fp16 8 at a time"]) and (weights == "fp16" or not width)
         assert batches.split()[0] in native.PREFETCH_HINTS and batches.endswith(" in batches")
-        assert amx == ([f"AMX from {decoder.amx_rows} rows"] if decoder.amx_rows else [])
+        assert more == ([f"AMX from {decoder.amx_rows} rows"] if decoder.amx_rows else []) + (
+            [] if decoder.forms[4] else ["no cache prefetch"])
         assert not decoder.amx_rows or (weights == "fp16" and decoder.amx_rows in native.AMX_ROWS)
         assert bool(decoder._planes) == bool(decoder.amx_rows)  # (planes freed where AMX does not pay)
         if weights == "fp16" and not amx_timed:
-            amx_timed = timed[4:]  # fp32, then fp16: one row, 8 rows, then AMX's row counts
-    assert timed[:4] == [1, 8, 1, 8] and timed[4:] == amx_timed  # once per weight type
+            amx_timed = timed[5:-1]  # fp32, then fp16: one row, 8 rows, AMX's row counts, the cache prefetch
+    # once per weight type: one row, 8 rows, (AMX,) 32 rows for the cache prefetch
+    assert timed == [1, 8, 32, 1, 8, *amx_timed, 32]
     if native.has_amx():  # from 32 rows down while AMX keeps winning
         assert amx_timed and amx_timed == list(native.AMX_ROWS[:len(amx_timed)])
     else:

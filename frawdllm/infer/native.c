@@ -130,6 +130,7 @@ typedef struct {
     Norm final_norm_w;
     Linear head;
     const Layer *layers;
+    int64_t kv_prefetch; /* decode steps ask for the next task's keys and values ahead (frawd_set_forms) */
 } Model;
 
 static inline v16 v_sigmoid(v16 x) { return splat(1.0f) / (splat(1.0f) + v_exp(-x)); }
@@ -596,8 +597,12 @@ static Linear *model_linear(const Model *m, int64_t i) {
 
 /* Read every Linear of the model in these forms from now on (native.py times them on real
    decode steps and keeps the fastest): the prefetch hint of one-row products and whether
-   they convert fp16 8 at a time (fp16 weights in AVX-512 builds), the hint of many-row ones. */
-void frawd_set_forms(const Model *m, int64_t hint, int64_t narrow, int64_t hint_rows, int64_t amx_rows) {
+   they convert fp16 8 at a time (fp16 weights in AVX-512 builds), the hint of many-row ones,
+   from how many rows products run on AMX (0: never), and whether decode steps prefetch the
+   keys and values of their next attention task (prefetch_group). */
+void frawd_set_forms(Model *m, int64_t hint, int64_t narrow, int64_t hint_rows, int64_t amx_rows,
+                     int64_t kv_prefetch) {
+    m->kv_prefetch = kv_prefetch != 0;
     for (int64_t i = 0; i <= 4 * m->n_layer; i++) {
         Linear *L = model_linear(m, i);
         L->amx_rows = L->wb && amx_rows > 0 ? amx_rows : 0;
@@ -1135,7 +1140,9 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
 /* Ask for row b's cached keys and values of kv head g (slots [0, start[b]]) ahead of use
    (into L2). A wide decode step reads them from DRAM (32 rows of ~130 slots: 51 MB of fp32
    in `tiny`, 25 MB of fp16), one head's ~33 KB at a time: asked one task ahead, a 32-row step of `tiny`
-   took 8-10% less time. */
+   took 8-10% less time on an AMD EPYC. On an Intel Xeon whose L3 holds them (480 MB), the
+   prefetches waited for fill buffers and the attention of a 32-row step took ~20% longer
+   with them, so whether to prefetch is timed (Model.kv_prefetch). */
 static void prefetch_group(const Model *m, int64_t b, int64_t g, const void *k_cache, const void *v_cache,
                            int64_t max_len, const int64_t *start, int half) {
     int64_t hd = m->head_dim, nkv = m->n_kv_head, size = half ? 2 : 4, bytes = (start[b] + 1) * hd * size;
@@ -1222,7 +1229,7 @@ static void forward_part(void *job, int t, int P) {
                 int64_t n = task / nkv, g = task % nkv;
                 too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
                                          half);
-                if (task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
+                if (m->kv_prefetch && task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
                     prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
                                    start, half);
                 for (int64_t h = g * rep; h < (g + 1) * rep; h++)

@@ -99,7 +99,7 @@ class _Model(ctypes.Structure):
                                    "ffn", "pos_encoding", "rmsnorm", "swiglu", "pre_norm", "final_norm")],
         ("embed_scale", ctypes.c_float), ("eps", ctypes.c_float),
         ("tok", f32p), ("tok_s0", i64), ("tok_s1", i64), ("pos", f32p), ("rope_cos", f32p), ("rope_sin", f32p),
-        ("final_norm_w", _Norm), ("head", _Linear), ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm_w", _Norm), ("head", _Linear), ("layers", ctypes.POINTER(_Layer)), ("kv_prefetch", i64),
     ]
 
 
@@ -124,7 +124,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_tile.restype = i64
     lib.frawd_workspace_floats.restype = i64
     lib.frawd_workspace_floats.argtypes = [ctypes.POINTER(_Model), i64, i64, i64]
-    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64, i64, i64]
+    lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64, i64, i64, i64]
     lib.frawd_has_amx.restype = ctypes.c_int
     lib.frawd_amx_init.restype = ctypes.c_int
 
@@ -383,7 +383,9 @@ class NativeDecoder:
           (without prefetch): one row after 8 cached tokens; every form gives the same bits;
         - many-row products (batches, prefill): the hint, on a step of 8 rows;
         - with AMX (fp16 weights): from how many rows products run on the tile unit, timed
-          at 32 rows, then 16, 8, 4 and 2 while it keeps winning (never: its planes freed).
+          at 32 rows, then 16, 8, 4 and 2 while it keeps winning (never: its planes freed);
+        - whether decode steps prefetch the next attention task's keys and values: on a
+          32-row step with 128 cached tokens (where the cache is read most).
         NTA paid on an AMD Zen 4 and ran 1.6-4.4x slower on an Intel Xeon with AMX. The
         first form (NTA, what native.c used before it was timed; AMX off) stays unless
         another is 3% faster."""
@@ -397,22 +399,24 @@ class NativeDecoder:
             forms = [(0, 0), (1, 0), (2, 0)]  # (hint: native.c's PF_NTA 0, PF_T0 1, PF_NONE 2; narrow)
             if self.weights == "fp16" and self.lib.frawd_has_narrow():
                 forms.append((2, 1))
-            hint, narrow = forms[self._fastest(forms, lambda f: self.lib.frawd_set_forms(model, *f, 0, 0), 1)]
-            rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h, 0), 8)
+            hint, narrow = forms[self._fastest(forms, lambda f: self.lib.frawd_set_forms(model, *f, 0, 0, 1), 1)]
+            rows = self._fastest([0, 1, 2], lambda h: self.lib.frawd_set_forms(model, hint, narrow, h, 0, 1), 8)
             amx = 0
             for count in AMX_ROWS if self._planes else ():
-                if not self._fastest([0, count], lambda a: self.lib.frawd_set_forms(model, hint, narrow, rows, a),
+                if not self._fastest([0, count], lambda a: self.lib.frawd_set_forms(model, hint, narrow, rows, a, 1),
                                      count, rounds=7):  # (more rounds: a wrong "never" is kept for good)
                     break
                 amx = count
-            return [hint, narrow, rows, amx]
+            kv = 1 - self._fastest([1, 0], lambda k: self.lib.frawd_set_forms(model, hint, narrow, rows, amx, k),
+                                   32, fill=128, prefill=False)
+            return [hint, narrow, rows, amx, kv]
 
         forms = paths.remembered("forms", self.source, self.weights, measure)
-        if not (isinstance(forms, list) and len(forms) == 4 and all(f in (0, 1, 2) for f in forms[:3])
-                and forms[3] in (0, *AMX_ROWS)):
+        if not (isinstance(forms, list) and len(forms) == 5 and all(f in (0, 1, 2) for f in forms[:3])
+                and forms[3] in (0, *AMX_ROWS) and forms[4] in (0, 1)):
             forms = measure()  # (a file written by something else, or before AMX was timed)
-        hint, narrow, rows, amx = forms
-        self.set_forms(hint, narrow, rows, amx if amx_rows is None else amx_rows)
+        hint, narrow, rows, amx, kv = forms
+        self.set_forms(hint, narrow, rows, amx if amx_rows is None else amx_rows, kv)
         amx = self.amx_rows
         if not amx and self._planes:  # AMX does not pay here: its copies of the weights go
             for layer in self._layers:
@@ -422,20 +426,23 @@ class NativeDecoder:
             self._planes.clear()
             self._plane_arena = None
         return (f"prefetch {PREFETCH_HINTS[hint]}" + (", fp16 8 at a time" if narrow else "")
-                + f"; {PREFETCH_HINTS[rows]} in batches" + (f"; AMX from {amx} rows" if self.amx_rows else ""))
+                + f"; {PREFETCH_HINTS[rows]} in batches" + (f"; AMX from {amx} rows" if self.amx_rows else "")
+                + ("" if kv else "; no cache prefetch"))
 
-    def set_forms(self, hint: int, narrow: int, rows: int, amx_rows: int) -> None:
+    def set_forms(self, hint: int, narrow: int, rows: int, amx_rows: int, kv_prefetch: int = 1) -> None:
         """Read the weights in these forms from now on (see `_choose_forms`; tests and
         benchmarks set them to compare). `amx_rows`: products of at least this many rows run on
-        AMX (0: never); where the decoder has no AMX planes it is 0."""
+        AMX (0: never); where the decoder has no AMX planes it is 0. `kv_prefetch`: decode
+        steps ask for their next attention task's keys and values ahead."""
         self.amx_rows = amx_rows if self._planes else 0
-        self.forms = (hint, narrow, rows, self.amx_rows)
-        self.lib.frawd_set_forms(ctypes.byref(self.model), hint, narrow, rows, self.amx_rows)
+        self.forms = (hint, narrow, rows, self.amx_rows, kv_prefetch)
+        self.lib.frawd_set_forms(ctypes.byref(self.model), hint, narrow, rows, self.amx_rows, kv_prefetch)
 
-    def _fastest(self, options: list, apply, rows: int, fill: int = 8, rounds: int = 4) -> int:
+    def _fastest(self, options: list, apply, rows: int, fill: int = 8, rounds: int = 4, prefill: bool = True) -> int:
         """The index of the option (set by `apply`) whose decode steps of `rows` rows after
         `fill` cached tokens run fastest: options interleaved, the best of `rounds` - 1 rounds
-        of 2 steps after a warm-up round; the first is kept unless another is 3% faster."""
+        of 2 steps after a warm-up round; the first is kept unless another is 3% faster.
+        `prefill=False`: the cached tokens are zeros, not computed (as much to read, no work)."""
         cfg = self.source.config
         fill = min(fill, cfg.context_length - 1)
         if fill < 1:
@@ -445,7 +452,11 @@ class NativeDecoder:
         cache = KVCache(cfg, rows, fill + 1, dtype=dtype)
         tokens = torch.zeros(rows, fill, dtype=torch.long)
         cache.begin(fill)
-        self.forward(tokens, torch.arange(fill).expand(rows, fill).contiguous(), cache)
+        if prefill:
+            self.forward(tokens, torch.arange(fill).expand(rows, fill).contiguous(), cache)
+        else:
+            for t in (*cache.k, *cache.v):
+                t.zero_()
         step, position = tokens[:, :1].contiguous(), torch.full((rows, 1), fill)
         best = [float("inf")] * len(options)
         for rnd in range(rounds):
