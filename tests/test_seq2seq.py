@@ -162,6 +162,44 @@ def test_an_untrained_evaluation_reserves_time_for_the_bleu_it_skipped():
     assert "val_bleu" in trained and task.evaluation_extra_s() == 0
 
 
+def test_the_bleu_estimate_counts_one_encoder_pass_per_batch_and_steps_to_the_length_limit(monkeypatch):
+    """On a fake clock (encoder pass 80 ms, decode step 5 ms) the estimate is one encoder
+    pass per batch plus one step per token to each batch's length limit: the probe's
+    encoder time is not spread over its few steps (that made it about 4x too high)."""
+    import time
+
+    from frawdllm.infer.translate import MAX_EXTRA, length_limits
+    from frawdllm.train.translation import TranslationTask, probe_times
+
+    assert probe_times(1.0, [1.1, 1.12, 1.14]) == pytest.approx((0.08, 0.02))
+    assert probe_times(1.0, [1.1]) == pytest.approx((0.0, 0.1))  # one step: all of it a step
+
+    model = model_for("paper")
+    eos = model.config.eos_token_id
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    encode, decode = model.encode, model.decode
+
+    def slow_encode(*args, **kwargs):
+        now[0] += 0.080
+        return encode(*args, **kwargs)
+
+    def slow_decode(*args, **kwargs):
+        now[0] += 0.005
+        logits = decode(*args, **kwargs)
+        logits[..., eos] = float("-inf")  # noise to the limit, as an untrained model's
+        return logits
+
+    monkeypatch.setattr(model, "encode", slow_encode)
+    monkeypatch.setattr(model, "decode", slow_decode)
+    sources = _sources(150, seed=3)  # batches of 64, 64 and 22
+    task = TranslationTask(model.config, None, [(s, s) for s in sources], None, tokens_per_batch=64)
+    order = sorted(sources, key=len)
+    steps = sum(max(length_limits(model, pad_batch(order[a: a + 64], 0)[1], MAX_EXTRA)) for a in (0, 64, 128))
+    with torch.no_grad():
+        assert task._bleu_cost(model, sources) == pytest.approx(3 * 0.080 + steps * 0.005)
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_model_directory_round_trip(tmp_path, name):
     model = model_for(name)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 
 import torch
 from jaxtyping import Bool, Int
@@ -127,9 +128,11 @@ def length_limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -
 def greedy_decode(
     model: Seq2SeqTransformer, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None,
     max_extra: int = MAX_EXTRA, use_cache: bool = True, max_steps: int | None = None,
+    step_ends: list[float] | None = None,
 ) -> list[list[int]]:
     """The greedy translation of each row (token ids, without BOS and EOS); `max_steps` cuts
-    every row short after that many tokens (a timing probe)."""
+    every row short after that many tokens, and `step_ends` receives `time.perf_counter()`
+    at the end of each step (after its wait for the device): a timing probe."""
     _check_search(model, src, 1, 0.0, max_extra)
     if max_steps is not None:
         _require_int("max_steps", max_steps, 1)
@@ -149,7 +152,10 @@ def greedy_decode(
             next_token = torch.where(done, cfg.pad_token_id, next_token)
             tokens = torch.cat([tokens, next_token[:, None]], dim=1)
             done |= (next_token == cfg.eos_token_id) | (step + 1 >= limit)
-            if bool(done.all()):
+            finished = bool(done.all())
+            if step_ends is not None:
+                step_ends.append(time.perf_counter())
+            if finished:
                 break
         return [_strip(row, cfg.eos_token_id, cfg.pad_token_id) for row in tokens[:, 1:].tolist()]
 

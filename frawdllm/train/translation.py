@@ -264,21 +264,23 @@ class TranslationTask(TrainTask):
             self._bleu_s = self._bleu_cost(model, [s for s, _ in self.valid.pairs[: self.bleu_sentences]])
         return out
 
-    def _bleu_cost(self, model: nn.Module, sources: list[list[int]], probe_steps: int = 4) -> float:
-        """Seconds greedy translation of `sources` takes at most: a few decode steps of the
-        widest batch `translate_texts` makes, timed, times the steps every batch may run
-        (noise runs to each row's length limit, as an untrained model's does)."""
+    def _bleu_cost(self, model: nn.Module, sources: list[list[int]], probe_steps: int = 8) -> float:
+        """Seconds greedy translation of `sources` takes if no sentence ends before its
+        length limit (as an untrained model's noise): for each batch `translate_texts` makes,
+        one encoder pass and a decode step per token to the batch's limit, both timed on the
+        widest batch. A trained model ends its sentences sooner."""
         from ..infer.translate import MAX_EXTRA, greedy_decode, length_limits, pad_batch
 
         batch, device, pad = 64, next(model.parameters()).device, model.config.pad_token_id
         order = sorted(sources, key=len)  # as translate_ids batches them
         chunks = [order[a: a + batch] for a in range(0, len(order), batch)]
         src, mask = pad_batch(chunks[-1], pad, device)
+        ends: list[float] = []
         start = time.perf_counter()
-        greedy_decode(model, src, mask, max_steps=probe_steps)
-        step_s = (time.perf_counter() - start) / probe_steps  # (the encoder's share counted as steps: a margin)
+        greedy_decode(model, src, mask, max_steps=probe_steps, step_ends=ends)
+        encode_s, step_s = probe_times(start, ends)
         steps = sum(max(length_limits(model, pad_batch(chunk, pad, device)[1], MAX_EXTRA)) for chunk in chunks)
-        return step_s * steps
+        return len(chunks) * encode_s + steps * step_s
 
     def evaluation_extra_s(self) -> float:
         return getattr(self, "_bleu_s", 0.0)
@@ -300,6 +302,16 @@ class TranslationTask(TrainTask):
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self.batches = self._epoch_batches(self.epoch)
         self._micro = 0
+
+
+def probe_times(start: float, step_ends: list[float]) -> tuple[float, float]:
+    """(encoder pass, decode step) seconds of a `greedy_decode` probe started at `start`,
+    from its `step_ends`: the steps after the first are the decoder's alone; the first one
+    also waited for the encoder (and the cache's allocation). One step: all of it a step."""
+    if len(step_ends) < 2:
+        return 0.0, step_ends[-1] - start
+    step_s = (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1)
+    return max(step_ends[0] - start - step_s, 0.0), step_s
 
 
 def translate_texts(model: nn.Module, tokenizer: Tokenizer, sources: list[list[int]] | list[str],
