@@ -307,10 +307,17 @@ def test_amx_planes_hold_each_fp16_weight_exactly_in_the_tile_layout():
         hi, lo = flat[at], flat[at + 512]  # (wl: one plane, 16 x 16 x 2 values, further)
         assert hi == w16[o, i].to(torch.bfloat16)
         assert hi.float() + lo.float() == w16[o, i]
-    assert planes[blocks * 16 // 16 - 1:, :, :, :, out % 16:].abs().sum() == 0  # padding outputs are zero
+    assert planes[out // 16, :, :, :, out % 16:].abs().sum() == 0  # padding outputs are zero: in the
+    assert planes[out // 16 + 1:].abs().sum() == 0  # partial 16-output block and in the blocks past it
     whole = planes.float().sum(dim=2)  # wh + wl, back to (outputs, inputs)
     whole = whole.permute(0, 3, 1, 2, 4).reshape(blocks * 16, inputs)
     assert torch.equal(whole[:out], w16)
+
+
+def test_an_amx_row_count_below_zero_is_refused():
+    model = make_model(std=0.2)
+    with pytest.raises(ValueError, match="amx_rows must be a row count >= 0"):
+        native.NativeDecoder(model, "fp32", amx_rows=-1)
 
 
 @pytest.mark.skipif(not native.available() or not native.has_amx(), reason="no AMX (Intel Xeon since Sapphire Rapids)")

@@ -405,11 +405,12 @@ static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c
    Many-row products are bound by arithmetic (see wide_tiles). Where the CPU has AMX
    (Intel Xeon since Sapphire Rapids), its tile unit multiplies bf16 matrices with fp32 sums
    ~14x faster than AVX-512 fp32 multiply-adds. bf16 keeps 8 significant bits, so the
-   operands are split exactly: an fp16 weight w (11 bits) = wh + wl, two bf16; an fp32 input
-   x (24 bits) = xh + xm + xl, three bf16 (each the rounded rest of the one before). bf16
-   products are exact in fp32, so x w = xh wh + xm wh + xl wh + xh wl + xm wl (+ xl wl,
-   ~2^-27 of x w, left out) is five tile products with fp32 sums: the error is that of an
-   fp32 dot product (a different summation order from wide_tiles', so a row's last bits
+   operands are split: an fp16 weight w (11 bits) = wh + wl, two bf16, exactly; an fp32 input
+   x (24 bits) = xh + xm + xl, three bf16 (each the rounded rest of the one before; exact
+   unless a part falls below fp32's normal range, |x| < ~2^-110, which the conversion
+   flushes to 0; an infinite x gives NaN). bf16 products are exact in fp32, so x w = xh wh
+   + xm wh + xl wh + xh wl + xm wl (+ xl wl, at most 2^-24 of x w, left out) is five tile
+   products with fp32 sums: the error is that of an fp32 dot product (a different summation order from wide_tiles', so a row's last bits
    depend on whether its batch was large enough for AMX). native.py writes the planes
    (Linear.wb: per 16 outputs, per 32 inputs, wh then wl, each 16 input pairs x 16 outputs
    x 2, the tile unit's layout); frawd_amx_init asks Linux for the tile registers once. */
@@ -417,8 +418,11 @@ static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c
 #define HAS_AMX 1
 #define AMX_CHUNK 128    /* rows split into bf16 at a time (per-thread scratch: 768 KB for 1024 inputs) */
 static int amx_ready = 0;
-static __thread uint16_t *amx_scratch = NULL;
+static __thread uint16_t *amx_scratch = NULL; /* this thread's split inputs, freed when it exits */
 static __thread size_t amx_scratch_n = 0;
+static pthread_key_t amx_key; /* (its destructor frees a thread's scratch: schedulers come and go) */
+static pthread_once_t amx_key_once = PTHREAD_ONCE_INIT;
+static void amx_key_make(void) { pthread_key_create(&amx_key, free); }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -456,7 +460,7 @@ static void split_bf16(const float *x, int64_t ldx, int64_t N, int64_t Np, int64
 /* One 16 x 16 block of sums (tile register `tile`) into y, through the epilogue. */
 #define AMX_STORE(tile, rows_at, col)                                                               \
     do {                                                                                            \
-        __asm__ __volatile__("" ::: "memory"); /* (GCC's tile asm declares no memory access) */   \
+        __asm__ __volatile__("" ::: "memory"); /* (older GCCs' tile asm declares no memory access) */ \
         _tile_stored(tile, sums, 64);                                                               \
         __asm__ __volatile__("" ::: "memory");                                                      \
         for (int r = 0; r < 16 && (rows_at) + r < B; r++) {                                        \
@@ -522,17 +526,21 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
                       int64_t t1, int mode) {
     const int64_t K = L->in, block = 2 * 512 * (K / 32); /* elements per 16 outputs */
     size_t need = (size_t)3 * AMX_CHUNK * K;
+    if (t0 >= t1) return;
     if (amx_scratch_n < need) {
+        pthread_once(&amx_key_once, amx_key_make);
         free(amx_scratch);
         amx_scratch = aligned_alloc(64, need * sizeof(uint16_t));
         amx_scratch_n = amx_scratch ? need : 0;
+        pthread_setspecific(amx_key, amx_scratch);
         if (!amx_scratch) {
             wide_tiles(L, x, ldx, y, ldy, B, t0, t1, mode);
             return;
         }
     }
-    TileConfig cfg = {.palette = 1};
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    /* eight tiles of 16 rows x 64 bytes (static: GCC's ldtilecfg operand names only its first bytes) */
+    static const TileConfig cfg = {.palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                   .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&cfg);
     float sums[16 * 16] __attribute__((aligned(64)));
     for (int64_t rc = 0; rc < B; rc += AMX_CHUNK) {

@@ -205,8 +205,8 @@ def has_amx() -> bool:
     `FRAWD_AMX=0` turns them off)."""
     global _AMX
     if _AMX is None:
-        lib = library()
-        _AMX = bool(os.environ.get("FRAWD_AMX", "1") != "0" and lib.frawd_has_amx() and lib.frawd_amx_init())
+        _AMX = bool(os.environ.get("FRAWD_AMX", "1") != "0" and available() and library().frawd_has_amx()
+                    and library().frawd_amx_init())
     return _AMX
 
 
@@ -319,9 +319,11 @@ class NativeDecoder:
         linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
         packs = {id(m): pack(m) for m in (*linears, model.lm_head)}
         self.arena = Arena(Arena.size_of([t.numel() * t.element_size() for t in packs.values()]))
-        planes = {id(m): amx_planes(m.weight, tile) for m in (*linears, model.lm_head)
-                  if amx and not isinstance(m, Int8Linear) and m.in_features % 32 == 0}
-        self._plane_arena = Arena(Arena.size_of([t.numel() * t.element_size() for t in planes.values()]))
+        with_planes = {id(m) for m in (*linears, model.lm_head)
+                       if amx and not isinstance(m, Int8Linear) and m.in_features % 32 == 0}
+        self._plane_arena = Arena(Arena.size_of([  # (each made as its matrix is placed: one at a time in memory)
+            4 * -(-m.out_features // tile) * tile * m.in_features for m in (*linears, model.lm_head)
+            if id(m) in with_planes]))
 
         def linear(module: nn.Module) -> _Linear:
             bias = ptr(_padded(module.bias, tile))
@@ -333,8 +335,8 @@ class NativeDecoder:
             stream(w)
             if w.dtype == torch.float16:
                 made = _Linear(None, ptr(w, ctypes.c_void_p), None, None, bias, *sizes)
-                if id(module) in planes:
-                    self._planes.append(self._plane_arena.place(planes.pop(id(module))))
+                if id(module) in with_planes:
+                    self._planes.append(self._plane_arena.place(amx_planes(module.weight, tile)))
                     made.wb = self._planes[-1].data_ptr()
                 return made
             return _Linear(ptr(w), None, None, None, bias, *sizes)
@@ -376,7 +378,7 @@ class NativeDecoder:
     def _choose_forms(self, amx_rows: int | None = None) -> str:
         """How this machine streams these weights fastest, timed on real decode steps once per
         CPU, build and model shape (kept with the engine's paths, `paths.remembered`: ~0.1 s
-        for `tiny`, ~0.5 s for `small`). Three choices:
+        for `tiny`, ~0.5 s for `small`, more with AMX). Four choices:
 
         - one-row products (batch-1 decode): the prefetch hint of the weight stream (NTA,
           T0 or none) and, for fp16 weights in AVX-512 builds, conversions 8 at a time
@@ -434,6 +436,8 @@ class NativeDecoder:
         benchmarks set them to compare). `amx_rows`: products of at least this many rows run on
         AMX (0: never); where the decoder has no AMX planes it is 0. `kv_prefetch`: decode
         steps ask for their next attention task's keys and values ahead."""
+        if not isinstance(amx_rows, int) or amx_rows < 0:
+            raise ValueError(f"amx_rows must be a row count >= 0 (0: never); got {amx_rows!r}")
         self.amx_rows = amx_rows if self._planes else 0
         self.forms = (hint, narrow, rows, self.amx_rows, kv_prefetch)
         self.lib.frawd_set_forms(ctypes.byref(self.model), hint, narrow, rows, self.amx_rows, kv_prefetch)
