@@ -27,9 +27,9 @@ them; measured just before and just after each default batch-1 run, so
 that both figures come from the same phase of a shared machine, whose speed can swing
 2x within minutes: the median of those, their range printed too), and
 roofline_fraction_batch1 = weight bytes per token x tokens/s / that bandwidth. Then the
-batch-1 figures again with a competing process spinning one core (`*_under_load`).
-Where llama-cpp-python is installed (the optional `llamacpp` extra), the same model
-exported with `frawd export --format gguf` in fp16 and fp32 is decoded by llama.cpp in
+batch-1 figures again with a competing process spinning one core (`*_under_load`; run
+last, after llama.cpp's). Where llama-cpp-python is installed (the optional `llamacpp`
+extra), the same model exported with `frawd export --format gguf` in fp16 and fp32 is decoded by llama.cpp in
 the same run (same prompt, 200 greedy tokens, same threads; llama-cpp-python's `eval`
 per token and numpy's argmax of its logits): `llama_cpp_{f16,f32}_batch1_tok_s`, whether
 its greedy tokens equal ours, and `speedup_vs_llama_cpp_{f16,f32}` (the default engine
@@ -232,19 +232,6 @@ def main() -> None:
     median = {key: statistics.median(values) for key, values in times.items()}
     bandwidth = statistics.median(bandwidths)
 
-    # batch 1 again, with another process spinning a core for the duration
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.2)
-        for _ in range(max(2, args.repeats // 2)):
-            for name in ("default", "torch"):
-                times.setdefault(f"{name}_under_load", []).append(timed(ours(engines[name], prompt, params)))
-    finally:
-        spinner.kill()
-        spinner.wait()
-    for name in ("default", "torch"):
-        median[f"{name}_under_load"] = statistics.median(times[f"{name}_under_load"])
-
     llama_cpp: dict[str, float] = {}  # weight dtype -> tokens/s
     same_tokens: dict[str, bool] = {}
     if importlib.util.find_spec("llama_cpp") is not None:
@@ -263,6 +250,21 @@ def main() -> None:
                     peer.close()
                 llama_cpp[dtype] = NEW_TOKENS / statistics.median(peer_times)
                 median[f"{ours_name}_vs_llama_cpp_{dtype}"] = statistics.median(ours_times)
+
+    # batch 1 again, with another process spinning a core for the duration. Last: the engine
+    # moves decoding to one thread under load and takes a few hundred steps to try two again
+    # (paths.ThreadChoice), which would have slowed the llama.cpp comparison's runs of ours.
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        for _ in range(max(2, args.repeats // 2)):
+            for name in ("default", "torch"):
+                times.setdefault(f"{name}_under_load", []).append(timed(ours(engines[name], prompt, params)))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    for name in ("default", "torch"):
+        median[f"{name}_under_load"] = statistics.median(times[f"{name}_under_load"])
 
     for name in ["hf", *engines]:
         print(f"{name}_batch1_tok_s={NEW_TOKENS / median[f'{name}_batch1']:.1f}")
