@@ -1149,8 +1149,8 @@ static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const f
    (into L2). A wide decode step reads them from DRAM (32 rows of ~130 slots: 51 MB of fp32
    in `tiny`, 25 MB of fp16), one head's ~33 KB at a time: asked one task ahead, a 32-row step of `tiny`
    took 8-10% less time on an AMD EPYC. On an Intel Xeon whose L3 holds them (480 MB), the
-   prefetches waited for fill buffers and the attention of a 32-row step took ~20% longer
-   with them, so whether to prefetch is timed (Model.kv_prefetch). */
+   prefetches waited for fill buffers and the attention of a 32-row step took 5-27% longer
+   with them (two measurements), so whether to prefetch is timed (Model.kv_prefetch). */
 static void prefetch_group(const Model *m, int64_t b, int64_t g, const void *k_cache, const void *v_cache,
                            int64_t max_len, const int64_t *start, int half) {
     int64_t hd = m->head_dim, nkv = m->n_kv_head, size = half ? 2 : 4, bytes = (start[b] + 1) * hd * size;
