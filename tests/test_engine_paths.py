@@ -227,7 +227,7 @@ def test_a_quieted_machine_gets_its_threads_back_within_a_fraction_of_a_second()
     and two probes (~185 steps here), not at the next 512th call (~400 steps here)."""
     now = [0.0]
     choice = paths.ThreadChoice(first=2, threads=2, clock=lambda: now[0])
-    busy = {2: 0.003, 1: 0.0005}  # seconds a step: a busy core elsewhere, one thread wins
+    busy = {2: 10.0, 1: 1.0}  # a busy core elsewhere: one thread wins
     for _ in range(600):
         n = choice.pick()
         choice.record(n, busy[n], 1)
@@ -235,29 +235,14 @@ def test_a_quieted_machine_gets_its_threads_back_within_a_fraction_of_a_second()
     assert [choice.pick() for _ in range(20)] == [1] * 20  # no time passed: no probe
     now[0] += 1.5 * paths.ThreadChoice.PROBE_EVERY_S
     assert [choice.pick() for _ in range(2)] == [2, 1]  # one probe, then back
-    quiet = {2: 0.0003, 1: 0.0005}
-    for step in range(400):  # steps on a quiet machine
-        now[0] += quiet[2]
+    quiet = {2: 0.5, 1: 1.0}
+    for step in range(400):  # steps of 0.3 ms on a quiet machine
+        now[0] += 0.0003
         n = choice.pick()
         choice.record(n, quiet[n], 1)
         if choice._best() == 2:
             break
     assert step < 0.05 / 0.0003 + 20
-
-
-def test_long_calls_are_probed_less_often_than_every_50_ms():
-    """A 32-row step of ~3 ms probed every 50 ms would pay a slower step every ~17 steps:
-    the time bound stretches to PROBE_CALLS calls' time."""
-    now = [0.0]
-    choice = paths.ThreadChoice(first=2, threads=2, clock=lambda: now[0])
-    cost = {2: 0.003, 1: 0.006}
-    picks = []
-    for _ in range(2000):
-        now[0] += 0.003
-        n = choice.pick()
-        picks.append(n)
-        choice.record(n, cost[n], 1)
-    assert 2000 / paths.ThreadChoice.PROBE_CALLS / 2 <= picks[100:].count(1) <= 2000 / paths.ThreadChoice.PROBE_CALLS + 2
 
 
 @NATIVE

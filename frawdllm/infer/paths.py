@@ -72,15 +72,14 @@ class ThreadChoice:
     the count that is slower the rest of the time (in the server, 32-row steps went to one
     thread after single slow calls: 0.6-0.75x the throughput). Now and then it tries the
     other count: every 8 calls while that one looks as fast, doubling up to every 512 while
-    it loses, and at least every PROBE_EVERY_S seconds (or PROBE_CALLS calls' time, for long
-    calls), so a loaded machine pays little for the probes (a probe costs one slower call:
-    under 1% at these rates) and a machine that quiets down gets its threads back soon (two
-    winning probes, 8 calls apart; without the time bound, a load that ended left batch-1
-    decoding on one thread for up to ~500 steps, a whole 200-token generate).
+    it loses, and at least every PROBE_EVERY_S seconds, so a loaded machine pays little for
+    the probes and a machine that quiets down gets its threads back soon (two winning
+    probes, 8 calls apart; without the time bound, a load that ended left batch-1 decoding
+    on one thread for up to ~500 steps, a whole 200-token generate).
     """
 
     RECENT = 3  # times kept per count
-    PROBE_EVERY_S, PROBE_CALLS = 0.05, 100
+    PROBE_EVERY_S = 0.05  # (a probe of the slower count costs one slower call: <1% at this rate)
 
     def __init__(self, first: int, threads: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.options = [first] + [n for n in {threads, 1} if n != first]
@@ -88,7 +87,7 @@ class ThreadChoice:
         self._cost = dict.fromkeys(self.options, float("inf"))  # count -> median of its times (kept current)
         self.calls, self.interval = 0, 8
         self.clock = clock
-        self.last_probe, self.last_call_s = clock(), 0.0
+        self.last_probe = clock()
 
     def cost(self, threads: int) -> float:
         return self._cost[threads]
@@ -104,15 +103,13 @@ class ThreadChoice:
         self.calls += 1
         if len(self.options) > 1:
             now = self.clock()
-            gap = max(self.PROBE_EVERY_S, self.PROBE_CALLS * self.last_call_s)
-            if self.calls % self.interval == 0 or now - self.last_probe > gap:
+            if self.calls % self.interval == 0 or now - self.last_probe > self.PROBE_EVERY_S:
                 self.last_probe = now
                 return next(n for n in self.options if n != best)
         return best
 
     def record(self, threads: int, seconds: float, tokens: int) -> None:
         per_token = seconds / max(tokens, 1)
-        self.last_call_s = seconds
         was_best = self._best()
         recent = self.times.setdefault(threads, [])
         recent.append(per_token)
