@@ -72,22 +72,17 @@ class ThreadChoice:
     the count that is slower the rest of the time (in the server, 32-row steps went to one
     thread after single slow calls: 0.6-0.75x the throughput). Now and then it tries the
     other count: every 8 calls while that one looks as fast, doubling up to every 512 while
-    it loses, and at least every PROBE_EVERY_S seconds, so a loaded machine pays little for
-    the probes and a machine that quiets down gets its threads back soon (two winning
-    probes, 8 calls apart; without the time bound, a load that ended left batch-1 decoding
-    on one thread for up to ~500 steps, a whole 200-token generate).
+    it loses, so a loaded machine pays little for the probes and a machine that quiets
+    down gets its threads back (two winning probes, 8 calls apart).
     """
 
     RECENT = 3  # times kept per count
-    PROBE_EVERY_S = 0.05  # (a probe of the slower count costs one slower call: <1% at this rate)
 
-    def __init__(self, first: int, threads: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, first: int, threads: int) -> None:
         self.options = [first] + [n for n in {threads, 1} if n != first]
         self.times: dict[int, list[float]] = {}  # count -> its latest costs per token, newest last
         self._cost = dict.fromkeys(self.options, float("inf"))  # count -> median of its times (kept current)
         self.calls, self.interval = 0, 8
-        self.clock = clock
-        self.last_probe = clock()
 
     def cost(self, threads: int) -> float:
         return self._cost[threads]
@@ -101,11 +96,8 @@ class ThreadChoice:
             return untried[0]
         best = self._best()
         self.calls += 1
-        if len(self.options) > 1:
-            now = self.clock()
-            if self.calls % self.interval == 0 or now - self.last_probe > self.PROBE_EVERY_S:
-                self.last_probe = now
-                return next(n for n in self.options if n != best)
+        if len(self.options) > 1 and self.calls % self.interval == 0:
+            return next(n for n in self.options if n != best)
         return best
 
     def record(self, threads: int, seconds: float, tokens: int) -> None:
