@@ -16,7 +16,10 @@ products run on fp32 activations). The engine's default on CPU is fp16 where the
 converts it (F16C, aarch64; else fp32), the way inference servers run fp32 checkpoints
 in half precision; `weights="fp32"` (`--native fp32`) is exact. The KV cache may be
 fp16 too (keys and values rounded once as they are stored; `Engine.kv_dtype` picks it
-with fp16 or int8 weights): half the cache's memory, and of what attention reads.
+with fp16 or int8 weights): half the cache's memory, and of what attention reads. On CPUs
+with AMX, fp16 weights get a second copy split exactly into two bf16 planes (`amx_planes`,
+4 bytes a weight) for many-row products on the tile unit; it is freed where timing says
+those never pay, and `FRAWD_AMX=0` keeps it from being made.
 
 Building: the first use compiles the file with the system C compiler (`$CC`, else `cc`;
 see `frawdllm.cbuild`, which says so on stderr), cached by source, compiler and CPU.
@@ -24,9 +27,11 @@ Without a compiler, or with `FRAWD_NATIVE=0`, `available()` is False and the eng
 PyTorch.
 
 Forms: how the weight stream is read (the prefetch hint of one-row and of many-row
-products, fp16 converted 16 or 8 at a time) changes speed a lot from one CPU to another
-and never the results; each decoder times them on its own decode steps, once per CPU and
-model shape (`NativeDecoder.stream_forms` says what it chose).
+products, fp16 converted 16 or 8 at a time, whether a decode step prefetches cached keys
+and values) changes speed a lot from one CPU to another and never the results; nor does
+from how many rows products run on AMX, except in the last bits (the tile unit sums in
+another order). Each decoder times them on its own decode steps, once per CPU and model
+shape (`NativeDecoder.stream_forms` says what it chose).
 
 Sharing: one decoder may serve several Python threads; calls run one at a time and each
 returns logits of its own.
@@ -205,8 +210,8 @@ def has_amx() -> bool:
     `FRAWD_AMX=0` turns them off)."""
     global _AMX
     if _AMX is None:
-        _AMX = bool(os.environ.get("FRAWD_AMX", "1") != "0" and available() and library().frawd_has_amx()
-                    and library().frawd_amx_init())
+        lib = library() if os.environ.get("FRAWD_AMX", "1") != "0" and available() else None
+        _AMX = bool(lib and lib.frawd_has_amx() and lib.frawd_amx_init())
     return _AMX
 
 
