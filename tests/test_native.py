@@ -115,6 +115,44 @@ def test_threads_split_the_work_without_changing_a_bit(lengths):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["rope-gqa", "post-ln"])
+def test_a_thread_that_falls_behind_finds_the_work_done(name):
+    """A thread the OS preempts costs the others only the item it holds: they take the rest of
+    each phase and go on. Here every thread but the first sleeps 2 ms as it begins phase k of
+    each forward (k = 0, 4, 9: before the first product, at attention, in a later layer),
+    called from the main thread (OpenMP's team) and from another (native.c's own), in a
+    prefill of 3 rows (AMX where there is one) and a decode step: the late thread finds the
+    phases that ended meanwhile done, joins the one under way, and the results are the
+    one-thread bits."""
+    model = make_model(std=0.2, **CONFIGS[name])
+    decoder = native.NativeDecoder(model, "fp16", amx_rows=2 if native.has_amx() else None)
+    lengths = (5, 40, 17)
+    ids, positions, valid = padded_prompts(lengths, model.config.vocab_size)
+
+    def run(threads):
+        cache = KVCache(model.config, len(lengths), 48, dtype=torch.float16)
+        cache.begin(ids.shape[1], valid=valid)
+        first = decoder.forward(ids, positions, cache, threads=threads).clone()
+        cache.begin(1)
+        return first, decoder.forward(first.argmax(-1)[:, None], positions[:, -1:] + 1, cache, threads=threads).clone()
+
+    expected = run(1)
+    lib = native.library()
+    for phase in (0, 4, 9):
+        lib.frawd_test_late_threads(2000, phase)
+        try:
+            on_main = run(2)
+            elsewhere: list = []
+            caller = threading.Thread(target=lambda: elsewhere.append(run(2)))
+            caller.start()
+            caller.join(60)
+        finally:
+            lib.frawd_test_late_threads(0, 0)
+        for got in (on_main, elsewhere[0]):
+            for a, b in zip(expected, got):
+                assert torch.equal(a, b)
+
+
 def test_callers_on_other_threads_and_in_a_forked_child_get_the_same_bits():
     """Beside the main thread (OpenMP's team, torch's), native.c's own team of threads serves
     every other calling thread, one forward at a time (here four Python threads and two

@@ -17,7 +17,7 @@ One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 
 Matrices are read from copies the decoder owns (`native.py` writes them; the model is
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
-consecutive rows of 64, so each thread's share of a product is one contiguous stream,
+consecutive rows of 64, so a run of tiles (a thread's item of a one-row product) is one contiguous stream,
 which the hardware prefetcher follows and which is also prefetched 8 KB ahead (with the
 hint measured fastest for the model, see frawd_set_forms). A product walks the inputs i
 and adds x[i] * W^T[i, tile] into register accumulators: one row 64 outputs at a time,
@@ -28,9 +28,10 @@ fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a quar
 converted exactly to fp32 in registers.
 
 Threads (OpenMP's team on the main thread, one of our own elsewhere: see "the team")
-split every product by output tiles and the attention by token and head; a barrier of
-our own separates dependent phases (it sleeps after a short spin, so a busy core
-elsewhere does not stall the team). Arithmetic is fp32 throughout, as in the
+share each phase's items (a product's output tiles, attention's tasks) as they ask for
+them, and a phase ends when its items are done, by whoever took them (see "sharing a
+forward's work": a thread the OS preempts holds up only the item it has; a waiting thread
+sleeps after a short spin). Arithmetic is fp32 throughout, as in the
 model: with fp32 weights results equal PyTorch's up to rounding order
 (tests/test_native.py checks 1e-5 against the full forward). The KV cache holds fp32, or
 fp16 (kv_half: rounded once when stored, converted exactly when read; the engine's
@@ -400,6 +401,136 @@ static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c
     }
 }
 
+/* ---- waiting for each other ------------------------------------------------------------ */
+
+/* Waiting for the others: a thread spins briefly (a decode step's phases are microseconds
+   apart) and then sleeps in the kernel: when another process keeps a core busy, a waiting
+   thread gives its core to the one it waits for instead of spinning through its time
+   slice. (OpenMP's own barrier spins for as long as the runtime was told when it started,
+   which is torch's.) The barrier ends an OpenMP forward (everyone out of forward_part);
+   inside a forward, phases end by `Share`. */
+#define SPINS 4000
+
+typedef struct {
+    atomic_int arrived, generation, P, sleepers; /* sleepers: threads in (or entering) futex_wait */
+} Barrier;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void barrier_wait(Barrier *b) {
+    int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == atomic_load_explicit(&b->P, memory_order_relaxed) - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store(&b->generation, gen + 1);
+#if defined(__linux__)
+        /* A wake is a system call (~1 us in a VM), paid only when someone sleeps: a sleeper
+           counts itself before its futex_wait re-checks the generation, and the two
+           sequentially consistent pairs (store generation, load sleepers; add sleepers,
+           load generation) cannot both miss each other. */
+        if (atomic_load(&b->sleepers) > 0)
+            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#endif
+        return;
+    }
+    for (int i = 0; i < SPINS; i++) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+        cpu_relax();
+    }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == gen) {
+#if defined(__linux__)
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&b->sleepers, 1);
+}
+
+/* ---- sharing a forward's work ----------------------------------------------------------
+
+   A forward is a chain of phases (a product, attention, norms), each of n items (a
+   product's tiles, attention's tasks) that depend only on earlier phases. An item goes to
+   whichever thread asks next, and a phase ends when its items are done, by whoever took
+   them. A thread the OS preempts (a server's HTTP work shares the cores, or another
+   process) so costs the others only the item it holds, where a fixed split made them wait
+   at the next barrier for its whole part; a thread late to a phase finds its items taken,
+   takes none, and goes on to the next. One ticket counter serves a forward: phase k's items
+   are tickets [base, base + n), and every thread goes through the same phases with the
+   same n, so keeps the same base. An item's arithmetic does not depend on who computes it. */
+typedef struct {
+    atomic_int next, done, sleepers; /* tickets handed out; items finished; threads asleep waiting */
+} Shared;
+
+typedef struct {
+    Shared *s;
+    int base, n; /* this thread's current phase: tickets [base, base + n) */
+    int t, phases; /* the thread; phases begun (for frawd_test_late_threads) */
+} Share;
+
+/* For tests: threads other than the first sleep `late_us` as they begin phase `late_phase` of
+   each forward, as a preempted thread would: they find the phases that ended meanwhile done,
+   take nothing from them, and join the phase under way. */
+static int64_t late_us = 0, late_phase = 0;
+void frawd_test_late_threads(int64_t us, int64_t phase) { late_us = us, late_phase = phase; }
+
+/* How many of a phase's n small tasks one item holds: about 4 items a thread (each ticket
+   moves the counters' cache line between cores: one a task cost a 1-row step 10%). */
+static inline int64_t per_item(int64_t n, int P) {
+    int64_t k = n / (4 * (int64_t)P);
+    return k > 1 ? k : 1;
+}
+
+static inline void begin(Share *sh, int64_t n) {
+    sh->n = (int)n;
+    if (late_us > 0 && sh->t > 0 && sh->phases++ == late_phase) usleep((useconds_t)late_us);
+}
+
+/* The next item of the current phase, or -1 when all are taken. */
+static inline int64_t take(Share *sh) {
+    int i = atomic_load_explicit(&sh->s->next, memory_order_relaxed), end = sh->base + sh->n;
+    while (i < end &&
+           !atomic_compare_exchange_weak_explicit(&sh->s->next, &i, i + 1, memory_order_relaxed, memory_order_relaxed)) {
+    }
+    return i < end ? i - sh->base : -1;
+}
+
+/* An item of the current phase is done (its results visible to whoever sees the phase end). */
+static inline void done_one(Share *sh) {
+    if (atomic_fetch_add(&sh->s->done, 1) + 1 == sh->base + sh->n && atomic_load(&sh->s->sleepers) > 0) {
+#if defined(__linux__)
+        syscall(SYS_futex, &sh->s->done, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#endif
+    }
+}
+
+/* The end of the current phase: returns once all its items are done. Spins briefly, then
+   sleeps (see barrier_wait: a sleeper counts itself before it checks, the last item's
+   finisher checks for sleepers after it counts). */
+static void end(Share *sh) {
+    Shared *s = sh->s;
+    sh->base += sh->n;
+    for (int i = 0; i < SPINS; i++) {
+        if (atomic_load_explicit(&s->done, memory_order_acquire) >= sh->base) return;
+        cpu_relax();
+    }
+    atomic_fetch_add(&s->sleepers, 1);
+    for (int d; (d = atomic_load(&s->done)) < sh->base;) {
+#if defined(__linux__)
+        syscall(SYS_futex, &s->done, FUTEX_WAIT_PRIVATE, d, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&s->sleepers, 1);
+}
+
 /* ---- AMX: many rows on Intel's matrix units ---------------------------------------------
 
    Many-row products are bound by arithmetic (see wide_tiles). Where the CPU has AMX
@@ -520,13 +651,13 @@ static inline __attribute__((always_inline)) void amx_block_16x64(const uint16_t
     }
 }
 
-/* wide_tiles on the tile unit: tiles [t0, t1) of y = x W^T for B rows, by blocks of 32 rows
-   (and 16 for the rest). */
-static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, int64_t t0,
-                      int64_t t1, int mode) {
-    const int64_t K = L->in, block = 2 * 512 * (K / 32); /* elements per 16 outputs */
+/* wide_tiles on the tile unit, for `item` and the next ones this thread takes: (chunk of
+   AMX_CHUNK rows, tile), chunk-major, so each thread splits a chunk's rows into bf16 once;
+   by blocks of 32 rows (and 16 for the rest); then GELU, for EPI_GELU. */
+static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, Share *share,
+                      int64_t item, int mode) {
+    const int64_t K = L->in, block = 2 * 512 * (K / 32), tiles = (L->out + TILE - 1) / TILE;
     size_t need = (size_t)3 * AMX_CHUNK * K;
-    if (t0 >= t1) return;
     if (amx_scratch_n < need) {
         pthread_once(&amx_key_once, amx_key_make);
         free(amx_scratch);
@@ -534,7 +665,13 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
         amx_scratch_n = amx_scratch ? need : 0;
         pthread_setspecific(amx_key, amx_scratch);
         if (!amx_scratch) {
-            wide_tiles(L, x, ldx, y, ldy, B, t0, t1, mode);
+            for (; item >= 0; item = take(share)) {
+                int64_t rc = item / tiles * AMX_CHUNK, t = item % tiles, n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK;
+                wide_tiles(L, x + rc * ldx, ldx, y + rc * ldy, ldy, n, t, t + 1, mode == EPI_GELU ? EPI_STORE : mode);
+                if (mode == EPI_GELU)
+                    gelu_columns(y + rc * ldy, ldy, n, TILE * t, TILE * (t + 1) < L->out ? TILE * (t + 1) : L->out);
+                done_one(share);
+            }
             return;
         }
     }
@@ -543,31 +680,38 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
                                    .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&cfg);
     float sums[16 * 16] __attribute__((aligned(64)));
-    for (int64_t rc = 0; rc < B; rc += AMX_CHUNK) {
-        int64_t n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK, np = (n + 15) / 16 * 16;
-        uint16_t *h = amx_scratch, *m = h + np * K, *l = m + np * K;
-        split_bf16(x + rc * ldx, ldx, n, np, K, h, m, l);
-        __asm__ __volatile__("" ::: "memory"); /* the split rows are in memory before tile loads read them */
-        for (int64_t t = t0; t < t1; t++) {
-            const uint16_t *w = L->wb + 4 * t * block; /* tile t: 16-output blocks 4t .. 4t + 3 */
-            int64_t r0 = 0;
-            for (; r0 + 32 <= np; r0 += 32)
-                for (int pair = 0; pair < 2; pair++) {
-                    int64_t out0 = TILE * t + 32 * pair;
-                    amx_block_32x32(w + 2 * pair * block, w + (2 * pair + 1) * block, h, m, l, r0, K);
-                    AMX_STORE(0, rc + r0, out0);
-                    AMX_STORE(1, rc + r0, out0 + 16);
-                    AMX_STORE(2, rc + r0 + 16, out0);
-                    AMX_STORE(3, rc + r0 + 16, out0 + 16);
-                }
-            if (r0 < np) {
-                amx_block_16x64(w, block, h, m, l, r0, K);
-                AMX_STORE(0, rc + r0, TILE * t);
-                AMX_STORE(1, rc + r0, TILE * t + 16);
-                AMX_STORE(2, rc + r0, TILE * t + 32);
-                AMX_STORE(3, rc + r0, TILE * t + 48);
-            }
+    uint16_t *h = amx_scratch, *m = NULL, *l = NULL;
+    int64_t split = -1, n = 0, np = 0;
+    for (; item >= 0; item = take(share)) {
+        int64_t rc = item / tiles * AMX_CHUNK, t = item % tiles;
+        if (rc != split) {
+            n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK, np = (n + 15) / 16 * 16;
+            m = h + np * K, l = m + np * K;
+            split_bf16(x + rc * ldx, ldx, n, np, K, h, m, l);
+            __asm__ __volatile__("" ::: "memory"); /* the split rows are in memory before tile loads read them */
+            split = rc;
         }
+        const uint16_t *w = L->wb + 4 * t * block; /* tile t: 16-output blocks 4t .. 4t + 3 */
+        int64_t r0 = 0;
+        for (; r0 + 32 <= np; r0 += 32)
+            for (int pair = 0; pair < 2; pair++) {
+                int64_t out0 = TILE * t + 32 * pair;
+                amx_block_32x32(w + 2 * pair * block, w + (2 * pair + 1) * block, h, m, l, r0, K);
+                AMX_STORE(0, rc + r0, out0);
+                AMX_STORE(1, rc + r0, out0 + 16);
+                AMX_STORE(2, rc + r0 + 16, out0);
+                AMX_STORE(3, rc + r0 + 16, out0 + 16);
+            }
+        if (r0 < np) {
+            amx_block_16x64(w, block, h, m, l, r0, K);
+            AMX_STORE(0, rc + r0, TILE * t);
+            AMX_STORE(1, rc + r0, TILE * t + 16);
+            AMX_STORE(2, rc + r0, TILE * t + 32);
+            AMX_STORE(3, rc + r0, TILE * t + 48);
+        }
+        if (mode == EPI_GELU)
+            gelu_columns(y + rc * ldy, ldy, n, TILE * t, TILE * (t + 1) < L->out ? TILE * (t + 1) : L->out);
+        done_one(share);
     }
     _tile_release();
 }
@@ -578,18 +722,75 @@ int frawd_amx_init(void) { return 0; }
 
 int frawd_has_amx(void) { return HAS_AMX; }
 
-/* Thread t of T's share of y = x @ W^T (+ b) (then GELU, for EPI_GELU): tiles split evenly
-   between threads. */
-static void linear(int t, int T, const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B,
-                   int mode) {
-    int64_t tiles = (L->out + TILE - 1) / TILE, t0 = tiles * t / T, t1 = tiles * (t + 1) / T;
+/* What a product reads, made by the thread that takes one of its items, once: a phase
+   cannot end while a thread holds an item, so nobody writes what it reads meanwhile (and a
+   thread late to the phase takes nothing and reads nothing). */
+enum { IN_AS_IS, IN_NORM, IN_LAST, IN_SWIGLU };
+typedef struct {
+    int kind;      /* IN_NORM: norm(x) of every row (pre-LN; post-LN reads x as is); IN_LAST: each
+                      row's last token, after the final norm; IN_SWIGLU: silu(gate) * up */
+    const Norm *norm;
+    const float *src;
+    int64_t ld;    /* src's row stride (IN_SWIGLU: 2H) */
+} Input;
+
+static void norm_row(const Model *m, const Norm *n, const float *x, float *y);
+static void swiglu_row(const float *g, float *y, int64_t H);
+
+static const float *make_input(const Model *m, const Input *in, float *own, int64_t B, int64_t T) {
+    int64_t D = m->d, N = B * T;
+    switch (in->kind) {
+        case IN_NORM:
+            if (!m->pre_norm) return in->src;
+            for (int64_t r = 0; r < N; r++) norm_row(m, in->norm, in->src + r * D, own + r * D);
+            return own;
+        case IN_LAST:
+            for (int64_t b = 0; b < B; b++) {
+                const float *last = in->src + ((b + 1) * T - 1) * D;
+                if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
+                else memcpy(own + b * D, last, D * sizeof(float));
+            }
+            return own;
+        case IN_SWIGLU:
+            for (int64_t n = 0; n < N; n++) swiglu_row(in->src + n * in->ld, own + n * m->ffn, m->ffn);
+            return own;
+        default: return in->src;
+    }
+}
+
+/* One phase: y = input @ W^T (+ b) (then GELU, for EPI_GELU) for B rows, whose input has rows
+   ldx apart. One row: contiguous runs of tiles, a few per thread (the product runs at the rate
+   weights stream in); many rows: a tile each (on AMX, a tile of 128 rows). */
+static void linear(Share *share, int P, const Model *m, const Linear *L, const Input *in, float *own, int64_t ldx,
+                   float *y, int64_t ldy, int64_t B, int64_t T, int mode) {
+    int64_t tiles = (L->out + TILE - 1) / TILE, rows = in->kind == IN_LAST ? B : B * T;
     int store = mode == EPI_GELU ? EPI_STORE : mode;
-    if (B == 1) one_row_tiles(L, x, y, t0, t1, store);
+    int64_t runs = tiles < 2 * P ? tiles : 2 * P; /* one row: runs of tiles */
+    int64_t items = rows == 1 ? runs : tiles;
 #if HAS_AMX
-    else if (L->amx_rows && B >= L->amx_rows && L->wb && amx_ready) amx_tiles(L, x, ldx, y, ldy, B, t0, t1, store);
+    int amx = rows > 1 && L->amx_rows && rows >= L->amx_rows && L->wb && amx_ready;
+    if (amx) items = tiles * ((rows + AMX_CHUNK - 1) / AMX_CHUNK);
 #endif
-    else wide_tiles(L, x, ldx, y, ldy, B, t0, t1, store);
-    if (mode == EPI_GELU) gelu_columns(y, ldy, B, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
+    begin(share, items);
+    int64_t item = take(share);
+    if (item >= 0) {
+        const float *x = make_input(m, in, own, B, T);
+#if HAS_AMX
+        if (amx) {
+            amx_tiles(L, x, ldx, y, ldy, rows, share, item, mode);
+            end(share);
+            return;
+        }
+#endif
+        for (; item >= 0; item = take(share)) {
+            int64_t t0 = rows == 1 ? tiles * item / runs : item, t1 = rows == 1 ? tiles * (item + 1) / runs : item + 1;
+            if (rows == 1) one_row_tiles(L, x, y, t0, t1, store);
+            else wide_tiles(L, x, ldx, y, ldy, rows, t0, t1, store);
+            if (mode == EPI_GELU) gelu_columns(y, ldy, rows, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
+            done_one(share);
+        }
+    }
+    end(share);
 }
 
 /* 1 where one-row fp16 products can convert 8 at a time instead of 16 (AVX-512 builds). */
@@ -618,57 +819,6 @@ void frawd_set_forms(Model *m, int64_t hint, int64_t narrow, int64_t hint_rows, 
         L->narrow = HAS_NARROW && narrow && storage(L) == W_FP16;
         L->hint_rows = hint_rows >= PF_NTA && hint_rows <= PF_NONE ? hint_rows : PF_NTA;
     }
-}
-
-/* ---- waiting for each other ------------------------------------------------------------ */
-
-/* The team's barrier between dependent phases. A thread that arrives early spins briefly
-   (a decode step's phases are microseconds apart) and then sleeps in the kernel until the
-   last one arrives: when another process keeps a core busy, a waiting thread gives its
-   core to the one it waits for instead of spinning through its time slice. (OpenMP's own
-   barrier spins for as long as the runtime was told when it started, which is torch's.) */
-#define SPINS 4000
-
-typedef struct {
-    atomic_int arrived, generation, P, sleepers; /* sleepers: threads in (or entering) futex_wait */
-} Barrier;
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static void barrier_wait(Barrier *b) {
-    int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == atomic_load_explicit(&b->P, memory_order_relaxed) - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store(&b->generation, gen + 1);
-#if defined(__linux__)
-        /* A wake is a system call (~1 us in a VM), paid only when someone sleeps: a sleeper
-           counts itself before its futex_wait re-checks the generation, and the two
-           sequentially consistent pairs (store generation, load sleepers; add sleepers,
-           load generation) cannot both miss each other. */
-        if (atomic_load(&b->sleepers) > 0)
-            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
-#endif
-        return;
-    }
-    for (int i = 0; i < SPINS; i++) {
-        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
-        cpu_relax();
-    }
-    atomic_fetch_add(&b->sleepers, 1);
-    while (atomic_load(&b->generation) == gen) {
-#if defined(__linux__)
-        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
-#else
-        sched_yield();
-#endif
-    }
-    atomic_fetch_sub(&b->sleepers, 1);
 }
 
 /* ---- the team ------------------------------------------------------------------------- */
@@ -855,25 +1005,15 @@ static void norm_row(const Model *m, const Norm *n, const float *x, float *y) {
     for (int64_t i = 0; i < D; i++) y[i] = (x[i] - mean) * inv * n->w[i] + (n->b ? n->b[i] : 0.0f);
 }
 
-/* Thread t of T's rows of y = norm(x). */
-static void norm_rows(int t, int T, const Model *m, const Norm *n, const float *x, float *y, int64_t B) {
-    for (int64_t r = t; r < B; r += T) norm_row(m, n, x + r * m->d, y + r * m->d);
-}
-
-/* What a sublayer (attention, MLP) reads: pre-LN, norm(x) of every row into this thread's
-   own buffer `own` (each thread normalises all N rows itself: O(N D) against the
-   product's O(N D out), and no barrier before the product); post-LN, x itself. */
-static const float *sublayer_input(const Model *m, const Norm *n, const float *x, float *own, int64_t N) {
-    if (!m->pre_norm) return x;
-    for (int64_t r = 0; r < N; r++) norm_row(m, n, x + r * m->d, own + r * m->d);
-    return own;
-}
-
-/* After a residual add: post-LN normalises the stream in place; pre-LN leaves it. */
-static void after_residual(int t, int T, const Model *m, const Norm *n, float *x, int64_t N, Barrier *team) {
+/* After a residual add: post-LN normalises the stream in place (rows shared out); pre-LN
+   leaves it. */
+static void after_residual(Share *share, int P, const Model *m, const Norm *n, float *x, int64_t N) {
     if (m->pre_norm) return;
-    norm_rows(t, T, m, n, x, x, N);
-    barrier_wait(team);
+    int64_t k = per_item(N, P);
+    begin(share, (N + k - 1) / k);
+    for (int64_t item; (item = take(share)) >= 0; done_one(share))
+        for (int64_t r = item * k; r < N && r < (item + 1) * k; r++) norm_row(m, n, x + r * m->d, x + r * m->d);
+    end(share);
 }
 
 /* y[i] = silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
@@ -1198,6 +1338,8 @@ typedef struct {
     int half;
     Barrier team;
     int overflow; /* some thread's to_half saw a value fp16 cannot hold */
+    _Alignas(64) Shared shared; /* (a cache line of its own: every ticket writes it) */
+    char after_shared[64 - sizeof(Shared)];
 } Forward;
 
 /* Thread t of P's part of a forward. */
@@ -1210,73 +1352,75 @@ static void forward_part(void *job, int t, int P) {
     const uint8_t *valid = f->valid;
     float *logits = f->logits;
     const int half = f->half;
-    Barrier *team = &f->team;
     int64_t D = m->d, nh = m->n_head, nkv = m->n_kv_head, rep = nh / nkv;
     int64_t qkv_w = (nh + 2 * nkv) * m->head_dim, ff_w = m->swiglu ? 2 * m->ffn : m->ffn;
     int64_t own_floats = N * (D > m->ffn ? D : m->ffn);
     float *x = f->work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
     float *scratch = ff + N * ff_w;
     int too_large = 0;
-    atomic_store_explicit(&team->P, P, memory_order_relaxed); /* the same value from everyone */
+    Share share = {&f->shared, 0, 0, t, 0};
     float *scores = scratch + t * (max_len + 16 + own_floats + 16);
     float *own = scores + max_len + 16;
-    for (int64_t n = t; n < N; n += P) { /* embeddings */
-        const float *e = m->tok + token[n] * m->tok_s0;
-        const float *p = m->pos ? m->pos + position[n] * D : NULL;
-        for (int64_t i = 0; i < D; i++)
-            x[n * D + i] = e[i * m->tok_s1] * m->embed_scale + (p ? p[i] : 0.0f);
-    }
-    barrier_wait(team);
+    int64_t k = per_item(N, P);
+    begin(&share, (N + k - 1) / k);
+    for (int64_t item; (item = take(&share)) >= 0; done_one(&share)) /* embeddings */
+        for (int64_t n = item * k; n < N && n < (item + 1) * k; n++) {
+            const float *e = m->tok + token[n] * m->tok_s0;
+            const float *p = m->pos ? m->pos + position[n] * D : NULL;
+            for (int64_t i = 0; i < D; i++)
+                x[n * D + i] = e[i * m->tok_s1] * m->embed_scale + (p ? p[i] : 0.0f);
+        }
+    end(&share);
     for (int64_t l = 0; l < m->n_layer; l++) {
         const Layer *L = &m->layers[l];
         /* attention */
-        linear(t, P, &L->qkv, sublayer_input(m, &L->norm1, x, own, N), D, qkv, qkv_w, N, EPI_STORE);
-        barrier_wait(team);
-        if (T == 1) {
-            for (int64_t task = t; task < N * nkv; task += P) {
-                int64_t n = task / nkv, g = task % nkv;
-                too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
-                                         half);
-                if (m->kv_prefetch && task + P < N * nkv) /* the next task's keys and values, on their way meanwhile */
-                    prefetch_group(m, (task + P) / nkv, (task + P) % nkv, k_cache[l], v_cache[l], max_len,
-                                   start, half);
-                for (int64_t h = g * rep; h < (g + 1) * rep; h++)
-                    attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
-                                scores, half);
-            }
-        } else {
-            for (int64_t task = t; task < N * nkv; task += P)
-                too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
-                                         start, position[task / nkv], half);
-            barrier_wait(team);
-            for (int64_t task = t; task < N * nh; task += P)
-                attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
-                            valid, padded, scores, half);
+        linear(&share, P, m, &L->qkv, &(Input){IN_NORM, &L->norm1, x, D}, own, D, qkv, qkv_w, B, T, EPI_STORE);
+        if (T == 1) { /* store and attend a kv head's group of one row: a task */
+            const int64_t tasks = N * nkv;
+            k = per_item(tasks, P);
+            begin(&share, (tasks + k - 1) / k);
+            for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
+                for (int64_t task = item * k; task < tasks && task < (item + 1) * k; task++) {
+                    int64_t n = task / nkv, g = task % nkv;
+                    too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
+                                             half);
+                    if (m->kv_prefetch && task + 1 < tasks) /* the next task's keys and values, on their way meanwhile */
+                        prefetch_group(m, (task + 1) / nkv, (task + 1) % nkv, k_cache[l], v_cache[l], max_len,
+                                       start, half);
+                    for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+                        attend_head(m, n, T, h, qkv, att, k_cache[l], v_cache[l], max_len, start, valid, padded,
+                                    scores, half);
+                }
+            end(&share);
+        } else { /* every token's keys and values stored first: later tokens attend earlier ones */
+            int64_t tasks = N * nkv;
+            k = per_item(tasks, P);
+            begin(&share, (tasks + k - 1) / k);
+            for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
+                for (int64_t task = item * k; task < tasks && task < (item + 1) * k; task++)
+                    too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
+                                             start, position[task / nkv], half);
+            end(&share);
+            tasks = N * nh;
+            k = per_item(tasks, P);
+            begin(&share, (tasks + k - 1) / k);
+            for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
+                for (int64_t task = item * k; task < tasks && task < (item + 1) * k; task++)
+                    attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
+                                valid, padded, scores, half);
+            end(&share);
         }
-        barrier_wait(team);
-        linear(t, P, &L->proj, att, D, x, D, N, EPI_ADD); /* x += attention output */
-        barrier_wait(team);
-        after_residual(t, P, m, &L->norm1, x, N, team);
+        linear(&share, P, m, &L->proj, &(Input){IN_AS_IS, NULL, att, D}, own, D, x, D, B, T, EPI_ADD); /* x += attention output */
+        after_residual(&share, P, m, &L->norm1, x, N);
         /* MLP */
-        linear(t, P, &L->up, sublayer_input(m, &L->norm2, x, own, N), D, ff, ff_w, N,
+        linear(&share, P, m, &L->up, &(Input){IN_NORM, &L->norm2, x, D}, own, D, ff, ff_w, B, T,
                m->swiglu ? EPI_STORE : EPI_GELU);
-        barrier_wait(team);
-        const float *hidden = ff;
-        if (m->swiglu) { /* silu(gate) * up, gate = ff[:, :H], up = ff[:, H:], into own */
-            for (int64_t n = 0; n < N; n++) swiglu_row(ff + n * ff_w, own + n * m->ffn, m->ffn);
-            hidden = own;
-        }
-        linear(t, P, &L->down, hidden, m->swiglu ? m->ffn : ff_w, x, D, N, EPI_ADD); /* x += MLP output */
-        barrier_wait(team);
-        after_residual(t, P, m, &L->norm2, x, N, team);
+        Input hidden = m->swiglu ? (Input){IN_SWIGLU, NULL, ff, ff_w} : (Input){IN_AS_IS, NULL, ff, ff_w};
+        linear(&share, P, m, &L->down, &hidden, own, m->swiglu ? m->ffn : ff_w, x, D, B, T, EPI_ADD); /* x += MLP output */
+        after_residual(&share, P, m, &L->norm2, x, N);
     }
     /* each row's last token: final norm (or a copy) into own, then the LM head */
-    for (int64_t b = 0; b < B; b++) {
-        const float *last = x + ((b + 1) * T - 1) * D;
-        if (m->final_norm) norm_row(m, &m->final_norm_w, last, own + b * D);
-        else memcpy(own + b * D, last, D * sizeof(float));
-    }
-    linear(t, P, &m->head, own, D, logits, m->vocab, B, EPI_STORE);
+    linear(&share, P, m, &m->head, &(Input){IN_LAST, NULL, x, D}, own, D, logits, m->vocab, B, T, EPI_STORE);
     if (too_large) __atomic_store_n(&f->overflow, 1, __ATOMIC_RELAXED);
 }
 
@@ -1294,11 +1438,12 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     for (int64_t b = 0; b < B; b++)
         if (start[b] < 0 || start[b] + T > max_len) return BAD_SLOT;
     Forward f = {m, B, T, max_len, padded, token, position, start, k_cache, v_cache, valid, logits, work, half,
-                 {0, 0, 0, 0}, 0};
+                 {0, 0, 0, 0}, 0, {0, 0, 0}, {0}};
     int P = threads < 1 ? 1 : threads > MAX_TEAM ? MAX_TEAM : (int)threads;
     if (P > 1 && on_main_thread()) { /* torch's OpenMP team: see "the team" */
 #pragma omp parallel num_threads(P)
         {
+            atomic_store_explicit(&f.team.P, omp_get_num_threads(), memory_order_relaxed); /* (the same from everyone) */
             forward_part(&f, omp_get_thread_num(), omp_get_num_threads());
             barrier_wait(&f.team); /* everyone done: OpenMP's closing barrier then waits for no one */
         }

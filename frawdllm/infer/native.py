@@ -132,6 +132,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.frawd_set_forms.argtypes = [ctypes.POINTER(_Model), i64, i64, i64, i64, i64]
     lib.frawd_has_amx.restype = ctypes.c_int
     lib.frawd_amx_init.restype = ctypes.c_int
+    lib.frawd_test_late_threads.argtypes = [i64, i64]  # (tests: see native.c)
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("native.c"), "the native forward", _declare)
