@@ -652,10 +652,11 @@ static inline __attribute__((always_inline)) void amx_block_16x64(const uint16_t
 }
 
 /* wide_tiles on the tile unit, for `item` and the next ones this thread takes: (chunk of
-   AMX_CHUNK rows, tile), chunk-major, so each thread splits a chunk's rows into bf16 once;
-   by blocks of 32 rows (and 16 for the rest); then GELU, for EPI_GELU. */
-static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, Share *share,
-                      int64_t item, int mode) {
+   AMX_CHUNK rows, run of tiles: one of `runs`), chunk-major, so each thread splits a chunk's
+   rows into bf16 once; by blocks of 32 rows (and 16 for the rest); then GELU, for EPI_GELU.
+   (noinline: inlined into forward_part, a 64-token prefill ran 2-6% slower on one thread.) */
+static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, Share *share,
+                      int64_t item, int64_t runs, int mode) {
     const int64_t K = L->in, block = 2 * 512 * (K / 32), tiles = (L->out + TILE - 1) / TILE;
     size_t need = (size_t)3 * AMX_CHUNK * K;
     if (amx_scratch_n < need) {
@@ -666,10 +667,11 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
         pthread_setspecific(amx_key, amx_scratch);
         if (!amx_scratch) {
             for (; item >= 0; item = take(share)) {
-                int64_t rc = item / tiles * AMX_CHUNK, t = item % tiles, n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK;
-                wide_tiles(L, x + rc * ldx, ldx, y + rc * ldy, ldy, n, t, t + 1, mode == EPI_GELU ? EPI_STORE : mode);
+                int64_t rc = item / runs * AMX_CHUNK, n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK;
+                int64_t t0 = tiles * (item % runs) / runs, t1 = tiles * (item % runs + 1) / runs;
+                wide_tiles(L, x + rc * ldx, ldx, y + rc * ldy, ldy, n, t0, t1, mode == EPI_GELU ? EPI_STORE : mode);
                 if (mode == EPI_GELU)
-                    gelu_columns(y + rc * ldy, ldy, n, TILE * t, TILE * (t + 1) < L->out ? TILE * (t + 1) : L->out);
+                    gelu_columns(y + rc * ldy, ldy, n, TILE * t0, TILE * t1 < L->out ? TILE * t1 : L->out);
                 done_one(share);
             }
             return;
@@ -683,7 +685,7 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
     uint16_t *h = amx_scratch, *m = NULL, *l = NULL;
     int64_t split = -1, n = 0, np = 0;
     for (; item >= 0; item = take(share)) {
-        int64_t rc = item / tiles * AMX_CHUNK, t = item % tiles;
+        int64_t rc = item / runs * AMX_CHUNK, t0 = tiles * (item % runs) / runs, t1 = tiles * (item % runs + 1) / runs;
         if (rc != split) {
             n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK, np = (n + 15) / 16 * 16;
             m = h + np * K, l = m + np * K;
@@ -691,6 +693,7 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
             __asm__ __volatile__("" ::: "memory"); /* the split rows are in memory before tile loads read them */
             split = rc;
         }
+        for (int64_t t = t0; t < t1; t++) {
         const uint16_t *w = L->wb + 4 * t * block; /* tile t: 16-output blocks 4t .. 4t + 3 */
         int64_t r0 = 0;
         for (; r0 + 32 <= np; r0 += 32)
@@ -709,8 +712,9 @@ static void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, in
             AMX_STORE(2, rc + r0, TILE * t + 32);
             AMX_STORE(3, rc + r0, TILE * t + 48);
         }
+        }
         if (mode == EPI_GELU)
-            gelu_columns(y + rc * ldy, ldy, n, TILE * t, TILE * (t + 1) < L->out ? TILE * (t + 1) : L->out);
+            gelu_columns(y + rc * ldy, ldy, n, TILE * t0, TILE * t1 < L->out ? TILE * t1 : L->out);
         done_one(share);
     }
     _tile_release();
@@ -765,11 +769,13 @@ static void linear(Share *share, int P, const Model *m, const Linear *L, const I
                    float *y, int64_t ldy, int64_t B, int64_t T, int mode) {
     int64_t tiles = (L->out + TILE - 1) / TILE, rows = in->kind == IN_LAST ? B : B * T;
     int store = mode == EPI_GELU ? EPI_STORE : mode;
-    int64_t runs = tiles < 2 * P ? tiles : 2 * P; /* one row: runs of tiles */
-    int64_t items = rows == 1 ? runs : tiles;
+    /* runs of consecutive tiles: a thread's stream of weights stays its own for a while (the
+       hardware prefetcher runs ahead of a stream; with single tiles in turn, into the other
+       thread's: a 64-token prefill 5-8% slower) */
+    int64_t per_thread = rows == 1 ? 2 : 4, runs = tiles < per_thread * P ? tiles : per_thread * P, items = runs;
 #if HAS_AMX
     int amx = rows > 1 && L->amx_rows && rows >= L->amx_rows && L->wb && amx_ready;
-    if (amx) items = tiles * ((rows + AMX_CHUNK - 1) / AMX_CHUNK);
+    if (amx) items = runs * ((rows + AMX_CHUNK - 1) / AMX_CHUNK);
 #endif
     begin(share, items);
     int64_t item = take(share);
@@ -777,13 +783,13 @@ static void linear(Share *share, int P, const Model *m, const Linear *L, const I
         const float *x = make_input(m, in, own, B, T);
 #if HAS_AMX
         if (amx) {
-            amx_tiles(L, x, ldx, y, ldy, rows, share, item, mode);
+            amx_tiles(L, x, ldx, y, ldy, rows, share, item, runs, mode);
             end(share);
             return;
         }
 #endif
         for (; item >= 0; item = take(share)) {
-            int64_t t0 = rows == 1 ? tiles * item / runs : item, t1 = rows == 1 ? tiles * (item + 1) / runs : item + 1;
+            int64_t t0 = tiles * item / runs, t1 = tiles * (item + 1) / runs;
             if (rows == 1) one_row_tiles(L, x, y, t0, t1, store);
             else wide_tiles(L, x, ldx, y, ldy, rows, t0, t1, store);
             if (mode == EPI_GELU) gelu_columns(y, ldy, rows, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
@@ -1401,11 +1407,11 @@ static void forward_part(void *job, int t, int P) {
                     too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
                                              start, position[task / nkv], half);
             end(&share);
-            tasks = N * nh;
-            k = per_item(tasks, P);
-            begin(&share, (tasks + k - 1) / k);
+            tasks = N * nh; /* a later token attends more slots: an item takes every items-th task */
+            int64_t items = (tasks + per_item(tasks, P) - 1) / per_item(tasks, P);
+            begin(&share, items);
             for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
-                for (int64_t task = item * k; task < tasks && task < (item + 1) * k; task++)
+                for (int64_t task = item; task < tasks; task += items)
                     attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
                                 valid, padded, scores, half);
             end(&share);
