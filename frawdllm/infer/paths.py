@@ -71,12 +71,15 @@ class ThreadChoice:
     process taking a core for a moment: the server's event loop) does not move a phase to
     the count that is slower the rest of the time (in the server, 32-row steps went to one
     thread after single slow calls: 0.6-0.75x the throughput). Now and then it tries the
-    other count: every 8 calls while that one looks as fast, doubling up to every 512 while
-    it loses, so a loaded machine pays little for the probes and a machine that quiets
-    down gets its threads back (two winning probes, 8 calls apart).
+    other count: every 8 calls while that one looks as fast, doubling up to every 64 while
+    it loses, so a loaded machine pays little for the probes (one call in 64 at the slower
+    count) and a machine that quiets down gets its threads back within ~70 calls (two
+    winning probes, 8 calls apart; up to every 512 calls, a burst of server load left a
+    lone client's decoding on one thread for its next ~500 tokens, at 2/3 of the speed).
     """
 
     RECENT = 3  # times kept per count
+    MAX_INTERVAL = 64  # calls between probes of a count that keeps losing
 
     def __init__(self, first: int, threads: int) -> None:
         self.options = [first] + [n for n in {threads, 1} if n != first]
@@ -109,7 +112,7 @@ class ThreadChoice:
         self._cost[threads] = statistics.median(recent)
         if threads != was_best and len(self.times) == len(self.options):
             promising = per_token < self.cost(was_best)  # (this probe alone; the choice takes two)
-            self.interval = 8 if promising else min(512, 2 * self.interval)
+            self.interval = 8 if promising else min(self.MAX_INTERVAL, 2 * self.interval)
 
 
 def phase(rows: int, new_tokens: int) -> str:
