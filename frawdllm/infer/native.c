@@ -456,22 +456,35 @@ static void barrier_wait(Barrier *b) {
 /* ---- sharing a forward's work ----------------------------------------------------------
 
    A forward is a chain of phases (a product, attention, norms), each of n items (a
-   product's tiles, attention's tasks) that depend only on earlier phases. An item goes to
-   whichever thread asks next, and a phase ends when its items are done, by whoever took
-   them. A thread the OS preempts (a server's HTTP work shares the cores, or another
-   process) so costs the others only the item it holds, where a fixed split made them wait
-   at the next barrier for its whole part; a thread late to a phase finds its items taken,
-   takes none, and goes on to the next. One ticket counter serves a forward: phase k's items
-   are tickets [base, base + n), and every thread goes through the same phases with the
-   same n, so keeps the same base. An item's arithmetic does not depend on who computes it. */
+   product's tiles, attention's tasks) that depend only on earlier phases. Each thread owns
+   an even share of a phase's items (a product's tiles: a contiguous run of the weights) and
+   takes them in order from its own counter; a thread that has finished its own takes what
+   is left of the others', and a phase ends when its items are done, by whoever took them.
+   With threads running alike this is a fixed even split; a thread the OS preempts (a
+   server's HTTP work shares the cores, or another process) costs the others only the item
+   it holds, where a fixed split made them wait at the next barrier for its whole share, and
+   a thread late to a phase finds its items taken and goes on to the next. Each owner's
+   counter serves the whole forward: every thread goes through the same phases with the same
+   shares, so each knows where every owner's tickets for the current phase begin. An item's
+   arithmetic does not depend on who computes it. */
+#define MAX_TEAM 256
+
 typedef struct {
-    atomic_int next, done, sleepers; /* tickets handed out; items finished; threads asleep waiting */
+    _Alignas(64) atomic_int next; /* an owner's tickets handed out (a cache line of its own) */
+} Slot;
+
+typedef struct {
+    atomic_int done, sleepers; /* items finished (counted at each thread's phase end); threads asleep */
+    Slot slot[MAX_TEAM];
 } Shared;
 
 typedef struct {
     Shared *s;
-    int base, n; /* this thread's current phase: tickets [base, base + n) */
-    int t, phases; /* the thread; phases begun (for frawd_test_late_threads) */
+    int t, P;
+    int64_t per, chunks; /* the current phase: chunks x per items; owner u has its share of per in each */
+    int end, mine;       /* `done` at which the current phase is over; items this thread did in it */
+    int phases;          /* phases begun (for frawd_test_late_threads) */
+    int base[MAX_TEAM];  /* owner u's tickets before the current phase */
 } Share;
 
 /* For tests: threads other than the first sleep `late_us` as they begin phase `late_phase` of
@@ -480,48 +493,80 @@ typedef struct {
 static int64_t late_us = 0, late_phase = 0;
 void frawd_test_late_threads(int64_t us, int64_t phase) { late_us = us, late_phase = phase; }
 
-/* How many of a phase's n small tasks one item holds: about 4 items a thread (each ticket
-   moves the counters' cache line between cores: one a task cost a 1-row step 10%). */
+/* How many of a phase's n small tasks one item holds: about 4 items a thread. */
 static inline int64_t per_item(int64_t n, int P) {
     int64_t k = n / (4 * (int64_t)P);
     return k > 1 ? k : 1;
 }
 
-static inline void begin(Share *sh, int64_t n) {
-    sh->n = (int)n;
+/* Owner u's first of `per` items (its share: [first(u), first(u + 1))). */
+static inline int64_t first(int64_t per, int u, int P) { return per * u / P; }
+
+/* A phase of chunks x per items (a product: row chunks x output tiles; else 1 x n). */
+static inline void begin_chunks(Share *sh, int64_t per, int64_t chunks) {
+    sh->per = per, sh->chunks = chunks, sh->mine = 0;
     if (late_us > 0 && sh->t > 0 && sh->phases++ == late_phase) usleep((useconds_t)late_us);
 }
 
-/* The next item of the current phase, or -1 when all are taken. */
+static inline void begin(Share *sh, int64_t n) { begin_chunks(sh, n, 1); }
+
+/* The next item of the current phase, as (owner, index in the owner's share), own items
+   first; -1 when all are taken. */
+static inline int64_t take_owned(Share *sh, int *owner) {
+    for (int k = 0, u = sh->t; k < sh->P; k++, u = u + 1 == sh->P ? 0 : u + 1) {
+        atomic_int *c = &sh->s->slot[u].next;
+        int size = (int)(sh->chunks * (first(sh->per, u + 1, sh->P) - first(sh->per, u, sh->P)));
+        int i = atomic_load_explicit(c, memory_order_relaxed), end = sh->base[u] + size;
+        while (i < end && !atomic_compare_exchange_weak_explicit(c, &i, i + 1, memory_order_relaxed,
+                                                                 memory_order_relaxed)) {
+        }
+        if (i < end) {
+            *owner = u;
+            return i - sh->base[u];
+        }
+    }
+    return -1;
+}
+
+/* The next item of a 1 x n phase: its index in [0, n), or -1. */
 static inline int64_t take(Share *sh) {
-    int i = atomic_load_explicit(&sh->s->next, memory_order_relaxed), end = sh->base + sh->n;
-    while (i < end &&
-           !atomic_compare_exchange_weak_explicit(&sh->s->next, &i, i + 1, memory_order_relaxed, memory_order_relaxed)) {
-    }
-    return i < end ? i - sh->base : -1;
+    int u;
+    int64_t j = take_owned(sh, &u);
+    return j < 0 ? -1 : first(sh->per, u, sh->P) + j;
 }
 
-/* An item of the current phase is done (its results visible to whoever sees the phase end). */
-static inline void done_one(Share *sh) {
-    if (atomic_fetch_add(&sh->s->done, 1) + 1 == sh->base + sh->n && atomic_load(&sh->s->sleepers) > 0) {
-#if defined(__linux__)
-        syscall(SYS_futex, &sh->s->done, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
-#endif
-    }
+/* The next item of a product: a row chunk and a tile (each owner's tiles chunk by chunk); 0
+   when all are taken. */
+static inline int take_tile(Share *sh, int64_t *chunk, int64_t *tile) {
+    int u;
+    int64_t j = take_owned(sh, &u);
+    if (j < 0) return 0;
+    int64_t t0 = first(sh->per, u, sh->P), tiles = first(sh->per, u + 1, sh->P) - t0;
+    *chunk = j / tiles, *tile = t0 + j % tiles;
+    return 1;
 }
 
-/* The end of the current phase: returns once all its items are done. Spins briefly, then
-   sleeps (see barrier_wait: a sleeper counts itself before it checks, the last item's
-   finisher checks for sleepers after it counts). */
+static inline void done_one(Share *sh) { sh->mine++; }
+
+/* The end of the current phase: this thread's items counted, returns once all are done.
+   Spins briefly, then sleeps (see barrier_wait: a sleeper counts itself before it checks; a
+   thread whose count ends the phase checks for sleepers after it counts). */
 static void end(Share *sh) {
     Shared *s = sh->s;
-    sh->base += sh->n;
+    for (int u = 0; u < sh->P; u++)
+        sh->base[u] += (int)(sh->chunks * (first(sh->per, u + 1, sh->P) - first(sh->per, u, sh->P)));
+    sh->end += (int)(sh->chunks * sh->per);
+    if (sh->mine && atomic_fetch_add(&s->done, sh->mine) + sh->mine == sh->end && atomic_load(&s->sleepers) > 0) {
+#if defined(__linux__)
+        syscall(SYS_futex, &s->done, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#endif
+    }
     for (int i = 0; i < SPINS; i++) {
-        if (atomic_load_explicit(&s->done, memory_order_acquire) >= sh->base) return;
+        if (atomic_load_explicit(&s->done, memory_order_acquire) >= sh->end) return;
         cpu_relax();
     }
     atomic_fetch_add(&s->sleepers, 1);
-    for (int d; (d = atomic_load(&s->done)) < sh->base;) {
+    for (int d; (d = atomic_load(&s->done)) < sh->end;) {
 #if defined(__linux__)
         syscall(SYS_futex, &s->done, FUTEX_WAIT_PRIVATE, d, NULL, NULL, 0);
 #else
@@ -651,13 +696,14 @@ static inline __attribute__((always_inline)) void amx_block_16x64(const uint16_t
     }
 }
 
-/* wide_tiles on the tile unit, for `item` and the next ones this thread takes: (chunk of
-   AMX_CHUNK rows, run of tiles: one of `runs`), chunk-major, so each thread splits a chunk's
-   rows into bf16 once; by blocks of 32 rows (and 16 for the rest); then GELU, for EPI_GELU.
-   (noinline: inlined into forward_part, a 64-token prefill ran 2-6% slower on one thread.) */
-static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t B, Share *share,
-                      int64_t item, int64_t runs, int mode) {
-    const int64_t K = L->in, block = 2 * 512 * (K / 32), tiles = (L->out + TILE - 1) / TILE;
+/* wide_tiles on the tile unit, for (chunk of AMX_CHUNK rows, tile) and the next ones this
+   thread takes: each owner's tiles chunk by chunk, so a thread splits a chunk's rows into
+   bf16 once (again only for what it takes from another's share); by blocks of 32 rows (and
+   16 for the rest); then GELU, for EPI_GELU. (noinline: inlined into forward_part, a
+   64-token prefill ran 2-6% slower on one thread.) */
+static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x, int64_t ldx, float *y, int64_t ldy,
+                                                 int64_t B, Share *share, int64_t chunk, int64_t t, int mode) {
+    const int64_t K = L->in, block = 2 * 512 * (K / 32);
     size_t need = (size_t)3 * AMX_CHUNK * K;
     if (amx_scratch_n < need) {
         pthread_once(&amx_key_once, amx_key_make);
@@ -666,14 +712,13 @@ static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x,
         amx_scratch_n = amx_scratch ? need : 0;
         pthread_setspecific(amx_key, amx_scratch);
         if (!amx_scratch) {
-            for (; item >= 0; item = take(share)) {
-                int64_t rc = item / runs * AMX_CHUNK, n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK;
-                int64_t t0 = tiles * (item % runs) / runs, t1 = tiles * (item % runs + 1) / runs;
-                wide_tiles(L, x + rc * ldx, ldx, y + rc * ldy, ldy, n, t0, t1, mode == EPI_GELU ? EPI_STORE : mode);
+            do {
+                int64_t rc = chunk * AMX_CHUNK, n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK;
+                wide_tiles(L, x + rc * ldx, ldx, y + rc * ldy, ldy, n, t, t + 1, mode == EPI_GELU ? EPI_STORE : mode);
                 if (mode == EPI_GELU)
-                    gelu_columns(y + rc * ldy, ldy, n, TILE * t0, TILE * t1 < L->out ? TILE * t1 : L->out);
+                    gelu_columns(y + rc * ldy, ldy, n, TILE * t, TILE * (t + 1) < L->out ? TILE * (t + 1) : L->out);
                 done_one(share);
-            }
+            } while (take_tile(share, &chunk, &t));
             return;
         }
     }
@@ -684,8 +729,8 @@ static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x,
     float sums[16 * 16] __attribute__((aligned(64)));
     uint16_t *h = amx_scratch, *m = NULL, *l = NULL;
     int64_t split = -1, n = 0, np = 0;
-    for (; item >= 0; item = take(share)) {
-        int64_t rc = item / runs * AMX_CHUNK, t0 = tiles * (item % runs) / runs, t1 = tiles * (item % runs + 1) / runs;
+    do {
+        int64_t rc = chunk * AMX_CHUNK;
         if (rc != split) {
             n = B - rc < AMX_CHUNK ? B - rc : AMX_CHUNK, np = (n + 15) / 16 * 16;
             m = h + np * K, l = m + np * K;
@@ -693,7 +738,6 @@ static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x,
             __asm__ __volatile__("" ::: "memory"); /* the split rows are in memory before tile loads read them */
             split = rc;
         }
-        for (int64_t t = t0; t < t1; t++) {
         const uint16_t *w = L->wb + 4 * t * block; /* tile t: 16-output blocks 4t .. 4t + 3 */
         int64_t r0 = 0;
         for (; r0 + 32 <= np; r0 += 32)
@@ -712,11 +756,10 @@ static __attribute__((noinline)) void amx_tiles(const Linear *L, const float *x,
             AMX_STORE(2, rc + r0, TILE * t + 32);
             AMX_STORE(3, rc + r0, TILE * t + 48);
         }
-        }
         if (mode == EPI_GELU)
-            gelu_columns(y + rc * ldy, ldy, n, TILE * t0, TILE * t1 < L->out ? TILE * t1 : L->out);
+            gelu_columns(y + rc * ldy, ldy, n, TILE * t, TILE * (t + 1) < L->out ? TILE * (t + 1) : L->out);
         done_one(share);
-    }
+    } while (take_tile(share, &chunk, &t));
     _tile_release();
 }
 #else
@@ -765,36 +808,32 @@ static const float *make_input(const Model *m, const Input *in, float *own, int6
 /* One phase: y = input @ W^T (+ b) (then GELU, for EPI_GELU) for B rows, whose input has rows
    ldx apart. One row: contiguous runs of tiles, a few per thread (the product runs at the rate
    weights stream in); many rows: a tile each (on AMX, a tile of 128 rows). */
-static void linear(Share *share, int P, const Model *m, const Linear *L, const Input *in, float *own, int64_t ldx,
+static void linear(Share *share, const Model *m, const Linear *L, const Input *in, float *own, int64_t ldx,
                    float *y, int64_t ldy, int64_t B, int64_t T, int mode) {
     int64_t tiles = (L->out + TILE - 1) / TILE, rows = in->kind == IN_LAST ? B : B * T;
     int store = mode == EPI_GELU ? EPI_STORE : mode;
-    /* runs of consecutive tiles: a thread's stream of weights stays its own for a while (the
-       hardware prefetcher runs ahead of a stream; with single tiles in turn, into the other
-       thread's: a 64-token prefill 5-8% slower) */
-    int64_t per_thread = rows == 1 ? 2 : 4, runs = tiles < per_thread * P ? tiles : per_thread * P, items = runs;
+    int64_t chunks = 1;
 #if HAS_AMX
     int amx = rows > 1 && L->amx_rows && rows >= L->amx_rows && L->wb && amx_ready;
-    if (amx) items = runs * ((rows + AMX_CHUNK - 1) / AMX_CHUNK);
+    if (amx) chunks = (rows + AMX_CHUNK - 1) / AMX_CHUNK;
 #endif
-    begin(share, items);
-    int64_t item = take(share);
-    if (item >= 0) {
+    begin_chunks(share, tiles, chunks);
+    int64_t chunk, t;
+    if (take_tile(share, &chunk, &t)) {
         const float *x = make_input(m, in, own, B, T);
 #if HAS_AMX
         if (amx) {
-            amx_tiles(L, x, ldx, y, ldy, rows, share, item, runs, mode);
+            amx_tiles(L, x, ldx, y, ldy, rows, share, chunk, t, mode);
             end(share);
             return;
         }
 #endif
-        for (; item >= 0; item = take(share)) {
-            int64_t t0 = tiles * item / runs, t1 = tiles * (item + 1) / runs;
-            if (rows == 1) one_row_tiles(L, x, y, t0, t1, store);
-            else wide_tiles(L, x, ldx, y, ldy, rows, t0, t1, store);
-            if (mode == EPI_GELU) gelu_columns(y, ldy, rows, t0 * TILE, t1 * TILE < L->out ? t1 * TILE : L->out);
+        do {
+            if (rows == 1) one_row_tiles(L, x, y, t, t + 1, store);
+            else wide_tiles(L, x, ldx, y, ldy, rows, t, t + 1, store);
+            if (mode == EPI_GELU) gelu_columns(y, ldy, rows, t * TILE, (t + 1) * TILE < L->out ? (t + 1) * TILE : L->out);
             done_one(share);
-        }
+        } while (take_tile(share, &chunk, &t));
     }
     end(share);
 }
@@ -842,7 +881,6 @@ void frawd_set_forms(Model *m, int64_t hint, int64_t narrow, int64_t hint_rows, 
    by one process take turns instead of splitting the cores), and a helper that finished its
    part keeps looking for the next for IDLE_SPIN_NS before it sleeps, so steps in a loop find
    it awake. A call with one thread runs on the caller alone. */
-#define MAX_TEAM 256
 #define IDLE_SPIN_NS 500000
 
 typedef void (*Part)(void *job, int t, int P);
@@ -1344,8 +1382,7 @@ typedef struct {
     int half;
     Barrier team;
     int overflow; /* some thread's to_half saw a value fp16 cannot hold */
-    _Alignas(64) Shared shared; /* (a cache line of its own: every ticket writes it) */
-    char after_shared[64 - sizeof(Shared)];
+    Shared *shared;
 } Forward;
 
 /* Thread t of P's part of a forward. */
@@ -1364,7 +1401,7 @@ static void forward_part(void *job, int t, int P) {
     float *x = f->work, *att = x + N * D, *qkv = att + N * D, *ff = qkv + N * qkv_w;
     float *scratch = ff + N * ff_w;
     int too_large = 0;
-    Share share = {&f->shared, 0, 0, t, 0};
+    Share share = {.s = f->shared, .t = t, .P = P};
     float *scores = scratch + t * (max_len + 16 + own_floats + 16);
     float *own = scores + max_len + 16;
     int64_t k = per_item(N, P);
@@ -1380,7 +1417,7 @@ static void forward_part(void *job, int t, int P) {
     for (int64_t l = 0; l < m->n_layer; l++) {
         const Layer *L = &m->layers[l];
         /* attention */
-        linear(&share, P, m, &L->qkv, &(Input){IN_NORM, &L->norm1, x, D}, own, D, qkv, qkv_w, B, T, EPI_STORE);
+        linear(&share, m, &L->qkv, &(Input){IN_NORM, &L->norm1, x, D}, own, D, qkv, qkv_w, B, T, EPI_STORE);
         if (T == 1) { /* store and attend a kv head's group of one row: a task */
             const int64_t tasks = N * nkv;
             k = per_item(tasks, P);
@@ -1416,17 +1453,17 @@ static void forward_part(void *job, int t, int P) {
                                 valid, padded, scores, half);
             end(&share);
         }
-        linear(&share, P, m, &L->proj, &(Input){IN_AS_IS, NULL, att, D}, own, D, x, D, B, T, EPI_ADD); /* x += attention output */
+        linear(&share, m, &L->proj, &(Input){IN_AS_IS, NULL, att, D}, own, D, x, D, B, T, EPI_ADD); /* x += attention output */
         after_residual(&share, P, m, &L->norm1, x, N);
         /* MLP */
-        linear(&share, P, m, &L->up, &(Input){IN_NORM, &L->norm2, x, D}, own, D, ff, ff_w, B, T,
+        linear(&share, m, &L->up, &(Input){IN_NORM, &L->norm2, x, D}, own, D, ff, ff_w, B, T,
                m->swiglu ? EPI_STORE : EPI_GELU);
         Input hidden = m->swiglu ? (Input){IN_SWIGLU, NULL, ff, ff_w} : (Input){IN_AS_IS, NULL, ff, ff_w};
-        linear(&share, P, m, &L->down, &hidden, own, m->swiglu ? m->ffn : ff_w, x, D, B, T, EPI_ADD); /* x += MLP output */
+        linear(&share, m, &L->down, &hidden, own, m->swiglu ? m->ffn : ff_w, x, D, B, T, EPI_ADD); /* x += MLP output */
         after_residual(&share, P, m, &L->norm2, x, N);
     }
     /* each row's last token: final norm (or a copy) into own, then the LM head */
-    linear(&share, P, m, &m->head, &(Input){IN_LAST, NULL, x, D}, own, D, logits, m->vocab, B, T, EPI_STORE);
+    linear(&share, m, &m->head, &(Input){IN_LAST, NULL, x, D}, own, D, logits, m->vocab, B, T, EPI_STORE);
     if (too_large) __atomic_store_n(&f->overflow, 1, __ATOMIC_RELAXED);
 }
 
@@ -1443,9 +1480,13 @@ int frawd_forward(const Model *m, int64_t B, int64_t T, const int64_t *token, co
     }
     for (int64_t b = 0; b < B; b++)
         if (start[b] < 0 || start[b] + T > max_len) return BAD_SLOT;
-    Forward f = {m, B, T, max_len, padded, token, position, start, k_cache, v_cache, valid, logits, work, half,
-                 {0, 0, 0, 0}, 0, {0, 0, 0}, {0}};
     int P = threads < 1 ? 1 : threads > MAX_TEAM ? MAX_TEAM : (int)threads;
+    Shared shared; /* (not zeroed whole: P slots are used) */
+    atomic_init(&shared.done, 0);
+    atomic_init(&shared.sleepers, 0);
+    for (int u = 0; u < P; u++) atomic_init(&shared.slot[u].next, 0);
+    Forward f = {m, B, T, max_len, padded, token, position, start, k_cache, v_cache, valid, logits, work, half,
+                 {0, 0, 0, 0}, 0, &shared};
     if (P > 1 && on_main_thread()) { /* torch's OpenMP team: see "the team" */
 #pragma omp parallel num_threads(P)
         {
