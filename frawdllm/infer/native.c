@@ -17,7 +17,7 @@ One call takes B rows of T new tokens: T = 1 is a decode step, T > 1 a prefill.
 
 Matrices are read from copies the decoder owns (`native.py` writes them; the model is
 never touched), packed by tiles of 64 outputs: tile t holds W^T[:, 64t:64t+64] as `in`
-consecutive rows of 64, so a run of tiles (a thread's item of a one-row product) is one contiguous stream,
+consecutive rows of 64, so a thread's share of a product is one contiguous stream,
 which the hardware prefetcher follows and which is also prefetched 8 KB ahead (with the
 hint measured fastest for the model, see frawd_set_forms). A product walks the inputs i
 and adds x[i] * W^T[i, tile] into register accumulators: one row 64 outputs at a time,
@@ -28,10 +28,10 @@ fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a quar
 converted exactly to fp32 in registers.
 
 Threads (OpenMP's team on the main thread, one of our own elsewhere: see "the team")
-share each phase's items (a product's output tiles, attention's tasks) as they ask for
-them, and a phase ends when its items are done, by whoever took them (see "sharing a
-forward's work": a thread the OS preempts holds up only the item it has; a waiting thread
-sleeps after a short spin). Arithmetic is fp32 throughout, as in the
+each take an even share of a phase's items (a product's output tiles, attention's tasks),
+then what is left of the others', and a phase ends when its items are done, by whoever
+took them (see "sharing a forward's work": a thread the OS preempts holds up only the item
+it has; a waiting thread sleeps after a short spin). Arithmetic is fp32 throughout, as in the
 model: with fp32 weights results equal PyTorch's up to rounding order
 (tests/test_native.py checks 1e-5 against the full forward). The KV cache holds fp32, or
 fp16 (kv_half: rounded once when stored, converted exactly when read; the engine's
