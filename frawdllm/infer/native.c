@@ -423,6 +423,28 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* Until *word != arg (changed) or *word >= arg (!changed): spin SPINS times, then sleep on
+   the word in the kernel, counted in *sleepers (whoever moves the word wakes sleepers after
+   it moves it: a sleeper counts itself before it checks, so the two cannot miss each other). */
+static inline __attribute__((always_inline)) void spin_then_sleep(atomic_int *word, atomic_int *sleepers, int arg,
+                                                                  int changed) {
+#define READY(v) (changed ? (v) != arg : (v) >= arg)
+    for (int i = 0; i < SPINS; i++) {
+        if (READY(atomic_load_explicit(word, memory_order_acquire))) return;
+        cpu_relax();
+    }
+    atomic_fetch_add(sleepers, 1);
+    for (int v; !READY(v = atomic_load(word));) {
+#if defined(__linux__)
+        syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, v, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(sleepers, 1);
+#undef READY
+}
+
 static void barrier_wait(Barrier *b) {
     int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == atomic_load_explicit(&b->P, memory_order_relaxed) - 1) {
@@ -438,19 +460,7 @@ static void barrier_wait(Barrier *b) {
 #endif
         return;
     }
-    for (int i = 0; i < SPINS; i++) {
-        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
-        cpu_relax();
-    }
-    atomic_fetch_add(&b->sleepers, 1);
-    while (atomic_load(&b->generation) == gen) {
-#if defined(__linux__)
-        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
-#else
-        sched_yield();
-#endif
-    }
-    atomic_fetch_sub(&b->sleepers, 1);
+    spin_then_sleep(&b->generation, &b->sleepers, gen, 1);
 }
 
 /* ---- sharing a forward's work ----------------------------------------------------------
@@ -548,9 +558,8 @@ static inline int take_tile(Share *sh, int64_t *chunk, int64_t *tile) {
 
 static inline void done_one(Share *sh) { sh->mine++; }
 
-/* The end of the current phase: this thread's items counted, returns once all are done.
-   Spins briefly, then sleeps (see barrier_wait: a sleeper counts itself before it checks; a
-   thread whose count ends the phase checks for sleepers after it counts). */
+/* The end of the current phase: this thread's items counted, returns once all are done
+   (the thread whose count ends the phase wakes sleepers). */
 static void end(Share *sh) {
     Shared *s = sh->s;
     for (int u = 0; u < sh->P; u++)
@@ -561,19 +570,7 @@ static void end(Share *sh) {
         syscall(SYS_futex, &s->done, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
 #endif
     }
-    for (int i = 0; i < SPINS; i++) {
-        if (atomic_load_explicit(&s->done, memory_order_acquire) >= sh->end) return;
-        cpu_relax();
-    }
-    atomic_fetch_add(&s->sleepers, 1);
-    for (int d; (d = atomic_load(&s->done)) < sh->end;) {
-#if defined(__linux__)
-        syscall(SYS_futex, &s->done, FUTEX_WAIT_PRIVATE, d, NULL, NULL, 0);
-#else
-        sched_yield();
-#endif
-    }
-    atomic_fetch_sub(&s->sleepers, 1);
+    spin_then_sleep(&s->done, &s->sleepers, sh->end, 0);
 }
 
 /* ---- AMX: many rows on Intel's matrix units ---------------------------------------------
