@@ -227,7 +227,9 @@ def yield_to_the_engine() -> bool:
 
     A step's HTTP work (formatting and sending its chunks) wakes this thread while the next
     forward runs on every core; Linux then preempted one of the forward's threads, and the
-    others waited for it at the forward's barriers. Under SCHED_BATCH a thread keeps its share
+    others waited for it (at the forward's barriers when this was measured; now the others take
+    its share of each phase, but the preempted thread's core is still lost to the forward
+    meanwhile). Under SCHED_BATCH a thread keeps its share
     of the CPU (the same nice value, so other processes are not favoured over it) but does not
     preempt on wakeup: it runs when a core comes free, between forwards. On a 2-core Xeon
     (serve_load.py, `tiny`), one run after another: 1 client 1,210-1,300 -> 1,660-1,900
