@@ -492,6 +492,7 @@ typedef struct {
     Shared *s;
     int t, P;
     int64_t per, chunks; /* the current phase: chunks x per items; owner u has its share of per in each */
+    int64_t tasks, k;    /* a phase of small tasks (begin_tasks): n of them, k an item */
     int end, mine;       /* `done` at which the current phase is over; items this thread did in it */
     int phases;          /* phases begun (for frawd_test_late_threads) */
     int base[MAX_TEAM];  /* owner u's tickets before the current phase */
@@ -503,14 +504,14 @@ typedef struct {
 static int64_t late_us = 0, late_phase = 0;
 void frawd_test_late_threads(int64_t us, int64_t phase) { late_us = us, late_phase = phase; }
 
-/* How many of a phase's n small tasks one item holds: about 4 items a thread. */
-static inline int64_t per_item(int64_t n, int P) {
-    int64_t k = n / (4 * (int64_t)P);
-    return k > 1 ? k : 1;
-}
 
 /* Owner u's first of `per` items (its share: [first(u), first(u + 1))). */
 static inline int64_t first(int64_t per, int u, int P) { return per * u / P; }
+
+/* How many of the current phase's items owner u has. */
+static inline int owned(const Share *sh, int u) {
+    return (int)(sh->chunks * (first(sh->per, u + 1, sh->P) - first(sh->per, u, sh->P)));
+}
 
 /* A phase of chunks x per items (a product: row chunks x output tiles; else 1 x n). */
 static inline void begin_chunks(Share *sh, int64_t per, int64_t chunks) {
@@ -520,13 +521,20 @@ static inline void begin_chunks(Share *sh, int64_t per, int64_t chunks) {
 
 static inline void begin(Share *sh, int64_t n) { begin_chunks(sh, n, 1); }
 
+/* A phase of n small tasks (rows to norm, attention's (row, head) pairs), k to an item: about
+   4 items a thread (a ticket for every task would cost more than some tasks do). */
+static inline void begin_tasks(Share *sh, int64_t n) {
+    int64_t k = n / (4 * (int64_t)sh->P);
+    sh->tasks = n, sh->k = k > 1 ? k : 1;
+    begin(sh, (n + sh->k - 1) / sh->k);
+}
+
 /* The next item of the current phase, as (owner, index in the owner's share), own items
    first; -1 when all are taken. */
 static inline int64_t take_owned(Share *sh, int *owner) {
     for (int k = 0, u = sh->t; k < sh->P; k++, u = u + 1 == sh->P ? 0 : u + 1) {
         atomic_int *c = &sh->s->slot[u].next;
-        int size = (int)(sh->chunks * (first(sh->per, u + 1, sh->P) - first(sh->per, u, sh->P)));
-        int i = atomic_load_explicit(c, memory_order_relaxed), end = sh->base[u] + size;
+        int i = atomic_load_explicit(c, memory_order_relaxed), end = sh->base[u] + owned(sh, u);
         while (i < end && !atomic_compare_exchange_weak_explicit(c, &i, i + 1, memory_order_relaxed,
                                                                  memory_order_relaxed)) {
         }
@@ -556,14 +564,21 @@ static inline int take_tile(Share *sh, int64_t *chunk, int64_t *tile) {
     return 1;
 }
 
+/* The next item of a begin_tasks phase: tasks [*lo, *hi); 0 when all are taken. */
+static inline int take_tasks(Share *sh, int64_t *lo, int64_t *hi) {
+    int64_t item = take(sh);
+    if (item < 0) return 0;
+    *lo = item * sh->k, *hi = *lo + sh->k < sh->tasks ? *lo + sh->k : sh->tasks;
+    return 1;
+}
+
 static inline void done_one(Share *sh) { sh->mine++; }
 
 /* The end of the current phase: this thread's items counted, returns once all are done
    (the thread whose count ends the phase wakes sleepers). */
 static void end(Share *sh) {
     Shared *s = sh->s;
-    for (int u = 0; u < sh->P; u++)
-        sh->base[u] += (int)(sh->chunks * (first(sh->per, u + 1, sh->P) - first(sh->per, u, sh->P)));
+    for (int u = 0; u < sh->P; u++) sh->base[u] += owned(sh, u);
     sh->end += (int)(sh->chunks * sh->per);
     if (sh->mine && atomic_fetch_add(&s->done, sh->mine) + sh->mine == sh->end && atomic_load(&s->sleepers) > 0) {
 #if defined(__linux__)
@@ -1048,12 +1063,11 @@ static void norm_row(const Model *m, const Norm *n, const float *x, float *y) {
 
 /* After a residual add: post-LN normalises the stream in place (rows shared out); pre-LN
    leaves it. */
-static void after_residual(Share *share, int P, const Model *m, const Norm *n, float *x, int64_t N) {
+static void after_residual(Share *share, const Model *m, const Norm *n, float *x, int64_t N) {
     if (m->pre_norm) return;
-    int64_t k = per_item(N, P);
-    begin(share, (N + k - 1) / k);
-    for (int64_t item; (item = take(share)) >= 0; done_one(share))
-        for (int64_t r = item * k; r < N && r < (item + 1) * k; r++) norm_row(m, n, x + r * m->d, x + r * m->d);
+    begin_tasks(share, N);
+    for (int64_t lo, hi; take_tasks(share, &lo, &hi); done_one(share))
+        for (int64_t r = lo; r < hi; r++) norm_row(m, n, x + r * m->d, x + r * m->d);
     end(share);
 }
 
@@ -1401,10 +1415,9 @@ static void forward_part(void *job, int t, int P) {
     Share share = {.s = f->shared, .t = t, .P = P};
     float *scores = scratch + t * (max_len + 16 + own_floats + 16);
     float *own = scores + max_len + 16;
-    int64_t k = per_item(N, P);
-    begin(&share, (N + k - 1) / k);
-    for (int64_t item; (item = take(&share)) >= 0; done_one(&share)) /* embeddings */
-        for (int64_t n = item * k; n < N && n < (item + 1) * k; n++) {
+    begin_tasks(&share, N);
+    for (int64_t lo, hi; take_tasks(&share, &lo, &hi); done_one(&share)) /* embeddings */
+        for (int64_t n = lo; n < hi; n++) {
             const float *e = m->tok + token[n] * m->tok_s0;
             const float *p = m->pos ? m->pos + position[n] * D : NULL;
             for (int64_t i = 0; i < D; i++)
@@ -1417,10 +1430,9 @@ static void forward_part(void *job, int t, int P) {
         linear(&share, m, &L->qkv, &(Input){IN_NORM, &L->norm1, x, D}, own, D, qkv, qkv_w, B, T, EPI_STORE);
         if (T == 1) { /* store and attend a kv head's group of one row: a task */
             const int64_t tasks = N * nkv;
-            k = per_item(tasks, P);
-            begin(&share, (tasks + k - 1) / k);
-            for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
-                for (int64_t task = item * k; task < tasks && task < (item + 1) * k; task++) {
+            begin_tasks(&share, tasks);
+            for (int64_t lo, hi; take_tasks(&share, &lo, &hi); done_one(&share))
+                for (int64_t task = lo; task < hi; task++) {
                     int64_t n = task / nkv, g = task % nkv;
                     too_large |= store_group(m, n, T, g, qkv, k_cache[l], v_cache[l], max_len, start, position[n],
                                              half);
@@ -1433,31 +1445,27 @@ static void forward_part(void *job, int t, int P) {
                 }
             end(&share);
         } else { /* every token's keys and values stored first: later tokens attend earlier ones */
-            int64_t tasks = N * nkv;
-            k = per_item(tasks, P);
-            begin(&share, (tasks + k - 1) / k);
-            for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
-                for (int64_t task = item * k; task < tasks && task < (item + 1) * k; task++)
+            begin_tasks(&share, N * nkv);
+            for (int64_t lo, hi; take_tasks(&share, &lo, &hi); done_one(&share))
+                for (int64_t task = lo; task < hi; task++)
                     too_large |= store_group(m, task / nkv, T, task % nkv, qkv, k_cache[l], v_cache[l], max_len,
                                              start, position[task / nkv], half);
             end(&share);
-            tasks = N * nh; /* a later token attends more slots: an item takes every items-th task */
-            int64_t items = (tasks + per_item(tasks, P) - 1) / per_item(tasks, P);
-            begin(&share, items);
+            begin_tasks(&share, N * nh); /* a later token attends more slots: an item takes every n-th task */
             for (int64_t item; (item = take(&share)) >= 0; done_one(&share))
-                for (int64_t task = item; task < tasks; task += items)
+                for (int64_t task = item; task < N * nh; task += share.per) /* (per: the phase's item count) */
                     attend_head(m, task / nh, T, task % nh, qkv, att, k_cache[l], v_cache[l], max_len, start,
                                 valid, padded, scores, half);
             end(&share);
         }
         linear(&share, m, &L->proj, &(Input){IN_AS_IS, NULL, att, D}, own, D, x, D, B, T, EPI_ADD); /* x += attention output */
-        after_residual(&share, P, m, &L->norm1, x, N);
+        after_residual(&share, m, &L->norm1, x, N);
         /* MLP */
         linear(&share, m, &L->up, &(Input){IN_NORM, &L->norm2, x, D}, own, D, ff, ff_w, B, T,
                m->swiglu ? EPI_STORE : EPI_GELU);
         Input hidden = m->swiglu ? (Input){IN_SWIGLU, NULL, ff, ff_w} : (Input){IN_AS_IS, NULL, ff, ff_w};
         linear(&share, m, &L->down, &hidden, own, m->swiglu ? m->ffn : ff_w, x, D, B, T, EPI_ADD); /* x += MLP output */
-        after_residual(&share, P, m, &L->norm2, x, N);
+        after_residual(&share, m, &L->norm2, x, N);
     }
     /* each row's last token: final norm (or a copy) into own, then the LM head */
     linear(&share, m, &m->head, &(Input){IN_LAST, NULL, x, D}, own, D, logits, m->vocab, B, T, EPI_STORE);
