@@ -65,19 +65,15 @@ and the compiler's portable conversions elsewhere (aarch64).
 
 #include "../simd.h"
 
-/* Vector width: 16 floats (one AVX-512 register) or 8 (AVX2, or a pair of SSE/NEON
-   registers); ACC_MAX accumulators fit beside the weights and broadcast in the register
-   file (32 or 16 registers). */
-#if defined(__AVX512F__)
-#define VW 16
+/* Vectors are simd.h's: VF floats (16 with AVX-512, else 8); ACC_MAX accumulators fit
+   beside the weights and broadcast in the register file (32 or 16 registers). */
+#if VF == 16
 #define ACC_MAX 16
 #else
-#define VW 8
 #define ACC_MAX 8
 #endif
-typedef float vw __attribute__((vector_size(VW * 4), aligned(4))); /* any alignment */
 #define TILE 64            /* outputs per packed tile (the layout native.py writes) */
-#define NV (TILE / VW)     /* vectors per tile */
+#define NV (TILE / VF)     /* vectors per tile */
 #define PREFETCH_BYTES 8192 /* how far ahead the weight stream is prefetched */
 
 /* How the weight stream is prefetched: the hint matters more than one would think. On AMD
@@ -134,15 +130,13 @@ typedef struct {
     int64_t kv_prefetch; /* decode steps ask for the next task's keys and values ahead (frawd_set_forms) */
 } Model;
 
-static inline v16 v_sigmoid(v16 x) { return splat(1.0f) / (splat(1.0f) + v_exp(-x)); }
+static inline vf v_sigmoid(vf x) { return splat(1.0f) / (splat(1.0f) + v_exp(-x)); }
 
 /* GPT-2's tanh GELU written with a sigmoid: 0.5 (1 + tanh z) = sigmoid(2z). */
-static inline v16 v_gelu(v16 x) {
+static inline vf v_gelu(vf x) {
     return x * v_sigmoid(splat(1.5957691216057308f) * (x + splat(0.044715f) * x * x * x));
 }
 
-typedef int32_t vwi __attribute__((vector_size(VW * 4)));
-static inline vw vw_splat(float a) { return __builtin_shuffle((vw){a}, (vwi){}); } /* a broadcast, no add */
 
 
 enum { W_FP32 = 0, W_FP16 = 1, W_INT8 = 2 }; /* how a Linear stores its weights */
@@ -169,22 +163,22 @@ int64_t frawd_tile(void) { return TILE; }
 
 /* ---- matrix-vector products ---------------------------------------------------------- */
 
-/* VW weights from fp32, fp16 or int8 storage (fewer bytes to read; converted exactly). */
-static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) {
-    if (kind == W_FP32) return *(const vw *)p;
+/* VF weights from fp32, fp16 or int8 storage (fewer bytes to read; converted exactly). */
+static inline __attribute__((always_inline)) vf load_w(int kind, const char *p) {
+    if (kind == W_FP32) return *(const vf *)p;
 #if defined(__AVX512F__)
-    if (kind == W_FP16) return (vw)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    return (vw)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    if (kind == W_FP16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #elif defined(__AVX2__) && defined(__F16C__)
-    if (kind == W_FP16) return (vw)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    if (kind == W_FP16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #else /* portable: the compiler's own conversions (NEON on aarch64) */
-    typedef int8_t vq __attribute__((vector_size(VW), aligned(1)));
+    typedef int8_t vq __attribute__((vector_size(VF), aligned(1)));
 #if HAS_FP16 && defined(__aarch64__)
-    typedef __fp16 vh __attribute__((vector_size(VW * 2), aligned(2)));
-    if (kind == W_FP16) return __builtin_convertvector(*(const vh *)p, vw);
+    typedef __fp16 vh __attribute__((vector_size(VF * 2), aligned(2)));
+    if (kind == W_FP16) return __builtin_convertvector(*(const vh *)p, vf);
 #endif
-    return __builtin_convertvector(*(const vq *)p, vw);
+    return __builtin_convertvector(*(const vq *)p, vf);
 #endif
 }
 
@@ -198,34 +192,34 @@ static inline __attribute__((always_inline)) vw load_w(int kind, const char *p) 
    first row at this chunk, rows TILE weights apart. Every row of the stream is used R
    times from registers; the stream PREFETCH_BYTES ahead is requested meanwhile. */
 static inline __attribute__((always_inline)) void chunk_product_narrow(
-    int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]);
+    int C, const float *x, const char *p, int64_t in, vf acc[][ACC_MAX]);
 
 static inline __attribute__((always_inline)) void chunk_product(
-    int R, int C, int kind, int hint, const float *x, int64_t ldx, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    int R, int C, int kind, int hint, const float *x, int64_t ldx, const char *p, int64_t in, vf acc[][ACC_MAX]) {
     if (kind == W_FP16_NARROW) { /* (one row only) */
         chunk_product_narrow(C, x, p, in, acc);
         return;
     }
-    const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VW * BYTES[kind];
+    const int64_t row = (int64_t)TILE * BYTES[kind], bytes = (int64_t)C * VF * BYTES[kind];
     const int64_t ahead = PREFETCH_BYTES / row; /* rows */
     for (int r = 0; r < R; r++)
-        for (int k = 0; k < C; k++) acc[r][k] = vw_splat(0.0f);
+        for (int k = 0; k < C; k++) acc[r][k] = splat(0.0f);
     int64_t i = 0;
     if (SPLIT) { /* even inputs into acc, odd ones into odd, added at the end */
-        vw odd[8][ACC_MAX];
+        vf odd[8][ACC_MAX];
         for (int r = 0; r < R; r++)
-            for (int k = 0; k < C; k++) odd[r][k] = vw_splat(0.0f);
+            for (int k = 0; k < C; k++) odd[r][k] = splat(0.0f);
         for (; i + 2 <= in; i += 2, p += 2 * row) {
             if (hint != PF_NONE)
                 for (int64_t b = 0; b < bytes; b += 64) {
                     prefetch_w(hint, p + ahead * row + b);
                     prefetch_w(hint, p + (ahead + 1) * row + b);
                 }
-            vw w0[ACC_MAX], w1[ACC_MAX];
-            for (int k = 0; k < C; k++) w0[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
-            for (int k = 0; k < C; k++) w1[k] = load_w(kind, p + row + (int64_t)k * VW * BYTES[kind]);
+            vf w0[ACC_MAX], w1[ACC_MAX];
+            for (int k = 0; k < C; k++) w0[k] = load_w(kind, p + (int64_t)k * VF * BYTES[kind]);
+            for (int k = 0; k < C; k++) w1[k] = load_w(kind, p + row + (int64_t)k * VF * BYTES[kind]);
             for (int r = 0; r < R; r++) {
-                vw x0 = vw_splat(x[r * ldx + i]), x1 = vw_splat(x[r * ldx + i + 1]);
+                vf x0 = splat(x[r * ldx + i]), x1 = splat(x[r * ldx + i + 1]);
                 for (int k = 0; k < C; k++) acc[r][k] += x0 * w0[k];
                 for (int k = 0; k < C; k++) odd[r][k] += x1 * w1[k];
             }
@@ -236,10 +230,10 @@ static inline __attribute__((always_inline)) void chunk_product(
     for (; i < in; i++, p += row) {
         if (hint != PF_NONE)
             for (int64_t b = 0; b < bytes; b += 64) prefetch_w(hint, p + ahead * row + b);
-        vw w[ACC_MAX];
-        for (int k = 0; k < C; k++) w[k] = load_w(kind, p + (int64_t)k * VW * BYTES[kind]);
+        vf w[ACC_MAX];
+        for (int k = 0; k < C; k++) w[k] = load_w(kind, p + (int64_t)k * VF * BYTES[kind]);
         for (int r = 0; r < R; r++) {
-            vw xi = vw_splat(x[r * ldx + i]);
+            vf xi = splat(x[r * ldx + i]);
             for (int k = 0; k < C; k++) acc[r][k] += xi * w[k];
         }
     }
@@ -253,13 +247,13 @@ static inline __attribute__((always_inline)) void chunk_product(
    are the same, in the same order, as chunk_product's (lanes are independent), so the
    two forms give identical bits. No software prefetch here: with the loads at their
    limit the prefetch instructions cost more than the hardware prefetcher leaves to gain. */
-#if VW == 16 && defined(__F16C__)
+#if VF == 16 && defined(__F16C__)
 #define HAS_NARROW 1
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline __attribute__((always_inline)) void chunk_product_narrow(
-    int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    int C, const float *x, const char *p, int64_t in, vf acc[][ACC_MAX]) {
     const int64_t row = (int64_t)TILE * 2;
     v8 even[2 * NV], odd[2 * NV]; /* halves of acc and of chunk_product's odd sums */
     for (int k = 0; k < 2 * C; k++) even[k] = odd[k] = (v8){};
@@ -283,20 +277,20 @@ static inline __attribute__((always_inline)) void chunk_product_narrow(
 #else
 #define HAS_NARROW 0
 static inline __attribute__((always_inline)) void chunk_product_narrow(
-    int C, const float *x, const char *p, int64_t in, vw acc[][ACC_MAX]) {
+    int C, const float *x, const char *p, int64_t in, vf acc[][ACC_MAX]) {
     (void)x, (void)p, (void)in; /* never called: 8-wide vectors are already the only form */
-    for (int k = 0; k < C; k++) acc[0][k] = vw_splat(0.0f);
+    for (int k = 0; k < C; k++) acc[0][k] = splat(0.0f);
 }
 #endif
 
-/* y (=, +=) value for the first n of VW outputs (n < VW only in the last tile). */
-static inline void epilogue(int mode, float *y, vw value, int64_t n) {
-    if (n >= VW) {
-        if (mode == EPI_ADD) value += *(vw *)y;
-        *(vw *)y = value;
+/* y (=, +=) value for the first n of VF outputs (n < VF only in the last tile). */
+static inline void epilogue(int mode, float *y, vf value, int64_t n) {
+    if (n >= VF) {
+        if (mode == EPI_ADD) value += *(vf *)y;
+        *(vf *)y = value;
         return;
     }
-    vw old = {};
+    vf old = {};
     for (int64_t k = 0; k < n; k++) old[k] = y[k];
     value = mode == EPI_ADD ? value + old : value;
     for (int64_t k = 0; k < n; k++) y[k] = value[k];
@@ -307,13 +301,13 @@ static inline void epilogue(int mode, float *y, vw value, int64_t n) {
 static inline __attribute__((always_inline)) void rows_chunk(
     int R, int C, int kind, int hint, const Linear *L, const char *tile, const float *x, int64_t ldx, float *y,
     int64_t ldy, int64_t r0, int64_t t, int c0, int mode) {
-    vw acc[8][ACC_MAX];
-    chunk_product(R, C, kind, hint, x + r0 * ldx, ldx, tile + (int64_t)c0 * VW * BYTES[kind], L->in, acc);
+    vf acc[8][ACC_MAX];
+    chunk_product(R, C, kind, hint, x + r0 * ldx, ldx, tile + (int64_t)c0 * VF * BYTES[kind], L->in, acc);
     for (int k = 0; k < C; k++) {
-        int64_t o = t * TILE + (int64_t)(c0 + k) * VW; /* first output of this vector */
+        int64_t o = t * TILE + (int64_t)(c0 + k) * VF; /* first output of this vector */
         if (o >= L->out) break;
-        vw scale = L->scale ? *(const vw *)(L->scale + o) : vw_splat(1.0f);
-        vw bias = L->b ? *(const vw *)(L->b + o) : vw_splat(0.0f);
+        vf scale = L->scale ? *(const vf *)(L->scale + o) : splat(1.0f);
+        vf bias = L->b ? *(const vf *)(L->b + o) : splat(0.0f);
         for (int r = 0; r < R; r++)
             epilogue(mode, y + (r0 + r) * ldy + o, acc[r][k] * scale + bias, L->out - o);
     }
@@ -351,7 +345,7 @@ static void one_row_tiles(const Linear *L, const float *x, float *y, int64_t t0,
    with SPLIT), 6 rows x 2 vectors with AVX-512 (~10% faster than 8 x 1 for 32 rows, 20% for
    8). The sums are the same, in the same order, as one row's: the row count changes no bit
    (AMX products, where they run, sum in another order: see "AMX"). */
-#if VW == 16
+#if VF == 16
 #define WIDE_ACC 24 /* of 32 registers: the rest hold weights and broadcasts */
 #define WIDE_ROWS 6
 #else
@@ -385,15 +379,14 @@ static void wide_tiles(const Linear *L, const float *x, int64_t ldx, float *y, i
     }
 }
 
-/* y[r, c0:c1] = gelu(y[r, c0:c1]) for rows [0, B), 16 at a time (simd.h's width, whatever
-   the products' VW). */
+/* y[r, c0:c1] = gelu(y[r, c0:c1]) for rows [0, B), VF at a time. */
 static void gelu_columns(float *y, int64_t ldy, int64_t B, int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < B; r++) {
         float *row = y + r * ldy;
         int64_t c = c0;
-        for (; c + 16 <= c1; c += 16) *(v16 *)(row + c) = v_gelu(*(v16 *)(row + c));
+        for (; c + VF <= c1; c += VF) *(vf *)(row + c) = v_gelu(*(vf *)(row + c));
         if (c < c1) {
-            v16 tail = {};
+            vf tail = {};
             memcpy(&tail, row + c, (c1 - c) * sizeof(float));
             tail = v_gelu(tail);
             memcpy(row + c, &tail, (c1 - c) * sizeof(float));
@@ -654,7 +647,7 @@ static void split_bf16(const float *x, int64_t ldx, int64_t N, int64_t Np, int64
         for (int r = 0; r < 16 && (rows_at) + r < B; r++) {                                        \
             int64_t o_ = (col);                                                                     \
             if (o_ >= L->out) break;                                                                \
-            vw value = *(const vw *)(sums + r * 16) + (L->b ? *(const vw *)(L->b + o_) : vw_splat(0.0f)); \
+            vf value = *(const vf *)(sums + r * 16) + (L->b ? *(const vf *)(L->b + o_) : splat(0.0f)); \
             epilogue(mode, y + ((rows_at) + r) * ldy + o_, value, L->out - o_);                     \
         }                                                                                           \
     } while (0)
@@ -1040,12 +1033,12 @@ static void crew_run(Part part, void *job, int P) {
 
 /* ---- the other pieces ------------------------------------------------------------------ */
 
-/* sum of (x[i] - c)^p for p = 1 or 2, in 16 lanes (a scalar sum is one long chain of adds) */
+/* sum of (x[i] - c)^p for p = 1 or 2, in VF lanes (a scalar sum is one long chain of adds) */
 static inline float moment(const float *x, int64_t D, float c, int p) {
-    v16 acc = splat(0.0f);
+    vf acc = splat(0.0f);
     int64_t i = 0;
-    for (; i + 16 <= D; i += 16) {
-        v16 d = *(const v16 *)(x + i) - splat(c);
+    for (; i + VF <= D; i += VF) {
+        vf d = *(const vf *)(x + i) - splat(c);
         acc += p == 2 ? d * d : d;
     }
     float s = hsum(acc);
@@ -1074,12 +1067,12 @@ static void after_residual(Share *share, const Model *m, const Norm *n, float *x
 /* y[i] = silu(g[i]) * g[H + i] for i < H: SwiGLU's gate times its up projection. */
 static void swiglu_row(const float *g, float *y, int64_t H) {
     int64_t i = 0;
-    for (; i + 16 <= H; i += 16) {
-        v16 a = *(const v16 *)(g + i);
-        *(v16 *)(y + i) = a * v_sigmoid(a) * *(const v16 *)(g + H + i);
+    for (; i + VF <= H; i += VF) {
+        vf a = *(const vf *)(g + i);
+        *(vf *)(y + i) = a * v_sigmoid(a) * *(const vf *)(g + H + i);
     }
     for (; i < H; i++) {
-        v16 a = splat(g[i]);
+        vf a = splat(g[i]);
         y[i] = g[i] * v_sigmoid(a)[0] * g[H + i];
     }
 }
@@ -1145,9 +1138,9 @@ static inline float half_to_float(uint16_t h) { (void)h; return 0.0f; } /* never
 static int to_half(uint16_t *y, const float *x, int64_t n) { (void)y, (void)x, (void)n; return 0; }
 #endif
 
-/* VW keys or values of a cache row (fp32 or fp16), as fp32. */
-static inline __attribute__((always_inline)) vw load_kv(int half, const void *base, int64_t at) {
-    return half ? load_w(W_FP16, (const char *)((const uint16_t *)base + at)) : *(const vw *)((const float *)base + at);
+/* VF keys or values of a cache row (fp32 or fp16), as fp32. */
+static inline __attribute__((always_inline)) vf load_kv(int half, const void *base, int64_t at) {
+    return half ? load_w(W_FP16, (const char *)((const uint16_t *)base + at)) : *(const vf *)((const float *)base + at);
 }
 
 static inline __attribute__((always_inline)) float kv_at(int half, const void *base, int64_t at) {
@@ -1177,33 +1170,33 @@ static int store_group(const Model *m, int64_t n, int64_t T, int64_t g, float *q
 
 /* Lanes [0, h) of each block of 2h lanes from x's block, [h, 2h) from y's, each the sum of
    a lane and the one h further on in its source block: one level of transpose_sum. */
-#if VW == 16
+#if VF == 16
 #define HALVES(h)                                                                                           \
-    (h == 8   ? (vwi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}                               \
-     : h == 4 ? (vwi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}                            \
-     : h == 2 ? (vwi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}                            \
-              : (vwi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
+    (h == 8   ? (vfi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}                               \
+     : h == 4 ? (vfi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}                            \
+     : h == 2 ? (vfi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}                            \
+              : (vfi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
 #else
 #define HALVES(h)                                                                                           \
-    (h == 4 ? (vwi){0, 1, 2, 3, 8, 9, 10, 11} : h == 2 ? (vwi){0, 1, 8, 9, 4, 5, 12, 13}                   \
-            : (vwi){0, 8, 2, 10, 4, 12, 6, 14})
+    (h == 4 ? (vfi){0, 1, 2, 3, 8, 9, 10, 11} : h == 2 ? (vfi){0, 1, 8, 9, 4, 5, 12, 13}                   \
+            : (vfi){0, 8, 2, 10, 4, 12, 6, 14})
 #endif
 #define FOLD(x, y, h) (__builtin_shuffle(x, y, HALVES(h)) + __builtin_shuffle(x, y, HALVES(h) + (h)))
 
-/* The VW sums of the lanes of p[0], ..., p[VW - 1] as one vector, lane j = sum of p[j]:
-   log2(VW) levels of FOLD, each halving the number of vectors and the lanes left to add
-   (VW - 1 folds in all, instead of a horizontal sum per vector). Each level interleaves
+/* The VF sums of the lanes of p[0], ..., p[VF - 1] as one vector, lane j = sum of p[j]:
+   log2(VF) levels of FOLD, each halving the number of vectors and the lanes left to add
+   (VF - 1 folds in all, instead of a horizontal sum per vector). Each level interleaves
    its pairs, so the leaves are taken in bit-reversed order to come out in order. */
-static inline vw transpose_sum(const vw p[VW]) {
-#if VW == 16
+static inline vf transpose_sum(const vf p[VF]) {
+#if VF == 16
     static const int leaf[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 #else
     static const int leaf[8] = {0, 4, 2, 6, 1, 5, 3, 7};
 #endif
-    vw a[VW / 2], b[VW / 4];
-    for (int i = 0; i < VW / 2; i++) a[i] = FOLD(p[leaf[2 * i]], p[leaf[2 * i + 1]], VW / 2);
-    for (int i = 0; i < VW / 4; i++) b[i] = FOLD(a[2 * i], a[2 * i + 1], VW / 4);
-#if VW == 16
+    vf a[VF / 2], b[VF / 4];
+    for (int i = 0; i < VF / 2; i++) a[i] = FOLD(p[leaf[2 * i]], p[leaf[2 * i + 1]], VF / 2);
+    for (int i = 0; i < VF / 4; i++) b[i] = FOLD(a[2 * i], a[2 * i + 1], VF / 4);
+#if VF == 16
     for (int i = 0; i < 2; i++) a[i] = FOLD(b[2 * i], b[2 * i + 1], 2);
     return FOLD(a[0], a[1], 1);
 #else
@@ -1211,15 +1204,15 @@ static inline vw transpose_sum(const vw p[VW]) {
 #endif
 }
 
-/* q . k[s] for the VW slots [s0, s0 + VW) of a head's cache (K vectors a row), one score
+/* q . k[s] for the VF slots [s0, s0 + VF) of a head's cache (K vectors a row), one score
    per lane. Slots past S - 1 repeat slot S - 1 (never read past the cache). */
-static inline __attribute__((always_inline)) vw block_scores(int K, int half, const float *q, const void *kc,
+static inline __attribute__((always_inline)) vf block_scores(int K, int half, const float *q, const void *kc,
                                                              int64_t s0, int64_t S) {
-    vw p[VW];
-    for (int j = 0; j < VW; j++) {
-        int64_t k = (s0 + j < S ? s0 + j : S - 1) * K * VW; /* the slot's first element */
-        vw acc = *(const vw *)q * load_kv(half, kc, k);
-        for (int i = 1; i < K; i++) acc += *(const vw *)(q + i * VW) * load_kv(half, kc, k + i * VW);
+    vf p[VF];
+    for (int j = 0; j < VF; j++) {
+        int64_t k = (s0 + j < S ? s0 + j : S - 1) * K * VF; /* the slot's first element */
+        vf acc = *(const vf *)q * load_kv(half, kc, k);
+        for (int i = 1; i < K; i++) acc += *(const vf *)(q + i * VF) * load_kv(half, kc, k + i * VF);
         p[j] = acc;
     }
     return transpose_sum(p);
@@ -1227,33 +1220,33 @@ static inline __attribute__((always_inline)) vw block_scores(int K, int half, co
 
 /* block_scores with the row length a constant for the usual head sizes (the sums then stay
    in registers). */
-static vw head_scores(int half, const float *q, const void *kc, int64_t hd, int64_t s0, int64_t S) {
+static vf head_scores(int half, const float *q, const void *kc, int64_t hd, int64_t s0, int64_t S) {
 #define HEAD_SCORES(H)                                                         \
-    switch (hd / VW) {                                                         \
+    switch (hd / VF) {                                                         \
         case 1: return block_scores(1, H, q, kc, s0, S);                       \
         case 2: return block_scores(2, H, q, kc, s0, S);                       \
         case 4: return block_scores(4, H, q, kc, s0, S);                       \
         case 8: return block_scores(8, H, q, kc, s0, S);                       \
         case 16: return block_scores(16, H, q, kc, s0, S);                     \
-        default: return block_scores((int)(hd / VW), H, q, kc, s0, S);         \
+        default: return block_scores((int)(hd / VF), H, q, kc, s0, S);         \
     }
     if (half) HEAD_SCORES(1)
     HEAD_SCORES(0)
 #undef HEAD_SCORES
 }
 
-/* y[0 : C VW] = sum over slots s < S of w[s] inv v[s][c0 : c0 + C VW] (rows hd elements
+/* y[0 : C VF] = sum over slots s < S of w[s] inv v[s][c0 : c0 + C VF] (rows hd elements
    apart, fp32 or fp16), in C accumulators; slots of weight 0 (masked) are skipped. */
 static inline __attribute__((always_inline)) void weighted_values(int C, int half, const float *w, float inv,
                                                                   const void *v, int64_t hd, int64_t S, float *y) {
-    vw acc[ACC_MAX];
-    for (int j = 0; j < C; j++) acc[j] = vw_splat(0.0f);
+    vf acc[ACC_MAX];
+    for (int j = 0; j < C; j++) acc[j] = splat(0.0f);
     for (int64_t s = 0; s < S; s++) {
         if (w[s] == 0.0f) continue;
-        vw ws = vw_splat(w[s] * inv);
-        for (int j = 0; j < C; j++) acc[j] += ws * load_kv(half, v, s * hd + j * VW);
+        vf ws = splat(w[s] * inv);
+        for (int j = 0; j < C; j++) acc[j] += ws * load_kv(half, v, s * hd + j * VF);
     }
-    for (int j = 0; j < C; j++) *(vw *)(y + j * VW) = acc[j];
+    for (int j = 0; j < C; j++) *(vf *)(y + j * VF) = acc[j];
 }
 
 /* weighted_values for a chunk of C vectors, C one of the constants below, in either storage. */
@@ -1274,61 +1267,61 @@ static void weighted_chunk(int C, int half, const float *w, float inv, const voi
 /* Token n = (b, t), query head h: softmax(q k^T / sqrt(hd)) v over slots [0, start[b] + t] of
    row b. With padding, a real query skips padding slots; a padding query (whose output
    nobody uses) sees them, so that no softmax is empty (PyTorch's mask does the same).
-   scores: max_len + 16 floats of scratch. The scores come VW slots at a time
+   scores: max_len + 16 floats of scratch. The scores come VF slots at a time
    (`block_scores`); the last block's lanes past the query's slot are -inf, so every
    block is whole and weighs nothing there. */
 static void attend_head(const Model *m, int64_t n, int64_t T, int64_t h, const float *qkv, float *out,
                         const void *k_cache, const void *v_cache, int64_t max_len, const int64_t *start,
                         const uint8_t *valid, int64_t padded, float *scores, int half) {
     int64_t hd = m->head_dim, nh = m->n_head, nkv = m->n_kv_head, g = h / (nh / nkv);
-    int64_t b = n / T, slot = start[b] + n % T, S = slot + 1, blocks = (S + VW - 1) / VW;
+    int64_t b = n / T, slot = start[b] + n % T, S = slot + 1, blocks = (S + VF - 1) / VF;
     const float *q = qkv + n * (nh + 2 * nkv) * hd + h * hd;
     int64_t size = half ? 2 : 4, head = (b * nkv + g) * max_len * hd; /* the head's first element */
     const char *kc = (const char *)k_cache + head * size, *vc = (const char *)v_cache + head * size;
     const uint8_t *ok = valid + b * max_len;
     int mask = padded && ok[slot];
     float scale = 1.0f / sqrtf((float)hd);
-    const vw minus_inf = vw_splat(-INFINITY);
-    vw best = minus_inf;
-    for (int64_t s0 = 0; s0 < S; s0 += VW) {
-        vw sc;
-        if (hd % VW == 0) {
-            sc = head_scores(half, q, kc, hd, s0, S) * vw_splat(scale);
+    const vf minus_inf = splat(-INFINITY);
+    vf best = minus_inf;
+    for (int64_t s0 = 0; s0 < S; s0 += VF) {
+        vf sc;
+        if (hd % VF == 0) {
+            sc = head_scores(half, q, kc, hd, s0, S) * splat(scale);
         } else { /* odd head sizes: one slot at a time */
-            for (int j = 0; j < VW; j++) {
+            for (int j = 0; j < VF; j++) {
                 int64_t k = (s0 + j < S ? s0 + j : S - 1) * hd;
                 float d = 0.0f;
                 for (int64_t i = 0; i < hd; i++) d += q[i] * kv_at(half, kc, k + i);
                 sc[j] = d * scale;
             }
         }
-        if (mask || s0 + VW > S) /* lane by lane only where a lane may be masked (the whole */
-            for (int j = 0; j < VW; j++) /* attention over 200 slots: 11% faster than always) */
+        if (mask || s0 + VF > S) /* lane by lane only where a lane may be masked (the whole */
+            for (int j = 0; j < VF; j++) /* attention over 200 slots: 11% faster than always) */
                 if (s0 + j >= S || (mask && !ok[s0 + j])) sc[j] = -INFINITY;
-        *(vw *)(scores + s0) = sc;
-        best = (vw)((vwi)(sc > best) & (vwi)sc) + (vw)(~(vwi)(sc > best) & (vwi)best); /* lane-wise max */
+        *(vf *)(scores + s0) = sc;
+        best = (vf)((vfi)(sc > best) & (vfi)sc) + (vf)(~(vfi)(sc > best) & (vfi)best); /* lane-wise max */
     }
     float top = best[0];
-    for (int j = 1; j < VW; j++) top = best[j] > top ? best[j] : top;
-    int64_t wide_end = (S + 15) / 16 * 16; /* exp runs 16 lanes at a time (simd.h) */
-    for (int64_t s = blocks * VW; s < wide_end; s++) scores[s] = -INFINITY;
-    v16 total = {};
-    for (int64_t s = 0; s < wide_end; s += 16) {
-        v16 x = *(v16 *)(scores + s);
-        v16 e = (v16)((vi16)v_exp(x - splat(top)) & ~(vi16)(x == splat(-INFINITY))); /* masked: exactly 0 */
-        *(v16 *)(scores + s) = e;
+    for (int j = 1; j < VF; j++) top = best[j] > top ? best[j] : top;
+    int64_t wide_end = (S + VF - 1) / VF * VF; /* exp runs VF lanes at a time */
+    for (int64_t s = blocks * VF; s < wide_end; s++) scores[s] = -INFINITY;
+    vf total = {};
+    for (int64_t s = 0; s < wide_end; s += VF) {
+        vf x = *(vf *)(scores + s);
+        vf e = (vf)((vfi)v_exp(x - splat(top)) & ~(vfi)(x == splat(-INFINITY))); /* masked: exactly 0 */
+        *(vf *)(scores + s) = e;
         total += e;
     }
     float sum = hsum(total);
     float *y = out + n * m->d + h * hd;
     float inv_total = 1.0f / sum;
     int64_t c0 = 0;
-    if (hd % VW == 0) /* chunks of up to ACC_MAX vectors, each summed in registers over all slots */
+    if (hd % VF == 0) /* chunks of up to ACC_MAX vectors, each summed in registers over all slots */
         while (c0 < hd) {
-            int64_t left = (hd - c0) / VW;
+            int64_t left = (hd - c0) / VF;
             int C = left >= 16 && ACC_MAX >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
             weighted_chunk(C, half, scores, inv_total, vc + c0 * size, hd, S, y + c0);
-            c0 += C * VW;
+            c0 += C * VF;
         }
     else {
         memset(y, 0, hd * sizeof(float));

@@ -77,10 +77,10 @@ static inline void tile(const bf16 *const a[R], int64_t as, const bf16 *B, int64
     }
 }
 
-static inline __m256i to_bf16(v16 x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
+static inline __m256i to_bf16(vf x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
 
 /* 16 + 16 floats -> 32 bf16 interleaved: a0 b0 a1 b1 ... (two rows of a VNNI pair). */
-static inline __m512i interleave_bf16(v16 a, v16 b) {
+static inline __m512i interleave_bf16(vf a, vf b) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                          22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a));
@@ -114,7 +114,7 @@ static void pack_pairs(View src, int64_t b, int64_t h, int64_t T, int64_t Tp, in
     }
 }
 
-static inline v16 iota(void) { return (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+static inline vf iota(void) { return (vf){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
 /* Lanes j0 + l <= last of a 16-lane vector starting at column j0. */
 static inline __mmask16 upto(int64_t j0, int64_t last) {
@@ -123,9 +123,9 @@ static inline __mmask16 upto(int64_t j0, int64_t last) {
 }
 
 /* e^x for finite x (no clamping needed: vscalefps takes 2^n to 0 or inf by itself). */
-static inline v16 exp_fast(v16 x) {
+static inline vf exp_fast(vf x) {
     const __m512 n = _mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return (v16)_mm512_scalef_ps((__m512)exp_reduced(reduce_ln2(x, (v16)n)), n);
+    return (vf)_mm512_scalef_ps((__m512)exp_reduced(reduce_ln2(x, (vf)n)), n);
 }
 
 /* Bytes per thread, enough for either pass (see the carving at the top of each). */
@@ -150,8 +150,8 @@ static inline void store_tile(View dst, int64_t b, int64_t h, int64_t t0, int64_
     for (int r = 0; r < R && t0 + r < T; r++) {
         const float m = row_scale ? scale * row_scale[r] : scale;
         bf16 *o = at(dst, b, h, t0 + r) + d0;
-        _mm256_storeu_si256((__m256i *)o, to_bf16(*(v16 *)x[r] * m));
-        _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(v16 *)(x[r] + 16) * m));
+        _mm256_storeu_si256((__m256i *)o, to_bf16(*(vf *)x[r] * m));
+        _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(vf *)(x[r] + 16) * m));
     }
 }
 
@@ -204,9 +204,9 @@ int frawd_attention_forward(View q, View k, View v, View out, float *lse, int64_
                         const float best = _mm512_reduce_max_ps(top[r]) * scale;
                         float *x = srow + r * Tp;
                         bf16 *p = prow + r * Tp;
-                        v16 acc = {};
+                        vf acc = {};
                         for (int64_t j = 0; j < ncols; j += 16) {
-                            v16 e = (v16)_mm512_maskz_mov_ps(upto(j, last), (__m512)exp_fast(*(v16 *)(x + j) * scale - best));
+                            vf e = (vf)_mm512_maskz_mov_ps(upto(j, last), (__m512)exp_fast(*(vf *)(x + j) * scale - best));
                             acc += e;
                             _mm256_storeu_si256((__m256i *)(p + j), to_bf16(e));
                         }
@@ -284,16 +284,16 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
                         tile(ka, 2, qt, 2 * Tp, n0, 0, hd / 2, s);   /* S^T = K Q^T */
                         tile(va, 2, dot, 2 * Tp, n0, 0, hd / 2, dp); /* dP^T = V dO^T */
                         for (int r = 0; r < R; r += 2) {
-                            v16 ds[2][2];
+                            vf ds[2][2];
                             for (int rr = 0; rr < 2; rr++) {
                                 const int64_t j = j0 + r + rr;
                                 for (int half = 0; half < 2; half++) {
                                     const int64_t i0 = n0 + 16 * half;
-                                    v16 iv = iota() + splat((float)i0);
-                                    vi16 ok = (iv >= splat((float)j)) & (iv < splat((float)T)) & ((vi16){} - (j < T));
-                                    v16 x = *(v16 *)(s[r + rr] + 16 * half) * scale - *(v16 *)(lse_p + i0);
-                                    v16 p = (v16)(ok & (vi16)exp_fast(x));
-                                    v16 d = p * (*(v16 *)(dp[r + rr] + 16 * half) - *(v16 *)(dvec + i0));
+                                    vf iv = iota() + splat((float)i0);
+                                    vfi ok = (iv >= splat((float)j)) & (iv < splat((float)T)) & ((vfi){} - (j < T));
+                                    vf x = *(vf *)(s[r + rr] + 16 * half) * scale - *(vf *)(lse_p + i0);
+                                    vf p = (vf)(ok & (vfi)exp_fast(x));
+                                    vf d = p * (*(vf *)(dp[r + rr] + 16 * half) - *(vf *)(dvec + i0));
                                     _mm256_storeu_si256((__m256i *)(pt + (r + rr) * Tp + i0), to_bf16(p));
                                     _mm256_storeu_si256((__m256i *)(dst + (r + rr) * Tp + i0), to_bf16(d));
                                     ds[rr][half] = d;
