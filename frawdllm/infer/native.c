@@ -21,7 +21,7 @@ consecutive rows of 64, so a thread's share of a product is one contiguous strea
 which the hardware prefetcher follows and which is also prefetched 8 KB ahead (with the
 hint measured fastest for the model, see frawd_set_forms). A product walks the inputs i
 and adds x[i] * W^T[i, tile] into register accumulators: one row 64 outputs at a time,
-many rows by blocks of up to 6 rows x 32 outputs (AVX2: 4 x 16), as many as the registers
+many rows by blocks of up to 6 rows x 32 outputs (AVX2: 6 x 16), as many as the registers
 hold: plain multiply-adds, no horizontal sums, no scalar loops; or, on CPUs with AMX and
 from as many rows as timing says it pays, on the tile unit (see "AMX"). Weights are fp32,
 fp16 (half the bytes) or int8 with a scale per output (`--quantize int8`: a quarter), each
@@ -342,16 +342,16 @@ static void one_row_tiles(const Linear *L, const float *x, float *y, int64_t t0,
    block of R rows x C vectors reads C weight vectors (converting fp16 or int8, which costs
    about what a multiply-add does) and broadcasts R inputs per input for R C multiply-adds,
    so blocks are as large as the registers allow: WIDE_ACC accumulators (R C, twice that
-   with SPLIT), 6 rows x 2 vectors with AVX-512 (~10% faster than 8 x 1 for 32 rows, 20% for
-   8). The sums are the same, in the same order, as one row's: the row count changes no bit
-   (AMX products, where they run, sum in another order: see "AMX"). */
+   with SPLIT): 6 rows x 2 vectors (AVX-512: ~10% faster than 8 x 1 for 32 rows, 20% for 8;
+   AVX2 on a Zen 3: 10-12% faster than 4 x 2 for 8-32 rows, while 12 x 1 was 18% slower). The
+   sums are the same, in the same order, as one row's: the row count changes no bit (AMX
+   products, where they run, sum in another order: see "AMX"). */
 #if VF == 16
 #define WIDE_ACC 24 /* of 32 registers: the rest hold weights and broadcasts */
-#define WIDE_ROWS 6
 #else
 #define WIDE_ACC 12 /* of 16 */
-#define WIDE_ROWS 4
 #endif
+#define WIDE_ROWS 6
 /* the widest chunk (a power of 2 vectors, so that chunks tile NV) whose sums fit WIDE_ACC */
 #define WIDE_CHUNK(R) (ACC_ROWS(R) * NV <= WIDE_ACC ? NV : ACC_ROWS(R) * NV / 2 <= WIDE_ACC ? NV / 2 \
                        : ACC_ROWS(R) * NV / 4 <= WIDE_ACC ? NV / 4 : 1)
