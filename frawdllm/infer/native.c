@@ -137,8 +137,6 @@ static inline vf v_gelu(vf x) {
     return x * v_sigmoid(splat(1.5957691216057308f) * (x + splat(0.044715f) * x * x * x));
 }
 
-
-
 enum { W_FP32 = 0, W_FP16 = 1, W_INT8 = 2 }; /* how a Linear stores its weights */
 enum { W_FP16_NARROW = 3 }; /* fp16 read 8 at a time (see chunk_product_narrow) */
 static const int BYTES[4] = {4, 2, 1, 2};
