@@ -21,6 +21,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from . import cpu_fused
+
 
 def sinusoidal_table(n_pos: int, dim: int) -> Float[Tensor, "P D"]:
     position = torch.arange(n_pos, dtype=torch.float64).unsqueeze(1)  # (P, 1)
@@ -46,6 +48,8 @@ def apply_rope(
 
     cos/sin are (T, hd/2) for shared positions or (B, 1, T, hd/2) for per-row positions.
     """
+    if cpu_fused.rope_usable(x, cos, sin):  # eager fp32 training on a CPU: one pass, not seven
+        return cpu_fused.rope(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

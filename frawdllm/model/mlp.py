@@ -13,6 +13,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from . import cpu_fused
 
 
 class MLP(nn.Module):
@@ -29,8 +30,11 @@ class MLP(nn.Module):
     def forward(self, x: Float[Tensor, "B T D"]) -> Float[Tensor, "B T D"]:
         h = self.up(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            if cpu_fused.usable(h):  # eager fp32 training on a CPU: one pass, not two
+                h = cpu_fused.swiglu(h)
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
         elif self.relu:
             h = F.relu(h)
         else:
