@@ -1,4 +1,5 @@
-/* Causal self-attention for training on CPU in bf16: forward and backward, fused per head.
+/* Causal self-attention for training on CPU, in bf16 (AVX512-BF16) and in fp32 (any CPU; at
+   the end of the file): forward and backward, fused per head.
 
 Why C: for the short sequences small models train on (T of a few hundred), PyTorch's causal
 attention is a handful of small batched matmuls (head_dim 32-64: too little work per
@@ -22,8 +23,8 @@ then dQ = dS K / sqrt(hd), 8 query rows at a time, reading the dS^T kept for the
 Products: C (8 rows x 32 columns, 16 zmm accumulators) += A B, where A's rows give pairs
 of consecutive k (a 32-bit broadcast) and B is packed "VNNI" style, [k/2][n][2], so one
 load gives 16 columns x 2 k. Each head's operands are packed into that layout once.
-Requires a CPU with AVX512-BF16 (`frawd_attention_available`); elsewhere PyTorch's
-attention runs instead.
+The bf16 version requires a CPU with AVX512-BF16 (`frawd_attention_available`); the fp32
+one (the end of the file) runs on any CPU; elsewhere PyTorch's attention runs instead.
 */
 #include <math.h>
 #include <omp.h>
@@ -40,6 +41,13 @@ typedef struct {
     bf16 *p;
     int64_t sb, sh, st;
 } View;
+
+/* The next `bytes` of a thread's workspace, 64-byte aligned. */
+static void *carve(char **cursor, int64_t bytes) {
+    void *p = *cursor;
+    *cursor += (bytes + 63) / 64 * 64;
+    return p;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -153,12 +161,6 @@ static inline void store_tile(View dst, int64_t b, int64_t h, int64_t t0, int64_
         _mm256_storeu_si256((__m256i *)o, to_bf16(*(vf *)x[r] * m));
         _mm256_storeu_si256((__m256i *)(o + 16), to_bf16(*(vf *)(x[r] + 16) * m));
     }
-}
-
-static void *carve(char **cursor, int64_t bytes) {
-    void *p = *cursor;
-    *cursor += (bytes + 63) / 64 * 64;
-    return p;
 }
 
 /* out = softmax(q k^T / sqrt(hd), causal) v, lse (B, H, T) fp32. Returns 0, or 1 when out of memory. */
@@ -326,7 +328,7 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
     return failed;
 }
 
-#else /* no AVX512-BF16: the functions exist but refuse */
+#else /* no AVX512-BF16: the bf16 functions exist but refuse */
 
 int frawd_attention_available(void) { return 0; }
 
@@ -340,3 +342,241 @@ int frawd_attention_backward(View dout, View q, View k, View v, View out, const 
     return 2;
 }
 #endif
+
+/* ---- fp32, any CPU: the same computation in the machine's own vectors (simd.h's vf) ----
+
+On a CPU without AVX512-BF16, training runs in fp32 and PyTorch's causal attention again
+spends most of its time around small products. Here one thread takes one (batch, head) at a
+time, as above, with plain fp32 FMAs: tiles of FR rows x FC columns (two vectors, 12
+accumulators: AVX2 has 16 registers), the query/key side skipping the masked half.
+The forward keeps no probabilities; the backward recomputes P from lse and keeps the head's
+P and dS (T x Tp each) in its workspace, then reads them row-wise (dQ) and column-wise
+(dK, dV: the A operand of a tile may be strided). Requires hd % FC == 0
+(`frawd_attention_f32_columns`). */
+
+#define FR 6        /* rows per fp32 tile */
+#define FC (2 * VF) /* columns per fp32 tile */
+
+typedef struct {
+    float *p;
+    int64_t sb, sh, st;
+} ViewF;
+
+int frawd_attention_f32_columns(void) { return FC; }
+
+static inline float *atf(ViewF v, int64_t b, int64_t h, int64_t t) { return v.p + b * v.sb + h * v.sh + t * v.st; }
+
+static inline int64_t up_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* acc[r][0..1] = sum over p in [p0, p1) of a[r][p * as] * b[p * ldb + (0 .. FC-1)]. */
+static inline void ftile(const float *const a[FR], int64_t as, const float *b, int64_t ldb, int64_t p0,
+                         int64_t p1, vf acc[FR][2]) {
+    vf c0[FR], c1[FR];
+    for (int r = 0; r < FR; r++) c0[r] = c1[r] = splat(0.0f);
+    for (int64_t p = p0; p < p1; p++) {
+        const vf b0 = *(const vf *)(b + p * ldb), b1 = *(const vf *)(b + p * ldb + VF);
+#pragma GCC unroll 6
+        for (int r = 0; r < FR; r++) {
+            const vf x = splat(a[r][p * as]);
+            c0[r] += x * b0;
+            c1[r] += x * b1;
+        }
+    }
+    for (int r = 0; r < FR; r++) acc[r][0] = c0[r], acc[r][1] = c1[r];
+}
+
+static inline vf lanes(void) {
+    vf l;
+    for (int i = 0; i < VF; i++) l[i] = (float)i;
+    return l;
+}
+
+static inline vf select_vf(vfi keep, vf a, vf b) { return (vf)((keep & (vfi)a) | (~keep & (vfi)b)); }
+
+static inline float hmax(vf a) {
+    float m = a[0];
+    for (int i = 1; i < VF; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+/* dst[d][j] = src row j, element d ([hd][Tp]: X^T as a tile's b), zero for j >= T. */
+static void transpose_f32(ViewF src, int64_t b, int64_t h, int64_t T, int64_t Tp, int64_t hd, float *dst) {
+    for (int64_t j = 0; j < Tp; j++) {
+        const float *row = j < T ? atf(src, b, h, j) : NULL;
+        for (int64_t d = 0; d < hd; d++) dst[d * Tp + j] = row ? row[d] : 0.0f;
+    }
+}
+
+/* Rows i0 .. i0+FR-1 of Q (or dO) as a tile's a, the ones past T repeating row T-1. */
+static inline void rows_f32(ViewF x, int64_t b, int64_t h, int64_t i0, int64_t T, const float *a[FR]) {
+    for (int r = 0; r < FR; r++) a[r] = atf(x, b, h, i0 + r < T ? i0 + r : T - 1);
+}
+
+static void *carve_f32(char **cursor, int64_t floats) { return carve(cursor, 4 * floats); }
+
+static char *workspace_f32(int64_t T, int64_t Tp, int64_t hd, int *failed) {
+    char *ws = aligned_alloc(64, (size_t)up_to(4 * (2 * hd * Tp + 2 * T * Tp + 2 * FR * Tp + 2 * Tp) + 8 * 64, 64));
+    if (!ws) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return ws;
+}
+
+/* out = softmax(q k^T / sqrt(hd), causal) v and lse (B, H, T), all fp32. 0, or 1 when out of memory. */
+int frawd_attention_forward_f32(ViewF q, ViewF k, ViewF v, ViewF out, float *lse, int64_t B, int64_t H,
+                                int64_t T, int64_t hd, int64_t threads) {
+    const int64_t Tp = up_to(T, FC);
+    const float scale = 1.0f / sqrtf((float)hd);
+    int failed = 0;
+#pragma omp parallel num_threads((int)threads)
+    {
+        char *ws = workspace_f32(T, Tp, hd, &failed), *cur = ws;
+#pragma omp barrier
+        if (!failed) {
+            float *kt = carve_f32(&cur, hd * Tp), *prow = carve_f32(&cur, FR * Tp);
+            const vf lane = lanes();
+            vf acc[FR][2];
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * H; bh++) {
+                const int64_t b = bh / H, h = bh % H;
+                transpose_f32(k, b, h, T, Tp, hd, kt);
+                for (int64_t i0 = 0; i0 < T; i0 += FR) {
+                    const int64_t rows = T - i0 < FR ? T - i0 : FR, ncols = up_to(i0 + rows, FC);
+                    const float *a[FR], *pa[FR];
+                    rows_f32(q, b, h, i0, T, a);
+                    for (int64_t n0 = 0; n0 < ncols; n0 += FC) { /* S = Q K^T, the block's columns */
+                        ftile(a, 1, kt + n0, Tp, 0, hd, acc);
+                        for (int r = 0; r < FR; r++) {
+                            *(vf *)(prow + r * Tp + n0) = acc[r][0];
+                            *(vf *)(prow + r * Tp + n0 + VF) = acc[r][1];
+                        }
+                    }
+                    float inv[FR];
+                    for (int r = 0; r < FR; r++) {
+                        const int64_t i = i0 + (r < rows ? r : rows - 1);
+                        float *x = prow + r * Tp;
+                        vf top = splat(-INFINITY);
+                        for (int64_t j = 0; j < ncols; j += VF) {
+                            const vf seen = select_vf(lane + splat((float)j) <= splat((float)i), *(vf *)(x + j), top);
+                            top = select_vf(seen > top, seen, top);
+                        }
+                        const float best = hmax(top) * scale;
+                        vf sum = splat(0.0f);
+                        for (int64_t j = 0; j < ncols; j += VF) {
+                            const vf e = select_vf(lane + splat((float)j) <= splat((float)i),
+                                                   v_exp(*(vf *)(x + j) * scale - best), splat(0.0f));
+                            *(vf *)(x + j) = e;
+                            sum += e;
+                        }
+                        const float total = hsum(sum);
+                        inv[r] = 1.0f / total;
+                        if (r < rows) lse[(b * H + h) * T + i] = best + logf(total);
+                        pa[r] = x;
+                    }
+                    for (int64_t d0 = 0; d0 < hd; d0 += FC) { /* O = P V / sum */
+                        ftile(pa, 1, atf(v, b, h, 0) + d0, v.st, 0, i0 + rows, acc);
+                        for (int r = 0; r < rows; r++) {
+                            float *o = atf(out, b, h, i0 + r) + d0;
+                            *(vf *)o = acc[r][0] * inv[r];
+                            *(vf *)(o + VF) = acc[r][1] * inv[r];
+                        }
+                    }
+                }
+            }
+        }
+        free(ws);
+    }
+    return failed;
+}
+
+/* Gradients dq, dk, dv (fp32) of the forward above, given dout, its inputs, out and lse. */
+int frawd_attention_backward_f32(ViewF dout, ViewF q, ViewF k, ViewF v, ViewF out, const float *lse, ViewF dq,
+                                 ViewF dk, ViewF dv, int64_t B, int64_t H, int64_t T, int64_t hd, int64_t threads) {
+    const int64_t Tp = up_to(T, FC);
+    const float scale = 1.0f / sqrtf((float)hd);
+    int failed = 0;
+#pragma omp parallel num_threads((int)threads)
+    {
+        char *ws = workspace_f32(T, Tp, hd, &failed), *cur = ws;
+#pragma omp barrier
+        if (!failed) {
+            float *kt = carve_f32(&cur, hd * Tp), *vt = carve_f32(&cur, hd * Tp);
+            float *P = carve_f32(&cur, T * Tp), *dS = carve_f32(&cur, T * Tp);
+            float *lse_h = carve_f32(&cur, Tp), *D = carve_f32(&cur, Tp);
+            const vf lane = lanes();
+            vf s[FR][2], dp[FR][2];
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * H; bh++) {
+                const int64_t b = bh / H, h = bh % H;
+                transpose_f32(k, b, h, T, Tp, hd, kt);
+                transpose_f32(v, b, h, T, Tp, hd, vt);
+                for (int64_t i = 0; i < T; i++) { /* D_i = dO_i . O_i */
+                    const float *x = atf(dout, b, h, i), *y = atf(out, b, h, i);
+                    vf d = splat(0.0f);
+                    for (int64_t c = 0; c < hd; c += VF) d += *(const vf *)(x + c) * *(const vf *)(y + c);
+                    D[i] = hsum(d);
+                    lse_h[i] = lse[(b * H + h) * T + i];
+                }
+                for (int64_t i0 = 0; i0 < T; i0 += FR) { /* P and dS, row blocks, causal columns only */
+                    const int64_t rows = T - i0 < FR ? T - i0 : FR, ncols = up_to(i0 + rows, FC);
+                    const float *qa[FR], *da[FR];
+                    rows_f32(q, b, h, i0, T, qa);
+                    rows_f32(dout, b, h, i0, T, da);
+                    for (int64_t n0 = 0; n0 < ncols; n0 += FC) {
+                        ftile(qa, 1, kt + n0, Tp, 0, hd, s);  /* S = Q K^T */
+                        ftile(da, 1, vt + n0, Tp, 0, hd, dp); /* dP = dO V^T */
+                        for (int r = 0; r < rows; r++) {
+                            const int64_t i = i0 + r;
+                            for (int half = 0; half < 2; half++) {
+                                const int64_t j = n0 + half * VF;
+                                const vf p = select_vf(lane + splat((float)j) <= splat((float)i),
+                                                       v_exp(s[r][half] * scale - lse_h[i]), splat(0.0f));
+                                *(vf *)(P + i * Tp + j) = p;
+                                *(vf *)(dS + i * Tp + j) = p * (dp[r][half] - D[i]);
+                            }
+                        }
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        memset(P + (i0 + r) * Tp + ncols, 0, 4 * (Tp - ncols));
+                        memset(dS + (i0 + r) * Tp + ncols, 0, 4 * (Tp - ncols));
+                    }
+                }
+                for (int64_t i0 = 0; i0 < T; i0 += FR) { /* dQ = dS K / sqrt(hd) */
+                    const int64_t rows = T - i0 < FR ? T - i0 : FR;
+                    const float *a[FR];
+                    for (int r = 0; r < FR; r++) a[r] = dS + (i0 + (r < rows ? r : rows - 1)) * Tp;
+                    for (int64_t d0 = 0; d0 < hd; d0 += FC) {
+                        ftile(a, 1, atf(k, b, h, 0) + d0, k.st, 0, i0 + rows, s);
+                        for (int r = 0; r < rows; r++) {
+                            float *o = atf(dq, b, h, i0 + r) + d0;
+                            *(vf *)o = s[r][0] * scale;
+                            *(vf *)(o + VF) = s[r][1] * scale;
+                        }
+                    }
+                }
+                for (int64_t j0 = 0; j0 < T; j0 += FR) { /* dV = P^T dO, dK = dS^T Q / sqrt(hd): rows i >= j */
+                    const int64_t rows = T - j0 < FR ? T - j0 : FR;
+                    const float *pa[FR], *sa[FR];
+                    for (int r = 0; r < FR; r++) {
+                        const int64_t j = j0 + (r < rows ? r : rows - 1);
+                        pa[r] = P + j, sa[r] = dS + j;
+                    }
+                    for (int64_t d0 = 0; d0 < hd; d0 += FC) {
+                        ftile(pa, Tp, atf(dout, b, h, 0) + d0, dout.st, j0, T, s);
+                        ftile(sa, Tp, atf(q, b, h, 0) + d0, q.st, j0, T, dp);
+                        for (int r = 0; r < rows; r++) {
+                            float *ov = atf(dv, b, h, j0 + r) + d0, *ok = atf(dk, b, h, j0 + r) + d0;
+                            *(vf *)ov = s[r][0];
+                            *(vf *)(ov + VF) = s[r][1];
+                            *(vf *)ok = dp[r][0] * scale;
+                            *(vf *)(ok + VF) = dp[r][1] * scale;
+                        }
+                    }
+                }
+            }
+        }
+        free(ws);
+    }
+    return failed;
+}

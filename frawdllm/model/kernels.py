@@ -5,8 +5,9 @@
 
 - PyTorch's `scaled_dot_product_attention` (flash / memory-efficient kernels where
   available): the default, and the only one for masks and bidirectional attention;
-- training on a CPU in bf16, causal: `cpu_attention` (a fused C kernel, forward and
-  backward), because PyTorch's CPU backward is slow for short sequences;
+- training on a CPU, causal: `cpu_attention` (a fused C kernel, forward and backward),
+  because PyTorch's CPU backward is slow for short sequences: in bf16 on CPUs with
+  AVX512-BF16, in fp32 on any CPU in eager mode (T <= 512);
 - training on a CPU in fp32 under `torch.compile`, causal: `blocked_causal_attention`,
   plain matmuls over a few query blocks (block i attends only the keys up to its end,
   skipping most of the masked half), which torch.compile fuses into about twice the speed.
