@@ -1,12 +1,16 @@
 """The fused fp32 training kernels (`model/cpu_fused.c`): RMSNorm, RoPE and SwiGLU against
 float64 references, gradients included; thread counts; when the model uses them."""
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from frawdllm import FrawdLLM, get_config
-from frawdllm.model import cpu_fused
+from frawdllm.cbuild import CFLAGS
+from frawdllm.model import cpu_attention, cpu_fused
 from frawdllm.model.embeddings import apply_rope, rope_tables
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="needs a C compiler")
@@ -149,3 +153,13 @@ def test_without_the_library_the_model_keeps_pytorchs_ops(monkeypatch):
     loss = model(x, y)[1]
     loss.backward()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None,
+                    reason="no aarch64 cross compiler (apt-get install gcc-aarch64-linux-gnu)")
+@pytest.mark.parametrize("library", [cpu_fused.LIBRARY, cpu_attention.LIBRARY], ids=["cpu_fused", "cpu_attention"])
+def test_the_training_kernels_compile_for_aarch64_without_warnings(library, tmp_path):
+    result = subprocess.run(["aarch64-linux-gnu-gcc", *CFLAGS, "-march=armv8.2-a", "-Wall", "-Wno-psabi",
+                             str(library.source), "-o", str(tmp_path / "kernels.so"), "-lm"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
