@@ -133,15 +133,11 @@ def collate(pairs: list[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
     part of a batch gets its whole batch's instead)."""
     S = max(len(s) for s, _ in pairs)
     T = max(len(t) for _, t in pairs) + 1
-    src = torch.full((len(pairs), S), PAD_ID, dtype=torch.long)
-    src_mask = torch.zeros(len(pairs), S, dtype=torch.bool)
-    tgt_in = torch.full((len(pairs), T), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(pairs), T), IGNORE_INDEX, dtype=torch.long)
-    for row, (s, t) in enumerate(pairs):
-        src[row, : len(s)] = torch.tensor(s)
-        src_mask[row, : len(s)] = True
-        tgt_in[row, : len(t) + 1] = torch.tensor([BOS_ID] + t)
-        labels[row, : len(t) + 1] = torch.tensor(t + [EOS_ID])
+    # padded Python lists, one tensor each: a tensor per row cost ~5 ms a batch of 60 rows
+    src = torch.tensor([[*s, *[PAD_ID] * (S - len(s))] for s, _ in pairs], dtype=torch.long).view(len(pairs), S)
+    src_mask = torch.arange(S) < torch.tensor([len(s) for s, _ in pairs])[:, None]
+    tgt_in = torch.tensor([[BOS_ID, *t, *[PAD_ID] * (T - 1 - len(t))] for _, t in pairs], dtype=torch.long)
+    labels = torch.tensor([[*t, EOS_ID, *[IGNORE_INDEX] * (T - 1 - len(t))] for _, t in pairs], dtype=torch.long)
     normalizer = torch.tensor(float(sum(len(t) + 1 for _, t in pairs)))
     return {"src": src, "src_mask": src_mask, "tgt_in": tgt_in, "labels": labels, "normalizer": normalizer}
 
