@@ -187,6 +187,26 @@ def test_a_hanging_free_compile_failure_falls_back_within_bounded_time(tmp_path,
     assert result.steps == 20 and time.perf_counter() - start < 10
 
 
+def test_a_long_compile_warmup_is_not_taken_for_the_next_steps_time(tmp_path, monkeypatch):
+    # torch.compile's warm-up took most of a minute of a 100 s budget: the run stopped after
+    # that one step, as if every step would take as long. Here a 2 s warm-up in a 4 s budget.
+    def slow_first_call(fn):
+        calls = []
+
+        def compiled(*args):
+            if not calls:
+                time.sleep(2.0)
+            calls.append(1)
+            return fn(*args)
+        return compiled
+
+    monkeypatch.setattr(compiling, "compile_step", slow_first_call)
+    result = Trainer(torch.nn.Linear(4, 1), CountingTask(),
+                     config(tmp_path, compile="true", max_steps=None, max_time="4s")).fit()
+    assert result.steps > 10 and result.stop_reason == "max_time"  # (it was 1)
+    assert result.elapsed_s <= 4.0
+
+
 def test_compile_auto_with_a_tiny_budget_trains_eagerly(tmp_path):
     trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="auto", max_steps=None,
                                                                      max_time="3s"))

@@ -599,8 +599,12 @@ class Trainer:
         if cfg.max_time_s:
             if self.elapsed() >= cfg.max_time_s:
                 return "max_time"
+            # After torch.compile's warm-up the next step's time is unknown (the warm-up, often
+            # most of a minute, says nothing of it): take one step to measure it.
+            next_step_s = 0.0 if self._compiled and self._warmup_s is not None and not self._step_times \
+                else self._step_s()
             if self._last_step_s is not None and \
-                    self.elapsed() + self._final_eval_s() + self._step_s() >= cfg.max_time_s:
+                    self.elapsed() + self._final_eval_s() + next_step_s >= cfg.max_time_s:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
