@@ -102,17 +102,26 @@ def test_one_thread_and_two_give_the_same_bits():
         assert torch.equal(a, b)
 
 
-@needs_bf16
-def test_the_operator_passes_torch_library_opcheck():
-    q, k, v, _ = bf16_inputs(2, 2, 20, 32)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16),
+                                   pytest.param(torch.float32, marks=needs_c)])
+def test_the_operator_passes_torch_library_opcheck(dtype):
+    q, k, v = (torch.randn(2, 2, 20, 32, dtype=dtype).requires_grad_() for _ in range(3))
     torch.library.opcheck(torch.ops.frawdllm.causal_attention.default, (q, k, v))
 
 
-@needs_bf16
-def test_attend_uses_the_bf16_kernel_when_training_in_bf16(monkeypatch):
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """(calls, kernel): an entry per call `attend` makes to the kernel (which still runs), and
+    the kernel itself, uncounted."""
     calls = []
     kernel = cpu_attention.causal_attention
     monkeypatch.setattr(cpu_attention, "causal_attention", lambda *a: calls.append(1) or kernel(*a))
+    return calls, kernel
+
+
+@needs_bf16
+def test_attend_uses_the_bf16_kernel_when_training_in_bf16(kernel_calls):
+    calls, kernel = kernel_calls
     q, k, v, _ = bf16_inputs(1, 2, 16, 32)
     assert torch.equal(attend(q, k, v), kernel(q, k, v)) and len(calls) == 1
     with torch.no_grad():  # inference: PyTorch's attention
@@ -261,16 +270,8 @@ def test_fp32_strided_views_and_thread_counts_give_the_same_bits():
 
 
 @needs_c
-def test_fp32_operator_passes_torch_library_opcheck():
-    q, k, v = (torch.randn(2, 2, 20, 32) for _ in range(3))
-    torch.library.opcheck(torch.ops.frawdllm.causal_attention.default, (q, k, v))
-
-
-@needs_c
-def test_attend_uses_the_fp32_kernel_only_when_training_eagerly(monkeypatch):
-    calls = []
-    kernel = cpu_attention.causal_attention
-    monkeypatch.setattr(cpu_attention, "causal_attention", lambda *a: calls.append(1) or kernel(*a))
+def test_attend_uses_the_fp32_kernel_only_when_training_eagerly(kernel_calls):
+    calls, kernel = kernel_calls
     q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
     assert torch.equal(attend(q, k, v), kernel(q, k, v)) and len(calls) == 1
     with torch.no_grad():  # inference: PyTorch's attention
