@@ -2,6 +2,7 @@
 and commands, pressing Ctrl-C in the middle of a reply and Ctrl-D to leave."""
 
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -39,9 +40,15 @@ def chat_model(tmp_path_factory):
     return save_chat_model(tmp_path_factory.mktemp("chat"), context_length=128)
 
 
+def default_sigint() -> None:
+    """Ctrl-C as a terminal delivers it: a test run started in the background without job
+    control (`cmd &` in a script) ignores SIGINT, and children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(model_dir, *args):
     child = pexpect.spawn(FRAWD, ["chat", "--model", str(model_dir), "--threads", "1", *args],
-                          encoding="utf-8", timeout=60, dimensions=(40, 2000))
+                          encoding="utf-8", timeout=60, dimensions=(40, 2000), preexec_fn=default_sigint)
     child.expect(r"/help for commands")
     child.expect_exact("> ")
     return child
