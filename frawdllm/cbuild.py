@@ -1,7 +1,8 @@
 """The package's C files: compiled on first use with the system compiler, loaded with ctypes.
 
-Two parts of FrawdLLM are C (the inference forward, `infer/native.c`, and the CPU
-training attention, `model/cpu_attention.c`); each says why in its header. Both are built
+The parts of FrawdLLM in C: the inference forward (`infer/native.c`) and, for training on
+a CPU, the attention (`model/cpu_attention.c`), RMSNorm/RoPE/SwiGLU (`model/cpu_fused.c`)
+and dropout's mask (`model/cpu_dropout.c`); each says why in its header. All are built
 the same way: `cc -O3 -march=native -fopenmp` (seconds to half a minute, announced on
 stderr), into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), under a name
 keyed by the source (with the headers it includes), the flags, the compiler and the CPU,
