@@ -30,6 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .errors import FrawdError
 
@@ -107,6 +108,19 @@ def build(source: Path, what: str = "") -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def constant_under_compile(fn: F) -> F:
+    """Mark `fn` as `torch.compiler.assume_constant_result` does (torch.compile calls it once
+    while tracing and keeps the result as a constant), without that function's cost:
+    it imports all of dynamo, two seconds or more on a small CPU, for every command that
+    imports the model. The mark is this attribute (tests/test_cbuild.py checks that
+    torch's decorator sets the same)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 class CLibrary:

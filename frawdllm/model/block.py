@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch._inductor.config as inductor_config
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
@@ -62,7 +61,7 @@ class TransformerBlock(nn.Module):
         output's keys/values for this block's cross-attention and its real tokens."""
         if memory_kv is not None or key_padding_mask is not None:
             return self.residual_stream(x, rope, kv_cache, key_padding_mask, memory_kv, memory_mask)
-        if kv_cache is None and torch.compiler.is_compiling() and not inductor_config.allow_buffer_reuse:
+        if kv_cache is None and torch.compiler.is_compiling() and not _buffer_reuse():
             return _compiled_once(self, x, rope)
         return self.residual_stream(x, rope, kv_cache)
 
@@ -82,6 +81,14 @@ class TransformerBlock(nn.Module):
                 x = self.norm_cross(x + self.drop(self.cross(x, memory_kv, memory_mask)))
             x = self.norm2(x + self.drop(self.mlp(x)))
         return x
+
+
+def _buffer_reuse() -> bool:
+    # imported here, not at the top: importing inductor takes seconds, and only a compiling
+    # caller (which has imported it already) asks
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.allow_buffer_reuse
 
 
 @torch.compiler.nested_compile_region

@@ -24,7 +24,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..cbuild import CLibrary
+from ..cbuild import CLibrary, constant_under_compile
 
 MAX_T = 2048  # a thread holds a (T x T) bf16 matrix per head: 8 MB at this length
 MAX_T_F32 = 512  # fp32: two (T x T) matrices per head (2 MB here); longer rows run faster in PyTorch's flash kernel
@@ -50,13 +50,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIBRARY = CLibrary(Path(__file__).with_name("cpu_attention.c"), "the CPU attention kernel", _declare)
 
 
-@torch.compiler.assume_constant_result  # decided once, outside any compiled graph
+@constant_under_compile  # decided once, outside any compiled graph
 def available() -> bool:
     """True when the kernel builds and this CPU has AVX512-BF16."""
     return LIBRARY.unavailable_reason() is None and bool(LIBRARY.load().frawd_attention_available())
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def f32_columns() -> int:
     """The fp32 kernel's tile width (head_dim must be a multiple), 0 when the library is unavailable."""
     return LIBRARY.load().frawd_attention_f32_columns() if LIBRARY.unavailable_reason() is None else 0

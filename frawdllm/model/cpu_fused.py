@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..cbuild import CLibrary
+from ..cbuild import CLibrary, constant_under_compile
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 CHUNK = 64  # rows per partial sum of RMSNorm's weight gradient (as in the C file)
@@ -41,7 +41,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 LIBRARY = CLibrary(Path(__file__).with_name("cpu_fused.c"), "the fused CPU training kernels", _declare)
 
 
-@torch.compiler.assume_constant_result  # decided once, outside any compiled graph
+@constant_under_compile  # decided once, outside any compiled graph
 def available() -> bool:
     return LIBRARY.unavailable_reason() is None
 

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._inductor.config as inductor_config
 
 from . import device as device_module  # (its user_cache_dir is looked up at call time)
 from .device import machine_key, read_cache, update_cache
@@ -49,6 +48,8 @@ MARGIN = 1.2
 
 def compile_step(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` compiled with torch.compile; tracing and compiling happen with buffer reuse off."""
+    import torch._inductor.config as inductor_config  # here: importing inductor costs seconds
+
     compiled = torch.compile(fn)
 
     @functools.wraps(fn)
@@ -62,6 +63,8 @@ def compile_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 def use_persistent_cache() -> Path:
     """Keep inductor's compiled kernels in the per-user cache (unless TORCHINDUCTOR_CACHE_DIR
     is set), with its FX-graph and autotune caches on: a later run skips the warm-up."""
+    import torch._inductor.config as inductor_config
+
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     inductor_config.fx_graph_cache = True
     inductor_config.autotune_local_cache = True
