@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,11 +172,13 @@ def weight_shapes(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig, model: torch.nn.Module | None = None) -> dict[str, tuple[int, ...]]:
     """The stored tensors' shapes `cfg` implies (a tied head is stored once, as the
-    embedding), from a model built on the meta device: no memory is allocated."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    embedding), from `model` (built from `cfg`) or else a model built on the meta device: no
+    memory is allocated."""
+    if model is None:
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if cfg.tie_embeddings:
         shapes.pop(TIED_KEY)
@@ -194,9 +197,15 @@ def _some(names: list[str], shown: int = 5) -> str:
     return (", ".join(names[:shown]) or "-") + more
 
 
-def check_weights(cfg: ModelConfig, path: Path) -> None:
+def check_weights(cfg: ModelConfig, path: Path,
+                  build: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module | None:
     """FrawdError unless the safetensors file at `path` holds exactly the tensors `cfg`
-    implies; decided from the header before any tensor or model is allocated."""
+    implies; decided from the header before any tensor or model is allocated.
+
+    `build` (a loader's constructor of the model `cfg` describes) is called once the header
+    bounds the model by the file's size, and its model, returned, gives the shapes instead of
+    one on the meta device: meta tensors' kernels import all of `torch._dynamo` (~2 s of every
+    command that loads a model)."""
     stored = weight_shapes(path)
     if cfg.tie_embeddings and TIED_KEY in stored:
         stored.pop(TIED_KEY)  # some writers store the tied head twice; the shape is checked below
@@ -213,7 +222,8 @@ def check_weights(cfg: ModelConfig, path: Path) -> None:
     if bad_dtype:
         raise FrawdError(f"{path}: tensor {bad_dtype[0]} is {stored[bad_dtype[0]][0]}; weights must be "
                          f"{', '.join(WEIGHT_DTYPES)}")
-    expected = expected_shapes(cfg)  # cheap: the layers and sizes are bounded by the file's
+    model = build() if build is not None else None
+    expected = expected_shapes(cfg, model)  # cheap: the layers and sizes are bounded by the file's
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
     if missing or unexpected:
@@ -225,6 +235,7 @@ def check_weights(cfg: ModelConfig, path: Path) -> None:
         if shape != expected[key]:
             raise FrawdError(f"{path}: tensor {key} has shape {shape} but config.json implies {expected[key]}")
     assert held == cfg.num_parameters  # the same names and shapes hold the same count
+    return model
 
 
 def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
@@ -247,12 +258,16 @@ def require_kind(directory: str | Path, cfg: ModelConfig, kind: str) -> None:
 
 def checked_weights(directory: str | Path, cfg: ModelConfig) -> Path:
     """The weights file of `directory`, its header checked against `cfg` (no tensor read)."""
+    path = _weights_path(directory)
+    check_weights(cfg, path)
+    return path
+
+
+def _weights_path(directory: str | Path) -> Path:
     path = Path(directory) / WEIGHTS_FILE
     if not path.exists() and not path.is_symlink():
         raise FrawdError(f"{path}: missing weights file")
-    path = model_file(directory, WEIGHTS_FILE)
-    check_weights(cfg, path)
-    return path
+    return model_file(directory, WEIGHTS_FILE)
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None,
@@ -265,13 +280,13 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     cfg = load_config(directory) if config is None else config
     if kind is not None:
         require_kind(directory, cfg, kind)
-    path = checked_weights(directory, cfg)
+    path = _weights_path(directory)
+    model = check_weights(cfg, path, build=lambda: model_class(cfg)(cfg))
     try:
         state = load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
         raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
     if cfg.tie_embeddings:
         state[TIED_KEY] = state["embed.tok.weight"]
-    model = model_class(cfg)(cfg)
     model.load_state_dict(state)
     return model.to(device).eval()

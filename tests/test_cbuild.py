@@ -1,16 +1,12 @@
-"""cbuild's helpers that are not about compiling C: the mark torch.compile reads, and the
-import cost it saves."""
+"""cbuild's helper that is not about compiling C: the mark torch.compile reads
+(tests/test_startup.py checks the import it saves)."""
 
 import ctypes
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from frawdllm.cbuild import constant_under_compile
-
-from conftest import ROOT
 
 
 def test_the_mark_is_the_one_torchs_decorator_sets():
@@ -40,11 +36,3 @@ def test_torch_compile_takes_a_marked_function_as_a_constant():
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(lambda x: x * unmarked(), fullgraph=True, backend="eager")(torch.ones(2))
 
-
-def test_importing_the_package_does_not_import_the_compiler():
-    # torch._dynamo takes ~2 s to import and ~0.5 s more to tear down at exit, in every
-    # command; only a run that compiles should pay it
-    code = ("import sys; import frawdllm.cli, frawdllm.train.loop, frawdllm.infer.engine, frawdllm.model; "
-            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
