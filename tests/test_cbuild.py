@@ -35,4 +35,3 @@ def test_torch_compile_takes_a_marked_function_as_a_constant():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(lambda x: x * unmarked(), fullgraph=True, backend="eager")(torch.ones(2))
-

@@ -14,7 +14,7 @@ COMPILER = "sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'tor
 
 
 def _run(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
