@@ -204,7 +204,10 @@ def test_a_long_compile_warmup_is_not_taken_for_the_next_steps_time(tmp_path, mo
     result = Trainer(torch.nn.Linear(4, 1), CountingTask(),
                      config(tmp_path, compile="true", max_steps=None, max_time="4s")).fit()
     assert result.steps > 10 and result.stop_reason == "max_time"  # (it was 1)
-    assert result.elapsed_s <= 4.0
+    # the budget's contract, as in test_train_loop's real-clock test: within 5% (a fresh
+    # clone's CI once measured 4.016 s here: the final checkpoint of this 5-weight model,
+    # fixed costs only, took a few ms more than three publishes)
+    assert result.elapsed_s <= 4.0 * 1.05
 
 
 def test_compile_auto_with_a_tiny_budget_trains_eagerly(tmp_path):
