@@ -1,5 +1,6 @@
 """Shared fixtures. jaxtyping shape checks are switched on for the whole package by
-`--jaxtyping-packages=frawdllm,beartype.beartype` in pyproject's pytest options."""
+`--jaxtyping-packages=frawdllm,beartype.beartype` in pyproject's pytest options
+(`shape_checks_for_first_steps` below: a long training run checks its first steps only)."""
 
 import os
 from pathlib import Path
@@ -18,6 +19,43 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA
+
+
+SHAPE_CHECKED_STEPS = 5
+
+
+@pytest.fixture
+def shape_checks_for_first_steps(monkeypatch):
+    """Shape checks in the first SHAPE_CHECKED_STEPS training steps (`Trainer.train_step`)
+    of each run in the test, none in the later ones, back on once a run's `fit` returns. The
+    later steps of a long run make the same calls (on other batches), and the checks cost
+    more than the arithmetic of a tiny model: the two seq2seq learning runs (1,800 steps)
+    took 85 s with them and 47 s without."""
+    import jaxtyping
+
+    from frawdllm.train.loop import Trainer
+
+    was = jaxtyping.config.jaxtyping_disable
+    train_step, fit = Trainer.train_step, Trainer.fit
+    steps = [0]
+
+    def counted_step(self):
+        steps[0] += 1
+        if steps[0] > SHAPE_CHECKED_STEPS:
+            jaxtyping.config.update("jaxtyping_disable", True)
+        return train_step(self)
+
+    def checked_fit(self):
+        steps[0] = 0
+        try:
+            return fit(self)
+        finally:
+            jaxtyping.config.update("jaxtyping_disable", was)
+
+    monkeypatch.setattr(Trainer, "train_step", counted_step)
+    monkeypatch.setattr(Trainer, "fit", checked_fit)
+    yield steps
+    jaxtyping.config.update("jaxtyping_disable", was)
 
 
 @pytest.fixture(autouse=True)

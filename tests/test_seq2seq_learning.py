@@ -33,7 +33,7 @@ def _pairs(n: int, reverse: bool, rng: random.Random) -> list[tuple[list[int], l
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", ["copy", "reverse"])
-def test_tiny_model_learns_the_task(task, tmp_path):
+def test_tiny_model_learns_the_task(task, tmp_path, shape_checks_for_first_steps):
     rng = random.Random(0)
     train, test = _pairs(4000, task == "reverse", rng), _pairs(200, task == "reverse", rng)
     torch.manual_seed(0)
@@ -48,6 +48,7 @@ def test_tiny_model_learns_the_task(task, tmp_path):
                             eval_interval=0, sample_tokens=0, peak_tflops=1.0)
     start = time.perf_counter()
     Trainer(model, task_, train_cfg).fit()
+    assert shape_checks_for_first_steps[0] == STEPS[task]  # (the checks were on in the first ones)
     hyps = translate_ids(model, [src for src, _ in test], beam_size=1)
     exact = sum(h == tgt for h, (_, tgt) in zip(hyps, test)) / len(test)
     print(f"{task}: exact match {exact:.3f} in {time.perf_counter() - start:.1f} s")
