@@ -55,7 +55,7 @@ def unigram_entropy(text: str) -> float:
     return -sum(c / len(text) * math.log(c / len(text)) for c in counts.values())
 
 
-def test_loss_decreases_on_tiny_shakespeare_in_seconds(corpus, tmp_path):
+def test_loss_decreases_on_tiny_shakespeare_in_seconds(corpus, tmp_path, shape_checks_for_first_steps):
     # No wall-clock assertion here: CI machines are shared, and speed has its own benchmark.
     result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=150, eval_interval=75,
                                          batch_size=16, lr=1e-2))
