@@ -33,9 +33,9 @@ def test_a_long_run_checks_its_first_steps_and_the_session_after_it(tmp_path, sh
 
         def loss(self, model, batch):
             self.calls += 1
-            x = torch.zeros(1, 2, 4, 8)
-            if self.calls == self.step:  # tables of 1 position broadcast over T = 4: computes, but
-                apply_rope(x, torch.zeros(1, 4), torch.zeros(1, 4))  # the annotation says (T, half)
+            if self.calls == self.step:  # tables of 1 position broadcast over T = 4: this computes,
+                one = torch.zeros(1, 4)  # but the annotation says (T, half)
+                apply_rope(torch.zeros(1, 2, 4, 8), one, one)
             return F.mse_loss(model(batch[0]).squeeze(-1), batch[1]), {}
 
         def save_model(self, model, directory):
