@@ -554,6 +554,28 @@ def test_a_failing_torch_compile_falls_back_to_eager_with_a_warning(tmp_path, mo
     assert "failed here before" in again.compile_why and "CppCompileError" in again.compile_why
 
 
+def test_a_compile_cut_short_by_a_signal_is_not_remembered_as_a_failure(tmp_path, monkeypatch):
+    # SIGTERM (torchrun stopping the ranks) or Ctrl-C also kills inductor's C++ compilers: the
+    # compile then fails, but a later run on this machine must still be free to compile
+    import frawdllm.train.compile as compiling
+
+    trainers = []
+
+    def interrupted_compile(fn):
+        def compiled(*args):
+            trainers[0].request_stop("interrupted")  # what the signal handler does
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error")
+        return compiled
+
+    monkeypatch.setattr(compiling, "compile_step", interrupted_compile)
+    trainers.append(Trainer(torch.nn.Linear(4, 1), LinearTask(8),
+                            generic_config(tmp_path, compile=True, max_steps=5, eval_interval=0)))
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        result = trainers[0].fit()
+    assert result.stop_reason == "interrupted" and result.steps == 1
+    assert compiling.known_failure(trainers[0].device) is None
+
+
 def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
     from frawdllm.train.loop import TrainResult
 

@@ -1,15 +1,15 @@
 """`--nproc N`: run a training command on N processes of this machine under torchrun.
 
-The command starts again as `python -m torch.distributed.run --standalone --nproc-per-node N
--m frawdllm.cli <the same arguments>`: PyTorch's own launcher starts the ranks, watches
-them and stops them all when one fails. Several machines, restarts after a failure
+The command starts again as `torchrun --standalone --nproc-per-node N -m frawdllm.cli <the
+same arguments>`: PyTorch's own launcher starts the ranks, watches them and stops them all
+when one fails. The launcher runs inside this process (`torch.distributed.run`'s own entry
+point), which has imported torch already: a separate torchrun process would import it again. Several machines, restarts after a failure
 (`--max-restarts`) and other rendezvous options: call torchrun yourself (docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import Any
 from collections.abc import Callable
@@ -46,10 +46,21 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     if launched():
         raise FrawdError("--nproc starts torchrun, and this process already runs under it: leave --nproc out")
     check_ranks(cfg, nproc, token_batches)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                         "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])])
     click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
-    raise SystemExit(subprocess.call(command))
+    try:
+        run(args)
+    except ChildFailedError as exc:  # its message names each failed rank, its exit code or signal
+        click.echo(str(exc), err=True)
+        raise SystemExit(1) from None
+    except SignalException as exc:  # the ranks were stopped (Ctrl-C, SIGTERM)
+        raise SystemExit(128 + int(exc.sigval)) from None
+    raise SystemExit(0)
 
 
 def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> None:

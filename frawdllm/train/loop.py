@@ -536,7 +536,8 @@ class Trainer:
                 return self._forward_backward(batch)
             # e.g. no working C++ compiler on this machine: train without torch.compile
             warnings.warn(f"torch.compile failed ({first_line}); training without it", stacklevel=2)
-            compiling.remember_failure(self.device, first_line)
+            if self._signal is None:  # Ctrl-C or SIGTERM reach inductor's compilers too: no fault of this machine
+                compiling.remember_failure(self.device, first_line)
             self.compile_why = f"off: torch.compile failed ({first_line})"
             self._use_compiled(False)
             return self._forward_backward(batch)
