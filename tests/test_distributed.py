@@ -276,3 +276,40 @@ def test_what_every_rank_would_refuse_is_one_line_before_torchrun(tmp_path, extr
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"frawd: error: {message}"), lines
         assert not (tmp_path / "run").exists()
+
+
+def test_nproc_runs_torchruns_launcher_and_passes_on_how_it_ended(monkeypatch, capsys):
+    """`--nproc` calls torch.distributed.run in the frawd process: the ranks get the command
+    without --nproc; a failed rank exits 1 with torchrun's table, a stop signal 128+N."""
+    from types import SimpleNamespace
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from frawdllm.cli.launch import relaunch_under_torchrun
+
+    cfg = SimpleNamespace(batch_size=4, grad_accum=1, parallel="ddp", dtype="fp32")
+    monkeypatch.setattr(sys, "argv", ["frawd", "pretrain", "--nproc", "2", "--max-steps", "3", "--nproc=2"])
+    outcomes = iter([None, SignalException("stopped", signal.SIGTERM),
+                     ChildFailedError("frawdllm.cli", {1: ProcessFailure(1, 4321, -signal.SIGKILL, "<N/A>")})])
+    launched = []
+
+    def fake_run(args):
+        launched.append(args)
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(torchrun, "run", fake_run)
+    codes = []
+    for _ in range(3):
+        with pytest.raises(SystemExit) as stop:
+            relaunch_under_torchrun(2, cfg)
+        codes.append(stop.value.code)
+    assert codes == [0, 128 + signal.SIGTERM, 1]
+    args = launched[0]
+    assert (args.standalone, args.nproc_per_node, args.module, args.training_script) == (True, "2", True, "frawdllm.cli")
+    assert args.training_script_args == ["pretrain", "--max-steps", "3"]
+    err = capsys.readouterr().err
+    assert "rank      : 1" in err and "SIGKILL" in err and "4321" in err
