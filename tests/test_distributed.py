@@ -280,9 +280,11 @@ def test_what_every_rank_would_refuse_is_one_line_before_torchrun(tmp_path, extr
 
 def test_nproc_runs_torchruns_launcher_and_passes_on_how_it_ended(monkeypatch, capsys):
     """`--nproc` calls torch.distributed.run in the frawd process: the ranks get the command
-    without --nproc; a failed rank exits 1 with torchrun's table, a stop signal 128+N."""
+    without --nproc and a share of the cores; a failed rank exits 1 with torchrun's table, a
+    stop signal 128+N."""
     from types import SimpleNamespace
 
+    import torch
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -302,12 +304,20 @@ def test_nproc_runs_torchruns_launcher_and_passes_on_how_it_ended(monkeypatch, c
             raise outcome
 
     monkeypatch.setattr(torchrun, "run", fake_run)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
     codes = []
     for _ in range(3):
         with pytest.raises(SystemExit) as stop:
             relaunch_under_torchrun(2, cfg)
         codes.append(stop.value.code)
     assert codes == [0, 128 + signal.SIGTERM, 1]
+    assert os.environ["OMP_NUM_THREADS"] == "2"  # each rank's share of this process's 5 threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stays
+    outcomes = iter([None])
+    with pytest.raises(SystemExit):
+        relaunch_under_torchrun(2, cfg)
+    assert os.environ["OMP_NUM_THREADS"] == "3"
     args = launched[0]
     assert (args.standalone, args.nproc_per_node, args.module, args.training_script) == (True, "2", True, "frawdllm.cli")
     assert args.training_script_args == ["pretrain", "--max-steps", "3"]

@@ -21,7 +21,7 @@ from ..errors import FrawdError
 
 def nproc_option():
     return click.option("--nproc", type=click.IntRange(min=1), default=None,
-                        help="Train on N processes of this machine (one per GPU; CPU: gloo): runs this command "
+                        help="Train on N processes of this machine (one per GPU; CPU: gloo, the cores shared out): runs this command "
                              "under torchrun --standalone --nproc-per-node N. See --parallel, docs/distributed.md.")
 
 
@@ -50,6 +50,10 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would give every rank 1 thread (and warn)
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // nproc))  # the cores, shared out
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])])
     click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
