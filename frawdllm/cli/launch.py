@@ -3,7 +3,8 @@
 The command starts again as `torchrun --standalone --nproc-per-node N -m frawdllm.cli <the
 same arguments>`: PyTorch's own launcher starts the ranks, watches them and stops them all
 when one fails. The launcher runs inside this process (`torch.distributed.run`'s own entry
-point), which has imported torch already: a separate torchrun process would import it again. Several machines, restarts after a failure
+point), which has imported torch already: a separate torchrun process would import it again.
+Each rank gets its share of the cores. Several machines, restarts after a failure
 (`--max-restarts`) and other rendezvous options: call torchrun yourself (docs/distributed.md).
 """
 
@@ -21,8 +22,9 @@ from ..errors import FrawdError
 
 def nproc_option():
     return click.option("--nproc", type=click.IntRange(min=1), default=None,
-                        help="Train on N processes of this machine (one per GPU; CPU: gloo, the cores shared out): runs this command "
-                             "under torchrun --standalone --nproc-per-node N. See --parallel, docs/distributed.md.")
+                        help="Train on N processes of this machine (one per GPU; CPU: gloo, the cores shared "
+                             "out): runs this command under torchrun --standalone --nproc-per-node N. See "
+                             "--parallel, docs/distributed.md.")
 
 
 def without_nproc(argv: list[str]) -> list[str]:
