@@ -383,8 +383,7 @@ def test_run_drops_a_byte_order_mark_on_stdin(trained, capsys, monkeypatch):
 @pytest.mark.parametrize("case", ["missing", "misaligned", "not_utf8", "all_empty", "max_len", "pipe"])
 def test_nproc_checks_flags_and_data_before_starting_torchrun(tmp_path, capsys, monkeypatch, case):
     _corpus(tmp_path, n=20)
-    monkeypatch.setattr("frawdllm.cli.launch.subprocess.call",
-                        lambda *a, **k: pytest.fail("torchrun started despite bad input"))
+    monkeypatch.setattr("torch.distributed.run.run", lambda *a, **k: pytest.fail("torchrun started despite bad input"))
     files = {"src": tmp_path / "train.de.gz", "tgt": tmp_path / "train.en"}
     extra = []
     if case == "missing":
