@@ -576,6 +576,25 @@ def test_a_compile_cut_short_by_a_signal_is_not_remembered_as_a_failure(tmp_path
     assert compiling.known_failure(trainers[0].device) is None
 
 
+def test_progress_in_a_log_is_whole_lines_at_an_interval(tmp_path, capsys, monkeypatch):
+    # stderr here is pytest's capture, not a terminal: no bar and no carriage returns
+    import frawdllm.train.loop as loop
+
+    def lines(run: str) -> list[str]:
+        Trainer(torch.nn.Linear(4, 1), LinearTask(8),
+                generic_config(tmp_path / run, max_steps=5, eval_interval=0, progress=True)).fit()
+        err = capsys.readouterr().err
+        assert "\r" not in err
+        return [line for line in err.splitlines() if line.startswith("training ")]
+
+    first = lines("default")  # a run shorter than the interval: its first step only
+    assert len(first) == 1 and first[0].startswith("training  20% | step 1 | loss "), first
+    monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
+    every = lines("every-step")
+    assert [line.split(" | ")[:2] for line in every] == [[f"training {20 * k:3d}%", f"step {k}"] for k in range(1, 6)]
+    assert all(line.endswith(tuple(f"ETA 0:{s:02d}" for s in range(60))) for line in every[:-1]), every
+
+
 def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
     from frawdllm.train.loop import TrainResult
 

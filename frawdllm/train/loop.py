@@ -767,14 +767,43 @@ def _si(n: int | float) -> str:
     return f"{n:.0f}"
 
 
+LOG_LINE_INTERVAL_S = 30.0
+
+
 def _progress_bar(enabled: bool, progress: float):
+    """A bar on a terminal; elsewhere (a log file, a pipe) `LogLines`."""
     if not enabled:
         return None
+    if not sys.stderr.isatty():
+        return LogLines(progress, LOG_LINE_INTERVAL_S)
     from tqdm import tqdm
 
     bar = tqdm(total=1000, bar_format="training {percentage:3.0f}%|{bar}| {desc}", dynamic_ncols=True)
     bar.n = int(1000 * progress)
     return bar
+
+
+class LogLines:
+    """What the bar shows, as one whole line on stderr at the first step and then every
+    `interval` seconds: a bar redrawn with carriage returns would fill a log with partial
+    lines (~10 a second). Takes the part of tqdm's interface that `_bar_update` uses."""
+
+    def __init__(self, progress: float, interval: float) -> None:
+        self.n, self.desc, self.interval = int(1000 * progress), "", interval
+        self._last = -math.inf
+
+    def set_description_str(self, desc: str, refresh: bool = False) -> None:
+        self.desc = desc
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            self._last = now
+            print(f"training {self.n / 10:3.0f}% | {self.desc}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 def _bar_update(bar, trainer: Trainer, record: dict) -> None:

@@ -182,7 +182,7 @@ def prepare_data(cfg: PretrainConfig, run_dir: Path) -> PreparedData:
         tok = tok or _source_tokenizer(cfg, run_dir)
         shard_dir = run_dir / DATA_DIR
         meta = prepare_shards(cfg.data, tok, shard_dir, val_fraction=cfg.val_fraction, text_field=cfg.text_field,
-                              doc_split=cfg.doc_split, progress=cfg.progress)
+                              doc_split=cfg.doc_split, progress=cfg.progress and sys.stderr.isatty())
         print_warnings(meta)
     return PreparedData(read_split(shard_dir, "train", meta), read_split(shard_dir, "val", meta), tok, meta,
                         shard_dir)
