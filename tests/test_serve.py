@@ -419,6 +419,22 @@ def test_serve_command_bad_input(capsys, tmp_path):
     assert code != 0 and "--max-queue" in err
 
 
+def test_a_runs_model_folder_is_named_after_the_run(tmp_path, monkeypatch):
+    from frawdllm.cli.serve import _named
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "shakespeare").mkdir(parents=True)
+    assert _named("runs/shakespeare/model") == ("shakespeare", "runs/shakespeare/model")
+    assert _named(str(tmp_path / "runs" / "x" / "model") + "/")[0] == "x"
+    assert _named("runs/x/checkpoints/step_00000500/model")[0] == "x-step_00000500"
+    assert _named("exports/tiny")[0] == "tiny"
+    assert _named("x/models/model")[0] == "models"  # (any folder holding a `model` folder)
+    assert _named("model")[0] == tmp_path.name  # (the folder it is in)
+    assert _named("mine=runs/x/model") == ("mine", "runs/x/model")
+    monkeypatch.chdir(tmp_path / "runs" / "shakespeare")
+    assert _named(".")[0] == "shakespeare"
+
+
 def test_chunks_of_one_step_wake_the_event_loop_once():
     """What the scheduler's thread hands out while the loop is busy arrives in order, each
     item in its own queue, after a single wake-up of the loop."""

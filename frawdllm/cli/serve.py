@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -16,12 +17,25 @@ from ..errors import FrawdError
 from .sampling_flags import load_engine
 
 
+def default_name(directory: str) -> str:
+    """A model directory's name; a run's published model (RUN/model) is named after the run
+    and a checkpoint's (RUN/checkpoints/step_N/model) after the run and step: every run
+    calls its model folder `model`."""
+    path = Path(os.path.abspath(directory))
+    if path.name != "model" or path.parent == path.parent.parent:
+        return path.name or directory
+    holder = path.parent
+    if re.fullmatch(r"step_\d+", holder.name) and holder.parent.name == "checkpoints" and holder.parent.parent.name:
+        return f"{holder.parent.parent.name}-{holder.name}"
+    return holder.name
+
+
 def _named(spec: str) -> tuple[str, str]:
-    """'NAME=DIR' or 'DIR' (named after the directory)."""
+    """'NAME=DIR' or 'DIR' (named by `default_name`)."""
     name, sep, directory = spec.partition("=")
     if not sep:
         directory = spec
-        name = Path(spec.rstrip("/")).name or spec
+        name = default_name(spec)
     if not name or not directory:
         raise FrawdError(f"--model {spec!r}: give DIR or NAME=DIR")
     return name, directory
@@ -63,8 +77,9 @@ def default_tokens(given: int | None, cap: int) -> int:
 
 @click.command()
 @click.option("--model", "models", multiple=True, required=True, metavar="[NAME=]DIR",
-              help="A model directory, named after the directory or NAME (repeatable: several models, "
-                   "chosen by the request's \"model\").")
+              help="A model directory, named NAME, or after the directory (RUN/model: after the run; "
+                   "RUN/checkpoints/step_N/model: RUN-step_N). Repeatable: several models, chosen by the "
+                   "request's \"model\".")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; then set an API key).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
