@@ -595,6 +595,23 @@ def test_progress_in_a_log_is_whole_lines_at_an_interval(tmp_path, capsys, monke
     assert all(line.endswith(tuple(f"ETA 0:{s:02d}" for s in range(60))) for line in every[:-1]), every
 
 
+def test_the_eta_of_a_time_budget_is_the_time_left_after_start_up(tmp_path, capsys, monkeypatch):
+    """Start-up (tokenizer, data) counts in --max-time before the loop starts; the ETA is
+    the budget left, not start-up's seconds stretched over the loop's share (it said 12:55
+    for 165 s left after 11 s of tokenizer training, and 2:56 for 139 s)."""
+    import frawdllm.train.loop as loop
+
+    monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
+    started = time.perf_counter() - 40.0  # 40 s of start-up of a 100 s budget
+    trainer = Trainer(torch.nn.Linear(4, 1), LinearTask(8),
+                      generic_config(tmp_path, max_steps=100, max_time="100s", eval_interval=0, progress=True),
+                      started_at=started)
+    trainer.fit()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training ")]
+    etas = [line.rsplit("ETA ", 1)[1] for line in lines[:39]]  # (from step 41 on, steps lead the budget)
+    assert len(etas) == 39 and set(etas) <= {"0:59", "0:58", "0:57"}, etas
+
+
 def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
     from frawdllm.train.loop import TrainResult
 

@@ -811,7 +811,7 @@ def _bar_update(bar, trainer: Trainer, record: dict) -> None:
         return
     progress, start = trainer.progress(), trainer._session_progress
     speed = trainer._speed(trainer._rate)
-    session = trainer.elapsed() - trainer.elapsed_before
+    session = time.perf_counter() - trainer._fit_start  # from where `start` was taken (after start-up)
     eta = session * (1 - progress) / (progress - start) if progress > start else math.inf
     postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     postfix += [f"{key} {record[key]:.3g}" for key in trainer.task.bar_metrics if key in record]
