@@ -431,6 +431,9 @@ def test_a_runs_model_folder_is_named_after_the_run(tmp_path, monkeypatch):
     assert _named("x/models/model")[0] == "models"  # (any folder holding a `model` folder)
     assert _named("model")[0] == tmp_path.name  # (the folder it is in)
     assert _named("mine=runs/x/model") == ("mine", "runs/x/model")
+    (tmp_path / "runs" / "lr=3e-4" / "model").mkdir(parents=True)  # '=' in a run's name: still a DIR
+    assert _named("runs/lr=3e-4/model") == ("lr=3e-4", "runs/lr=3e-4/model")
+    assert _named("runs/lr=1e-3/model")[0] == "lr=1e-3"  # (not made yet: the loader says it is missing)
     monkeypatch.chdir(tmp_path / "runs" / "shakespeare")
     assert _named(".")[0] == "shakespeare"
 

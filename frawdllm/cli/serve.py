@@ -31,9 +31,10 @@ def default_name(directory: str) -> str:
 
 
 def _named(spec: str) -> tuple[str, str]:
-    """'NAME=DIR' or 'DIR' (named by `default_name`)."""
+    """'NAME=DIR' or 'DIR' (named by `default_name`); a folder that exists is a DIR even
+    with '=' in its path, and so is anything whose part before '=' holds a path separator."""
     name, sep, directory = spec.partition("=")
-    if not sep:
+    if not sep or os.path.isdir(spec) or os.sep in name or "/" in name:
         directory = spec
         name = default_name(spec)
     if not name or not directory:
