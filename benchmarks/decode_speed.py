@@ -230,7 +230,8 @@ def main() -> None:
         for name, engine in engines.items():
             times.setdefault(f"{name}_batch16", []).append(timed(ours(engine, batch, params)))
     # A first token is cheap (~20-40 ms), and an engine's second long prompt tries the other
-    # thread count once (paths.ThreadChoice), so a median of two would be half that probe's.
+    # thread count once (paths.ThreadChoice): the median of two calls, one of them that probe,
+    # would be their mean.
     for _ in range(FIRST_TOKEN_SAMPLES):
         times.setdefault("hf_first_token", []).append(timed(theirs(long_prompt, 1)))
         for name, engine in engines.items():

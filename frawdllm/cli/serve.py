@@ -34,7 +34,7 @@ def _named(spec: str) -> tuple[str, str]:
     """'NAME=DIR' or 'DIR' (named by `default_name`); a folder that exists is a DIR even
     with '=' in its path, and so is anything whose part before '=' holds a path separator."""
     name, sep, directory = spec.partition("=")
-    if not sep or os.path.isdir(spec) or os.sep in name or "/" in name:
+    if not sep or os.path.isdir(spec) or os.path.dirname(name):  # (a path, not a name)
         directory = spec
         name = default_name(spec)
     if not name or not directory:
