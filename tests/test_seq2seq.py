@@ -106,6 +106,32 @@ def test_beam_one_equals_greedy_and_cached_equals_uncached(name):
         assert cached == beam_search(model, src, mask, beam_size=k, alpha=alpha, max_extra=6, use_cache=False)
 
 
+def test_neither_search_emits_pad_or_bos_so_beam_one_is_greedy_even_where_the_model_prefers_them():
+    """A model whose favourite next tokens are PAD and BOS: greedy used to end every row at
+    the PAD, beam search went on past it (beam 1 was not greedy), and both spent steps on BOS."""
+    model = model_for("paper")
+    cfg = model.config
+    decode = model.decode
+
+    def favour_pad_and_bos(*args, **kwargs):
+        logits = decode(*args, **kwargs).clone()
+        logits[..., cfg.pad_token_id] += 1e3
+        logits[..., cfg.bos_token_id] += 1e3 - 1
+        return logits
+
+    model.decode = favour_pad_and_bos
+    src, mask = pad_batch(_sources(), 0)
+    greedy = greedy_decode(model, src, mask, max_extra=6)
+    assert greedy == greedy_decode(model, src, mask, max_extra=6, use_cache=False)
+    assert beam_search(model, src, mask, beam_size=1, max_extra=6) == greedy
+    beams = beam_search(model, src, mask, beam_size=3, max_extra=6)
+    for hyp in greedy + beams:
+        assert not {cfg.pad_token_id, cfg.bos_token_id} & set(hyp)
+    assert any(len(g) > 1 for g in greedy)
+    del model.decode  # the unbiased model: the same choices among the other tokens
+    assert greedy_decode(model, src, mask, max_extra=6) == greedy
+
+
 def test_translation_of_a_sentence_does_not_depend_on_its_batch():
     model = model_for("paper")
     sources = _sources(6, seed=3)

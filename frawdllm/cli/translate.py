@@ -108,7 +108,8 @@ def _load(model_dir: str):
 
     model = load_model(model_dir, kind="seq2seq")
     assert isinstance(model, Seq2SeqTransformer)
-    return model.eval(), Tokenizer.load(model_file(model_dir, TOKENIZER_FILE))
+    tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE)).check_fits(model.config.vocab_size, model_dir)
+    return model.eval(), tokenizer
 
 
 class _Translator:

@@ -31,7 +31,7 @@ import numbers
 import time
 
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..config import is_integer
@@ -110,6 +110,15 @@ class _Decoder:
         positions = torch.full((1, 1), t, device=tokens.device)
         return self.model.decode(tokens[:, -1:], self.memory_kv, self.src_mask, positions, self.cache)[:, -1].float()
 
+    def never_emit(self, scores: Float[Tensor, "R V"]) -> Float[Tensor, "R V"]:
+        """`scores` (logits or log-probabilities) with PAD and BOS at -inf: neither can follow
+        BOS in a translation. (Greedy used to end a row at a PAD while beam search went on past
+        it, so beam 1 was not greedy, and an untrained model spent its whole length on BOS.)"""
+        cfg = self.model.config
+        never = [i for i in {cfg.pad_token_id, cfg.bos_token_id} if i != cfg.eos_token_id]  # (Marian: pad == start)
+        scores[:, never] = float("-inf")
+        return scores
+
     def select_rows(self, rows: Tensor) -> None:
         """Keep rows `rows` (repeats allowed: beams that branch) in that order."""
         self.memory_kv = [(k[rows], v[rows]) for k, v in self.memory_kv]
@@ -148,7 +157,7 @@ def greedy_decode(
         limit = torch.tensor(limits, device=src.device)
         done = torch.zeros(B, dtype=torch.bool, device=src.device)
         for step in range(max(limits)):
-            next_token = decoder.next_logits(tokens).argmax(dim=-1)  # (B,)
+            next_token = decoder.never_emit(decoder.next_logits(tokens)).argmax(dim=-1)  # (B,)
             next_token = torch.where(done, cfg.pad_token_id, next_token)
             tokens = torch.cat([tokens, next_token[:, None]], dim=1)
             done |= (next_token == cfg.eos_token_id) | (step + 1 >= limit)
@@ -196,7 +205,7 @@ def beam_search(
         ended: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
         done = [False] * B
         for step in range(max(limits)):
-            logprobs = torch.log_softmax(decoder.next_logits(tokens), dim=-1)  # (B*K, V)
+            logprobs = decoder.never_emit(torch.log_softmax(decoder.next_logits(tokens), dim=-1))  # (B*K, V)
             V = logprobs.shape[-1]
             candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
             top_scores, top_index = candidates.topk(2 * K, dim=1)  # enough to fill K beams after K end
