@@ -67,11 +67,13 @@ def test_loss_decreases_on_tiny_shakespeare_in_seconds(corpus, tmp_path, shape_c
     assert result.steps == 150 and result.stop_reason == "max_steps" and result.tokens == 150 * 16 * 32
 
 
-@pytest.mark.parametrize("peak_tflops", [1.0, None], ids=["given-peak", "measured-peak"])
-def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path, peak_tflops, private_user_cache):
+@pytest.mark.parametrize("peak_tflops, stop", [(1.0, 7), (None, 7), (1.0, 8)],
+                         ids=["given-peak", "measured-peak", "stopped-at-an-evaluation-step"])
+def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path, peak_tflops, stop, private_user_cache):
     # dropout makes the torch RNG matter; the loader position and AdamW moments matter too.
     # With the peak measured (a matmul of random inputs) in the resumed run, nothing may
-    # draw from the restored RNG streams before the first step.
+    # draw from the restored RNG streams before the first step. Stopped at step 8, where the
+    # uninterrupted run evaluates (and samples) before step 9, the resumed run evaluates first.
     model = {**TINY_MODEL, "dropout": 0.1}
 
     def tiny_config(*args, **kwargs):
@@ -79,14 +81,14 @@ def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path, peak_tflops, 
 
     full = run_pretraining(tiny_config(corpus, tmp_path / "full", max_steps=12, model=model, eval_interval=4))
 
-    def stop_at_7(trainer, record):
-        if record["step"] == 7:
+    def stop_there(trainer, record):
+        if record["step"] == stop:
             trainer.request_stop()
 
     part = run_pretraining(tiny_config(corpus, tmp_path / "part", max_steps=12, model=model, eval_interval=4),
-                           callbacks=[stop_at_7])
-    assert part.stop_reason == "interrupted" and part.steps == 7
-    assert list_checkpoints(tmp_path / "part")[-1][0] == 7
+                           callbacks=[stop_there])
+    assert part.stop_reason == "interrupted" and part.steps == stop
+    assert list_checkpoints(tmp_path / "part")[-1][0] == stop
     for cached in private_user_cache.glob("peaks.json"):
         cached.unlink()  # the resumed run measures the peak again
     resumed = run_pretraining(tiny_config(corpus, tmp_path / "part", max_steps=12, model=model, eval_interval=4,
@@ -94,6 +96,9 @@ def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path, peak_tflops, 
     assert resumed.steps == 12
     assert train_losses(tmp_path / "part") == train_losses(tmp_path / "full")  # exact float equality
     assert len(train_losses(tmp_path / "full")) == 12
+    evaluations = [[(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / run) if "val_loss" in r]
+                   for run in ("part", "full")]
+    assert evaluations[0] == evaluations[1] and len(evaluations[0]) == 4  # steps 0, 4, 8, 12
     a = FrawdLLM.from_pretrained(latest_checkpoint(tmp_path / "full") / "model").state_dict()
     b = FrawdLLM.from_pretrained(latest_checkpoint(tmp_path / "part") / "model").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -235,6 +235,21 @@ def test_generate_with_a_translation_model_is_refused(tmp_path, capsys):
     assert code == 1 and "encoder-decoder translation model" in err
 
 
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, capsys, command):
+    from frawdllm import Seq2SeqTransformer, get_config
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=100, n_embd=32, n_head=2, n_layer=1,
+                                  n_encoder_layer=1)).save_pretrained(tmp_path / "mt", tokenizer=tok)
+    (tmp_path / "one.de").write_text("hallo welt\n")
+    files = ["--src", tmp_path / "one.de", "--ref", tmp_path / "one.de"] if command == "eval" else ["hallo welt"]
+    code, _, err = run_cli(capsys, "translate", command, "--model", tmp_path / "mt", *files)
+    assert code == 1 and f"the tokenizer has {tok.vocab_size} ids but the model only 100" in err
+    assert "Traceback" not in err
+
+
 def test_resume_continues_the_uninterrupted_trajectory(tmp_path, capsys):
     # dropout 0.1 (the preset's) makes the torch RNG matter; 200 pairs in batches of 256 tokens
     # are about 7 batches, so the 10 steps cross an epoch (a reshuffle) after the split at 5.
@@ -422,6 +437,11 @@ def test_a_refused_resume_gives_advice_translate_train_has(trained, capsys, tmp_
     line = _one_line_error(err)
     assert code == 1 and "these settings differ: n_embd=64 (the run has 32)" in line
     assert "--init" not in line and line.endswith("start a new run (another --out, or --overwrite to replace this one)")
+
+
+def test_resume_of_a_run_that_is_not_there_says_so(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "translate", "train", "--out", tmp_path / "nothing", "--resume", "--max-steps", "9")
+    assert code == 1 and _one_line_error(err).endswith("nothing: no run to resume")
 
 
 def test_vocab_size_with_a_tokenizer_is_refused(trained, capsys, tmp_path):

@@ -264,6 +264,7 @@ class Trainer:
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
         self._last_eval_step: int | None = None
+        self._owed_eval = False  # resumed from a checkpoint whose step's evaluation a signal cut off
         self._last_checkpoint_step: int | None = None
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
@@ -430,6 +431,8 @@ class Trainer:
         if self.step == 0 and (cfg.eval_interval or cfg.max_time_s):
             # the starting point; and what an evaluation costs, which a time budget must
             # keep in reserve for the final one
+            self._evaluate(save=False)
+        elif self._owed_eval:  # where the uninterrupted run evaluated: the same metrics, best model, RNG
             self._evaluate(save=False)
         while self.stop_reason is None:
             record = self.train_step()
@@ -694,6 +697,7 @@ class Trainer:
             "elapsed_s": self.elapsed(),
             "best_val_loss": self.best_val_loss,
             "best_step": -1 if self.best_step is None else self.best_step,
+            "evaluated": self._last_eval_step == self.step,
             **({} if sharded else {"optimizer": self.optimizer.state_dict()}),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -730,6 +734,8 @@ class Trainer:
         self.elapsed_before = state["elapsed_s"]
         self.best_val_loss = state["best_val_loss"]
         self.best_step = None if state["best_step"] < 0 else state["best_step"]
+        interval = self.cfg.eval_interval
+        self._owed_eval = not state.get("evaluated", True) and bool(interval) and self.step % interval == 0
         self.last_checkpoint = path
         if self.dist.is_main:
             truncate_metrics(self.run_dir, self.step)

@@ -368,6 +368,7 @@ def check_translation(cfg: TranslateConfig) -> ParallelText:
     before torchrun starts: bad input is one line, not one per rank."""
     from .rundir import check_run_dir
 
+    check_run_dir(cfg)  # first: `--resume` of a run that is not there is that, not missing --src
     if not cfg.src or not cfg.tgt:
         raise FrawdError("give the training text: --src FILE --tgt FILE")
     if not cfg.has_budget:
@@ -377,7 +378,6 @@ def check_translation(cfg: TranslateConfig) -> ParallelText:
         raise FrawdError(f"--max-len {cfg.max_len} exceeds the {context - 1} tokens a sentence may have in the "
                          f"model's context_length {context} (with BOS/EOS); lower --max-len or --set "
                          "context_length=N")
-    check_run_dir(cfg)
     if cfg.tokenizer is not None and not cfg.resume:  # a resumed run uses the tokenizer in its folder
         given_tokenizer(cfg.tokenizer)
     train = read_parallel(cfg.src, cfg.tgt)
