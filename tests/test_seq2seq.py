@@ -300,6 +300,9 @@ def test_greedy_and_beam_search_refuse_bad_arguments_naming_them():
         greedy_decode(model, src, mask, max_extra=-1)
     with pytest.raises(ValueError, match=r"^src holds token id \d+, outside the model's vocabulary \(0..39\)$"):
         greedy_decode(model, src + 40, mask)
+    for search in (greedy_decode, beam_search):
+        with pytest.raises(ValueError, match=r"^src must be a 2-D integer tensor .* at least one row, got .*\(0, 5\)$"):
+            search(model, torch.zeros((0, 5), dtype=torch.long))
 
 
 def test_decoding_bytes_covers_the_caches_a_beam_search_allocates():

@@ -50,6 +50,11 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 
 def _check_search(model: Seq2SeqTransformer, src: Tensor, beam_size: int, alpha: float, max_extra: int) -> None:
     """One line naming the argument that decoding `src` with these settings cannot take."""
+    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype.is_floating_point or src.dtype == torch.bool \
+            or src.shape[0] == 0:
+        what = f"a {src.dim()}-D {src.dtype} tensor of shape {tuple(src.shape)}" if isinstance(src, Tensor) \
+            else type(src).__name__
+        raise ValueError(f"src must be a 2-D integer tensor of token ids with at least one row, got {what}")
     _require_int("beam_size", beam_size, 1)
     _require_int("max_extra", max_extra, 0)
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha < 0:
