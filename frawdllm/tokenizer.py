@@ -44,6 +44,15 @@ ROLES = ("system", "user", "assistant")
 KINDS = ("bpe", "char", "byte")
 TOKENIZER_FILE = "tokenizer.json"
 MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet, before any merge
+MAX_BPE_VOCAB = 2**20  # 4x the largest vocabularies in use (~256k); the trainer allocates ~56 bytes an id up front
+
+
+def check_bpe_vocab_size(vocab_size: int) -> int:
+    """`vocab_size` if a BPE tokenizer can be trained to it (10**10 aborted the trainer: 566 GB)."""
+    if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
+        raise FrawdError(f"BPE vocab_size must be between {MIN_BPE_VOCAB} (7 specials + 256 bytes) and "
+                         f"{MAX_BPE_VOCAB:,}, got {vocab_size:,}")
+    return vocab_size
 # End-of-text tokens of other families (GPT-2, Llama 3, Llama 2 / Mistral, Gemma): what ends a
 # document for a tokenizer without FrawdLLM's specials (an imported model's)
 FOREIGN_DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -273,8 +282,7 @@ def _byte_level(backend: _HFTokenizer, use_regex: bool) -> None:
 
 
 def _train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool) -> Tokenizer:
-    if vocab_size < MIN_BPE_VOCAB:
-        raise FrawdError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB} (7 specials + 256 bytes), got {vocab_size}")
+    check_bpe_vocab_size(vocab_size)
     backend = _HFTokenizer(models.BPE())
     _byte_level(backend, use_regex=True)
     trainer = trainers.BpeTrainer(

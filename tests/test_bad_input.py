@@ -123,6 +123,8 @@ CASES = [
     ("generate-model-is-file", ["generate", "--model", "{root}/a_file", "--prompt", "x"], "a_file"),
     ("generate-tokenizer-too-big", ["generate", "--model", "{root}/small_model", "--prompt", "x"], "tokenizer"),
     ("generate-threads-0", gen("--threads", "0"), "threads"),
+    ("generate-threads-huge", gen("--threads", "100000"), "threads"),  # was a segfault in OpenMP
+    ("generate-compile-and-native", gen("--compile", "--native", "fp32"), "--native fp32"),
     # item 12
     ("info-seq-len-negative", ["info", "--seq-len", "-5"], "seq-len"),
     ("info-seq-len-0", ["info", "--seq-len", "0"], "seq-len"),

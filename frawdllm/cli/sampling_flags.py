@@ -8,6 +8,8 @@ int8 quantization, the native C forward or torch.compile, overflow policy).
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,9 @@ def engine_flags(command):
     return command
 
 
+MAX_THREADS_PER_CPU = 8
+
+
 def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", overflow: str = "stop",
                 compile_model: bool = False, device: str = "cpu", threads: int | None = None,
                 native: str = "auto"):
@@ -110,9 +115,16 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     from ..tokenizer import Tokenizer
 
     if threads is not None:
+        cpus = os.cpu_count() or 1
         if threads < 1:
             raise FrawdError(f"--threads must be at least 1, got {threads}")
+        if threads > MAX_THREADS_PER_CPU * cpus:  # (100000 crashed OpenMP: a segfault, no message)
+            raise FrawdError(f"--threads {threads} is more than {MAX_THREADS_PER_CPU}x this machine's {cpus} CPUs "
+                             f"(at most {MAX_THREADS_PER_CPU * cpus}; more threads than CPUs only wait for each other)")
         torch.set_num_threads(threads)
+    if compile_model and native in ("fp16", "fp32"):
+        raise FrawdError(f"--compile runs the decode step through torch.compile, not the native forward that "
+                         f"--native {native} asks for: give one of them")
     try:
         torch_device = torch.device(device)
     except RuntimeError:

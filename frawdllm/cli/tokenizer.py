@@ -42,7 +42,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     """
     from ..data.sources import SourceStats, iter_documents
     from ..errors import FrawdError
-    from ..tokenizer import TOKENIZER_FILE, train_tokenizer
+    from ..tokenizer import TOKENIZER_FILE, check_bpe_vocab_size, train_tokenizer
 
     path, what = Path(out), "directory"
     if path.suffix == ".json" and not path.is_dir():
@@ -57,11 +57,13 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     if vocab_size is not None and kind != "bpe":
         click.echo(f"note: --vocab-size applies to bpe only; a {kind} tokenizer takes its size from the data",
                    err=True)
+    size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size  # 0 is a size given (and refused), not none
+    if kind == "bpe":
+        check_bpe_vocab_size(size)  # before the corpus is read
     stats = SourceStats()
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
     start = time.perf_counter()
     # Progress bars only where someone watches them; they go to stderr, never stdout.
-    size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size  # 0 is a size given (and refused), not none
     tok = train_tokenizer(documents, kind=kind, vocab_size=size, show_progress=sys.stderr.isatty())
     seconds = time.perf_counter() - start
     tok.save(path)

@@ -39,7 +39,7 @@ from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
 from ..modeldir import checked_weights, load_config, load_model, require_kind
-from ..tokenizer import KINDS, MIN_BPE_VOCAB, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, train_tokenizer
+from ..tokenizer import KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, train_tokenizer
 from . import distributed
 from .checkpoint import latest_checkpoint
 from .config import PretrainConfig, dump_yaml, parse_duration
@@ -272,9 +272,8 @@ def check_pretrain(cfg: PretrainConfig) -> None:
                              f"{cfg.init_from} has vocab_size {model_cfg.vocab_size}; use the model's tokenizer")
         return
     model_config_for(cfg, tok.vocab_size if tok else len(SPECIAL_TOKENS))
-    if tok is None and (cfg.tokenizer or "bpe") == "bpe" and _bpe_vocab_size(cfg) < MIN_BPE_VOCAB:
-        raise FrawdError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB} (7 specials + 256 bytes), "
-                         f"got {_bpe_vocab_size(cfg)}")
+    if tok is None and (cfg.tokenizer or "bpe") == "bpe":
+        check_bpe_vocab_size(_bpe_vocab_size(cfg))
 
 
 def vocab_size_note(cfg: PretrainConfig) -> str | None:
