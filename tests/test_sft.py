@@ -1,6 +1,8 @@
 """SFT: which tokens carry the loss, truncation, packing without cross-example attention,
 bad records, LoRA, the stdlib-instruct corpus and `frawd sft` end to end (resume exact)."""
 
+import json
+
 import pexpect
 import pytest
 import torch
@@ -349,6 +351,35 @@ def test_lora_under_fsdp_is_refused_before_anything_runs():
     with pytest.raises(ConfigError, match="--lora-rank .* --parallel fsdp"):
         SFTConfig(init="m", lora_rank=4, parallel="fsdp", max_steps=1)
     assert SFTConfig(init="m", lora_rank=4, parallel="ddp", max_steps=1).lora_rank == 4
+
+
+def test_lora_alpha_without_a_rank_and_dpo_beta_inf_are_refused():
+    """--lora-alpha alone was ignored; --beta inf ran with NaN losses and exited 0."""
+    from frawdllm.align.dpo import DPOConfig
+    from frawdllm.align.sft import SFTConfig
+    from frawdllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lora_alpha scales LoRA adapters: give --lora-rank"):
+        SFTConfig(init="m", lora_alpha=8.0, max_steps=1)
+    assert SFTConfig(init="m", lora_alpha=8.0, lora_rank=4, max_steps=1).lora_alpha == 8
+    for beta in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ConfigError, match="beta must be a finite positive number"):
+            DPOConfig(init="m", beta=beta, max_steps=1)
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_lora_rank_above_n_embd_is_one_line_before_any_work(command, tmp_path, capsys):
+    """Rank 100000 on a 256-wide model was accepted: adapters larger than the weights, a step 20x slower."""
+    from align_helpers import word_prefs
+
+    base = model_dir(tmp_path)
+    n_embd = json.loads((base / "config.json").read_text())["n_embd"]
+    data = write_jsonl(tmp_path / "data.jsonl", word_chats(20) if command == "sft" else word_prefs(20))
+    code, _, err = run_cli(capsys, command, "--init", base, "--data", data, "--max-steps", "1", "--out",
+                           tmp_path / "run", "--no-progress", "--lora-rank", str(n_embd + 1))
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"--lora-rank {n_embd + 1} exceeds the model's n_embd {n_embd}" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("command", ["sft", "dpo"])

@@ -26,6 +26,8 @@ collective and no sharding (it costs one model's weights per rank, bf16/fp32 as 
 
 from __future__ import annotations
 
+import math
+
 import copy
 from dataclasses import dataclass
 
@@ -65,7 +67,7 @@ class DPOConfig(FinetuneConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require("beta", self.beta, lambda v: v > 0, "positive")
+        _require("beta", self.beta, lambda v: 0 < v < math.inf, "a finite positive number")  # (inf: NaN losses)
         if self.loss_type not in LOSSES:
             raise FrawdError(f"loss_type must be one of {', '.join(LOSSES)}, got {self.loss_type!r}")
 

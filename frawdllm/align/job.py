@@ -66,6 +66,8 @@ class FinetuneConfig(TrainConfig):
         _require("max_length", self.max_length, lambda v: v is None or v >= 8, "an integer >= 8")
         _require("lora_rank", self.lora_rank, lambda v: v >= 0, "an integer >= 0")
         _require("lora_alpha", self.lora_alpha, lambda v: v is None or v > 0, "positive")
+        if self.lora_alpha is not None and not self.lora_rank:
+            raise ConfigError("lora_alpha scales LoRA adapters: give --lora-rank R too (or leave --lora-alpha out)")
         if self.lora_rank and self.parallel == "fsdp":  # (a sharded merge saved wrong weights: refused)
             raise ConfigError("--lora-rank trains adapters in one process or under --parallel ddp; with "
                               "--parallel fsdp the merged model came out wrong, so the pair is refused")
@@ -86,6 +88,10 @@ def check_init(cfg: FinetuneConfig) -> None:
     require_kind(cfg.init, model_config, "decoder")
     tokenizer = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE)).check_fits(model_config.vocab_size, cfg.init)
     tokenizer.require_frawd_specials(f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
+    if cfg.lora_rank > model_config.n_embd:  # every adapted projection has n_embd inputs or outputs
+        raise ConfigError(f"--lora-rank {cfg.lora_rank} exceeds the model's n_embd {model_config.n_embd}: rank "
+                          f"{model_config.n_embd} already allows any update of the projections (for every weight, "
+                          "--lora-rank 0)")
 
 
 def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
