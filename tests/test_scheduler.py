@@ -168,6 +168,28 @@ def test_queue_limit(model_tok):
         scheduler.close(drain=False)
 
 
+def test_the_queue_limit_counts_only_requests_without_a_free_row(model_tok):
+    """With --max-queue 1 and 31 rows idle, the second of two requests sent at once got a 429."""
+    model, tok = model_tok
+    scheduler = Scheduler(Engine(model, tok), max_batch=4, max_queue=1)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=60)
+        requests = [scheduler.submit(PROMPTS[i % len(PROMPTS)], params) for i in range(5)]  # 4 rows + 1 waiting
+        with pytest.raises(QueueFull, match="^1 requests are already waiting for a row"):
+            scheduler.submit(PROMPTS[0], params)
+        two = params.replace(num_samples=2)
+        for request in requests:
+            list(request)
+        requests = [scheduler.submit(PROMPTS[0], two) for _ in range(2)]  # 4 rows
+        requests.append(scheduler.submit(PROMPTS[1], two))  # waits
+        with pytest.raises(QueueFull):
+            scheduler.submit(PROMPTS[1], params)
+        for request in requests:
+            list(request)
+    finally:
+        scheduler.close(drain=False)
+
+
 @needs_native
 @pytest.mark.parametrize("weights, amx", [
     ("fp32", False), ("fp16", False),

@@ -26,7 +26,7 @@ each row of a product in the same order whatever the row count, and a row attend
 its own slots. So greedy output equals `Engine.generate`'s token for token (when both run
 the native forward; PyTorch's batched products may round differently).
 
-`submit` raises `QueueFull` when `max_queue` requests already wait; `close(drain=True)`
+`submit` raises `QueueFull` when `max_queue` requests already wait for a row; `close(drain=True)`
 finishes what was accepted first. A cancelled request's reader gets `Cancelled`; a listener
 that raises fails its own request alone. The thread holds the scheduler only while there is
 work, so a scheduler dropped without `close()` is collected once idle and its thread ends.
@@ -177,12 +177,23 @@ class Scheduler:
         with self._cond:
             if self._closing:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting (the queue's limit)")
+            left = self._left_waiting(request)
+            if left > self.max_queue:
+                raise QueueFull(f"{left - 1} requests are already waiting for a row (the queue's limit)")
             self.waiting.append(request)
             self._pin.scheduler = self
             self._cond.notify()
         return request
+
+    def _left_waiting(self, new: Request) -> int:
+        """How many of the queued requests and `new` the next step finds no free row for: the
+        queue `max_queue` limits (counting every queued request turned a burst away from an
+        idle server with free rows: 2 requests at --max-queue 1 got a 429)."""
+        free, left = self.max_batch - len(self.rows), 0
+        for request in (*self.waiting, new):
+            free -= request.params.num_samples
+            left += free < 0
+        return left
 
     @property
     def queue_depth(self) -> int:
