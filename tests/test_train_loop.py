@@ -635,3 +635,12 @@ def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
                                    f"beat them; the latest weights are in {tmp_path / 'checkpoints' / 'step_00000083'})")
     trained = TrainResult(steps=83, best_step=80, checkpoint=None, **common)
     assert trained.summary().endswith(f"best val_loss 5.7000 at step 80; model in {tmp_path / 'model'}")
+
+
+def test_a_validation_split_shorter_than_a_window_is_said_and_the_last_model_published(corpus, tmp_path, capsys):
+    """It used to train without a word: no val_loss line and no reason given."""
+    result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=4, val_fraction=0.0001))
+    err = capsys.readouterr().err
+    assert "warning: the validation split has" in err and "fewer than one window of 33: no val_loss" in err
+    assert not [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert result.steps == 4 and (tmp_path / "run" / "model" / "config.json").exists()

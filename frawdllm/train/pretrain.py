@@ -382,6 +382,10 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
                   f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
         saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
         task = PretrainTask(data, model_cfg, cfg, context_length=window)  # data too short: refused here
+        if not task.can_evaluate and place.is_main:  # (was silent: no val_loss line, nothing said why)
+            print(f"warning: the validation split has {len(data.val):,} tokens, fewer than one window of "
+                  f"{window + 1:,}: no val_loss, and {run_dir / 'model'} will be the last step's model (raise "
+                  "--val-fraction, or use a longer corpus or a shorter context)", file=sys.stderr)
         if place.is_main:
             write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
