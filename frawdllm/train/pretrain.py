@@ -337,7 +337,8 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
              f"data:          {cfg.data} ({tokenizer})",
              f"model:         {model}, context {model_cfg.context_length}",
              f"batch:         {cfg.batch_size} x {cfg.grad_accum} x {window} tokens per step",
-             f"budget:        {budget} (the whole command: tokenizer, data, warm-up, evaluations, save)"]
+             f"budget:        {budget}" + (" (--max-time: the whole command, tokenizer, data, warm-up, "
+                                               "evaluations and save included)" if cfg.max_time else "")]
     say = print if cfg.progress else None
     return lines + hardware_report(cfg.device, cfg.dtype, cfg.compile, say=say)
 
