@@ -33,4 +33,35 @@ def free_memory(device: torch.device) -> int | None:
     return available
 
 
-__all__ = ["free_memory"]
+def training_floor_bytes(model_cfg, rows: int, tokens_per_row: int, activation_bytes: int) -> int:
+    """A lower bound on the memory of a training micro-batch of `rows` x `tokens_per_row`
+    tokens: fp32 weights, gradients and AdamW's two moments (16 bytes a parameter), and, for
+    every token of every layer, the two MLP activations of `ffn_dim` values its backward
+    keeps (the nonlinearity's input and the down projection's). The real need is larger
+    (attention, norms, logits), so a run this refuses could never have fit."""
+    return 16 * model_cfg.num_parameters + rows * tokens_per_row * model_cfg.n_layer * 2 * model_cfg.ffn_dim \
+        * activation_bytes
+
+
+def check_training_fits(model_cfg, batch_size: int, tokens_per_row: int, dtype: str, device: torch.device,
+                        rows_per_example: int = 1) -> None:
+    """Refuse, in one line, a CPU training run whose micro-batch cannot fit in the memory the
+    system has available (the kernel's OOM killer ended `sft --batch-size 100000` without a
+    word). bf16 activations are assumed unless `dtype` is fp32 (`auto` may pick bf16): a lower
+    bound. On a GPU an allocation that fails raises an error the run reports itself."""
+    from .errors import FrawdError
+
+    if device.type != "cpu":
+        return
+    rows = batch_size * rows_per_example
+    need = training_floor_bytes(model_cfg, rows, tokens_per_row, 4 if dtype == "fp32" else 2)
+    free = free_memory(device)
+    if free is not None and need > free:
+        shape = f"{rows:,} rows" if rows_per_example > 1 else "rows"
+        raise FrawdError(f"--batch-size {batch_size} ({shape} of {tokens_per_row} tokens) needs at least "
+                         f"{need / 2**30:.1f} GiB to train (weights, gradients, AdamW and the MLP activations "
+                         f"backward keeps), more than the {max(free, 0) / 2**30:.1f} GiB available: lower "
+                         "--batch-size (--grad-accum N keeps the tokens per step)")
+
+
+__all__ = ["free_memory", "training_floor_bytes", "check_training_fits"]

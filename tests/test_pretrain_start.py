@@ -84,6 +84,7 @@ BAD_STARTS = {
     "vocab below the tokenizer's": (["--max-steps", "5", "--tokenizer", "{tok}", "--set", "vocab_size=10"],
                                     "smaller than the tokenizer's"),
     "resume without a run": (["--max-steps", "5", "--resume"], "no run to resume"),
+    "a batch no memory holds": (["--max-steps", "5", "--batch-size", "100000000"], "GiB to train"),
     "negative seed": (["--max-steps", "5", "--seed", "-1"], "seed must be an integer in [0, 2**63)"),
     "huge seed": (["--max-steps", "5", "--seed", str(2**70)], "seed must be an integer in [0, 2**63)"),
 }
@@ -296,3 +297,32 @@ def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corp
     same = {**TINY_MODEL, "tie_embeddings": pretrain_module.model_config_for(
         tiny_config(corpus, run), 20).tie_embeddings}
     assert run_pretraining(tiny_config(corpus, run, resume=True, model=same, max_steps=3)).steps == 3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_the_training_memory_floor_is_below_what_backward_really_keeps(preset):
+    """`training_floor_bytes` refuses runs: it must never exceed the real need. Autograd's
+    saved tensors (unique storages) of a step plus 16 bytes a parameter are counted here."""
+    import torch
+
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.memory import training_floor_bytes
+
+    cfg = get_config(preset, n_layer=2, n_embd=64, n_head=4, vocab_size=300, context_length=32)
+    model = FrawdLLM(cfg)
+    storages = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, 300, (4, 32))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = model(x, x)[1]
+    loss.backward()
+    for p in model.parameters():  # (already in the 16 bytes a parameter)
+        storages.pop(p.untyped_storage().data_ptr(), None)
+    saved = sum(storages.values())
+    floor = training_floor_bytes(cfg, 4, 32, 4)
+    assert floor - 16 * cfg.num_parameters > 0
+    assert floor <= 16 * cfg.num_parameters + saved

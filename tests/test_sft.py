@@ -383,6 +383,20 @@ def test_a_lora_rank_above_n_embd_is_one_line_before_any_work(command, tmp_path,
 
 
 @pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_batch_no_memory_holds_is_one_line_before_any_work(command, tmp_path, capsys):
+    """sft --batch-size 100000 was killed by the kernel's OOM killer, leaving a half-made run."""
+    from align_helpers import word_prefs
+
+    data = write_jsonl(tmp_path / "data.jsonl", word_chats(20) if command == "sft" else word_prefs(20))
+    code, _, err = run_cli(capsys, command, "--init", model_dir(tmp_path), "--data", data, "--max-steps", "1",
+                           "--out", tmp_path / "run", "--no-progress", "--batch-size", "100000000")
+    assert code == 1 and err.count("\n") == 1, err
+    rows = "200,000,000 rows" if command == "dpo" else "rows"
+    assert f"--batch-size 100000000 ({rows} of 64 tokens) needs at least" in err and "GiB available" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
 def test_a_tokenizer_with_more_ids_than_the_model_is_one_line_before_any_work(command, tmp_path, capsys):
     """It used to start the run, crash with an IndexError at step 0 and leave a half-made OUT."""
     from frawdllm import FrawdLLM, get_config

@@ -55,6 +55,8 @@ LOSSES = ("sigmoid", "ipo")
 class DPOConfig(FinetuneConfig):
     """`frawd dpo`: align a model directory with preference pairs."""
 
+    ROWS_PER_EXAMPLE = 2  # a pair's chosen and rejected answers (memory: check_init)
+
     beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
     loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")
     precompute_ref: bool = option(False, "Compute the reference's log-probs once before training and free the "

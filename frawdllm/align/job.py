@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import ConfigError, FrawdError
 from ..io import write_text_atomic
+from ..memory import check_training_fits
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
 from ..train import distributed
 from ..train.config import TrainConfig, _require, dump_yaml, option, parse_duration
@@ -83,11 +84,14 @@ def check_init(cfg: FinetuneConfig) -> None:
         raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
     if cfg.init is None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
-    pick_device(cfg.device)
+    device = pick_device(cfg.device)
     model_config = load_config(cfg.init)
     require_kind(cfg.init, model_config, "decoder")
     tokenizer = Tokenizer.load(model_file(cfg.init, TOKENIZER_FILE)).check_fits(model_config.vocab_size, cfg.init)
     tokenizer.require_frawd_specials(f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
+    check_training_fits(model_config, cfg.batch_size, min(cfg.max_length or model_config.context_length,
+                                                          model_config.context_length), cfg.dtype, device,
+                        getattr(cfg, "ROWS_PER_EXAMPLE", 1))
     if cfg.lora_rank > model_config.n_embd:  # every adapted projection has n_embd inputs or outputs
         raise ConfigError(f"--lora-rank {cfg.lora_rank} exceeds the model's n_embd {model_config.n_embd}: rank "
                           f"{model_config.n_embd} already allows any update of the projections (for every weight, "

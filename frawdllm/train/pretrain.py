@@ -38,6 +38,7 @@ from ..data.shards import print_warnings, read_shard_meta
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
+from ..memory import check_training_fits
 from ..modeldir import checked_weights, load_config, load_model, require_kind
 from ..tokenizer import KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, train_tokenizer
 from . import distributed
@@ -259,8 +260,8 @@ def check_pretrain(cfg: PretrainConfig) -> None:
     check_run_dir(cfg)
     if not cfg.has_budget:
         raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
-    pick_device(cfg.device)
-    model_cfg = init_model_config(cfg)[0] if cfg.init_from is not None else None
+    device = pick_device(cfg.device)
+    model_cfg, window = init_model_config(cfg) if cfg.init_from is not None else (None, None)
     tok = given_tokenizer(cfg)
     if is_shard_dir(cfg.data):
         _shard_meta(Path(cfg.data), tok)
@@ -270,10 +271,12 @@ def check_pretrain(cfg: PretrainConfig) -> None:
         if tok.vocab_size > model_cfg.vocab_size:
             raise FrawdError(f"the tokenizer has {tok.vocab_size} tokens but the --init-from model "
                              f"{cfg.init_from} has vocab_size {model_cfg.vocab_size}; use the model's tokenizer")
-        return
-    model_config_for(cfg, tok.vocab_size if tok else len(SPECIAL_TOKENS))
-    if tok is None and (cfg.tokenizer or "bpe") == "bpe":
-        check_bpe_vocab_size(_bpe_vocab_size(cfg))
+    else:
+        model_cfg = model_config_for(cfg, tok.vocab_size if tok else len(SPECIAL_TOKENS))
+        window = model_cfg.context_length
+        if tok is None and (cfg.tokenizer or "bpe") == "bpe":
+            check_bpe_vocab_size(_bpe_vocab_size(cfg))
+    check_training_fits(model_cfg, cfg.batch_size, window, cfg.dtype, device)
 
 
 def vocab_size_note(cfg: PretrainConfig) -> str | None:
