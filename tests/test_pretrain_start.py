@@ -182,6 +182,22 @@ def test_init_from_trains_on_shorter_windows_and_keeps_the_models_context(corpus
     assert FrawdLLM.from_pretrained(tmp_path / "short" / "model").config.context_length == 32
 
 
+def test_init_from_with_another_tokenizer_of_the_same_size_or_smaller_is_warned_about(corpus, trained, tmp_path,
+                                                                                       capsys):
+    """A 69-id char tokenizer on a model of another char vocabulary was accepted without a word."""
+    from frawdllm.tokenizer import train_tokenizer
+
+    other = tmp_path / "other.json"
+    train_tokenizer(["abc def"], kind="char").save(other)
+    cfg = tiny_config(corpus, tmp_path / "other", tokenizer=str(other), model={}, init_from=str(trained), max_steps=1)
+    run_pretraining(cfg)
+    assert f"warning: --tokenizer {other} is not the tokenizer of --init-from {trained}" in capsys.readouterr().err
+    cfg = tiny_config(corpus, tmp_path / "same", tokenizer=str(trained / "tokenizer.json"), model={},
+                      init_from=str(trained), max_steps=1)
+    run_pretraining(cfg)  # its own tokenizer, named: no warning
+    assert "is not the tokenizer of" not in capsys.readouterr().err
+
+
 def test_init_from_may_change_dropout(corpus, trained, tmp_path):
     cfg = tiny_config(corpus, tmp_path / "drop", tokenizer=None, model={**TINY_MODEL, "dropout": 0.1},
                       init_from=str(trained), max_steps=1)

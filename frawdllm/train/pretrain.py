@@ -176,6 +176,10 @@ def _shard_meta(shard_dir: Path, tok: Tokenizer) -> dict:
 
 def prepare_data(cfg: PretrainConfig, run_dir: Path) -> PreparedData:
     tok = given_tokenizer(cfg)
+    own = tokenizer_path(cfg.init_from) if cfg.init_from is not None and cfg.tokenizer is not None else None
+    if own is not None and Tokenizer.load(own).fingerprint != tok.fingerprint and distributed.current().is_main:
+        print(f"warning: --tokenizer {cfg.tokenizer} is not the tokenizer of --init-from {cfg.init_from}: its ids "
+              "name other tokens than the ones the model's embeddings learned", file=sys.stderr)
     if is_shard_dir(cfg.data):
         shard_dir = Path(cfg.data)
         meta = _shard_meta(shard_dir, tok)
