@@ -15,29 +15,37 @@ tokenizer files.
 
 Import reads a local GPT-2 or Llama checkpoint (config.json + safetensors, never a
 pickle) into a FrawdLLM model directory, tokenizer.json included when there is one.
+config.json is untrusted: whatever transformers raises reading it, and any size that
+disagrees with the safetensors headers or would not fit in memory, is one FrawdError
+naming the field, raised before a tensor is read or --out touched (a model is built only
+once the headers bound its size: at most about twice the weights').
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..config import Seq2SeqConfig
+from ..config import ModelConfig, Seq2SeqConfig
 from ..errors import FrawdError
 from ..infer.sampling import SamplingParams
 from ..io import atomic_dir, write_json_atomic
 from ..model import FrawdLLM
-from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, checked_sampling, load_config,
-                        load_generation_config, load_model, model_file)
+from ..modeldir import (GENERATION_CONFIG_FILE, TABLE_ALLOWANCE, TOKENIZER_FILE, _some, _table_bytes,
+                        checked_sampling, expected_shapes, load_config, load_generation_config, load_model,
+                        model_file, weight_shapes)
 from ..tokenizer import Tokenizer
-from .hf import from_hf_config, from_hf_state_dict, hf_architecture, to_hf_config, to_hf_state_dict
+from .hf import (_IGNORED_HF_BUFFERS, from_hf_config, from_hf_state_dict, hf_architecture, tensor_layout,
+                 to_hf_config, to_hf_state_dict)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -207,18 +215,13 @@ def _index_shards(index: Path) -> list[Path]:
     return [index.parent / name for name in names]
 
 
-def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+def _hf_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files holding the checkpoint's weights (one, or an index's shards)."""
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    try:
-        if single.is_file():
-            return load_file(str(single))
-        if index.is_file():
-            state: dict[str, torch.Tensor] = {}
-            for shard in _index_shards(index):
-                state.update(load_file(str(shard)))
-            return state
-    except (SafetensorError, OSError, ValueError, KeyError) as exc:
-        raise FrawdError(f"{directory}: cannot read the safetensors weights ({exc})") from None
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        return _index_shards(index)
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise FrawdError(
             f"{directory}: only pickle weights (*.bin); FrawdLLM never unpickles. Re-save them with "
@@ -227,10 +230,82 @@ def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise FrawdError(f"{directory}: no model.safetensors (or model.safetensors.index.json)")
 
 
-def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
-    """A FrawdLLM model computing what the transformers checkpoint in `hf_dir` computes."""
+def _read_hf_weights(directory: Path, files: list[Path]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for path in files:
+            state.update(load_file(str(path)))
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
+        raise FrawdError(f"{directory}: cannot read the safetensors weights ({exc})") from None
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    """What went wrong, in one line: huggingface_hub's strict-dataclass errors put the cause
+    (the field and the problem) on a second line, so their cause speaks instead."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: no strict dataclasses
+        StrictDataclassError = ()  # noqa: N806
+    while isinstance(exc, StrictDataclassError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _read_hf_config(directory: Path) -> tuple[str, ModelConfig]:
+    """config.json's model_type and its ModelConfig. transformers parses and validates the
+    file; whatever it raises on this untrusted input (a string for an int, heads that do not
+    divide the hidden size, ...) is one line naming the file."""
     from transformers import AutoConfig
 
+    path = directory / "config.json"
+    try:
+        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the file is bad input
+        raise FrawdError(f"{path}: {_first_line(exc)}") from None
+    try:
+        return getattr(hf_config, "model_type", ""), from_hf_config(hf_config)
+    except FrawdError as exc:  # what has no FrawdLLM equivalent, named by the file it is in
+        raise FrawdError(f"{path}: {exc}") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:  # a value transformers let through
+        raise FrawdError(f"{path}: {_first_line(exc)}") from None
+
+
+# config.json's names of the fields the header checks name, per model_type.
+_HF_FIELDS = {
+    "gpt2": {"vocab_size": "vocab_size", "n_embd": "n_embd", "context_length": "n_positions", "n_layer": "n_layer"},
+    "llama": {"vocab_size": "vocab_size", "n_embd": "hidden_size", "context_length": "max_position_embeddings",
+              "n_layer": "num_hidden_layers"},
+}
+_LAYERS = {"gpt2": "transformer.h.", "llama": "model.layers."}
+_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+# The config.json field that sizes a tensor the checks above do not cover.
+_SIZED_BY = {
+    "gpt2": (("mlp.c_fc", "n_inner"), ("mlp.c_proj", "n_inner")),
+    "llama": (("q_proj", "num_attention_heads/head_dim"), ("o_proj", "num_attention_heads/head_dim"),
+              ("k_proj", "num_key_value_heads"), ("v_proj", "num_key_value_heads"),
+              ("gate_proj", "intermediate_size"), ("up_proj", "intermediate_size"),
+              ("down_proj", "intermediate_size")),
+}
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A checkpoint whose config.json agrees with its safetensors headers."""
+
+    directory: Path
+    kind: str
+    cfg: ModelConfig
+    files: list[Path]
+    stored: dict[str, tuple[Path, tuple[int, ...]]]  # transformers name -> (file, shape)
+
+
+def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
+    """Read config.json and compare it with the safetensors headers (no tensor is read, no
+    model built): the layer count, the embedding (vocab_size, hidden size), learned positions
+    and RoPE tables, the tensor names and the parameter count. A FrawdError names the
+    config.json field that disagrees."""
     directory = Path(hf_dir)
     if not directory.exists():
         raise FrawdError(f"{directory}: not found")
@@ -239,25 +314,104 @@ def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
     if "format_version" in _json_object(directory / "config.json"):
         raise FrawdError(f"{directory}: a FrawdLLM model directory already (its config.json has format_version); "
                          "every frawd command reads it as it is")
-    try:
-        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    except (ValueError, OSError, KeyError) as exc:
-        raise FrawdError(f"{directory}/config.json: {str(exc).splitlines()[0]}") from None
-    cfg = from_hf_config(hf_config)
-    state = from_hf_state_dict(_read_hf_weights(directory), cfg)
-    model = FrawdLLM(cfg)
+    kind, cfg = _read_hf_config(directory)
+    files = _hf_weight_files(directory)
+    stored = {name: (path, shape) for path in files for name, (_, shape) in weight_shapes(path).items()}
+    # named as `from_hf_state_dict` will name them (`_normalise_hf_names`, which takes tensors)
+    stored = {k: v for k, v in stored.items() if not k.endswith(_IGNORED_HF_BUFFERS)}
+    if kind == "gpt2" and "transformer.wte.weight" not in stored:  # original GPT-2 files lack the prefix
+        stored = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in stored.items()}
+    config, fields = directory / "config.json", _HF_FIELDS[kind]
+
+    def refuse(field: str, value: int, held: str) -> NoReturn:
+        raise FrawdError(f"{config}: {fields[field]} {value:,} does not match the weights, which {held}")
+
+    layers = {name[len(_LAYERS[kind]):].split(".")[0] for name in stored if name.startswith(_LAYERS[kind])}
+    if cfg.n_layer != len(layers):  # first: the layer count bounds the work below
+        refuse("n_layer", cfg.n_layer, f"hold {len(layers):,} layer{'s' * (len(layers) != 1)}")
+    sized = [(_EMBEDDING[kind], "vocab_size", 0, cfg.vocab_size), (_EMBEDDING[kind], "n_embd", 1, cfg.n_embd)]
+    if cfg.pos_encoding == "learned":  # GPT-2's position table is a weight; RoPE's is built (below)
+        sized.append(("transformer.wpe.weight", "context_length", 0, cfg.context_length))
+    for name, field, dim, value in sized:
+        shape = stored.get(name, (None, None))[1]
+        if shape is not None and len(shape) == 2 and shape[dim] != value:
+            refuse(field, value, f"have {name} of shape {shape}")
+    size = sum(path.stat().st_size for path in files)
+    if _table_bytes(cfg) > max(size, TABLE_ALLOWANCE):
+        raise FrawdError(f"{config}: {fields['context_length']} {cfg.context_length:,} needs position tables "
+                         f"({_table_bytes(cfg) / 2**30:,.1f} GiB) larger than the weights themselves; refusing to "
+                         "build them")
+    expected = {name for m in tensor_layout(cfg) for name in m.theirs}
+    extra = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    missing, unexpected = sorted(expected - set(stored)), sorted(set(stored) - expected - extra)
+    if missing or unexpected:
+        raise FrawdError(f"{directory}: the weights do not match config.json "
+                         f"(missing: {_some(missing)}; unexpected: {_some(unexpected)})")
+    return _Checked(directory, kind, cfg, files, stored)
+
+
+def _expected_hf_shapes(checked: _Checked, model: FrawdLLM | None) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for each transformers tensor, from `model`'s tensors
+    (or, for a model too large to build, those of one on the meta device)."""
+    cfg = checked.cfg
+    ours = expected_shapes(cfg, model)
+    out: dict[str, tuple[int, ...]] = {}
+    for m in tensor_layout(cfg):
+        shape = ours[m.ours]
+        for name, rows in zip(m.theirs, m.sizes or (shape[0],)):
+            part = (rows, *shape[1:])
+            out[name] = part[::-1] if m.transpose else part
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = ours["embed.tok.weight"]
+    return out
+
+
+def _built(checked: _Checked) -> FrawdLLM:
+    """The model config.json describes, built only once the headers bound it by the files'
+    size; every stored tensor's shape is compared with it before any is read."""
+    cfg, stored = checked.cfg, checked.stored
+    held = sum(math.prod(shape) for name, (_, shape) in stored.items()
+               if not (cfg.tie_embeddings and name == "lm_head.weight"))
+    # Python integers: no overflow. Close counts build the model and compare shapes (no
+    # tensor read yet); far ones find the shape that differs on the meta device.
+    model = FrawdLLM(cfg) if held == cfg.num_parameters or cfg.num_parameters <= 2 * held + 2**20 else None
+    for name, want in _expected_hf_shapes(checked, model).items():
+        path, shape = stored.get(name, (None, want))
+        if tuple(shape) != tuple(want):
+            field = next((f for part, f in _SIZED_BY[checked.kind] if part in name), None)
+            hint = f" (check its {field})" if field else ""
+            raise FrawdError(f"{path}: tensor {name} has shape {tuple(shape)} but "
+                             f"{checked.directory / 'config.json'} implies {tuple(want)}{hint}")
+    if model is None:
+        raise FrawdError(f"{checked.directory}: the weights hold {held:,} numbers but config.json describes "
+                         f"a model of {cfg.num_parameters:,} parameters")  # unreachable: some shape differs
+    return model
+
+
+def _load_checked(checked: _Checked) -> FrawdLLM:
+    model = _built(checked)
+    state = from_hf_state_dict(_read_hf_weights(checked.directory, checked.files), checked.cfg)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise FrawdError(f"{directory}: weights do not match config.json ({str(exc).splitlines()[-1].strip()})") from None
+        raise FrawdError(f"{checked.directory}: weights do not match config.json "
+                         f"({str(exc).splitlines()[-1].strip()})") from None
     return model.eval()
+
+
+def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
+    """A FrawdLLM model computing what the transformers checkpoint in `hf_dir` computes.
+    config.json is checked against the safetensors headers (`_checked_hf_dir`) before the
+    model is built or a tensor read."""
+    return _load_checked(_checked_hf_dir(hf_dir))
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> FrawdLLM:
     """Convert a transformers checkpoint into a FrawdLLM model directory `out`."""
     directory = Path(hf_dir)
+    checked = _checked_hf_dir(directory)  # before --out is touched: nothing is written on a refusal
     with atomic_dir(out, overwrite=overwrite, keep=(directory,)) as tmp:
-        model = read_hf_dir(directory)
+        model = _load_checked(checked)
         tokenizer = directory / TOKENIZER_FILE
         if tokenizer.exists() and not tokenizer.is_file():
             raise FrawdError(f"{tokenizer} is not a file")

@@ -1,0 +1,112 @@
+"""`frawd import --from-hf` of a transformers checkpoint whose config.json is wrong.
+
+Whatever config.json says, the answer is one `frawd: error:` line naming the file and the
+field, never a traceback, and nothing is allocated (the config is checked against the
+safetensors header first) or written (no --out folder appears). Before these checks, a
+value transformers' strict config classes reject was a huggingface_hub traceback, and a
+huge vocab_size / n_positions / max_position_embeddings ran out of memory (tens to
+hundreds of GB) building the model.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import run_cli
+from frawdllm import FrawdLLM, get_config
+
+pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=101, n_embd=64, n_layer=1, n_head=4, context_length=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A valid tiny GPT-2 and Llama transformers directory (as `frawd export --format hf` writes)."""
+    from frawdllm.export.hf_dir import write_hf_dir
+
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for name, preset in (("gpt2", "tiny"), ("llama", "tiny-llama")):
+        dirs[name] = root / name
+        dirs[name].mkdir()
+        write_hf_dir(FrawdLLM(get_config(preset, **TINY)), None, dirs[name])
+    return dirs
+
+
+def edited(checkpoint: Path, where: Path, **fields) -> Path:
+    """A copy of `checkpoint` in `where` with `fields` set in its config.json."""
+    where.mkdir()
+    for path in checkpoint.iterdir():
+        (where / path.name).write_bytes(path.read_bytes())
+    config = json.loads((where / "config.json").read_text())
+    config.update(fields)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def import_one_line(capsys, source: Path, out: Path) -> str:
+    """The one error line `frawd import` prints for `source`; checks that nothing was written."""
+    beside = sorted(p.name for p in out.parent.iterdir())
+    code, stdout, err = run_cli(capsys, "import", "--from-hf", source, "--out", out)
+    assert code == 1, (code, stdout, err)
+    assert "Traceback" not in err and "Traceback" not in stdout, err
+    assert err.startswith("frawd: error: ") and err.count("\n") == 1, err
+    assert not out.exists(), "the output folder was created"
+    assert sorted(p.name for p in out.parent.iterdir()) == beside, "something was written beside --out"
+    return err
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# (checkpoint, config.json changes, words the one line must contain)
+CASES = [
+    # transformers' own validation (huggingface_hub strict dataclasses) refuses these
+    ("llama", {"num_attention_heads": 3}, ["config.json", "attention heads (3)"]),
+    ("llama", {"hidden_size": "64"}, ["config.json", "hidden_size", "expected int"]),
+    ("gpt2", {"n_embd": "64"}, ["config.json", "n_embd"]),
+    # sizes that asked for tens to hundreds of GB before the weights were compared
+    ("llama", {"max_position_embeddings": 1_000_000_000}, ["config.json", "max_position_embeddings"]),
+    ("llama", {"vocab_size": 2_000_000_000}, ["config.json", "vocab_size", "101"]),
+    ("gpt2", {"vocab_size": 2_000_000_000}, ["config.json", "vocab_size", "101"]),
+    ("gpt2", {"n_positions": 2_000_000_000}, ["config.json", "n_positions", "32"]),
+    ("llama", {"intermediate_size": 100_000_000}, ["gate_proj", "intermediate_size"]),
+    # sizes that fit in memory: refused from the header, naming the field, not a tensor
+    ("gpt2", {"vocab_size": 1000}, ["config.json", "vocab_size 1,000", "101"]),
+    ("gpt2", {"n_positions": 64}, ["config.json", "n_positions 64", "32"]),
+    ("gpt2", {"n_embd": 128}, ["config.json", "n_embd 128", "64"]),
+    ("llama", {"num_hidden_layers": 1000}, ["config.json", "num_hidden_layers 1,000", "1 layer"]),
+    ("gpt2", {"n_inner": 512}, ["mlp.c_fc", "n_inner"]),
+    ("llama", {"num_key_value_heads": 2}, ["k_proj", "num_key_value_heads"]),
+]
+
+
+@pytest.mark.parametrize("kind, changes, words", CASES,
+                         ids=[f"{k}-{'-'.join(f'{f}={v}' for f, v in c.items())}" for k, c, _ in CASES])
+def test_import_refuses_a_bad_config_in_one_line(checkpoints, tmp_path, capsys, kind, changes, words):
+    source = edited(checkpoints[kind], tmp_path / "hf", **changes)
+    err = import_one_line(capsys, source, tmp_path / "out")
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_a_huge_config_is_refused_without_allocating(checkpoints, tmp_path, capsys):
+    """The 512 GB GPT-2 embedding of vocab_size 2e9 is refused from the header alone."""
+    before = peak_rss_mb()
+    for field in ("vocab_size", "n_positions"):
+        source = edited(checkpoints["gpt2"], tmp_path / field, **{field: 2_000_000_000})
+        import_one_line(capsys, source, tmp_path / f"out-{field}")
+    assert peak_rss_mb() - before < 200
+
+
+def test_the_unedited_checkpoints_still_import(checkpoints, tmp_path, capsys):
+    for kind, source in checkpoints.items():
+        code, stdout, err = run_cli(capsys, "import", "--from-hf", source, "--out", tmp_path / kind)
+        assert code == 0 and err == "" and "imported" in stdout, err
+        FrawdLLM.from_pretrained(tmp_path / kind)
