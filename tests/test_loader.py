@@ -1,6 +1,8 @@
 """Loaders: windows are true slices shifted by one, seeded, exactly resumable, split by
 rank, and the validation pass covers every non-overlapping window once."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +160,53 @@ def test_loader_sizes_and_state_must_be_integers(tokens):
     with pytest.raises(FrawdError, match="keys seed and step, got {'seed': 1}"):
         loader.load_state_dict({"seed": 1})
     assert loader.state_dict() == {"seed": 0, "step": 0}  # a refused state changes nothing
+
+
+# ---- token ids outside the vocabulary -------------------------------------------------------------
+
+def _shard_with_bad_id(path, n=400, vocab=100, position=123, bad=60000):
+    """A uint16 shard of ids i % vocab, one of them (at `position`) patched to `bad`."""
+    write_shard(path, np.arange(n) % vocab, vocab_size=vocab)
+    raw = bytearray(path.read_bytes())
+    raw[64 + 2 * position:64 + 2 * position + 2] = int(bad).to_bytes(2, "little")
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def test_an_id_outside_the_shards_vocabulary_is_one_line_naming_file_id_and_position(tmp_path):
+    path = _shard_with_bad_id(tmp_path / "val.bin")
+    expected = re.escape(f"{path}: token id 60000 at position 123 (byte 310) is outside the vocabulary [0, 100)")
+    with pytest.raises(FrawdError, match=expected):  # validation and frawd eval
+        list(SequentialLoader(read_shard(path), batch_size=4, context_length=16))
+    loader = RandomWindowLoader(read_shard(path), batch_size=16, context_length=16, seed=0)
+    with pytest.raises(FrawdError, match=expected):  # training: some batch reaches it
+        for _ in range(200):
+            loader.next_batch()
+
+
+def test_an_id_outside_the_vocabulary_in_a_later_shard_of_a_stream_names_that_shard(tmp_path):
+    from frawdllm.data import ShardStream
+
+    write_shard(tmp_path / "train-00000.bin", np.arange(300) % 100, vocab_size=100)
+    second = _shard_with_bad_id(tmp_path / "train-00001.bin", n=200, position=7, bad=100)
+    stream = ShardStream([read_shard(tmp_path / "train-00000.bin"), read_shard(second)])
+    with pytest.raises(FrawdError, match=re.escape(f"{second}: token id 100 at position 7 (byte 78)")):
+        list(SequentialLoader(stream, batch_size=8, context_length=10))
+
+
+def test_the_loaders_vocab_size_bounds_ids_of_any_array(tokens, tmp_path):
+    """A model's vocabulary, when the caller gives it, bounds the ids too (a plain array has no header)."""
+    assert len(list(SequentialLoader(tokens, 8, 16, vocab_size=N))) > 0
+    with pytest.raises(FrawdError, match=r"token id 500 at position 500 is outside the vocabulary \[0, 500\)"):
+        list(SequentialLoader(tokens, 8, 16, vocab_size=500))
+    negative = np.arange(N, dtype=np.int64)
+    negative[300] = -1
+    with pytest.raises(FrawdError, match=r"token id -1 at position 300 is outside the vocabulary \[0, 1000\)"):
+        list(SequentialLoader(negative, 8, 16, vocab_size=N))
+    path = tmp_path / "train.bin"
+    write_shard(path, np.arange(400) % 100, vocab_size=100)  # fine for its own vocabulary, not a model's of 50
+    with pytest.raises(FrawdError, match=re.escape(f"{path}: token id 50 at position 50 (byte 164) is outside the "
+                                                   "model's vocabulary [0, 50); the shards were made with another")):
+        list(SequentialLoader(read_shard(path), 8, 16, vocab_size=50))
+    with pytest.raises(FrawdError, match="vocab_size must be a positive integer"):
+        RandomWindowLoader(tokens, 8, 16, vocab_size=0)

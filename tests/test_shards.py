@@ -567,3 +567,67 @@ def test_prepare_and_eval_draw_progress_bars_only_on_a_terminal(tmp_path, bpe):
         child.expect(pexpect.EOF)
         child.close()
         assert child.exitstatus == 0
+
+
+# ---- ids outside the vocabulary; a damaged meta.json at --out ------------------------------------
+
+def _patch_id(path, position, value):
+    raw = bytearray(path.read_bytes())
+    itemsize = read_header(path)["dtype"].itemsize
+    raw[HEADER_BYTES + itemsize * position:HEADER_BYTES + itemsize * (position + 1)] = \
+        int(value).to_bytes(itemsize, "little")
+    path.write_bytes(bytes(raw))
+
+
+def test_read_split_bounds_ids_by_the_smaller_of_the_headers_and_meta_json_vocabularies(tmp_path):
+    from frawdllm.data import SequentialLoader, read_split
+
+    write_shard(tmp_path / "train.bin", np.arange(200) % 40, vocab_size=100)
+    write_shard(tmp_path / "val.bin", np.arange(200) % 40, vocab_size=100)
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 40}))
+    assert len(list(SequentialLoader(read_split(tmp_path, "val"), 4, 16))) > 0
+    _patch_id(tmp_path / "val.bin", 50, 70)  # inside the header's 100, outside meta.json's 40
+    with pytest.raises(FrawdError, match=re.escape(f"{tmp_path / 'val.bin'}: token id 70 at position 50 (byte 164) "
+                                                   "is outside the vocabulary [0, 40)")):
+        list(SequentialLoader(read_split(tmp_path, "val"), 4, 16))
+
+
+def test_cli_eval_of_shards_holding_an_id_outside_the_vocabulary_is_one_line(tmp_path, capsys):
+    import torch
+
+    from cli_helpers import run_cli
+    from frawdllm import FrawdLLM, get_config
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=16, n_head=2, context_length=16)
+             ).save_pretrained(tmp_path / "model", tokenizer=tok)
+    src = _write_corpus(tmp_path / "c.txt", _corpus(60))
+    out = tmp_path / "shards"
+    prepare_shards(str(src), tok, out, val_fraction=0.3)
+    _patch_id(out / "val.bin", 20, 60000)
+    code, stdout, err = run_cli(capsys, "eval", "--model", tmp_path / "model", "--data", out,
+                                "--context-length", "16")
+    assert code == 1 and stdout == ""
+    assert err == (f"frawd: error: {out / 'val.bin'}: token id 60000 at position 20 (byte 104) is outside the "
+                   f"vocabulary [0, {tok.vocab_size}); the shard is damaged: prepare it again with "
+                   "frawd data prepare\n")
+
+
+@pytest.mark.parametrize("beside", [("train.bin", "val.bin"), ()])
+def test_cli_prepare_says_an_invalid_meta_json_at_out_is_not_valid_json(tmp_path, bpe, capsys, beside):
+    from cli_helpers import run_cli
+
+    src = _write_corpus(tmp_path / "a.txt", _corpus(40, seed=2))
+    bpe.save(tmp_path / "tok.json")
+    out = tmp_path / "d5"
+    out.mkdir()
+    for name in beside:
+        write_shard(out / name, np.arange(50) % 10, vocab_size=bpe.vocab_size)
+    (out / "meta.json").write_text("{not json")
+    code, stdout, err = run_cli(capsys, "data", "prepare", "--data", src, "--tokenizer", tmp_path / "tok.json",
+                                "--out", out)
+    assert code == 1 and stdout == ""
+    assert err == (f"frawd: error: {out / 'meta.json'} is not valid JSON; give another --out, "
+                   "or --overwrite to replace it\n")
+    assert sorted(p.name for p in out.iterdir()) == sorted([*beside, "meta.json"])

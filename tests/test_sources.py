@@ -7,6 +7,7 @@ import re
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -230,3 +231,52 @@ def test_hf_rows_the_reader_cannot_decode_are_one_clear_error(tmp_path, monkeypa
     for spec in (f"hf:{bad_utf8}", str(bad_utf8 / "train.parquet")):
         with pytest.raises(FrawdError, match=r"cannot read row 1 or a later one \('utf-8' codec can't decode"):
             list(iter_documents(spec))
+
+
+# ---- prepared shards inside a text source; a folder of hidden files ------------------------------
+
+def _shard_folder(folder: Path) -> Path:
+    """What frawd data prepare writes: train.bin, val.bin and meta.json."""
+    from frawdllm.data import write_shard
+
+    folder.mkdir(parents=True)
+    for name in ("train.bin", "val.bin"):
+        write_shard(folder / name, np.arange(200) % 40, vocab_size=300)
+    (folder / "meta.json").write_text(json.dumps({"source": "x.txt", "vocab_size": 300}), encoding="utf-8")
+    return folder
+
+
+def test_a_folder_holding_a_folder_of_prepared_shards_is_refused_not_read_as_text(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("some text", encoding="utf-8")
+    shards = _shard_folder(tmp_path / "d" / "bpe")
+    with pytest.raises(FrawdError, match=re.escape(f"{shards} holds prepared shards (meta.json), not text: "
+                                                   f"move it out of {tmp_path / 'd'}")):
+        sources.source_files(str(tmp_path / "d"))  # checked when the source is resolved, before any reading
+
+
+@pytest.mark.parametrize("name", ["train-00003.bin", "tokens.dat"])
+def test_a_token_shard_file_in_a_text_source_is_refused(tmp_path, name):
+    from frawdllm.data import write_shard
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("some text", encoding="utf-8")
+    shard = tmp_path / "d" / name
+    write_shard(shard, np.array([5, 6, 7]), vocab_size=300)
+    refused = re.escape(f"{shard} is a FrawdLLM token shard (binary token ids), not text")
+    for spec in (tmp_path / "d", tmp_path / "d" / "*", shard):  # a folder, a glob, the file itself
+        with pytest.raises(FrawdError, match=refused):
+            list(iter_documents(str(spec)))
+
+
+def test_a_folder_of_hidden_files_only_says_so(tmp_path):
+    (tmp_path / "hid").mkdir()
+    (tmp_path / "hid" / ".x").write_text("hi", encoding="utf-8")
+    (tmp_path / "hid" / ".git").mkdir()
+    (tmp_path / "hid" / ".git" / "config").write_text("hi", encoding="utf-8")
+    with pytest.raises(FrawdError, match=re.escape(f"folder {tmp_path / 'hid'} holds only hidden files "
+                                                   "(names starting with '.'), which are skipped")):
+        list(iter_documents(str(tmp_path / "hid")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FrawdError, match=re.escape(f"folder {tmp_path / 'empty'} holds no files")):
+        list(iter_documents(str(tmp_path / "empty")))

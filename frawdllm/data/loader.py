@@ -11,6 +11,11 @@ is a window of `context_length + 1` tokens: x is the first T of them, y the last
   steps, a step trains on the same windows (so a run can resume with another world size).
 - `SequentialLoader` (validation) walks non-overlapping windows in order, the same ones
   on every call; rank r takes windows r, r + world_size, ... The last batch may be short.
+
+Both check each batch's ids (one `max` over the gathered windows): an id at or above the
+shard's vocabulary (its header's, or meta.json's through `read_split`), or the `vocab_size`
+given (a model's), is one line naming the shard file and the id's position, never an index
+error deep in the model's embedding.
 """
 
 from __future__ import annotations
@@ -24,10 +29,21 @@ from torch import Tensor
 
 from ..config import is_integer
 from ..errors import FrawdError
-from .shard_format import TokenArray
+from .shard_format import TokenArray, bad_id_error, id_limit
 
 
-def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank: int, world_size: int) -> None:
+class _IdBound:
+    """What bounds the ids of `tokens`: the shards' vocabulary, or `vocab_size` when smaller."""
+
+    def __init__(self, tokens: TokenArray, vocab_size: int | None):
+        shards = id_limit(tokens)
+        self.limit = id_limit(tokens, vocab_size)
+        self.model_bound = vocab_size is not None and (shards is None or vocab_size < shards)
+
+
+def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank: int, world_size: int,
+                  vocab_size: int | None) -> _IdBound:
+    """Refuse a bad layout in one line; return what bounds the ids."""
     shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
     if shape is None or len(shape) != 1 or getattr(dtype, "kind", None) not in ("i", "u"):
         what = f"a {len(shape)}-D {dtype} array" if shape is not None else type(tokens).__name__
@@ -40,16 +56,23 @@ def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank
         raise FrawdError(f"batch_size and context_length must be positive, got {batch_size} and {context_length}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise FrawdError(f"rank {rank} is outside world_size {world_size}")
+    if vocab_size is not None and (not is_integer(vocab_size) or vocab_size < 1):
+        raise FrawdError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
     n_tokens = len(tokens)
     if n_tokens < context_length + 1:
         raise FrawdError(f"only {n_tokens} tokens; a window of context_length {context_length} needs "
                          f"{context_length + 1}: use more data or a shorter context")
+    return _IdBound(tokens, vocab_size)
 
 
-def _windows(tokens: TokenArray, starts: np.ndarray,
-             context_length: int) -> tuple[Int[Tensor, "B T"], Int[Tensor, "B T"]]:
+def _windows(tokens: TokenArray, starts: np.ndarray, context_length: int,
+             bound: _IdBound) -> tuple[Int[Tensor, "B T"], Int[Tensor, "B T"]]:
     index = starts[:, None] + np.arange(context_length + 1)  # (B, T+1)
-    window = torch.from_numpy(tokens[index].astype(np.int64))  # one gather from the memmap
+    ids = tokens[index]  # one gather from the memmap
+    limit = bound.limit
+    if limit is not None and ids.size and (ids.max() >= limit or (ids.dtype.kind == "i" and ids.min() < 0)):
+        raise bad_id_error(tokens, ids, index, limit, bound.model_bound)
+    window = torch.from_numpy(ids.astype(np.int64))
     return window[:, :-1], window[:, 1:]
 
 
@@ -57,8 +80,8 @@ class RandomWindowLoader:
     """Seeded random windows for pretraining; exactly resumable from `state_dict()`."""
 
     def __init__(self, tokens: TokenArray, batch_size: int, context_length: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, grad_accum: int = 1):
-        _check_layout(tokens, batch_size, context_length, rank, world_size)
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, vocab_size: int | None = None):
+        self.id_bound = _check_layout(tokens, batch_size, context_length, rank, world_size, vocab_size)
         if not is_integer(grad_accum) or grad_accum < 1:
             raise FrawdError(f"grad_accum must be a positive integer, got {grad_accum!r}")
         self.tokens = tokens
@@ -80,7 +103,7 @@ class RandomWindowLoader:
         self._micro += 1
         if self._micro == self.grad_accum:
             self.step, self._micro = self.step + 1, 0
-        return _windows(self.tokens, mine, self.context_length)
+        return _windows(self.tokens, mine, self.context_length, self.id_bound)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         while True:
@@ -103,8 +126,9 @@ class SequentialLoader:
     """Every non-overlapping window once, in order: the same batches on every pass."""
 
     def __init__(self, tokens: TokenArray, batch_size: int, context_length: int,
-                 max_batches: int | None = None, rank: int = 0, world_size: int = 1):
-        _check_layout(tokens, batch_size, context_length, rank, world_size)
+                 max_batches: int | None = None, rank: int = 0, world_size: int = 1,
+                 vocab_size: int | None = None):
+        self.id_bound = _check_layout(tokens, batch_size, context_length, rank, world_size, vocab_size)
         if max_batches is not None and (not is_integer(max_batches) or max_batches < 1):
             raise FrawdError(f"max_batches must be a positive integer or None, got {max_batches!r}")
         self.tokens = tokens
@@ -121,4 +145,4 @@ class SequentialLoader:
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for b in range(len(self)):
             starts = self.starts[b * self.batch_size:(b + 1) * self.batch_size]
-            yield _windows(self.tokens, starts, self.context_length)
+            yield _windows(self.tokens, starts, self.context_length, self.id_bound)

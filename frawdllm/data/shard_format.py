@@ -9,7 +9,10 @@
     32      32    zero padding (keeps the tokens 64-byte aligned)
 
 `read_shard` memory-maps the tokens, so a shard of any size opens instantly and pages
-in only what a batch touches.
+in only what a batch touches. The ids themselves are checked as they are read: the loaders
+bound each batch by the shard's vocabulary (`id_limit`, `bad_id_error`), one `max` per
+batch, so a damaged shard is one line naming the file and the position of the bad id
+(a full scan when a shard opens would read every byte of it first).
 """
 
 from __future__ import annotations
@@ -63,12 +66,19 @@ def read_header(path: str | Path) -> dict:
     return {"version": version, "dtype": _DTYPES[itemsize], "n_tokens": n_tokens, "vocab_size": vocab_size}
 
 
-def read_shard(path: str | Path) -> np.ndarray:
-    """The tokens of a shard as a read-only memory-mapped 1-D array (uint16 or uint32)."""
+def read_shard(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+    """The tokens of a shard as a read-only memory-mapped 1-D array (uint16 or uint32).
+
+    The array knows its file (`shard_path`) and the ids it may hold (`id_limit`: the header's
+    vocabulary size, or `vocab_size` when smaller, say meta.json's), which the loaders check
+    each batch against (`bad_id_error`)."""
     header = read_header(path)
     if header["n_tokens"] == 0:
         return np.zeros(0, dtype=header["dtype"])  # mmap cannot map zero bytes
-    return np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+    tokens = np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+    tokens.shard_path = Path(path)
+    tokens.id_limit = min(header["vocab_size"], vocab_size) if vocab_size else header["vocab_size"]
+    return tokens
 
 
 class ShardWriter:
@@ -156,9 +166,46 @@ class ShardStream:
             out[mask] = self.parts[part][index[mask] - self.offsets[part]]
         return out[()] if out.ndim == 0 else out
 
+    def locate(self, position: int) -> tuple[np.ndarray, int]:
+        """The part holding stream position `position`, and the position within it."""
+        part = int(np.searchsorted(self.offsets, position, side="right")) - 1
+        return self.parts[part], position - int(self.offsets[part])
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=self.dtype)
         return whole if dtype is None else whole.astype(dtype)
 
 
 TokenArray = np.ndarray | ShardStream  # what the loaders read: one shard's memmap, or several as one
+
+
+def id_limit(tokens: TokenArray, vocab_size: int | None = None) -> int | None:
+    """One more than the largest id `tokens` may hold: the smallest of its shards' `id_limit`
+    (see `read_shard`) and `vocab_size` (a model's, say); None when nothing bounds them."""
+    parts = tokens.parts if isinstance(tokens, ShardStream) else [tokens]
+    limits = [limit for limit in [getattr(part, "id_limit", None) for part in parts] + [vocab_size]
+              if limit is not None]
+    return min(limits) if limits else None
+
+
+def bad_id_error(tokens: TokenArray, ids: np.ndarray, index: np.ndarray, limit: int,
+                 model_bound: bool = False) -> FrawdError:
+    """The error for `ids = tokens[index]` holding an id outside [0, `limit`): the first such
+    id, its shard file and its position there (token and byte), or its position in a plain
+    array. `model_bound`: the limit is the caller's (a model's vocabulary), below the shards'."""
+    bad = (ids >= limit) | (ids < 0)
+    positions = index[bad]
+    first = int(np.argmin(positions))
+    value, position = int(ids[bad][first]), int(positions[first])
+    part = tokens
+    if isinstance(tokens, ShardStream):
+        part, position = tokens.locate(position)
+    path = getattr(part, "shard_path", None)
+    if path is None:
+        return FrawdError(f"token id {value} at position {position} is outside the vocabulary [0, {limit})")
+    where = f"{path}: token id {value} at position {position} (byte {HEADER_BYTES + position * part.dtype.itemsize})"
+    if model_bound:
+        return FrawdError(f"{where} is outside the model's vocabulary [0, {limit}); the shards were made with "
+                          "another tokenizer")
+    return FrawdError(f"{where} is outside the vocabulary [0, {limit}); the shard is damaged: prepare it again "
+                      "with frawd data prepare")

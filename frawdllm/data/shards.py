@@ -246,22 +246,43 @@ def read_shard_meta(shard_dir: str | Path) -> dict | None:
     though, a meta.json that cannot be read is prepared shards damaged, an error (their
     token ids must not pass for text)."""
     path = Path(shard_dir) / META_FILE
-    problem = None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        meta, problem = None, f"cannot be read ({exc.strerror or exc})"
-    except ValueError:
-        meta, problem = None, "is not valid JSON"
-    if problem is None and not isinstance(meta, dict):
-        problem = "is not a JSON object"
+    meta, problem = _load_meta(path)
     if problem is None:
         return meta
     if path.is_file() and any((Path(shard_dir) / name).is_file() for name in (TRAIN_FILE, VAL_FILE)):
         raise FrawdError(f"{path} {problem}; prepare the shards again with frawd data prepare")
     return None
+
+
+def _load_meta(path: Path) -> tuple[dict | None, str | None]:
+    """(the JSON object in `path`, None); (None, None) when there is no such file; else
+    (None, what is wrong with it: "is not valid JSON", ...)."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    except ValueError:
+        return None, "is not valid JSON"
+    if not isinstance(meta, dict):
+        return None, "is not a JSON object"
+    return meta, None
+
+
+def holds_shards(folder: str | Path) -> bool:
+    """Whether `folder` holds prepared shards: a meta.json that is a JSON object and at least one
+    of the shard files it names (or train.bin, val.bin). A damaged meta.json beside train.bin
+    or val.bin is an error (see `read_shard_meta`)."""
+    folder = Path(folder)
+    meta = read_shard_meta(folder)
+    if meta is None:
+        return False
+    try:
+        files = split_files(folder, "train", meta) + split_files(folder, "val", meta)
+    except FrawdError:  # shard lists that are not lists of names
+        files = [folder / TRAIN_FILE, folder / VAL_FILE]
+    return any(f.is_file() for f in files)
 
 
 def shard_files(shard_dir: str | Path, meta: dict) -> list[Path]:
@@ -277,11 +298,17 @@ def shard_files(shard_dir: str | Path, meta: dict) -> list[Path]:
 
 
 def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> TokenArray:
-    """The tokens of a split: one shard's memory map, or several read as one stream."""
-    files = split_files(shard_dir, split, meta)
+    """The tokens of a split: one shard's memory map, or several read as one stream. Their ids
+    are bounded by each header's vocabulary and meta.json's `vocab_size`, the smaller (see
+    `read_shard`; the loaders check every batch against it)."""
+    if meta is None:
+        meta = read_shard_meta(shard_dir)
+    files = split_files(shard_dir, split, meta)  # refuses a folder without meta.json
+    vocab = meta.get("vocab_size")
+    vocab = vocab if is_integer(vocab) and vocab >= 1 else None
     if len(files) == 1:
-        return read_shard(files[0])
-    return ShardStream([read_shard(f) for f in files])
+        return read_shard(files[0], vocab)
+    return ShardStream([read_shard(f, vocab) for f in files])
 
 
 def print_warnings(meta: dict) -> None:
@@ -364,10 +391,9 @@ def refuse_other_shards(out: str | Path, data: str) -> None:
             raise FrawdError(f"{out} holds {' and '.join(orphans)} but no {META_FILE} saying what "
                              f"{'they were' if len(orphans) > 1 else 'it was'} made from; {fix} {them}")
         return
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        meta = None
+    meta, problem = _load_meta(meta_path)
+    if problem is not None:
+        raise FrawdError(f"{meta_path} {problem}; {fix} it")
     held = None
     if isinstance(meta, dict):
         if isinstance(meta.get("resolved_source"), str):

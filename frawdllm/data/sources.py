@@ -5,7 +5,8 @@
     path/to/file.txt[.gz]        a text file; documents split by `doc_split`:
                                  "blank" (a blank line, default), "line", or "file"
     path/to/folder               every non-hidden file below it, sorted by path; a folder
-                                 of prepared shards (meta.json) is refused, not read as text
+                                 of prepared shards (meta.json) is refused, not read as text,
+                                 and so is one holding such a folder, at any depth
     'data/*.txt', 'data/**/*.gz' a glob (quote it in the shell), sorted
     *.jsonl[.gz]                 one JSON object a line; its `text_field` is the document
     *.parquet                    the `text_field` column, through pyarrow
@@ -14,7 +15,9 @@
 
 Invalid UTF-8 never stops a run: each bad byte sequence becomes U+FFFD and is counted
 in a `SourceStats`, to be reported at the end. A missing path, an empty corpus or a JSON
-line without the field is a `FrawdError` naming the file and line.
+line without the field is a `FrawdError` naming the file and line. So is a token shard
+(a file starting with the shard magic, FRAWDTOK): its ids must never pass for text. Files
+named *.bin are checked when the source is resolved, any other when it is read.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import sysconfig
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ..errors import FrawdError
 
@@ -147,16 +150,22 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         if not files:
             raise FrawdError(f"no files match {spec!r}")
+        refuse_shard_files(p for p in files if p.name.lower().endswith(".bin"))
         return files
     path = Path(spec)
     if path.is_file():
+        refuse_shard_files([path])
         return [path]
     if path.is_dir():
         refuse_shard_dir(path)
         files = sorted(p for p in path.rglob("*")
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
+            if any(p.is_file() for p in path.rglob("*")):
+                raise FrawdError(f"folder {path} holds only hidden files (names starting with '.'), which are skipped")
             raise FrawdError(f"folder {path} holds no files")
+        _refuse_shard_subdirs(path, files)
+        refuse_shard_files(p for p in files if p.name.lower().endswith(".bin"))
         return files
     raise FrawdError(f"data source not found: {spec!r} (expected {builtin}, hf:NAME, a file, a folder or a glob)")
 
@@ -172,6 +181,43 @@ def refuse_shard_dir(path: Path) -> None:
         shard_files(path, meta)  # all there, else the error names the missing ones
         raise FrawdError(f"{path} holds prepared shards (meta.json), not text; give it to "
                          f"frawd pretrain --data {path} or frawd eval --data {path}")
+
+
+def _refuse_shard_subdirs(root: Path, files: list[Path]) -> None:
+    """A folder of prepared shards below `root` (a meta.json beside the shard files it names)
+    holds token ids, not text: one line naming it."""
+    from .shards import META_FILE, holds_shards
+
+    for folder in sorted({p.parent for p in files if p.name == META_FILE and p.parent != root}):
+        if holds_shards(folder):
+            raise FrawdError(f"{folder} holds prepared shards (meta.json), not text: move it out of {root} "
+                             f"(or name the text files with a glob); shards go to frawd pretrain --data or "
+                             f"frawd eval --data")
+
+
+def _shard_file_error(path: Path) -> FrawdError:
+    return FrawdError(f"{path} is a FrawdLLM token shard (binary token ids), not text; leave it out of the data "
+                      "source (a folder of prepared shards goes whole to frawd pretrain --data or frawd eval --data)")
+
+
+def refuse_shard_files(paths: Iterable[Path]) -> None:
+    """One line for the first of `paths` that starts with the token shard magic."""
+    from .shard_format import MAGIC
+
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC))
+        except OSError:
+            continue  # reading it later says what is wrong
+        if head == MAGIC:
+            raise _shard_file_error(path)
+
+
+def _refuse_shard_text(head: str, path: Path) -> None:
+    """The first text read from a file: a token shard decodes to the magic, then its version's NULs."""
+    if head.startswith("FRAWDTOK") and "\0" in head[8:16]:
+        raise _shard_file_error(path)
 
 
 def file_documents(files: list[Path], text_field: str, doc_split: str, stats: SourceStats) -> Iterator[str]:
@@ -211,10 +257,14 @@ def _text_documents(path: Path, doc_split: str, stats: SourceStats) -> Iterator[
     with _open_text(path) as f:
         if doc_split == "file":
             text = _read(f, -1, path, stats)
+            _refuse_shard_text(text, path)
             if text.strip():
                 yield text
             return
-        yield from _split_stream(lambda: _read(f, _CHUNK_CHARS, path, stats), _SEPARATORS[doc_split])
+        head = [_read(f, _CHUNK_CHARS, path, stats)]
+        _refuse_shard_text(head[0], path)
+        yield from _split_stream(lambda: head.pop() if head else _read(f, _CHUNK_CHARS, path, stats),
+                                 _SEPARATORS[doc_split])
 
 
 def _split_stream(read_chunk, separator: re.Pattern) -> Iterator[str]:
