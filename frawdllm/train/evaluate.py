@@ -25,7 +25,8 @@ from ..data.shard_format import TokenArray
 def lm_loss(model: nn.Module, tokens: TokenArray, batch_size: int, context_length: int,
             device: torch.device, max_batches: int | None = None, progress: bool = False) -> tuple[float, int]:
     """(mean loss in nats, number of predicted tokens) over the windows of `tokens`."""
-    loader = SequentialLoader(tokens, batch_size, context_length, max_batches=max_batches)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # an id the embedding lacks: one line
+    loader = SequentialLoader(tokens, batch_size, context_length, max_batches=max_batches, vocab_size=vocab)
     batches = loader
     if progress:
         from tqdm import tqdm

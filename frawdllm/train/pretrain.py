@@ -73,7 +73,8 @@ class PretrainTask(TrainTask):
         place = distributed.current()
         micro, accum = distributed.batch_layout(cfg.batch_size, cfg.grad_accum, place.world_size)
         self.loader = RandomWindowLoader(data.train, micro, self.context_length, seed=cfg.seed, rank=place.rank,
-                                         world_size=place.world_size, grad_accum=accum)
+                                         world_size=place.world_size, grad_accum=accum,
+                                         vocab_size=model_config.vocab_size)
         self.flops_per_token = model_config.flops_per_token(self.context_length)
         self.bytes_per_token = data.meta.get("val_bytes_per_token") or data.meta.get("bytes_per_token")
         self.can_evaluate = len(data.val) > self.context_length
