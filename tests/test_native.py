@@ -233,6 +233,33 @@ def test_engine_rebuilds_the_decoder_after_the_weights_change():
     assert after == Engine(model, IdTokenizer()).generate([[9, 10, 11]], params)[0].tokens
 
 
+@pytest.mark.parametrize("update", ["fused AdamW step", "through .data", "the bias alone"])
+def test_engine_sees_weight_updates_that_leave_the_version_counter_alone(update):
+    """torch's fused AdamW and writes through `.data` do not bump a tensor's version: the
+    decoder went on with its old copies of the linear weights (beside the new embeddings it
+    points to), giving tokens of neither model."""
+    torch.manual_seed(0)
+    model = make_model(**CONFIGS["learned"])
+    engine = Engine(model, IdTokenizer())
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    before = engine.generate([[9, 10, 11]], params)[0].tokens
+    if update == "fused AdamW step":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+        x = torch.randint(0, model.config.vocab_size, (2, 8))
+        versions = [p._version for p in model.parameters()]
+        model(x, x)[1].backward()
+        optimizer.step()
+        assert [p._version for p in model.parameters()] == versions  # what the version check missed
+    elif update == "through .data":
+        for p in model.parameters():
+            p.data.mul_(-1.0)
+    else:
+        model.blocks[0].mlp.up.bias.data += 5.0
+    after = engine.generate([[9, 10, 11]], params)[0].tokens
+    assert after == Engine(model, IdTokenizer()).generate([[9, 10, 11]], params)[0].tokens
+    assert after != before
+
+
 def test_models_it_cannot_run_use_pytorch_or_fail_clearly_when_native_is_required():
     bf16 = make_model(**CONFIGS["learned"]).to(torch.bfloat16)
     assert "bfloat16" in native.supports(bf16)

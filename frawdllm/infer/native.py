@@ -264,6 +264,32 @@ def _signature(model: nn.Module) -> list[tuple[int, int, tuple[int, ...]]]:
     return [(t.data_ptr(), t._version, t.stride()) for t in (*model.parameters(), *model.buffers())]
 
 
+class _Probe:
+    """A few values of each tensor the decoder copied (the linear layers'), read through views
+    of their memory: writes that leave the version counter alone show up here (torch's fused
+    AdamW step does not count as an in-place write, nor does `p.data.mul_(...)`: a decoder
+    built before such an update went on multiplying by the old weights, beside the new
+    embeddings and norms it points to)."""
+
+    PER_TENSOR = 16
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        groups: dict[torch.dtype, list[Tensor]] = {}
+        for t in tensors:
+            t = t.detach()
+            if t.numel() and t.is_contiguous():  # (a view that aliases; others are in the signature only)
+                flat = t.view(-1)
+                groups.setdefault(t.dtype, []).append(flat[:: max(1, flat.numel() // self.PER_TENSOR)])
+        self.views = list(groups.values())
+        self.values = self._read()
+
+    def _read(self) -> list[Tensor]:
+        return [torch.cat(views) for views in self.views]  # one small copy per dtype
+
+    def unchanged(self) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(self._read(), self.values))
+
+
 WEIGHT_DTYPES = ("fp32", "fp16")
 
 
@@ -323,6 +349,8 @@ class NativeDecoder:
         self._planes: list[Tensor] = []  # their weights (2 MB pages), while timing says they pay (_choose_forms)
         # Every matrix packed first, so that one block of 2 MB pages holds them all, one after another.
         linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.up, b.mlp.down)]
+        self._probe = _Probe([t for m in (*linears, model.lm_head)
+                              for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))])
         packs = {id(m): pack(m) for m in (*linears, model.lm_head)}
         self.arena = Arena(Arena.size_of([t.numel() * t.element_size() for t in packs.values()]))
         with_planes = {id(m) for m in (*linears, model.lm_head)
@@ -488,7 +516,7 @@ class NativeDecoder:
 
     def is_current(self, model: nn.Module) -> bool:
         """True while `model`'s tensors are the ones this decoder was built on, unmodified."""
-        return model is self.source and _signature(model) == self._signature
+        return model is self.source and _signature(model) == self._signature and self._probe.unchanged()
 
     def forward(
         self, tokens: Int[Tensor, "B T"], positions: Int[Tensor, "B T"], cache: Any, threads: int | None = None
