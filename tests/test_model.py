@@ -215,3 +215,37 @@ def test_eval_mode_restores_the_modes_when_the_last_of_overlapping_blocks_ends()
     with pytest.raises(RuntimeError), eval_mode(model):  # an error inside restores them too
         raise RuntimeError
     assert [m.training for m in model.modules()] == modes
+
+
+BAD_CALLS = r"""
+import torch
+from frawdllm import FrawdLLM, get_config
+m = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300, context_length=32))
+x = torch.randint(0, 300, (2, 8))
+for args in [(x[0],), ([[1, 2]],), (x.float(),), (x, x.reshape(8, 2)), (x, x > 3)]:
+    try:
+        m(*args)
+        print("accepted")
+    except ValueError as exc:
+        print(exc)
+print(float(m(x, x.int())[1]) == float(m(x, x)[1]))
+"""
+
+
+def test_bad_ids_and_targets_are_one_line_naming_them():
+    """Without the tests' shape checks (a user's run): a 1-D tensor failed with `IndexError:
+    tuple index out of range`, (T, B) targets against (B, T) ids gave a loss without a word,
+    int32 targets a RuntimeError inside cross_entropy."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", BAD_CALLS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "token_ids must be a (batch, time) integer tensor, got a 1-D torch.int64 tensor",
+        "token_ids must be a (batch, time) integer tensor, got list",
+        "token_ids must be a (batch, time) integer tensor, got a 2-D torch.float32 tensor",
+        "targets of shape (8, 2) do not match token_ids of shape (2, 8)",
+        "targets must be a (batch, time) integer tensor, got a 2-D torch.bool tensor",
+        "True",
+    ]
