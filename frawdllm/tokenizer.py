@@ -267,6 +267,8 @@ def train_tokenizer(texts: Iterable[str], kind: str = "bpe", vocab_size: int = 8
     `vocab_size` (specials included) applies to `bpe` only: `char` takes the characters of
     the text, `byte` is always 256 + 7.
     """
+    if isinstance(texts, (str, bytes)):  # (a str iterates by character: a tokenizer without merges)
+        raise FrawdError(f"texts must be an iterable of documents, not one {type(texts).__name__}: pass [text]")
     if kind == "bpe":
         return _train_bpe(texts, vocab_size, show_progress)
     if kind == "char":

@@ -464,3 +464,21 @@ def test_a_stop_string_found_in_the_flushed_tail_finishes_as_stop():
     stream = TextStream(tokenizer, params.stop)
     assert engine.push_text(stream, 7 + ord("a"), None, params) == ("a", None)
     assert engine.push_text(stream, 7 + 0xE2, "length", params) == ("", "stop")  # 0xE2: the head of "€"
+
+
+def test_params_that_are_not_sampling_params_are_one_line():
+    """A dict failed with `AttributeError: 'dict' object has no attribute 'num_samples'`
+    (Engine.generate/stream and Scheduler.submit take params through `checked_params`;
+    here the tests' own type checks would refuse the dict first)."""
+    from frawdllm.infer.sampling import checked_params
+
+    message = r"^params must be a SamplingParams \(SamplingParams.from_dict reads a dict\), got dict$"
+    with pytest.raises(FrawdError, match=message):
+        checked_params({"temperature": 0})
+    assert checked_params(None) == SamplingParams()
+
+
+def test_from_pretrained_names_a_bad_device_before_reading_anything(tmp_path):
+    FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path / "m")
+    with pytest.raises(FrawdError, match="unknown device 'gpu'"):  # (blamed the weights file before)
+        FrawdLLM.from_pretrained(tmp_path / "m", device="gpu")

@@ -178,6 +178,8 @@ def test_load_names_the_missing_or_corrupt_file(tmp_path):
 
 
 def test_training_rejects_bad_inputs():
+    with pytest.raises(FrawdError, match="not one str: pass \\[text\\]"):  # (trained by character: no merges)
+        train_tokenizer("one long text " * 50, "bpe", vocab_size=300)
     with pytest.raises(FrawdError, match="between 263 .* got 100$"):
         train_tokenizer(CORPUS, "bpe", vocab_size=100)
     with pytest.raises(FrawdError, match="empty corpus"):

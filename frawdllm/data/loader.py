@@ -47,6 +47,8 @@ def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank
     shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
     if shape is None or len(shape) != 1 or getattr(dtype, "kind", None) not in ("i", "u"):
         what = f"a {len(shape)}-D {dtype} array" if shape is not None else type(tokens).__name__
+        if isinstance(tokens, torch.Tensor):  # ("got a 1-D torch.int64 array" read as a contradiction)
+            what = f"a torch tensor ({dtype}; pass tokens.numpy())"
         raise FrawdError(f"tokens must be a 1-D integer array (read_shard, read_split), got {what}")
     for name, value in (("batch_size", batch_size), ("context_length", context_length), ("rank", rank),
                         ("world_size", world_size)):

@@ -66,7 +66,7 @@ from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
-from .sampling import SamplingParams, greedy_index, make_generator, sample_next, sample_seed
+from .sampling import SamplingParams, checked_params, greedy_index, make_generator, sample_next, sample_seed
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
@@ -301,7 +301,7 @@ class Engine:
         one is a prompt per row). A list starting with a number is one prompt; `bytes` is an
         error (decode it to str).
         """
-        params = params or SamplingParams()
+        params = checked_params(params)
         encoded = self._prompt_list(prompts)
         n = params.num_samples
         tokens: list[list[int]] = [[] for _ in range(len(encoded) * n)]
@@ -323,7 +323,7 @@ class Engine:
     def stream(self, prompts: Any, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Text as it becomes printable: never half a character, never (part of) a stop
         string. `prompts` as in `generate`."""
-        params = params or SamplingParams()
+        params = checked_params(params)
         yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
 
     def _is_stop_token(self, token: int, params: SamplingParams) -> bool:

@@ -230,7 +230,19 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def checked_params(params: Any) -> SamplingParams:
+    """`params`, or the defaults for None; anything else is one line (a dict failed with
+    `AttributeError: 'dict' object has no attribute 'num_samples'`)."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ConfigError(f"params must be a SamplingParams (SamplingParams.from_dict reads a dict), "
+                          f"got {type(params).__name__}")
+    return params
+
+
 __all__ = [
-    "SamplingParams", "sample_next", "processed_logits", "make_generator", "sample_seed", "greedy_choice", "greedy_index",
-    "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
+    "SamplingParams", "checked_params", "sample_next", "processed_logits", "make_generator", "sample_seed",
+    "greedy_choice", "greedy_index", "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]
+

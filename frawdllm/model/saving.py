@@ -28,7 +28,9 @@ class ModelDirectoryMixin:
         from ..errors import FrawdError
         from ..modeldir import load_model
 
-        model = load_model(directory, device=device)
+        from ..train.device import pick_device
+
+        model = load_model(directory, device=pick_device(str(device)))  # (a bad device: one line, first)
         if not isinstance(model, cls):
             raise FrawdError(f"{directory}: holds a {type(model).__name__} model, not a {cls.__name__}")
         return model
