@@ -27,7 +27,6 @@ class ModelDirectoryMixin:
         holds another kind of model."""
         from ..errors import FrawdError
         from ..modeldir import load_model
-
         from ..train.device import pick_device
 
         model = load_model(directory, device=pick_device(str(device)))  # (a bad device: one line, first)
