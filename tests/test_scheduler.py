@@ -390,3 +390,38 @@ def test_a_dropped_scheduler_ends_its_thread(model_tok):
     idle_thread = Scheduler(engine)._thread  # dropped at once, never used
     idle_thread.join(5)
     assert not idle_thread.is_alive()
+
+
+MISUSE = r"""
+from frawdllm import FrawdLLM, get_config
+from frawdllm.errors import FrawdError
+from frawdllm.infer import Engine
+from frawdllm.infer.scheduler import Scheduler
+from frawdllm.tokenizer import byte_tokenizer
+m = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300, context_length=32))
+t = byte_tokenizer()
+for make in (lambda: Engine(m, t, native="no"), lambda: Engine(object(), t), lambda: Scheduler(m),
+             lambda: Scheduler(Engine(m, t), max_batch=2.5), lambda: Scheduler(Engine(m, t), max_queue="4")):
+    try:
+        make()
+        print("accepted")
+    except FrawdError as exc:
+        print(exc)
+"""
+
+
+def test_engine_and_scheduler_arguments_of_the_wrong_kind_are_one_line():
+    """Outside the tests' type checks (a user's script): native="no" silently forced the
+    native forward; the others failed with AttributeError or TypeError deep inside."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MISUSE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "native must be None (chosen per phase), True or False; got 'no'",
+        "Engine generates with a FrawdLLM model; got object",
+        "Scheduler batches the requests of an Engine; got FrawdLLM",
+        "max_batch must be an integer >= 1, got 2.5",
+        "max_queue must be an integer >= 1, got '4'",
+    ]

@@ -133,6 +133,10 @@ class Engine:
     ) -> None:
         if overflow not in OVERFLOW_MODES:
             raise FrawdError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}; got {overflow!r}")
+        if native not in (None, True, False):  # ("no" is truthy: it forced the native forward)
+            raise FrawdError(f"native must be None (chosen per phase), True or False; got {native!r}")
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise FrawdError(f"Engine generates with a FrawdLLM model; got {type(model).__name__}")
         if isinstance(getattr(model, "config", None), Seq2SeqConfig):
             raise FrawdError("Engine generates with a decoder-only model (FrawdLLM); for an encoder-decoder "
                              "Seq2SeqTransformer use frawdllm.infer.translate "

@@ -49,6 +49,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..config import is_integer
 from ..errors import ConfigError, FrawdError
 from .cache import RowKVCache
 from .engine import Engine, StreamChunk
@@ -143,8 +144,10 @@ class Scheduler:
 
     def __init__(self, engine: Engine, *, max_batch: int = 32, max_queue: int = 256,
                  prefill_tokens: int = 512) -> None:
+        if not isinstance(engine, Engine):
+            raise FrawdError(f"Scheduler batches the requests of an Engine; got {type(engine).__name__}")
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_tokens", prefill_tokens)):
-            if value < 1:
+            if not is_integer(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if engine.overflow != "stop":
             raise FrawdError("continuous batching needs an engine with overflow='stop'")
