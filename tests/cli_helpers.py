@@ -1,4 +1,7 @@
-"""Running `frawd` in the test process and reading what it printed."""
+"""Running `frawd` in the test process and reading what it printed; running a user's script."""
+
+import subprocess
+import sys
 
 from frawdllm.cli import main
 
@@ -12,3 +15,11 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
         code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def script_lines(script: str) -> list[str]:
+    """The lines a Python script prints, run in a fresh interpreter: as a user's script runs,
+    without the tests' run-time type checks (which would refuse some misuse first)."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()

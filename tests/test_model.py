@@ -236,12 +236,9 @@ def test_bad_ids_and_targets_are_one_line_naming_them():
     """Without the tests' shape checks (a user's run): a 1-D tensor failed with `IndexError:
     tuple index out of range`, (T, B) targets against (B, T) ids gave a loss without a word,
     int32 targets a RuntimeError inside cross_entropy."""
-    import subprocess
-    import sys
+    from cli_helpers import script_lines
 
-    out = subprocess.run([sys.executable, "-c", BAD_CALLS], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == [
+    assert script_lines(BAD_CALLS) == [
         "token_ids must be a (batch, time) integer tensor, got a 1-D torch.int64 tensor",
         "token_ids must be a (batch, time) integer tensor, got list",
         "token_ids must be a (batch, time) integer tensor, got a 2-D torch.float32 tensor",

@@ -413,12 +413,9 @@ for make in (lambda: Engine(m, t, native="no"), lambda: Engine(object(), t), lam
 def test_engine_and_scheduler_arguments_of_the_wrong_kind_are_one_line():
     """Outside the tests' type checks (a user's script): native="no" silently forced the
     native forward; the others failed with AttributeError or TypeError deep inside."""
-    import subprocess
-    import sys
+    from cli_helpers import script_lines
 
-    out = subprocess.run([sys.executable, "-c", MISUSE], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == [
+    assert script_lines(MISUSE) == [
         "native must be None (chosen per phase), True or False; got 'no'",
         "Engine generates with a FrawdLLM model; got object",
         "Scheduler batches the requests of an Engine; got FrawdLLM",
