@@ -35,6 +35,7 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .config import is_integer
 from .errors import FrawdError, check_unicode
 from .io import write_text_atomic
 
@@ -162,8 +163,15 @@ class Tokenizer:
         return [e.ids for e in self._plain.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable, skip_special_tokens: bool = False) -> str:
-        """Ids (a list, numpy array or tensor) -> text."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+        """Ids (a list, numpy array or 1-D tensor) -> text. An id that is not a non-negative
+        integer is one line (104.9 decoded as 104, -1 overflowed); one past this tokenizer's
+        vocabulary decodes to nothing (a model's vocabulary may be larger than its tokenizer's:
+        an untrained model can sample such an id)."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        bad = next((i for i in ids if not is_integer(i) or i < 0), None)
+        if bad is not None:
+            what = "a nested list" if isinstance(bad, list) else repr(bad)
+            raise FrawdError(f"decode takes non-negative integer token ids, got {what}")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def unknown_characters(self, text: str) -> set[str]:

@@ -2,6 +2,7 @@
 naive pure-Python BPE encoder that reads the merges from tokenizer.json."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -285,6 +286,18 @@ def test_decode_accepts_numpy_arrays_and_tensors(bpe):
     ids = bpe.encode("hello world")
     assert bpe.decode(np.array(ids, dtype=np.uint16)) == "hello world"
     assert bpe.decode(torch.tensor(ids)) == "hello world"
+
+
+def test_decode_refuses_ids_that_are_not_non_negative_integers(bpe):
+    """104.9 decoded as 104 and -1 overflowed inside tokenizers; an id past the vocabulary
+    decodes to nothing (a model may be larger than its tokenizer)."""
+    import torch
+
+    ids = bpe.encode("hello world")
+    for bad, shown in (([ids[0] + 0.9], repr(ids[0] + 0.9)), ([-1], "-1"), (torch.tensor([ids]), "a nested list")):
+        with pytest.raises(FrawdError, match=rf"^decode takes non-negative integer token ids, got {re.escape(shown)}$"):
+            bpe.decode(bad)
+    assert bpe.decode(ids + [bpe.vocab_size + 5]) == "hello world"
 
 
 def test_bpe_training_progress_never_writes_to_stdout(capfd):
