@@ -46,6 +46,9 @@ KINDS = ("bpe", "char", "byte")
 TOKENIZER_FILE = "tokenizer.json"
 MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet, before any merge
 MAX_BPE_VOCAB = 2**20  # 4x the largest vocabularies in use (~256k); the trainer allocates ~56 bytes an id up front
+# End-of-text tokens of other families (GPT-2, Llama 3, Llama 2 / Mistral, Gemma): what ends a
+# document for a tokenizer without FrawdLLM's specials (an imported model's)
+FOREIGN_DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 def check_bpe_vocab_size(vocab_size: int) -> int:
@@ -54,9 +57,6 @@ def check_bpe_vocab_size(vocab_size: int) -> int:
         raise FrawdError(f"BPE vocab_size must be between {MIN_BPE_VOCAB} (7 specials + 256 bytes) and "
                          f"{MAX_BPE_VOCAB:,}, got {vocab_size:,}")
     return vocab_size
-# End-of-text tokens of other families (GPT-2, Llama 3, Llama 2 / Mistral, Gemma): what ends a
-# document for a tokenizer without FrawdLLM's specials (an imported model's)
-FOREIGN_DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 def render_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -26,9 +26,8 @@ collective and no sharding (it costs one model's weights per rank, bf16/fp32 as 
 
 from __future__ import annotations
 
-import math
-
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +54,7 @@ LOSSES = ("sigmoid", "ipo")
 class DPOConfig(FinetuneConfig):
     """`frawd dpo`: align a model directory with preference pairs."""
 
-    ROWS_PER_EXAMPLE = 2  # a pair's chosen and rejected answers (memory: check_init)
+    ROWS_PER_EXAMPLE = 2  # a pair's chosen and rejected answers
 
     beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
     loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")

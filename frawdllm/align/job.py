@@ -32,6 +32,8 @@ from . import lora
 class FinetuneConfig(TrainConfig):
     """Fields both post-training commands add to the loop's."""
 
+    ROWS_PER_EXAMPLE = 1  # rows a micro-batch example takes (DPO: 2), for the memory check
+
     init: str | None = option(None, "The model directory to start from (e.g. a pretraining run's model/); "
                                     "its config and tokenizer are kept.")
     # each command names its own built-in corpus (SFTConfig, DPOConfig)
@@ -91,7 +93,7 @@ def check_init(cfg: FinetuneConfig) -> None:
     tokenizer.require_frawd_specials(f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
     check_training_fits(model_config, cfg.batch_size, min(cfg.max_length or model_config.context_length,
                                                           model_config.context_length), cfg.dtype, device,
-                        getattr(cfg, "ROWS_PER_EXAMPLE", 1))
+                        cfg.ROWS_PER_EXAMPLE)
     if cfg.lora_rank > model_config.n_embd:  # every adapted projection has n_embd inputs or outputs
         raise ConfigError(f"--lora-rank {cfg.lora_rank} exceeds the model's n_embd {model_config.n_embd}: rank "
                           f"{model_config.n_embd} already allows any update of the projections (for every weight, "

@@ -9,7 +9,6 @@ int8 quantization, the native C forward or torch.compile, overflow policy).
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 from typing import Any
 

@@ -245,4 +245,3 @@ __all__ = [
     "SamplingParams", "checked_params", "sample_next", "processed_logits", "make_generator", "sample_seed",
     "greedy_choice", "greedy_index", "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]
-

@@ -102,6 +102,9 @@ class _Decoder:
     def __init__(self, model: Seq2SeqTransformer, memory_kv: MemoryKV, src_mask: Tensor, max_len: int,
                  use_cache: bool) -> None:
         self.model, self.memory_kv, self.src_mask = model, memory_kv, src_mask
+        cfg = model.config
+        # never after BOS: PAD and BOS (unless one is EOS; in Marian PAD is the start token)
+        self.never = [i for i in {cfg.pad_token_id, cfg.bos_token_id} if i != cfg.eos_token_id]
         dtype = memory_kv[0][0].dtype
         self.cache = KVCache(model.config, src_mask.shape[0], max_len, dtype=dtype, device=src_mask.device) \
             if use_cache else None
@@ -119,9 +122,7 @@ class _Decoder:
         """`scores` (logits or log-probabilities) with PAD and BOS at -inf: neither can follow
         BOS in a translation. (Greedy used to end a row at a PAD while beam search went on past
         it, so beam 1 was not greedy, and an untrained model spent its whole length on BOS.)"""
-        cfg = self.model.config
-        never = [i for i in {cfg.pad_token_id, cfg.bos_token_id} if i != cfg.eos_token_id]  # (Marian: pad == start)
-        scores[:, never] = float("-inf")
+        scores[:, self.never] = float("-inf")
         return scores
 
     def select_rows(self, rows: Tensor) -> None:

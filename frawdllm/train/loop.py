@@ -428,11 +428,9 @@ class Trainer:
 
     def _fit(self, bar) -> None:
         cfg = self.cfg
-        if self.step == 0 and (cfg.eval_interval or cfg.max_time_s):
-            # the starting point; and what an evaluation costs, which a time budget must
-            # keep in reserve for the final one
-            self._evaluate(save=False)
-        elif self._owed_eval:  # where the uninterrupted run evaluated: the same metrics, best model, RNG
+        # the starting point, and what an evaluation costs (a time budget keeps the final one in
+        # reserve); or, resumed where a stop cut off a due evaluation, that one (as uninterrupted)
+        if (self.step == 0 and (cfg.eval_interval or cfg.max_time_s)) or self._owed_eval:
             self._evaluate(save=False)
         while self.stop_reason is None:
             record = self.train_step()
