@@ -44,9 +44,9 @@ class FinetuneConfig(TrainConfig):
                                           "truncated: the prompt's tail and the response's head are kept.")
     skip_bad_lines: bool = option(False, "Skip malformed records (counted in the summary) instead of stopping.")
     lora_rank: int = option(0, "Train rank-R LoRA adapters on the attention and MLP projections instead of "
-                               "every weight (0 = full fine-tuning); merged into RUN/model on save.")
+                               "every weight (0 = full fine-tuning; at most n_embd); merged into RUN/model on save.")
     lora_alpha: float | None = option(None, "LoRA scale numerator: the update is (alpha / rank) B A "
-                                            "(default 2 x rank).")
+                                            "(default 2 x rank; only with --lora-rank).")
     sample_count: int = option(2, "Held-out prompts answered (greedy) in samples.txt at each evaluation.")
     # defaults suited to fine-tuning (the loop's suit pretraining)
     out: str = option("runs/finetune", "Run directory: config, metrics, checkpoints, the best model.")

@@ -92,7 +92,7 @@ def engine_flags(command):
         click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
                      help="torch.compile the decode step instead of --native (slow to start)."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps."),
-        click.option("--threads", type=int, default=None, help="CPU threads, torch's and the native forward's [default: torch's choice]."),
+        click.option("--threads", type=int, default=None, help="CPU threads, torch's and the native forward's, at most 8 per CPU [default: torch's choice]."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -105,7 +105,7 @@ def default_tokens(given: int | None, cap: int) -> int:
               help="The C forward (see frawd generate --help).")
 @click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
               help="int8: linear weights in int8 with per-row scales (4x smaller, faster decode).")
-@click.option("--threads", type=int, default=None, help="CPU threads [default: torch's choice].")
+@click.option("--threads", type=int, default=None, help="CPU threads, at most 8 per CPU [default: torch's choice].")
 @click.option("--log-level", type=click.Choice(["info", "warning", "error"]), default="info", show_default=True,
               help="info prints one JSON access-log line per request on stderr.")
 def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,

@@ -23,7 +23,7 @@ def tokenizer() -> None:
 @click.option("--kind", type=click.Choice(["bpe", "char", "byte"]), default="bpe", show_default=True,
               help="bpe: byte-level BPE; char: one token per character of the corpus; byte: 256 bytes.")
 @click.option("--vocab-size", type=int, default=None,
-              help=f"BPE vocabulary size including the 7 special tokens [default: {DEFAULT_BPE_VOCAB}]. "
+              help=f"BPE vocabulary size including the 7 special tokens, 263 to 1,048,576 [default: {DEFAULT_BPE_VOCAB}]. "
                    "char and byte tokenizers take their size from the data.")
 @click.option("--out", required=True, type=click.Path(file_okay=True, dir_okay=True),
               help="Directory to write tokenizer.json into (or a path ending in .json).")
