@@ -478,6 +478,28 @@ def test_params_that_are_not_sampling_params_are_one_line():
     assert checked_params(None) == SamplingParams()
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_one_line():
+    """A stop id the model can never produce was accepted and never stopped anything."""
+    from frawdllm.infer.scheduler import Scheduler
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    engine = Engine(make_model(vocab_size=tokenizer.vocab_size), tokenizer)
+    params = SamplingParams(max_new_tokens=2, temperature=0, stop_token_ids=[5, tokenizer.vocab_size])
+    message = rf"^stop token id {tokenizer.vocab_size} is outside the vocabulary \(size {tokenizer.vocab_size}\)$"
+    with pytest.raises(FrawdError, match=message):
+        engine.generate("a", params)
+    with pytest.raises(FrawdError, match=message):
+        next(engine.stream("a", params))
+    scheduler = Scheduler(engine)
+    try:
+        with pytest.raises(FrawdError, match=message):
+            scheduler.submit("a", params)
+    finally:
+        scheduler.close()
+    assert len(engine.generate("a", params.replace(stop_token_ids=[tokenizer.vocab_size - 1]))[0].tokens) <= 2
+
+
 def test_from_pretrained_names_a_bad_device_before_reading_anything(tmp_path):
     FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path / "m")
     with pytest.raises(FrawdError, match="unknown device 'gpu'"):  # (blamed the weights file before)

@@ -4,6 +4,7 @@ seeds reproduce, the penalty follows its definition, bad parameters are refused 
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,6 +206,27 @@ def test_every_field_refuses_a_value_of_the_wrong_type(field, value):
     with pytest.raises(ConfigError, match=f"^{field} must") as info:
         params.__post_init__()
     assert "\n" not in str(info.value)
+
+
+def test_numpy_scalars_become_python_numbers():
+    """A user's numpy values (an index from np.argmax, a seed from a numpy generator) were
+    refused as "must be a positive integer"; they are the numbers they hold. (Set as in the
+    test above: the tests' own type checks would refuse them before __post_init__.)"""
+    values = {"max_new_tokens": np.int64(5), "temperature": np.float32(0.5), "top_k": np.int32(3),
+              "seed": np.uint64(2**63), "num_samples": np.int16(2), "ignore_eos": np.bool_(True),
+              "stop_token_ids": np.array([3, 4])}
+    params = object.__new__(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        object.__setattr__(params, f.name, values.get(f.name, f.default))
+    params.__post_init__()
+    assert params == SamplingParams(max_new_tokens=5, temperature=0.5, top_k=3, seed=2**63, num_samples=2,
+                                    ignore_eos=True, stop_token_ids=(3, 4))
+    assert [type(getattr(params, k)) for k in ("max_new_tokens", "temperature", "seed", "ignore_eos")] == \
+        [int, float, int, bool]
+    assert [type(i) for i in params.stop_token_ids] == [int, int]
+    object.__setattr__(params, "max_new_tokens", np.float64(5.0))  # a float is still not a count
+    with pytest.raises(ConfigError, match="^max_new_tokens must be a positive integer"):
+        params.__post_init__()
 
 
 def test_params_from_dict_rejects_unknown_keys_and_accepts_lists():

@@ -305,7 +305,7 @@ class Engine:
         one is a prompt per row). A list starting with a number is one prompt; `bytes` is an
         error (decode it to str).
         """
-        params = checked_params(params)
+        params = self.checked_params(params)
         encoded = self._prompt_list(prompts)
         n = params.num_samples
         tokens: list[list[int]] = [[] for _ in range(len(encoded) * n)]
@@ -327,8 +327,16 @@ class Engine:
     def stream(self, prompts: Any, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Text as it becomes printable: never half a character, never (part of) a stop
         string. `prompts` as in `generate`."""
-        params = checked_params(params)
+        params = self.checked_params(params)
         yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
+
+    def checked_params(self, params: Any) -> SamplingParams:
+        """`params` (None: the defaults), its stop token ids checked against this model's vocabulary."""
+        params = checked_params(params)
+        bad = [i for i in params.stop_token_ids if i >= self.config.vocab_size]
+        if bad:
+            raise FrawdError(f"stop token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        return params
 
     def _is_stop_token(self, token: int, params: SamplingParams) -> bool:
         return (token == self.eos_id and not params.ignore_eos) or token in params.stop_token_ids

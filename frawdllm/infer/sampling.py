@@ -18,6 +18,7 @@ the same tokens run after run.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +42,7 @@ MAX_PENALTY = 1e3
 class SamplingParams:
     """How to pick tokens and when to stop. Validated at construction (`ConfigError`)."""
 
-    # Numbers may be given as int or float; sequences as lists or tuples (stored as tuples).
+    # Numbers may be given as int or float (numpy scalars too); sequences as lists or tuples (stored as tuples).
     max_new_tokens: int = 128
     temperature: float | int = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
@@ -55,6 +56,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past <|eos|> (benchmarks)
 
     def __post_init__(self) -> None:
+        # numpy and other numbers.Integral/Real scalars become Python ints and floats.
+        for f in fields(self):
+            object.__setattr__(self, f.name, _plain_number(getattr(self, f.name)))
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int))
@@ -98,6 +102,19 @@ class SamplingParams:
         return SamplingParams.from_dict({**self.to_dict(), **changes})
 
 
+def _plain_number(value: Any) -> Any:
+    """`np.int64(5)` -> 5, `np.float32(0.5)` -> 0.5, `np.True_` -> True; the rest as given."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -120,6 +137,7 @@ def _as_tuple(name: str, value: Any, kind: type) -> tuple:
         items = tuple(value)
     except TypeError:
         raise ConfigError(f"{name} must be a list of {kind.__name__}, got {value!r}") from None
+    items = tuple(_plain_number(item) for item in items)
     for item in items:
         if not isinstance(item, kind) or isinstance(item, bool):
             raise ConfigError(f"{name} must hold {kind.__name__} values, got {item!r}")

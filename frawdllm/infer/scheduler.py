@@ -53,7 +53,7 @@ from ..config import is_integer
 from ..errors import ConfigError, FrawdError
 from .cache import RowKVCache
 from .engine import Engine, StreamChunk
-from .sampling import SamplingParams, checked_params, greedy_choice, make_generator, sample_next, sample_seed
+from .sampling import SamplingParams, greedy_choice, make_generator, sample_next, sample_seed
 from .textstream import TextStream
 
 # The longest an idle scheduler thread sleeps before it looks again whether its scheduler was
@@ -172,7 +172,7 @@ class Scheduler:
                listener: Callable[[StreamChunk | BaseException], None] | None = None) -> Request:
         """Queue a prompt (text or ids). Chunks go to `listener(chunk)` from the scheduler's
         thread (it must not block), or, without one, iterate the returned request."""
-        params = checked_params(params)
+        params = self.engine.checked_params(params)
         ids = self.engine.encode(prompt)
         if params.num_samples > self.max_batch:
             raise FrawdError(f"n = {params.num_samples} samples do not fit a batch of {self.max_batch}")
