@@ -75,3 +75,43 @@ def test_compiled_training_gives_eagers_loss_and_every_gradient():
         assert figures["n_grads"] > 10, case
         assert figures["loss_rel"] < 1e-5, (case, figures)
         assert figures["worst_grad_rel"] < 1e-4, (case, figures)
+
+
+
+QUIET_SCRIPT = r"""
+import warnings
+from frawdllm import FrawdLLM, get_config
+from frawdllm.infer.engine import Engine
+from frawdllm.tokenizer import byte_tokenizer
+from frawdllm.train.compile import compile_step
+
+message = "TypedStorage is deprecated. It will be removed in the future"
+def warn_all():
+    warnings.warn_explicit(message, UserWarning, "select_algorithm.py", 1, module="torch._inductor.select_algorithm")
+    warnings.warn_explicit(message, UserWarning, "mine.py", 1, module="mine")
+    warnings.warn_explicit("another", UserWarning, "select_algorithm.py", 2, module="torch._inductor.select_algorithm")
+
+tokenizer = byte_tokenizer()
+model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=tokenizer.vocab_size))
+for label, make in (("none", lambda: None), ("engine", lambda: Engine(model, tokenizer, compile=True)),
+                    ("train", lambda: compile_step(lambda x: x))):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make()  # (both compile lazily: nothing is compiled here)
+        warn_all()
+    print(label, [w.filename for w in seen if w.filename in ("select_algorithm.py", "mine.py")])
+"""
+
+
+def test_inductors_own_deprecation_warning_is_silenced_for_compiled_runs():
+    """torch 2.13's inductor calls `tensor.storage()` while it tunes matmuls, and a
+    `generate --compile` printed "TypedStorage is deprecated ... use tensor.untyped_storage()",
+    advice meant for torch's developers. Compiled decoding and training silence that one
+    warning from inductor's modules, and nothing else. (A fresh interpreter, as above.)"""
+    from cli_helpers import script_lines
+
+    assert script_lines(QUIET_SCRIPT) == [
+        "none ['select_algorithm.py', 'mine.py', 'select_algorithm.py']",
+        "engine ['mine.py', 'select_algorithm.py']",
+        "train ['mine.py', 'select_algorithm.py']",
+    ]

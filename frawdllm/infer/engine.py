@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from ..config import Seq2SeqConfig, is_integer
 from ..errors import FrawdError
 from ..model.gpt import eval_mode
+from ..train.compile import quiet_inductor
 from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
@@ -165,6 +166,8 @@ class Engine:
         self._threads: dict[str, paths.ThreadChoice] = {}  # per native phase, re-decided as it runs
         self._lock = threading.Lock()  # guards the decoder, built on first use
         self._plan_lock = threading.Lock()
+        if compile:
+            quiet_inductor()
         self._decode = (
             torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS) if compile
             else decode_logits

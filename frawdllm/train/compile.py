@@ -29,6 +29,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +47,19 @@ GUESS_WARMUP_S, GUESS_SPEEDUP = 60.0, 1.5
 MARGIN = 1.2
 
 
+def quiet_inductor() -> None:
+    """Silence a deprecation warning inductor's own code raises while it tunes matmuls
+    (torch 2.13: "TypedStorage is deprecated", from `select_algorithm.py`): nothing a
+    user of this project can act on."""
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                            module=r"torch\._inductor")
+
+
 def compile_step(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` compiled with torch.compile; tracing and compiling happen with buffer reuse off."""
     import torch._inductor.config as inductor_config  # here: importing inductor costs seconds
 
+    quiet_inductor()
     compiled = torch.compile(fn)
 
     @functools.wraps(fn)
