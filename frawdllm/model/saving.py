@@ -16,7 +16,9 @@ class ModelDirectoryMixin:
 
     def save_pretrained(self, directory: str | Path, tokenizer: Any = None) -> Path:
         """Write config.json (it names the kind of model), model.safetensors (and
-        tokenizer.json if given) atomically."""
+        tokenizer.json if given) atomically. Other files already in `directory` stay, as
+        with transformers' save_pretrained: saving a fine-tuned model back where it was
+        loaded from keeps its tokenizer.json; a new folder starts clean."""
         from ..modeldir import save_model_dir
 
         return save_model_dir(self, directory, tokenizer=tokenizer)
