@@ -185,6 +185,29 @@ def test_history_is_dropped_by_whole_exchanges_never_leaving_a_reply_without_its
         fit_history(tok, [{"role": "system", "content": "be brief" * 20}, *history], 64, reserve=4)
 
 
+def test_fitting_a_long_history_tokenizes_each_message_a_bounded_number_of_times():
+    """fit_history rendered the whole remaining chat again for each start it tried: 4000
+    short messages took 18 s in the server's event loop. Now each message is tokenized a
+    few times at most, and the result is what rendering the kept messages gives."""
+    from frawdllm.infer.chat import fit_history
+
+    tok = train_tokenizer([ALPHABET], kind="char")
+    messages = [{"role": "system", "content": "be brief"}]
+    for i in range(1000):
+        messages += [{"role": "user", "content": f"q{i % 7}"}, {"role": "assistant", "content": "a" * (i % 5)}]
+    messages.append({"role": "user", "content": "last"})
+    encoded = []
+    real_encode = tok.encode
+    tok.encode = lambda text: encoded.append(text) or real_encode(text)
+    ids, dropped = fit_history(tok, messages, 64, reserve=16)
+    tok.encode = real_encode
+    assert len(encoded) <= 3 * len(messages) + 10, len(encoded)
+    kept = [messages[0]] + messages[1 + dropped:]
+    assert ids == tok.render_chat(kept, add_generation_prompt=True) and len(ids) <= 64 - 16
+    earlier = [messages[0]] + messages[1 + dropped - 2:]  # from the user turn before: too long
+    assert kept[1]["role"] == "user" and earlier[1]["role"] == "user" and len(tok.render_chat(earlier)) > 64 - 16
+
+
 def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat_model):
     import subprocess
 

@@ -111,6 +111,28 @@ def test_too_long_prompts_point_to_truncate(server):
         assert ok.status_code == 200, ok.text
 
 
+def test_truncate_leaves_room_for_the_reply(server):
+    """Chat's "truncate" kept history up to context - 1 tokens, so once a conversation
+    (the chat page's, which always truncates) neared the context every reply stopped
+    after a token or two. Now the prompt leaves max_tokens, at most half the context."""
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": "a" * 3}, {"role": "assistant", "content": "b" * 3}]
+    turns.append({"role": "user", "content": "c"})  # 1 + 12 * 10 + 3 + 1 = 125 tokens in all
+    for max_tokens, room in [(2, 2), (20, 20), (500, CONTEXT // 2)]:
+        for path, body in [("/v1/chat/completions", {"messages": turns}),
+                           ("/v1/completions", {"prompt": "a" * (CONTEXT + 10)})]:
+            status, reply = post(server, path, {"model": "m", "max_tokens": max_tokens, "truncate": True,
+                                                "temperature": 0, **body})
+            assert status == 200, reply
+            prompt = reply["usage"]["prompt_tokens"]
+            if "prompt" in body:
+                assert prompt == CONTEXT - room, (max_tokens, reply["usage"])
+            else:  # whole exchanges of 10 tokens go: 5 + 10k tokens are left
+                assert CONTEXT - room - 10 < prompt <= CONTEXT - room and (prompt - 5) % 10 == 0, \
+                    (max_tokens, reply["usage"])
+
+
 def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
     """Tokenizing 1M characters held the event loop (and every stream) for ~1.4 s, even for a
     request then refused: a text too long to ever fit is refused by its length."""

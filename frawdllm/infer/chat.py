@@ -35,19 +35,29 @@ def fit_history(
     tokenizer: Any, messages: list[dict], context_length: int, reserve: int
 ) -> tuple[list[int], int]:
     """(prompt ids, number of oldest messages dropped) for a prompt of at most context - reserve
-    tokens, dropping whole exchanges (the kept turns start at a user or system turn)."""
+    tokens, dropping whole exchanges (the kept turns start at a user or system turn).
+
+    Each message is tokenized once (the template is <|bos|>, a part per message, then
+    <|assistant|>): trying each start by rendering the rest again took time quadratic in
+    the number of messages, seconds for a few thousand."""
+    ids = tokenizer.render_chat(messages, add_generation_prompt=True)  # (also checks every message)
+    budget = context_length - reserve
+    if len(ids) <= budget:
+        return ids, 0
     system = [m for m in messages[:1] if m.get("role") == "system"]
     turns = messages[len(system):]
-    budget = context_length - reserve
-    # everything, else from a later user (or system) turn on: never from an answer on
-    starts = [0] + [i for i, m in enumerate(turns) if i and m.get("role") != "assistant"]
-    for dropped in starts:
-        ids = tokenizer.render_chat(system + turns[dropped:], add_generation_prompt=True)
-        if len(ids) <= budget:
-            return ids, dropped
+    frame = len(tokenizer.render_chat(system, add_generation_prompt=True))  # <|bos|>, system, <|assistant|>
+    sizes = [len(tokenizer.render_chat([m], add_generation_prompt=False)) - 1 for m in turns]  # less <|bos|>
+    need = frame + sum(sizes)
+    # from a later user (or system) turn on: never from an answer on
+    for dropped in range(1, len(turns)):
+        need -= sizes[dropped - 1]
+        if turns[dropped].get("role") != "assistant" and need <= budget:
+            return tokenizer.render_chat(system + turns[dropped:], add_generation_prompt=True), dropped
     if system:
         check_system_message(tokenizer, system[0]["content"], context_length, reserve)
-    need = len(tokenizer.render_chat(system + turns[starts[-1]:], add_generation_prompt=True))
+    last = max([0] + [i for i, m in enumerate(turns) if m.get("role") != "assistant"])
+    need = frame + sum(sizes[last:])
     raise FrawdError(
         f"the message needs {need} tokens with the template"
         + (" and the system message" if system else "")

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import FrawdError, check_unicode
-from ..infer.chat import ROLE_TOKEN_IDS, fit_history
+from ..infer.chat import ROLE_TOKEN_IDS, fit_history, reply_reserve
 from ..infer.engine import Engine, StreamChunk
 from ..infer.sampling import SamplingParams
 from ..infer.scheduler import QueueFull, Request as Job, Scheduler
@@ -358,8 +358,9 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             _check_text(message["content"], f"messages[{i}].content", param="messages")
         messages = _within_reach(messages, engine, body.truncate)
         try:
-            if body.truncate:
-                ids, _ = fit_history(engine.tokenizer, messages, engine.config.context_length, 1)
+            if body.truncate:  # room for the reply, as `frawd chat` keeps
+                context = engine.config.context_length
+                ids, _ = fit_history(engine.tokenizer, messages, context, reply_reserve(context, max_new))
             else:
                 ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
         except FrawdError as error:
@@ -382,8 +383,9 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 ids = engine.tokenizer.encode(_text_within_reach(prompt, engine, body.truncate, what))
             else:
                 ids = list(prompt)
-            if body.truncate:  # the last context - 1 tokens (room for one new token)
-                ids = ids[-(engine.config.context_length - 1):]
+            if body.truncate:  # the last tokens that leave room for the reply, as chat does
+                context = engine.config.context_length
+                ids = ids[-(context - reply_reserve(context, max_new)):]
             _check_fits(ids, engine, chat=False, what=what)
             try:
                 encoded.append(engine.encode(ids))  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
@@ -539,7 +541,7 @@ def _shifted(listener, offset: int):
 def _check_fits(ids: list[int], engine: Engine, chat: bool, what: str = "the prompt") -> None:
     context = engine.config.context_length
     if len(ids) > context:
-        keeps = "the newest turns" if chat else f"its last {context - 1} tokens"
+        keeps = "the newest turns" if chat else "its last tokens"
         raise ApiError(400, f"{what} has {len(ids)} tokens but the model's context is {context}; "
                             f'"truncate": true keeps {keeps}', param="messages" if chat else "prompt",
                        code="context_length_exceeded")
