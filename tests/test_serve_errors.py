@@ -164,7 +164,8 @@ def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
     ("logit_bias", {"50": 100}, "logit_bias"), ("best_of", 2, "best_of"), ("suffix", "x", "suffix"),
     ("response_format", {"type": "json_object"}, "response_format"), ("stream_options", {"include_usage": True},
                                                                       "stream_options"),
-    ("frequency_penalty", 0.5, "frequency_penalty"), ("logprobs", 2, "logprobs")])
+    ("frequency_penalty", 0.5, "frequency_penalty"), ("logprobs", 2, "logprobs"),
+    ("logprobs", 0, "logprobs")])  # (0: each sampled token's logprob, no alternatives; was answered with null)
 def test_fields_that_would_change_the_output_are_refused_not_ignored(server, field, value, param):
     status, error = post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, field: value})
     assert status == 400 and error["param"] == param, error
@@ -181,7 +182,7 @@ def test_chat_tools_are_refused_and_neutral_values_pass(server):
                "top_logprobs": 0, "logprobs": False, "frequency_penalty": 0}
     assert post(server, "/v1/chat/completions", {**chat, **neutral})[0] == 200
     assert post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, "best_of": 1,
-                                            "suffix": "", "logprobs": 0})[0] == 200
+                                            "suffix": "", "logprobs": None})[0] == 200
 
 
 @pytest.mark.parametrize("field, value", [("stream", "yes"), ("n", "2"), ("max_tokens", True), ("max_tokens", 5.0),

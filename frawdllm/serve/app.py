@@ -565,8 +565,10 @@ def _refuse_unsupported(body: Any) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) not in (None, 0):
             raise no(name, "is not supported; use repetition_penalty (1 = off, 1.1-1.3 typical)")
-    if body.logprobs or getattr(body, "top_logprobs", None):
-        raise no("logprobs" if body.logprobs else "top_logprobs", "are not supported by this server")
+    # (completions' logprobs is a count, and 0 still asks for each sampled token's logprob)
+    asks = body.logprobs is not None if isinstance(body, CompletionRequest) else bool(body.logprobs)
+    if asks or getattr(body, "top_logprobs", None):
+        raise no("logprobs" if asks else "top_logprobs", "are not supported by this server")
     if body.logit_bias:
         raise no("logit_bias", "is not supported by this server")
     if body.response_format not in (None, {}, {"type": "text"}):

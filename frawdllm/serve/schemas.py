@@ -97,7 +97,7 @@ class CompletionRequest(_Sampling):
         description="Text or token ids, or a list of either: n completions for each prompt, "
                     "choice prompt_index * n + sample_index.")
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=5, description="Not supported: only null or 0.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Not supported: only null.")
     best_of: int | None = Field(None, ge=1, le=20, description="Not supported: only null or 1.")
     suffix: str | None = Field(None, description='Not supported: only null or "".')
 
