@@ -142,3 +142,16 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     assert not d.find_elements(By.CSS_SELECTOR, ".msg")
     assert by_id("empty").is_displayed() and not by_id("settings").is_displayed()
     d.set_window_size(1280, 800)
+
+    # "New chat" while a reply streams: the old reply stays out of the new conversation
+    # (the aborted request's cleanup used to push it as the new chat's first turn, unseen)
+    max_tokens.clear()
+    max_tokens.send_keys("1000")
+    by_id("input").send_keys("a question")
+    by_id("send").click()
+    wait_for(lambda: len(reply()) >= 3, what="the reply to start")
+    by_id("new-chat").click()
+    wait_for(lambda: by_id("send").is_enabled(), what="the old request to end")
+    time.sleep(0.3)
+    assert d.execute_script("return turns.length") == 0
+    assert not d.find_elements(By.CSS_SELECTOR, ".msg") and by_id("stats").text == "ready"
