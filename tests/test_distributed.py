@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -127,6 +128,31 @@ def test_resume_two_ranks_to_one(work, single, two_ranks):
     copy = resumed_from_step_10(run, work / f"two-{parallel}-to-one")
     frawd(train_args(work, copy, "--resume"))
     assert_same_losses(copy, single, range(11, STEPS + 1))
+
+
+def test_a_planted_or_broken_sharded_index_is_one_line_and_runs_nothing(work, two_ranks):
+    """DCP reads a checkpoint's `optimizer/.metadata` with plain `pickle.load`: a planted
+    file ran its code on `--resume`, and an empty one gave four tracebacks."""
+    parallel, run = two_ranks
+    if parallel != "fsdp":
+        pytest.skip("only FSDP checkpoints hold a sharded optimizer state")
+    copy = resumed_from_step_10(run, work / "planted-index")
+    index = copy / "checkpoints" / f"step_{10:08d}" / "optimizer" / ".metadata"
+    planted = work / "planted-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {planted}",))
+
+    for content, reason in [(pickle.dumps(Payload()), "posix.system is not part of a checkpoint index"),
+                            (b"", "EOFError: Ran out of input")]:
+        index.write_bytes(content)
+        proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", *train_args(work, copy, "--resume")],
+                              capture_output=True, text=True, timeout=120, env=environment())
+        assert proc.returncode == 1 and not planted.exists(), proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]
+        assert len(lines) == 1 and lines[0].startswith(f"frawd: error: {index}: cannot read the sharded optimizer "
+                                                       f"state's index") and reason in lines[0], lines
 
 
 def test_resume_one_process_to_two_ranks(work, single):

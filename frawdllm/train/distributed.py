@@ -28,7 +28,9 @@ process group (`nccl` on CUDA, `gloo` on CPU) and trains its share:
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -404,6 +406,61 @@ def save_sharded(state: dict, path: Path) -> None:
     dcp.save(state, checkpoint_id=str(path))
 
 
+class _IndexUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint keeps a checkpoint's index (`.metadata`) as a pickle, and
+    its reader runs `pickle.load`: a planted file would run code on resume. This reads it
+    admitting only the classes such an index is made of (dataclasses of DCP's metadata,
+    torch dtypes, sizes and layouts, paths)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        elif (module, name) in (("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                                ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                                ("pathlib", "PureWindowsPath")):
+            return getattr(importlib.import_module(module), name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def read_sharded_metadata(directory: Path) -> Any:
+    """The index of a sharded checkpoint, read with `_IndexUnpickler`; one line if it is
+    missing, corrupt or holds anything else."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(directory) / ".metadata"
+    try:
+        with open(path, "rb") as file:
+            metadata = _IndexUnpickler(file).load()
+    except Exception as exc:  # (unpickling arbitrary bytes raises many kinds)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0] or "empty"
+        raise FrawdError(f"{path}: cannot read the sharded optimizer state's index ({type(exc).__name__}: "
+                         f"{reason}); resume from an earlier checkpoint (move this one away)") from None
+    if not isinstance(metadata, Metadata):
+        raise FrawdError(f"{path}: not a torch.distributed.checkpoint index (holds a {type(metadata).__name__})")
+    return metadata
+
+
+def _SafeReader(directory: Path) -> Any:
+    """DCP's file reader, its index read by `read_sharded_metadata` instead of `pickle.load`
+    (the shards themselves it reads with `torch.load(weights_only=True)`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_sharded_metadata(directory)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(directory))
+
+
 def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
                    saved: dict | None, dist_info: Dist) -> None:
     """Restore AdamW's moments from a checkpoint written with any world size and parallelism:
@@ -416,7 +473,8 @@ def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, che
         import torch.distributed.checkpoint as dcp
 
         template = sharded_optimizer_state(step_module, optimizer)  # this run's layout, filled in place
-        dcp.load(template, checkpoint_id=str(sharded_dir))
+        read_sharded_metadata(sharded_dir)  # (a clear line on every rank for a bad index, before the collective)
+        dcp.load(template, storage_reader=_SafeReader(sharded_dir))
         set_optimizer_state_dict(step_module, optimizer, template["optimizer"])
         return
     if saved is None:
