@@ -229,6 +229,35 @@ def test_char_tokenizer_is_refused_for_gguf_and_nothing_is_written(tmp_path, cap
     assert set(os.listdir(tmp_path)) == before
 
 
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_by_name(tmp_path, capsys):
+    """An imported SentencePiece-style tokenizer ('\u2581' for spaces, byte fallback: Llama 2,
+    Mistral) was written as GPT-2 byte-level BPE: llama.cpp then tokenized and decoded text
+    wrongly, without a word."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from frawdllm.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n" * 20
+    spm = Backend(models.BPE(byte_fallback=True, unk_token="<|unk|>"))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    spm.train_from_iterator([text], trainers.BpeTrainer(vocab_size=120, special_tokens=list(SPECIAL_TOKENS)))
+    llama3ish = Backend(models.BPE())  # a regex split before byte-level: llama.cpp's pre-tokenizer is another
+    llama3ish.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(r"\d{1,3}", "isolated"),
+                                                       pre_tokenizers.ByteLevel(use_regex=False)])
+    llama3ish.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=list(SPECIAL_TOKENS),
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    for backend, reason in [(spm, "is SentencePiece-style"), (llama3ish, "splits text another way")]:
+        tok = Tokenizer(backend)
+        model_dir = tmp_path / "ours"
+        small_model("llama-gqa", vocab_size=tok.vocab_size).save_pretrained(model_dir, tokenizer=tok)
+        with pytest.raises(SystemExit):
+            main(["export", "--model", str(model_dir), "--format", "gguf", "--out", str(tmp_path / "g")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and reason in err[0] and "--format hf" in err[0], err
+        assert not (tmp_path / "g").exists()
+
+
 def test_gguf_out_may_name_the_file_itself(tmp_path, tokenizer):
     model_dir = tmp_path / "ours"
     small_model("gpt2-tied", vocab_size=320).save_pretrained(model_dir, tokenizer=tokenizer)

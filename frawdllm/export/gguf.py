@@ -12,7 +12,8 @@ Two layout details differ from ours:
 - llama.cpp's `gpt2` reads an explicit `output.weight`, so a tied head is written out.
 
 The tokenizer goes in as llama.cpp's byte-level BPE (`gpt2` model, GPT-2 pre-tokenizer):
-our `bpe` and `byte` kinds are exactly that. Special tokens are control tokens, and the
+our `bpe` and `byte` kinds are exactly that; a tokenizer that splits text otherwise (an
+imported SentencePiece-style one) is refused. Special tokens are control tokens, and the
 chat template is the Jinja one of the transformers export.
 """
 
@@ -100,6 +101,11 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
             "Export --format hf instead, or train with a bpe/byte tokenizer"
         )
     setup = json.loads(tokenizer.backend.to_str())
+    problem = _not_gpt2_byte_level(setup)
+    if problem:
+        raise FrawdError(f"GGUF embeds tokenizers as llama.cpp's byte-level BPE with GPT-2's pre-tokenizer, and this "
+                         f"model's tokenizer {problem}: llama.cpp would split text into other tokens. "
+                         "Export --format hf instead")
     special = {t["id"] for t in setup.get("added_tokens", []) if t.get("special")}
     tokens, types = [], []
     for i in range(cfg.vocab_size):
@@ -133,6 +139,24 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
     writer.add_add_eos_token(False)
     if tokenizer.has_frawd_specials():
         writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _not_gpt2_byte_level(setup: dict) -> str | None:
+    """Why a tokenizer.json (our bpe and byte kinds qualify; imported ones may not) is not
+    what llama.cpp's `gpt2` tokenizer computes, or None."""
+    model, normalizer = setup.get("model") or {}, setup.get("normalizer")
+    pre = setup.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE":
+        return f"is a {model.get('type')} model"
+    spaces_as_u2581 = "\u2581" in json.dumps(normalizer, ensure_ascii=False)
+    if model.get("byte_fallback") or pre.get("type") == "Metaspace" or spaces_as_u2581:
+        return "is SentencePiece-style (spaces as '\u2581', byte fallback)"
+    if normalizer:
+        return f"normalizes text first ({normalizer.get('type')})"
+    if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or \
+            (pre.get("use_regex") is False and model.get("merges")):
+        return f"splits text another way (pre-tokenizer {json.dumps(pre)[:80]})"
+    return None
 
 
 def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, dtype: str = "float32",
