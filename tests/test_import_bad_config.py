@@ -84,6 +84,11 @@ CASES = [
     ("llama", {"num_hidden_layers": 1000}, ["config.json", "num_hidden_layers 1,000", "1 layer"]),
     ("gpt2", {"n_inner": 512}, ["mlp.c_fc", "n_inner"]),
     ("llama", {"num_key_value_heads": 2}, ["k_proj", "num_key_value_heads"]),
+    # transformers' GPT-2 defaults (50256) kept with a smaller vocabulary: named pad_token_id
+    # (unset here) after two transformers warnings
+    ("gpt2", {"bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": None},
+     ["config.json", "bos_token_id=50256, eos_token_id=50256 outside the vocabulary (vocab_size=101)"]),
+    ("llama", {"pad_token_id": 101}, ["config.json", "pad_token_id=101 outside the vocabulary"]),
 ]
 
 
@@ -110,3 +115,16 @@ def test_the_unedited_checkpoints_still_import(checkpoints, tmp_path, capsys):
         code, stdout, err = run_cli(capsys, "import", "--from-hf", source, "--out", tmp_path / kind)
         assert code == 0 and err == "" and "imported" in stdout, err
         FrawdLLM.from_pretrained(tmp_path / kind)
+
+
+def test_transformers_warnings_about_the_config_stay_off_stderr(checkpoints, tmp_path):
+    """transformers warned twice about ids outside the vocabulary before our one line (a
+    subprocess: in the test session its log handler writes past capsys)."""
+    import subprocess
+    import sys
+
+    source = edited(checkpoints["gpt2"], tmp_path / "hf", bos_token_id=50256, eos_token_id=50256, pad_token_id=None)
+    done = subprocess.run([sys.executable, "-m", "frawdllm.cli", "import", "--from-hf", str(source), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "bos_token_id=50256" in done.stderr

@@ -163,6 +163,13 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
     if bad:
         shown = ", ".join(f"{name}={getattr(hf_config, name.split('/')[0], '?')!r}" for name in bad)
         raise FrawdError(f"{kind} config with {shown} has no FrawdLLM equivalent")
+    outside = {name: value for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if isinstance(value := getattr(hf_config, name, None), int)
+               and not 0 <= value < values["vocab_size"]}
+    if outside:  # (transformers' defaults for GPT-2, 50256, kept with a smaller vocabulary)
+        shown = ", ".join(f"{name}={value}" for name, value in outside.items())
+        raise FrawdError(f"{kind} config: {shown} outside the vocabulary (vocab_size={values['vocab_size']}); "
+                         "set the special tokens' ids in config.json")
     try:
         cfg = ModelConfig(dropout=0.0, **values, **ids)
     except ConfigError as exc:

@@ -258,12 +258,17 @@ def _read_hf_config(directory: Path) -> tuple[str, ModelConfig]:
     file; whatever it raises on this untrusted input (a string for an int, heads that do not
     divide the hidden size, ...) is one line naming the file."""
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
     path = directory / "config.json"
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # (its warnings about values are ours to name, in one line)
     try:
         hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure to read the file is bad input
         raise FrawdError(f"{path}: {_first_line(exc)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     try:
         return getattr(hf_config, "model_type", ""), from_hf_config(hf_config)
     except FrawdError as exc:  # what has no FrawdLLM equivalent, named by the file it is in
