@@ -79,8 +79,9 @@ def test_rows_join_and_leave_at_step_boundaries(model_tok):
     batch_sizes = []
     original = scheduler._decode
 
-    def recording_decode():
+    def recording_decode():  # paced (~2 ms a step): requests arrive while others decode on any machine
         batch_sizes.append(scheduler.running)
+        time.sleep(0.002)
         original()
 
     scheduler._decode = recording_decode
@@ -154,9 +155,23 @@ def test_stop_strings_and_text_match_generate(model_tok):
     assert chunks[-1].finish_reason == "stop"
 
 
+def paced(engine: Engine, seconds: float = 0.002) -> Engine:
+    """`engine` with every forward taking at least `seconds` more: a test's next lines run
+    while its requests are still decoding, however fast this machine (or however slow the
+    test thread, waiting for the GIL beside other threads)."""
+    forward = engine.forward
+
+    def slow_forward(*args):
+        time.sleep(seconds)
+        return forward(*args)
+
+    engine.forward = slow_forward
+    return engine
+
+
 def test_queue_limit(model_tok):
     model, tok = model_tok
-    scheduler = Scheduler(Engine(model, tok), max_batch=1, max_queue=1)
+    scheduler = Scheduler(paced(Engine(model, tok)), max_batch=1, max_queue=1)
     try:
         params = SamplingParams(temperature=0, max_new_tokens=60)
         running = scheduler.submit(PROMPTS[0], params)
@@ -171,7 +186,7 @@ def test_queue_limit(model_tok):
 def test_the_queue_limit_counts_only_requests_without_a_free_row(model_tok):
     """With --max-queue 1 and 31 rows idle, the second of two requests sent at once got a 429."""
     model, tok = model_tok
-    scheduler = Scheduler(Engine(model, tok), max_batch=4, max_queue=1)
+    scheduler = Scheduler(paced(Engine(model, tok)), max_batch=4, max_queue=1)
     try:
         params = SamplingParams(temperature=0, max_new_tokens=60)
         requests = [scheduler.submit(PROMPTS[i % len(PROMPTS)], params) for i in range(5)]  # 4 rows + 1 waiting
