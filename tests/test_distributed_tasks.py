@@ -112,7 +112,8 @@ def _examples(lengths: list[int]) -> list[Example]:
 @pytest.mark.parametrize("world, grad_accum", [(2, 2), (2, 1), (4, 2)])
 def test_the_ranks_parts_make_up_the_one_process_step(world, grad_accum):
     """Every rank's micro-batches, together, are the one-process step's rows, and each
-    part's `normalizer` makes its summed loss a share of its one-process micro-batch's mean."""
+    part's `normalizer` makes its summed loss a share of the step's mean over all its
+    trained tokens (the step's count per one-process micro-batch, over the parts of one)."""
     examples = _examples([5, 9, 3, 12, 7, 4, 8, 6, 10, 3, 5, 11] * 3)
     one = PackedLoader(examples, 4, 16, seed=3, share=Share(4, grad_accum))
     parts = [PackedLoader(examples, 4, 16, seed=3, share=Share(4, grad_accum, r, world)) for r in range(world)]
@@ -123,10 +124,9 @@ def test_the_ranks_parts_make_up_the_one_process_step(world, grad_accum):
         for name in ("tokens", "targets", "documents"):
             rows = torch.cat([got[r][m][name] for m in range(accum) for r in range(world)])
             assert torch.equal(rows, torch.cat([b[name] for b in want]))
-        for m in range(accum):  # the shares of one micro-batch's mean add up to it (times world)
+        step = float(sum((b["targets"] != -100).sum() for b in want))
+        assert [float(b["normalizer"]) for b in want] == [step / grad_accum] * grad_accum
+        for m in range(accum):
             for r in range(world):
-                unit = want[(m * world + r) * parts[r].share.micro // 4]
-                assert float(unit["normalizer"]) == float((unit["targets"] != -100).sum())
-                expected = float((unit["targets"] != -100).sum()) / parts[r].share.scale
-                assert float(got[r][m]["normalizer"]) == expected
+                assert float(got[r][m]["normalizer"]) == step / grad_accum / parts[r].share.scale
     assert [p.state_dict() for p in parts] == [one.state_dict()] * world

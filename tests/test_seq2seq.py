@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from frawdllm import FrawdLLM, Seq2SeqConfig, Seq2SeqTransformer, get_config
 from frawdllm.errors import ConfigError
@@ -331,3 +332,25 @@ def test_a_batch_whose_beams_do_not_fit_in_memory_is_refused_before_decoding(mon
                                          r"\d+ source tokens needs about [\d.]+ GiB, more than the 0\.0 GiB free on "
                                          r"cpu; lower beam_size or batch_size$"):
         decoding.translate_ids(model, _sources(6), beam_size=40)
+
+
+def test_a_steps_loss_is_the_mean_over_all_its_target_tokens():
+    """With --grad-accum 2 each token batch's loss was its own mean and the two means were
+    averaged: a step is now one mean over the target tokens of all its batches (as fairseq
+    normalizes accumulated batches), whatever their sizes."""
+    from frawdllm.train.translation import TranslationTask
+
+    model = model_for("paper").eval()
+    sources = _sources(150, seed=3)
+    pairs = [(s, s[: 1 + i % 7]) for i, s in enumerate(sources)]  # targets of 1-7 tokens: batches differ
+    task = TranslationTask(model.config, None, pairs, None, tokens_per_batch=64, label_smoothing=0.0,
+                           grad_accum=2)
+    with torch.no_grad():
+        for _ in range(3):  # steps
+            batches = [task.next_batch() for _ in range(2)]
+            counts = [int((b["labels"] != -100).sum()) for b in batches]
+            assert counts[0] != counts[1]
+            step = sum(task.loss(model, b)[0] for b in batches) / 2  # what the loop logs and differentiates
+            sums = [F.cross_entropy(model(b["src"], b["tgt_in"], src_mask=b["src_mask"])[0].flatten(0, 1),
+                                    b["labels"].flatten(), ignore_index=-100, reduction="sum") for b in batches]
+            assert float(step) == pytest.approx(float(sum(sums)) / sum(counts), rel=1e-5)

@@ -198,6 +198,32 @@ def test_sft_cli_trains_writes_the_run_and_resumes_exactly(tmp_path, capsys):
     assert [r["loss"] for r in read_metrics(tmp_path / "split") if "loss" in r] == losses
 
 
+def test_a_step_is_one_batch_however_it_is_cut_into_micro_batches(tmp_path, capsys):
+    """--batch-size 8 and --batch-size 2 --grad-accum 4 take the same rows a step, and now
+    the same loss and update: the mean over the step's trained tokens. Each micro-batch's
+    own mean was averaged before, so a token of a short micro-batch weighed more (here
+    answers of 1 and 60 characters alternate: ~30x more)."""
+    base = model_dir(tmp_path)
+    chats = [{"prompt": f"say {i}", "response": "x" if i % 2 else "long answer " * 5} for i in range(64)]
+    data = write_jsonl(tmp_path / "chats.jsonl", chats)
+    common = ["--init", base, "--data", data, "--lr", "3e-3", "--dtype", "fp32", "--compile", "false",
+              "--device", "cpu", "--log-interval", "1", "--eval-interval", "100", "--no-pack", "--no-progress",
+              "--val-fraction", "0.05", "--max-steps", "4", "--sample-tokens", "4"]
+    runs = {}
+    for batch, accum in [(8, 1), (4, 2), (2, 4)]:
+        out = tmp_path / f"b{batch}x{accum}"
+        code, _, err = run_cli(capsys, "sft", *common, "--batch-size", str(batch), "--grad-accum", str(accum),
+                               "--out", out)
+        assert code == 0, err
+        runs[batch] = ([r["loss"] for r in read_metrics(out) if "loss" in r], load_model(out / "model"))
+    losses, model = runs[8]
+    assert len(losses) == 4
+    for batch in (4, 2):
+        assert runs[batch][0] == pytest.approx(losses, rel=1e-5), batch
+        for (name, p), q in zip(model.state_dict().items(), runs[batch][1].state_dict().values()):
+            assert (p - q).abs().max() < 1e-5, (batch, name)
+
+
 def test_lora_sft_saves_a_plain_model_and_resumes_exactly(tmp_path, capsys):
     base = model_dir(tmp_path)
     data = write_jsonl(tmp_path / "chats.jsonl", word_chats(40))

@@ -239,7 +239,7 @@ class Share:
     any number of ranks. One process cuts them into `grad_accum` micro-batches of
     `batch_size` rows ("units"); rank r's micro-batch m is part `m x world_size + r` of
     `micro` rows (`batch_layout`), a whole unit or a slice of one. `scale` (1, or
-    world_size when units are sliced) turns a loss that is a mean over the unit into each
+    world_size when units are sliced) turns a loss that is a mean over a unit into each
     rank's share: rank loss = scale x (sum over its rows) / (the unit's count)."""
 
     batch_size: int
@@ -273,10 +273,6 @@ class Share:
         part = micro * self.world_size + self.rank
         return slice(part * self.micro, (part + 1) * self.micro)
 
-    def unit(self, micro: int) -> slice:
-        """The rows of the one-process micro-batch that holds this rank's micro-batch `micro`."""
-        k = self.rows(micro).start // self.batch_size
-        return slice(k * self.batch_size, (k + 1) * self.batch_size)
 
 
 def is_rank_failure(exc: BaseException) -> bool:

@@ -209,8 +209,9 @@ class TranslationTask(TrainTask):
     def next_batch(self) -> dict[str, Tensor]:
         """This rank's part of the step's `grad_accum` token batches (one process: all of
         them in turn): batch `m x world_size + rank` when the ranks divide `grad_accum`,
-        else rows `rank::world_size` of each batch. `normalizer`: the target tokens of the
-        one-process batch it comes from, over the number of its parts."""
+        else rows `rank::world_size` of each batch. `normalizer`: the step's target tokens
+        per token batch (their mean count), over the number of parts a batch is cut into, so
+        that the step's loss is the mean over all its target tokens (as fairseq's)."""
         if self._micro == 0:
             self._step = [self._next_token_batch() for _ in range(self.grad_accum)]
         if self.whole:
@@ -225,7 +226,8 @@ class TranslationTask(TrainTask):
                 raise FrawdError(f"a batch of {len(unit)} sentence pairs does not split over {self.world_size} "
                                  f"ranks: raise --tokens-per-batch or make --grad-accum a multiple of them")
         batch = collate([self.pairs[i] for i in mine])
-        batch["normalizer"] = torch.tensor(sum(len(self.pairs[i][1]) + 1 for i in unit) / parts)
+        step = sum(len(self.pairs[i][1]) + 1 for batch_ids in self._step for i in batch_ids)
+        batch["normalizer"] = torch.tensor(step / self.grad_accum / parts)
         return batch
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
