@@ -105,6 +105,36 @@ def test_resume_equals_uninterrupted_run_bitwise(corpus, tmp_path, peak_tflops, 
     assert resumed.best_val_loss == full.best_val_loss
 
 
+def test_resume_keeps_the_dtype_auto_chose(corpus, tmp_path, monkeypatch):
+    """A resumed `dtype: auto` run timed bf16 and fp32 again in its first steps (running
+    them in both) and could pick the other one: not the run it continues. The decision
+    (here fixed to fp32, with bf16 offered as on an AVX-512 BF16 CPU) is in the checkpoint."""
+    from frawdllm.train import compile as compiling
+    from frawdllm.train import loop
+
+    decisions = []
+
+    def decide(plan, remaining_s):
+        decisions.append(plan.dtypes)
+        return "fp32", False, "fixed by the test"
+
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(compiling.AutoPlan, "decide", decide)
+    config = dict(max_steps=12, dtype="auto", compile="false", eval_interval=6)
+    run_pretraining(tiny_config(corpus, tmp_path / "full", **config))
+    assert decisions == [["bf16", "fp32"]]  # the first steps were timed in both
+
+    def stop_there(trainer, record):
+        if record["step"] == 7:
+            trainer.request_stop()
+
+    run_pretraining(tiny_config(corpus, tmp_path / "part", **config), callbacks=[stop_there])
+    assert load_state(latest_checkpoint(tmp_path / "part"))["decided"] == {"dtype": "fp32", "compiled": False}
+    run_pretraining(tiny_config(corpus, tmp_path / "part", **config, resume=True))
+    assert len(decisions) == 2  # not timed again
+    assert train_losses(tmp_path / "part") == train_losses(tmp_path / "full")  # exact float equality
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import torch

@@ -27,7 +27,8 @@ checkpoint (as long as the previous ones took).
 `dtype: auto` and `compile: auto` are decided here, by measurement (`compile.AutoPlan`):
 the first steps run eagerly, timed in each dtype the hardware computes natively, then
 the loop keeps the option that gets the most steps done in the budget left, compiling
-only if the warm-up pays back. Each decision is said in one line.
+only if the warm-up pays back. Each decision is said in one line, and kept in the
+checkpoints: a resumed run continues with it rather than timing again.
 
 Under torchrun the same loop runs on every rank (`distributed`): a step calls the model
 through DDP or FSDP, the ranks agree on the loss, the stop and the `auto` decisions, and
@@ -696,6 +697,8 @@ class Trainer:
             "best_val_loss": self.best_val_loss,
             "best_step": -1 if self.best_step is None else self.best_step,
             "evaluated": self._last_eval_step == self.step,
+            # what `auto` settled on (none while the first steps are still being timed)
+            "decided": {} if self.plan is not None else {"dtype": self.dtype, "compiled": self._compiled},
             **({} if sharded else {"optimizer": self.optimizer.state_dict()}),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -734,10 +737,28 @@ class Trainer:
         self.best_step = None if state["best_step"] < 0 else state["best_step"]
         interval = self.cfg.eval_interval
         self._owed_eval = not state.get("evaluated", True) and bool(interval) and self.step % interval == 0
+        self._adopt(state.get("decided") or {})
         self.last_checkpoint = path
         if self.dist.is_main:
             truncate_metrics(self.run_dir, self.step)
             truncate_samples(self.run_dir, self.step)
+
+    def _adopt(self, decided: dict) -> None:
+        """Resume with the dtype and compile choice `auto` made before (timing again could
+        choose otherwise, and the run would not continue exactly); a resume on a machine that
+        cannot compute that dtype natively decides again."""
+        plan = self.plan
+        if plan is None or not decided or decided["dtype"] not in plan.dtypes:
+            return
+        if len(plan.dtypes) > 1:
+            self.dtype = decided["dtype"]
+            self.dtype_why = f"auto: {self.dtype}, as decided before the resume"
+            self.peak_flops = self._peaks.get(self.dtype, self.peak_flops)
+        if plan.compile_setting == "auto":
+            self.compile_why = f"auto: {'on' if decided['compiled'] else 'off'}, as decided before the resume"
+            if decided["compiled"]:
+                self._use_compiled(True)
+        self.plan = None
 
     def _result(self) -> TrainResult:
         elapsed = self.elapsed()
