@@ -17,6 +17,7 @@ from frawdllm.errors import FrawdError
 from frawdllm.tokenizer import train_tokenizer
 from frawdllm.train import PretrainConfig, run_pretraining
 from frawdllm.train import pretrain as pretrain_module
+from frawdllm.train.checkpoint import latest_checkpoint
 from frawdllm.train.rundir import read_metrics
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "context_length": 32}
@@ -170,6 +171,25 @@ def test_init_from_starts_at_the_saved_models_loss_trains_and_saves(corpus, trai
     assert not torch.equal(more.state_dict()["blocks.0.attn.qkv.weight"], saved.state_dict()["blocks.0.attn.qkv.weight"])
     # the model's tokenizer came along
     assert (tmp_path / "more" / "model" / "tokenizer.json").read_bytes() == (trained / "tokenizer.json").read_bytes()
+
+
+def test_init_from_keeps_the_models_sampling_defaults(corpus, trained, tmp_path):
+    """An imported model's generation_config.json (temperature 0.6, top-p 0.9) was dropped:
+    generate and chat on the trained model fell back to temperature 1."""
+    import json
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(trained, base)
+    (base / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    run_pretraining(tiny_config(corpus, tmp_path / "more", tokenizer=None, model={}, init_from=str(base),
+                                max_steps=2))
+    for saved in (tmp_path / "more" / "model", latest_checkpoint(tmp_path / "more") / "model"):
+        assert json.loads((saved / "generation_config.json").read_text()) == {"temperature": 0.6, "top_p": 0.9}
+    assert not (trained / "generation_config.json").exists()  # (and a model without one gives none)
+    run_pretraining(tiny_config(corpus, tmp_path / "plain", tokenizer=None, model={}, init_from=str(trained),
+                                max_steps=1))
+    assert not (tmp_path / "plain" / "model" / "generation_config.json").exists()
 
 
 def test_init_from_trains_on_shorter_windows_and_keeps_the_models_context(corpus, trained, tmp_path):

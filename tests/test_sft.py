@@ -16,7 +16,7 @@ from frawdllm.modeldir import load_model
 from frawdllm.tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, USER_ID
 from frawdllm.train.rundir import read_metrics
 
-from align_helpers import byte_tokenizer, model_dir, tiny_model, word_chats, write_jsonl
+from align_helpers import byte_tokenizer, model_dir, tiny_model, word_chats, word_prefs, write_jsonl
 from cli_helpers import run_cli
 
 MULTI = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -222,6 +222,23 @@ def test_a_step_is_one_batch_however_it_is_cut_into_micro_batches(tmp_path, caps
         assert runs[batch][0] == pytest.approx(losses, rel=1e-5), batch
         for (name, p), q in zip(model.state_dict().items(), runs[batch][1].state_dict().values()):
             assert (p - q).abs().max() < 1e-5, (batch, name)
+
+
+def test_sft_and_dpo_keep_the_init_models_sampling_defaults(tmp_path, capsys):
+    """`--init`'s generation_config.json (an imported model's temperature and top-p) was
+    not in the fine-tuned model: chat and generate fell back to temperature 1."""
+    base = model_dir(tmp_path)
+    defaults = {"temperature": 0.7, "top_p": 0.9}
+    (base / "generation_config.json").write_text(json.dumps(defaults))
+    common = ["--init", base, "--batch-size", "4", "--dtype", "fp32", "--compile", "false", "--device", "cpu",
+              "--max-steps", "2", "--no-progress", "--val-fraction", "0.1", "--sample-tokens", "4"]
+    sft_data = write_jsonl(tmp_path / "chats.jsonl", word_chats(40))
+    dpo_data = write_jsonl(tmp_path / "prefs.jsonl", word_prefs(40))
+    for command, data in (("sft", sft_data), ("dpo", dpo_data)):
+        code, _, err = run_cli(capsys, command, *common, "--data", data, "--out", tmp_path / command)
+        assert code == 0, err
+        saved = json.loads((tmp_path / command / "model" / "generation_config.json").read_text())
+        assert saved == defaults, command
 
 
 def test_lora_sft_saves_a_plain_model_and_resumes_exactly(tmp_path, capsys):

@@ -140,14 +140,20 @@ class FinetuneTask(TrainTask):
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig,
                  sample_prompts: list[list[int]]) -> None:
+        from ..modeldir import load_generation_config
+
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg  # (LoRA wraps `model` in place)
         self.sample_prompts = sample_prompts[:cfg.sample_count]
+        self.generation_config = load_generation_config(cfg.init)  # kept: --init's sampling defaults
 
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return sample_texts(model, self.tokenizer, self.sample_prompts, self.cfg.sample_tokens)
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
-        plain(model).save_pretrained(directory, tokenizer=self.tokenizer)
+        from ..modeldir import save_model_dir
+
+        save_model_dir(plain(model), directory, tokenizer=self.tokenizer,
+                       generation_config=self.generation_config or None)
 
     def load_model(self, model: nn.Module, directory: Path) -> None:
         if not lora.has_lora(model):

@@ -39,7 +39,8 @@ from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic, write_text_atomic
 from ..memory import check_training_fits
-from ..modeldir import checked_weights, load_config, load_model, require_kind
+from ..modeldir import (checked_weights, load_config, load_generation_config, load_model, require_kind,
+                        save_model_dir)
 from ..tokenizer import KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, train_tokenizer
 from . import distributed
 from .checkpoint import latest_checkpoint
@@ -78,6 +79,8 @@ class PretrainTask(TrainTask):
         self.flops_per_token = model_config.flops_per_token(self.context_length)
         self.bytes_per_token = data.meta.get("val_bytes_per_token") or data.meta.get("bytes_per_token")
         self.can_evaluate = len(data.val) > self.context_length
+        # --init-from's sampling defaults (an imported model's), kept in the models saved
+        self.generation_config = load_generation_config(cfg.init_from) if cfg.init_from else {}
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
         return self.loader.next_batch()
@@ -105,7 +108,8 @@ class PretrainTask(TrainTask):
         return [self.cfg.sample_prompt + completion.text]
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
-        model.save_pretrained(directory, tokenizer=self.data.tokenizer)
+        save_model_dir(model, directory, tokenizer=self.data.tokenizer,
+                       generation_config=self.generation_config or None)
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}
