@@ -96,6 +96,11 @@ def test_prompt_file_and_several_prompts_and_samples(capsys, model_dir, tmp_path
                          str(other), "--max-new-tokens", "2", "--temperature", "0", "--json")
     assert code == 0, err
     assert [json.loads(line)["prompt_tokens"] for line in out.strip().splitlines()] == [11, 16]
+    # a UTF-8 byte-order mark (Notepad, PowerShell's Out-File) is no prompt text: it was 3 byte tokens
+    other.write_bytes("\ufeffand another file".encode())
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", str(other),
+                         "--max-new-tokens", "2", "--temperature", "0", "--json")
+    assert code == 0 and json.loads(out)["prompt_tokens"] == 16, (out, err)
 
 
 def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_dir, tmp_path):

@@ -126,6 +126,23 @@ def test_a_bad_record_is_named_with_file_and_line_or_skipped_and_counted(tmp_pat
     assert f"data source not found: '{missing}'" in err and "expected stdlib-instruct," in err
 
 
+def test_a_byte_order_mark_does_not_cost_the_first_record(tmp_path):
+    """A JSONL file saved with a UTF-8 BOM (Windows editors) stopped at line 1 ("not valid
+    JSON"), or with --skip-bad-lines silently lost its first example."""
+    import gzip
+
+    from frawdllm.data.records import iter_records
+
+    lines = "".join(json.dumps({"prompt": f"q{i}", "response": "a"}) + "\n" for i in range(3))
+    plain, packed = tmp_path / "bom.jsonl", tmp_path / "bom.jsonl.gz"
+    plain.write_bytes(("\ufeff" + lines).encode())
+    with gzip.open(packed, "wb") as f:
+        f.write(("\ufeff" + lines).encode())
+    for path in (plain, packed):
+        records = [record for _, record in iter_records(str(path))]
+        assert records == [{"prompt": f"q{i}", "response": "a"} for i in range(3)], path
+
+
 def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
     model = tiny_model("llama")
     x = torch.randint(0, 263, (2, 16))

@@ -106,6 +106,8 @@ def test_jsonl_reads_the_text_field_and_gz(tmp_path):
     assert list(iter_documents(str(tmp_path / "d.jsonl.gz"))) == ["one", "two", "three"]
     (tmp_path / "e.jsonl").write_text(json.dumps({"body": "b"}) + "\n", encoding="utf-8")
     assert list(iter_documents(str(tmp_path / "e.jsonl"), text_field="body")) == ["b"]
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + lines, encoding="utf-8")  # (was "line 1: not valid JSON")
+    assert list(iter_documents(str(tmp_path / "bom.jsonl"))) == ["one", "two", "three"]
 
 
 def test_jsonl_bad_line_is_an_error_naming_file_and_line(tmp_path):

@@ -111,15 +111,17 @@ def _note_context_stop(engine: Any, params: Any, ends: list[tuple[str | None, in
 
 
 def _read_prompt_file(path: str) -> str:
+    from ..data.sources import BOM
+
     if path == "-":
-        return sys.stdin.read()
+        return sys.stdin.read().removeprefix(BOM)
     file = Path(path)
     if file.is_dir():
         raise FrawdError(f"--prompt-file {file} is a folder, not a file")
     if not file.is_file():
         raise FrawdError(f"prompt file not found: {file}")
     try:
-        return file.read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8").removeprefix(BOM)  # (a byte-order mark is no prompt text)
     except UnicodeDecodeError:
         raise FrawdError(f"{file}: not UTF-8 text") from None
 

@@ -212,7 +212,8 @@ def _write_output(path: Path, text: str) -> None:
 
 def _stdin_lines() -> Iterator[str]:
     """Standard input line by line, read as bytes so that a line that is not UTF-8 is named."""
-    from ..data.parallel import BOM, decode_utf8
+    from ..data.parallel import decode_utf8
+    from ..data.sources import BOM
 
     for number, raw in enumerate(sys.stdin.buffer, start=1):
         line = decode_utf8(raw, "stdin", number).rstrip("\r\n")

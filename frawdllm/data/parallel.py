@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FrawdError
+from .sources import BOM
 
 GZIP_MAGIC = b"\x1f\x8b"
-BOM = "\ufeff"  # the UTF-8 byte-order mark some editors write first
 
 
 def decode_utf8(raw: bytes, where: str | Path, first_line: int = 1) -> str:

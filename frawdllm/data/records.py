@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FrawdError
-from .sources import _SURROGATE, open_hf_dataset, open_parquet, resolve_files, unreadable_rows
+from .sources import BOM, _SURROGATE, open_hf_dataset, open_parquet, resolve_files, unreadable_rows
+
+BOM_BYTES = BOM.encode()
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -82,6 +84,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
             for raw in f:
                 for line in raw.splitlines() or [b""]:  # (\r, \n and \r\n end a line, as in text mode)
                     lineno += 1
+                    if lineno == 1:  # a UTF-8 byte-order mark (Windows editors write one) is not JSON
+                        line = line.removeprefix(BOM_BYTES)
                     if line.strip():
                         yield f"{path}:{lineno}", _parse(line)
         except (OSError, EOFError, zlib.error) as exc:  # a corrupt .gz

@@ -39,6 +39,8 @@ from collections.abc import Iterable, Iterator
 
 from ..errors import FrawdError
 
+BOM = "\ufeff"  # the UTF-8 byte-order mark some editors (Windows') write first
+
 DOC_SPLITS = ("blank", "line", "file")
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 _SEPARATORS = {"blank": re.compile(r"\n(?:[^\S\n]*\n)+"), "line": re.compile(r"\n")}
@@ -329,6 +331,8 @@ def _jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterato
             if not line:
                 return
             lineno += 1
+            if lineno == 1:
+                line = line.removeprefix(BOM)  # (a UTF-8 byte-order mark is not JSON)
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
