@@ -249,3 +249,33 @@ def test_an_sft_run_or_config_given_to_dpo_is_named_as_such(tmp_path, capsys):
         assert code == 1 and err.count("\n") == 1, err
         assert f"--config {config} is a config of frawd sft, not of frawd dpo; give it to frawd sft" in err
     assert not (tmp_path / "new").exists()
+
+
+def test_trl_preference_shapes_give_the_same_pair():
+    """TRL's conversational shapes were refused ("'chosen' must be a string (list)"): an
+    explicit prompt with one-message answers, and an implicit prompt (whole conversations
+    sharing all but their last message)."""
+    from frawdllm.align.examples import BadExample, preference
+
+    user = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi?"}]
+    want = (user, "Hello!", "Go away.")
+    shapes = [
+        {"prompt": user, "chosen": "Hello!", "rejected": "Go away."},
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "Hello!"}],
+         "rejected": [{"role": "assistant", "content": "Go away."}]},
+        {"chosen": user + [{"role": "assistant", "content": "Hello!"}],
+         "rejected": user + [{"role": "assistant", "content": "Go away."}]},
+        {"prompt": None, "chosen": user + [{"role": "assistant", "content": "Hello!"}],  # (a Parquet row's null)
+         "rejected": user + [{"role": "assistant", "content": "Go away."}]},
+    ]
+    for record in shapes:
+        assert preference(record, "r:1") == want, record
+    for bad, message in [
+        ({"chosen": user + [{"role": "assistant", "content": "a"}],
+          "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "b"}]},
+         "differ only in their last message"),
+        ({"prompt": user, "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+         "'chosen' as messages must be one assistant message"),
+    ]:
+        with pytest.raises(BadExample, match=message):
+            preference(bad, "r:1")

@@ -143,6 +143,20 @@ def test_a_byte_order_mark_does_not_cost_the_first_record(tmp_path):
         assert records == [{"prompt": f"q{i}", "response": "a"} for i in range(3)], path
 
 
+def test_sft_shapes_trl_and_mixed_tables_use():
+    """A table mixing the two shapes gives every row every column: a prompt/response row's
+    null `messages` was "must be a non-empty list of messages". TRL's prompt/completion
+    shape (strings or messages) was refused."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    for record in [{"messages": turns}, {"messages": turns, "prompt": None, "response": None},
+                   {"messages": None, "prompt": "Hi", "response": "Hello."},
+                   {"prompt": "Hi", "completion": "Hello."},
+                   {"prompt": turns[:1], "completion": turns[1:]}]:
+        assert chat_messages(record, "r:1") == turns, record
+    with pytest.raises(BadExample, match=r"expected \"messages\" or \"prompt\" and \"response\" \(fields: 'prompt'\)"):
+        chat_messages({"messages": None, "prompt": "Hi", "response": None}, "r:1")
+
+
 def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
     model = tiny_model("llama")
     x = torch.randint(0, 263, (2, 16))

@@ -120,25 +120,37 @@ def _object(record: object, where: str, expected: str) -> dict:
 
 
 def chat_messages(record: object, where: str) -> list[dict]:
-    """An SFT record's conversation; it must contain an assistant turn."""
+    """An SFT record's conversation; it must contain an assistant turn. Shapes: `messages`;
+    `prompt` and `response` (or TRL's `completion`), each a string or a list of messages.
+    A null field counts as absent (a table mixing the shapes gives every row every column)."""
     record = _object(record, where, '"messages" or "prompt" and "response"')
-    if "messages" in record:
+    answer_key = next((k for k in ("response", "completion") if record.get(k) is not None), None)
+    if record.get("messages") is not None:
         messages = _messages(record["messages"], where, "messages")
-    elif "prompt" in record and "response" in record:
-        messages = [{"role": "user", "content": _text(record, "prompt", where)},
-                    {"role": "assistant", "content": _text(record, "response", where)}]
+    elif record.get("prompt") is not None and answer_key is not None:
+        messages = _turns(record, "prompt", "user", where) + _turns(record, answer_key, "assistant", where)
     else:
         raise BadExample(f"{where}: expected \"messages\" or \"prompt\" and \"response\" "
-                         f"(fields: {', '.join(map(repr, list(record)[:8])) or 'none'})")
+                         f"(fields: {', '.join(repr(k) for k, v in record.items() if v is not None) or 'none'})")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadExample(f"{where}: the conversation has no assistant turn to learn")
     return messages
 
 
 def preference(record: object, where: str) -> tuple[list[dict], str, str]:
-    """A DPO record's prompt (as messages), chosen and rejected answers."""
+    """A DPO record's prompt (as messages), chosen and rejected answers. Shapes (TRL's):
+    `prompt` a string or messages, `chosen`/`rejected` strings or a one-message assistant
+    turn; or no prompt, `chosen`/`rejected` whole conversations that share all but their
+    last (assistant) message, the prompt."""
     record = _object(record, where, '"prompt", "chosen" and "rejected"')
     prompt = record.get("prompt")
+    if prompt is None and isinstance(record.get("chosen"), list) and isinstance(record.get("rejected"), list):
+        chosen = _messages(record["chosen"], where, "chosen")
+        rejected = _messages(record["rejected"], where, "rejected")
+        if chosen[:-1] != rejected[:-1] or len(chosen) < 2:
+            raise BadExample(f"{where}: without 'prompt', 'chosen' and 'rejected' must be conversations that "
+                             "differ only in their last message (the prompt is what they share)")
+        prompt, record = chosen[:-1], {"chosen": chosen[-1:], "rejected": rejected[-1:]}
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list):
@@ -146,12 +158,30 @@ def preference(record: object, where: str) -> tuple[list[dict], str, str]:
     else:
         raise BadExample(f"{where}: 'prompt' must be a string or a list of messages "
                          f"({'missing' if prompt is None else type(prompt).__name__})")
-    chosen, rejected = _text(record, "chosen", where), _text(record, "rejected", where)
+    chosen, rejected = _answer(record, "chosen", where), _answer(record, "rejected", where)
     if chosen == rejected:  # no preference to learn: its DPO loss is log 2 whatever the weights
         raise BadExample(f"{where}: 'chosen' and 'rejected' are the same text")
     if messages[-1]["role"] == "assistant":  # the answers follow the prompt as the assistant's turn
         raise BadExample(f"{where}: 'prompt' ends with an assistant turn; chosen and rejected are that turn")
     return messages, chosen, rejected
+
+
+def _turns(record: dict, key: str, role: str, where: str) -> list[dict]:
+    """A field that is a string (one turn of `role`) or a list of messages."""
+    if isinstance(record[key], list):
+        return _messages(record[key], where, key)
+    return [{"role": role, "content": _text(record, key, where)}]
+
+
+def _answer(record: dict, key: str, where: str) -> str:
+    """A preference answer: a string, or a list of one assistant message (its content)."""
+    value = record.get(key)
+    if isinstance(value, list):
+        messages = _messages(value, where, key)
+        if len(messages) != 1 or messages[0]["role"] != "assistant":
+            raise BadExample(f"{where}: {key!r} as messages must be one assistant message")
+        return messages[0]["content"]
+    return _text(record, key, where)
 
 
 # ---- messages -> ids --------------------------------------------------------------------------

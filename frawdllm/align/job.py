@@ -144,7 +144,7 @@ class FinetuneTask(TrainTask):
 
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg  # (LoRA wraps `model` in place)
         self.sample_prompts = sample_prompts[:cfg.sample_count]
-        self.generation_config = load_generation_config(cfg.init)  # kept: --init's sampling defaults
+        self.generation_config = load_generation_config(cfg.init) if cfg.init else {}  # kept: --init's defaults
 
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return sample_texts(model, self.tokenizer, self.sample_prompts, self.cfg.sample_tokens)
