@@ -157,6 +157,23 @@ def test_sft_shapes_trl_and_mixed_tables_use():
         chat_messages({"messages": None, "prompt": "Hi", "response": None}, "r:1")
 
 
+def test_characters_a_char_tokenizer_lacks_are_counted_in_the_summary(tmp_path):
+    """They became <|unk|> training targets without a word ("Très bien, café" trained as
+    "Tr<|unk|>s bien, caf<|unk|>"), where generate warns and data prepare counts them."""
+    from frawdllm.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["abcdefghijklmnopqrstuvwxyz ,.?"], kind="char")
+    chats = [{"prompt": "say it", "response": "tres bien"}] * 4 + [{"prompt": "say it", "response": "très bien ☃"}] * 2
+    cfg = SFTConfig(init=None, data=str(write_jsonl(tmp_path / "c.jsonl", chats)), progress=False, max_steps=1,
+                    val_fraction=0.0)
+    *_, summary = load_examples(cfg, tok, 64)
+    assert (summary.unknown, summary.unknown_examples) == (4, 2)
+    assert "4 character(s) outside the tokenizer's vocabulary became <|unk|> (in 2 examples" in summary.line()
+    cfg.data = str(write_jsonl(tmp_path / "d.jsonl", chats[:4]))
+    *_, summary = load_examples(cfg, tok, 64)
+    assert summary.unknown == 0 and "unk" not in summary.line()
+
+
 def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
     model = tiny_model("llama")
     x = torch.randint(0, 263, (2, 16))

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import FrawdError
-from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, Tokenizer, _role_and_content
+from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer, _role_and_content
 
 TRAIN_ON = ("assistant", "last", "all")
 
@@ -71,6 +71,8 @@ class LoadSummary:
     first_skipped: list[str] = field(default_factory=list)
     first_dropped: str = ""
     ignored: list = field(default_factory=list)  # files of a --data folder or glob that hold no records
+    unknown: int = 0  # characters a char-level tokenizer turned into <|unk|>
+    unknown_examples: int = 0
 
     def line(self, what: str = "examples") -> str:
         text = f"{self.examples} {what} ({self.train} train, {self.val} held out)"
@@ -81,6 +83,9 @@ class LoadSummary:
             text += f"; {self.skipped} bad {records} skipped (first: {self.first_skipped[0]})"
         if self.dropped:
             text += f"; {self.dropped} dropped with nothing to learn (first: {self.first_dropped})"
+        if self.unknown:
+            text += (f"; {self.unknown} character(s) outside the tokenizer's vocabulary became <|unk|> "
+                     f"(in {self.unknown_examples} {what}; a char tokenizer knows only its corpus' characters)")
         if self.ignored:
             files = "file" if len(self.ignored) == 1 else "files"
             shown = ", ".join(p.name for p in self.ignored[:3]) + (", ..." if len(self.ignored) > 3 else "")
@@ -285,6 +290,10 @@ def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: flo
             summary.first_dropped = summary.first_dropped or str(exc)
             continue
         summary.truncated += cut
+        ids = example.ids if isinstance(example, Example) else example.prompt + example.chosen + example.rejected
+        unknown = ids.count(UNK_ID)
+        summary.unknown += unknown
+        summary.unknown_examples += unknown > 0
         (val if is_held_out(key, val_fraction) else train).append(example)
     summary.examples, summary.train, summary.val = len(train) + len(val), len(train), len(val)
     if not summary.examples:
