@@ -196,3 +196,16 @@ def test_prompt_characters_a_char_tokenizer_does_not_know_are_named(capsys, tmp_
     code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "2",
                        "--json")
     assert code == 0 and "warning" not in err
+
+
+def test_stream_asked_for_where_it_cannot_apply_says_so(capsys, model_dir):
+    """--stream with several prompts, samples or --json was ignored without a word."""
+    for extra, why in [(["--prompt", "b"], "several completions"), (["--num-samples", "2"], "several completions"),
+                       (["--json"], "--json")]:
+        code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "a", "--stream",
+                             "--max-new-tokens", "2", *extra)
+        assert code == 0 and out, err
+        assert f"note: --stream prints one completion of one prompt as plain text; with {why}" in err, err
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "a", "--stream",
+                         "--max-new-tokens", "2")
+    assert code == 0 and "--stream" not in err, err

@@ -29,7 +29,8 @@ from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_fr
               help="Do not stop at the end-of-sequence token (default: the model's generation_config.json, "
                    "else stop).")
 @click.option("--stream/--no-stream", default=None,
-              help="Print text as it is generated [default: on when stdout is a terminal].")
+              help="Print text as it is generated (one prompt, one sample, not --json) [default: on when "
+                   "stdout is a terminal].")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per completion (text, tokens, finish_reason, ...), one per line.")
 @click.option("--echo-prompt", is_flag=True,
@@ -66,9 +67,13 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
         shown = "".join(unknown[:20]) + (f" and {len(unknown) - 20} more" if len(unknown) > 20 else "")
         click.echo(f"warning: {len(unknown)} character(s) of the prompt are not in the tokenizer's vocabulary "
                    f"and become <|unk|>: {shown!r}", err=True)
+    single = len(texts) == 1 and params.num_samples == 1
+    if stream and not (single and not as_json):  # (asked for: say why it does not apply)
+        why = "--json" if as_json else "several completions"
+        click.echo(f"note: --stream prints one completion of one prompt as plain text; with {why} the output "
+                   "comes when generation is done", err=True)
     if stream is None:
         stream = sys.stdout.isatty() and not as_json
-    single = len(texts) == 1 and params.num_samples == 1
     start = time.perf_counter()
     if stream and single and not as_json:
         if echo_prompt:
