@@ -175,6 +175,7 @@ class PairLoader:
 
 class DPOTask(FinetuneTask):
     bar_metrics = ("rewards/accuracies", "rewards/margins")
+    loss_unit = "mean over preference pairs"
 
     def __init__(self, train: list[Pair], val: list[Pair], model: nn.Module, tokenizer: Tokenizer,
                  cfg: DPOConfig, length: int) -> None:

@@ -84,6 +84,7 @@ class TrainTask:
     flops_per_token: int | None = None  # training FLOPs per token, for MFU (None: no MFU)
     bar_metrics: tuple[str, ...] = ()  # named metrics (see `loss`) shown on the progress bar
     token_batches: bool = False  # batches of no fixed row count (not `batch_size` rows), dealt out by the task
+    loss_unit: str = "nats/token"  # what the loss is a mean of, for loss.png's axis
 
     def next_batch(self) -> Any:
         raise NotImplementedError
@@ -664,7 +665,7 @@ class Trainer:
         if improved:
             self.best_val_loss, self.best_step = self.last_val_loss, self.step
         if main:
-            plot_losses(self.run_dir)
+            plot_losses(self.run_dir, self.task.loss_unit)
         saving = time.perf_counter()
         self._eval_s = saving - start
         self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)

@@ -380,9 +380,10 @@ def task_metric_names(records: list[dict[str, Any]]) -> list[str]:
     return list(names)
 
 
-def plot_losses(run_dir: Path) -> None:
-    """Draw loss.png from metrics.jsonl: the training loss and the validation points; below
-    them, if the task logs named metrics, those metrics (their `val_` values as points)."""
+def plot_losses(run_dir: Path, unit: str = "nats/token") -> None:
+    """Draw loss.png from metrics.jsonl: the training loss (in `unit`) and the validation
+    points; below them, if the task logs named metrics, those metrics (their `val_` values
+    as points)."""
     plt = load_pyplot()
 
     records = read_metrics(run_dir)
@@ -396,7 +397,7 @@ def plot_losses(run_dir: Path) -> None:
     if val:
         ax.plot(*zip(*val), "o-", label="validation", markersize=4)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(f"loss ({unit})")
     ax.set_title(Path(run_dir).resolve().name)
     ax.grid(alpha=0.3)
     if train or val:
