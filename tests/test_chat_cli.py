@@ -71,12 +71,12 @@ def say(child, text):
 
 def test_a_conversation_with_commands(chat_model):
     child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "12")
-    first = say(child, "hello there")
-    assert first == expected_reply(chat_model, [{"role": "user", "content": "hello there"}], 12)
+    first = say(child, "he fed a badge")
+    assert first == expected_reply(chat_model, [{"role": "user", "content": "he fed a badge"}], 12)
     assert re.fullmatch(REPLY + "{12}", first)
-    second = say(child, "and again")
-    history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first},
-               {"role": "user", "content": "and again"}]
+    second = say(child, "a bad deed")
+    history = [{"role": "user", "content": "he fed a badge"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "a bad deed"}]
     assert second == expected_reply(chat_model, history, 12)  # the history is part of the prompt
 
     assert "top_k=5" in say(child, "/params top_k=5")
@@ -92,9 +92,16 @@ def test_a_conversation_with_commands(chat_model):
     assert "(system message set)" in say(child, "/system be brief")
     assert "(conversation cleared)" in say(child, "/reset")
     assert "unknown command /bogus" in say(child, "/bogus")
-    reply = say(child, "hello there")  # top_k does not matter at temperature 0
-    system_first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    reply = say(child, "he fed a badge")  # top_k does not matter at temperature 0
+    system_first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "he fed a badge"}]
     assert reply == expected_reply(chat_model, system_first, 12)
+    # a message that starts with a slash: "//" sends it (it was an unknown command)
+    assert say(child, "/reset") and say(child, "//a b") == \
+        "(not in the tokenizer's vocabulary, seen as <|unk|>: '/')\r\n" + expected_reply(
+            chat_model, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "/a b"}], 12)
+    # characters a char tokenizer lacks are said, as generate says them
+    assert say(child, "/reset") and say(child, "hi xyz").startswith(
+        "(not in the tokenizer's vocabulary, seen as <|unk|>: 'xyz')\r\n")
     child.sendeof()
     child.expect(pexpect.EOF)
     child.close()

@@ -22,7 +22,8 @@ HELP = """commands:
   /system TEXT      set the system message (/system alone removes it)
   /params           show the sampling parameters; /params key=value ... changes them
   /help             this list
-  /quit             leave (or Ctrl-D); Ctrl-C stops a reply"""
+  /quit             leave (or Ctrl-D); Ctrl-C stops a reply
+  //TEXT            send "/TEXT" as a message (a message that starts with a slash)"""
 
 
 @click.command()
@@ -37,8 +38,8 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     never seen the template, so its replies read as continuations of the text.
 
     Type a message and press Enter; the reply streams back. Commands: /reset,
-    /system TEXT, /params [key=value ...], /help, /quit. Ctrl-C stops the current reply,
-    Ctrl-D leaves.
+    /system TEXT, /params [key=value ...], /help, /quit (//TEXT sends "/TEXT"). Ctrl-C
+    stops the current reply, Ctrl-D leaves.
 
     \b
     Example:
@@ -93,13 +94,13 @@ class _Repl:
             line = line.strip()
             if not line:
                 continue
-            if line.startswith("/"):
+            if line.startswith("/") and not line.startswith("//"):
                 if self.command(line) == "quit":
                     if not sys.stdin.isatty():  # (a terminal echoed the Enter; piped input did not)
                         self.out("\n")
                     return
                 continue
-            self.reply(line)
+            self.reply(line[1:] if line.startswith("//") else line)
 
     def command(self, line: str) -> str | None:
         name, _, arg = line.partition(" ")
@@ -161,6 +162,9 @@ class _Repl:
 
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
         messages.append({"role": "user", "content": text})
+        unknown = sorted(self.engine.tokenizer.unknown_characters(text))
+        if unknown:  # (a char tokenizer: the model sees <|unk|> for them, as generate warns)
+            self.out(f"(not in the tokenizer's vocabulary, seen as <|unk|>: {''.join(unknown[:20])!r})\n")
         context = self.engine.config.context_length
         try:
             ids, dropped = fit_history(self.engine.tokenizer, messages, context,
