@@ -172,6 +172,10 @@ def test_characters_a_char_tokenizer_lacks_are_counted_in_the_summary(tmp_path):
     cfg.data = str(write_jsonl(tmp_path / "d.jsonl", chats[:4]))
     *_, summary = load_examples(cfg, tok, 64)
     assert summary.unknown == 0 and "unk" not in summary.line()
+    # (and a cut names what it cut to: --max-length, where it was given, said "the context")
+    cfg.max_length = 8
+    *_, summary = load_examples(cfg, tok, 8)
+    assert "4 truncated to --max-length 8 (prompt tail, response head kept)" in summary.line()
 
 
 def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():

@@ -266,7 +266,7 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
             raise NothingToLearn(f"{where}: 'chosen' and 'rejected' {how}")
         return pair, cut
 
-    summary = LoadSummary()
+    summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
     train, val = collect(iter_source(cfg.data, "dpo", summary.ignored), convert, cfg.val_fraction,
                          cfg.skip_bad_lines, summary, source=cfg.data, what="pairs")
     if not train:

@@ -71,13 +71,14 @@ class LoadSummary:
     first_skipped: list[str] = field(default_factory=list)
     first_dropped: str = ""
     ignored: list = field(default_factory=list)  # files of a --data folder or glob that hold no records
+    limit: str = "the context"  # what examples are cut to
     unknown: int = 0  # characters a char-level tokenizer turned into <|unk|>
     unknown_examples: int = 0
 
     def line(self, what: str = "examples") -> str:
         text = f"{self.examples} {what} ({self.train} train, {self.val} held out)"
         if self.truncated:
-            text += f"; {self.truncated} truncated to the context (prompt tail, response head kept)"
+            text += f"; {self.truncated} truncated to {self.limit} (prompt tail, response head kept)"
         if self.skipped:
             records = "record" if self.skipped == 1 else "records"
             text += f"; {self.skipped} bad {records} skipped (first: {self.first_skipped[0]})"

@@ -65,7 +65,7 @@ def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[li
         # length + 1 ids give `length` inputs (the last id is only a target)
         return truncate(tokenize_chat(tokenizer, chat_messages(record, where), cfg.train_on), length + 1)
 
-    summary = LoadSummary()
+    summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
     train, val = collect(iter_source(cfg.data, "sft", summary.ignored), convert, cfg.val_fraction,
                          cfg.skip_bad_lines, summary, source=cfg.data)
     if not train:
