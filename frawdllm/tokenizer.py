@@ -59,6 +59,21 @@ def check_bpe_vocab_size(vocab_size: int) -> int:
     return vocab_size
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table, which `tokenizers`'
+    ByteLevel uses): printable Latin-1 bytes stand for themselves, the other 68 for the
+    characters from U+0100 on, in byte order. Inverted: character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 def render_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The chat template as a string: <|bos|>, then <|role|>content<|eos|> per message,
     then <|assistant|> when the model should answer next."""
@@ -115,6 +130,24 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: a byte-level BPE token's bytes (possibly part of a
+        character), a char token's UTF-8, a special token's own text; b"" past the vocabulary.
+        (For logprobs: a token's text alone may be half a character.)"""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self.kind in ("bpe", "byte") and token_id not in self._special_ids and \
+                all(ch in _BYTE_OF_CHAR for ch in token):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in token)
+        if self.kind == "char" or token_id in self._special_ids:
+            return token.encode()
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()  # (e.g. SentencePiece-style)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(t["id"] for t in json.loads(self.backend.to_str()).get("added_tokens", []))
 
     def has_frawd_specials(self) -> bool:
         """True when the seven special tokens sit at ids 0..6 (every tokenizer trained here)."""

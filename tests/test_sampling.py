@@ -182,6 +182,8 @@ def test_seeded_sampling_is_reproducible():
     ("num_samples", 0, "num_samples must be a positive integer"),
     ("stop", [""], "stop strings must not be empty"),
     ("temperature", float("nan"), "temperature must be 0 \\(greedy\\) or"),
+    ("logprobs", -1, r"logprobs must be None \(off\) or an integer in \[0, 20\]"),
+    ("logprobs", 21, r"logprobs must be None \(off\) or an integer in \[0, 20\]"),
 ])
 def test_invalid_parameters_raise_one_clear_error(field, value, message):
     with pytest.raises(ConfigError, match=message) as info:

@@ -437,3 +437,41 @@ def test_engine_and_scheduler_arguments_of_the_wrong_kind_are_one_line():
         "max_batch must be an integer >= 1, got 2.5",
         "max_queue must be an integer >= 1, got '4'",
     ]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_logprobs_are_the_same_alone_in_a_batch_and_served(model_tok, native):
+    """Engine.generate, Engine.stream and the Scheduler (beside other requests) report the
+    same per-token log-probabilities, the model's own log_softmax at each token (sampled
+    rows too: taken before temperature and filters), none for a final end-of-sequence."""
+    if native and not native_forward.available():
+        pytest.skip("no C compiler")
+    model, tok = model_tok
+    engine = Engine(model, tok, native=native)
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=5, seed=3, logprobs=2)
+    alone = engine.generate(PROMPTS[4], params)[0]
+    streamed = [c.logprob for c in engine.stream(PROMPTS[4], params) if c.logprob is not None]
+    scheduler = Scheduler(engine)
+    try:
+        others = [scheduler.submit(PROMPTS[i], params.replace(seed=i, logprobs=None)) for i in range(3)]
+        served = [c.logprob for c in scheduler.submit(PROMPTS[4], params) if c.logprob is not None]
+        for request in others:
+            assert all(c.logprob is None for c in request)  # (not asked for)
+    finally:
+        scheduler.close()
+    with torch.no_grad():
+        prompt = tok.encode(PROMPTS[4])
+        logits = model(torch.tensor([prompt + alone.tokens]))[0][0, len(prompt) - 1:-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    assert [e.token for e in served] == [e.token for e in streamed] == alone.tokens
+    tolerance = 5e-3 if native else 1e-5  # (native: fp16 weights)
+    for i, entry in enumerate(served):
+        assert entry.logprob == pytest.approx(float(logp[i, entry.token]), abs=tolerance)
+        assert [t for t, _ in entry.top] == logp[i].topk(2).indices.tolist()
+        assert entry.logprob == pytest.approx(streamed[i].logprob, abs=1e-5)  # (torch: batched rows round apart)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, logprobs=0)
+    third = engine.generate(PROMPTS[4], greedy)[0].tokens[2]
+    stopped = list(engine.stream(PROMPTS[4], greedy.replace(stop_token_ids=[third])))
+    assert stopped[-1].token == third and stopped[-1].finish_reason == "stop"
+    assert stopped[-1].logprob is None  # the stop token is no text
+    assert all(c.logprob is not None for c in stopped[:-1])

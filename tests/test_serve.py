@@ -111,6 +111,66 @@ def test_chat_stream_and_not(server):
     assert reasons[-1] == "length" and usage.completion_tokens == 24
 
 
+def reference_logprobs(engine, prompt_ids, tokens):
+    """log_softmax of the model's own full forward (PyTorch, fp32) at each generated token."""
+    import torch
+
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt_ids + tokens]))[0][0, len(prompt_ids) - 1:-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return [float(logp[i, t]) for i, t in enumerate(tokens)], logp
+
+
+def test_logprobs_chat_and_completions_streamed_and_not(server):
+    """logprobs (OpenAI's forms) are the model's own log-probabilities of the tokens it
+    wrote, with the likeliest alternatives; streamed, the same entries in pieces."""
+    engine, c = server["engine"], client(server)
+    messages = [{"role": "user", "content": PROMPTS[7]}]
+    want = expected_chat(engine, messages, max_new_tokens=12)
+    got = c.chat.completions.create(model="varied", messages=messages, max_tokens=12, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert got.choices[0].message.content == want.text and len(content) == len(want.tokens) == 12
+    prompt_ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+    expected, logp = reference_logprobs(engine, prompt_ids, want.tokens)
+    assert [e.logprob for e in content] == pytest.approx(expected, abs=5e-3)  # (native fp16 weights: ~1e-3 here)
+    assert b"".join(bytes(e.bytes) for e in content) == want.text.encode()
+    for i, entry in enumerate(content):  # greedy: the chosen token is the likeliest
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[0].bytes == entry.bytes
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.top_logprobs[1].logprob == pytest.approx(float(logp[i].topk(2).values[1]), abs=5e-3)
+    streamed = []
+    for event in c.chat.completions.create(model="varied", messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3, stream=True):
+        for choice in event.choices:
+            streamed += choice.logprobs.content if choice.logprobs else []
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model="varied", messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None  # (not asked for)
+
+    want = expected_completion(engine, PROMPTS[5], max_new_tokens=10)
+    got = c.completions.create(model="varied", prompt=PROMPTS[5], max_tokens=10, temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert "".join(lp.tokens) == got.choices[0].text == want.text
+    expected, _ = reference_logprobs(engine, engine.tokenizer.encode(PROMPTS[5]), want.tokens)
+    assert lp.token_logprobs == pytest.approx(expected, abs=5e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 and top[token] == value for top, token, value in
+               zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    streamed = []
+    for event in c.completions.create(model="varied", prompt=PROMPTS[5], max_tokens=10, temperature=0,
+                                      logprobs=0, stream=True):
+        for choice in event.choices:
+            streamed += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert streamed == lp.token_logprobs
+    # what is not supported, or not well formed
+    with pytest.raises(openai.BadRequestError, match="logprobs with echo"):
+        c.completions.create(model="varied", prompt="ab", max_tokens=2, logprobs=1, echo=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        c.chat.completions.create(model="varied", messages=messages, max_tokens=2, top_logprobs=2)
+
+
 def test_openai_request_forms_beyond_the_basics(server):
     c = client(server)
     assert c.models.retrieve("small").id == "small"
@@ -120,8 +180,8 @@ def test_openai_request_forms_beyond_the_basics(server):
     got = c.completions.create(model="varied", prompt=PROMPTS[3], temperature=0,
                                extra_body={"max_completion_tokens": 3})
     assert got.usage.completion_tokens == 3
-    with pytest.raises(openai.BadRequestError, match="logprobs are not supported"):
-        c.completions.create(model="varied", prompt=PROMPTS[3], max_tokens=3, logprobs=2)
+    assert len(c.completions.create(model="varied", prompt=PROMPTS[3], max_tokens=3,
+                                    logprobs=2).choices[0].logprobs.token_logprobs) == 3
     # a developer message is the system prompt; text parts are joined
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[7]}]
     want = expected_chat(server["engine"], plain, max_new_tokens=12).text

@@ -359,3 +359,21 @@ def test_cli_notes_a_vocabulary_smaller_than_asked(tmp_path, capsys):
     assert f"note: the corpus gave {size:,} tokens, not the 1,000,000 asked for" in err
     code, _, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--vocab-size", "300", "--out", tmp_path / "u")
     assert code == 0 and "note:" not in err
+
+
+def test_token_bytes_put_together_are_the_texts_bytes():
+    """A token's bytes (what logprobs report: a byte-level token may be part of a
+    character) concatenate to the text's UTF-8, for every kind; GPT-2's byte table is
+    tokenizers' ByteLevel alphabet."""
+    from tokenizers import pre_tokenizers
+
+    from frawdllm.tokenizer import _BYTE_OF_CHAR
+
+    assert set(_BYTE_OF_CHAR) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(_BYTE_OF_CHAR.values()) == \
+        list(range(256))
+    text = "def f(n):\n    return n  # héllo wörld ☃ 🎉 \t\r\n naïve café <|eos|>" * 20
+    for tok in (train_tokenizer([text], kind="bpe", vocab_size=400), train_tokenizer([text], kind="byte"),
+                train_tokenizer([text], kind="char")):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), tok.kind
+        assert tok.token_bytes(3) == b"<|eos|>" and tok.token_bytes(10**6) == b""

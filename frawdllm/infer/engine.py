@@ -67,7 +67,8 @@ from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
-from .sampling import SamplingParams, checked_params, greedy_index, make_generator, sample_next, sample_seed
+from .sampling import (SamplingParams, TokenLogprob, checked_params, greedy_index, make_generator, sample_next,
+                       sample_seed, token_logprobs)
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
@@ -103,6 +104,7 @@ class StreamChunk:
     text: str
     token: int | None
     finish_reason: str | None = None  # set on the last chunk of a completion
+    logprob: TokenLogprob | None = None  # with params.logprobs: the token's (not for a final stop token)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class _TokenEvent:
     row: int
     token: int
     finish_reason: str | None
+    logprob: TokenLogprob | None = None
 
 
 class Engine:
@@ -354,7 +357,16 @@ class Engine:
                 text, reason = self.push_text(streams[event.row], event.token, reason, params)
                 if reason is not None and event.finish_reason is None:  # a stop string completed
                     run.finish(event.row)
-            yield StreamChunk(event.row, text, event.token, reason)
+            yield StreamChunk(event.row, text, event.token, reason,
+                              self.reported_logprob(event.logprob, event.finish_reason, params))
+
+    def reported_logprob(self, logprob: TokenLogprob | None, reason: str | None,
+                         params: SamplingParams) -> TokenLogprob | None:
+        """A token's logprob as reported: none for the stop token that ended a row (it is
+        no text), as for its text."""
+        if logprob is None or (reason == "stop" and self._is_stop_token(logprob.token, params)):
+            return None
+        return logprob
 
     def push_text(self, stream: TextStream, token: int, reason: str | None,
                   params: SamplingParams) -> tuple[str, str | None]:
@@ -426,7 +438,8 @@ class _Run:
         # One row decoding natively: steps through a RowStep, greedy picks straight from its logits.
         one_row = self.n_rows == 1 and plan["decode"].kind == "native" and engine.device.type == "cpu"
         self.row_step = native_forward.RowStep(self.native, self.cache) if one_row else None
-        self.pick_greedy = self.row_step is not None and params.greedy and params.repetition_penalty == 1.0
+        self.pick_greedy = self.row_step is not None and params.greedy and params.repetition_penalty == 1.0 \
+            and params.logprobs is None
         # A generator per row (sample i of a prompt: seed + i * stride), as the server's
         # scheduler has: a seeded prompt gets the same text alone, in a batch or served.
         self.generators = None if params.greedy else [
@@ -451,6 +464,8 @@ class _Run:
             else:
                 sampled = self._sample(logits)  # (B,)
                 next_tokens = sampled.tolist()
+            logprobs = None if self.params.logprobs is None else \
+                token_logprobs(logits, next_tokens, self.params.logprobs)  # (B, V) logits: not pick_greedy
             for i, row in enumerate(self.rows):
                 if self.done[row]:
                     continue
@@ -460,7 +475,7 @@ class _Run:
                 reason = self._finish_reason(row, token)
                 if reason is not None:
                     self.done[row] = True
-                yield _TokenEvent(row, token, reason)
+                yield _TokenEvent(row, token, reason, None if logprobs is None else logprobs[i])
             if all(self.done[row] for row in self.rows):
                 return
             if self._needs_slide():

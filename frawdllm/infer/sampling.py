@@ -36,6 +36,7 @@ from ..errors import ConfigError
 # are at most a few hundred): a smaller temperature is greedy in all but name.
 MIN_TEMPERATURE = 1e-4
 MAX_PENALTY = 1e3
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SamplingParams:
     stop: Sequence[str] = ()  # stop strings: generation ends before them, they are never emitted
     stop_token_ids: Sequence[int] = ()  # extra stop tokens besides end-of-sequence
     ignore_eos: bool = False  # keep going past <|eos|> (benchmarks)
+    logprobs: int | None = None  # None: off; k: each token's log-probability and the k likeliest (0-20)
 
     def __post_init__(self) -> None:
         # numpy and other numbers.Integral/Real scalars become Python ints and floats.
@@ -79,6 +81,8 @@ class SamplingParams:
                f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         _check(_is_int(self.num_samples) and self.num_samples >= 1,
                f"num_samples must be a positive integer, got {self.num_samples!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(all(self.stop), "stop strings must not be empty")
         _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
         # The rest (ignore_eos: "no" is not a bool) by declared type; the checks above say more.
@@ -213,6 +217,27 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (from its raw logits: before
+    temperature, penalties and filters, as OpenAI and vLLM report them) and the `k`
+    likeliest tokens' (id, log-probability), likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: Float[Tensor, "B V"], tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Each row's `tokens[i]` log-probability and its `k` likeliest, in fp32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    chosen = logp.gather(1, torch.tensor(list(tokens), device=logp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = logp.topk(k, dim=-1)  # (B, k)
+    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+
+
 def greedy_choice(logits: Float[Tensor, "B V"]) -> Int[Tensor, "B"]:
     """`logits.argmax(dim=-1)`: the first of equal maxima, a NaN above everything. On the
     CPU through numpy's argmax, which is vectorised: a few times faster than torch's for a
@@ -260,6 +285,6 @@ def checked_params(params: Any) -> SamplingParams:
 
 
 __all__ = [
-    "SamplingParams", "checked_params", "sample_next", "processed_logits", "make_generator", "sample_seed",
+    "SamplingParams", "TokenLogprob", "token_logprobs", "checked_params", "sample_next", "processed_logits", "make_generator", "sample_seed",
     "greedy_choice", "greedy_index", "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]

@@ -53,7 +53,7 @@ from ..config import is_integer
 from ..errors import ConfigError, FrawdError
 from .cache import RowKVCache
 from .engine import Engine, StreamChunk
-from .sampling import SamplingParams, greedy_choice, make_generator, sample_next, sample_seed
+from .sampling import SamplingParams, greedy_choice, make_generator, sample_next, sample_seed, token_logprobs
 from .textstream import TextStream
 
 # The longest an idle scheduler thread sleeps before it looks again whether its scheduler was
@@ -310,6 +310,11 @@ class Scheduler:
         """Sample each row's next token, hand out its text, and remove finished rows."""
         engine = self.engine
         chosen = self._sample([self.rows[i] for i in batch_rows], logits)
+        logprobs = {}  # row -> its token's TokenLogprob, for rows that ask
+        for j, (i, token) in enumerate(zip(batch_rows, chosen)):
+            k = self.rows[i].request.params.logprobs
+            if k is not None:
+                logprobs[i] = token_logprobs(logits[j:j + 1], [token], k)[0]
         finished = []
         now = time.perf_counter()
         for i, token in zip(batch_rows, chosen):
@@ -328,7 +333,8 @@ class Scheduler:
             if reason is not None:
                 finished.append(i)
                 request.finished_samples += 1
-            request._deliver(StreamChunk(row.sample, text, token, reason))
+            logprob = engine.reported_logprob(logprobs.get(i), reason, params)
+            request._deliver(StreamChunk(row.sample, text, token, reason, logprob))
         for i in sorted(finished, reverse=True):
             self._remove(i)
 

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import FrawdError, check_unicode
 from ..infer.chat import ROLE_TOKEN_IDS, fit_history, reply_reserve
 from ..infer.engine import Engine, StreamChunk
-from ..infer.sampling import SamplingParams
+from ..infer.sampling import SamplingParams, TokenLogprob
 from ..infer.scheduler import QueueFull, Request as Job, Scheduler
 from .schemas import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
@@ -423,7 +423,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if len(prompts) > 1:
             log["prompts"] = len(prompts)
         reply = _Reply(body, jobs, chunks, chat, prompt_tokens, created=int(time.time()),
-                       echoes=echoes or [""] * len(prompts))
+                       echoes=echoes or [""] * len(prompts), tokenizer=scheduler.engine.tokenizer)
         reply.log = log
         if body.stream:
             return StreamingResponse(reply.events(request, finish), media_type="text/event-stream",
@@ -565,10 +565,10 @@ def _refuse_unsupported(body: Any) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) not in (None, 0):
             raise no(name, "is not supported; use repetition_penalty (1 = off, 1.1-1.3 typical)")
-    # (completions' logprobs is a count, and 0 still asks for each sampled token's logprob)
-    asks = body.logprobs is not None if isinstance(body, CompletionRequest) else bool(body.logprobs)
-    if asks or getattr(body, "top_logprobs", None):
-        raise no("logprobs" if asks else "top_logprobs", "are not supported by this server")
+    if getattr(body, "echo", False) and body.logprobs is not None:
+        raise no("logprobs", "with echo (the prompt's log-probabilities) is not supported by this server")
+    if getattr(body, "top_logprobs", None) and not body.logprobs:
+        raise no("top_logprobs", "needs logprobs: true")
     if body.logit_bias:
         raise no("logit_bias", "is not supported by this server")
     if body.response_format not in (None, {}, {"type": "text"}):
@@ -598,8 +598,12 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
     for i, text in enumerate(stop):
         _check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{i}]", param="stop")
     seed = None if body.seed is None else body.seed % 2**63  # OpenAI's seeds are any int64 (-1 included)
+    if isinstance(body, CompletionRequest):  # a count (0: the sampled token's alone)
+        logprobs = body.logprobs
+    else:  # a switch, and a count beside it
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
     values = dict(max_new_tokens=max_new, num_samples=body.n, stop=stop, stop_token_ids=stop_token_ids,
-                  seed=seed, temperature=1.0 if body.temperature is None else body.temperature)
+                  seed=seed, temperature=1.0 if body.temperature is None else body.temperature, logprobs=logprobs)
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(body, name) is not None:
             values[name] = getattr(body, name)
@@ -620,7 +624,7 @@ class _Reply:
     """One request's answer being put together from the chunks of its jobs (one per prompt)."""
 
     def __init__(self, body: Any, jobs: list[Job], chunks: asyncio.Queue, chat: bool, prompt_tokens: int,
-                 created: int, echoes: list[str]) -> None:
+                 created: int, echoes: list[str], tokenizer: Any = None) -> None:
         self.body, self.jobs, self.chunks, self.chat = body, jobs, chunks, chat
         self.prompt_tokens, self.created = prompt_tokens, created
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -628,6 +632,11 @@ class _Reply:
         total = self.n * len(jobs)
         self.echoes = [echoes[i // self.n] for i in range(total)]  # completions: the prompt, with echo
         self.texts, self.reasons, self.counts = [""] * total, [None] * total, [0] * total
+        self.tokenizer = tokenizer
+        self.wants_logprobs = jobs[0].params.logprobs is not None
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(total)]
+        self._logprobs_sent = [0] * total  # (streaming: entries already in an event)
+        self._text_offsets = [0] * total  # (completions' text_offset, running)
         self.log: dict = {}
         self._head: str | None = None
         self._no_usage = ""
@@ -660,6 +669,8 @@ class _Reply:
         if isinstance(item, BaseException):
             raise ApiError(503, f"generation failed: {item}")
         self.counts[item.index] += item.token is not None
+        if item.logprob is not None:
+            self.logprobs[item.index].append(item.logprob)
         if item.finish_reason is not None:
             self.reasons[item.index] = item.finish_reason
         return item
@@ -676,14 +687,46 @@ class _Reply:
             chunk = await self._next()
             self.texts[chunk.index] += chunk.text
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": reason} for i, (text, reason) in enumerate(zip(self.texts, self.reasons))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": self._new_logprobs(i), "finish_reason": reason}
+                       for i, (text, reason) in enumerate(zip(self.texts, self.reasons))]
         else:
-            choices = [{"index": i, "text": echo + text, "logprobs": None, "finish_reason": reason}
+            choices = [{"index": i, "text": echo + text, "logprobs": self._new_logprobs(i), "finish_reason": reason}
                        for i, (echo, text, reason) in enumerate(zip(self.echoes, self.texts, self.reasons))]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.body.model, "system_fingerprint": None,
                 "choices": choices, "usage": self._usage()}
+
+    def _new_logprobs(self, index: int) -> dict | None:
+        """choices[index].logprobs for the tokens not yet sent (all of them, unstreamed), in
+        OpenAI's form: chat's `content` list (token, logprob, bytes, top_logprobs) or the
+        completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset). A
+        token's text is its bytes decoded, U+FFFD for part of a character."""
+        if not self.wants_logprobs:
+            return None
+        entries = self.logprobs[index][self._logprobs_sent[index]:]
+        self._logprobs_sent[index] += len(entries)
+
+        def piece(token: int) -> tuple[str, list[int]]:
+            raw = self.tokenizer.token_bytes(token)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+
+        if self.chat:
+            content = []
+            for entry in entries:
+                text, raw = piece(entry.token)
+                top = [{"token": t, "logprob": lp, "bytes": b} for (t, b), lp in
+                       ((piece(token), lp) for token, lp in entry.top)]
+                content.append({"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        texts = [piece(entry.token)[0] for entry in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(self._text_offsets[index])
+            self._text_offsets[index] += len(text)
+        return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries],
+                "top_logprobs": [{piece(token)[0]: lp for token, lp in entry.top} for entry in entries],
+                "text_offset": offsets}
 
     def _token_choices(self, index: int, text: str) -> str:
         """json.dumps of a token event's choices, [{"index", "delta": {"content"} or "text",
@@ -739,15 +782,20 @@ class _Reply:
             events = []
             for chunk in chunks:
                 if chunk.finish_reason is None:
-                    if chunk.text:  # (else a token that is not printable yet)
+                    if chunk.text and self.wants_logprobs:  # (a token's logprobs go with the next text)
+                        field = {"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text}
+                        events.append(self._event([{"index": chunk.index, **field,
+                                                    "logprobs": self._new_logprobs(chunk.index),
+                                                    "finish_reason": None}]))
+                    elif chunk.text:  # (else a token that is not printable yet)
                         events.append(self._event(self._token_choices(chunk.index, chunk.text)))
                     continue
                 if self.chat:
                     delta = {"content": chunk.text} if chunk.text else {}
-                    choice = {"index": chunk.index, "delta": delta, "logprobs": None,
+                    choice = {"index": chunk.index, "delta": delta, "logprobs": self._new_logprobs(chunk.index),
                               "finish_reason": chunk.finish_reason}
                 else:
-                    choice = {"index": chunk.index, "text": chunk.text, "logprobs": None,
+                    choice = {"index": chunk.index, "text": chunk.text, "logprobs": self._new_logprobs(chunk.index),
                               "finish_reason": chunk.finish_reason}
                 events.append(self._event([choice]))
             if events:
