@@ -130,12 +130,11 @@ def test_resume_two_ranks_to_one(work, single, two_ranks):
     assert_same_losses(copy, single, range(11, STEPS + 1))
 
 
+@pytest.mark.parametrize("two_ranks", ["fsdp"], indirect=True)  # (only FSDP writes a sharded optimizer state)
 def test_a_planted_or_broken_sharded_index_is_one_line_and_runs_nothing(work, two_ranks):
     """DCP reads a checkpoint's `optimizer/.metadata` with plain `pickle.load`: a planted
     file ran its code on `--resume`, and an empty one gave four tracebacks."""
-    parallel, run = two_ranks
-    if parallel != "fsdp":
-        pytest.skip("only FSDP checkpoints hold a sharded optimizer state")
+    _, run = two_ranks
     copy = resumed_from_step_10(run, work / "planted-index")
     index = copy / "checkpoints" / f"step_{10:08d}" / "optimizer" / ".metadata"
     planted = work / "planted-ran"
