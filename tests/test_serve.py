@@ -164,9 +164,24 @@ def test_logprobs_chat_and_completions_streamed_and_not(server):
         for choice in event.choices:
             streamed += choice.logprobs.token_logprobs if choice.logprobs else []
     assert streamed == lp.token_logprobs
-    # what is not supported, or not well formed
-    with pytest.raises(openai.BadRequestError, match="logprobs with echo"):
-        c.completions.create(model="varied", prompt="ab", max_tokens=2, logprobs=1, echo=True)
+    # echo: the prompt's tokens come first, each scored given those before it (as evaluation
+    # harnesses score texts); the first has nothing to be predicted from
+    echoed = c.completions.create(model="varied", prompt=PROMPTS[5], max_tokens=10, temperature=0, logprobs=2,
+                                  echo=True).choices[0]
+    prompt_ids = engine.tokenizer.encode(PROMPTS[5])
+    n = len(prompt_ids)
+    assert echoed.text == PROMPTS[5] + want.text and "".join(echoed.logprobs.tokens[:n]) == PROMPTS[5]
+    assert echoed.logprobs.token_logprobs[0] is None and echoed.logprobs.top_logprobs[0] is None
+    scored, _ = reference_logprobs(engine, prompt_ids[:1], prompt_ids[1:])
+    assert echoed.logprobs.token_logprobs[1:n] == pytest.approx(scored, abs=1e-5)  # (a PyTorch forward)
+    assert echoed.logprobs.token_logprobs[n:] == lp.token_logprobs
+    assert echoed.logprobs.text_offset == list(range(len(echoed.text)))  # (a char tokenizer: a token a character)
+    streamed = []
+    for event in c.completions.create(model="varied", prompt=PROMPTS[5], max_tokens=10, temperature=0, logprobs=2,
+                                      echo=True, stream=True):
+        for choice in event.choices:
+            streamed += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert streamed == echoed.logprobs.token_logprobs
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
         c.chat.completions.create(model="varied", messages=messages, max_tokens=2, top_logprobs=2)
 

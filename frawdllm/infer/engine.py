@@ -336,6 +336,18 @@ class Engine:
         params = self.checked_params(params)
         yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it (None for the first:
+        nothing predicts it) and the `k` likeliest there: one PyTorch forward of the prompt
+        (the server's `echo` with `logprobs`, how evaluation harnesses score a text)."""
+        if len(ids) > self.config.context_length:
+            raise FrawdError(f"the prompt has {len(ids)} tokens but the model's context is "
+                             f"{self.config.context_length}")
+        with eval_mode(self.model):
+            logits = self.model(torch.tensor([ids], device=self.device))[0][0]  # (T, V)
+        return [None] + token_logprobs(logits[:-1], ids[1:], k) if len(ids) > 1 else [None]
+
     def checked_params(self, params: Any) -> SamplingParams:
         """`params` (None: the defaults), its stop token ids checked against this model's vocabulary."""
         params = checked_params(params)

@@ -394,10 +394,15 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             if body.echo:  # the prompt as sent (token ids: decoded)
                 echoes.append(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt))
         params = _params(body, max_new, options)
-        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
+        scored = None
+        if body.echo and params.logprobs is not None:  # the prompt's own (a thread: a forward per prompt)
+            scored = [(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, params.logprobs)) for ids in encoded]
+        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None,
+                             prompt_logprobs=scored)
 
     async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
-                      params: SamplingParams, chat: bool, echoes: list[str] | None = None):
+                      params: SamplingParams, chat: bool, echoes: list[str] | None = None,
+                      prompt_logprobs: list | None = None):
         """Submit each prompt (one job each) and answer with all their completions."""
         if state["in_flight"] >= options.max_in_flight:
             raise ApiError(429, f"{state['in_flight']} requests are open (the server's limit); retry later",
@@ -423,7 +428,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if len(prompts) > 1:
             log["prompts"] = len(prompts)
         reply = _Reply(body, jobs, chunks, chat, prompt_tokens, created=int(time.time()),
-                       echoes=echoes or [""] * len(prompts), tokenizer=scheduler.engine.tokenizer)
+                       echoes=echoes or [""] * len(prompts), tokenizer=scheduler.engine.tokenizer,
+                       prompt_logprobs=prompt_logprobs)
         reply.log = log
         if body.stream:
             return StreamingResponse(reply.events(request, finish), media_type="text/event-stream",
@@ -565,8 +571,6 @@ def _refuse_unsupported(body: Any) -> None:
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name) not in (None, 0):
             raise no(name, "is not supported; use repetition_penalty (1 = off, 1.1-1.3 typical)")
-    if getattr(body, "echo", False) and body.logprobs is not None:
-        raise no("logprobs", "with echo (the prompt's log-probabilities) is not supported by this server")
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         raise no("top_logprobs", "needs logprobs: true")
     if body.logit_bias:
@@ -624,7 +628,8 @@ class _Reply:
     """One request's answer being put together from the chunks of its jobs (one per prompt)."""
 
     def __init__(self, body: Any, jobs: list[Job], chunks: asyncio.Queue, chat: bool, prompt_tokens: int,
-                 created: int, echoes: list[str], tokenizer: Any = None) -> None:
+                 created: int, echoes: list[str], tokenizer: Any = None,
+                 prompt_logprobs: list[tuple[list[int], list[TokenLogprob | None]]] | None = None) -> None:
         self.body, self.jobs, self.chunks, self.chat = body, jobs, chunks, chat
         self.prompt_tokens, self.created = prompt_tokens, created
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -637,6 +642,9 @@ class _Reply:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(total)]
         self._logprobs_sent = [0] * total  # (streaming: entries already in an event)
         self._text_offsets = [0] * total  # (completions' text_offset, running)
+        # echo with logprobs: each prompt's (ids, logprobs), reported before its choices' tokens
+        self.prompt_logprobs = prompt_logprobs
+        self._prompt_sent = [prompt_logprobs is None] * total
         self.log: dict = {}
         self._head: str | None = None
         self._no_usage = ""
@@ -719,13 +727,19 @@ class _Reply:
                        ((piece(token), lp) for token, lp in entry.top)]
                 content.append({"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
             return {"content": content, "refusal": None}
-        texts = [piece(entry.token)[0] for entry in entries]
+        scored = [(entry.token, entry) for entry in entries]
+        if not self._prompt_sent[index]:  # echo: the prompt's tokens first (the first has no logprob)
+            self._prompt_sent[index] = True
+            ids, prompt = self.prompt_logprobs[index // self.n]
+            scored = list(zip(ids, prompt)) + scored
+        texts = [piece(token)[0] for token, _ in scored]
         offsets = []
         for text in texts:
             offsets.append(self._text_offsets[index])
             self._text_offsets[index] += len(text)
-        return {"tokens": texts, "token_logprobs": [entry.logprob for entry in entries],
-                "top_logprobs": [{piece(token)[0]: lp for token, lp in entry.top} for entry in entries],
+        return {"tokens": texts, "token_logprobs": [None if e is None else e.logprob for _, e in scored],
+                "top_logprobs": [None if e is None else {piece(token)[0]: lp for token, lp in e.top}
+                                 for _, e in scored],
                 "text_offset": offsets}
 
     def _token_choices(self, index: int, text: str) -> str:
@@ -773,7 +787,7 @@ class _Reply:
             yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(self.n)])
         elif any(self.echoes):
-            yield self._event([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}
+            yield self._event([{"index": i, "text": echo, "logprobs": self._new_logprobs(i), "finish_reason": None}
                                for i, echo in enumerate(self.echoes)])
         while None in self.reasons:  # (every sample's last chunk taken)
             chunks = [await self._next()]

@@ -4,8 +4,8 @@ They are the server's validation (a bad field is a 400 with OpenAI's error objec
 OpenAPI document (`/openapi.json`, which schema fuzzing reads). Types are strict, as
 OpenAI's are: `"n": "2"` or `"stream": "yes"` is a 400, not a guess. Fields the OpenAI API
 has and this server does not support are declared so that a value which would change the
-output is refused with a clear message (`serve/app.py: _refuse_unsupported`: the prompt's
-logprobs (echo with logprobs), penalties other than 0, logit_bias, tools, response_format...) rather than ignored; their
+output is refused with a clear message (`serve/app.py: _refuse_unsupported`: penalties
+other than 0, logit_bias, tools, response_format...) rather than ignored; their
 neutral values (null, 0, 1, "text", "none") pass. Unknown fields are ignored, as
 OpenAI-compatible servers do, so that clients that always send extras (`user`...) work.
 """
@@ -99,7 +99,8 @@ class CompletionRequest(_Sampling):
                     "choice prompt_index * n + sample_index.")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5, description="Each generated token's log-probability and "
-                                                               "this many likeliest tokens' (not with echo).")
+                                                               "this many likeliest tokens' (with echo: the "
+                                                               "prompt's tokens' first).")
     best_of: int | None = Field(None, ge=1, le=20, description="Not supported: only null or 1.")
     suffix: str | None = Field(None, description='Not supported: only null or "".')
 
