@@ -182,6 +182,17 @@ def test_logprobs_chat_and_completions_streamed_and_not(server):
         for choice in event.choices:
             streamed += choice.logprobs.token_logprobs if choice.logprobs else []
     assert streamed == echoed.logprobs.token_logprobs
+    # max_tokens 0 with echo scores the prompt alone (what scoring clients send)
+    only = c.completions.create(model="varied", prompt=PROMPTS[5], max_tokens=0, logprobs=2, echo=True)
+    assert only.choices[0].text == PROMPTS[5] and only.usage.completion_tokens == 0
+    assert only.usage.prompt_tokens == n and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == echoed.logprobs.token_logprobs[:n]
+    assert only.choices[0].logprobs.tokens == echoed.logprobs.tokens[:n]
+    for bad in (dict(echo=True, stream=True), dict(echo=False)):
+        with pytest.raises(openai.BadRequestError, match="max_tokens 0 .scoring a prompt. needs echo: true"):
+            c.completions.create(model="varied", prompt=PROMPTS[5], max_tokens=0, logprobs=2, **bad)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        c.chat.completions.create(model="varied", messages=messages, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
         c.chat.completions.create(model="varied", messages=messages, max_tokens=2, top_logprobs=2)
 

@@ -393,12 +393,34 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 raise ApiError(400, f"{what}: {error}" if len(prompts) > 1 else str(error), param="prompt") from None
             if body.echo:  # the prompt as sent (token ids: decoded)
                 echoes.append(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt))
+        if max_new == 0:  # score the prompts, generate nothing
+            return await _score(body, engine, encoded, echoes)
         params = _params(body, max_new, options)
         scored = None
         if body.echo and params.logprobs is not None:  # the prompt's own (a thread: a forward per prompt)
             scored = [(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, params.logprobs)) for ids in encoded]
         return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None,
                              prompt_logprobs=scored)
+
+    async def _score(body: CompletionRequest, engine: Engine, encoded: list[list[int]], echoes: list[str]):
+        """`max_tokens: 0` with `echo`: each prompt back with its tokens' logprobs (if asked),
+        as scoring clients ask (no generation: nothing joins the batch)."""
+        if not body.echo or body.stream:
+            raise ApiError(400, "max_tokens 0 (scoring a prompt) needs echo: true, and is not streamed",
+                           param="max_tokens")
+        _params(body, 1, options)  # (the other fields checked as for any request)
+        choices = []
+        for i, ids in enumerate(encoded):
+            logprobs = None
+            if body.logprobs is not None:
+                scored = await asyncio.to_thread(engine.prompt_logprobs, ids, body.logprobs)
+                logprobs = _completion_logprobs(engine.tokenizer, list(zip(ids, scored)), 0)[0]
+            choices += [{"index": i * body.n + j, "text": echoes[i], "logprobs": logprobs, "finish_reason": "length"}
+                        for j in range(body.n)]
+        tokens = sum(len(ids) for ids in encoded)
+        return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+                "model": body.model, "system_fingerprint": None, "choices": choices,
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
 
     async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
                       params: SamplingParams, chat: bool, echoes: list[str] | None = None,
@@ -559,7 +581,9 @@ def _max_new(body: Any, options: ServeOptions, engine: Engine) -> int:
     asked = getattr(body, name)
     if asked is not None and asked > options.max_tokens:
         raise ApiError(400, f"{name} is {asked}; this server allows at most {options.max_tokens}", param=name)
-    return asked or min(options.default_max_tokens, engine.config.context_length)
+    if asked == 0 and not isinstance(body, CompletionRequest):
+        raise ApiError(400, f"{name} must be at least 1 (0 scores a prompt: completions with echo)", param=name)
+    return asked if asked is not None else min(options.default_max_tokens, engine.config.context_length)
 
 
 def _refuse_unsupported(body: Any) -> None:
@@ -618,6 +642,28 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         return SamplingParams(**values)
     except FrawdError as error:
         raise ApiError(400, str(error)) from None
+
+
+def _piece(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    """A token's text (its bytes decoded, U+FFFD for part of a character) and bytes."""
+    raw = tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _completion_logprobs(tokenizer: Any, scored: list[tuple[int, TokenLogprob | None]],
+                         offset: int) -> tuple[dict, int]:
+    """The completions API's logprobs object (tokens, token_logprobs, top_logprobs,
+    text_offset) for (token, logprob or None) pairs whose text starts at `offset`; and the
+    offset after them."""
+    texts = [_piece(tokenizer, token)[0] for token, _ in scored]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [None if e is None else e.logprob for _, e in scored],
+            "top_logprobs": [None if e is None else {_piece(tokenizer, token)[0]: lp for token, lp in e.top}
+                             for _, e in scored],
+            "text_offset": offsets}, offset
 
 
 class _ClientGone(Exception):
@@ -715,16 +761,12 @@ class _Reply:
         entries = self.logprobs[index][self._logprobs_sent[index]:]
         self._logprobs_sent[index] += len(entries)
 
-        def piece(token: int) -> tuple[str, list[int]]:
-            raw = self.tokenizer.token_bytes(token)
-            return raw.decode("utf-8", errors="replace"), list(raw)
-
         if self.chat:
             content = []
             for entry in entries:
-                text, raw = piece(entry.token)
+                text, raw = _piece(self.tokenizer, entry.token)
                 top = [{"token": t, "logprob": lp, "bytes": b} for (t, b), lp in
-                       ((piece(token), lp) for token, lp in entry.top)]
+                       ((_piece(self.tokenizer, token), lp) for token, lp in entry.top)]
                 content.append({"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
             return {"content": content, "refusal": None}
         scored = [(entry.token, entry) for entry in entries]
@@ -732,15 +774,8 @@ class _Reply:
             self._prompt_sent[index] = True
             ids, prompt = self.prompt_logprobs[index // self.n]
             scored = list(zip(ids, prompt)) + scored
-        texts = [piece(token)[0] for token, _ in scored]
-        offsets = []
-        for text in texts:
-            offsets.append(self._text_offsets[index])
-            self._text_offsets[index] += len(text)
-        return {"tokens": texts, "token_logprobs": [None if e is None else e.logprob for _, e in scored],
-                "top_logprobs": [None if e is None else {piece(token)[0]: lp for token, lp in e.top}
-                                 for _, e in scored],
-                "text_offset": offsets}
+        out, self._text_offsets[index] = _completion_logprobs(self.tokenizer, scored, self._text_offsets[index])
+        return out
 
     def _token_choices(self, index: int, text: str) -> str:
         """json.dumps of a token event's choices, [{"index", "delta": {"content"} or "text",

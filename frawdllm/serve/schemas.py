@@ -30,8 +30,9 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str = Field(max_length=256)
-    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (capped by the server).")
-    max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of max_tokens.")
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most (capped by the server; "
+                                                          "0 with echo: score the prompt, completions only).")
+    max_completion_tokens: int | None = Field(None, ge=0, description="The newer name of max_tokens.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
     top_p: float | None = Field(None, ge=0, le=1, description="0 = the likeliest token alone (greedy).")
     top_k: int | None = Field(None, ge=0, le=1_000_000, description="FrawdLLM extension: 0 = off.")
