@@ -105,6 +105,7 @@ class PackedLoader:
         self.trained = [int(sum(e.trained[1:])) for e in examples]  # the targets each example trains
         self.epoch, self.position = 0, 0
         self._step_rows: list[list[int]] = []
+        self._step_trained = 0  # the trained tokens of those rows
         self._micro = 0  # micro-batches of the current step already given
         self._rows_for_epoch()
 
@@ -123,11 +124,11 @@ class PackedLoader:
     def next_batch(self) -> dict[str, Tensor]:
         if self._micro == 0:
             self._step_rows = [self._next_row() for _ in range(self.share.step_rows)]
+            self._step_trained = sum(self.trained[i] for row in self._step_rows for i in row)
         mine = self._step_rows[self.share.rows(self._micro)]
         self._micro = (self._micro + 1) % self.share.accum
         batch = collate(self.examples, mine, self.length)
-        step = sum(self.trained[i] for row in self._step_rows for i in row)
-        batch["normalizer"] = torch.tensor(step / self.share.grad_accum / self.share.scale)
+        batch["normalizer"] = torch.tensor(self._step_trained / self.share.grad_accum / self.share.scale)
         return batch
 
     def state_dict(self) -> dict:

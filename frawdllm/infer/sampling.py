@@ -285,6 +285,6 @@ def checked_params(params: Any) -> SamplingParams:
 
 
 __all__ = [
-    "SamplingParams", "TokenLogprob", "token_logprobs", "checked_params", "sample_next", "processed_logits", "make_generator", "sample_seed",
-    "greedy_choice", "greedy_index", "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
+    "SamplingParams", "TokenLogprob", "token_logprobs", "checked_params", "sample_next", "processed_logits",
+    "make_generator", "sample_seed", "greedy_choice", "greedy_index", "apply_repetition_penalty", "top_k_filter", "top_p_filter", "min_p_filter",
 ]

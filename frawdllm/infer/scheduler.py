@@ -310,14 +310,9 @@ class Scheduler:
         """Sample each row's next token, hand out its text, and remove finished rows."""
         engine = self.engine
         chosen = self._sample([self.rows[i] for i in batch_rows], logits)
-        logprobs = {}  # row -> its token's TokenLogprob, for rows that ask
-        for j, (i, token) in enumerate(zip(batch_rows, chosen)):
-            k = self.rows[i].request.params.logprobs
-            if k is not None:
-                logprobs[i] = token_logprobs(logits[j:j + 1], [token], k)[0]
         finished = []
         now = time.perf_counter()
-        for i, token in zip(batch_rows, chosen):
+        for j, (i, token) in enumerate(zip(batch_rows, chosen)):
             row = self.rows[i]
             request, params = row.request, row.request.params
             row.tokens.append(token)
@@ -333,7 +328,8 @@ class Scheduler:
             if reason is not None:
                 finished.append(i)
                 request.finished_samples += 1
-            logprob = engine.reported_logprob(logprobs.get(i), reason, params)
+            logprob = None if params.logprobs is None else \
+                engine.reported_logprob(token_logprobs(logits[j:j + 1], [token], params.logprobs)[0], reason, params)
             request._deliver(StreamChunk(row.sample, text, token, reason, logprob))
         for i in sorted(finished, reverse=True):
             self._remove(i)

@@ -192,6 +192,7 @@ class TranslationTask(TrainTask):
         # under torchrun: whole token batches per rank when they divide, else each batch's rows
         self.whole = grad_accum % place.world_size == 0
         self._step: list[list[int]] = []  # the token batches of the current optimizer step
+        self._step_targets = 0  # their target tokens (each target sentence and its <|eos|>)
         self._micro = 0
         mean_len = sum(len(s) + len(t) for s, t in train_pairs) / (2 * len(train_pairs))
         self.flops_per_token = model_config.flops_per_token(max(1, round(mean_len)))
@@ -214,8 +215,9 @@ class TranslationTask(TrainTask):
         that the step's loss is the mean over all its target tokens (as fairseq's)."""
         if self._micro == 0:
             self._step = [self._next_token_batch() for _ in range(self.grad_accum)]
+            self._step_targets = sum(len(self.pairs[i][1]) + 1 for batch_ids in self._step for i in batch_ids)
         if self.whole:
-            unit = mine = self._step[self._micro * self.world_size + self.rank]
+            mine = self._step[self._micro * self.world_size + self.rank]
             parts = 1
             self._micro = (self._micro + 1) % (self.grad_accum // self.world_size)
         else:
@@ -226,8 +228,7 @@ class TranslationTask(TrainTask):
                 raise FrawdError(f"a batch of {len(unit)} sentence pairs does not split over {self.world_size} "
                                  f"ranks: raise --tokens-per-batch or make --grad-accum a multiple of them")
         batch = collate([self.pairs[i] for i in mine])
-        step = sum(len(self.pairs[i][1]) + 1 for batch_ids in self._step for i in batch_ids)
-        batch["normalizer"] = torch.tensor(step / self.grad_accum / parts)
+        batch["normalizer"] = torch.tensor(self._step_targets / self.grad_accum / parts)
         return batch
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
