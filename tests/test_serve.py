@@ -66,7 +66,9 @@ def expected_chat(engine, messages, **params):
 def test_models_and_health(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["varied", "small", "org/small"]
-    assert client(server).models.retrieve("org/small").id == "org/small"
+    card = client(server).models.retrieve("org/small")
+    assert card.id == "org/small"
+    assert card.model_extra == {"context_length": server["small"].config.context_length, "max_tokens": MAX_TOKENS}
     label = 'frawd_requests_total{path="/v1/models/{model}",status="200"}'  # (one label for every model's page)
     deadline = time.time() + 5  # (counted just after the reply is sent)
     while label not in httpx.get(server["url"] + "/metrics").text and time.time() < deadline:

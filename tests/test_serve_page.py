@@ -111,10 +111,15 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     assert "(stopped at the token limit)" in reply()
     assert len(d.find_elements(By.CSS_SELECTOR, ".msg.user")) == 2
 
-    # a refused request shows its error, and is not kept in the conversation sent next time
-    assert d.execute_script("return turns.length") == 4
+    # the box offers no more than the server's cap (from /v1/models): 5000 typed sends 1000
+    assert max_tokens.get_attribute("max") == "1000"
     max_tokens.clear()
-    max_tokens.send_keys("5000")  # over the server's cap of 1000: a 400
+    max_tokens.send_keys("5000")
+    assert d.execute_script("return maxTokens()") == 1000
+    # a refused request shows its error, and is not kept in the conversation sent next time
+    # (a page loaded before the server restarted with a lower cap asks too much: a 400)
+    assert d.execute_script("return turns.length") == 4
+    d.execute_script("document.getElementById('max-tokens').max = 5000")
     by_id("input").send_keys("too much")
     by_id("send").click()
     wait_for(lambda: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 3 and by_id("send").is_enabled(),
