@@ -323,6 +323,20 @@ def test_a_failed_resume_with_other_data_leaves_config_and_data_as_they_were(cor
     assert run_pretraining(tiny_config(corpus, run, resume=True, max_steps=3)).steps == 3  # a plain --resume
 
 
+def test_a_resume_on_data_changed_since_the_checkpoint_says_so(corpus, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    shutil.copy(corpus, data)
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(data, run, max_steps=2))
+    run_pretraining(tiny_config(data, run, resume=True, max_steps=3))
+    assert "changed since the checkpoint" not in capsys.readouterr().err  # the same data: nothing to say
+    with data.open("a", encoding="utf-8") as f:
+        f.write("The queen answers the king.\n" * 200)  # edited in place: the shards are made again
+    run_pretraining(tiny_config(data, run, resume=True, max_steps=4))
+    err = capsys.readouterr().err
+    assert f"warning: the training data ({data}) changed since the checkpoint" in err, err
+
+
 def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corpus, tmp_path):
     run = tmp_path / "run"
     run_pretraining(tiny_config(corpus, run, max_steps=2))

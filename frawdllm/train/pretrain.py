@@ -112,10 +112,19 @@ class PretrainTask(TrainTask):
                        generation_config=self.generation_config or None)
 
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict()}
+        return {"loader": self.loader.state_dict(), "data": self._data_identity()}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
+        before = state.get("data")
+        if before is not None and before != self._data_identity() and distributed.current().is_main:
+            print(f"warning: the training data ({self.cfg.data}) changed since the checkpoint "
+                  f"({before['train_tokens']:,} -> {len(self.data.train):,} training tokens): the run goes on "
+                  "with the new data, from a position that was drawn in the old", file=sys.stderr)
+
+    def _data_identity(self) -> dict:
+        """What says the shards are the ones a checkpoint's loader position was drawn in."""
+        return {"inputs_hash": self.data.meta.get("inputs_hash"), "train_tokens": len(self.data.train)}
 
 
 # ---- data --------------------------------------------------------------------------------------
