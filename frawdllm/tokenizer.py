@@ -138,15 +138,16 @@ class Tokenizer:
         token = self.backend.id_to_token(token_id)
         if token is None:
             return b""
-        if self.kind in ("bpe", "byte") and token_id not in self._special_ids and \
+        if self.kind in ("bpe", "byte") and token_id not in self.special_ids and \
                 all(ch in _BYTE_OF_CHAR for ch in token):
             return bytes(_BYTE_OF_CHAR[ch] for ch in token)
-        if self.kind == "char" or token_id in self._special_ids:
+        if self.kind == "char" or token_id in self.special_ids:
             return token.encode()
         return self.backend.decode([token_id], skip_special_tokens=False).encode()  # (e.g. SentencePiece-style)
 
     @functools.cached_property
-    def _special_ids(self) -> frozenset[int]:
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added (special) tokens: FrawdLLM's seven, or an imported tokenizer's."""
         return frozenset(t["id"] for t in json.loads(self.backend.to_str()).get("added_tokens", []))
 
     def has_frawd_specials(self) -> bool:

@@ -240,6 +240,27 @@ def test_single_document_corpus_still_gets_a_validation_tail(tmp_path, bpe):
     assert meta["val_split"] == "tail" and meta["val_tokens"] == len(val)
 
 
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_a_validation_tail_counts_its_own_text_bytes_and_documents(tmp_path, kind):
+    """The tail of a one-document corpus is all 3-byte characters: val's bytes per token are
+    its own (they were the corpus's average), and the one document ends in val."""
+    doc = "abcdefgh " * 1000 + "日本語中文字漢" * 150
+    src = tmp_path / "one.txt"
+    src.write_text(doc, encoding="utf-8")
+    tok = train_tokenizer([doc], "char") if kind == "char" else byte_tokenizer()
+    meta = prepare_shards(str(src), tok, tmp_path / "out", val_fraction=0.1, doc_split="file")
+    train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
+    assert meta["val_split"] == "tail" and val[-1] == EOS_ID
+    if kind == "char":
+        train_bytes = len(tok.decode(train.tolist()).encode())
+    else:  # a byte tokenizer's ids are 7 + the byte
+        train_bytes = int(np.count_nonzero(train >= 7))
+    assert meta["train_text_bytes"] == train_bytes
+    assert meta["val_text_bytes"] == len(doc.encode()) - train_bytes
+    assert meta["val_bytes_per_token"] == pytest.approx(meta["val_text_bytes"] / len(val), abs=1e-6)
+    assert (meta["train_documents"], meta["val_documents"]) == (0, 1)
+
+
 def test_rerun_reuses_matching_shards_and_rebuilds_on_change_or_force(tmp_path, bpe):
     src = _write_corpus(tmp_path / "c.txt", _corpus(30))
     out = tmp_path / "out"
@@ -254,6 +275,16 @@ def test_rerun_reuses_matching_shards_and_rebuilds_on_change_or_force(tmp_path, 
     changed = prepare_shards(str(src), bpe, out, val_fraction=0.3)
     assert not changed.get("reused")
     assert changed["train_documents"] + changed["val_documents"] == 31
+
+
+def test_the_same_source_written_another_way_reuses_the_shards(tmp_path, bpe, monkeypatch):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    (tmp_path / "link.txt").symlink_to(src)
+    out = tmp_path / "out"
+    prepare_shards(str(src), bpe, out)
+    monkeypatch.chdir(tmp_path)
+    for spelling in ("c.txt", "./c.txt", "link.txt"):
+        assert prepare_shards(spelling, bpe, out).get("reused"), spelling
 
 
 def test_a_failure_midway_leaves_no_shard_behind(tmp_path, bpe):
@@ -334,12 +365,12 @@ def test_cli_prepare_refuses_to_replace_another_sources_shards_unless_overwrite(
         assert err == (f"frawd: error: {out} holds the shards of {first.resolve()}, not of {second}; "
                        "give another --out, or --overwrite to replace them\n")
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    # the same source is reused, or rebuilt when it is named another way or an option changed
+    # the same source is reused, named any way, and rebuilt when an option changed
     assert "reusing" in prepare(first)[1]
     monkeypatch.chdir(tmp_path)
-    for src, flags in (("a.txt", ()), (first, ("--val-fraction", "0.3"))):
-        code, stdout, _ = prepare(src, *flags)
-        assert code == 0 and "wrote" in stdout
+    assert "reusing" in prepare("a.txt")[1]
+    code, stdout, _ = prepare(first, "--val-fraction", "0.3")
+    assert code == 0 and "wrote" in stdout
     code, stdout, _ = prepare(second, "--overwrite")
     assert code == 0 and "wrote" in stdout
     meta = json.loads((out / "meta.json").read_text())

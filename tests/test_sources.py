@@ -110,6 +110,16 @@ def test_jsonl_reads_the_text_field_and_gz(tmp_path):
     assert list(iter_documents(str(tmp_path / "bom.jsonl"))) == ["one", "two", "three"]
 
 
+@pytest.mark.parametrize("doc_split", ["blank", "line", "file"])
+def test_a_byte_order_mark_opening_a_text_file_is_not_text(tmp_path, doc_split):
+    (tmp_path / "bom.txt").write_bytes("\ufeffFirst doc\n\nSecond\n".encode())
+    with gzip.open(tmp_path / "bom.txt.gz", "wb") as f:
+        f.write("\ufeffFirst doc\n\nSecond\n".encode())
+    for name in ("bom.txt", "bom.txt.gz"):
+        documents = list(iter_documents(str(tmp_path / name), doc_split=doc_split))
+        assert documents[0].startswith("First doc"), (name, documents)
+
+
 def test_jsonl_bad_line_is_an_error_naming_file_and_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "ok"}\n{"text": "broken\n', encoding="utf-8")

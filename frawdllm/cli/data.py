@@ -73,7 +73,7 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
     if engine != "datatrove" and (executor != "local" or slurm_partition is not None):
         raise click.UsageError("--executor and --slurm-* apply to --engine datatrove")
     if not overwrite:
-        from ..data.shards import refuse_other_shards
+        from ..data import refuse_other_shards
 
         refuse_other_shards(out, data)  # never silently replace another corpus's shards
     if engine == "datatrove":

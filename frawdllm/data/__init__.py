@@ -8,9 +8,9 @@
 
 from .loader import RandomWindowLoader, SequentialLoader
 from .shard_format import ShardStream, read_header, read_shard, write_shard
-from .shards import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards, read_split, split_files
+from .shards import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards, read_split, refuse_other_shards, split_files
 from .sources import SourceStats, iter_documents
 
-__all__ = ["iter_documents", "SourceStats", "prepare_shards", "read_shard", "read_header", "write_shard",
+__all__ = ["iter_documents", "SourceStats", "prepare_shards", "refuse_other_shards", "read_shard", "read_header", "write_shard",
            "ShardStream", "read_split", "split_files",
            "RandomWindowLoader", "SequentialLoader", "TRAIN_FILE", "VAL_FILE", "META_FILE"]

@@ -119,7 +119,7 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
                     totals = tokenize_documents(documents, tok, writers, val_fraction, bar)
                     val_split = "documents"
                     if val_fraction > 0 and writers[1].n_tokens == 0:
-                        _move_tail(writers[0], writers[1], val_fraction, totals)  # too few documents to hash
+                        _move_tail(writers[0], writers[1], val_fraction, totals, tok)  # too few documents to hash
                         val_split = "tail"
                     for writer in writers:
                         writer.finish()
@@ -357,11 +357,12 @@ def _is_shard_file(path: Path) -> bool:
 def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str, doc_split: str) -> str:
     """Everything the shards depend on: the source files (path, size, mtime), the
     tokenizer's content and the options. hf: sources are identified by name only."""
-    h = hashlib.sha256()
-    h.update(json.dumps([VERSION, data, tok.fingerprint, val_fraction, text_field, doc_split]).encode())
+    h = hashlib.sha256()  # (paths as resolved: `c.txt`, `./c.txt` and its absolute path are one source)
+    h.update(json.dumps([VERSION, resolved_source(str(data)), tok.fingerprint, val_fraction, text_field,
+                         doc_split]).encode())
     for path in source_files(data) or []:
         st = path.stat()
-        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
 
@@ -539,8 +540,10 @@ def _batch_tokens(batch: _Batch, encodings: list, dtype: np.dtype, end: int) -> 
     return np.array(flat[0], dtype=dtype), np.array(flat[1], dtype=dtype)
 
 
-def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals: dict) -> None:
-    """Too few documents for a hashed split: the last `val_fraction` of train tokens become val."""
+def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals: dict, tok: Tokenizer) -> None:
+    """Too few documents for a hashed split: the last `val_fraction` of train tokens become val.
+    The text bytes and documents moved are counted from those tokens (a document is on the
+    side of the cut where it ends), so val's bytes per token are its own."""
     n = train.n_tokens
     n_val = max(1, round(n * val_fraction)) if n > 1 else 0
     if n_val == 0:
@@ -553,9 +556,21 @@ def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals
     train.file.truncate(HEADER_BYTES + keep * train.dtype.itemsize)
     train.file.seek(0, os.SEEK_END)
     train.n_tokens = keep
-    moved = round(totals["bytes"][0] * n_val / n)
+    moved = _text_bytes(tail, tok)
     totals["bytes"][0] -= moved
     totals["bytes"][1] += moved
+    ends = int(np.count_nonzero(tail == tok.document_end_id()))
+    totals["docs"][0] -= ends
+    totals["docs"][1] += ends
+
+
+def _text_bytes(ids: np.ndarray, tok: Tokenizer) -> int:
+    """UTF-8 bytes of document text that `ids` stand for: each token's own bytes, none for a
+    special token (a document's end), one for <|unk|> (the character it replaced is gone)."""
+    unique, counts = np.unique(ids, return_counts=True)
+    unk, specials = tok.unknown_id(), tok.special_ids
+    return sum(int(count) * (1 if i == unk else 0 if i in specials else len(tok.token_bytes(int(i))))
+               for i, count in zip(unique, counts))
 
 
 # ---- progress --------------------------------------------------------------------------------------

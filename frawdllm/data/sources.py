@@ -258,12 +258,12 @@ def _read(f: io.TextIOBase, size: int, path: Path, stats: SourceStats) -> str:
 def _text_documents(path: Path, doc_split: str, stats: SourceStats) -> Iterator[str]:
     with _open_text(path) as f:
         if doc_split == "file":
-            text = _read(f, -1, path, stats)
+            text = _read(f, -1, path, stats).removeprefix(BOM)  # (a byte-order mark is not text)
             _refuse_shard_text(text, path)
             if text.strip():
                 yield text
             return
-        head = [_read(f, _CHUNK_CHARS, path, stats)]
+        head = [_read(f, _CHUNK_CHARS, path, stats).removeprefix(BOM)]
         _refuse_shard_text(head[0], path)
         yield from _split_stream(lambda: head.pop() if head else _read(f, _CHUNK_CHARS, path, stats),
                                  _SEPARATORS[doc_split])
