@@ -3,8 +3,12 @@ reference), invalid UTF-8 (against Python's own 'replace' decoding), and clear e
 
 import gzip
 import json
+import os
 import re
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +213,22 @@ def test_hf_source_that_cannot_load_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(FrawdError, match="cannot load dataset"):
         iter_documents(f"hf:{tmp_path / 'no-such-dataset'}")
+
+
+def test_an_hf_name_without_a_network_fails_at_once_saying_so(tmp_path):
+    """datasets retried for ~30 s, logging each retry, before giving up; a Hub host that
+    does not resolve (.invalid never does) now means the local cache alone, at once."""
+    pytest.importorskip("datasets")
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper() and k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="https://hub.frawd.invalid", HF_HOME=str(tmp_path / "hf"))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "frawdllm.cli", "tokenizer", "train", "--data",
+                           "hf:someone/no-such-dataset", "--vocab-size", "300", "--out", str(tmp_path / "t")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and time.monotonic() - start < 20
+    assert done.stderr.startswith("frawd: error: hf:someone/no-such-dataset: cannot load dataset")
+    assert "hub.frawd.invalid cannot be reached (no network?)" in done.stderr
+    assert "Retry" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def test_stdlib_corpus_is_the_standard_library_without_tests_in_path_order():

@@ -31,11 +31,13 @@ import io
 import json
 import os
 import re
+import socket
 import sysconfig
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterable, Iterator
+from urllib.parse import urlparse
 
 from ..errors import FrawdError
 
@@ -403,12 +405,15 @@ def open_hf_dataset(spec: str):
     """The `datasets` dataset an 'hf:' spec names: a local `save_to_disk` folder, or one
     streamed by `load_dataset` (one split either way)."""
     name, config, split = parse_hf_spec(spec)
+    local = Path(name)
+    saved = local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+    unreachable = None if local.exists() else _hub_unreachable()  # (a local folder needs no Hub)
+    if unreachable:  # only the local cache then (read when `datasets` is imported), at once
+        os.environ["HF_HUB_OFFLINE"] = "1"
     try:
         import datasets
     except ImportError:
         raise FrawdError("hf: sources need the datasets library: pip install 'frawdllm[hf]'") from None
-    local = Path(name)
-    saved = local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
     try:
         if saved:  # a directory written by Dataset.save_to_disk
             dataset = datasets.load_from_disk(str(local))
@@ -422,8 +427,25 @@ def open_hf_dataset(spec: str):
         raise
     except Exception as exc:  # datasets raises many kinds (not found, offline, bad split)
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise FrawdError(f"{spec}: cannot load dataset ({message})") from None
+        offline = f"; {unreachable} cannot be reached (no network?), so only the local cache was tried" \
+            if unreachable else ""
+        raise FrawdError(f"{spec}: cannot load dataset ({message}){offline}") from None
     return dataset
+
+
+def _hub_unreachable() -> str | None:
+    """The Hub's host name when it does not resolve (no network), else None. Without this
+    `datasets` retries for ~30 s, logging each retry, before it gives up. Behind a proxy
+    (which resolves names itself), or with HF_HUB_OFFLINE set, nothing is checked."""
+    if os.environ.get("HF_HUB_OFFLINE") or any(os.environ.get(v) for v in (
+            "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return host
+    return None
 
 
 def _hf_documents(spec: str, text_field: str, stats: SourceStats) -> Iterator[str]:
