@@ -243,6 +243,10 @@ def test_overflow_slide_keeps_the_cache_coherent_past_the_context(name, mode):
         out = engine.generate([prompt], params)[0]
         assert len(out.tokens) == 40
         assert out.tokens == naive_slide(reference(model, engine), prompt, 40, keep=12)
+    # in one batch each row slides when it reaches the context itself, not when another does
+    prompts = [prompt_ids(10, 5), prompt_ids(11, 11), prompt_ids(12, 14), prompt_ids(13, 20)]
+    batched = engine.generate(prompts, params)
+    assert [c.tokens for c in batched] == [naive_slide(reference(model, engine), p, 40, keep=12) for p in prompts]
 
 
 COMPILE_SCRIPT = """

@@ -17,7 +17,9 @@ How a batch runs:
 3. past the model's context: `overflow="stop"` ends the row (finish_reason "length");
    `overflow="slide"` keeps the last 3/4 of the context and prefills it again, so every
    position stays inside the range the model was trained on (for RoPE, learned and
-   sinusoidal positions alike) and the cache stays coherent.
+   sinusoidal positions alike) and the cache stays coherent. Each row slides when it
+   reaches the context itself (the others are prefilled again with their own windows),
+   so a row's text does not depend on the rows beside it.
 
 Who computes the forward: on CPU, by default, each phase (prefill, batch-1 decode,
 batched decode) runs whichever of the native C forward (`native.py`: one call per step,
@@ -433,8 +435,10 @@ class _Run:
         self.generated = [0] * self.n_rows
         self.done = [False] * self.n_rows
         self.slide_keep = max(1, int(self.context * SLIDE_KEEP))
-        self.prefilled = False
-        widths = [len(self._window(s)) for s in self.seqs]
+        # where each row's window (what its cache holds) starts in its sequence: a prompt
+        # longer than the context starts sliding at once
+        self.starts = [0 if len(s) <= self.context else len(s) - self.slide_keep for s in self.seqs]
+        widths = [len(self._window(row)) for row in range(self.n_rows)]
         longest = max(widths)
         needed = longest + params.max_new_tokens - 1  # the last sampled token is never fed back
         cap = self.context + longest - min(widths)  # every row can reach its context end
@@ -491,6 +495,7 @@ class _Run:
             if all(self.done[row] for row in self.rows):
                 return
             if self._needs_slide():
+                self._slide()
                 logits = self._prefill()
             elif self.row_step is not None:
                 logits = self._step_one_row(next_tokens[0])
@@ -517,17 +522,28 @@ class _Run:
         return tokens
 
     # ---- model calls --------------------------------------------------------------------------
-    def _window(self, seq: list[int]) -> list[int]:
-        """What of a sequence goes into the cache: all of it, or after a slide its last part."""
-        if not self.prefilled and len(seq) <= self.context:
-            return seq
-        return seq[-self.slide_keep:]
+    def _window(self, row: int) -> list[int]:
+        """What of a row's sequence goes into the cache: all of it, or after a slide its last part."""
+        return self.seqs[row][self.starts[row]:]
+
+    def _over_context(self, row: int) -> bool:
+        """The row's newest token has no position left in its window."""
+        return len(self.seqs[row]) - self.starts[row] > self.context
+
+    def _slide(self) -> None:
+        """New windows for a prefill past the context: a row that reached it keeps its last
+        `slide_keep` tokens (as it would alone), a finished row its last token, and every
+        other row the window it has."""
+        for row in self.rows:
+            if self.done[row]:
+                self.starts[row] = len(self.seqs[row]) - 1
+            elif self._over_context(row):
+                self.starts[row] = len(self.seqs[row]) - self.slide_keep
 
     @torch.inference_mode()
     def _prefill(self) -> Float[Tensor, "B V"]:
-        """Run every row's sequence (its window after a slide) into the emptied cache."""
-        seqs = [self._window(self.seqs[row]) for row in self.rows]
-        self.prefilled = True
+        """Run every row's window into the emptied cache."""
+        seqs = [self._window(row) for row in self.rows]
         lengths = torch.tensor([len(s) for s in seqs], device=self.engine.device)
         width = int(lengths.max())
         ids = torch.full((len(seqs), width), self.engine.config.pad_token_id, dtype=torch.long)
@@ -583,8 +599,7 @@ class _Run:
     def _needs_slide(self) -> bool:
         if self.engine.overflow != "slide":
             return False
-        live = [i for i, row in enumerate(self.rows) if not self.done[row]]
-        return self.cache.free < 1 or int(self.positions[live].max()) >= self.context
+        return self.cache.free < 1 or any(self._over_context(row) for row in self.rows if not self.done[row])
 
     def _drop_finished_rows(self) -> Tensor | None:
         """Remove finished rows from the batch once they are half of it (eager mode only).
