@@ -16,8 +16,10 @@ folders named step_N holding both parts count as checkpoints.
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,7 +87,12 @@ def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:
 def load_state(path: Path) -> dict:
     file = Path(path) / STATE_FILE
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (a foreign pickle's protocol is warned about before it is refused)
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # (torch's message advises weights_only=False: never, for a file found on disk)
+        raise FrawdError(f"{file}: cannot read the training state: it holds objects other than tensors and plain "
+                         "values, which are not loaded (a damaged or tampered file)") from None
     except (OSError, RuntimeError, EOFError) as exc:
         raise FrawdError(f"{file}: cannot read the training state ({str(exc).splitlines()[0]})") from None
 
