@@ -51,6 +51,9 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
                    generation_config: dict[str, Any] | None = None) -> Path:
     directory = Path(directory)
     cfg: ModelConfig = model.config
+    checked = _as_tokenizer(tokenizer) if tokenizer is not None else None
+    if checked is not None:  # (a tokenizer with ids past the embeddings: no command could load the folder)
+        checked.check_fits(cfg.vocab_size, f"cannot save {directory}")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop(TIED_KEY)  # the same tensor as the token embedding; stored once
@@ -64,6 +67,20 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
         if generation_config is not None:
             write_json_atomic(directory / GENERATION_CONFIG_FILE, generation_config)
     return directory
+
+
+def _as_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer to be saved as a `Tokenizer` (a path loaded, a `tokenizers` object
+    wrapped); None for another kind of object, which is saved unchecked."""
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    from .tokenizer import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if isinstance(tokenizer, (str, Path)):
+        return Tokenizer.load(tokenizer)
+    return Tokenizer(tokenizer) if isinstance(tokenizer, _HFTokenizer) else None
 
 
 def save_tokenizer(tokenizer: Any, path: Path) -> None:

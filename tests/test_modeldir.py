@@ -39,6 +39,21 @@ def test_directory_holds_config_with_format_version_and_no_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_anything_is_written(tmp_path):
+    from frawdllm.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["".join(chr(0x400 + i) for i in range(60))], "char")  # 60 + 7 specials > 50
+    for given in (tok, tok.backend, tmp_path / "tok.json"):
+        tok.save(tmp_path / "tok.json")
+        with pytest.raises(FrawdError, match=f"cannot save {tmp_path / 'm'}: the tokenizer has 67 ids but the "
+                                             "model only 50"):
+            tiny().save_pretrained(tmp_path / "m", tokenizer=given)
+        assert not (tmp_path / "m").exists()
+    small = train_tokenizer(["abc"], "char")
+    tiny().save_pretrained(tmp_path / "m", tokenizer=small)  # 10 ids: fits
+    assert FrawdLLM.from_pretrained(tmp_path / "m").config.vocab_size == 50
+
+
 class Boom:
     def __reduce__(self):
         return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))
