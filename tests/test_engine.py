@@ -393,6 +393,20 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_one_clear_error():
     assert "\n" not in str(info.value)
 
 
+def test_the_tokenizer_may_be_a_path_and_none_is_refused_at_construction(tmp_path):
+    from frawdllm.tokenizer import train_tokenizer
+
+    model = make_model()
+    with pytest.raises(TypeError, match=r"the tokenizer is NoneType, without encode and decode; give the model's"):
+        Engine(model, None)
+    tok = train_tokenizer(["".join(chr(97 + i % 26) for i in range(200))], "char")  # 26 + 7 ids: fits 97
+    tok.save(tmp_path / "tokenizer.json")
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    want = Engine(model, tok).generate("abc", params)[0].text
+    for path in (tmp_path / "tokenizer.json", str(tmp_path)):  # the file, or the folder holding it
+        assert Engine(model, path).generate("abc", params)[0].text == want
+
+
 def test_an_encoder_decoder_model_is_refused_with_a_pointer_to_translate():
     from frawdllm import Seq2SeqTransformer
 

@@ -48,6 +48,7 @@ cache and run state, and the native forward serves one call at a time.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -64,6 +65,7 @@ from torch import Tensor, nn
 from ..config import Seq2SeqConfig, is_integer
 from ..errors import FrawdError
 from ..model.gpt import eval_mode
+from ..tokenizer import Tokenizer
 from ..train.compile import quiet_inductor
 from . import native as native_forward
 from . import paths
@@ -118,7 +120,8 @@ class _TokenEvent:
 
 
 class Engine:
-    """Generation for one model and its tokenizer.
+    """Generation for one model and its tokenizer (a `Tokenizer`, or the path of its
+    tokenizer.json or of a model folder holding one).
 
     Construction changes nothing in the model (forwards run it in eval mode). `native`
     (None: per phase, where it measures fastest; True: everywhere; False: never) uses the
@@ -147,6 +150,12 @@ class Engine:
             raise FrawdError("Engine generates with a decoder-only model (FrawdLLM); for an encoder-decoder "
                              "Seq2SeqTransformer use frawdllm.infer.translate "
                              "(translate_ids, greedy_decode, beam_search)")
+        if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json (or a model folder holding one)
+            tokenizer = Tokenizer.load(tokenizer)
+        missing = [m for m in ("encode", "decode") if not callable(getattr(tokenizer, m, None))]
+        if missing:
+            raise TypeError(f"Engine(model, tokenizer): the tokenizer is {type(tokenizer).__name__}, without "
+                            f"{' and '.join(missing)}; give the model's (Tokenizer.load(PATH), or the path)")
         if hasattr(tokenizer, "check_fits"):  # (a duck-typed tokenizer without it is trusted)
             tokenizer.check_fits(model.config.vocab_size, "Engine(model, tokenizer)")
         self.model = model
