@@ -305,6 +305,16 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     result = CliRunner().invoke(pretrain_cli.pretrain, ["--max-time", "1m", "--out", str(out), "--dry-run",
                                                         "--no-progress", "--peak-tflops", "1", "--tokenizer", "char"])
     assert "(a char tokenizer trained on it)" in result.output and "per character of the data" in result.output
+    # a vocabulary given: the count is exact (it is the model's size whatever the characters)
+    result = CliRunner().invoke(pretrain_cli.pretrain, ["--max-time", "1m", "--out", str(out), "--dry-run",
+                                                        "--no-progress", "--peak-tflops", "1", "--tokenizer", "char",
+                                                        "--set", "vocab_size=100"])
+    from frawdllm import get_config
+
+    count = get_config("tiny", vocab_size=100).num_parameters
+    assert f"tiny, {count:,} parameters (vocabulary 100: the data's characters and 7 special tokens must fit" \
+        in result.output, result.output
+    assert "per character" not in result.output
 
 
 def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_user_cache):

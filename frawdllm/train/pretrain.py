@@ -344,6 +344,9 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
         window = model_cfg.context_length
         if vocab is not None:
             model = f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary {model_cfg.vocab_size:,})"
+        elif "vocab_size" in _model_overrides(cfg):  # char, the vocabulary given
+            model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary {model_cfg.vocab_size:,}: "
+                     f"the data's characters and {len(SPECIAL_TOKENS)} special tokens must fit in it)")
         else:  # char: the vocabulary is the data's characters, known once the tokenizer is trained
             per_token = model_cfg.n_embd * (1 if model_cfg.tie_embeddings else 2)
             model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters + {per_token} per character of the "
