@@ -115,6 +115,22 @@ def test_a_later_position_setting_replaces_an_earlier_one(tmp_path):
         build_config(PretrainConfig, config, model_overrides={"use_rope": True, "pos_encoding": "learned"})
 
 
+def test_a_config_file_may_be_yaml_or_toml_and_each_error_names_its_language(tmp_path):
+    from frawdllm.train.config import PretrainConfig, build_config
+
+    yaml_file, toml_file = tmp_path / "run.yaml", tmp_path / "run.toml"
+    yaml_file.write_text("preset: tiny-llama\nlr: 0.001\nmax_time: 30s\nmodel:\n  n_layer: 2\n")
+    toml_file.write_text('preset = "tiny-llama"\nlr = 0.001\nmax_time = "30s"\n[model]\nn_layer = 2\n')
+    assert build_config(PretrainConfig, toml_file) == build_config(PretrainConfig, yaml_file)
+    assert build_config(PretrainConfig, toml_file).model == {"n_layer": 2}
+    toml_file.write_text('preset = "tiny\n')
+    with pytest.raises(ConfigError, match=r"run\.toml: not valid TOML \("):
+        build_config(PretrainConfig, toml_file)
+    yaml_file.write_text('preset = "tiny"\n')  # TOML in a .yaml file
+    with pytest.raises(ConfigError, match=r"run\.yaml: expected a mapping of config fields .*TOML in a file named"):
+        build_config(PretrainConfig, yaml_file)
+
+
 def test_swiglu_hidden_defaults_to_eight_thirds_rounded():
     cfg = get_config("tiny-llama")
     assert cfg.ffn_dim % 32 == 0 and 0 <= cfg.ffn_dim - 8 * 256 / 3 < 32

@@ -19,7 +19,7 @@ from frawdllm import FrawdLLM
 from frawdllm.tokenizer import Tokenizer
 from frawdllm.train import PretrainConfig, Trainer, TrainingDiverged, TrainTask, run_pretraining
 from frawdllm.train.checkpoint import latest_checkpoint, list_checkpoints, load_state, load_weights
-from frawdllm.train.config import TrainConfig, load_yaml
+from frawdllm.train.config import TrainConfig, load_config_file
 from frawdllm.train.rundir import read_metrics
 
 from conftest import ROOT
@@ -419,7 +419,7 @@ def test_run_directory_has_every_file(corpus, tmp_path):
     assert {"config.yaml", "metrics.jsonl", "loss.png", "samples.txt", "checkpoints", "model",
             "tokenizer.json", "data"} <= names
     # config.yaml reproduces the run: the same config comes back
-    saved = PretrainConfig.from_dict(load_yaml(run / "config.yaml"))
+    saved = PretrainConfig.from_dict(load_config_file(run / "config.yaml"))
     assert saved == cfg
     records = read_metrics(run)
     train_lines = [r for r in records if "loss" in r]

@@ -56,11 +56,11 @@ def _command_of(path: Path, data: dict, cls: type, command: str) -> str | None:
 def _refuse_another_commands_config(cls: type, command: str, config_file: str | None, flags: dict) -> None:
     """One line when --config, or the run --resume continues, belongs to another command
     (`frawd dpo --out SFT_RUN --resume`), rather than a list of fields it does not know."""
-    from ..train.config import field_defaults, load_yaml
+    from ..train.config import field_defaults, load_config_file
     from ..train.rundir import CONFIG_FILE
 
     given = {k: v for k, v in flags.items() if v is not None}
-    from_file = load_yaml(config_file) if config_file else {}
+    from_file = load_config_file(config_file) if config_file else {}
     held = _command_of(Path(config_file), from_file, cls, command) if config_file else None
     if held and held != command:
         raise ConfigError(f"--config {config_file} is a config of frawd {held}, not of frawd {command}; "
@@ -68,7 +68,7 @@ def _refuse_another_commands_config(cls: type, command: str, config_file: str | 
     out = given.get("out", from_file.get("out", field_defaults(cls)["out"]))
     saved = Path(out) / CONFIG_FILE
     if given.get("resume", from_file.get("resume", False)) and saved.is_file():
-        held = _command_of(saved, load_yaml(saved), cls, command)
+        held = _command_of(saved, load_config_file(saved), cls, command)
         if held and held != command:
             raise ConfigError(f"--out {out} holds a frawd {held} run, not a frawd {command} run; continue it with "
                               f"frawd {held} --out {out} --resume, or give frawd {command} another --out")
@@ -78,7 +78,7 @@ def _refuse_another_commands_config(cls: type, command: str, config_file: str | 
 FINETUNE_SKIPS = ("sample_prompt",)
 
 _CONFIG = click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-                       help="A YAML file of the options below (flags given here override it).")
+                       help="A YAML (or .toml) file of the options below (flags given here override it).")
 
 
 @click.command(context_settings={"max_content_width": 110})

@@ -30,7 +30,7 @@ def translate() -> None:
 
 @translate.command(context_settings={"max_content_width": 110})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="A YAML file of the options below (flags given here override it).")
+              help="A YAML (or .toml) file of the options below (flags given here override it).")
 @nproc_option()
 @set_option()
 # TrainConfig fields translate train does not use: batches are cut by --tokens-per-batch, and

@@ -254,22 +254,34 @@ def field_defaults(cls: type) -> dict[str, Any]:
     return out
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML config file as a mapping (FrawdError on a missing or malformed file)."""
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file as a mapping: YAML, or TOML for a `.toml` file (FrawdError on a missing
+    or malformed file)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    toml = path.suffix.lower() == ".toml"
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8")
+        data = _toml().loads(text) if toml else yaml.safe_load(text)
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except (yaml.YAMLError, ValueError) as exc:  # (tomllib.TOMLDecodeError is a ValueError)
+        raise ConfigError(f"{path}: not valid {'TOML' if toml else 'YAML'} ({str(exc).splitlines()[0]})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of config fields at the top level")
+        raise ConfigError(f"{path}: expected a mapping of config fields at the top level (`key: value` lines; "
+                          f"TOML in a file named .toml)")
     return data
+
+
+def _toml() -> types.ModuleType:
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        raise ConfigError("TOML config files need Python 3.11 or later; write the config as YAML") from None
+    return tomllib
 
 
 def build_config(cls: type, config_file: str | Path | None = None, flags: dict[str, Any] | None = None,
@@ -280,10 +292,10 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
     (from --set) are merged key by key into the `model` mapping, if `cls` has one.
     """
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    from_file = load_yaml(config_file) if config_file else {}
+    from_file = load_config_file(config_file) if config_file else {}
     out = flags.get("out", from_file.get("out", field_defaults(cls).get("out")))
     resume = flags.get("resume", from_file.get("resume", False))
-    saved = load_yaml(Path(out) / saved_name) if resume and out and (Path(out) / saved_name).is_file() else {}
+    saved = load_config_file(Path(out) / saved_name) if resume and out and (Path(out) / saved_name).is_file() else {}
     merged = {**saved, **from_file, **flags}
     if "model" in {f.name for f in fields(cls)}:
         layers = (saved.get("model"), from_file.get("model"), model_overrides)
@@ -304,5 +316,5 @@ def dump_yaml(cfg: TrainConfig, header: str = "") -> str:
     return header + body
 
 
-__all__ = ["TrainConfig", "PretrainConfig", "parse_duration", "load_yaml", "dump_yaml", "build_config", "option",
+__all__ = ["TrainConfig", "PretrainConfig", "parse_duration", "load_config_file", "dump_yaml", "build_config", "option",
            "field_defaults", "SCHEDULES", "DTYPES", "COMPILE_CHOICES"]

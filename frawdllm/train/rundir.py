@@ -145,10 +145,10 @@ RESUME_FIXED = {"preset", "model", "vocab_size", "tokenizer", "init_from", "init
 
 def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
     """{setting: (value saved in the run's config.yaml, value now)} for what a --resume changes."""
-    from .config import load_yaml
+    from .config import load_config_file
 
     try:
-        saved = load_yaml(run_dir / CONFIG_FILE)
+        saved = load_config_file(run_dir / CONFIG_FILE)
     except FrawdError:
         return {}
     now = cfg.to_dict()
