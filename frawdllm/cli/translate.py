@@ -88,17 +88,18 @@ def _require_files(cfg: TranslateConfig) -> None:
                              "give a file")
 
 
-def _decoding_options(command):
-    command = click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
-                           help="Sentences translated together (of the SENTENCES or --src given; standard "
-                                "input is translated a line at a time).")(command)
-    command = click.option("--alpha", type=_FiniteFloat(min=0), default=0.6, show_default=True,
-                           help="Length penalty exponent of beam search (the paper's 0.6).")(command)
-    command = click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
-                           help="Beam size (1 = greedy; at most the model's vocabulary size).")(command)
-    command = click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-                           help="A model directory (frawd translate train's OUT/model).")(command)
-    return command
+def _decoding_options(batch_help: str):
+    """--model, --beam, --alpha and --batch-size (whose help names the command's own input)."""
+    def add(command):
+        command = click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+                               help=batch_help)(command)
+        command = click.option("--alpha", type=_FiniteFloat(min=0), default=0.6, show_default=True,
+                               help="Length penalty exponent of beam search (the paper's 0.6).")(command)
+        command = click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
+                               help="Beam size (1 = greedy; at most the model's vocabulary size).")(command)
+        return click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+                            help="A model directory (frawd translate train's OUT/model).")(command)
+    return add
 
 
 def _load(model_dir: str):
@@ -221,7 +222,7 @@ def _stdin_lines() -> Iterator[str]:
 
 
 @translate.command(name="eval")
-@_decoding_options
+@_decoding_options("Sentences of --src translated together.")
 @click.option("--src", "src_path", required=True, type=click.Path(dir_okay=False), help="Source sentences.")
 @click.option("--ref", "ref_path", required=True, type=click.Path(dir_okay=False),
               help="Raw reference translations, line i for line i of --src.")
@@ -253,7 +254,7 @@ def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path:
 
 
 @translate.command()
-@_decoding_options
+@_decoding_options("SENTENCES translated together (standard input is translated a line at a time).")
 @click.argument("sentences", nargs=-1)
 def run(model_dir: str, beam: int, alpha: float, batch_size: int, sentences: tuple[str, ...]) -> None:
     """Translate SENTENCES (one output line each), or, when none is given, standard input
