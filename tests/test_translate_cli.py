@@ -339,10 +339,15 @@ def test_hyp_out_never_replaces_an_input_and_an_existing_file_needs_overwrite(tr
     assert old.read_text().count("\n") == 10
 
 
-def test_a_refused_input_leaves_no_hyp_out_folders_behind(trained, capsys, tmp_path):
+def test_a_refused_input_leaves_no_hyp_out_folders_behind(trained, capsys, tmp_path, monkeypatch):
     code, _, err = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--src",
                            tmp_path / "nope.de", "--ref", trained / "val.en", "--hyp-out", tmp_path / "nd" / "sub" / "h.txt")
     assert code == 1 and _one_line_error(err) == f"frawd: error: file not found: {tmp_path / 'nope.de'}"
+    monkeypatch.chdir(tmp_path)  # a relative path (a config's ../shared/...) says where it was looked for
+    code, _, err = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--src", "nope.de",
+                           "--ref", trained / "val.en")
+    assert code == 1 and _one_line_error(err) == \
+        f"frawd: error: file not found: nope.de (looked for in the current folder, {tmp_path})"
     assert not (tmp_path / "nd").exists()
 
 

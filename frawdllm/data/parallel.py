@@ -36,7 +36,8 @@ def read_lines(path: str | Path) -> list[str]:
     if path.is_dir():
         raise FrawdError(f"{path} is a folder; give a text file of one sentence a line")
     if not path.exists():
-        raise FrawdError(f"file not found: {path}")
+        where = "" if path.is_absolute() else f" (looked for in the current folder, {Path.cwd()})"  # (a config's path)
+        raise FrawdError(f"file not found: {path}{where}")
     try:
         raw = path.read_bytes()
     except OSError as exc:
