@@ -1,6 +1,7 @@
 """`frawd pretrain` before the first step: settings checked before any work (a bad start
 fails at once and leaves nothing on disk), and `--init-from` an existing model directory."""
 
+import os
 import random
 import shutil
 import time
@@ -330,9 +331,12 @@ def test_a_resume_on_data_changed_since_the_checkpoint_says_so(corpus, tmp_path,
     run_pretraining(tiny_config(data, run, max_steps=2))
     run_pretraining(tiny_config(data, run, resume=True, max_steps=3))
     assert "changed since the checkpoint" not in capsys.readouterr().err  # the same data: nothing to say
+    os.utime(data)  # touched: its shards are made again, the same
+    run_pretraining(tiny_config(data, run, resume=True, max_steps=4))
+    assert "changed since the checkpoint" not in capsys.readouterr().err
     with data.open("a", encoding="utf-8") as f:
         f.write("The queen answers the king.\n" * 200)  # edited in place: the shards are made again
-    run_pretraining(tiny_config(data, run, resume=True, max_steps=4))
+    run_pretraining(tiny_config(data, run, resume=True, max_steps=5))
     err = capsys.readouterr().err
     assert f"warning: the training data ({data}) changed since the checkpoint" in err, err
 
