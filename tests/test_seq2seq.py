@@ -36,6 +36,34 @@ def model_for(name: str, seed: int = 0) -> Seq2SeqTransformer:
     return model
 
 
+BAD_CALLS = r"""
+import torch
+from frawdllm import Seq2SeqTransformer, get_config
+m = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=40, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1)).eval()
+src, tgt = torch.randint(4, 40, (2, 5)), torch.randint(4, 40, (2, 6))
+print(torch.equal(m(src, tgt, tgt.int())[1], m(src, tgt, tgt)[1]))
+for args in [(src[0], tgt), (src, tgt.float()), (src, tgt, tgt.T)]:
+    try:
+        m(*args)
+        print("accepted")
+    except ValueError as exc:
+        print(exc)
+"""
+
+
+def test_forward_takes_any_integer_targets_and_names_a_bad_input_in_one_line():
+    """As FrawdLLM's (a user's script, without the tests' shape checks): int32 targets failed
+    inside cross_entropy, and (T, B) targets were flattened silently against (B, T) ids."""
+    from cli_helpers import script_lines
+
+    assert script_lines(BAD_CALLS) == [
+        "True",
+        "src must be a (batch, time) integer tensor, got a 1-D torch.int64 tensor",
+        "tgt must be a (batch, time) integer tensor, got a 2-D torch.float32 tensor",
+        "targets of shape (6, 2) do not match tgt of shape (2, 6)",
+    ]
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_num_parameters_is_exact(name):
     cfg = small(**OPTIONS[name])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from frawdllm.align import lora
 from frawdllm.align.examples import BadExample, chat_messages, tokenize_chat, tokenize_pair, truncate
 from frawdllm.align.packing import collate, document_mask, pack_rows
-from frawdllm.align.sft import SFTConfig, load_examples, sft_loss
+from frawdllm.align.sft import SFTConfig, load_examples, prompt_of, sft_loss
 from frawdllm.modeldir import load_model
 from frawdllm.tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, USER_ID
 from frawdllm.train.rundir import read_metrics
@@ -28,6 +28,18 @@ def show(tok, example):
     """The example as 'token*' where the token carries loss (printed for the reader of a failure)."""
     return "".join((tok.decode([i]) if i > 6 else f"<{i}>") + ("*" if t else "")
                    for i, t in zip(example.ids, example.trained))
+
+
+@pytest.mark.parametrize("train_on, asked", [("assistant", 2), ("all", 2), ("last", 4)])
+def test_a_held_out_samples_prompt_asks_for_the_first_trained_reply(train_on, asked):
+    """Its prompt is the conversation up to that reply's <|assistant|>, as chat renders it
+    (with --train-on all it was <|bos|> alone: samples.txt held answers to no question)."""
+    tok = byte_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"},
+                {"role": "assistant", "content": "bye"}]
+    example = tokenize_chat(tok, messages, train_on)
+    assert prompt_of(example) == tok.render_chat(messages[:asked], add_generation_prompt=True)
 
 
 def test_loss_is_on_assistant_tokens_and_their_eos_only():

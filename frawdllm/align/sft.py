@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
-from ..tokenizer import Tokenizer
+from ..tokenizer import ASSISTANT_ID, Tokenizer
 from ..train import distributed
 from ..train.config import option
 from ..train.distributed import Share
@@ -55,8 +55,17 @@ def sft_loss(model: nn.Module, batch: dict[str, Tensor]) -> Float[Tensor, ""]:
 
 
 def prompt_of(example: Example) -> list[int]:
-    """The ids before the first trained token (for a chat example: ending in <|assistant|>)."""
-    return example.ids[:example.trained.index(True)] if any(example.trained) else example.ids
+    """The prompt of a held-out sample: the ids up to the <|assistant|> that opens the first
+    trained reply (with --train-on all, where every token is trained, the first reply's),
+    else those before the first trained token."""
+    ids = example.ids
+    if not any(example.trained):
+        return ids
+    first = example.trained.index(True)
+    if first > 0 and ids[first - 1] == ASSISTANT_ID:
+        return ids[:first]
+    opens = ids.index(ASSISTANT_ID, first) if ASSISTANT_ID in ids[first:] else None
+    return ids[:opens + 1] if opens is not None else ids[:first]
 
 
 def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[list[Example], list[Example],

@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from ..config import Seq2SeqConfig, is_integer
 from ..errors import FrawdError
-from ..model.gpt import eval_mode
+from ..model.gpt import eval_mode, is_id_tensor
 from ..tokenizer import Tokenizer
 from ..train.compile import quiet_inductor
 from . import native as native_forward
@@ -636,7 +636,7 @@ def _is_token_id(value: Any) -> bool:
 
 def _integer_dtype(array: Tensor | np.ndarray) -> bool:
     if isinstance(array, Tensor):
-        return not (array.dtype.is_floating_point or array.dtype.is_complex or array.dtype == torch.bool)
+        return is_id_tensor(array)
     return np.issubdtype(array.dtype, np.integer)
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..config import is_integer
 from ..memory import free_memory
-from ..model.gpt import eval_mode
+from ..model.gpt import eval_mode, is_id_tensor
 from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
 from .cache import KVCache
 
@@ -50,8 +50,7 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 
 def _check_search(model: Seq2SeqTransformer, src: Tensor, beam_size: int, alpha: float, max_extra: int) -> None:
     """One line naming the argument that decoding `src` with these settings cannot take."""
-    if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype.is_floating_point or src.dtype == torch.bool \
-            or src.shape[0] == 0:
+    if not is_id_tensor(src) or src.dim() != 2 or src.shape[0] == 0:
         what = f"a {src.dim()}-D {src.dtype} tensor of shape {tuple(src.shape)}" if isinstance(src, Tensor) \
             else type(src).__name__
         raise ValueError(f"src must be a 2-D integer tensor of token ids with at least one row, got {what}")

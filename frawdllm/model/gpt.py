@@ -96,14 +96,27 @@ def model_config(config: Any, cls: type[ModelConfig], model: str) -> ModelConfig
     return dataclasses.replace(config)
 
 
-def _check_ids(name: str, ids: Any) -> None:
+def is_id_tensor(x: Any) -> bool:
+    """A tensor of an integer dtype (token ids; bool is not one)."""
+    return isinstance(x, Tensor) and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+
+
+def check_ids(name: str, ids: Any) -> None:
     """`ids` is a (B, T) integer tensor, else one line naming it (a 1-D tensor failed with
     `IndexError: tuple index out of range`, float ids inside the embedding). No value is
     read: that would wait for a GPU at every step."""
-    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex \
-            or ids.dtype == torch.bool:
+    if not is_id_tensor(ids) or ids.dim() != 2:
         what = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"{name} must be a (batch, time) integer tensor, got {what}")
+
+
+def check_targets(targets: Any, ids: Tensor, ids_name: str = "token_ids") -> None:
+    """`targets` is an integer tensor of the shape of the `ids` they follow (they are
+    flattened for the loss: a (T, B) target ran silently against (B, T) ids)."""
+    check_ids("targets", targets)
+    if targets.shape != ids.shape:
+        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match {ids_name} of shape "
+                         f"{tuple(ids.shape)}")
 
 
 class FrawdLLM(ModelDirectoryMixin, nn.Module):
@@ -139,7 +152,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         positions: absolute position of each token (default 0..T-1); with a KV cache the
         engine passes where the new tokens sit.
         """
-        _check_ids("token_ids", token_ids)
+        check_ids("token_ids", token_ids)
         T = token_ids.shape[1]
         if positions is None:
             if T > self.config.context_length:
@@ -169,11 +182,8 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         positions: Int[Tensor, "#B T"] | None = None,
         kv_cache: Any = None,
     ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
-        if targets is not None:  # (reshaped below: a (T, B) target ran silently against (B, T) ids)
-            _check_ids("targets", targets)
-            if targets.shape != token_ids.shape:
-                raise ValueError(f"targets of shape {tuple(targets.shape)} do not match token_ids of shape "
-                                 f"{tuple(token_ids.shape)}")
+        if targets is not None:
+            check_targets(targets, token_ids)
         logits = self.lm_head(self.hidden_states(token_ids, positions, kv_cache))  # (B, T, V)
         loss = None
         if targets is not None:

@@ -34,7 +34,7 @@ from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
-from .gpt import IGNORE_INDEX, init_weights, model_config
+from .gpt import IGNORE_INDEX, check_ids, check_targets, init_weights, model_config
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -154,10 +154,14 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
         """Teacher-forced logits; with `targets`, the mean cross-entropy over the targets
         that are not IGNORE_INDEX (padding), label-smoothed if asked."""
+        check_ids("src", src)
+        check_ids("tgt", tgt)
+        if targets is not None:
+            check_targets(targets, tgt, "tgt")
         memory = self.encode(src, src_mask)
         logits = self.decode(tgt, self.memory_kv(memory), src_mask)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1).long(),
                                    ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
         return logits, loss
