@@ -93,7 +93,7 @@ def test_inductor_caches_go_to_the_user_cache_folder(private_user_cache, monkeyp
 
 
 def plan(remaining_s, eager_s=0.1, dtypes=("fp32",)):
-    p = compiling.AutoPlan(list(dtypes), "auto", {d: f"key-{d}" for d in dtypes}, None, {})
+    p = compiling.AutoPlan(list(dtypes), "auto", {d: f"key-{d}" for d in dtypes})
     for d in dtypes:
         for _ in range(3):
             p.record(d, eager_s)
@@ -110,7 +110,7 @@ def test_compile_auto_says_no_for_a_short_budget_and_yes_for_a_long_one(private_
 
 
 def test_auto_dtype_keeps_the_faster_of_the_native_dtypes():
-    p = compiling.AutoPlan(["bf16", "fp32"], "false", {}, None, {})
+    p = compiling.AutoPlan(["bf16", "fp32"], "false", {})
     for seconds in (5.0, 0.6, 0.6):
         p.record("bf16", seconds)
     for seconds in (0.2, 0.1, 0.1):

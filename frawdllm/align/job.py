@@ -21,7 +21,7 @@ from ..io import write_text_atomic
 from ..memory import check_training_fits
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
 from ..train import distributed
-from ..train.config import TrainConfig, _require, dump_yaml, option, parse_duration
+from ..train.config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, dump_yaml, option, parse_duration
 from ..train.device import pick_device, seed_everything
 from ..train.loop import Trainer, TrainResult, TrainTask
 from ..train.rundir import CONFIG_FILE, check_run_dir, prepare_run_dir, rerun_line, undo_failed_start
@@ -51,9 +51,9 @@ class FinetuneConfig(TrainConfig):
     # defaults suited to fine-tuning (the loop's suit pretraining)
     out: str = option("runs/finetune", "Run directory: config, metrics, checkpoints, the best model.")
     lr: float = option(1e-4, "Peak learning rate.")
-    warmup_steps: int = option(10, "Steps of linear warmup from 0 to the peak.")
+    warmup_steps: int = option(10, WARMUP_HELP)
     weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
-    eval_interval: int = option(100, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
+    eval_interval: int = option(100, EVAL_INTERVAL_HELP)
     eval_batches: int = option(10, "Validation batches per evaluation.")
     batch_size: int = option(8, "Rows (SFT: packed rows of examples; DPO: pairs) per micro-batch.")
     sample_tokens: int = option(96, "Tokens to sample per held-out prompt at each evaluation (0 = none).")
@@ -101,7 +101,8 @@ def check_init(cfg: FinetuneConfig) -> None:
 
 
 def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
-    """The --init model (train mode, its dropout kept), its tokenizer and the example length."""
+    """The --init model (in eval mode until the loop trains it; its dropout setting kept), its
+    tokenizer and the example length."""
     from ..modeldir import load_model, model_file
 
     seed_everything(cfg.seed)

@@ -70,13 +70,17 @@ def check_rows_fit(model_dir: str | Path, rows: int, dtype: str = "fp32") -> Non
                          f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")
 
 
+# (the modes of infer/quantize.py, named here so that --help does not import torch)
+quantize_option = click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
+                               help="int8: linear weights in int8 with per-row scales (4x smaller, faster decode).")
+
+
 def engine_flags(command):
     """Decorator: --model and the flags that choose how the model runs."""
     options = [
         click.option("--model", "model_dir", required=True, metavar="DIR",
                      help="A model directory (config.json, model.safetensors, tokenizer.json)."),
-        click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
-                     help="int8: linear weights in int8 with per-row scales (4x smaller, faster decode)."),
+        quantize_option,
         click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
                      help="Precision of the weights and the KV cache."),
         click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,

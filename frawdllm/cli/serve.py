@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError
-from .sampling_flags import load_engine
+from .sampling_flags import load_engine, quantize_option
 
 
 def default_name(directory: str) -> str:
@@ -103,8 +103,7 @@ def default_tokens(given: int | None, cap: int) -> int:
               help="The largest request body in bytes; beyond it a 413.")
 @click.option("--native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto", show_default=True,
               help="The C forward (see frawd generate --help).")
-@click.option("--quantize", type=click.Choice(["none", "int8"]), default="none", show_default=True,
-              help="int8: linear weights in int8 with per-row scales (4x smaller, faster decode).")
+@quantize_option
 @click.option("--threads", type=int, default=None, help="CPU threads, at most 8 per CPU [default: torch's choice].")
 @click.option("--log-level", type=click.Choice(["info", "warning", "error"]), default="info", show_default=True,
               help="info prints one JSON access-log line per request on stderr.")

@@ -19,8 +19,6 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int8
 from torch import Tensor, nn
 
-QUANT_MODES = ("none", "int8")
-
 
 def quantize_rows(weight: Float[Tensor, "N K"]) -> tuple[Int8[Tensor, "N K"], Float[Tensor, "N"]]:
     """Symmetric per-row int8: returns (int8 weight, fp32 scale per row)."""
@@ -84,4 +82,4 @@ def int8_weight_bytes(model: nn.Module) -> tuple[int, int]:
     return stored, fp32
 
 
-__all__ = ["Int8Linear", "quantize_int8", "quantize_rows", "int8_weight_bytes", "QUANT_MODES"]
+__all__ = ["Int8Linear", "quantize_int8", "quantize_rows", "int8_weight_bytes"]

@@ -33,7 +33,7 @@ def sinusoidal_table(n_pos: int, dim: int) -> Float[Tensor, "P D"]:
     return table.float()
 
 
-def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[Float[Tensor, "P H"], Float[Tensor, "P H"]]:
+def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[Float[Tensor, "P half"], Float[Tensor, "P half"]]:
     """cos and sin of the rotation angles, shape (positions, head_dim/2)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)  # (P, hd/2)
@@ -46,7 +46,7 @@ def apply_rope(
     """Rotate pairs (x[i], x[i + hd/2]) by the position's angles (the "rotate half" layout
     that Hugging Face Llama uses, so weights map across without permutation).
 
-    cos/sin are (T, hd/2) for shared positions or (B, 1, T, hd/2) for per-row positions.
+    cos/sin are (1, 1, T, hd/2) for shared positions or (B, 1, T, hd/2) for per-row ones.
     """
     if cpu_fused.rope_usable(x, cos, sin):  # eager fp32 training on a CPU: one pass, not seven
         return cpu_fused.rope(x, cos, sin)

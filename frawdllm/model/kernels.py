@@ -4,11 +4,13 @@
 `attention.reference_attention`, with whichever kernel is fastest here:
 
 - PyTorch's `scaled_dot_product_attention` (flash / memory-efficient kernels where
-  available): the default, and the only one for masks and bidirectional attention;
+  available): the default, and the one for masks and bidirectional attention except
+  with dropout on a CPU (below);
 - training on a CPU, causal: `cpu_attention` (a fused C kernel, forward and backward),
   because PyTorch's CPU backward is slow for short sequences: in bf16 on CPUs with
   AVX512-BF16, in fp32 on any CPU in eager mode (T <= 512);
-- training on a CPU in fp32 under `torch.compile`, causal: `blocked_causal_attention`,
+- training on a CPU under `torch.compile`, causal, where `cpu_attention` does not apply
+  (fp32 on most CPUs, or bf16 without AVX512-BF16; T <= 512): `blocked_causal_attention`,
   plain matmuls over a few query blocks (block i attends only the keys up to its end,
   skipping most of the masked half), which torch.compile fuses into about twice the speed.
 

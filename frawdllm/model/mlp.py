@@ -25,7 +25,7 @@ class MLP(nn.Module):
         # SwiGLU fuses gate and up into one matmul: the first half is the gate.
         self.up = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
         self.down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
-        self.down.is_residual_proj = True  # scaled init, see FrawdLLM._init_weights
+        self.down.is_residual_proj = True  # scaled init, see gpt.init_weights
 
     def forward(self, x: Float[Tensor, "B T D"]) -> Float[Tensor, "B T D"]:
         h = self.up(x)

@@ -1,4 +1,5 @@
-"""Training: one loop (`Trainer`) and the job that runs on it, pretraining.
+"""Training: one loop (`Trainer`) and the jobs that run on it: pretraining here,
+translation (`translation.py`), SFT and DPO (`frawdllm.align`).
 
     from frawdllm.train import PretrainConfig, run_pretraining
     result = run_pretraining(PretrainConfig(data="stdlib", max_time="5m", out="runs/x"))

@@ -120,7 +120,7 @@ def shape_key(device: torch.device, dtype: str, model: torch.nn.Module, batch_sh
     return f"{machine_key(device)}|{dtype}|{digest}"
 
 
-def known_failure(device: torch.device, key: str | None = None) -> str | None:
+def known_failure(device: torch.device) -> str | None:
     """Why compiling cannot work here, known before trying (None: it may)."""
     if device.type == "cpu" and cxx_compiler() is None:
         return "no C++ compiler (g++/clang++) for inductor"
@@ -203,10 +203,13 @@ class AutoPlan:
     (`compile_cost`) or predicted. Compiling must win by `MARGIN`.
     """
 
-    def __init__(self, dtypes: list[str], compile_setting: str, keys: dict[str, str],
-                 step_flops: float | None, peaks: dict[str, float | None], timed: int = 2) -> None:
+    timed = 2
+
+    def __init__(self, dtypes: list[str], compile_setting: str, keys: dict[str, str]) -> None:
         self.dtypes, self.compile_setting, self.keys = dtypes, compile_setting, keys
-        self.step_flops, self.peaks, self.timed = step_flops, peaks, timed
+        # set by the loop once known: a step's FLOPs (after the timing steps) and each dtype's peak
+        self.step_flops: float | None = None
+        self.peaks: dict[str, float | None] = {}
         self.times: dict[str, list[float]] = {d: [] for d in dtypes}
         self._seen: dict[str, int] = {d: 0 for d in dtypes}
 

@@ -64,6 +64,10 @@ def parse_duration(text: str | float | int) -> float:
     return seconds
 
 
+WARMUP_HELP = "Steps of linear warmup to the peak (from peak/warmup at the first step)."
+EVAL_INTERVAL_HELP = ("Evaluate (and checkpoint) every this many steps; 0 = only at the end (and at the start "
+                      "under --max-time, to time it).")
+
 @dataclass
 class TrainConfig:
     """Settings of the shared training loop."""
@@ -90,7 +94,7 @@ class TrainConfig:
     min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak.")
     schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant, "
                                               "noam (inverse square root of the step).")
-    warmup_steps: int = option(100, "Steps of linear warmup from 0 to the peak.")
+    warmup_steps: int = option(100, WARMUP_HELP)
     decay_fraction: float = option(0.2, "wsd: the final fraction of the run spent decaying.")
     weight_decay: float = option(0.1, "AdamW weight decay, applied to matrices only.")
     decay_embeddings: bool = option(False, "Also apply weight decay to the embedding matrices.")
@@ -98,7 +102,7 @@ class TrainConfig:
     beta2: float = option(0.95, "AdamW beta2.")
     grad_clip: float = option(1.0, "Clip the gradients' global norm to this (0 = off).")
     # evaluation, checkpoints, logging
-    eval_interval: int = option(250, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
+    eval_interval: int = option(250, EVAL_INTERVAL_HELP)
     eval_batches: int = option(20, "Validation batches per evaluation.")
     keep_last: int = option(2, "Checkpoints to keep (the best one by val loss is kept too).")
     log_interval: int = option(10, "Write a metrics line every this many steps.")
@@ -285,7 +289,7 @@ def _toml() -> types.ModuleType:
 
 
 def build_config(cls: type, config_file: str | Path | None = None, flags: dict[str, Any] | None = None,
-                 model_overrides: dict[str, Any] | None = None, saved_name: str = "config.yaml") -> Any:
+                 model_overrides: dict[str, Any] | None = None) -> Any:
     """Merge defaults < the run's saved config (when resuming) < `config_file` < `flags`.
 
     `flags` maps field names to values, None meaning "not given". `model_overrides`
@@ -295,7 +299,10 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
     from_file = load_config_file(config_file) if config_file else {}
     out = flags.get("out", from_file.get("out", field_defaults(cls).get("out")))
     resume = flags.get("resume", from_file.get("resume", False))
-    saved = load_config_file(Path(out) / saved_name) if resume and out and (Path(out) / saved_name).is_file() else {}
+    from .rundir import CONFIG_FILE  # (the run's saved config)
+
+    saved_path = Path(out) / CONFIG_FILE if out else None
+    saved = load_config_file(saved_path) if resume and saved_path is not None and saved_path.is_file() else {}
     merged = {**saved, **from_file, **flags}
     if "model" in {f.name for f in fields(cls)}:
         layers = (saved.get("model"), from_file.get("model"), model_overrides)

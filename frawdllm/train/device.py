@@ -136,7 +136,7 @@ def choose_dtype(name: str, device: torch.device, features: frozenset[str] | Non
 
 
 def resolve_dtype(name: str, device: torch.device, features: frozenset[str] | None = None) -> str:
-    """The concrete dtype name for `auto`; checks that the device can run the one asked for."""
+    """The concrete dtype name `choose_dtype` picks for `auto` (any other name comes back as given)."""
     return choose_dtype(name, device, features)[0]
 
 
@@ -256,10 +256,10 @@ def cached_peak(device: torch.device, dtype: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def peak_flops(device: torch.device, dtype: str, say=None, remeasure: bool = False) -> float:
+def peak_flops(device: torch.device, dtype: str, say=None) -> float:
     """Peak matmul FLOP/s for training in `dtype` here: cached, or measured once (`say`
     gets a one-line message first) with the dtype that really computes the matmuls."""
-    peak = None if remeasure else cached_peak(device, dtype)
+    peak = cached_peak(device, dtype)
     if peak is not None:
         return peak
     computed = matmul_dtype(dtype, device)

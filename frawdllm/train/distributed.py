@@ -233,7 +233,7 @@ def batch_layout(batch_size: int | None, grad_accum: int, world_size: int) -> tu
 @dataclass(frozen=True)
 class Share:
     """This rank's part of each optimizer step, for loaders of whole rows (SFT's packed rows,
-    DPO's pairs, translation's sentence pairs).
+    DPO's pairs).
 
     A step takes the next `batch_size x grad_accum` rows of the data's (seeded) order, on
     any number of ranks. One process cuts them into `grad_accum` micro-batches of

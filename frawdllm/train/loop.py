@@ -325,7 +325,7 @@ class Trainer:
             candidates = ["bf16", "fp32"]  # both native: eager bf16 (casts) is not always the faster
         if (cfg.compile == "auto" and blocker is None) or len(candidates) > 1:
             setting = "auto" if cfg.compile == "auto" and blocker is None else "false"
-            self.plan = compiling.AutoPlan(candidates, setting, self._cost_keys, None, {})
+            self.plan = compiling.AutoPlan(candidates, setting, self._cost_keys)
             if setting == "auto":
                 self.compile_why = "auto: decided after timing the first steps"
         if self._compiled or (self.plan and self.plan.compile_setting == "auto"):

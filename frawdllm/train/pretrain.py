@@ -12,8 +12,9 @@
    `init_from`, an existing model directory's config and weights (its tokenizer.json by
    default; training starts at step 0 with a fresh optimizer).
 3. `PretrainTask`: random windows of the training tokens (`RandomWindowLoader`,
-   resumable), the model's own cross-entropy, validation on the first `eval_batches`
-   windows of val.bin, a sample at each evaluation.
+   resumable), cross-entropy from the hidden states without the full logits
+   (`losses.linear_cross_entropy`), validation on the first `eval_batches` batches of
+   `batch_size` windows of val.bin, a sample at each evaluation.
 4. `Trainer(...).fit()`; OUT/model is the best model, tokenizer.json included.
 
 --max-time covers all of it, from the call's start (from the process's start under

@@ -358,7 +358,8 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
 
 def load_pyplot():
     """matplotlib's pyplot on the file-only Agg backend, imported on first use (it takes
-    about a second, which the loop pays before its clock starts, not inside --max-time)."""
+    about a second: the loop imports it before training, inside --max-time when the
+    budget started with the process, as under `frawd pretrain`)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -40,7 +40,7 @@ from ..io import write_text_atomic
 from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from . import distributed
-from .config import TrainConfig, _require, dump_yaml, option, parse_duration
+from .config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, dump_yaml, option, parse_duration
 from .loop import TrainResult, Trainer, TrainTask
 from .losses import linear_cross_entropy_and_nll
 
@@ -69,12 +69,12 @@ class TranslateConfig(TrainConfig):
     lr: float = option(1e-3, "Peak learning rate (noam: reached at the end of warmup).")
     schedule: str = option("noam", "Decay after warmup: noam (the paper's inverse square root), cosine, linear, "
                                    "wsd, constant.")
-    warmup_steps: int = option(1000, "Steps of linear warmup from 0 to the peak.")
+    warmup_steps: int = option(1000, WARMUP_HELP)
     beta2: float = option(0.98, "AdamW beta2 (the paper's 0.98).")
     weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
     compile: str | bool = option("false", "torch.compile the training step: true, false, auto (batches change "
                                           "shape, so compiling rarely pays here).", choices=("auto", "true", "false"))
-    eval_interval: int = option(500, "Evaluate (and checkpoint) every this many steps; 0 = only at the end.")
+    eval_interval: int = option(500, EVAL_INTERVAL_HELP)
     sample_tokens: int = option(1, "Write translations of the first 3 validation sentences to samples.txt at "
                                    "each evaluation: 0 = none, any other value = on (greedy, to the length limit).")
 
