@@ -17,14 +17,13 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, FrawdError
-from ..io import write_text_atomic
 from ..memory import check_training_fits
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
 from ..train import distributed
-from ..train.config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, dump_yaml, option, parse_duration
+from ..train.config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option, parse_duration
 from ..train.device import pick_device, seed_everything
 from ..train.loop import Trainer, TrainResult, TrainTask
-from ..train.rundir import CONFIG_FILE, check_run_dir, prepare_run_dir, rerun_line, undo_failed_start
+from ..train.rundir import check_run_dir, prepare_run_dir, save_run_config, undo_failed_start
 from . import lora
 
 
@@ -178,8 +177,6 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
                  check: Callable[[], None] | None = None) -> TrainResult:
     """The whole job: checks, OUT, the --init model (LoRA-wrapped if asked), the task
     (`make_task(model, tokenizer, length)` loads the data), the loop."""
-    from .. import __version__
-
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
     cfg = distributed.rank_config(cfg)
@@ -196,13 +193,9 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
         if cfg.lora_rank:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        header = (rerun_line(command, run_dir, place.world_size) +
-                  f"# frawdllm {__version__}, torch {torch.__version__}; --init {cfg.init}: "
-                  f"{model.config.num_parameters:,} parameters, {trainable:,} trained"
-                  f"{f' (LoRA rank {cfg.lora_rank})' if cfg.lora_rank else ''}; examples of {length} tokens\n")
-        saved = type(cfg).from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-        if place.is_main:
-            write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        lora_note = f" (LoRA rank {cfg.lora_rank})" if cfg.lora_rank else ""
+        save_run_config(cfg, command, place.world_size, f"--init {cfg.init}: {model.config.num_parameters:,} "
+                        f"parameters, {trainable:,} trained{lora_note}; examples of {length} tokens", place.is_main)
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
                           started_at=started_at)
     return trainer.fit()

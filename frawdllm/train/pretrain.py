@@ -40,19 +40,19 @@ from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, sp
 from ..data.shards import print_warnings, read_shard_meta
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
-from ..io import write_json_atomic, write_text_atomic
+from ..io import write_json_atomic
 from ..memory import check_training_fits
 from ..modeldir import (checked_weights, load_config, load_generation_config, load_model, require_kind,
                         save_model_dir)
 from ..tokenizer import KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, train_tokenizer
 from . import distributed
 from .checkpoint import latest_checkpoint
-from .config import PretrainConfig, dump_yaml, parse_duration
+from .config import PretrainConfig, parse_duration
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask
-from .rundir import CONFIG_FILE, check_run_dir, has_run, prepare_run_dir, rerun_line, undo_failed_start
+from .rundir import check_run_dir, has_run, prepare_run_dir, save_run_config, undo_failed_start
 
 DATA_DIR = "data"
 TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was trained on
@@ -391,8 +391,6 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
                     started_at: float | None = None) -> TrainResult:
     """The whole job. --max-time counts from `started_at` (a `time.perf_counter()`; default:
     now), so tokenizer training and data preparation are inside the budget."""
-    from .. import __version__
-
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
     cfg = distributed.rank_config(cfg)
@@ -408,18 +406,15 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
         model, window = build_model(cfg, data.tokenizer)
         model_cfg = model.config
         start = f"--init-from {cfg.init_from}; " if cfg.init_from else ""
-        header = (rerun_line("pretrain", run_dir, place.world_size) +
-                  f"# frawdllm {__version__}, torch {torch.__version__}; {start}model: {model_cfg.num_parameters:,} "
-                  f"parameters, vocab {model_cfg.vocab_size}, context {model_cfg.context_length}; "
-                  f"data: {data.meta.get('train_tokens'):,} train / {data.meta.get('val_tokens'):,} val tokens\n")
-        saved = PretrainConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+        about = (f"{start}model: {model_cfg.num_parameters:,} parameters, vocab {model_cfg.vocab_size}, context "
+                 f"{model_cfg.context_length}; data: {data.meta.get('train_tokens'):,} train / "
+                 f"{data.meta.get('val_tokens'):,} val tokens")
         task = PretrainTask(data, model_cfg, cfg, context_length=window)  # data too short: refused here
         if not task.can_evaluate and place.is_main:  # (was silent: no val_loss line, nothing said why)
             print(f"warning: the validation split has {len(data.val):,} tokens, fewer than one window of "
                   f"{window + 1:,}: no val_loss, and {run_dir / 'model'} will be the last step's model (raise "
                   "--val-fraction, or use a longer corpus or a shorter context)", file=sys.stderr)
-        if place.is_main:
-            write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        save_run_config(cfg, "pretrain", place.world_size, about, place.is_main)
         trainer = Trainer(model, task, cfg, run_dir, callbacks=callbacks, config_for_loggers=cfg.to_dict(),
                           started_at=started_at)
     return trainer.fit()

@@ -74,6 +74,24 @@ def rerun_line(command: str, run_dir: Path, world_size: int = 1) -> str:
     return f"# rerun: frawd {command}{ranks} --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
 
 
+def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main: bool) -> None:
+    """OUT/config.yaml (rank 0 writes it): the run's merged config, without this start's
+    resume/overwrite, under a header of the command that reruns it, the versions and
+    `about` (the model and data in a few words)."""
+    from .. import __version__
+    from .config import dump_yaml
+
+    if not is_main:
+        return
+    import torch
+
+    run_dir = Path(cfg.out)
+    header = rerun_line(command, run_dir, world_size) + \
+        f"# frawdllm {__version__}, torch {torch.__version__}; {about}\n"
+    saved = type(cfg).from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+    write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+
+
 def budget_spent(run_dir: Path, done: str) -> str:
     """The message for a --resume with nothing left to do (`done`: what was used of what)."""
     return f"{run_dir}: the budget is already spent ({done}); give --resume a larger budget to continue"

@@ -36,11 +36,10 @@ from torch import Tensor, nn
 from ..config import Seq2SeqConfig, SEQ2SEQ_PRESETS, get_config
 from ..data.parallel import EncodedPairs, encode_pairs, read_parallel
 from ..errors import ConfigError, FrawdError
-from ..io import write_text_atomic
 from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from . import distributed
-from .config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, dump_yaml, option, parse_duration
+from .config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option, parse_duration
 from .loop import TrainResult, Trainer, TrainTask
 from .losses import linear_cross_entropy_and_nll
 
@@ -400,10 +399,9 @@ def _require_two_sides(src: list[str], tgt: list[str], what: str, flags: str) ->
 
 def run_translation_training(cfg: TranslateConfig, started_at: float | None = None) -> TrainResult:
     """The whole job: read and check the data, tokenizer, model, then the shared loop."""
-    from .. import __version__
     from ..model import Seq2SeqTransformer
     from .device import seed_everything
-    from .rundir import CONFIG_FILE, prepare_run_dir, rerun_line, undo_failed_start
+    from .rundir import prepare_run_dir, save_run_config, undo_failed_start
 
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
@@ -441,12 +439,8 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
         cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
         seed_everything(cfg.seed)
         model = Seq2SeqTransformer(model_cfg)
-        header = (rerun_line("translate train", run_dir, place.world_size) +
-                  f"# frawdllm {__version__}, torch {torch.__version__}; model: {model_cfg.num_parameters:,} "
-                  f"parameters, vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs\n")
-        saved = TranslateConfig.from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
-        if place.is_main:
-            write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+        save_run_config(cfg, "translate train", place.world_size, f"model: {model_cfg.num_parameters:,} parameters, "
+                        f"vocab {model_cfg.vocab_size}; data: {len(train.pairs):,} training pairs", place.is_main)
         task = TranslationTask(model_cfg, tokenizer, train.pairs, valid, cfg.tokens_per_batch, cfg.seed,
                                cfg.label_smoothing, cfg.bleu_sentences, cfg.eval_batches,
                                grad_accum=cfg.grad_accum)
