@@ -81,8 +81,7 @@ def check_init(cfg: FinetuneConfig) -> None:
     from ..modeldir import load_config, model_file, require_kind
 
     check_run_dir(cfg)
-    if not cfg.has_budget:
-        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    cfg.require_budget()
     if cfg.init is None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
     device = pick_device(cfg.device)

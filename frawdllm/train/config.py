@@ -160,6 +160,11 @@ class TrainConfig:
     def has_budget(self) -> bool:
         return any(v is not None for v in (self.max_steps, self.max_tokens, self.max_time))
 
+    def require_budget(self) -> None:
+        """A run must end: one line when no budget is given (checked before anything is written)."""
+        if not self.has_budget:
+            raise ConfigError("give a budget: --max-steps, --max-tokens or --max-time")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -200,8 +200,7 @@ class Trainer:
 
         `run_dir` (default `cfg.out`) is made ready as `frawd pretrain` makes OUT: an earlier
         run there is continued with `cfg.resume`, deleted with `cfg.overwrite`, else refused."""
-        if not cfg.has_budget:  # before anything is written
-            raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+        cfg.require_budget()  # before anything is written
         self.dist = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
         if not self.dist.is_main:
             cfg = cfg.from_dict({**cfg.to_dict(), "progress": False})

@@ -283,8 +283,7 @@ def check_pretrain(cfg: PretrainConfig) -> None:
     """Every check that needs no real work: the budget, OUT, the device, the data source, the
     tokenizer and the model config. A FrawdError here means nothing was written."""
     check_run_dir(cfg)
-    if not cfg.has_budget:
-        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    cfg.require_budget()
     device = pick_device(cfg.device)
     model_cfg, window = init_model_config(cfg) if cfg.init_from is not None else (None, None)
     tok = given_tokenizer(cfg)

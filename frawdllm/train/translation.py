@@ -373,8 +373,7 @@ def check_translation(cfg: TranslateConfig) -> ParallelText:
     check_run_dir(cfg)  # first: `--resume` of a run that is not there is that, not missing --src
     if not cfg.src or not cfg.tgt:
         raise FrawdError("give the training text: --src FILE --tgt FILE")
-    if not cfg.has_budget:
-        raise FrawdError("give a budget: --max-steps, --max-tokens or --max-time")
+    cfg.require_budget()
     context = get_config(cfg.preset, **cfg.model).context_length
     if cfg.max_len > context - 1:  # a target side and its BOS (or EOS) fill the decoder's positions
         raise FrawdError(f"--max-len {cfg.max_len} exceeds the {context - 1} tokens a sentence may have in the "
