@@ -432,4 +432,11 @@ def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, 
     return out
 
 
-__all__ = ["ModelConfig", "Seq2SeqConfig", "PRESETS", "SEQ2SEQ_PRESETS", "config_class", "get_config", "parse_overrides", "parse_value"]
+def typed_overrides(cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A config file's `model:` mapping with its text values parsed as `cls`'s field types
+    (YAML gives `n_layer: 2` as an int, a --set or an older file may give "2")."""
+    return {k: parse_value(cls, k, v) if isinstance(v, str) else v for k, v in overrides.items()}
+
+
+__all__ = ["ModelConfig", "Seq2SeqConfig", "PRESETS", "SEQ2SEQ_PRESETS", "config_class", "get_config", "parse_overrides",
+           "parse_value", "typed_overrides"]

@@ -76,6 +76,13 @@ class TrainingDiverged(FrawdError):
 LossOutput = Tensor | tuple[Tensor, dict[str, Tensor]]
 
 
+def first_tensor(batch: Any) -> Any:
+    """A batch's first tensor, through nested tuples, lists and dicts."""
+    while isinstance(batch, (tuple, list, dict)):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return batch
+
+
 class TrainTask:
     """What a training job plugs into the loop. Override `next_batch` and `loss`; the rest
     has defaults. Batches are tensors or (nested) tuples/lists/dicts of tensors on the CPU;
@@ -104,10 +111,7 @@ class TrainTask:
 
     def batch_tokens(self, batch: Any) -> int:
         """Tokens a batch counts for --max-tokens and tokens/s: its first tensor's size."""
-        first = batch
-        while isinstance(first, (tuple, list, dict)):
-            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-        return int(first.numel())
+        return int(first_tensor(batch).numel())
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Validation metrics with at least `val_loss` (eval mode, no_grad, autocast); {} if none."""
@@ -338,9 +342,7 @@ class Trainer:
 
     def _cost_key(self, dtype: str, batch: Any) -> str:
         if dtype not in self._cost_keys:
-            first = batch
-            while isinstance(first, (tuple, list, dict)):
-                first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+            first = first_tensor(batch)
             shape = tuple(first.shape) if isinstance(first, Tensor) else ()
             self._cost_keys[dtype] = compiling.shape_key(self.device, dtype, self.model, shape)
         return self._cost_keys[dtype]

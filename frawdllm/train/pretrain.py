@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import PRESETS, ModelConfig, get_config, parse_value
+from ..config import PRESETS, ModelConfig, get_config, typed_overrides
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
 from ..data.shards import print_warnings, read_shard_meta
 from ..data.shard_format import TokenArray
@@ -243,7 +243,7 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
 # ---- model and run ---------------------------------------------------------------------------------
 
 def _model_overrides(cfg: PretrainConfig) -> dict:
-    return {k: parse_value(ModelConfig, k, v) if isinstance(v, str) else v for k, v in cfg.model.items()}
+    return typed_overrides(ModelConfig, cfg.model)
 
 
 def model_config_for(cfg: PretrainConfig, vocab_size: int) -> ModelConfig:

@@ -199,11 +199,10 @@ def _model_values(preset_then: Any, then: Any, preset_now: Any, now: Any) -> dic
     (the preset with its overrides) differ; None where they cannot be worked out."""
     from dataclasses import fields as dataclass_fields
 
-    from ..config import ModelConfig, get_config, parse_value
+    from ..config import ModelConfig, get_config, typed_overrides
 
     def effective(preset: Any, overrides: Any) -> dict[str, Any]:
-        parsed = {k: parse_value(ModelConfig, k, v) if isinstance(v, str) else v for k, v in overrides.items()}
-        config = get_config(preset, **parsed)
+        config = get_config(preset, **typed_overrides(ModelConfig, overrides))
         return {f.name: getattr(config, f.name) for f in dataclass_fields(config)}
 
     if not (isinstance(then, dict) and isinstance(now, dict) and isinstance(preset_then, str)

@@ -39,7 +39,7 @@ from ..errors import ConfigError, FrawdError
 from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from . import distributed
-from .config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option, parse_duration
+from .config import COMPILE_CHOICES, EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option, parse_duration
 from .loop import TrainResult, Trainer, TrainTask
 from .losses import linear_cross_entropy_and_nll
 
@@ -72,7 +72,7 @@ class TranslateConfig(TrainConfig):
     beta2: float = option(0.98, "AdamW beta2 (the paper's 0.98).")
     weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
     compile: str | bool = option("false", "torch.compile the training step: true, false, auto (batches change "
-                                          "shape, so compiling rarely pays here).", choices=("auto", "true", "false"))
+                                          "shape, so compiling rarely pays here).", choices=COMPILE_CHOICES)
     eval_interval: int = option(500, EVAL_INTERVAL_HELP)
     sample_tokens: int = option(1, "Write translations of the first 3 validation sentences to samples.txt at "
                                    "each evaluation: 0 = none, any other value = on (greedy, to the length limit).")
