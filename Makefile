@@ -2,7 +2,13 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: setup demo test clean
+.PHONY: help setup demo test clean
+help:
+	@echo "make demo   set up .venv, train a small GPT on the standard library (~3 min), complete a function"
+	@echo "make test   set up .venv and run the test suite"
+	@echo "make setup  only set up .venv (CPU PyTorch, the package editable with its test extras)"
+	@echo "make clean  remove .venv, runs/ and the package's build metadata"
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -24,4 +30,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf .venv runs
+	rm -rf .venv runs frawdllm.egg-info
