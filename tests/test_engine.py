@@ -397,8 +397,17 @@ def test_the_tokenizer_may_be_a_path_and_none_is_refused_at_construction(tmp_pat
     from frawdllm.tokenizer import train_tokenizer
 
     model = make_model()
-    with pytest.raises(TypeError, match=r"the tokenizer is NoneType, without encode and decode; give the model's"):
+    with pytest.raises(TypeError, match=r"the tokenizer is NoneType, without decode; give the model's"):
         Engine(model, None)
+
+    class DecodeOnly:  # enough for token-id prompts
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join(map(str, ids))
+
+    engine = Engine(model, DecodeOnly())
+    assert len(engine.generate([[5, 6]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].tokens) == 3
+    with pytest.raises(FrawdError, match=r"a text prompt needs a tokenizer with encode \(DecodeOnly has none\)"):
+        engine.generate("text", SamplingParams(max_new_tokens=3))
     tok = train_tokenizer(["".join(chr(97 + i % 26) for i in range(200))], "char")  # 26 + 7 ids: fits 97
     tok.save(tmp_path / "tokenizer.json")
     params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)

@@ -152,10 +152,9 @@ class Engine:
                              "(translate_ids, greedy_decode, beam_search)")
         if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json (or a model folder holding one)
             tokenizer = Tokenizer.load(tokenizer)
-        missing = [m for m in ("encode", "decode") if not callable(getattr(tokenizer, m, None))]
-        if missing:
+        if not callable(getattr(tokenizer, "decode", None)):  # (encode only for text prompts)
             raise TypeError(f"Engine(model, tokenizer): the tokenizer is {type(tokenizer).__name__}, without "
-                            f"{' and '.join(missing)}; give the model's (Tokenizer.load(PATH), or the path)")
+                            "decode; give the model's (Tokenizer.load(PATH), or the path)")
         if hasattr(tokenizer, "check_fits"):  # (a duck-typed tokenizer without it is trusted)
             tokenizer.check_fits(model.config.vocab_size, "Engine(model, tokenizer)")
         self.model = model
@@ -286,6 +285,9 @@ class Engine:
         """
         prompt = _one_prompt(prompt)
         if isinstance(prompt, str):
+            if not callable(getattr(self.tokenizer, "encode", None)):
+                raise FrawdError(f"a text prompt needs a tokenizer with encode ({type(self.tokenizer).__name__} has "
+                                 "none): give token ids")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = prompt
