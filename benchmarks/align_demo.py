@@ -23,7 +23,6 @@ sft_acc_after, last). Run it under `flock /tmp/bench.lock` on a shared machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_common import ArgumentParser, cpu_features_line, duration, positive_int, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,42 +219,49 @@ def part_b(work: Path, args) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo-model", default=None, help="a `make demo` model directory to reuse (copied)")
     parser.add_argument("--skip-stdlib", action="store_true", help="run part (a) only")
     parser.add_argument("--skip-synthetic", action="store_true", help="run part (b) only")
-    parser.add_argument("--pretrain-steps", type=int, default=400,
+    parser.add_argument("--pretrain-steps", type=positive_int, default=400,
                         help="base-model steps: enough for it to learn to copy from its context")
-    parser.add_argument("--min-letters", type=int, default=3, help="shortest word of the synthetic task")
-    parser.add_argument("--max-letters", type=int, default=3, help="longest word of the synthetic task")
-    parser.add_argument("--sft-examples", type=int, default=6000)
-    parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--dpo-examples", type=int, default=1000)
-    parser.add_argument("--dpo-steps", type=int, default=40)
+    parser.add_argument("--min-letters", type=positive_int, default=3, help="shortest word of the synthetic task")
+    parser.add_argument("--max-letters", type=positive_int, default=3, help="longest word of the synthetic task")
+    parser.add_argument("--sft-examples", type=positive_int, default=6000)
+    parser.add_argument("--sft-steps", type=positive_int, default=600)
+    parser.add_argument("--dpo-examples", type=positive_int, default=1000)
+    parser.add_argument("--dpo-steps", type=positive_int, default=40)
     parser.add_argument("--dpo-lr", type=float, default=5e-4)
-    parser.add_argument("--stdlib-sft-time", default="3m")
-    parser.add_argument("--stdlib-dpo-time", default="90s")
+    parser.add_argument("--stdlib-sft-time", type=duration, default="3m")
+    parser.add_argument("--stdlib-dpo-time", type=duration, default="90s")
     parser.add_argument("--work", default=None, help="working folder (default: a temporary one, removed)")
     args = parser.parse_args()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="frawd-inductor-"))
+    if args.skip_stdlib and args.skip_synthetic:
+        parser.error("--skip-stdlib and --skip-synthetic together leave nothing to run")
+    if args.min_letters > args.max_letters:
+        parser.error(f"--min-letters ({args.min_letters}) is above --max-letters ({args.max_letters})")
+    temporary = []  # folders this script makes: removed at the end, also on failure
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a fresh kernel cache, as on a first run
+        temporary.append(tempfile.mkdtemp(prefix="frawd-inductor-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = temporary[-1]
 
     import torch
 
-    from frawdllm.train.device import shown_features
-
-    work = Path(args.work or tempfile.mkdtemp(prefix="frawd-align-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.work is None:
+        temporary.append(tempfile.mkdtemp(prefix="frawd-align-"))
+    work = Path(args.work or temporary[-1])
     started = time.perf_counter()
     figures: dict[str, float] = {}
     try:
+        work.mkdir(parents=True, exist_ok=True)
         if not args.skip_synthetic:
             figures.update(part_a(work / "a", args))
         if not args.skip_stdlib:
             figures.update(part_b(work / "b", args))
     finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
-    print(f"cpu_features={shown_features() or 'none'}")
+        for folder in temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(cpu_features_line())
     print(f"torch_threads={torch.get_num_threads()}")
     print(f"total_seconds={time.perf_counter() - started:.0f}")
     order = ["stdlib_heldout_requests", "stdlib_parse_before", "stdlib_parse_after_sft", "stdlib_parse_after_dpo",
@@ -265,4 +273,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

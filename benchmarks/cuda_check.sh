@@ -7,22 +7,45 @@
 # steps of `frawd pretrain --nproc 1 --parallel fsdp`. Run from the repository root, with torch (CUDA) and the
 # package's dependencies importable; the package itself need not be installed.
 #   bash benchmarks/cuda_check.sh [path/to/tinyshakespeare.txt]
+# A failing step stops the script with a non-zero exit; its temporary folder is removed.
+set -euo pipefail
+usage="usage: bash benchmarks/cuda_check.sh [-h] [path/to/tinyshakespeare.txt]
+
+Pretraining, decoding and FSDP checks on a CUDA GPU (see the comment at the top of this file).
+The text defaults to ../shared/data/tinyshakespeare.txt; PEAK_TFLOPS (default 989) and BATCH
+(default 32) set step 5's peak and batch size."
+case "${1:-}" in
+  -h|--help) echo "$usage"; exit 0 ;;
+  -*) echo "cuda_check.sh: error: unknown option $1 (see --help)" >&2; exit 2 ;;
+esac
+if [ $# -gt 1 ]; then echo "cuda_check.sh: error: one argument at most, the text file (see --help)" >&2; exit 2; fi
 D=${1:-../shared/data/tinyshakespeare.txt}
-W=$(mktemp -d)
+if [ ! -f "$D" ]; then echo "cuda_check.sh: error: text file not found: $D (see --help)" >&2; exit 1; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "cuda_check.sh: error: python3 cannot import torch; run this where torch (CUDA) is installed" >&2
+  exit 1
+fi
+if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "cuda_check.sh: error: no CUDA GPU here (torch.cuda.is_available() is False); these checks need one" >&2
+  exit 1
+fi
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+trap 'echo "cuda_check.sh: error: the step above failed (line $LINENO); stopping" >&2' ERR
 frawd() { python3 -c 'import sys; from frawdllm.cli import main; main(sys.argv[1:])' "$@"; }
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 echo "== 1. shakespeare recipe (device auto, bf16, compile), 60 s"
 frawd pretrain --config configs/shakespeare_char.yaml --data "$D" --max-time 60s --out $W/sh --no-progress 2>&1 | tail -1
 echo "== 2. frawd eval and generate on cuda"
-frawd eval --model $W/sh/model --data "$D" --device cuda --max-batches 50 2>/dev/null
+frawd eval --model $W/sh/model --data "$D" --device cuda --max-batches 50 2>$W/eval.err || { cat $W/eval.err >&2; false; }
 frawd generate --model $W/sh/model --prompt "ROMEO:" --max-new-tokens 80 --device cuda --seed 1 --stats 2>&1 | tail -3
 echo "== 3. resume == uninterrupted, fp32 eager: 40 steps vs 20 + resume to 40"
 R="--config configs/shakespeare_char.yaml --data $D --dtype fp32 --no-compile --max-time 1h --schedule constant
    --warmup-steps 0 --eval-interval 20 --log-interval 1 --sample-tokens 0 --no-progress"
-frawd pretrain $R --max-steps 40 --out $W/a > $W/a.log 2>&1 || tail -3 $W/a.log
-frawd pretrain $R --max-steps 20 --out $W/b > $W/b.log 2>&1 || tail -3 $W/b.log
-frawd pretrain $R --max-steps 40 --out $W/b --resume > $W/b2.log 2>&1 || tail -3 $W/b2.log
+frawd pretrain $R --max-steps 40 --out $W/a > $W/a.log 2>&1 || { tail -3 $W/a.log; false; }
+frawd pretrain $R --max-steps 20 --out $W/b > $W/b.log 2>&1 || { tail -3 $W/b.log; false; }
+frawd pretrain $R --max-steps 40 --out $W/b --resume > $W/b2.log 2>&1 || { tail -3 $W/b2.log; false; }
 python3 - $W <<'PY'
 import json, sys
 def losses(p): return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if "loss" in r}
@@ -56,7 +79,7 @@ echo "== 6. decode tokens/s, batch 1 and 64, against transformers (base, bf16)"
 python3 benchmarks/cuda_decode.py --preset base
 echo "== 7. frawd pretrain --nproc 1 --parallel fsdp, 300 steps (bf16)"
 frawd pretrain --nproc 1 --parallel fsdp --preset tiny --data "$D" --tokenizer char --dtype bf16 --max-steps 300 \
-    --batch-size 64 --eval-interval 100 --out $W/fsdp --no-progress > $W/fsdp.log 2>&1
-echo "fsdp_run_exit=$? last_line=$(tail -1 $W/fsdp.log)"
+    --batch-size 64 --eval-interval 100 --out $W/fsdp --no-progress > $W/fsdp.log 2>&1 || { tail -3 $W/fsdp.log; false; }
+echo "fsdp_run_exit=0"
+echo "fsdp_last_line=$(tail -1 $W/fsdp.log)"
 echo "fsdp_checkpoints=$(ls $W/fsdp/checkpoints | tr '\n' ' ')"
-rm -rf $W

@@ -11,7 +11,6 @@ Prints decode_tokens_per_s_{ours,hf}_batch{1,64} and, last, speedup_vs_hf_batch6
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import ArgumentParser, run_main  # noqa: E402
 from decode_speed import _IdTokenizer, hf_model  # noqa: E402
 
 from frawdllm import FrawdLLM, get_config  # noqa: E402
@@ -29,9 +29,11 @@ PROMPT_LEN, NEW_TOKENS = 32, 200
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="base")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="base", help="the model (random weights) [default: base]")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(1, f"{parser.prog}: error: this benchmark needs a CUDA GPU (torch.cuda.is_available() is False)\n")
     cfg = get_config(args.preset)
     device, dtype = torch.device("cuda"), torch.bfloat16
     model = FrawdLLM(cfg).to(device, dtype).eval()
@@ -39,7 +41,9 @@ def main() -> None:
     engine = Engine(model, _IdTokenizer())
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    print(f"device={torch.cuda.get_device_name()} preset={args.preset} dtype=bf16")
+    print(f"device={torch.cuda.get_device_name()}")
+    print(f"preset={args.preset}")
+    print("dtype=bf16")
     speedups = {}
     for batch in (1, 64):
         prompts = torch.randint(7, cfg.vocab_size, (batch, PROMPT_LEN), generator=gen)
@@ -71,4 +75,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

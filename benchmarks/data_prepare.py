@@ -28,15 +28,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
 from frawdllm.data import iter_documents, prepare_shards
 from frawdllm.tokenizer import train_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="stdlib")
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="stdlib",
+                        help="the corpus, as `frawd data prepare --data` takes it: stdlib, hf:NAME, a file, "
+                             "a folder or a glob [default: stdlib]")
+    parser.add_argument("--vocab-size", type=positive_int, default=8192,
+                        help="size of the BPE vocabulary trained here [default: 8192]")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs of bare and prepare, alternating; figures are medians [default: 3]")
     args = parser.parse_args()
 
     docs = list(iter_documents(args.data))
@@ -45,6 +50,7 @@ def main() -> None:
     print(f"corpus_mb={text_mb:.3f}")
     print(f"documents={len(docs)}")
     print(f"cpu_threads={os.cpu_count()}")
+    print(cpu_features_line())
 
     start = time.perf_counter()
     tok = train_tokenizer(docs, "bpe", vocab_size=args.vocab_size)
@@ -89,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

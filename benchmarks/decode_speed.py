@@ -33,8 +33,10 @@ last, after llama.cpp's). Where llama-cpp-python is installed (the optional `lla
 extra), the same model exported with `frawd export --format gguf` in fp16 and fp32 is decoded by llama.cpp in
 the same run (same prompt, 200 greedy tokens, same threads; llama-cpp-python's `eval`
 per token and numpy's argmax of its logits): `llama_cpp_{f16,f32}_batch1_tok_s`, whether
-its greedy tokens equal ours, and `speedup_vs_llama_cpp_{f16,f32}` (the default engine
-against f16, the exact native fp32 engine against f32); else `llama_cpp=skipped`.
+its greedy tokens equal ours, our engine's tokens/s in the runs interleaved with llama.cpp's
+(`ours_vs_llama_cpp_{f16,f32}_tok_s`) and `speedup_vs_llama_cpp_{f16,f32}`, the ratio of
+those two (the default engine against f16, the exact native fp32 engine against f32); else
+`llama_cpp=skipped`.
 Both sides run with the same torch thread count (--threads; default torch's choice, as a
 user gets it), printed as torch_threads. About 3-6 minutes on 2 cores.
 
@@ -58,14 +60,13 @@ from pathlib import Path
 
 import torch
 
+from bench_common import ArgumentParser, cpu_features_line, non_negative_int, positive_int, run_main
 from frawdllm import FrawdLLM, get_config
-from frawdllm.cbuild import cpu_signature, march
+from frawdllm.cbuild import march
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.hugepages import huge_page_bytes
 from frawdllm.infer.quantize import quantize_int8
 from frawdllm.train.device import cpu_has_bf16
-
-FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "fphp")
 
 PROMPT_LEN, NEW_TOKENS, BATCH, LONG_PROMPT = 32, 200, 16, 256
 FIRST_TOKEN_SAMPLES = 9  # per engine, interleaved; the figure is their median
@@ -141,9 +142,9 @@ def read_bandwidth(n_bytes: int, repeats: int = 30) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0,
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per figure [default: 3]")
+    parser.add_argument("--threads", type=non_negative_int, default=0,
                         help="torch threads for both sides (0: torch's choice, the default a user gets)")
     parser.add_argument("--compile", action="store_true", help="add the torch.compile figures (slow warm-up)")
     parser.add_argument("--no-int8", action="store_true", help="skip the int8 figures")
@@ -179,11 +180,11 @@ def main() -> None:
         if args.compile:
             engines["bf16_compiled"] = Engine(bf16_model, tokenizer, compile=True)
     default = engines["default"]
-    flags = cpu_signature().split()
     print(f"preset={args.preset}")
-    print(f"cpu_features={','.join(f for f in FEATURES if f in flags) or 'none'} native_march={march()}")
+    print(cpu_features_line())
+    print(f"native_march={march()}")
     if not bf16 and not args.no_bf16:
-        print("bf16: skipped (this CPU emulates bf16; --bf16 to force)")
+        print("bf16=skipped (this CPU emulates bf16; --bf16 to force)")
 
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(7, cfg.vocab_size, (1, PROMPT_LEN), generator=gen)
@@ -296,10 +297,11 @@ def main() -> None:
             ours_tok_s = NEW_TOKENS / median[f"{ours_name}_vs_llama_cpp_{dtype}"]
             print(f"llama_cpp_{dtype}_batch1_tok_s={llama_cpp[dtype]:.1f}")
             print(f"llama_cpp_{dtype}_same_greedy_tokens={same_tokens[dtype]}")
+            print(f"ours_vs_llama_cpp_{dtype}_tok_s={ours_tok_s:.1f}")  # our runs interleaved with its
             print(f"speedup_vs_llama_cpp_{dtype}={ours_tok_s / llama_cpp[dtype]:.2f}")
     print(f"default_engine={default_mode}")
     print(f"speedup_vs_hf_batch1={median['hf_batch1'] / median['default_batch1']:.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

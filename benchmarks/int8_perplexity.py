@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
 from frawdllm.data import VAL_FILE, read_shard
+from frawdllm.errors import FrawdError
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.cache import HalfKVModel
 from frawdllm.infer.native import dequantized_copy, fp16_rounded_copy
@@ -52,9 +54,11 @@ RECIPES = {
 
 def train(out: Path, recipe: str, max_steps: int) -> None:
     frawd = str(Path(sys.executable).parent / "frawd")
-    subprocess.run([frawd, "pretrain", *RECIPES[recipe], "--max-steps", str(max_steps), "--max-time", "60m",
-                    "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--out", str(out)],
-                   check=True, cwd=ROOT)
+    done = subprocess.run([frawd, "pretrain", *RECIPES[recipe], "--max-steps", str(max_steps), "--max-time", "60m",
+                           "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--out", str(out)],
+                          cwd=ROOT, stdout=sys.stderr)  # (its summary line: not one of our figures)
+    if done.returncode != 0:  # it said why on stderr
+        sys.exit(done.returncode)
 
 
 def decode_tok_s(model, tokenizer, n: int = 200, **engine_options) -> float:
@@ -71,15 +75,19 @@ def decode_tok_s(model, tokenizer, n: int = 200, **engine_options) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="A model directory (default: train one).")
     parser.add_argument("--run", default=None, help="Train into (or reuse the model of) this run directory.")
     parser.add_argument("--data-dir", default=None, help="Its prepared shards (val.bin); default: the run's data/.")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="char", help="What to train.")
-    parser.add_argument("--max-steps", type=int, default=600, help="Training steps when training here.")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-steps", type=positive_int, default=600, help="Training steps when training here.")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="Rows per batch when scoring.")
+    parser.add_argument("--threads", type=positive_int, default=1, help="Torch threads for scoring and decoding.")
     args = parser.parse_args()
+    if args.model is not None and not Path(args.model).is_dir():
+        raise FrawdError(f"model folder not found: {args.model}")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise FrawdError(f"--data-dir folder not found: {args.data_dir}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="frawd-int8-") as tmp:
         if args.model is None:
@@ -113,8 +121,11 @@ def main() -> None:
                 speed[name] = decode_tok_s(decode_model, tokenizer, **options)
     stored, full = int8_weight_bytes(int8)
     where = f"trained here ({args.recipe}, {args.max_steps} steps)" if args.model is None else args.model
-    print(f"model={where}  val_tokens={count}  context={context}  params={fp32.num_parameters()}")
-    print(f"linear_weight_bytes_fp32={full}  linear_weight_bytes_int8={stored}")
+    print(cpu_features_line())
+    for key, value in (("model", where), ("val_tokens", count), ("context", context),
+                       ("params", fp32.num_parameters()), ("linear_weight_bytes_fp32", full),
+                       ("linear_weight_bytes_int8", stored)):
+        print(f"{key}={value}")
     for name in variants:
         print(f"ppl_{name}={ppl[name]:.4f}")
     for name in speed:
@@ -126,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -20,7 +20,6 @@ The last line is the headline: max_abs_diff_hf=<worst difference over the varian
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
 from frawdllm import FrawdLLM, get_config
 from frawdllm.export.gguf import export_gguf
 from frawdllm.export.hf_dir import export_hf
@@ -80,18 +80,23 @@ def llama_cpp_check(gguf_path: Path, model: FrawdLLM, tokenizer, text: str, thre
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="interleaved forward timings per variant; the figures are medians [default: 5]")
+    parser.add_argument("--threads", type=positive_int, default=2,
+                        help="torch threads, and llama.cpp's, for both sides [default: 2]")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # ("Loading weights: 100%" bars between the figures)
     text = SHAKESPEARE.read_text(encoding="utf-8")
     tokenizer = train_tokenizer([text[i:i + 4000] for i in range(0, len(text), 4000)], "bpe", 8192)
     corpus_ids = tokenizer.encode(text[:200_000])
     have_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    print(cpu_features_line())
+    print(f"torch_threads={torch.get_num_threads()}")
     print(f"transformers_version={transformers.__version__}")
     print(f"llama_cpp={'available' if have_llama_cpp else 'unavailable'}")
     worst = 0.0
@@ -132,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

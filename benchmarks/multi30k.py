@@ -20,7 +20,8 @@ native bf16). Dropout: ours applies the recipe's 0.1 to embeddings, sub-layer ou
 and attention weights; `marian` is configured the same (dropout 0.1, attention_dropout
 0.1: the same function), `marian_noattndrop` leaves out attention dropout (less work:
 PyTorch then takes its fused CPU attention). `--only-throughput` runs just that part,
-`--skip-throughput` skips it.
+`--skip-throughput` skips it. The run directory is temporary (removed at the end) unless
+`--out` names one.
 
     .venv/bin/python benchmarks/multi30k.py --budget 60m       # the setting
 Prints key=value lines, `bleu_beam=` last.
@@ -28,14 +29,15 @@ Prints key=value lines, `bleu_beam=` last.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
+import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_common import ArgumentParser, cpu_features_line, duration, positive_int, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("FRAWD_SHARED_DATA") or ROOT.parent / "shared" / "data") / "multi30k"
@@ -109,29 +111,43 @@ def throughput(train_cfg, model_cfg, pairs, dtype: str, steps: int) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", default="60m", help="Wall-clock budget of training + test translation.")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "multi30k.yaml"))
-    parser.add_argument("--out", default=None, help="Run directory (default: a temporary one).")
-    parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--throughput-steps", type=int, default=20)
-    parser.add_argument("--only-throughput", action="store_true")
-    parser.add_argument("--skip-throughput", action="store_true")
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", type=duration, default="60m",
+                        help="Wall-clock budget of training + test translation, e.g. 90m, 1h [default: 60m].")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "multi30k.yaml"),
+                        help="The recipe [default: configs/multi30k.yaml].")
+    parser.add_argument("--out", default=None, help="Run directory, kept (default: a temporary one, removed).")
+    parser.add_argument("--beam", type=positive_int, default=4, help="Beam size of the beam-search BLEU [default: 4].")
+    parser.add_argument("--throughput-steps", type=positive_int, default=20,
+                        help="Timed training steps per side and dtype of the throughput part [default: 20].")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--only-throughput", action="store_true",
+                       help="Run only the training-throughput comparison against Marian (no BLEU).")
+    which.add_argument("--skip-throughput", action="store_true",
+                       help="Skip the training-throughput comparison: train and score BLEU only.")
     args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="multi30k-")
+    try:
+        run(args, out)
+    finally:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def run(args, out: str) -> None:
     import torch
 
     from frawdllm.config import get_config
     from frawdllm.data.parallel import encode_pairs, read_parallel
+    from frawdllm.errors import FrawdError
     from frawdllm.train.config import build_config, parse_duration
-    from frawdllm.train.device import cpu_features, cpu_has_bf16
+    from frawdllm.train.device import cpu_has_bf16
     from frawdllm.train.translation import TranslateConfig, corpus_bleu, run_translation_training, translate_texts
 
     started = time.perf_counter()
     budget_s = parse_duration(args.budget)
-    features = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd") if f in cpu_features()]
-    say("cpu_features", " ".join(features) or "-")
+    print(cpu_features_line())
     say("torch_threads", torch.get_num_threads())
-    out = args.out or tempfile.mkdtemp(prefix="multi30k-")
     data = {"src": DATA / "train.de.gz", "tgt": DATA / "train.en.gz", "valid_src": DATA / "val.de.gz",
             "valid_tgt": DATA / "val.en.gz"}  # wherever the data is ($FRAWD_SHARED_DATA), not the recipe's paths
     cfg = build_config(TranslateConfig, args.config, {"out": out, "overwrite": True, "progress": False,
@@ -159,7 +175,7 @@ def main() -> None:
     reserve = max(120.0, 0.1 * budget_s)
     train_s = budget_s - (time.perf_counter() - started) - reserve
     if train_s < 60:
-        sys.exit(f"--budget {args.budget} leaves {train_s:.0f} s to train; give more")
+        raise FrawdError(f"--budget {args.budget} leaves {train_s:.0f} s to train; give more")
     cfg.max_time = f"{train_s:.0f}s"
     say("train_budget_s", round(train_s))
     cpu_start = time.process_time()
@@ -186,4 +202,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

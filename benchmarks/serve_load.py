@@ -33,7 +33,8 @@ The peer: llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.serv
 weights too), same threads, the same prompts as text (its tokenizer gives our ids), at 1
 and 8 clients, one round (it serves one request at a time; more clients only wait longer):
 `peer_tokens_per_s_N`, `peer_p95_ttft_ms_N`, `peer_failed_requests` and
-`tokens_per_s_8_vs_peer`. Where it is not installed, peer=skipped is printed.
+`tokens_per_s_8_vs_peer` (preceded by a `peer_note=` saying the peer's figure is unreliable
+when some of its requests failed). Where it is not installed, peer=skipped is printed.
 
     .venv/bin/python benchmarks/serve_load.py [--rounds 2] [--requests-per-client 2] [--threads N] [--preset tiny]
 
@@ -42,7 +43,6 @@ The last line is the headline: scaling_32_vs_1=<tokens/s at 32 clients / at 1 cl
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
 import json
@@ -61,6 +61,7 @@ import aiohttp
 import httpx
 import torch
 
+from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli.sampling_flags import load_engine
 from frawdllm.infer.scheduler import Scheduler
@@ -315,17 +316,22 @@ def wait_for(proc: subprocess.Popen, port: int, path: str, name: str, log=None) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="the server's CPU threads [default: torch's]")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=positive_int, default=2,
+                        help="rounds of the levels 1, 8, 32, interleaved; figures are medians [default: 2]")
+    parser.add_argument("--requests-per-client", type=positive_int, default=2,
+                        help="requests each client sends, one after another (twice as many at 1 client) "
+                             "[default: 2]")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="the server's CPU threads [default: torch's]")
     parser.add_argument("--preset", default="tiny", help="the model served (random weights) [default: tiny]")
     args = parser.parse_args()
     name = args.preset
     if get_config(name).vocab_size != 8192 or get_config(name).context_length < 256:
-        raise SystemExit(f"--preset {name}: the workload needs a vocabulary of 8192 and a context of 256 or more")
+        parser.error(f"--preset {name}: the workload needs a vocabulary of 8192 and a context of 256 or more")
     print(f"preset={name}")
     print(f"cpu_count={os.cpu_count()}")
+    print(cpu_features_line())
     print(f"torch_threads={args.threads or torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / name
@@ -382,7 +388,11 @@ def main() -> None:
         for n, r in peer.items():
             print(f"peer_tokens_per_s_{n}={r['tokens_per_s']:.1f}")
             print(f"peer_p95_ttft_ms_{n}={r['p95_ttft_ms']:.1f}")
-        print(f"peer_failed_requests={sum(r['failed'] for r in peer.values())}")
+        peer_failed = sum(r["failed"] for r in peer.values())
+        print(f"peer_failed_requests={peer_failed}")
+        if peer_failed:
+            print(f"peer_note=the peer's figures are unreliable: {peer_failed} of its requests failed "
+                  f"(its tokens/s counts only what they generated), and so is tokens_per_s_8_vs_peer")
         ours_8 = statistics.median(r["tokens_per_s"] for r in figures[8])
         print(f"tokens_per_s_8_vs_peer={ours_8 / peer[8]['tokens_per_s']:.2f}")
     scaling = ours_32 / statistics.median(r["tokens_per_s"] for r in figures[1])
@@ -390,4 +400,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

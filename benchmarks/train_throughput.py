@@ -17,13 +17,16 @@ Each side runs in its own worker process (the allocator setting is per process);
 parent sequences them. The machine may be shared and noisy, so the variants take turns:
 each of `--rounds` rounds starts fresh worker processes (the same code runs ~15% faster in
 one process than in another here, every op alike, so one process per side would decide a
-whole run; `--same-workers` keeps them), measures the dense matmul peak (per dtype, in the
-parent) and then `--steps` steps of every variant. A round's tokens/s is its median step; MFU
-(tokens/s x training FLOPs per token, 6N + attention as `ModelConfig.flops_per_token`
-counts them, / that round's peak in the same dtype) and the ratios are computed per round;
-the printed figures are medians over the rounds. The CPU's features and the peak used
-for MFU (that of the dtype that really computes the matmuls) are printed first. `--detail` adds HF with fused AdamW,
-HF with the same allocator setting as ours, and HF under torch.compile.
+whole run; `--same-workers` keeps them) and times `--steps` steps of every variant. A round's
+tokens/s is its median step; MFU (tokens/s x training FLOPs per token, 6N + attention as
+`ModelConfig.flops_per_token` counts them, / the peak in the same dtype) and the ratios are
+computed per round; the printed figures are medians over the rounds. The peak is the one
+`frawd pretrain` and `frawd info` use (that of the dtype that really computes the matmuls,
+measured once per machine and cached), so MFU means the same here as in training: a peak
+measured in the run itself comes out too low on a loaded machine, and MFU above 1 with it.
+An MFU above 1 (a wrong peak) is printed as n/a, with a note. The CPU's features and the
+peaks are printed first. `--detail` adds HF with fused AdamW, HF with the same allocator
+setting as ours, and HF under torch.compile.
 
     .venv/bin/python benchmarks/train_throughput.py            # prints key=value lines
 """
@@ -33,11 +36,24 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 
+from bench_common import ArgumentParser, cpu_features_line, non_negative_int, positive_int, run_main
+
 BATCH, SEQ = 8, 256
+DTYPE_CHOICES = ("auto", "fp32", "bf16")  # (HF's loop here autocasts to bf16 only)
+
+
+def dtype_list(text: str) -> list[str]:
+    """An argparse type: comma-separated dtypes out of DTYPE_CHOICES."""
+    dtypes = [d.strip() for d in text.split(",")]
+    unknown = [d for d in dtypes if d not in DTYPE_CHOICES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown dtype {unknown[0]!r}; use {', '.join(DTYPE_CHOICES)}")
+    return dtypes
 
 
 def random_batches(vocab_size: int):
@@ -141,12 +157,14 @@ def worker(conn, specs: list[tuple[str, str, str, dict]], warmup: int, keep_memo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=positive_int, default=8, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of fresh workers [default: 5]")
+    parser.add_argument("--warmup", type=non_negative_int, default=3,
+                        help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-compile", action="store_true", help="run our model eagerly")
-    parser.add_argument("--dtypes", default="auto", help="comma-separated; auto = what dtype: auto picks here")
+    parser.add_argument("--dtypes", type=dtype_list, default="auto",
+                        help="comma-separated, of auto, fp32, bf16; auto = what dtype: auto picks here")
     parser.add_argument("--allow-emulated", action="store_true", help="also run bf16 where it is emulated")
     parser.add_argument("--same-workers", action="store_true",
                         help="keep one worker process per side for all rounds (default: fresh ones each round)")
@@ -156,20 +174,30 @@ def main() -> None:
     import torch
 
     from frawdllm import get_config
-    from frawdllm.train.device import matmul_dtype, measure_matmul_flops, resolve_dtype, shown_features
+    from frawdllm.train.device import (PEAKS_FILE, cached_peak, matmul_dtype, mfu, peak_flops, resolve_dtype,
+                                       user_cache_dir)
 
     cpu = torch.device("cpu")
     cfg = get_config("tiny")
     auto = resolve_dtype("auto", cpu)
-    dtypes = list(dict.fromkeys(auto if d == "auto" else d for d in args.dtypes.split(",")))
-    print(f"cpu_features={shown_features().replace(' ', ',')}")
+    dtypes = list(dict.fromkeys(auto if d == "auto" else d for d in args.dtypes))
+    print(cpu_features_line())
     print(f"auto_dtype={auto}")
     for d in [d for d in dtypes if matmul_dtype(d, cpu) != d and not args.allow_emulated]:
         print(f"skipped_{d}=emulated on this CPU (--allow-emulated runs it)")
         dtypes.remove(d)
     compile = not args.no_compile
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} batch={BATCH} seq={SEQ} "
-          f"params={cfg.num_parameters} compile={compile}", flush=True)
+    for key, value in (("threads", torch.get_num_threads()), ("torch", torch.__version__), ("batch", BATCH),
+                       ("seq", SEQ), ("params", cfg.num_parameters), ("compile", compile)):
+        print(f"{key}={value}")
+    # The peak `frawd pretrain` divides by: cached per machine (measured once, here, before
+    # the workers start, if this machine has none yet).
+    peak_source = {d: "cached" if cached_peak(cpu, d) else "measured now" for d in dtypes}
+    peaks = {d: peak_flops(cpu, d, say=lambda line: print(line, file=sys.stderr, flush=True)) for d in dtypes}
+    for d in dtypes:
+        print(f"peak_{d}_gflops={peaks[d] / 1e9:.1f}")
+        print(f"peak_{d}_computed_in={matmul_dtype(d, cpu)}")
+        print(f"peak_{d}_source={peak_source[d]}", flush=True)
 
     groups = {  # worker -> (variants, keep freed memory)
         "hf": ([(f"hf_{d}", "hf", d, {}) for d in dtypes], False),
@@ -205,29 +233,29 @@ def main() -> None:
         if i and not args.same_workers:  # a process's speed varies from one process to the next: resample it
             stop_workers(workers)
             workers, owner = start_workers(report=False)
-        peaks = {d: measure_matmul_flops(cpu, matmul_dtype(d, cpu), min_seconds=0.5) for d in dtypes}
         tps = {}
         for name, conn in owner.items():
             conn.send(("run", name, args.steps))
             tps[name] = BATCH * SEQ / statistics.median(conn.recv())
-        rounds.append((peaks, tps))
+        rounds.append(tps)
     stop_workers(workers)
 
     def median(f):
-        return statistics.median(f(peaks, tps) for peaks, tps in rounds)
+        return statistics.median(f(tps) for tps in rounds)
 
     flops_per_token = cfg.flops_per_token(SEQ)
-    for d in dtypes:
-        print(f"peak_{d}_gflops={median(lambda p, t: p[d]) / 1e9:.1f} (measured in {matmul_dtype(d, cpu)})")
     for name in owner:
-        print(f"{name}_tokens_per_s={median(lambda p, t: t[name]):.0f}")
+        print(f"{name}_tokens_per_s={median(lambda t: t[name]):.0f}")
     for who in ("hf_", ""):
         for d in dtypes:
-            mfu = median(lambda p, t: t[f"{who or 'ours_'}{d}"] * flops_per_token / p[d])
-            print(f"mfu_{who}{d}={mfu:.3f}")
+            value = mfu(median(lambda t: t[f"{who or 'ours_'}{d}"]), flops_per_token, peaks[d])
+            if value is None:  # above 1: the peak cannot be right
+                print(f"mfu_{who}{d}_note=achieved FLOP/s above peak_{d}_gflops: the peak is too low "
+                      f"(remeasure it: delete its entry in {user_cache_dir() / PEAKS_FILE})")
+            print(f"mfu_{who}{d}={'n/a' if value is None else f'{value:.3f}'}")
     for d in sorted(dtypes, key=lambda d: d == "bf16"):  # the headline, bf16, last
-        print(f"ratio_vs_hf_{d}={median(lambda p, t: t[f'ours_{d}'] / t[f'hf_{d}']):.2f}")
+        print(f"ratio_vs_hf_{d}={median(lambda t: t[f'ours_{d}'] / t[f'hf_{d}']):.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
