@@ -63,6 +63,23 @@ COUNTS = ("train_tokens", "val_tokens", "train_documents", "val_documents", "tra
 
 
 @pytest.mark.timeout(120)
+def test_both_engines_warn_of_replaced_bytes_and_unknown_characters_alike(tmp_path):
+    """The datatrove engine recorded the counts but said nothing (no `warnings`)."""
+    for i in range(4):
+        (tmp_path / "src").mkdir(exist_ok=True)
+        (tmp_path / "src" / f"d{i}.txt").write_bytes(b"\n\n".join(b"doc %d of file %d" % (j, i) for j in range(30))
+                                                    + (b"\n\nbad \xff byte and \xe2\x82 here\n" if i == 2 else b"\n")
+                                                    + ("\n\nunknown \u2603 snowman\n".encode() if i == 3 else b""))
+    tok = train_tokenizer(["doc of file 0123456789 bad byte and here unknown snowman"], "char")
+    tok.save(tmp_path / "tok.json")
+    single = prepare_shards(str(tmp_path / "src"), tmp_path / "tok.json", tmp_path / "single", val_fraction=0.2)
+    multi = prepare_shards_datatrove(str(tmp_path / "src"), tmp_path / "tok.json", tmp_path / "multi", workers=2,
+                                     val_fraction=0.2)
+    assert single["warnings"] == multi["warnings"] and len(multi["warnings"]) == 2, (single, multi)
+    assert multi["warnings"][0].startswith("replaced 2 invalid UTF-8 sequence(s) with U+FFFD in 1 file(s): ")
+
+
+@pytest.mark.timeout(120)
 def test_two_datatrove_workers_write_exactly_the_single_process_tokens_in_order(prepared):
     single_dir, single, multi_dir, multi = prepared
     assert single["val_split"] == "documents" and single["val_tokens"] > 0
@@ -75,7 +92,8 @@ def test_two_datatrove_workers_write_exactly_the_single_process_tokens_in_order(
         np.testing.assert_array_equal(np.concatenate(shards), expected)
         np.testing.assert_array_equal(np.asarray(read_split(multi_dir, split)), expected)
     assert {k: multi[k] for k in COUNTS} == {k: single[k] for k in COUNTS}
-    assert json.loads((multi_dir / "meta.json").read_text()) == {k: v for k, v in multi.items()}
+    # meta.json is what was returned, less the warnings (said, not stored)
+    assert json.loads((multi_dir / "meta.json").read_text()) == {k: v for k, v in multi.items() if k != "warnings"}
     assert not list(multi_dir.glob("part-*.json"))  # the merge step folded the ranks' counts into meta.json
 
 
@@ -171,6 +189,19 @@ def test_hf_sources_have_no_files_to_split_and_are_refused(tokenizer, tmp_path, 
               "--engine", "datatrove"])
     assert info.value.code != 0 and "hf: datasets" in capsys.readouterr().err
     assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "datatrove", "--workers", "0"], "workers must be at least 1, got 0"),  # (0 became 2)
+    (["--slurm-time", "1:00:00"], "--slurm-time: for --engine datatrove only"),  # (ignored without a word)
+    (["--executor", "slurm", "--slurm-cpus", "4"], "--executor, --slurm-cpus: for --engine datatrove only"),
+])
+def test_datatrove_options_are_checked_not_replaced_or_ignored(corpus, tokenizer, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", "--data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "o"),
+              *flags])
+    assert info.value.code != 0 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error(tmp_path, tokenizer):

@@ -70,8 +70,11 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
       frawd data prepare --data 'corpus/*.jsonl.gz' --tokenizer tok/tokenizer.json --out data/c \\
           --engine datatrove --workers 64 --executor slurm --slurm-partition cpu
     """
-    if engine != "datatrove" and (executor != "local" or slurm_partition is not None):
-        raise click.UsageError("--executor and --slurm-* apply to --engine datatrove")
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("executor", "slurm_partition", "slurm_time", "slurm_cpus")
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if engine != "datatrove" and given:
+        raise click.UsageError(f"{', '.join(given)}: for --engine datatrove only")
     if not overwrite:
         from ..data import refuse_other_shards
 
@@ -82,11 +85,12 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
         except ImportError:
             raise click.UsageError("--engine datatrove needs datatrove: pip install 'frawdllm[datatrove]'") from None
         slurm = {"partition": slurm_partition, "time": slurm_time, "cpus_per_task": slurm_cpus}
-        meta = prepare_shards_datatrove(data, tokenizer_path, out, workers=workers or 2, executor=executor,
+        workers = 2 if workers is None else workers  # (0 is refused there, as by the single engine)
+        meta = prepare_shards_datatrove(data, tokenizer_path, out, workers=workers, executor=executor,
                                         val_fraction=val_fraction, text_field=text_field, doc_split=doc_split,
                                         force=force, slurm=slurm)
         if meta is None:
-            click.echo(f"submitted {workers or 2} tokenize tasks and a merge task; {out}/meta.json appears "
+            click.echo(f"submitted {workers} tokenize tasks and a merge task; {out}/meta.json appears "
                        f"when they finish (logs in {out}/.datatrove)")
             return
     else:

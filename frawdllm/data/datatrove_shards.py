@@ -34,7 +34,7 @@ from ..io import clean_partial, undo_on_error, write_json_atomic
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
 from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _reusable, document_end, remove_stale_shards, shard_meta,
-                     tokenize_documents)
+                     tokenize_documents, with_warnings)
 from .sources import SourceStats, file_documents, source_files
 
 EXECUTORS = ("local", "slurm", "ray")
@@ -81,7 +81,7 @@ class TokenizeFiles(PipelineStep):
             documents = file_documents(files, self.text_field, split, stats)
             totals = tokenize_documents(documents, tok, (train, val), self.val_fraction)
         totals.update(train_tokens=train.n_tokens, val_tokens=val.n_tokens, replaced=stats.replaced,
-                      files=len(files), seconds=time.perf_counter() - start)
+                      replaced_in=stats.replaced_in, files=len(files), seconds=time.perf_counter() - start)
         self.stat_update("documents", value=sum(totals["docs"]))
         write_json_atomic(out / names["part"], totals)
         return iter(())  # nothing flows on to a next step
@@ -110,6 +110,7 @@ def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fractio
     """Write meta.json from the part-RRRRR.json of ranks 0..parts-1; returns it."""
     totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0, "train_tokens": 0, "val_tokens": 0, "replaced": 0,
               "seconds": 0.0}
+    totals["replaced_in"] = []  # files in which bytes were replaced
     for rank in range(parts):
         path = out / _names(rank)["part"]
         if not path.is_file():
@@ -119,6 +120,7 @@ def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fractio
             totals[key] = [a + b for a, b in zip(totals[key], part[key])]
         for key in ("unk", "train_tokens", "val_tokens", "replaced"):
             totals[key] += part[key]
+        totals["replaced_in"] += part["replaced_in"]
         totals["seconds"] = max(totals["seconds"], part["seconds"])  # the ranks ran side by side
     if sum(totals["docs"]) == 0:
         raise FrawdError(f"data source {data!r} holds no documents (no non-empty text)")
@@ -135,7 +137,7 @@ def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fractio
     for rank in range(parts):
         (out / _names(rank)["part"]).unlink(missing_ok=True)
     remove_stale_shards(out, meta, keep_logs=logs_name(inputs_hash, parts))
-    return meta
+    return with_warnings(meta)
 
 
 def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, *, workers: int,
@@ -186,7 +188,7 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
             second.run()
             if not (out / META_FILE).is_file():
                 raise FrawdError(f"the datatrove pipeline wrote no {META_FILE}; see its logs in {logs}")
-            return json.loads((out / META_FILE).read_text(encoding="utf-8"))
+            return with_warnings(json.loads((out / META_FILE).read_text(encoding="utf-8")))
         if executor == "slurm":
             from datatrove.executor import SlurmPipelineExecutor
 
@@ -207,4 +209,5 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
         first = RayPipelineExecutor(tokenize, tasks=workers, logging_dir=str(logs / "tokenize"))
         second = RayPipelineExecutor(merge, tasks=1, logging_dir=str(logs / "merge"), depends=first)
         second.run()
-        return json.loads((out / META_FILE).read_text(encoding="utf-8")) if (out / META_FILE).is_file() else None
+        return with_warnings(json.loads((out / META_FILE).read_text(encoding="utf-8"))) \
+            if (out / META_FILE).is_file() else None

@@ -134,13 +134,19 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
         finally:
             if bar is not None:
                 bar.close()
-        totals.update(seconds=time.perf_counter() - start, replaced=stats.replaced, val_split=val_split,
-                      train_tokens=writers[0].n_tokens, val_tokens=writers[1].n_tokens)
+        totals.update(seconds=time.perf_counter() - start, replaced=stats.replaced, replaced_in=stats.replaced_in,
+                      val_split=val_split, train_tokens=writers[0].n_tokens, val_tokens=writers[1].n_tokens)
         meta = shard_meta(data, tok, totals, val_fraction=val_fraction, text_field=text_field,
                           doc_split=doc_split, inputs_hash=inputs_hash)
         write_json_atomic(out / META_FILE, meta)
         remove_stale_shards(out, meta)
-    meta["warnings"] = [w for w in (stats.warning(), _unk_warning(meta)) if w]
+    return with_warnings(meta)
+
+
+def with_warnings(meta: dict) -> dict:
+    """`meta` with its `warnings` (not written to meta.json): replaced bytes, unknown characters."""
+    replaced = SourceStats(replaced=meta["replaced_utf8_sequences"], replaced_in=meta.get("replaced_in_files", []))
+    meta["warnings"] = [w for w in (replaced.warning(), _unk_warning(meta)) if w]
     return meta
 
 
@@ -208,6 +214,7 @@ def shard_meta(data: str, tok: Tokenizer, totals: dict, *, val_fraction: float, 
         "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
         "unk_tokens": totals["unk"],
         "replaced_utf8_sequences": totals["replaced"],
+        "replaced_in_files": totals.get("replaced_in", []),
         "seconds": round(seconds, 3),
         "mb_per_s": round(sum(totals["bytes"]) / 1e6 / max(seconds, 1e-9), 3),
         "inputs_hash": inputs_hash,
