@@ -24,7 +24,7 @@ def tokenizer() -> None:
               help="bpe: byte-level BPE; char: one token per character of the corpus; byte: 256 bytes.")
 @click.option("--vocab-size", type=int, default=None,
               help=f"BPE vocabulary size including the 7 special tokens, 263 to 1,048,576 [default: {DEFAULT_BPE_VOCAB}]. "
-                   "char and byte tokenizers take their size from the data.")
+                   "A char tokenizer takes its size from the data; a byte one has 263 ids.")
 @click.option("--out", required=True, type=click.Path(file_okay=True, dir_okay=True),
               help="Directory to write tokenizer.json into (or a path ending in .json).")
 @click.option("--overwrite", is_flag=True,
@@ -55,8 +55,8 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     if path.exists() and not overwrite:
         raise FrawdError(f"{path} exists; choose a new {what} (or --overwrite)")
     if vocab_size is not None and kind != "bpe":
-        click.echo(f"note: --vocab-size applies to bpe only; a {kind} tokenizer takes its size from the data",
-                   err=True)
+        size_of = "takes its size from the data" if kind == "char" else "has 263 ids (256 bytes + 7 special tokens)"
+        click.echo(f"note: --vocab-size applies to bpe only; a {kind} tokenizer {size_of}", err=True)
     size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size  # 0 is a size given (and refused), not none
     if kind == "bpe":
         check_bpe_vocab_size(size)  # before the corpus is read

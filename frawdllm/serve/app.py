@@ -386,7 +386,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 ids = list(prompt)
             if body.truncate:  # the last tokens that leave room for the reply, as chat does
                 context = engine.config.context_length
-                ids = ids[-(context - reply_reserve(context, max_new)):]
+                keep = context - reply_reserve(context, max_new)
+                ids = ids[max(0, len(ids) - keep):]  # (keep 0: empty, a prompt of <|eos|>)
             _check_fits(ids, engine, chat=False, what=what)
             try:
                 encoded.append(engine.encode(ids))  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)

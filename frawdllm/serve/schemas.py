@@ -52,7 +52,7 @@ class _Sampling(BaseModel):
     user: str | None = None
     # OpenAI fields this server does not support: only their neutral values pass
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
-    response_format: dict | None = Field(None, description='Not supported: only null or {"type": "text"}.')
+    response_format: dict | None = Field(None, description='Not supported: only null, {} or {"type": "text"}.')
 
     @field_validator("n", "stream", "echo", "prompt", mode="before", check_fields=False)
     @classmethod
@@ -91,7 +91,7 @@ class ChatCompletionRequest(_Sampling):
                                                                     "position, their log-probabilities too.")
     tools: list[dict] | None = Field(None, description="Not supported: only null or [].")
     functions: list[dict] | None = Field(None, description="Not supported: only null or [].")
-    tool_choice: str | dict | None = Field(None, description='Not supported: only null or "none".')
+    tool_choice: str | dict | None = Field(None, description='Not supported: only null, "none" or "auto" (no tools to call).')
 
 
 class CompletionRequest(_Sampling):
