@@ -59,19 +59,20 @@ def check_bpe_vocab_size(vocab_size: int) -> int:
     return vocab_size
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's table, which `tokenizers`'
-    ByteLevel uses): printable Latin-1 bytes stand for themselves, the other 68 for the
-    characters from U+0100 on, in byte order. Inverted: character -> byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    others = [b for b in range(256) if b not in kept]
-    table = {chr(b): b for b in kept}
-    table.update({chr(256 + i): b for i, b in enumerate(others)})
-    return table
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the alphabet of ByteLevel)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
 
 
-_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}  # its inverse
 
 
 def render_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -388,19 +389,6 @@ def byte_tokenizer() -> Tokenizer:
     _byte_level(backend, use_regex=False)
     backend.add_special_tokens(SPECIAL_TOKENS)
     return Tokenizer(backend, "byte")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (the alphabet of ByteLevel)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 class _CountingIterator:

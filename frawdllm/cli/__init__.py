@@ -70,7 +70,7 @@ def describe_os_error(exc: OSError) -> str:
     """An OSError as one line that names the file: "permission denied: out/model"."""
     from ..io import disk_full_error, is_disk_full
 
-    name = exc.filename if exc.filename is not None else None
+    name = exc.filename
     if is_disk_full(exc) and name is not None:
         return str(disk_full_error(name))
     reason = (exc.strerror or str(exc) or type(exc).__name__).lower()

@@ -9,7 +9,7 @@ import click
 from ..errors import FrawdError
 
 FORMATS = ("hf", "gguf")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")  # export.hf_dir.DTYPES' names (that module imports torch)
 
 
 def require(module: str) -> None:

@@ -1,18 +1,16 @@
-"""Options shared by several commands, and config assembly from presets/files/--set."""
+"""Options shared by several commands, and a model config from a preset and --set overrides."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
 from ..config import ModelConfig, config_class, get_config, parse_overrides
-from ..errors import FrawdError
 
 
-def preset_option(default: str | None = "tiny"):
-    return click.option("--preset", default=default, show_default=True,
+def preset_option():
+    return click.option("--preset", default="tiny", show_default=True,
                         help="Model preset: tiny, small, base, 100m, tiny-llama, small-llama; "
                              "encoder-decoder: aiayn-tiny, aiayn-base, aiayn-big.")
 
@@ -26,10 +24,3 @@ def model_config_from(preset: str, overrides: tuple[str, ...] | list[str] = (), 
     values = parse_overrides(config_class(preset), list(overrides))
     values.update({k: v for k, v in extra.items() if v is not None})
     return get_config(preset, **values)
-
-
-def existing_path(path: str | Path, what: str = "file") -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise FrawdError(f"{what} not found: {path}")
-    return path

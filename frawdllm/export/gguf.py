@@ -35,10 +35,9 @@ from ..model import FrawdLLM
 from ..modeldir import load_config
 from ..tokenizer import Tokenizer
 from .hf import GPT2, hf_architecture, hf_parts
-from .hf_dir import CHAT_TEMPLATE, load_for_export, special_token
+from .hf_dir import CHAT_TEMPLATE, DTYPES, load_for_export, special_token
 
 GGUF_FILE = "model.gguf"
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 def interleave_rope_rows(weight: Float[Tensor, "rows *rest"], n_heads: int) -> Float[Tensor, "rows *rest"]:

@@ -71,11 +71,8 @@ def load_for_export(model_dir: str | Path) -> tuple[torch.nn.Module, Tokenizer |
     model = load_model(model_dir).eval()
     tok_path = model_file(model_dir, TOKENIZER_FILE, required=False)
     tokenizer = Tokenizer.load(tok_path) if tok_path is not None else None
-    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
-        raise FrawdError(
-            f"{model_dir}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{model.config.vocab_size}"
-        )
+    if tokenizer is not None:
+        tokenizer.check_fits(model.config.vocab_size, model_dir)
     return model, tokenizer, load_generation_config(model_dir)
 
 

@@ -29,6 +29,7 @@ model that computes the same logits.
 from __future__ import annotations
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from ..config import Seq2SeqConfig
@@ -64,7 +65,7 @@ def to_marian_config(cfg: Seq2SeqConfig):
         forced_eos_token_id=cfg.eos_token_id, architectures=[MARIAN])
 
 
-def sin_cos_permutation(dim: int) -> Tensor:
+def sin_cos_permutation(dim: int) -> Int[Tensor, " dim"]:
     """Marian's model dimension j holds our dimension perm[j]: the sines (even) first, then the cosines."""
     return torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
 
