@@ -192,7 +192,7 @@ def test_hf_sources_have_no_files_to_split_and_are_refused(tokenizer, tmp_path, 
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--engine", "datatrove", "--workers", "0"], "workers must be at least 1, got 0"),  # (0 became 2)
+    (["--engine", "datatrove", "--workers", "0"], "workers must be an integer of at least 1, got 0"),  # (became 2)
     (["--slurm-time", "1:00:00"], "--slurm-time: for --engine datatrove only"),  # (ignored without a word)
     (["--executor", "slurm", "--slurm-cpus", "4"], "--executor, --slurm-cpus: for --engine datatrove only"),
 ])

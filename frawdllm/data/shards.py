@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -86,11 +87,8 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
     text per token, the tokenizer's hash and what was replaced or unknown.
     """
     data = source_spec(data)  # a Path, as the str meta.json records
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-        raise FrawdError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    check_prepare_options(val_fraction, workers)
     if workers is not None:
-        if not is_integer(workers) or workers < 1:
-            raise FrawdError(f"workers must be an integer of at least 1, got {workers!r}")
         # The Rust thread pool reads this when it starts (the first parallel encode of the process).
         os.environ["RAYON_NUM_THREADS"] = str(workers)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
@@ -141,6 +139,14 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
         write_json_atomic(out / META_FILE, meta)
         remove_stale_shards(out, meta)
     return with_warnings(meta)
+
+
+def check_prepare_options(val_fraction: Any, workers: Any) -> None:
+    """One line for a val_fraction outside [0, 1) or a worker count below 1 (None: the default)."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise FrawdError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    if workers is not None and (not is_integer(workers) or workers < 1):
+        raise FrawdError(f"workers must be an integer of at least 1, got {workers!r}")
 
 
 def with_warnings(meta: dict) -> dict:
