@@ -68,6 +68,7 @@ WARMUP_HELP = "Steps of linear warmup to the peak (from peak/warmup at the first
 EVAL_INTERVAL_HELP = ("Evaluate (and checkpoint) every this many steps; 0 = only at the end (and at the start "
                       "under --max-time, to time it).")
 
+
 @dataclass
 class TrainConfig:
     """Settings of the shared training loop."""
@@ -269,14 +270,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    toml = path.suffix.lower() == ".toml"
+    parse = _toml().loads if path.suffix.lower() == ".toml" else yaml.safe_load
     try:
-        text = path.read_bytes().decode("utf-8")
-        data = _toml().loads(text) if toml else yaml.safe_load(text)
+        data = parse(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     except (yaml.YAMLError, ValueError) as exc:  # (tomllib.TOMLDecodeError is a ValueError)
-        raise ConfigError(f"{path}: not valid {'TOML' if toml else 'YAML'} ({str(exc).splitlines()[0]})") from None
+        language = "YAML" if parse is yaml.safe_load else "TOML"
+        raise ConfigError(f"{path}: not valid {language} ({str(exc).splitlines()[0]})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
