@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from frawdllm import FrawdLLM, get_config
+from frawdllm.errors import FrawdError
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer import native as native_forward
 from frawdllm.infer.cache import KVCache, RowKVCache
 from frawdllm.infer.engine import decode_logits
-from frawdllm.infer.scheduler import Cancelled, QueueFull, Scheduler
+from frawdllm.infer.scheduler import Cancelled, Closed, QueueFull, Scheduler
 from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
@@ -316,6 +317,50 @@ def test_a_failing_prefill_fails_its_request_alone(model_tok, monkeypatch):
         scheduler.close()
 
 
+@pytest.mark.timeout(60)
+def test_close_without_drain_ends_a_request_being_prefilled(model_tok, monkeypatch):
+    """Popped from the queue and not yet a row, it was in no list close() looked at: it ran
+    to its end (all its tokens, no error) and close() waited for it."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    inside, release = threading.Event(), threading.Event()
+    real_forward = engine.forward
+
+    def forward(tokens, positions, cache, decoder=None):
+        if tokens.shape[1] > 1:  # a prefill: hold it while close() runs
+            inside.set()
+            release.wait(10)
+        return real_forward(tokens, positions, cache, decoder)
+
+    monkeypatch.setattr(engine, "forward", forward)
+    scheduler = Scheduler(engine, max_batch=4)
+    request = scheduler.submit(PROMPTS[3], SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True))
+    assert inside.wait(10)
+    closing = threading.Thread(target=scheduler.close, kwargs={"drain": False})
+    closing.start()
+    time.sleep(0.05)
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive()
+    with pytest.raises(FrawdError, match="the scheduler was closed"):
+        list(request)
+    with pytest.raises(Closed, match="the scheduler is closed"):  # (was QueueFull: "retry later")
+        scheduler.submit(PROMPTS[0])
+
+
+@pytest.mark.timeout(60)  # (a second read used to wait for ever)
+def test_a_request_is_read_once(model_tok):
+    model, tok = model_tok
+    scheduler = Scheduler(Engine(model, tok), max_batch=2)
+    try:
+        request = scheduler.submit(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+        assert len(list(request)) == 3
+        with pytest.raises(FrawdError, match="read to its end already"):  # (it waited for ever)
+            list(request)
+    finally:
+        scheduler.close()
+
+
 def test_cancel_ends_a_reader_that_is_iterating(model_tok, monkeypatch):
     """A reader blocked waiting for the next chunk when another thread cancels gets
     `Cancelled` (it used to wait forever: the cancelled rows left without a word)."""
@@ -416,7 +461,8 @@ from frawdllm.tokenizer import byte_tokenizer
 m = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300, context_length=32))
 t = byte_tokenizer()
 for make in (lambda: Engine(m, t, native="no"), lambda: Engine(object(), t), lambda: Scheduler(m),
-             lambda: Scheduler(Engine(m, t), max_batch=2.5), lambda: Scheduler(Engine(m, t), max_queue="4")):
+             lambda: Scheduler(Engine(m, t), max_batch=2.5), lambda: Scheduler(Engine(m, t), max_queue="4"),
+             lambda: Scheduler(Engine(m, t)).submit("a", None, 5)):
     try:
         make()
         print("accepted")
@@ -436,6 +482,7 @@ def test_engine_and_scheduler_arguments_of_the_wrong_kind_are_one_line():
         "Scheduler batches the requests of an Engine; got FrawdLLM",
         "max_batch must be an integer >= 1, got 2.5",
         "max_queue must be an integer >= 1, got '4'",
+        "listener must be callable (it gets each chunk), got int",  # (was accepted, then silent)
     ]
 
 

@@ -26,9 +26,11 @@ each row of a product in the same order whatever the row count, and a row attend
 its own slots. So greedy output equals `Engine.generate`'s token for token (when both run
 the native forward; PyTorch's batched products may round differently).
 
-`submit` raises `QueueFull` when `max_queue` requests already wait for a row; `close(drain=True)`
-finishes what was accepted first. A cancelled request's reader gets `Cancelled`; a listener
-that raises fails its own request alone. The thread holds the scheduler only while there is
+`submit` raises `QueueFull` when `max_queue` requests already wait for a row, `Closed` once
+`close()` was called; `close(drain=True)` finishes what was accepted first, `drain=False`
+ends every open request with an error (one being prefilled too). A cancelled request's
+reader gets `Cancelled` (a listener hears nothing more); a listener that raises fails its
+own request alone; a request's chunks are read once. The thread holds the scheduler only while there is
 work, so a scheduler dropped without `close()` is collected once idle and its thread ends.
 The HTTP server (`frawdllm.serve`) is a thin layer over this.
 """
@@ -65,6 +67,10 @@ class QueueFull(FrawdError):
     """More requests are waiting than the scheduler accepts."""
 
 
+class Closed(FrawdError):
+    """The scheduler was closed: it takes no more requests."""
+
+
 class Cancelled(FrawdError):
     """The request was cancelled before it finished (raised to a reader iterating it)."""
 
@@ -83,7 +89,10 @@ class Request:
         self.first_token_at: float | None = None
         self.finished_samples = 0
         self._listener_failed = False
+        self._read = False  # iterated to the end once
         self._queue: queue.SimpleQueue | None = None
+        if listener is not None and not callable(listener):
+            raise FrawdError(f"listener must be callable (it gets each chunk), got {type(listener).__name__}")
         if listener is None:
             self._queue = queue.SimpleQueue()
             listener = self._queue.put
@@ -118,6 +127,8 @@ class Request:
         """The chunks of every sample until all are finished (only without a listener)."""
         if self._queue is None:
             raise TypeError("this request delivers to its listener")
+        if self._read:  # (its chunks are gone: waiting for more would never end)
+            raise FrawdError(f"request {self.id} was read to its end already; its chunks come once")
         finished = 0
         while finished < self.params.num_samples:
             item = self._queue.get()
@@ -125,6 +136,7 @@ class Request:
                 raise item
             finished += item.finish_reason is not None
             yield item
+        self._read = True
 
 
 @dataclass
@@ -161,6 +173,7 @@ class Scheduler:
         self.generated_tokens = 0  # since start, all requests
         self._cond = threading.Condition()
         self._closing = False
+        self._admitting: Request | None = None  # popped from `waiting`, being prefilled
         self._pin = _Pin()  # the thread reaches the scheduler only through this (see _Pin)
         weakref.finalize(self, _dropped, self._pin, self._cond)
         self._thread = threading.Thread(target=_run, args=(self._pin, self._cond), name="frawd-scheduler",
@@ -179,7 +192,7 @@ class Scheduler:
         request = Request(ids, params, listener)
         with self._cond:
             if self._closing:
-                raise QueueFull("the server is shutting down")
+                raise Closed("the scheduler is closed (shutting down): it takes no more requests")
             left = self._left_waiting(request)
             if left > self.max_queue:
                 raise QueueFull(f"{left - 1} requests are already waiting for a row (the queue's limit)")
@@ -212,7 +225,8 @@ class Scheduler:
         with self._cond:
             self._closing = True
             if not drain:
-                for request in [*self.waiting, *{id(r.request): r.request for r in self.rows}.values()]:
+                admitting = [self._admitting] if self._admitting is not None else []  # (in no list while prefilled)
+                for request in [*self.waiting, *admitting, *{id(r.request): r.request for r in self.rows}.values()]:
                     request.cancelled = True  # (not cancel(): the reader learns why from this error)
                     request._deliver(FrawdError("the scheduler was closed"))
             self._pin.scheduler = self
@@ -263,7 +277,7 @@ class Scheduler:
             with self._cond:
                 if not self.waiting or self.waiting[0].params.num_samples > self.max_batch - len(self.rows):
                     return
-                request = self.waiting.popleft()
+                request = self._admitting = self.waiting.popleft()
             budget -= len(request.prompt)
             try:
                 self._prefill(request)
@@ -272,6 +286,9 @@ class Scheduler:
                     if self.rows[i].request is request:
                         self._remove(i)
                 request._deliver(error)
+            finally:
+                with self._cond:
+                    self._admitting = None
 
     def _prefill(self, request: Request) -> None:
         engine, ids, params = self.engine, request.prompt, request.params
@@ -330,7 +347,8 @@ class Scheduler:
                 request.finished_samples += 1
             logprob = None if params.logprobs is None else \
                 engine.reported_logprob(token_logprobs(logits[j:j + 1], [token], params.logprobs)[0], reason, params)
-            request._deliver(StreamChunk(row.sample, text, token, reason, logprob))
+            if not request.cancelled:  # (cancelled since the step began: it hears nothing more)
+                request._deliver(StreamChunk(row.sample, text, token, reason, logprob))
         for i in sorted(finished, reverse=True):
             self._remove(i)
 
@@ -385,4 +403,4 @@ def _dropped(pin: _Pin, cond: threading.Condition) -> None:
         cond.notify()
 
 
-__all__ = ["Scheduler", "Request", "QueueFull", "Cancelled"]
+__all__ = ["Scheduler", "Request", "QueueFull", "Closed", "Cancelled"]

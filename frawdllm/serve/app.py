@@ -45,7 +45,7 @@ from ..errors import FrawdError, check_unicode
 from ..infer.chat import ROLE_TOKEN_IDS, fit_history, reply_reserve
 from ..infer.engine import Engine, StreamChunk
 from ..infer.sampling import SamplingParams, TokenLogprob
-from ..infer.scheduler import QueueFull, Request as Job, Scheduler
+from ..infer.scheduler import Closed, QueueFull, Request as Job, Scheduler
 from .schemas import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
 access_log = logging.getLogger("frawdllm.serve.access")
@@ -443,6 +443,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 job.cancel()
             if isinstance(error, QueueFull):
                 raise ApiError(429, str(error), code="queue_full") from None
+            if isinstance(error, Closed):
+                raise ApiError(503, "the server is shutting down", code="shutting_down") from None
             raise ApiError(400, str(error)) from None
         state["in_flight"] += 1
         prompt_tokens = sum(len(ids) for ids in prompts)
