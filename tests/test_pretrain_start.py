@@ -341,6 +341,33 @@ def test_a_resume_on_data_changed_since_the_checkpoint_says_so(corpus, tmp_path,
     assert f"warning: the training data ({data}) changed since the checkpoint" in err, err
 
 
+def test_a_run_started_with_relative_paths_resumes_and_reruns_from_anywhere(corpus, tmp_path, monkeypatch, capsys):
+    """config.yaml kept --data as typed, so a --resume (or the rerun its header suggests)
+    from another folder failed with "data source not found"; given again, the same file
+    written another way was "a setting that differs" and retrained the tokenizer."""
+    import yaml
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir(), elsewhere.mkdir()
+    shutil.copy(corpus, start / "corpus.txt")
+    monkeypatch.chdir(start)
+    run = tmp_path / "run"
+    run_pretraining(tiny_config("corpus.txt", run, max_steps=2))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["data"] == str(start / "corpus.txt")
+    tokenizer_made = (run / "tokenizer.json").stat().st_mtime_ns
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert run_pretraining(tiny_config(saved["data"], run, resume=True, max_steps=3)).steps == 3
+    assert "differ" not in capsys.readouterr().err
+    assert (run / "tokenizer.json").stat().st_mtime_ns == tokenizer_made  # reused, not trained again
+    from cli_helpers import run_cli
+
+    code, out, err = run_cli(capsys, "pretrain", "--config", run / "config.yaml", "--out", tmp_path / "new",
+                             "--max-steps", "1", "--dry-run", "--no-progress")
+    assert code == 0 and f"data:          {start / 'corpus.txt'}" in out, err
+
+
 def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corpus, tmp_path):
     run = tmp_path / "run"
     run_pretraining(tiny_config(corpus, run, max_steps=2))

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..config import PRESETS, ModelConfig, get_config, typed_overrides
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
-from ..data.shards import print_warnings, read_shard_meta, shard_files
+from ..data.shards import print_warnings, read_shard_meta, resolved_source, shard_files
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic
@@ -220,7 +220,7 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     """A tokenizer of kind --tokenizer trained on the source (reused while the source is the same)."""
     kind = cfg.tokenizer or "bpe"
     vocab_size = _bpe_vocab_size(cfg)
-    source = {"data": cfg.data, "kind": kind, "vocab_size": vocab_size if kind == "bpe" else None,
+    source = {"data": resolved_source(cfg.data), "kind": kind, "vocab_size": vocab_size if kind == "bpe" else None,
               "text_field": cfg.text_field, "doc_split": cfg.doc_split}
     saved, record = run_dir / TOKENIZER_FILE, run_dir / DATA_DIR / TOKENIZER_SOURCE_FILE
     if saved.is_file() and record.is_file() and json.loads(record.read_text(encoding="utf-8")) == source:

@@ -88,8 +88,29 @@ def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main
     run_dir = Path(cfg.out)
     header = rerun_line(command, run_dir, world_size) + \
         f"# frawdllm {__version__}, torch {torch.__version__}; {about}\n"
-    saved = type(cfg).from_dict({**cfg.to_dict(), "resume": False, "overwrite": False})
+    saved = type(cfg).from_dict({**absolute_paths(cfg.to_dict()), "resume": False, "overwrite": False})
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
+
+
+# Settings that name files or folders: config.yaml keeps them absolute, so that a --resume
+# or a rerun from another working directory finds them.
+PATH_FIELDS = ("data", "init_from", "init", "tokenizer", "src", "tgt", "valid_src", "valid_tgt")
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each relative path in PATH_FIELDS made absolute (a glob too); `stdlib`,
+    `hf:` names and tokenizer kinds (`bpe`, ...) are not paths and stay as they are."""
+    from ..tokenizer import KINDS
+
+    out = dict(values)
+    for key in PATH_FIELDS:
+        value = out.get(key)
+        if not isinstance(value, str) or value == "stdlib" or value.startswith("hf:") or os.path.isabs(value) \
+                or (key == "tokenizer" and value in KINDS):
+            continue
+        if any(ch in value for ch in "*?[") or os.path.exists(value):
+            out[key] = os.path.abspath(value)
+    return out
 
 
 def budget_spent(run_dir: Path, done: str) -> str:
@@ -169,9 +190,9 @@ def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
         saved = load_config_file(run_dir / CONFIG_FILE)
     except FrawdError:
         return {}
-    now = cfg.to_dict()
+    now, same = cfg.to_dict(), absolute_paths  # (a path as written then, or from elsewhere now: the same file)
     return {key: (saved[key], now[key]) for key in now
-            if key in saved and key not in RESUME_FREE and now[key] != saved[key]}
+            if key in saved and key not in RESUME_FREE and same({key: now[key]}) != same({key: saved[key]})}
 
 
 def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
