@@ -531,6 +531,11 @@ def test_tensorboard_and_offline_wandb_receive_the_metrics(tmp_path, monkeypatch
     assert losses == pytest.approx(train_losses(tmp_path / "run"))
     offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
+    # a --resume continues the same W&B run (each session was a run of its own, with the same name)
+    cfg = generic_config(tmp_path, max_steps=6, eval_interval=0, tensorboard=True, wandb=True, resume=True)
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), cfg).fit()
+    offline_runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and len({run.name.rsplit("-", 1)[1] for run in offline_runs}) == 1, offline_runs
 
 
 def test_pretrain_on_prepared_shards_checks_their_tokenizer(corpus, tmp_path):

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -332,6 +333,21 @@ def _clean(value: Any) -> Any:
     return value
 
 
+WANDB_ID_FILE = "wandb/frawd-run-id"
+
+
+def _wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of this run directory, made on its first start and kept, so that each
+    --resume continues the same W&B run (without one, every session was a new run)."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8").strip()
+    run_id = secrets.token_hex(4)  # (W&B ids: lowercase letters and digits)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, run_id + "\n")
+    return run_id
+
+
 class MetricsLog:
     """Appends metric lines to metrics.jsonl and forwards them to the optional loggers."""
 
@@ -353,7 +369,7 @@ class MetricsLog:
                 raise FrawdError("--wandb needs the wandb package: pip install wandb") from None
             os.environ.setdefault("WANDB_MODE", "offline")
             self.wb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config,
-                                     name=Path(run_dir).name, resume="allow")
+                                     name=Path(run_dir).name, id=_wandb_run_id(Path(run_dir)), resume="allow")
 
     def log(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
