@@ -29,7 +29,7 @@ def test_a_planted_state_runs_nothing_and_is_one_clear_line(tmp_path):
     assert not marker.exists()
     assert message == (f"{tmp_path / STATE_FILE}: cannot read the training state: it holds objects other than "
                        "tensors and plain values, which are not loaded (a damaged or tampered file)")
-    assert "weights_only=False" not in message and "\n" not in message
+    assert "weights_only" not in message and "\n" not in message  # (torch's advice to turn the check off)
 
 
 def test_a_truncated_state_is_one_clear_line_and_a_good_one_loads(tmp_path):

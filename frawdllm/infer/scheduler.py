@@ -30,8 +30,9 @@ the native forward; PyTorch's batched products may round differently).
 `close()` was called; `close(drain=True)` finishes what was accepted first, `drain=False`
 ends every open request with an error (one being prefilled too). A cancelled request's
 reader gets `Cancelled` (a listener hears nothing more); a listener that raises fails its
-own request alone; a request's chunks are read once. The thread holds the scheduler only while there is
-work, so a scheduler dropped without `close()` is collected once idle and its thread ends.
+own request alone; a request's chunks are read once. The thread holds the scheduler only
+while there is work, so a scheduler dropped without `close()` is collected once idle and
+its thread ends.
 The HTTP server (`frawdllm.serve`) is a thin layer over this.
 """
 

@@ -90,7 +90,7 @@ def load_state(path: Path) -> dict:
         with warnings.catch_warnings():  # (a foreign pickle's protocol is warned about before it is refused)
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # (torch's message advises weights_only=False: never, for a file found on disk)
+    except pickle.UnpicklingError:  # refused by the weights-only reader (torch's own message suggests turning it off)
         raise FrawdError(f"{file}: cannot read the training state: it holds objects other than tensors and plain "
                          "values, which are not loaded (a damaged or tampered file)") from None
     except (OSError, RuntimeError, EOFError) as exc:

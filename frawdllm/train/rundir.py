@@ -79,12 +79,12 @@ def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main
     """OUT/config.yaml (rank 0 writes it): the run's merged config, without this start's
     resume/overwrite, under a header of the command that reruns it, the versions and
     `about` (the model and data in a few words)."""
-    from .. import __version__
-    from .config import dump_yaml
-
     if not is_main:
         return
     import torch
+
+    from .. import __version__
+    from .config import dump_yaml
 
     run_dir = Path(cfg.out)
     header = rerun_line(command, run_dir, world_size) + \
@@ -99,19 +99,13 @@ PATH_FIELDS = ("data", "init_from", "init", "tokenizer", "src", "tgt", "valid_sr
 
 
 def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` with each relative path in PATH_FIELDS made absolute (a glob too); `stdlib`,
-    `hf:` names and tokenizer kinds (`bpe`, ...) are not paths and stay as they are."""
+    """`values` with each path in PATH_FIELDS as `resolved_source` writes a data source
+    (absolute; `stdlib` and `hf:` names as given); tokenizer kinds (`bpe`, ...) are no paths."""
+    from ..data.shards import resolved_source
     from ..tokenizer import KINDS
 
-    out = dict(values)
-    for key in PATH_FIELDS:
-        value = out.get(key)
-        if not isinstance(value, str) or value == "stdlib" or value.startswith("hf:") or os.path.isabs(value) \
-                or (key == "tokenizer" and value in KINDS):
-            continue
-        if any(ch in value for ch in "*?[") or os.path.exists(value):
-            out[key] = os.path.abspath(value)
-    return out
+    return {key: resolved_source(value) if key in PATH_FIELDS and isinstance(value, str)
+            and not (key == "tokenizer" and value in KINDS) else value for key, value in values.items()}
 
 
 def budget_spent(run_dir: Path, done: str) -> str:
@@ -191,9 +185,11 @@ def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
         saved = load_config_file(run_dir / CONFIG_FILE)
     except FrawdError:
         return {}
-    now, same = cfg.to_dict(), absolute_paths  # (a path as written then, or from elsewhere now: the same file)
+    now = cfg.to_dict()
+    # (paths compared as resolved: written another way then, or given from elsewhere now, the same file)
+    resolved_now, resolved_saved = absolute_paths(now), absolute_paths(saved)
     return {key: (saved[key], now[key]) for key in now
-            if key in saved and key not in RESUME_FREE and same({key: now[key]}) != same({key: saved[key]})}
+            if key in saved and key not in RESUME_FREE and resolved_now[key] != resolved_saved[key]}
 
 
 def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
