@@ -305,6 +305,35 @@ def test_the_stop_leaves_time_for_the_final_evaluation_publish_and_checkpoint(tm
     assert len(list_checkpoints(tmp_path / "run")) == 1
 
 
+class BurstDuringOneEvaluationTask(TimedTask):
+    """Another process takes the cores during one evaluation only: it lasts `burst_s` longer."""
+
+    def __init__(self, clock, burst_at, burst_s, **costs):
+        super().__init__(clock, **costs)
+        self.burst_at, self.burst_s = burst_at, burst_s
+
+    def evaluate(self, model, device):
+        if self.evals == self.burst_at:
+            self.spend(self.burst_s)
+        return super().evaluate(model, device)
+
+
+def test_one_slow_evaluation_does_not_idle_the_rest_of_the_budget(tmp_path, monkeypatch):
+    # evaluations every 50 steps (5 s) of a 40 s budget; the third (at step 100) meets a 10 s
+    # burst of load. Taken as the next evaluation's cost (x1.5), it stopped the run at ~24 s.
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    budget, step_s = 40.0, 0.1
+    task = BurstDuringOneEvaluationTask(clock, burst_at=2, burst_s=10.0, step_s=step_s, eval_s=0.5, save_s=0.2)
+    cfg = generic_config(tmp_path, max_steps=None, max_time=f"{budget}s", eval_interval=50)
+    result = Trainer(torch.nn.Linear(4, 1), task, cfg).fit()
+    spent = clock.now - task.start
+    assert result.stop_reason == "max_time" and task.evals > 3
+    assert budget - 1.5 * (0.5 + 0.2 + 0.2) - 2 * step_s <= spent <= budget
+
+
 class SkipsWhileUntrainedTask(TimedTask):
     """Like translation's BLEU: the evaluation before the first step skips `extra_s` of work
     (an untrained model) and says what it skipped through `evaluation_extra_s`."""

@@ -265,6 +265,7 @@ class Trainer:
         self._publish_s: float | None = None  # the last publish of the best model (its weights)
         self._save_s: float | None = None  # how long the last checkpoint took
         self._costs_step_s: float | None = None  # the typical step when those were measured
+        self._eval_steps: list[float] = []  # recent evaluations' durations, in typical steps
         self._step_times: list[float] = []  # recent step durations, the session's first excluded
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
@@ -509,6 +510,7 @@ class Trainer:
             self._step_times = self._step_times[-8:] + [now - started]
             if self._costs_step_s is None:  # the evaluation before the first step
                 self._costs_step_s = self._step_s()
+                self._eval_steps = [self._eval_s / self._costs_step_s] if self._eval_s and self._costs_step_s else []
             if self._compiled and len(self._step_times) == 5 and self._warmup_s is not None:
                 self._remember_compile_cost()
         since, tokens_then = self._window
@@ -623,23 +625,30 @@ class Trainer:
         return self._last_step_s or 0.0
 
     def _final_eval_s(self) -> float:
-        """What the final evaluation, model publish and checkpoint will take, with a 50% margin:
-        as long as the last ones, times how much slower steps have become since (a shared
-        machine slows down and speeds up); before any, a forward pass per validation batch (a
-        third of an eager step; evaluation is not compiled, so a whole compiled step), the
-        weights at 100 MB/s, and a checkpoint three times the weights (with two AdamW moments);
-        plus what the task says its next evaluation adds (`TrainTask.evaluation_extra_s`)."""
-        eval_s = self._eval_s
-        if eval_s is None:
-            per_batch = self._step_s() / self.grad_accum / (1 if self._compiled else 3)
-            eval_s = self.cfg.eval_batches * per_batch
+        """What the final evaluation, model publish and checkpoint will take, with a 50% margin.
+        The evaluation: the median (the lower of two) of the last three in typical steps, times
+        today's typical step (a shared machine slows down and speeds up; one evaluation that met
+        a burst of load must not idle the rest of the run); before any, a forward pass per
+        validation batch (a third of an eager step; evaluation is not compiled, so a whole
+        compiled step); plus what the task says its next evaluation adds
+        (`TrainTask.evaluation_extra_s`). Publish and
+        checkpoint: as long as the last ones, times how much slower steps have become since;
+        before any, the weights at 100 MB/s and a checkpoint three times the weights (with two
+        AdamW moments)."""
+        step_s = self._step_s()
+        if self._eval_steps and step_s:
+            eval_s = statistics.median_low(self._eval_steps) * step_s
+        elif self._eval_s is not None:
+            eval_s = self._eval_s
+        else:
+            eval_s = self.cfg.eval_batches * step_s / self.grad_accum / (1 if self._compiled else 3)
         eval_s += self.task.evaluation_extra_s()
         publish_s = self._publish_s
         if publish_s is None:
             publish_s = 4 * sum(p.numel() for p in self.params) / 100e6
         save_s = self._save_s if self._save_s is not None else 3 * publish_s
-        slower = max(1.0, self._step_s() / self._costs_step_s) if self._costs_step_s else 1.0
-        return 1.5 * slower * (eval_s + publish_s + save_s)
+        slower = max(1.0, step_s / self._costs_step_s) if self._costs_step_s else 1.0
+        return 1.5 * (eval_s + slower * (publish_s + save_s))
 
     # ---- evaluation and checkpoints ----------------------------------------------------
     def _evaluate(self, save: bool) -> None:
@@ -670,6 +679,8 @@ class Trainer:
         saving = time.perf_counter()
         self._eval_s = saving - start
         self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
+        if self._costs_step_s:
+            self._eval_steps = self._eval_steps[-2:] + [self._eval_s / self._costs_step_s]
         if (improved or (not results and save)) and main:
             self._publish_model(whole)
             self._publish_s = time.perf_counter() - saving
