@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -47,6 +47,7 @@ _COMPUTES = {GPT2: "learned positions, LayerNorm, GELU MLP", LLAMA: "RoPE, RMSNo
 # GELU activations of transformers that are the tanh approximation we compute.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+V = TypeVar("V")
 
 
 def _mismatches(cfg: ModelConfig, arch: str) -> list[tuple[str, Any, Any]]:
@@ -258,17 +259,18 @@ def to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
     return {name: (part.t() if transpose else part).contiguous() for name, part, transpose in hf_parts(state, cfg)}
 
 
-def _normalise_hf_names(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Drop non-weight buffers; add the `transformer.` prefix that original GPT-2 files lack."""
+def normalise_hf_names(state: dict[str, V], gpt2: bool) -> dict[str, V]:
+    """Drop non-weight buffers; add the `transformer.` prefix that original GPT-2 files lack.
+    (Values are tensors, or anything else kept under the same names: safetensors headers.)"""
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_HF_BUFFERS)}
-    if hf_architecture(cfg) == GPT2 and "transformer.wte.weight" not in state:
+    if gpt2 and "transformer.wte.weight" not in state:
         state = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in state.items()}
     return state
 
 
 def from_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """A transformers state dict (GPT-2 or Llama, per `cfg`) as our state dict."""
-    state = _normalise_hf_names(state, cfg)
+    state = normalise_hf_names(state, hf_architecture(cfg) == GPT2)
     layout = tensor_layout(cfg)
     expected = {name for m in layout for name in m.theirs}
     if cfg.tie_embeddings:

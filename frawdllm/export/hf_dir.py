@@ -44,7 +44,7 @@ from ..modeldir import (GENERATION_CONFIG_FILE, TABLE_ALLOWANCE, TOKENIZER_FILE,
                         checked_sampling, expected_shapes, load_config, load_generation_config, load_model,
                         model_file, weight_shapes)
 from ..tokenizer import Tokenizer
-from .hf import (_IGNORED_HF_BUFFERS, from_hf_config, from_hf_state_dict, hf_architecture, tensor_layout,
+from .hf import (from_hf_config, from_hf_state_dict, hf_architecture, normalise_hf_names, tensor_layout,
                  to_hf_config, to_hf_state_dict)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -319,10 +319,7 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
     kind, cfg = _read_hf_config(directory)
     files = _hf_weight_files(directory)
     stored = {name: (path, shape) for path in files for name, (_, shape) in weight_shapes(path).items()}
-    # named as `from_hf_state_dict` will name them (`_normalise_hf_names`, which takes tensors)
-    stored = {k: v for k, v in stored.items() if not k.endswith(_IGNORED_HF_BUFFERS)}
-    if kind == "gpt2" and "transformer.wte.weight" not in stored:  # original GPT-2 files lack the prefix
-        stored = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in stored.items()}
+    stored = normalise_hf_names(stored, kind == "gpt2")  # as `from_hf_state_dict` will name them
     config, fields = directory / "config.json", _HF_FIELDS[kind]
 
     def refuse(field: str, value: int, held: str) -> NoReturn:
