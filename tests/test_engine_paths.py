@@ -243,16 +243,25 @@ def _cpu_has(flag):
         return False
 
 
-@pytest.mark.skipif(not (_cpu_has("avx2") and _cpu_has("fma") and _cpu_has("f16c")), reason="not an x86 CPU with AVX2")
+BUILDS = {"haswell": ("avx2", "fma", "f16c"), "ivybridge": ("avx", "f16c")}  # -march= : the CPU flags it needs
+
+
+@pytest.mark.parametrize("march", BUILDS)
 @pytest.mark.parametrize("name", ["llama", "post-ln"])
-def test_the_avx2_build_equals_pytorch(name, tmp_path, monkeypatch):
-    """The 8-wide AVX2 code (built with -march=haswell), whatever this CPU has beyond it."""
-    monkeypatch.setenv("FRAWD_MARCH", "haswell")
+def test_the_avx2_and_avx_builds_equal_pytorch(name, march, tmp_path, monkeypatch):
+    """The 8-wide code, whatever this CPU has beyond it: built for AVX2 (-march=haswell) and for
+    AVX with F16C but no AVX2 (-march=ivybridge: Ivy Bridge, AMD Piledriver, where fp16 weights
+    and an fp16 cache were read as int8 bytes, logits off by ~1500)."""
+    if not all(_cpu_has(flag) for flag in BUILDS[march]):
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    monkeypatch.setenv("FRAWD_MARCH", march)
     monkeypatch.setattr(native.LIBRARY, "_lib", None)
     monkeypatch.setattr(native.LIBRARY, "_why_not", None)
-    assert native.available()
+    assert native.available() and native.has_fp16()
+    model = make_model(std=0.2, **CONFIGS[name])
     for weights in ("fp32", "fp16"):
-        check_against_full_forward(make_model(std=0.2, **CONFIGS[name]), weights, threads=2)
+        check_against_full_forward(model, weights, threads=2)
+    check_against_full_forward(model, "fp16", threads=2, kv_dtype=torch.float16, atol=3e-2)
 
 
 def test_a_failed_build_falls_back_to_pytorch_and_says_so_once(tmp_path, monkeypatch, capsys):

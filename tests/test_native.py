@@ -48,7 +48,8 @@ def full_logits(model, ids_row):
 
 
 @torch.no_grad()
-def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threads=1, atol=1e-5, amx_rows=None):
+def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threads=1, atol=1e-5, amx_rows=None,
+                               kv_dtype=torch.float32):
     """Prefill ragged rows, decode a few steps; every row's logits equal the full forward.
     `amx_rows`: products of at least that many rows on AMX tiles (else as timed)."""
     decoder = native.NativeDecoder(model, weights, amx_rows=amx_rows)
@@ -56,7 +57,7 @@ def check_against_full_forward(model, weights, lengths=(5, 9, 1), steps=6, threa
     ref = native.fp16_rounded_copy(model) if weights == "fp16" else model
     cfg = model.config
     ids, positions, valid = padded_prompts(lengths, cfg.vocab_size)
-    cache = KVCache(cfg, len(lengths), ids.shape[1] + steps)
+    cache = KVCache(cfg, len(lengths), ids.shape[1] + steps, dtype=kv_dtype)
     cache.begin(ids.shape[1], valid=valid)
     logits = decoder.forward(ids, positions, cache, threads=threads).clone()
     seqs = [ids[r, ids.shape[1] - n:].tolist() for r, n in enumerate(lengths)]

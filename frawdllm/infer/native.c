@@ -153,7 +153,8 @@ static inline const char *packed(const Linear *L) {
 #define HAS_FP16 0
 #endif
 
-/* 1 when fp16 weights can be read on this machine (x86 with F16C, every aarch64). */
+/* 1 when fp16 weights can be read on this machine (x86 with F16C, every aarch64): load_w,
+   load_kv and to_half convert them. */
 int frawd_has_fp16(void) { return HAS_FP16; }
 
 /* Outputs per packed tile: the layout native.py writes. */
@@ -167,16 +168,19 @@ static inline __attribute__((always_inline)) vf load_w(int kind, const char *p) 
 #if defined(__AVX512F__)
     if (kind == W_FP16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__) && defined(__F16C__)
+#else
+#if defined(__F16C__) /* (AVX2, or AVX alone: Ivy Bridge, AMD Piledriver) */
     if (kind == W_FP16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else /* portable: the compiler's own conversions (NEON on aarch64) */
-    typedef int8_t vq __attribute__((vector_size(VF), aligned(1)));
-#if HAS_FP16 && defined(__aarch64__)
+#elif HAS_FP16 /* aarch64 */
     typedef __fp16 vh __attribute__((vector_size(VF * 2), aligned(2)));
     if (kind == W_FP16) return __builtin_convertvector(*(const vh *)p, vf);
 #endif
+#if defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else /* portable: the compiler's own conversion */
+    typedef int8_t vq __attribute__((vector_size(VF), aligned(1)));
     return __builtin_convertvector(*(const vq *)p, vf);
+#endif
 #endif
 }
 
