@@ -3,6 +3,7 @@ left untouched, the AVX2 build of the native forward, and how a failed build is 
 
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -222,6 +223,34 @@ def test_one_slow_call_does_not_move_a_phase_to_the_slower_thread_count():
     for _ in range(2):  # now two threads stay slow
         choice.record(2, 6.0, 1)
     assert choice.pick() == 1
+
+
+def test_a_pytorch_phase_moves_to_one_thread_when_its_team_waits(monkeypatch):
+    """Under load torch's team of threads waits at every operation for its member without a
+    core (here every 2-thread decode step takes 20 ms more): the engine's PyTorch phases run
+    at the thread count they are fastest with, as native ones do, and leave torch's count as
+    it was."""
+    from frawdllm.infer import engine as engine_module
+
+    seen, real = [], engine_module.decode_logits
+
+    def loaded(*args):
+        seen.append(torch.get_num_threads())
+        if seen[-1] > 1:
+            time.sleep(0.02)
+        return real(*args)
+
+    monkeypatch.setattr(engine_module, "decode_logits", loaded)
+    model = make_model()
+    torch.set_num_threads(2)  # (the one_thread fixture restores it)
+    engine = Engine(model, IdTokenizer(), native=False)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    out = engine.generate(prompts(3, model.config.vocab_size), params)
+    assert torch.get_num_threads() == 2
+    assert seen[0] == 2 and 1 in seen and seen[-30:].count(2) <= 2, seen
+    torch.set_num_threads(1)
+    assert [c.tokens for c in out] == [c.tokens for c in Engine(model, IdTokenizer(), native=False).generate(
+        prompts(3, model.config.vocab_size), params)]
 
 
 @NATIVE

@@ -176,7 +176,7 @@ class Engine:
         self.weights = weights if self.native else None
         self._decoder: native_forward.NativeDecoder | None = None
         self._plan: dict[str, paths.Path] | None = None
-        self._threads: dict[str, paths.ThreadChoice] = {}  # per native phase, re-decided as it runs
+        self._threads: dict[str, paths.ThreadChoice] = {}  # per phase on the CPU, re-decided as it runs
         self._lock = threading.Lock()  # guards the decoder, built on first use
         self._plan_lock = threading.Lock()
         if compile:
@@ -222,8 +222,9 @@ class Engine:
                     self._plan = {name: paths.Path("native", threads) for name in paths.PHASES}
                 else:
                     self._plan = paths.choose(self.model, self.native_decoder(), self.weights)
-                self._threads = {name: paths.ThreadChoice(p.threads, threads)
-                                 for name, p in self._plan.items() if p.kind == "native"}
+                self._threads = {name: paths.ThreadChoice(p.threads or threads, threads)
+                                 for name, p in self._plan.items()
+                                 if p.kind == "native" or (p.kind == "torch" and self.device.type == "cpu")}
             return self._plan
 
     def native_forward(self, decoder: native_forward.NativeDecoder, tokens: Int[Tensor, "B T"],
@@ -231,6 +232,13 @@ class Engine:
         """The C forward for one phase, at the thread count that phase currently runs fastest with."""
         return self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
                                      lambda threads: decoder.forward(tokens, positions, cache, threads))
+
+    def torch_forward(self, phase: str, tokens: int, run: Callable[[], Tensor]) -> Tensor:
+        """`run()`, a PyTorch eager forward of `phase` over `tokens` tokens, at the thread count
+        that phase currently runs fastest with. Under load torch's team of threads waits at
+        every operation for its member without a core: a 16-row decode step of `tiny` took
+        118 ms on 2 threads and 33 ms on 1 while other processes kept the 2 cores busy."""
+        return self._at_best_threads(phase, None, tokens, lambda threads: _at_threads(threads, run))
 
     def row_step(self, step: native_forward.RowStep, token: int, position: int, slot: int) -> Float[Tensor, "1 V"]:
         """A batch-1 native decode step (`native.RowStep`), at the decode phase's thread count."""
@@ -431,7 +439,20 @@ class Engine:
         path = self.path(*tokens.shape)
         if path.kind == "native":
             return self.native_forward(decoder or self.native_decoder(), tokens, positions, cache, path)
-        return paths.torch_logits(self.model, tokens, positions, cache)
+        return self.torch_forward(paths.phase(*tokens.shape), tokens.numel(),
+                                  lambda: paths.torch_logits(self.model, tokens, positions, cache))
+
+
+def _at_threads(threads: int | None, run: Callable[[], Tensor]) -> Tensor:
+    """`run()` with torch's intra-op thread count set to `threads` (None: as it is)."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        return run()
+    torch.set_num_threads(threads)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Run:
@@ -571,7 +592,8 @@ class _Run:
         path = self.engine.path(len(seqs), width)
         if path.kind == "native":
             return self.engine.native_forward(self.native, ids, positions, self.cache, path)  # (B, V)
-        return paths.torch_logits(self.model, ids, positions, self.cache)  # (B, V)
+        return self.engine.torch_forward(paths.phase(len(seqs), width), ids.numel(),
+                                         lambda: paths.torch_logits(self.model, ids, positions, self.cache))  # (B, V)
 
     @torch.inference_mode()
     def _step(self, last_tokens: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
@@ -583,7 +605,8 @@ class _Run:
         if path.kind == "native":
             logits = self.engine.native_forward(self.native, tokens, self.positions, self.cache, path)
         elif path.kind == "torch":
-            logits = decode_logits(self.model, tokens, self.positions, self.cache)
+            logits = self.engine.torch_forward(paths.phase(len(self.rows), 1), len(self.rows),
+                                               lambda: decode_logits(self.model, tokens, self.positions, self.cache))
         elif self.warm:
             # Same model, cache tensors and shapes as the previous step of this run: the
             # graph chosen then is still right, so skip re-checking its guards (~0.3 ms).

@@ -13,8 +13,8 @@ engine times each candidate on the real model, once, for four phases:
 Candidates: PyTorch eager at torch's thread count, the native forward at that thread
 count and at one thread. Each phase uses the fastest, so no phase is slower than PyTorch
 eager (up to timing noise). Load changes while a program runs (another process takes a
-core: a team of threads then waits for its member that has no core), so a native
-phase's thread count keeps being re-decided as it runs (`ThreadChoice`). The choice is
+core: a team of threads then waits for its member that has no core), so each phase's
+thread count, native or PyTorch eager, keeps being re-decided as it runs (`ThreadChoice`). The choice is
 cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
 C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
 measurement of a model over 20M parameters says so on stderr (smaller ones take a
@@ -64,7 +64,8 @@ class Path:
 
 
 class ThreadChoice:
-    """The thread count of one native phase, re-decided from the times of its own calls.
+    """The thread count of one phase (native, or PyTorch eager on the CPU), re-decided from
+    the times of its own calls.
 
     `pick()` returns the count with the lower recent cost per token: the median of its
     last three times, so that one call slowed by something else (another thread of this
