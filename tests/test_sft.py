@@ -566,3 +566,18 @@ def test_a_data_folder_ignores_other_files_but_a_named_one_is_refused(tmp_path, 
     cfg.data = str(folder)
     with pytest.raises(FrawdError, match=r"holds no .jsonl, .jsonl.gz or .parquet file of examples \(found: README"):
         load_examples(cfg, byte_tokenizer(), 64)
+
+
+def test_config_yaml_keeps_the_built_in_data_names_so_resume_finds_them(tmp_path, monkeypatch):
+    """config.yaml's paths are saved absolute; `stdlib-instruct` and `stdlib-prefs` (the
+    default data of sft and dpo) became `<cwd>/stdlib-instruct`, and `--resume` then failed
+    with "data source not found"."""
+    from frawdllm.align import stdlib_corpus
+    from frawdllm.data.sources import BUILTIN_SOURCES
+    from frawdllm.train.rundir import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    assert set(stdlib_corpus.CORPORA) | {"stdlib"} == set(BUILTIN_SOURCES)
+    for name in BUILTIN_SOURCES:
+        assert absolute_paths({"data": name}) == {"data": name}
+    assert absolute_paths({"data": "prefs.jsonl"}) == {"data": str(tmp_path / "prefs.jsonl")}

@@ -57,7 +57,7 @@ from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_e
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
 from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
                            read_shard, token_dtype)
-from .sources import SourceStats, iter_documents, source_files, source_spec
+from .sources import BUILTIN_SOURCES, SourceStats, iter_documents, source_files, source_spec
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
 LOGS_DIR = ".datatrove"  # datatrove's logs and completion marks, inside the output folder
@@ -381,8 +381,8 @@ def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str
 
 def resolved_source(spec: str) -> str:
     """The source the same from any working directory: a path or glob made absolute (links
-    resolved for a path), stdlib and hf: names as given."""
-    if spec == "stdlib" or spec.startswith("hf:"):
+    resolved for a path), built-in (`BUILTIN_SOURCES`) and hf: names as given."""
+    if spec in BUILTIN_SOURCES or spec.startswith("hf:"):
         return spec
     if any(ch in spec for ch in "*?["):
         return os.path.abspath(spec)

@@ -44,6 +44,9 @@ from ..errors import FrawdError
 BOM = "\ufeff"  # the UTF-8 byte-order mark some editors (Windows') write first
 
 DOC_SPLITS = ("blank", "line", "file")
+# Names of the built-in corpora, which no file of that name can shadow: `stdlib` here, and
+# the alignment data of frawdllm.align.stdlib_corpus.CORPORA
+BUILTIN_SOURCES = ("stdlib", "stdlib-instruct", "stdlib-prefs")
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 _SEPARATORS = {"blank": re.compile(r"\n(?:[^\S\n]*\n)+"), "line": re.compile(r"\n")}
 _CHUNK_CHARS = 1 << 22

@@ -100,7 +100,7 @@ PATH_FIELDS = ("data", "init_from", "init", "tokenizer", "src", "tgt", "valid_sr
 
 def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     """`values` with each path in PATH_FIELDS as `resolved_source` writes a data source
-    (absolute; `stdlib` and `hf:` names as given); tokenizer kinds (`bpe`, ...) are no paths."""
+    (absolute; built-in corpora and `hf:` names as given); tokenizer kinds (`bpe`, ...) are no paths."""
     from ..data.shards import resolved_source
     from ..tokenizer import KINDS
 
