@@ -305,6 +305,27 @@ def test_the_stop_leaves_time_for_the_final_evaluation_publish_and_checkpoint(tm
     assert len(list_checkpoints(tmp_path / "run")) == 1
 
 
+def test_a_run_over_its_budget_says_where_the_time_went(tmp_path, monkeypatch, recwarn):
+    # an evaluation (10 s here: a loaded machine, --eval-batches 20) longer than the whole
+    # --max-time 5s: the step-0 one and the final one take 4x the budget; it ended silently
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    task = TimedTask(clock, step_s=0.1, eval_s=10.0, save_s=0.2)
+    cfg = generic_config(tmp_path, max_steps=None, max_time="5s", eval_interval=0)
+    with pytest.warns(UserWarning, match=r"^the run took 20\.\d s of --max-time 5 s: start-up 0\.0 s, evaluations and "
+                      r"checkpoints 20\.\d s \(\d+ validation batches each: --eval-batches sets it\), 1 training "
+                      r"step 0\.1 s$"):
+        assert Trainer(torch.nn.Linear(4, 1), task, cfg).fit().steps == 1
+    recwarn.clear()
+    clock = FakeTime()  # within the budget: nothing said
+    monkeypatch.setattr(loop, "time", clock)
+    Trainer(torch.nn.Linear(4, 1), TimedTask(clock, step_s=0.1, eval_s=0.5, save_s=0.2),
+            generic_config(tmp_path / "b", max_steps=None, max_time="5s", eval_interval=0)).fit()
+    assert not [w for w in recwarn if "the run took" in str(w.message)]
+
+
 class BurstDuringOneEvaluationTask(TimedTask):
     """Another process takes the cores during one evaluation only: it lasts `burst_s` longer."""
 

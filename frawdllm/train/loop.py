@@ -266,6 +266,7 @@ class Trainer:
         self._save_s: float | None = None  # how long the last checkpoint took
         self._costs_step_s: float | None = None  # the typical step when those were measured
         self._eval_steps: list[float] = []  # recent evaluations' durations, in typical steps
+        self._evaluating_s = 0.0  # this session's evaluations, publishes and checkpoints
         self._step_times: list[float] = []  # recent step durations, the session's first excluded
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
@@ -407,7 +408,8 @@ class Trainer:
         self._window = (self._fit_start, self.tokens)
         self._session_step, self._session_tokens = self.step, self.tokens
         self._session_progress = self.progress()
-        if cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s:
+        late = bool(cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s)
+        if late:
             warnings.warn(f"start-up (tokenizer, data, model) took {self.elapsed():.1f} s, the whole --max-time "
                           f"{cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over",
                           stacklevel=2)
@@ -415,6 +417,8 @@ class Trainer:
         restore = _install_signal_handlers(self)
         try:
             self._fit(bar)
+            if not late:  # (a late start has said so)
+                self._warn_overrun()
         except Exception as exc:
             if not (self.dist.active and distributed.is_rank_failure(exc)):
                 raise
@@ -429,6 +433,20 @@ class Trainer:
                 bar.close()
             self.metrics.close()
         return self._result()
+
+    def _warn_overrun(self) -> None:
+        """A run that ended over its --max-time (by more than 5%) says where the time went."""
+        cfg, elapsed = self.cfg, self.elapsed()
+        if not cfg.max_time_s or elapsed <= 1.05 * cfg.max_time_s or self.stop_reason == "interrupted" \
+                or not self.dist.is_main:
+            return
+        start_up = self._fit_start - self._start
+        steps = self.step - self._session_step
+        training = time.perf_counter() - self._fit_start - self._evaluating_s
+        warnings.warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: start-up {start_up:.1f} s, "
+                      f"evaluations and checkpoints {self._evaluating_s:.1f} s ({cfg.eval_batches} validation "
+                      f"batches each: --eval-batches sets it), {steps} training step{'s' * (steps != 1)} "
+                      f"{training:.1f} s", stacklevel=3)
 
     def _fit(self, bar) -> None:
         cfg = self.cfg
@@ -689,6 +707,7 @@ class Trainer:
             self._save_checkpoint(whole)
             self._save_s = time.perf_counter() - checkpointing
         now = time.perf_counter()
+        self._evaluating_s += now - start
         self._window = (now, self.tokens)  # tokens/s measures training, not evaluation
 
     def _publish_model(self, whole: nn.Module) -> None:
