@@ -56,6 +56,11 @@ def check_training_fits(model_cfg, batch_size: int, tokens_per_row: int, dtype: 
     rows = batch_size * rows_per_example
     need = training_floor_bytes(model_cfg, rows, tokens_per_row, 4 if dtype == "fp32" else 2)
     free = free_memory(device)
+    if free is not None and 16 * model_cfg.num_parameters > free:  # (no batch size fits)
+        raise FrawdError(f"the model's {model_cfg.num_parameters:,} parameters need "
+                         f"{16 * model_cfg.num_parameters / 2**30:.1f} GiB to train (weights, gradients and AdamW's "
+                         f"two moments, in fp32) before any activation, more than the {max(free, 0) / 2**30:.1f} GiB "
+                         "available: a smaller model")
     if free is not None and need > free:
         shape = f"{rows:,} rows" if rows_per_example > 1 else "rows"
         raise FrawdError(f"--batch-size {batch_size} ({shape} of {tokens_per_row} tokens) needs at least "

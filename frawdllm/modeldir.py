@@ -57,6 +57,9 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.pop(TIED_KEY)  # the same tensor as the token embedding; stored once
+    problem = tables_too_large(cfg, sum(t.numel() * t.element_size() for t in state.values()))
+    if problem:  # (no loader would read the folder back)
+        raise FrawdError(f"cannot save {directory}: {problem}, which every loader refuses to build")
     with undo_on_error(directory):
         directory.mkdir(parents=True, exist_ok=True)
         with atomic_path(directory / WEIGHTS_FILE) as tmp:
@@ -208,6 +211,18 @@ def _table_bytes(cfg: ModelConfig) -> int:
     return cfg.context_length * width * 8
 
 
+def tables_too_large(cfg: ModelConfig, weight_bytes: int, field: str = "context_length") -> str | None:
+    """Why loaders refuse to build `cfg` over weights of `weight_bytes` bytes, or None: its
+    position tables would be larger than the weights and than TABLE_ALLOWANCE (a config.json
+    must not make a loader allocate far more than its weights). `field`: the context's name
+    in the config file read."""
+    tables = _table_bytes(cfg)
+    if tables <= max(weight_bytes, TABLE_ALLOWANCE):
+        return None
+    return (f"{field} {cfg.context_length:,} needs position tables of {tables / 2**20:,.0f} MiB as built, "
+            f"more than the weights ({weight_bytes / 2**20:,.1f} MiB) and {TABLE_ALLOWANCE // 2**20} MiB")
+
+
 def _some(names: list[str], shown: int = 5) -> str:
     """The first `shown` names, and how many more there are."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
@@ -232,9 +247,9 @@ def check_weights(cfg: ModelConfig, path: Path,
     if held != cfg.num_parameters and (cfg.n_layer > len(stored) or cfg.num_parameters > 2 * held + 2**20):
         raise FrawdError(f"{path}: holds {held:,} weights but config.json describes a model of "
                          f"{cfg.num_parameters:,} parameters")
-    if _table_bytes(cfg) > max(path.stat().st_size, TABLE_ALLOWANCE):
-        raise FrawdError(f"{path.parent / CONFIG_FILE}: context_length {cfg.context_length:,} needs position "
-                         f"tables larger than the weights themselves; refusing to build them")
+    problem = tables_too_large(cfg, path.stat().st_size)
+    if problem:
+        raise FrawdError(f"{path.parent / CONFIG_FILE}: {problem}; refusing to build them")
     bad_dtype = sorted(name for name, (dtype, _) in stored.items() if dtype not in WEIGHT_DTYPES)
     if bad_dtype:
         raise FrawdError(f"{path}: tensor {bad_dtype[0]} is {stored[bad_dtype[0]][0]}; weights must be "

@@ -51,6 +51,14 @@ MAX_BPE_VOCAB = 2**20  # 4x the largest vocabularies in use (~256k); the trainer
 FOREIGN_DOCUMENT_ENDS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
+def short_bpe_note(tok: Tokenizer, asked: int) -> str | None:
+    """A note when a BPE tokenizer trained for `asked` tokens came out smaller (a small corpus)."""
+    if tok.vocab_size >= asked:
+        return None
+    return (f"note: the corpus gave {tok.vocab_size:,} tokens, not the {asked:,} asked for "
+            "(BPE stops when no pair of tokens occurs twice)")
+
+
 def check_bpe_vocab_size(vocab_size: int) -> int:
     """`vocab_size` if a BPE tokenizer can be trained to it (10**10 aborted the trainer: 566 GB)."""
     if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from frawdllm import FrawdLLM, ModelConfig
+from frawdllm import FrawdLLM, ModelConfig, get_config
 from frawdllm.errors import FrawdError
 from frawdllm.modeldir import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE
 
@@ -109,3 +109,16 @@ def test_a_layer_count_mismatch_lists_some_names_and_counts_the_rest(tmp_path):
     (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(FrawdError, match=r"missing: blocks\.2\.\S+(, \S+){4} and \d+ more; unexpected: -\)"):
         FrawdLLM.from_pretrained(tmp_path)
+
+
+def test_a_model_no_loader_would_build_is_not_saved(tmp_path):
+    """RoPE tables of a 600k context over a 32-wide model: 73 MiB, more than the weights and
+    64 MiB. save_pretrained wrote it and every loader refused it."""
+    cfg = get_config("tiny-llama", n_layer=1, n_embd=32, n_head=2, n_kv_head=2, vocab_size=64,
+                     context_length=600_000)
+    with pytest.raises(FrawdError, match=r"cannot save .*: context_length 600,000 needs position tables of 73 MiB as "
+                                         r"built, more than the weights \(0\.\d MiB\) and 64 MiB"):
+        FrawdLLM(cfg).save_pretrained(tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    FrawdLLM(cfg.replace(context_length=500_000)).save_pretrained(tmp_path / "ok")  # 61 MiB: saved and read back
+    assert FrawdLLM.from_pretrained(tmp_path / "ok").config.context_length == 500_000

@@ -407,3 +407,64 @@ def test_the_training_memory_floor_is_below_what_backward_really_keeps(preset):
     floor = training_floor_bytes(cfg, 4, 32, 4)
     assert floor - 16 * cfg.num_parameters > 0
     assert floor <= 16 * cfg.num_parameters + saved
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_special_ids_set_by_hand_are_checked_against_the_tokenizer_to_be_trained(corpus, tmp_path, capsys, no_work,
+                                                                                   tokenizer):
+    """They were checked against a vocabulary of 7 (the special tokens alone) before the
+    tokenizer was trained, and not at all against the tokenizer's own special ids."""
+    from cli_helpers import run_cli
+
+    common = ["pretrain", "--data", corpus, "--tokenizer", tokenizer, "--out", tmp_path / "run", "--max-steps", "1",
+              "--dry-run", "--no-progress", "--set"]
+    code, _, err = run_cli(capsys, *common, "eos_token_id=100")
+    assert code == 1 and err.strip().splitlines() == [
+        "frawd: error: eos_token_id 100 is not the tokenizer's <|eos|> id (3); FrawdLLM's tokenizers fix their "
+        "special ids: leave eos_token_id unset"]
+    code, out, err = run_cli(capsys, *common, "eos_token_id=3")
+    assert code == 0 and "vocabulary" in out, err
+
+
+def test_a_context_whose_position_tables_no_loader_builds_is_refused_before_training(corpus, tmp_path, capsys,
+                                                                                      no_work):
+    code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--tokenizer", "byte", "--out",
+                         str(tmp_path / "run"), "--max-steps", "1", "--preset", "tiny-llama", "--set",
+                         "context_length=1000000", "--batch-size", "1", "--dry-run")
+    assert code == 1 and "context_length 1,000,000 needs position tables of" in err and \
+        "no command could load the trained model" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_too_large_to_train_at_any_batch_size_is_not_told_to_lower_it(monkeypatch):
+    """`--batch-size 1 ... lower --batch-size` where the weights and AdamW state alone did not fit."""
+    import frawdllm.memory as memory
+
+    cfg = get_config("tiny", n_layer=1)
+    state = 16 * cfg.num_parameters
+    monkeypatch.setattr(memory, "free_memory", lambda device: state - 1)
+    with pytest.raises(FrawdError, match=rf"^the model's {cfg.num_parameters:,} parameters need 0\.\d GiB to train "
+                                         r"\(weights, gradients and AdamW's two moments, in fp32\) before any "
+                                         r"activation, more than the 0\.\d GiB available: a smaller model$"):
+        memory.check_training_fits(cfg, 1, 8, "fp32", torch.device("cpu"))
+    monkeypatch.setattr(memory, "free_memory", lambda device: state + 1)  # the batch's activations do not fit
+    with pytest.raises(FrawdError, match=r"^--batch-size 64 \(rows of 256 tokens\) needs at least .* lower --batch-size"):
+        memory.check_training_fits(cfg, 64, 256, "fp32", torch.device("cpu"))
+
+
+def test_a_bpe_vocabulary_the_corpus_cannot_fill_is_said(tmp_path, capsys):
+    """A 2,000-token BPE on a few KB: the dry run printed the asked size as the model's, the
+    run trained ~900 tokens, and neither said so."""
+    from cli_helpers import run_cli
+
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("the cat sat on the mat and the dog ran to the log\n\n" * 40, encoding="utf-8")
+    cfg = PretrainConfig(data=str(corpus), out=str(tmp_path / "run"), vocab_size=2000, max_steps=1, progress=False)
+    code, out, err = run_cli(capsys, "pretrain", "--data", corpus, "--vocab-size", "2000", "--out", tmp_path / "run",
+                             "--max-steps", "1", "--dry-run", "--no-progress")
+    assert code == 0 and "(vocabulary 2,000 at most: BPE stops early on a small corpus)" in out, err
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    tok = pretrain_module._source_tokenizer(cfg, tmp_path / "run")
+    assert tok.vocab_size < 2000
+    assert capsys.readouterr().err == (f"note: the corpus gave {tok.vocab_size:,} tokens, not the 2,000 asked for "
+                                       "(BPE stops when no pair of tokens occurs twice)\n")

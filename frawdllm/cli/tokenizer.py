@@ -42,7 +42,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     """
     from ..data.sources import SourceStats, iter_documents
     from ..errors import FrawdError
-    from ..tokenizer import TOKENIZER_FILE, check_bpe_vocab_size, train_tokenizer
+    from ..tokenizer import TOKENIZER_FILE, check_bpe_vocab_size, short_bpe_note, train_tokenizer
 
     path, what = Path(out), "directory"
     if path.suffix == ".json" and not path.is_dir():
@@ -69,9 +69,8 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     tok.save(path)
     if stats.warning():
         click.echo(f"warning: {stats.warning()}", err=True)
-    if kind == "bpe" and vocab_size is not None and tok.vocab_size < vocab_size:
-        click.echo(f"note: the corpus gave {tok.vocab_size:,} tokens, not the {vocab_size:,} asked for "
-                   "(BPE stops when no pair of tokens occurs twice)", err=True)
+    if kind == "bpe" and vocab_size is not None and short_bpe_note(tok, vocab_size):
+        click.echo(short_bpe_note(tok, vocab_size), err=True)
     click.echo(f"kind: {tok.kind}")
     click.echo(f"vocab_size: {tok.vocab_size} (7 special tokens at ids 0..6)")
     click.echo(f"documents: {stats.documents}" if kind != "byte" else "documents: none read (a byte tokenizer "

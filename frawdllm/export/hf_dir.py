@@ -40,9 +40,9 @@ from ..errors import FrawdError
 from ..infer.sampling import SamplingParams
 from ..io import atomic_dir, write_json_atomic
 from ..model import FrawdLLM
-from ..modeldir import (GENERATION_CONFIG_FILE, TABLE_ALLOWANCE, TOKENIZER_FILE, _some, _table_bytes,
-                        checked_sampling, expected_shapes, load_config, load_generation_config, load_model,
-                        model_file, weight_shapes)
+from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_sampling, expected_shapes,
+                        load_config, load_generation_config, load_model, model_file, tables_too_large,
+                        weight_shapes)
 from ..tokenizer import Tokenizer
 from .hf import (from_hf_config, from_hf_state_dict, hf_architecture, normalise_hf_names, tensor_layout,
                  to_hf_config, to_hf_state_dict)
@@ -336,10 +336,9 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
         if shape is not None and len(shape) == 2 and shape[dim] != value:
             refuse(field, value, f"have {name} of shape {shape}")
     size = sum(path.stat().st_size for path in files)
-    if _table_bytes(cfg) > max(size, TABLE_ALLOWANCE):
-        raise FrawdError(f"{config}: {fields['context_length']} {cfg.context_length:,} needs position tables "
-                         f"({_table_bytes(cfg) / 2**30:,.1f} GiB) larger than the weights themselves; refusing to "
-                         "build them")
+    problem = tables_too_large(cfg, size, fields["context_length"])
+    if problem:
+        raise FrawdError(f"{config}: {problem}; refusing to build them")
     expected = {name for m in tensor_layout(cfg) for name in m.theirs}
     extra = {"lm_head.weight"} if cfg.tie_embeddings else set()
     missing, unexpected = sorted(expected - set(stored)), sorted(set(stored) - expected - extra)

@@ -43,8 +43,9 @@ from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic
 from ..memory import check_training_fits
 from ..modeldir import (checked_weights, load_config, load_generation_config, load_model, require_kind,
-                        save_model_dir)
-from ..tokenizer import KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, train_tokenizer
+                        save_model_dir, tables_too_large)
+from ..tokenizer import (KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, short_bpe_note,
+                         train_tokenizer)
 from . import distributed
 from .checkpoint import latest_checkpoint
 from .config import PretrainConfig, parse_duration
@@ -233,6 +234,8 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     # the trainer's bars only where someone watches them (in a log they are blank lines)
     tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size,
                           show_progress=cfg.progress and sys.stderr.isatty())
+    if kind == "bpe" and short_bpe_note(tok, vocab_size):  # (the model's vocabulary is the tokenizer's)
+        print(short_bpe_note(tok, vocab_size), file=sys.stderr, flush=True)
     tok.save(saved)
     write_json_atomic(record, source)
     return tok
@@ -244,13 +247,33 @@ def _model_overrides(cfg: PretrainConfig) -> dict:
     return typed_overrides(ModelConfig, cfg.model)
 
 
-def model_config_for(cfg: PretrainConfig, vocab_size: int) -> ModelConfig:
-    """The preset with its overrides; the vocabulary fits the tokenizer (a larger one is kept)."""
+def model_config_for(cfg: PretrainConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> ModelConfig:
+    """The preset with its overrides; the vocabulary fits the tokenizer (a larger one is kept).
+    Special ids set by hand must be the tokenizer's where it has FrawdLLM's fixed specials
+    (every tokenizer trained here: `tokenizer` None)."""
     overrides = _model_overrides(cfg)
     wanted = overrides.get("vocab_size")
     if wanted is not None and wanted < vocab_size:
         raise FrawdError(f"model vocab_size {wanted} is smaller than the tokenizer's {vocab_size}")
-    return get_config(cfg.preset, **{**overrides, "vocab_size": wanted or vocab_size})
+    if tokenizer is None or tokenizer.has_frawd_specials():
+        for name, token in (("pad_token_id", "<|pad|>"), ("bos_token_id", "<|bos|>"), ("eos_token_id", "<|eos|>")):
+            fixed = SPECIAL_TOKENS.index(token)
+            if overrides.get(name, fixed) != fixed:
+                raise FrawdError(f"{name} {overrides[name]} is not the tokenizer's {token} id ({fixed}); "
+                                 f"FrawdLLM's tokenizers fix their special ids: leave {name} unset")
+    model_cfg = get_config(cfg.preset, **{**overrides, "vocab_size": wanted or vocab_size})
+    problem = tables_too_large(model_cfg, 4 * model_cfg.num_parameters)
+    if problem:
+        raise FrawdError(f"{problem}: no command could load the trained model; a shorter context_length")
+    return model_cfg
+
+
+def _known_vocab_size(cfg: PretrainConfig, tok: Tokenizer | None) -> int | None:
+    """The tokenizer's size: given, or known before it is trained here (BPE's target, byte's
+    alphabet and specials); None for char (the data's characters)."""
+    if tok is not None:
+        return tok.vocab_size
+    return {"bpe": _bpe_vocab_size(cfg), "byte": 256 + len(SPECIAL_TOKENS)}.get(cfg.tokenizer or "bpe")
 
 
 def init_model_config(cfg: PretrainConfig) -> tuple[ModelConfig, int]:
@@ -294,10 +317,10 @@ def check_pretrain(cfg: PretrainConfig) -> None:
             raise FrawdError(f"the tokenizer has {tok.vocab_size} tokens but the --init-from model "
                              f"{cfg.init_from} has vocab_size {model_cfg.vocab_size}; use the model's tokenizer")
     else:
-        model_cfg = model_config_for(cfg, tok.vocab_size if tok else len(SPECIAL_TOKENS))
-        window = model_cfg.context_length
         if tok is None and (cfg.tokenizer or "bpe") == "bpe":
             check_bpe_vocab_size(_bpe_vocab_size(cfg))
+        model_cfg = model_config_for(cfg, _known_vocab_size(cfg, tok) or len(SPECIAL_TOKENS), tok)
+        window = model_cfg.context_length
     check_training_fits(model_cfg, cfg.batch_size, window, cfg.dtype, device)
 
 
@@ -343,11 +366,13 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
         model_cfg, window = init_model_config(cfg)
         model = f"--init-from {cfg.init_from}, {model_cfg.num_parameters:,} parameters"
     else:
-        vocab = tok.vocab_size if tok else {"bpe": _bpe_vocab_size(cfg), "byte": 256 + len(SPECIAL_TOKENS)}.get(kind)
-        model_cfg = model_config_for(cfg, vocab or len(SPECIAL_TOKENS))
+        vocab = _known_vocab_size(cfg, tok)
+        model_cfg = model_config_for(cfg, vocab or len(SPECIAL_TOKENS), tok)
         window = model_cfg.context_length
         if vocab is not None:
-            model = f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary {model_cfg.vocab_size:,})"
+            at_most = " at most: BPE stops early on a small corpus" if tok is None and kind == "bpe" else ""
+            model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary "
+                     f"{model_cfg.vocab_size:,}{at_most})")
         elif "vocab_size" in _model_overrides(cfg):  # char, the vocabulary given
             model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary {model_cfg.vocab_size:,}: "
                      f"the data's characters and {len(SPECIAL_TOKENS)} special tokens must fit in it)")
@@ -378,7 +403,7 @@ def build_model(cfg: PretrainConfig, tokenizer: Tokenizer) -> tuple[nn.Module, i
 
     seed_everything(cfg.seed)
     if cfg.init_from is None:
-        model_cfg = model_config_for(cfg, tokenizer.vocab_size)
+        model_cfg = model_config_for(cfg, tokenizer.vocab_size, tokenizer)
         return FrawdLLM(model_cfg), model_cfg.context_length
     model_cfg, window = init_model_config(cfg)
     return load_model(cfg.init_from, config=model_cfg), window
