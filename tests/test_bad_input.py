@@ -42,6 +42,11 @@ def env(tmp_path_factory):
     for name in ("config.json", "model.safetensors"):
         (root / "small_model" / name).write_bytes((root / "model" / name).read_bytes())
     big.save(root / "small_model" / "tokenizer.json")  # more ids than the model has rows
+    rope = root / "long_rope_model"  # config.json edited: a context no memory holds the KV cache of
+    FrawdLLM(get_config("tiny-llama", vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=4, n_kv_head=4,
+                        context_length=32)).save_pretrained(rope, tokenizer=tok)
+    config = json.loads((rope / "config.json").read_text())
+    (rope / "config.json").write_text(json.dumps({**config, "context_length": 10**8}))
     (root / "bad_utf8.yaml").write_bytes(b"lr: 0.001\n# \xff\xfe not UTF-8\n")
     (root / "rope_list.yaml").write_text("model:\n  rope_theta: [1]\n")
     (root / "dropout_null.yaml").write_text("model:\n  dropout: null\n")
@@ -116,6 +121,9 @@ CASES = [
     ("generate-seed-huge", gen("--seed", str(2**70)), "seed"),
     ("generate-seed-negative", gen("--seed", "-1"), "seed"),
     ("generate-num-samples-huge", gen("--num-samples", str(10**8)), "num-samples"),
+    # the loader's refusal, naming the file (it was a KV-cache memory refusal that named none)
+    ("generate-context-huge", ["generate", "--model", "{root}/long_rope_model", "--prompt", "x"],
+     "long_rope_model/config.json: context_length 100,000,000"),
     ("generate-max-new-tokens-0", gen("--max-new-tokens", "0"), "max_new_tokens"),
     ("generate-top-p-0", gen("--top-p", "0"), "top_p"),
     ("generate-prompt-file-missing", gen("--prompt-file", "{root}/nope.txt"), "nope.txt"),

@@ -53,15 +53,14 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     return SamplingParams.from_dict(values)
 
 
-def check_rows_fit(model_dir: str | Path, rows: int, dtype: str = "fp32") -> None:
-    """FrawdError if `rows` sequences at once (prompts x --num-samples) would need a
-    KV cache larger than the memory available; the cache is sized for the full context."""
+def check_rows_fit(cfg: Any, rows: int, dtype: str = "fp32") -> None:
+    """FrawdError if `rows` sequences at once (prompts x --num-samples) of a model of config
+    `cfg` would need a KV cache larger than the memory available; the cache is sized for the
+    full context."""
     import torch
 
     from ..memory import free_memory
-    from ..modeldir import load_config
 
-    cfg = load_config(model_dir)
     item = 2 if dtype == "bf16" else 4
     per_row = (2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.context_length + 4 * cfg.vocab_size) * item
     need, have = rows * per_row, free_memory(torch.device("cpu"))
@@ -82,7 +81,9 @@ def engine_flags(command):
                      help="A model directory (config.json, model.safetensors, tokenizer.json)."),
         quantize_option,
         click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-                     help="Precision of the weights and the KV cache."),
+                     help="Precision of PyTorch's forward (weights and KV cache). The native C forward "
+                          "reads weights as --native says; with fp16 or int8 weights in every phase its KV cache "
+                          "is fp16 (--stats shows what ran)."),
         click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,
                      help="Past the model's context: stop, or slide (keep the last 3/4, prefill again)."),
         click.option("--native", "native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto",
