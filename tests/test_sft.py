@@ -305,6 +305,15 @@ def test_sft_and_dpo_keep_the_init_models_sampling_defaults(tmp_path, capsys):
         assert saved == defaults, command
 
 
+def test_lora_on_a_model_without_its_target_layers_is_refused():
+    """It froze every weight and added nothing: 0 trainable parameters, no error."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="no linear layer named qkv, proj, up, down to put LoRA adapters on in "
+                                         "Sequential"):
+        lora.add_lora(model, 2)
+    assert all(p.requires_grad for p in model.parameters())  # untouched
+
+
 def test_lora_sft_saves_a_plain_model_and_resumes_exactly(tmp_path, capsys):
     base = model_dir(tmp_path)
     data = write_jsonl(tmp_path / "chats.jsonl", word_chats(40))

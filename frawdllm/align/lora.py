@@ -44,11 +44,14 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Modu
     """Freeze `model` and wrap its projections with adapters (in place); returns it."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be positive, got {rank}")
+    targets = [(module, name, child) for module in model.modules() for name, child in module.named_children()
+               if name in TARGETS and isinstance(child, nn.Linear)]
+    if not targets:  # (else every weight frozen and nothing to train, silently)
+        raise ValueError(f"no linear layer named {', '.join(TARGETS)} to put LoRA adapters on in "
+                         f"{type(model).__name__}")
     model.requires_grad_(False)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name in TARGETS and isinstance(child, nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha if alpha is not None else 2.0 * rank))
+    for module, name, child in targets:
+        setattr(module, name, LoRALinear(child, rank, alpha if alpha is not None else 2.0 * rank))
     return model
 
 
