@@ -100,6 +100,9 @@ CASES = [
     ("export-gguf-out-readonly", ["export", "--model", "{root}/model", "--format", "gguf",
                                   "--out", "{root}/readonly/m.gguf"], "readonly"),
     ("import-out-readonly", ["import", "--from-hf", "{root}/model", "--out", "{root}/readonly/imp"], ""),
+    ("import-hub-name", ["import", "--from-hf", "openai-community/gpt2", "--out", "{out}"],
+     "reads a local directory, it downloads nothing: fetch a Hub model first (huggingface-cli download "
+     "openai-community/gpt2 --local-dir DIR)"),
     # item 9
     ("pretrain-preset-huge", pre("--preset", "huge"), "preset"),
     ("pretrain-yaml-rope-list", pre("--config", "{root}/rope_list.yaml"), "rope_theta"),

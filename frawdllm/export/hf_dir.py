@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -310,7 +311,10 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
     config.json field that disagrees."""
     directory = Path(hf_dir)
     if not directory.exists():
-        raise FrawdError(f"{directory}: not found")
+        hub_like = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(hf_dir)) and not str(hf_dir).startswith(".")
+        raise FrawdError(f"{directory}: not found" + (
+            "; --from-hf reads a local directory, it downloads nothing: fetch a Hub model first "
+            f"(huggingface-cli download {hf_dir} --local-dir DIR)" if hub_like else ""))
     if not (directory / "config.json").is_file():
         raise FrawdError(f"{directory}: no config.json; not a transformers model directory")
     if "format_version" in _json_object(directory / "config.json"):
