@@ -590,3 +590,19 @@ def test_config_yaml_keeps_the_built_in_data_names_so_resume_finds_them(tmp_path
     for name in BUILTIN_SOURCES:
         assert absolute_paths({"data": name}) == {"data": name}
     assert absolute_paths({"data": "prefs.jsonl"}) == {"data": str(tmp_path / "prefs.jsonl")}
+
+
+@pytest.mark.parametrize("command,data,said", [
+    ("sft", "nope.jsonl", "data source not found: 'nope.jsonl'"),
+    ("dpo", "stdlib-instruct", "--data stdlib-instruct holds instructions; use --data stdlib-prefs here")])
+def test_nproc_refuses_bad_data_once_before_torchrun(command, data, said, tmp_path, capsys, monkeypatch):
+    """Each rank found it: the error once per rank, then torchrun's failure table."""
+    from frawdllm.cli import sft as sft_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sft_cli, "relaunch_under_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
+    code, _, err = run_cli(capsys, command, "--init", model_dir(tmp_path), "--data", data, "--nproc", "2",
+                           "--out", tmp_path / "run", "--max-steps", "1")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"frawd: error: {said}"), err
+    assert not (tmp_path / "run").exists()

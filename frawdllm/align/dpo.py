@@ -55,6 +55,7 @@ class DPOConfig(FinetuneConfig):
     """`frawd dpo`: align a model directory with preference pairs."""
 
     ROWS_PER_EXAMPLE = 2  # a pair's chosen and rejected answers
+    KIND = "dpo"
 
     beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
     loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")
@@ -267,7 +268,7 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
         return pair, cut
 
     summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
-    train, val = collect(iter_source(cfg.data, "dpo", summary.ignored), convert, cfg.val_fraction,
+    train, val = collect(iter_source(cfg.data, cfg.KIND, summary.ignored), convert, cfg.val_fraction,
                          cfg.skip_bad_lines, summary, source=cfg.data, what="pairs")
     if not train:
         raise FrawdError(f"--data {cfg.data}: every pair fell in the held-out split; lower --val-fraction")

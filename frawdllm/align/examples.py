@@ -253,20 +253,31 @@ def record_key(record: object) -> str:
     return json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
 
 
-def iter_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[tuple[str, object, str]]:
-    """(where, record, split key) of a data source: a built-in corpus or a record file.
-    `kind`: "sft" or "dpo"; a folder's files that hold no records are added to `ignored`."""
+def check_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[tuple[str, object]] | None:
+    """What `iter_source` refuses before reading a record (a missing file, the other kind of
+    built-in corpus), checked now; the source's records, to read (None for a built-in
+    corpus; hf: records are loaded, and checked, as they are read)."""
+    from ..data.records import iter_records
     from . import stdlib_corpus
 
     if spec in stdlib_corpus.CORPORA:
         if stdlib_corpus.CORPORA[spec] != kind:
             raise FrawdError(f"--data {spec} holds {'preference pairs' if kind == 'sft' else 'instructions'}; "
                              f"use --data {stdlib_corpus.NAME_FOR[kind]} here")
+        return None
+    return iter_records(spec, stdlib_corpus.NAME_FOR[kind], ignored)
+
+
+def iter_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[tuple[str, object, str]]:
+    """(where, record, split key) of a data source: a built-in corpus or a record file.
+    `kind`: "sft" or "dpo"; a folder's files that hold no records are added to `ignored`."""
+    from . import stdlib_corpus
+
+    records = check_source(spec, kind, ignored)
+    if records is None:
         yield from stdlib_corpus.records(spec)
         return
-    from ..data.records import iter_records
-
-    for where, record in iter_records(spec, stdlib_corpus.NAME_FOR[kind], ignored):
+    for where, record in records:
         yield where, record, record_key(record)
 
 

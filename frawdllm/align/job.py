@@ -25,6 +25,7 @@ from ..train.device import pick_device, seed_everything
 from ..train.loop import Trainer, TrainResult, TrainTask
 from ..train.rundir import check_run_dir, prepare_run_dir, save_run_config, undo_failed_start
 from . import lora
+from .examples import check_source
 
 
 @dataclass
@@ -32,6 +33,7 @@ class FinetuneConfig(TrainConfig):
     """Fields both post-training commands add to the loop's."""
 
     ROWS_PER_EXAMPLE = 1  # rows a micro-batch example takes (DPO: 2), for the memory check
+    KIND = "sft"  # what its --data holds: "sft" examples or "dpo" preference pairs
 
     init: str | None = option(None, "The model directory to start from (e.g. a pretraining run's model/); "
                                     "its config and tokenizer are kept.")
@@ -84,6 +86,7 @@ def check_init(cfg: FinetuneConfig) -> None:
     cfg.require_budget()
     if cfg.init is None:
         raise ConfigError("--init MODEL_DIR is required: the model to fine-tune")
+    check_source(cfg.data, cfg.KIND)
     device = pick_device(cfg.device)
     model_config = load_config(cfg.init)
     require_kind(cfg.init, model_config, "decoder")

@@ -75,7 +75,7 @@ def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[li
         return truncate(tokenize_chat(tokenizer, chat_messages(record, where), cfg.train_on), length + 1)
 
     summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
-    train, val = collect(iter_source(cfg.data, "sft", summary.ignored), convert, cfg.val_fraction,
+    train, val = collect(iter_source(cfg.data, cfg.KIND, summary.ignored), convert, cfg.val_fraction,
                          cfg.skip_bad_lines, summary, source=cfg.data)
     if not train:
         raise FrawdError(f"--data {cfg.data}: every example fell in the held-out split; lower --val-fraction")
