@@ -60,7 +60,8 @@ class DPOConfig(FinetuneConfig):
     beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
     loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")
     precompute_ref: bool = option(False, "Compute the reference's log-probs once before training and free the "
-                                         "reference (less memory and time per step).")
+                                         "reference (less memory and time per step; a forward of every pair "
+                                         "first, inside the time budget).")
     data: str = option("stdlib-prefs", "Preference pairs: .jsonl[.gz], .parquet, a folder or glob of them, "
                                        "hf:NAME, or the built-in stdlib-prefs.")
     out: str = option("runs/dpo", "Run directory: config, metrics, checkpoints, the best model.")
@@ -198,14 +199,20 @@ class DPOTask(FinetuneTask):
             self.reference = None  # freed: the loop never sees it
 
     def _reference_logps(self, pairs: list[Pair], reference: nn.Module, device: torch.device) -> Tensor:
-        """(2, n) summed log-probs (chosen, rejected) of every pair under the reference, fp32."""
+        """(2, n) summed log-probs (chosen, rejected) of every pair under the reference, fp32
+        (a bar: a forward of every pair before the first step, inside --max-time)."""
+        from tqdm import tqdm
+
         out = torch.zeros(2, len(pairs))
-        with torch.no_grad():
+        shown = self.cfg.progress and distributed.current().is_main and len(pairs) > 0
+        with torch.no_grad(), tqdm(total=len(pairs), desc="reference log-probs (--precompute-ref)", unit="pair",
+                                   dynamic_ncols=True, leave=False, disable=not shown) as bar:
             for start in range(0, len(pairs), self.cfg.batch_size):
                 indices = list(range(start, min(start + self.cfg.batch_size, len(pairs))))
                 batch = to_device(collate_pairs(pairs, indices, self.length), device)
                 logps = sequence_logps(reference, batch["tokens"], batch["targets"]).float().cpu()
                 out[:, start:start + len(indices)] = logps.view(2, -1)
+                bar.update(len(indices))
         return out
 
     def frozen_modules(self) -> dict[str, nn.Module]:
