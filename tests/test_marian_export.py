@@ -109,3 +109,22 @@ def test_the_multi30k_recipe_does_not_map_and_the_docs_and_help_say_so(capsys):
     assert "scale_embeddings=False" in marian.__doc__ and "multi30k.yaml" in marian.__doc__
     code, out, _ = run_cli(capsys, "export", "--help")
     assert code == 0 and "AutoModelForSeq2SeqLM.from_pretrained(OUT)" in out
+
+
+def test_transformers_generate_on_the_export_decodes_as_frawd_does():
+    """Our decoding never emits PAD or BOS after BOS; the export did not say so, and
+    transformers' greedy generate on an untrained model repeated BOS where ours did not."""
+    from frawdllm.infer.translate import greedy_decode
+
+    torch.manual_seed(0)
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=2, n_encoder_layer=2, mlp_hidden=64,
+                     context_length=64)
+    model = Seq2SeqTransformer(cfg).eval()
+    with torch.no_grad():  # make BOS and PAD the untrained model's favourite next tokens
+        model.embed.tok.weight[[cfg.bos_token_id, cfg.pad_token_id]] *= 8
+    hf = to_marian_model(model)
+    src = torch.randint(4, 60, (3, 9))
+    ours = greedy_decode(model, src, max_steps=10)
+    theirs = hf.generate(input_ids=src, num_beams=1, do_sample=False, max_new_tokens=9)[:, 1:].tolist()
+    for row, their_row in zip(ours, theirs):  # (transformers forces EOS as the last of its 9)
+        assert len(row) >= 8 and their_row[:8] == row[:8] and cfg.bos_token_id not in their_row, (row, their_row)

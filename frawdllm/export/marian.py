@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..config import Seq2SeqConfig
 from ..errors import ConfigError
+from ..infer.translate import never_after_bos
 
 MARIAN = "MarianMTModel"
 _NEEDS = {"norm_placement": "post", "pos_encoding": "sinusoidal", "scale_embeddings": True, "use_rmsnorm": False,
@@ -128,4 +129,5 @@ def to_marian_model(model: torch.nn.Module):
     ignorable = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
     if set(missing) - ignorable or unexpected:
         raise RuntimeError(f"Marian weights do not line up: missing {missing}, unexpected {unexpected}")
+    hf.generation_config.bad_words_ids = [[i] for i in never_after_bos(cfg)]  # as our decoding (generate() reads it)
     return hf

@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..config import is_integer
+from ..config import Seq2SeqConfig, is_integer
 from ..memory import free_memory
 from ..model.gpt import eval_mode, is_id_tensor
 from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
@@ -102,8 +102,7 @@ class _Decoder:
                  use_cache: bool) -> None:
         self.model, self.memory_kv, self.src_mask = model, memory_kv, src_mask
         cfg = model.config
-        # never after BOS: PAD and BOS (unless one is EOS; in Marian PAD is the start token)
-        self.never = [i for i in {cfg.pad_token_id, cfg.bos_token_id} if i != cfg.eos_token_id]
+        self.never = never_after_bos(cfg)
         dtype = memory_kv[0][0].dtype
         self.cache = KVCache(model.config, src_mask.shape[0], max_len, dtype=dtype, device=src_mask.device) \
             if use_cache else None
@@ -130,6 +129,12 @@ class _Decoder:
         self.src_mask = self.src_mask[rows]
         if self.cache is not None:
             self.cache.select_rows(rows)
+
+
+def never_after_bos(cfg: Seq2SeqConfig) -> list[int]:
+    """Tokens a translation never emits: PAD and BOS (unless one is EOS; in Marian PAD is the
+    start token)."""
+    return sorted(i for i in {cfg.pad_token_id, cfg.bos_token_id} if i != cfg.eos_token_id)
 
 
 def length_limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -> list[int]:
