@@ -49,6 +49,8 @@ and the compiler's portable conversions elsewhere (aarch64).
 #include <signal.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 #include <stdatomic.h>
 #include <stdint.h>
@@ -177,6 +179,12 @@ static inline __attribute__((always_inline)) vf load_w(int kind, const char *p) 
 #endif
 #if defined(__AVX2__)
     return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif defined(__aarch64__) && VF == 8 /* widened twice in registers (the generic form converted one by one) */
+    int16x8_t wide = vmovl_s8(vld1_s8((const int8_t *)p));
+    float32x4_t halves[2] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))), vcvtq_f32_s32(vmovl_high_s16(wide))};
+    vf out;
+    memcpy(&out, halves, sizeof out);
+    return out;
 #else /* portable: the compiler's own conversion */
     typedef int8_t vq __attribute__((vector_size(VF), aligned(1)));
     return __builtin_convertvector(*(const vq *)p, vf);
