@@ -33,18 +33,24 @@ def free_memory(device: torch.device) -> int | None:
     return available
 
 
-def training_floor_bytes(model_cfg, rows: int, tokens_per_row: int, activation_bytes: int) -> int:
+def training_floor_bytes(model_cfg, rows: int, tokens_per_row: int, activation_bytes: int,
+                         frozen: bool = False) -> int:
     """A lower bound on the memory of a training micro-batch of `rows` x `tokens_per_row`
-    tokens: fp32 weights, gradients and AdamW's two moments (16 bytes a parameter), and, for
-    every token of every layer, the two MLP activations of `ffn_dim` values its backward
-    keeps (the nonlinearity's input and the down projection's). The real need is larger
-    (attention, norms, logits), so a run this refuses could never have fit."""
-    return 16 * model_cfg.num_parameters + rows * tokens_per_row * model_cfg.n_layer * 2 * model_cfg.ffn_dim \
+    tokens: fp32 weights, gradients and AdamW's two moments (16 bytes a parameter; 4, the
+    weights alone, when they are `frozen` under LoRA adapters), and, for every token of every
+    layer, the two MLP activations of `ffn_dim` values its backward keeps (the nonlinearity's
+    input and the down projection's). The real need is larger (attention, norms, logits), so
+    a run this refuses could never have fit."""
+    return _state_bytes(model_cfg, frozen) + rows * tokens_per_row * model_cfg.n_layer * 2 * model_cfg.ffn_dim \
         * activation_bytes
 
 
+def _state_bytes(model_cfg, frozen: bool) -> int:
+    return (4 if frozen else 16) * model_cfg.num_parameters
+
+
 def check_training_fits(model_cfg, batch_size: int, tokens_per_row: int, dtype: str, device: torch.device,
-                        rows_per_example: int = 1) -> None:
+                        rows_per_example: int = 1, frozen: bool = False) -> None:
     """Refuse, in one line, a CPU training run whose micro-batch cannot fit in the memory the
     system has available (the kernel's OOM killer ended `sft --batch-size 100000` without a
     word). bf16 activations are assumed unless `dtype` is fp32 (`auto` may pick bf16): a lower
@@ -54,12 +60,12 @@ def check_training_fits(model_cfg, batch_size: int, tokens_per_row: int, dtype: 
     if device.type != "cpu":
         return
     rows = batch_size * rows_per_example
-    need = training_floor_bytes(model_cfg, rows, tokens_per_row, 4 if dtype == "fp32" else 2)
-    free = free_memory(device)
-    if free is not None and 16 * model_cfg.num_parameters > free:  # (no batch size fits)
-        raise FrawdError(f"the model's {model_cfg.num_parameters:,} parameters need "
-                         f"{16 * model_cfg.num_parameters / 2**30:.1f} GiB to train (weights, gradients and AdamW's "
-                         f"two moments, in fp32) before any activation, more than the {max(free, 0) / 2**30:.1f} GiB "
+    need = training_floor_bytes(model_cfg, rows, tokens_per_row, 4 if dtype == "fp32" else 2, frozen)
+    free, state = free_memory(device), _state_bytes(model_cfg, frozen)
+    if free is not None and state > free:  # (no batch size fits)
+        what = "the frozen weights, in fp32" if frozen else "weights, gradients and AdamW's two moments, in fp32"
+        raise FrawdError(f"the model's {model_cfg.num_parameters:,} parameters need {state / 2**30:.1f} GiB to "
+                         f"train ({what}) before any activation, more than the {max(free, 0) / 2**30:.1f} GiB "
                          "available: a smaller model")
     if free is not None and need > free:
         shape = f"{rows:,} rows" if rows_per_example > 1 else "rows"

@@ -101,7 +101,7 @@ CASES = [
                                   "--out", "{root}/readonly/m.gguf"], "readonly"),
     ("import-out-readonly", ["import", "--from-hf", "{root}/model", "--out", "{root}/readonly/imp"], ""),
     ("import-hub-name", ["import", "--from-hf", "openai-community/gpt2", "--out", "{out}"],
-     "reads a local directory, it downloads nothing: fetch a Hub model first (huggingface-cli download "
+     "reads a local directory, it downloads nothing: fetch a Hub model first (hf download "
      "openai-community/gpt2 --local-dir DIR)"),
     # item 9
     ("pretrain-preset-huge", pre("--preset", "huge"), "preset"),

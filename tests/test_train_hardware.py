@@ -300,7 +300,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert result.exit_code == 0, result.output
     for expected in ("cpu features:", "dtype:", "compile:", "peak fp32:", "budget:"):
         assert expected in result.output
-    assert "(a bpe tokenizer trained on it)" in result.output and "(vocabulary 8,192)" in result.output
+    assert "(a bpe tokenizer trained on it)" in result.output and "(vocabulary 8,192 at most: BPE stops early on a small corpus)" in result.output
     assert not out.exists()
     result = CliRunner().invoke(pretrain_cli.pretrain, ["--max-time", "1m", "--out", str(out), "--dry-run",
                                                         "--no-progress", "--peak-tflops", "1", "--tokenizer", "char"])

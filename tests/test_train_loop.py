@@ -355,6 +355,54 @@ def test_one_slow_evaluation_does_not_idle_the_rest_of_the_budget(tmp_path, monk
     assert budget - 1.5 * (0.5 + 0.2 + 0.2) - 2 * step_s <= spent <= budget
 
 
+class SlowFirstStepTask(TimedTask):
+    """Each session's first step takes `first_s` more (a warm-up)."""
+
+    def __init__(self, clock, first_s, **costs):
+        super().__init__(clock, **costs)
+        self.first_s, self.steps = first_s, 0
+
+    def loss(self, model, batch):
+        self.steps += 1
+        if self.steps == 1:
+            self.spend(self.first_s)
+        return super().loss(model, batch)
+
+
+def test_an_evaluation_due_near_the_budgets_end_is_the_final_one(tmp_path, monkeypatch):
+    # resumed at step 99, evaluations (3 s) every 100 steps, a 2 s warm-up as the session's
+    # first step: at step 300 an evaluation was due, and the loop ran it, one more step and
+    # the final evaluation: 51.7 s of 50. Now it stops there and that evaluation is the last.
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    costs = dict(step_s=0.1, eval_s=3.0, save_s=0.2)
+    Trainer(torch.nn.Linear(4, 1), TimedTask(clock, **costs), generic_config(tmp_path, max_steps=99,
+                                                                             eval_interval=100)).fit()
+    task = SlowFirstStepTask(clock, first_s=2.0, **costs)
+    cfg = generic_config(tmp_path, max_steps=None, max_time="50s", eval_interval=100, resume=True)
+    resumed = Trainer(torch.nn.Linear(4, 1), task, cfg)
+    spent_before = resumed.elapsed_before
+    result = resumed.fit()
+    assert result.stop_reason == "max_time" and task.evals >= 3
+    assert spent_before + (clock.now - task.start) <= 50.0
+
+
+def test_lora_training_is_not_refused_for_state_it_does_not_keep(monkeypatch):
+    """Frozen weights under LoRA adapters keep no gradients or AdamW moments: 4 bytes a
+    parameter, not 16 (a model that fits was told to shrink)."""
+    import frawdllm.memory as memory
+    from frawdllm import get_config
+    from frawdllm.errors import FrawdError
+
+    cfg = get_config("tiny", n_layer=1)
+    monkeypatch.setattr(memory, "free_memory", lambda device: 8 * cfg.num_parameters)
+    memory.check_training_fits(cfg, 1, 8, "fp32", torch.device("cpu"), frozen=True)
+    with pytest.raises(FrawdError, match="weights, gradients and AdamW's two moments"):
+        memory.check_training_fits(cfg, 1, 8, "fp32", torch.device("cpu"))
+
+
 class SkipsWhileUntrainedTask(TimedTask):
     """Like translation's BLEU: the evaluation before the first step skips `extra_s` of work
     (an untrained model) and says what it skipped through `evaluation_extra_s`."""

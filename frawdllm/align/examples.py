@@ -265,7 +265,15 @@ def check_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[
             raise FrawdError(f"--data {spec} holds {'preference pairs' if kind == 'sft' else 'instructions'}; "
                              f"use --data {stdlib_corpus.NAME_FOR[kind]} here")
         return None
+    if spec.startswith("hf:"):  # (opening the data set waits for its first record)
+        return _records_later(spec, stdlib_corpus.NAME_FOR[kind])
     return iter_records(spec, stdlib_corpus.NAME_FOR[kind], ignored)
+
+
+def _records_later(spec: str, builtin: str) -> Iterator[tuple[str, object]]:
+    from ..data.records import iter_records
+
+    yield from iter_records(spec, builtin)
 
 
 def iter_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[tuple[str, object, str]]:

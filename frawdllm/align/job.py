@@ -94,7 +94,7 @@ def check_init(cfg: FinetuneConfig) -> None:
     tokenizer.require_frawd_specials(f"{cfg.init}/{TOKENIZER_FILE}", "which the chat template is made of")
     check_training_fits(model_config, cfg.batch_size, min(cfg.max_length or model_config.context_length,
                                                           model_config.context_length), cfg.dtype, device,
-                        cfg.ROWS_PER_EXAMPLE)
+                        cfg.ROWS_PER_EXAMPLE, frozen=cfg.lora_rank > 0)
     if cfg.lora_rank > model_config.n_embd:  # every adapted projection has n_embd inputs or outputs
         raise ConfigError(f"--lora-rank {cfg.lora_rank} exceeds the model's n_embd {model_config.n_embd}: rank "
                           f"{model_config.n_embd} already allows any update of the projections (for every weight, "

@@ -81,9 +81,9 @@ def engine_flags(command):
                      help="A model directory (config.json, model.safetensors, tokenizer.json)."),
         quantize_option,
         click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-                     help="Precision of PyTorch's forward (weights and KV cache). The native C forward "
-                          "reads weights as --native says; with fp16 or int8 weights in every phase its KV cache "
-                          "is fp16 (--stats shows what ran)."),
+                     help="Precision of PyTorch's forward (weights and KV cache; bf16 runs PyTorch only). The "
+                          "native C forward reads fp32 weights as --native says; with fp16 or int8 weights in every "
+                          "phase its KV cache is fp16 (--stats shows what ran)."),
         click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,
                      help="Past the model's context: stop, or slide (keep the last 3/4, prefill again)."),
         click.option("--native", "native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto",

@@ -69,8 +69,9 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     tok.save(path)
     if stats.warning():
         click.echo(f"warning: {stats.warning()}", err=True)
-    if kind == "bpe" and vocab_size is not None and short_bpe_note(tok, vocab_size):
-        click.echo(short_bpe_note(tok, vocab_size), err=True)
+    note = short_bpe_note(tok, vocab_size) if kind == "bpe" and vocab_size is not None else None
+    if note:
+        click.echo(note, err=True)
     click.echo(f"kind: {tok.kind}")
     click.echo(f"vocab_size: {tok.vocab_size} (7 special tokens at ids 0..6)")
     click.echo(f"documents: {stats.documents}" if kind != "byte" else "documents: none read (a byte tokenizer "

@@ -314,7 +314,7 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
         hub_like = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(hf_dir)) and not str(hf_dir).startswith(".")
         raise FrawdError(f"{directory}: not found" + (
             "; --from-hf reads a local directory, it downloads nothing: fetch a Hub model first "
-            f"(huggingface-cli download {hf_dir} --local-dir DIR)" if hub_like else ""))
+            f"(hf download {hf_dir} --local-dir DIR)" if hub_like else ""))
     if not (directory / "config.json").is_file():
         raise FrawdError(f"{directory}: no config.json; not a transformers model directory")
     if "format_version" in _json_object(directory / "config.json"):

@@ -444,7 +444,8 @@ class Engine:
 
 
 def _at_threads(threads: int | None, run: Callable[[], Tensor]) -> Tensor:
-    """`run()` with torch's intra-op thread count set to `threads` (None: as it is)."""
+    """`run()` with torch's intra-op thread count set to `threads` (None: as it is). The count
+    is the process's: torch work in another thread meanwhile runs with it too."""
     before = torch.get_num_threads()
     if threads is None or threads == before:
         return run()

@@ -39,8 +39,9 @@ choice with fp16 weights), which halves what attention reads from memory.
 
 Vectors use GCC's vector extensions (16 or 8 floats), so the compiler emits AVX-512,
 AVX2, SSE or NEON for the machine it runs on (the file is compiled on first use with
--march=native); fp16 and int8 loads use the x86 conversion instructions where present
-and the compiler's portable conversions elsewhere (aarch64).
+-march=native); fp16 loads convert with F16C on x86 (AVX-512 or AVX) and natively on
+aarch64; int8 loads widen with AVX-512, AVX2 or NEON instructions, and with the compiler's
+portable conversion elsewhere.
 */
 #include <math.h>
 #include <omp.h>

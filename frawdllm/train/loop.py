@@ -443,10 +443,11 @@ class Trainer:
         start_up = self._fit_start - self._start
         steps = self.step - self._session_step
         training = time.perf_counter() - self._fit_start - self._evaluating_s
-        warnings.warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: start-up {start_up:.1f} s, "
-                      f"evaluations and checkpoints {self._evaluating_s:.1f} s ({cfg.eval_batches} validation "
-                      f"batches each: --eval-batches sets it), {steps} training step{'s' * (steps != 1)} "
-                      f"{training:.1f} s", stacklevel=3)
+        earlier = f"earlier sessions {self.elapsed_before:.1f} s, " if self.elapsed_before else ""
+        warnings.warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: {earlier}start-up "
+                      f"{start_up:.1f} s, evaluations and checkpoints {self._evaluating_s:.1f} s "
+                      f"({cfg.eval_batches} validation batches each: --eval-batches sets it), {steps} training "
+                      f"step{'s' * (steps != 1)} {training:.1f} s", stacklevel=3)
 
     def _fit(self, bar) -> None:
         cfg = self.cfg
@@ -628,8 +629,11 @@ class Trainer:
             # most of a minute, says nothing of it): take one step to measure it.
             next_step_s = 0.0 if self._compiled and self._warmup_s is not None and not self._step_times \
                 else self._step_s()
+            # an evaluation due now, then a step, then the final one: or stop, and this is the final
+            # one (counted once one was measured: before, the estimate is a warm-up step's)
+            due = bool(cfg.eval_interval and self.step % cfg.eval_interval == 0 and self._eval_s is not None)
             if self._last_step_s is not None and \
-                    self.elapsed() + self._final_eval_s() + next_step_s >= cfg.max_time_s:
+                    self.elapsed() + (1 + due) * self._final_eval_s() + next_step_s >= cfg.max_time_s:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
@@ -697,7 +701,7 @@ class Trainer:
         saving = time.perf_counter()
         self._eval_s = saving - start
         self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
-        if self._costs_step_s:
+        if self._step_times and self._costs_step_s:  # (not against a session's first step: a warm-up)
             self._eval_steps = self._eval_steps[-2:] + [self._eval_s / self._costs_step_s]
         if (improved or (not results and save)) and main:
             self._publish_model(whole)

@@ -234,8 +234,9 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     # the trainer's bars only where someone watches them (in a log they are blank lines)
     tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size,
                           show_progress=cfg.progress and sys.stderr.isatty())
-    if kind == "bpe" and short_bpe_note(tok, vocab_size):  # (the model's vocabulary is the tokenizer's)
-        print(short_bpe_note(tok, vocab_size), file=sys.stderr, flush=True)
+    note = short_bpe_note(tok, vocab_size) if kind == "bpe" else None
+    if note:  # (the model's vocabulary is the tokenizer's, unless set)
+        print(note, file=sys.stderr, flush=True)
     tok.save(saved)
     write_json_atomic(record, source)
     return tok
@@ -370,7 +371,8 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
         model_cfg = model_config_for(cfg, vocab or len(SPECIAL_TOKENS), tok)
         window = model_cfg.context_length
         if vocab is not None:
-            at_most = " at most: BPE stops early on a small corpus" if tok is None and kind == "bpe" else ""
+            at_most = " at most: BPE stops early on a small corpus" if tok is None and kind == "bpe" and \
+                "vocab_size" not in _model_overrides(cfg) else ""
             model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary "
                      f"{model_cfg.vocab_size:,}{at_most})")
         elif "vocab_size" in _model_overrides(cfg):  # char, the vocabulary given
