@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import os
 import statistics
 import subprocess
 import sys
@@ -172,8 +171,7 @@ def main() -> None:
         engines["int8"] = Engine(int8_model, tokenizer)
         if args.compile:
             engines["int8_compiled"] = Engine(int8_model, tokenizer, compile=True)
-    emulated = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")  # torch told not to use it
-    bf16 = not args.no_bf16 and (args.bf16 or (cpu_has_bf16() and not emulated))
+    bf16 = not args.no_bf16 and (args.bf16 or cpu_has_bf16())  # (oneDNN's ISA cap counted: device.cpu_features)
     if bf16:
         bf16_model = copy.deepcopy(model).to(torch.bfloat16)
         engines["bf16"] = Engine(bf16_model, tokenizer)

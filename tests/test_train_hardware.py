@@ -38,14 +38,28 @@ def test_emulated_bf16_is_measured_and_reported_with_the_fp32_peak():
     assert device.matmul_dtype("fp16", CPU, AVX512_BF16) == "fp32"
 
 
-def test_capping_pytorch_to_avx2_hides_avx512(monkeypatch):
-    monkeypatch.setattr(device, "_cpuinfo_flags", lambda: AVX512_BF16)
+@pytest.mark.parametrize("env,kept,hidden", [
+    ({}, {"avx512f", "avx512_bf16", "amx_bf16"}, set()),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, set(), {"avx512f", "avx512_bf16", "amx_bf16"}),
+    ({"DNNL_MAX_CPU_ISA": "avx2"}, set(), {"avx512f", "avx512_bf16", "amx_bf16"}),  # oneDNN's older name
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, {"avx512f"}, {"avx512_bf16", "amx_bf16"}),
+    # "AVX" began these and hid bf16 that oneDNN computes natively under them
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, {"avx512f", "avx512_bf16"}, {"amx_bf16"}),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, {"avx512_bf16", "amx_bf16"}, set()),
+    # ATen's own kernels capped: its vector flags go, oneDNN's bf16 matmuls stay native
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx512_bf16", "amx_bf16"}, {"avx512f"}),
+])
+def test_capping_pytorch_hides_what_the_cap_excludes(monkeypatch, env, kept, hidden):
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(device, "_cpuinfo_flags", lambda: AVX512_BF16 | {"amx_bf16"})
     device.cpu_features.cache_clear()
     try:
-        assert "avx512_bf16" in device.cpu_features()
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-        device.cpu_features.cache_clear()
-        assert device.cpu_features() == AVX2_ONLY and not device.cpu_has_bf16()
+        features = device.cpu_features()
+        assert kept <= features and not hidden & features and AVX2_ONLY <= features
+        assert device.cpu_has_bf16() == bool({"avx512_bf16", "amx_bf16"} & kept)
     finally:
         device.cpu_features.cache_clear()
 

@@ -90,16 +90,34 @@ def _cpuinfo_flags() -> frozenset[str]:
     return frozenset()
 
 
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # (the second: oneDNN's older name)
+
+
+def onednn_isa_cap() -> str:
+    """The instruction-set cap set for oneDNN, which computes PyTorch's bf16 matmuls ("" if none)."""
+    return next((os.environ[name].strip().upper() for name in ONEDNN_ISA_VARIABLES if os.environ.get(name)), "")
+
+
 @lru_cache(maxsize=1)
 def cpu_features() -> frozenset[str]:
-    """The CPU's feature flags, as PyTorch may use them: `ATEN_CPU_CAPABILITY=avx2` or
-    `ONEDNN_MAX_CPU_ISA=AVX2` (which cap PyTorch's kernels) hide AVX-512 and AMX."""
+    """The CPU's feature flags, as PyTorch may use them. `ATEN_CPU_CAPABILITY=avx2` caps
+    ATen's own kernels (elementwise, reductions): AVX-512 vector flags are hidden, not bf16
+    matmuls, which oneDNN computes. A oneDNN cap (`ONEDNN_MAX_CPU_ISA` / `DNNL_MAX_CPU_ISA`)
+    hides what it excludes: below AVX-512 (`AVX2`, `AVX`, `SSE41`) all of AVX-512 and AMX,
+    `AVX512_CORE[_VNNI]` bf16 and AMX, an ISA without AMX in its name AMX."""
     flags = _cpuinfo_flags()
-    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default") or \
-        os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "AVX", "SSE"))
-    if capped:
-        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
-    return flags
+    hidden: tuple[str, ...] = ()
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        hidden += ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi")
+    cap = onednn_isa_cap()
+    if cap and cap not in ("ALL", "DEFAULT"):
+        if not cap.startswith(("AVX512", "AVX10")):
+            hidden += ("avx512", "amx")
+        elif cap in ("AVX512_CORE", "AVX512_CORE_VNNI"):
+            hidden += ("avx512_bf16", "avx512_fp16", "amx")
+        elif "AMX" not in cap:
+            hidden += ("amx",)
+    return frozenset(f for f in flags if not f.startswith(hidden)) if hidden else flags
 
 
 def shown_features(features: frozenset[str] | None = None) -> str:
