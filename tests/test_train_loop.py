@@ -403,6 +403,38 @@ def test_lora_training_is_not_refused_for_state_it_does_not_keep(monkeypatch):
         memory.check_training_fits(cfg, 1, 8, "fp32", torch.device("cpu"))
 
 
+class BuildsOnFirstSampleTask(TimedTask):
+    """The first samples build the native forward (20 s) unless `prepare_samples` did."""
+
+    def __init__(self, clock, **costs):
+        super().__init__(clock, **costs)
+        self.built = False
+
+    def prepare_samples(self, device):
+        self.spend(20.0)
+        self.built = True
+
+    def samples(self, model, device):
+        if not self.built:
+            self.spend(20.0)
+            self.built = True
+        return ["a sample"]
+
+
+def test_the_first_samples_one_time_build_is_start_up_not_an_evaluation_cost(tmp_path, monkeypatch):
+    # in the step-0 evaluation, a 20 s build looked like what every evaluation costs: 1.5 x 20 s
+    # of a 60 s budget stayed unused
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    task = BuildsOnFirstSampleTask(clock, step_s=0.1, eval_s=0.5, save_s=0.2)
+    cfg = generic_config(tmp_path, max_steps=None, max_time="60s", eval_interval=0, sample_tokens=4)
+    assert Trainer(torch.nn.Linear(4, 1), task, cfg).fit().stop_reason == "max_time"
+    spent = clock.now - task.start
+    assert 60 - 1.5 * (0.5 + 0.2 + 0.2) - 0.3 <= spent <= 60
+
+
 class SkipsWhileUntrainedTask(TimedTask):
     """Like translation's BLEU: the evaluation before the first step skips `extra_s` of work
     (an untrained model) and says what it skipped through `evaluation_extra_s`."""

@@ -151,6 +151,11 @@ class FinetuneTask(TrainTask):
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return sample_texts(model, self.tokenizer, self.sample_prompts, self.cfg.sample_tokens)
 
+    def prepare_samples(self, device: torch.device) -> None:
+        from ..infer import native
+
+        native.build_for(device)
+
     def save_model(self, model: nn.Module, directory: Path) -> None:
         from ..modeldir import save_model_dir
 

@@ -148,6 +148,13 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def build_for(device: torch.device) -> None:
+    """Build the compiled forward now (once per machine and build; a line on stderr says so)
+    where an `Engine` on `device` would use it: on the CPU."""
+    if device.type == "cpu":
+        available()
+
+
 def unavailable_reason() -> str | None:
     """None when the compiled forward loads, else why not (no compiler, FRAWD_NATIVE=0...)."""
     return LIBRARY.unavailable_reason()

@@ -111,6 +111,11 @@ class PretrainTask(TrainTask):
         completion = Engine(model, self.data.tokenizer, overflow="slide").generate(self.cfg.sample_prompt, params)[0]
         return [self.cfg.sample_prompt + completion.text]
 
+    def prepare_samples(self, device: torch.device) -> None:
+        from ..infer import native
+
+        native.build_for(device)
+
     def save_model(self, model: nn.Module, directory: Path) -> None:
         save_model_dir(model, directory, tokenizer=self.data.tokenizer,
                        generation_config=self.generation_config or None)
