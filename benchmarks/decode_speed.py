@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -182,7 +183,7 @@ def main() -> None:
     print(cpu_features_line())
     print(f"native_march={march()}")
     if not bf16 and not args.no_bf16:
-        print("bf16=skipped (this CPU emulates bf16; --bf16 to force)")
+        print("bf16=skipped (bf16 matmuls are emulated here: the CPU or a oneDNN cap; --bf16 to force)")
 
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(7, cfg.vocab_size, (1, PROMPT_LEN), generator=gen)
@@ -290,6 +291,11 @@ def main() -> None:
         print(f"speedup_vs_hf_batch1_{name}={median['hf_batch1'] / median[f'{name}_batch1']:.2f}")
     if not llama_cpp:
         print("llama_cpp=skipped (llama-cpp-python is not installed; pip install 'frawdllm[llamacpp]' builds it)")
+    capped = [name for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(name)]
+    if llama_cpp and (capped or march() != "native"):  # (an emulated older CPU: not one for llama.cpp)
+        told = capped + (["FRAWD_MARCH"] if march() != "native" else [])
+        print(f"llama_cpp_note=llama.cpp runs its own build for this CPU; {', '.join(told)} apply to PyTorch and "
+              "our C forward only")
     for dtype, (_, ours_name) in LLAMA_CPP.items():
         if dtype in llama_cpp:
             ours_tok_s = NEW_TOKENS / median[f"{ours_name}_vs_llama_cpp_{dtype}"]
