@@ -119,7 +119,10 @@ def _nearly_full(folder: Path) -> bool:
 def _write_failed_for_space(exc: BaseException, folder: Path) -> bool:
     if isinstance(exc, FrawdError) or not isinstance(exc, Exception):
         return False
-    return is_disk_full(exc) or (isinstance(exc, OSError) and _nearly_full(folder))
+    # (torch.save's writer reports a short write as a RuntimeError: "... inline_container.cc ...
+    # unexpected pos 42048 vs 41940", from "basic_ios::clear: iostream error")
+    torch_writer = isinstance(exc, RuntimeError) and "inline_container" in str(exc)
+    return is_disk_full(exc) or ((isinstance(exc, OSError) or torch_writer) and _nearly_full(folder))
 
 
 def disk_full_error(path: str | os.PathLike) -> FrawdError:
@@ -269,15 +272,16 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.(?P<kind>tmp|old)")
 
 
-def clean_partial(folder: str | os.PathLike) -> None:
+def clean_partial(folder: str | os.PathLike, only: str | None = None) -> None:
     """Tidy what writes killed in `folder` left: a folder set aside for replacement whose
-    replacement never arrived is put back; other temporary files and folders are removed."""
+    replacement never arrived is put back; other temporary files and folders are removed.
+    `only`: just those of the entry of that name (a folder shared with other writers)."""
     folder = Path(folder)
     if not folder.is_dir():
         return
     for path in sorted(folder.iterdir()):
         match = _PARTIAL.fullmatch(path.name)
-        if match is None:
+        if match is None or (only is not None and match["name"] != only):
             continue
         target = folder / match["name"]
         if match["kind"] == "old" and not target.exists():

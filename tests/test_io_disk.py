@@ -270,3 +270,24 @@ def test_data_prepare_and_tokenizer_train_on_a_full_disk(small_disk, tmp_path):
                            "--out", str(small_disk / "tok")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     (small_disk / "filler").unlink()
     check_full_disk(proc, small_disk)
+
+
+def test_torch_save_on_a_full_disk_is_one_error(small_disk):
+    """A checkpoint's state.pt: torch.save reports a short write as a RuntimeError ("[enforce
+    fail at inline_container.cc] unexpected pos"), which went out as a traceback."""
+    with pytest.raises(FrawdError, match=rf"^no space left on {small_disk} while writing {small_disk / 'state.pt'}$"):
+        with atomic_path(small_disk / "state.pt") as tmp:
+            torch.save({"moments": torch.zeros(2**19)}, tmp)  # 2 MiB on a 1 MiB disk
+    assert list(small_disk.iterdir()) == []
+
+
+def test_export_cleans_what_an_export_killed_before_left_beside_its_out(tmp_path, big_model):
+    stale = tmp_path / ".hf.a1b2c3d4.tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_text("half")
+    other = tmp_path / ".other.a1b2c3d4.tmp"  # another writer's: not ours to remove
+    other.mkdir()
+    proc = subprocess.run([*FRAWD, "export", "--model", str(big_model), "--format", "hf", "--out", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.a1b2c3d4.tmp", "hf"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import click
 
@@ -49,6 +50,9 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
     if fmt == "hf" and out.lower().endswith(".gguf"):
         raise click.UsageError(f"--out {out} names a GGUF file, but --format hf writes a directory; "
                                "for a GGUF file give --format gguf")
+    from ..io import clean_partial
+
+    clean_partial(Path(out).parent, only=Path(out).name)  # what an export killed before left beside --out
     if fmt == "hf":
         require("transformers")
         from ..export.hf_dir import export_hf

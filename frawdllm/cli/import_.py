@@ -21,8 +21,12 @@ def import_(hf_dir: str, out: str, overwrite: bool) -> None:
     Pickle weights (*.bin) are refused: FrawdLLM never unpickles.
     """
     require("transformers")
-    from ..export.hf_dir import import_hf
+    from pathlib import Path
 
+    from ..export.hf_dir import import_hf
+    from ..io import clean_partial
+
+    clean_partial(Path(out).parent, only=Path(out).name)  # what an import killed before left beside --out
     model = import_hf(hf_dir, out, overwrite=overwrite)
     cfg = model.config
     click.echo(
