@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import os
 import statistics
 import subprocess
 import sys
@@ -66,7 +65,7 @@ from frawdllm.cbuild import march
 from frawdllm.infer import Engine, SamplingParams
 from frawdllm.infer.hugepages import huge_page_bytes
 from frawdllm.infer.quantize import quantize_int8
-from frawdllm.train.device import cpu_has_bf16
+from frawdllm.train.device import ONEDNN_CAPS, aten_capped, cpu_has_bf16, onednn_isa_cap
 
 PROMPT_LEN, NEW_TOKENS, BATCH, LONG_PROMPT = 32, 200, 16, 256
 FIRST_TOKEN_SAMPLES = 9  # per engine, interleaved; the figure is their median
@@ -291,7 +290,7 @@ def main() -> None:
         print(f"speedup_vs_hf_batch1_{name}={median['hf_batch1'] / median[f'{name}_batch1']:.2f}")
     if not llama_cpp:
         print("llama_cpp=skipped (llama-cpp-python is not installed; pip install 'frawdllm[llamacpp]' builds it)")
-    capped = [name for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(name)]
+    capped = ["ATEN_CPU_CAPABILITY"] * aten_capped() + ["oneDNN's ISA cap"] * (onednn_isa_cap() in ONEDNN_CAPS)
     if llama_cpp and (capped or march() != "native"):  # (an emulated older CPU: not one for llama.cpp)
         told = capped + (["FRAWD_MARCH"] if march() != "native" else [])
         print(f"llama_cpp_note=llama.cpp runs its own build for this CPU; {', '.join(told)} apply to PyTorch and "

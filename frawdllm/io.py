@@ -119,9 +119,10 @@ def _nearly_full(folder: Path) -> bool:
 def _write_failed_for_space(exc: BaseException, folder: Path) -> bool:
     if isinstance(exc, FrawdError) or not isinstance(exc, Exception):
         return False
-    # (torch.save's writer reports a short write as a RuntimeError: "... inline_container.cc ...
-    # unexpected pos 42048 vs 41940", from "basic_ios::clear: iostream error")
-    torch_writer = isinstance(exc, RuntimeError) and "inline_container" in str(exc)
+    # (torch.save's writer reports a short write as a RuntimeError: "[enforce fail at
+    # inline_container.cc:672] . unexpected pos 42048 vs 41940", or "file write failed")
+    torch_writer = isinstance(exc, RuntimeError) and any(
+        text in str(exc) for text in ("PytorchStreamWriter", "unexpected pos", "file write failed"))
     return is_disk_full(exc) or ((isinstance(exc, OSError) or torch_writer) and _nearly_full(folder))
 
 

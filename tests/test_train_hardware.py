@@ -48,6 +48,8 @@ def test_emulated_bf16_is_measured_and_reported_with_the_fp32_peak():
     ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, {"avx512_bf16", "amx_bf16"}, set()),
     # ATen's own kernels capped: its vector flags go, oneDNN's bf16 matmuls stay native
     ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx512_bf16", "amx_bf16"}, {"avx512f"}),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512CORE_BF16"}, {"avx512_bf16", "amx_bf16"}, set()),  # unknown to oneDNN: no cap
+    ({"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"}, {"avx512_bf16", "amx_bf16"}, set()),  # ONEDNN_ wins
 ])
 def test_capping_pytorch_hides_what_the_cap_excludes(monkeypatch, env, kept, hidden):
     for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):

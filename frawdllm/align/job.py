@@ -154,7 +154,8 @@ class FinetuneTask(TrainTask):
     def prepare_samples(self, device: torch.device) -> None:
         from ..infer import native
 
-        native.build_for(device)
+        if self.sample_prompts:
+            native.build_for(device)
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
         from ..modeldir import save_model_dir

@@ -133,7 +133,9 @@ def torch_logits(
 
 
 def _key(model: nn.Module, weights: str, threads: int) -> str:
-    isa = [os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")]
+    isa = [os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]  # torch's kernels
+    if os.environ.get("DNNL_MAX_CPU_ISA"):  # (appended only when set: the keys of users who set none stay)
+        isa.append(os.environ["DNNL_MAX_CPU_ISA"])
     isa.append(native_forward.has_amx())  # (off: FRAWD_AMX=0, or Linux refused the tile registers)
     code = source_digest(native_forward.LIBRARY.source)  # a faster native.c is measured again
     text = json.dumps([cpu_signature(), march(), code, isa, torch.__version__, threads, weights,

@@ -91,6 +91,15 @@ def _cpuinfo_flags() -> frozenset[str]:
 
 
 ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # (the second: oneDNN's older name)
+_BELOW_AVX512 = ("avx512", "amx")
+# The flags each oneDNN ISA cap excludes (prefixes); ALL, DEFAULT and unknown values cap nothing
+ONEDNN_CAPS = {
+    **dict.fromkeys(("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"), _BELOW_AVX512),
+    **dict.fromkeys(("AVX512_CORE", "AVX512_CORE_VNNI"), ("avx512_bf16", "avx512_fp16", "amx")),
+    "AVX512_CORE_BF16": ("avx512_fp16", "amx"),
+    **dict.fromkeys(("AVX512_CORE_FP16", "AVX10_1_512"), ("amx",)),
+    **dict.fromkeys(("AVX512_CORE_AMX", "AVX10_1_512_AMX"), ("amx_fp16",)),
+}
 
 
 def onednn_isa_cap() -> str:
@@ -103,21 +112,19 @@ def cpu_features() -> frozenset[str]:
     """The CPU's feature flags, as PyTorch may use them. `ATEN_CPU_CAPABILITY=avx2` caps
     ATen's own kernels (elementwise, reductions): AVX-512 vector flags are hidden, not bf16
     matmuls, which oneDNN computes. A oneDNN cap (`ONEDNN_MAX_CPU_ISA` / `DNNL_MAX_CPU_ISA`)
-    hides what it excludes: below AVX-512 (`AVX2`, `AVX`, `SSE41`) all of AVX-512 and AMX,
-    `AVX512_CORE[_VNNI]` bf16 and AMX, an ISA without AMX in its name AMX."""
+    hides what it excludes (`ONEDNN_CAPS`): below AVX-512 (`AVX2`, ...) all of AVX-512 and
+    AMX, `AVX512_CORE[_VNNI]` bf16, fp16 and AMX, `AVX512_CORE_BF16` fp16 and AMX, ..."""
     flags = _cpuinfo_flags()
     hidden: tuple[str, ...] = ()
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+    if aten_capped():
         hidden += ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi")
-    cap = onednn_isa_cap()
-    if cap and cap not in ("ALL", "DEFAULT"):
-        if not cap.startswith(("AVX512", "AVX10")):
-            hidden += ("avx512", "amx")
-        elif cap in ("AVX512_CORE", "AVX512_CORE_VNNI"):
-            hidden += ("avx512_bf16", "avx512_fp16", "amx")
-        elif "AMX" not in cap:
-            hidden += ("amx",)
+    hidden += ONEDNN_CAPS.get(onednn_isa_cap(), ())  # (a value oneDNN does not know caps nothing)
     return frozenset(f for f in flags if not f.startswith(hidden)) if hidden else flags
+
+
+def aten_capped() -> bool:
+    """`ATEN_CPU_CAPABILITY` keeps ATen's kernels from AVX-512."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")
 
 
 def shown_features(features: frozenset[str] | None = None) -> str:

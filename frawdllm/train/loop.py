@@ -409,15 +409,15 @@ class Trainer:
         self.model.train()
         load_pyplot()
         self._start = self.started_at if self.started_at is not None else time.perf_counter()
-        if cfg.sample_tokens and self.dist.is_main:
-            self.task.prepare_samples(self.device)  # (start-up: inside the budget)
+        if cfg.sample_tokens and self.dist.is_main:  # (start-up: inside the budget; sharded, samples run on the CPU)
+            self.task.prepare_samples(torch.device("cpu") if self.dist.sharded else self.device)
         self._fit_start = time.perf_counter()
         self._window = (self._fit_start, self.tokens)
         self._session_step, self._session_tokens = self.step, self.tokens
         self._session_progress = self.progress()
         late = bool(cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s)
         if late:
-            warnings.warn(f"start-up (tokenizer, data, model) took {self.elapsed():.1f} s, the whole --max-time "
+            warnings.warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole --max-time "
                           f"{cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over",
                           stacklevel=2)
         bar = _progress_bar(cfg.progress, self._session_progress)
