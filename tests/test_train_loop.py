@@ -477,7 +477,8 @@ def test_a_budget_start_up_used_up_is_said(tmp_path):
 
     cfg = generic_config(tmp_path, max_steps=None, max_time="10s", eval_interval=0)
     late = Trainer(torch.nn.Linear(4, 1), LinearTask(8), cfg, started_at=time.perf_counter() - 12.0)
-    with pytest.warns(UserWarning, match=r"start-up \(tokenizer, data, model\) took 12\.\d s, the whole --max-time 10 s"):
+    with pytest.warns(UserWarning, match=r"start-up \(tokenizer, data, model, native build\) took 12\.\d s, the whole "
+                                         r"--max-time 10 s"):
         result = late.fit()
     assert result.steps == 1 and result.stop_reason == "max_time"
 

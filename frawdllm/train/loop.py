@@ -417,8 +417,8 @@ class Trainer:
         self._session_progress = self.progress()
         late = bool(cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s)
         if late:
-            warnings.warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole --max-time "
-                          f"{cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over",
+            warnings.warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole "
+                          f"--max-time {cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over",
                           stacklevel=2)
         bar = _progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
