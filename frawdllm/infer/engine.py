@@ -233,12 +233,13 @@ class Engine:
         return self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
                                      lambda threads: decoder.forward(tokens, positions, cache, threads))
 
-    def torch_forward(self, phase: str, tokens: int, run: Callable[[], Tensor]) -> Tensor:
-        """`run()`, a PyTorch eager forward of `phase` over `tokens` tokens, at the thread count
-        that phase currently runs fastest with. Under load torch's team of threads waits at
+    def torch_forward(self, rows: int, new_tokens: int, run: Callable[[], Tensor]) -> Tensor:
+        """`run()`, a PyTorch eager forward of `rows` rows of `new_tokens` tokens, at the thread
+        count its phase currently runs fastest with. Under load torch's team of threads waits at
         every operation for its member without a core: a 16-row decode step of `tiny` took
         118 ms on 2 threads and 33 ms on 1 while other processes kept the 2 cores busy."""
-        return self._at_best_threads(phase, None, tokens, lambda threads: _at_threads(threads, run))
+        return self._at_best_threads(paths.phase(rows, new_tokens), None, rows * new_tokens,
+                                     lambda threads: _at_threads(threads, run))
 
     def row_step(self, step: native_forward.RowStep, token: int, position: int, slot: int) -> Float[Tensor, "1 V"]:
         """A batch-1 native decode step (`native.RowStep`), at the decode phase's thread count."""
@@ -439,8 +440,7 @@ class Engine:
         path = self.path(*tokens.shape)
         if path.kind == "native":
             return self.native_forward(decoder or self.native_decoder(), tokens, positions, cache, path)
-        return self.torch_forward(paths.phase(*tokens.shape), tokens.numel(),
-                                  lambda: paths.torch_logits(self.model, tokens, positions, cache))
+        return self.torch_forward(*tokens.shape, lambda: paths.torch_logits(self.model, tokens, positions, cache))
 
 
 def _at_threads(threads: int | None, run: Callable[[], Tensor]) -> Tensor:
@@ -593,7 +593,7 @@ class _Run:
         path = self.engine.path(len(seqs), width)
         if path.kind == "native":
             return self.engine.native_forward(self.native, ids, positions, self.cache, path)  # (B, V)
-        return self.engine.torch_forward(paths.phase(len(seqs), width), ids.numel(),
+        return self.engine.torch_forward(len(seqs), width,
                                          lambda: paths.torch_logits(self.model, ids, positions, self.cache))  # (B, V)
 
     @torch.inference_mode()
@@ -606,7 +606,7 @@ class _Run:
         if path.kind == "native":
             logits = self.engine.native_forward(self.native, tokens, self.positions, self.cache, path)
         elif path.kind == "torch":
-            logits = self.engine.torch_forward(paths.phase(len(self.rows), 1), len(self.rows),
+            logits = self.engine.torch_forward(len(self.rows), 1,
                                                lambda: decode_logits(self.model, tokens, self.positions, self.cache))
         elif self.warm:
             # Same model, cache tensors and shapes as the previous step of this run: the
