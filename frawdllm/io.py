@@ -8,7 +8,7 @@ built the same way: in a temporary folder beside the target, renamed at the end.
 The temporary names are private (mode 0600/0700) while being written; what is renamed
 into place gets the permissions a plain `open()` or `mkdir()` would give (0666/0777 less
 the umask). A write that fails removes its temporary file and any folder it created,
-and a full disk is reported as one line naming the device and the file.
+and a full disk (or quota, or file size limit) is reported as one line naming the file.
 
 Durable, not only atomic: a rename is atomic for the running system, but after a power
 loss or a kernel crash the new name can point at a file whose data never reached the
@@ -91,19 +91,31 @@ def _mount_point(path: Path) -> Path:
     return path
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """True if `exc` (or an exception it was raised from) says the disk or the file size
-    limit is full; libraries such as safetensors wrap the OSError in their own type."""
+_FULL_TEXTS = {"No space left on device": errno.ENOSPC, "os error 28": errno.ENOSPC,
+               "Disk quota exceeded": errno.EDQUOT, "os error 122": errno.EDQUOT,
+               "File too large": errno.EFBIG, "os error 27": errno.EFBIG}
+
+
+def _full_errno(exc: BaseException | None) -> int | None:
+    """ENOSPC, EDQUOT or EFBIG if `exc` (or an exception it was raised from) says the disk,
+    a quota or the file size limit is full; libraries such as safetensors wrap the OSError
+    in their own type, or keep only its text."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return True
+            return exc.errno
         text = str(exc)
-        if "No space left on device" in text or "File too large" in text or "os error 28" in text:
-            return True
+        for marker, code in _FULL_TEXTS.items():
+            if marker in text:
+                return code
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True if `exc` says the disk, a quota or the file size limit is full."""
+    return _full_errno(exc) is not None
 
 
 def _nearly_full(folder: Path) -> bool:
@@ -116,17 +128,35 @@ def _nearly_full(folder: Path) -> bool:
     return vfs.f_bavail * vfs.f_frsize < 2**20
 
 
-def _write_failed_for_space(exc: BaseException, folder: Path) -> bool:
+def _write_error(exc: BaseException, path: Path) -> FrawdError | None:
+    """The one-line error for a write into `path` that failed for lack of room (disk,
+    quota, file size limit), or None if it failed for another reason."""
     if isinstance(exc, FrawdError) or not isinstance(exc, Exception):
-        return False
-    # (torch.save's writer reports a short write as a RuntimeError: "[enforce fail at
-    # inline_container.cc:672] . unexpected pos 42048 vs 41940", or "file write failed")
+        return None
+    if is_disk_full(exc):
+        return disk_full_error(path, exc)
+    # (torch.save's writer reports a short write as a RuntimeError without the errno:
+    # "[enforce fail at inline_container.cc:672] . unexpected pos 42048 vs 41940", or
+    # "file write failed")
     torch_writer = isinstance(exc, RuntimeError) and any(
         text in str(exc) for text in ("PytorchStreamWriter", "unexpected pos", "file write failed"))
-    return is_disk_full(exc) or ((isinstance(exc, OSError) or torch_writer) and _nearly_full(folder))
+    if (isinstance(exc, OSError) or torch_writer) and _nearly_full(path.parent):
+        return disk_full_error(path)
+    if torch_writer:
+        return FrawdError(f"could not write {path}: the write stopped short with space left on "
+                          f"{_mount_point(path)} (a disk quota or the file size limit, `ulimit -f`?)")
+    return None
 
 
-def disk_full_error(path: str | os.PathLike) -> FrawdError:
+def disk_full_error(path: str | os.PathLike, exc: BaseException | None = None) -> FrawdError:
+    """"no space left on MOUNT while writing PATH", or the quota or file size limit that
+    `exc` names."""
+    code = _full_errno(exc)
+    if code == errno.EDQUOT:
+        return FrawdError(f"disk quota exceeded on {_mount_point(Path(path))} while writing {path}")
+    if code == errno.EFBIG:
+        return FrawdError(f"file size limit reached while writing {path} (`ulimit -f`, or the "
+                          "filesystem's largest file)")
     return FrawdError(f"no space left on {_mount_point(Path(path))} while writing {path}")
 
 
@@ -156,19 +186,25 @@ def undo_on_error(path: str | os.PathLike) -> Iterator[None]:
             elif folder.exists() or folder.is_symlink():
                 folder.unlink(missing_ok=True)
         if isinstance(exc, Exception) and not isinstance(exc, FrawdError) and is_disk_full(exc):
-            raise disk_full_error(path) from None
+            raise disk_full_error(path, exc) from None
         raise
 
 
 @contextmanager
 def _disk_full_as_one_line(path: Path) -> Iterator[None]:
-    """A write into `path`'s folder that failed for lack of space becomes `disk_full_error`."""
+    """A write into `path`'s folder that failed for lack of room becomes one line."""
     try:
         yield
     except Exception as exc:
-        if _write_failed_for_space(exc, path.parent):
-            raise disk_full_error(path) from None
-        raise
+        error = _write_error(exc, path)
+        if error is None:
+            raise
+        try:
+            raise error from None
+        finally:
+            # a local naming the raised error is a cycle through its traceback, which kept
+            # the failed writer's open file on the full disk until a garbage collection
+            del error
 
 
 def _temporary_in(make: Any, path: Path) -> str:

@@ -281,6 +281,39 @@ def test_torch_save_on_a_full_disk_is_one_error(small_disk):
     assert list(small_disk.iterdir()) == []
 
 
+_UNDER_FILE_SIZE_LIMIT = """
+import resource, signal, sys, torch
+from safetensors.torch import save_file
+from frawdllm import FrawdError
+from frawdllm.io import atomic_path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+try:
+    with atomic_path(sys.argv[1]) as tmp:
+        tensors = {"moments": torch.zeros(2**19)}  # 2 MiB
+        save_file(tensors, tmp) if sys.argv[1].endswith(".safetensors") else torch.save(tensors, tmp)
+except FrawdError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("name", ["state.pt", "model.safetensors"])
+def test_a_file_size_limit_is_named_not_a_full_disk(tmp_path, name):
+    """EFBIG (`ulimit -f`) on a disk with room: safetensors keeps the errno's text and says
+    so; torch.save's short write has no errno and was a traceback."""
+    proc = subprocess.run([sys.executable, "-c", _UNDER_FILE_SIZE_LIMIT, str(tmp_path / name)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    if name.endswith(".safetensors"):
+        assert proc.stdout.strip() == (f"file size limit reached while writing {tmp_path / name} "
+                                       "(`ulimit -f`, or the filesystem's largest file)")
+    else:
+        assert re.fullmatch(rf"could not write {re.escape(str(tmp_path / name))}: the write stopped short "
+                            r"with space left on /\S* \(a disk quota or the file size limit, `ulimit -f`\?\)",
+                            proc.stdout.strip()), proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_cleans_what_an_export_killed_before_left_beside_its_out(tmp_path, big_model):
     stale = tmp_path / ".hf.a1b2c3d4.tmp"
     stale.mkdir()

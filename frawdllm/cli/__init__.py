@@ -72,7 +72,7 @@ def describe_os_error(exc: OSError) -> str:
 
     name = exc.filename
     if is_disk_full(exc) and name is not None:
-        return str(disk_full_error(name))
+        return str(disk_full_error(name, exc))
     reason = (exc.strerror or str(exc) or type(exc).__name__).lower()
     if name is None:
         return reason
