@@ -54,7 +54,7 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
     checked = _as_tokenizer(tokenizer) if tokenizer is not None else None
     if checked is not None:  # (a tokenizer with ids past the embeddings: no command could load the folder)
         checked.check_fits(cfg.vocab_size, f"cannot save {directory}")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in plain_state(model, f"cannot save {directory}").items()}
     if cfg.tie_embeddings:
         state.pop(TIED_KEY)  # the same tensor as the token embedding; stored once
     problem = tables_too_large(cfg, sum(t.numel() * t.element_size() for t in state.values()))
@@ -70,6 +70,26 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
         if generation_config is not None:
             write_json_atomic(directory / GENERATION_CONFIG_FILE, generation_config)
     return directory
+
+
+def plain_state(model: torch.nn.Module, failing: str) -> dict[str, torch.Tensor]:
+    """`model`'s state_dict as a plain model of its config has it: LoRA adapters merged into
+    their layers (`align/lora.py`). Refused, after `failing` ("cannot save DIR"): int8 layers
+    (`quantize_int8` is for inference; they hold no float weights), and weights that a
+    model of `model.config` would not have (a config changed after construction)."""
+    from .align.lora import has_lora, merged_copy
+    from .infer.quantize import Int8Linear
+
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise FrawdError(f"{failing}: its linear layers are int8 (quantize_int8, for inference only); "
+                         "use the model from before quantizing")
+    state = (merged_copy(model) if has_lora(model) else model).state_dict()
+    cfg = model.config
+    held = sum(t.numel() for k, t in state.items() if not (cfg.tie_embeddings and k == TIED_KEY))
+    if held != cfg.num_parameters:
+        raise FrawdError(f"{failing}: the model holds {held:,} weights but its config describes "
+                         f"{cfg.num_parameters:,} (was model.config changed after construction?)")
+    return state
 
 
 def _as_tokenizer(tokenizer: Any) -> Any:

@@ -210,6 +210,76 @@ def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
     torch.testing.assert_close(merged(x)[0], adapted, atol=1e-5, rtol=1e-5)
 
 
+def _adapted(style="llama"):
+    """A LoRA model whose adapters change its function (B != 0), and its merged copy."""
+    model = lora.add_lora(tiny_model(style), rank=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_b" in n:
+                p.normal_(0, 0.05)
+    return model, lora.merged_copy(model)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_a_lora_model_saves_and_exports_merged(tmp_path, style):
+    """save_pretrained wrote the adapters' names (blocks.0.attn.qkv.base.weight, lora_a...),
+    a folder no loader reads; to_hf_model and gguf_tensors raised KeyError."""
+    from frawdllm import FrawdLLM
+    from frawdllm.export.gguf import gguf_tensors
+    from frawdllm.export.hf import to_hf_model
+
+    model, merged = _adapted(style)
+    x = torch.randint(0, 263, (1, 12))
+    model.save_pretrained(tmp_path / "m")
+    assert lora.has_lora(model)  # the model itself keeps its adapters
+    loaded = FrawdLLM.from_pretrained(tmp_path / "m")
+    assert torch.equal(loaded(x)[0], merged.eval()(x)[0])
+    torch.testing.assert_close(to_hf_model(model)(x).logits, merged(x)[0], atol=1e-5, rtol=1e-5)
+    ours = dict(gguf_tensors(model))
+    assert all(torch.equal(ours[name], t) for name, t in gguf_tensors(merged))
+
+
+def test_the_engine_runs_a_lora_model_in_pytorch():
+    """The native forward read `.weight` of the LoRA layers: AttributeError."""
+    from frawdllm.infer import Engine, SamplingParams
+    from frawdllm.infer.native import supports
+
+    model, merged = _adapted()
+    assert supports(model) == "blocks.0.attn.qkv has LoRA adapters (lora.merged_copy(model) merges them)"
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    got = Engine(model, byte_tokenizer()).generate("ab", params)
+    assert got[0].tokens == Engine(merged, byte_tokenizer(), native=False).generate("ab", params)[0].tokens
+
+
+def test_adapters_of_another_rank_are_refused_in_one_line():
+    """The names are the same at every rank: the copy failed with a size mismatch."""
+    model = lora.add_lora(tiny_model(), rank=2)
+    saved = lora.adapter_state(lora.add_lora(tiny_model(), rank=4))
+    with pytest.raises(ValueError, match=r"^the saved adapters do not fit this model \(another --lora-rank\?\)$"):
+        lora.load_adapter_state(model, saved)
+
+
+def test_int8_models_and_changed_configs_are_not_saved_or_exported(tmp_path):
+    from frawdllm import FrawdError
+    from frawdllm.export.hf import to_hf_model
+    from frawdllm.infer.quantize import quantize_int8
+
+    int8 = quantize_int8(tiny_model())
+    with pytest.raises(FrawdError, match=rf"^cannot save {tmp_path / 'q'}: its linear layers are int8 "
+                                         r"\(quantize_int8, for inference only\); use the model from before quantizing$"):
+        int8.save_pretrained(tmp_path / "q")
+    with pytest.raises(FrawdError, match=r"^cannot export to transformers: its linear layers are int8"):
+        to_hf_model(int8)
+    changed = tiny_model()
+    held = changed.num_parameters()
+    changed.config.n_layer = 3  # (2 built)
+    with pytest.raises(FrawdError, match=rf"^cannot save {tmp_path / 'c'}: the model holds {held:,} weights but its "
+                                         rf"config describes {changed.config.num_parameters:,} "
+                                         r"\(was model.config changed after construction\?\)$"):
+        changed.save_pretrained(tmp_path / "c")
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_stdlib_instruct_is_built_in_and_split_by_function():
     from frawdllm.align import stdlib_corpus
     from frawdllm.align.examples import is_held_out

@@ -75,7 +75,8 @@ def adapter_state(model: nn.Module) -> dict[str, Tensor]:
 
 def load_adapter_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     params = dict(model.named_parameters())
-    if set(state) != {name for name in params if "lora_" in name}:
+    if (set(state) != {name for name in params if "lora_" in name}
+            or any(value.shape != params[name].shape for name, value in state.items())):
         raise ValueError("the saved adapters do not fit this model (another --lora-rank?)")
     with torch.no_grad():
         for name, value in state.items():

@@ -32,7 +32,7 @@ from ..config import ModelConfig, Seq2SeqConfig
 from ..errors import FrawdError
 from ..io import atomic_dir, atomic_path
 from ..model import FrawdLLM
-from ..modeldir import load_config
+from ..modeldir import load_config, plain_state
 from ..tokenizer import Tokenizer
 from .hf import GPT2, hf_architecture, hf_parts
 from .hf_dir import CHAT_TEMPLATE, DTYPES, load_for_export, special_token
@@ -55,7 +55,7 @@ def gguf_tensors(model: FrawdLLM) -> list[tuple[str, Tensor]]:
     is_gpt2 = hf_architecture(cfg) == GPT2
     arch = gguf.MODEL_ARCH.GPT2 if is_gpt2 else gguf.MODEL_ARCH.LLAMA
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
-    state = model.state_dict()
+    state = plain_state(model, "cannot export to GGUF")
     out: list[tuple[str, Tensor]] = []
     for hf_name, part, _ in hf_parts(state, cfg):  # ignore transposition: GGUF wants (out, in)
         if ".q_proj." in hf_name:

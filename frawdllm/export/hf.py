@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..errors import ConfigError, FrawdError
+from ..modeldir import plain_state
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
@@ -298,7 +299,7 @@ def to_hf_model(model: torch.nn.Module):
 
     cfg: ModelConfig = model.config
     hf_model = AutoModelForCausalLM.from_config(to_hf_config(cfg))
-    state = to_hf_state_dict(model.state_dict(), cfg)
+    state = to_hf_state_dict(plain_state(model, "cannot export to transformers"), cfg)
     result = hf_model.load_state_dict(state, strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     if missing or result.unexpected_keys:

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..config import Seq2SeqConfig
 from ..errors import ConfigError
 from ..infer.translate import never_after_bos
+from ..modeldir import plain_state
 
 MARIAN = "MarianMTModel"
 _NEEDS = {"norm_placement": "post", "pos_encoding": "sinusoidal", "scale_embeddings": True, "use_rmsnorm": False,
@@ -124,7 +125,7 @@ def to_marian_model(model: torch.nn.Module):
 
     cfg = model.config
     hf = MarianMTModel(to_marian_config(cfg)).eval()
-    state = to_marian_state_dict({k: v.detach() for k, v in model.state_dict().items()}, cfg)
+    state = to_marian_state_dict({k: v.detach() for k, v in plain_state(model, "cannot export to Marian").items()}, cfg)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     ignorable = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
     if set(missing) - ignorable or unexpected:

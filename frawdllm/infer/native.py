@@ -180,6 +180,11 @@ def supports(model: nn.Module) -> str | None:
     for name, param in model.named_parameters():  # (buffers may hold other types: int8 weights)
         if param.dtype != torch.float32:
             return f"{name} is {param.dtype}, not float32"
+    from ..align.lora import LoRALinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            return f"{name} has LoRA adapters (lora.merged_copy(model) merges them)"
     return None
 
 
