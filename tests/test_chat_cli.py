@@ -231,3 +231,51 @@ def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat
     assert "error: the system message needs 165 tokens" in say(child, "/system " + "abc " * 39 + "abc")
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+
+
+def test_generation_config_cannot_make_chat_sample_twice_or_skip_eos(chat_model, tmp_path):
+    """num_samples: 2 in generation_config.json streamed both samples' chunks, interleaved,
+    into one reply (and the history); logprobs and ignore_eos came through too."""
+    import json
+    import shutil
+
+    model_dir = shutil.copytree(chat_model, tmp_path / "m")
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"num_samples": 2, "logprobs": 3, "ignore_eos": True, "temperature": 0, "max_new_tokens": 12}))
+    child = spawn(model_dir)
+    reply = say(child, "he fed a badge")
+    assert reply == expected_reply(chat_model, [{"role": "user", "content": "he fed a badge"}], 12)
+    shown = say(child, "/params")
+    assert "max_new_tokens=12" in shown and not re.search(r"num_samples|logprobs|ignore_eos", shown)
+    assert "error: logprobs cannot be changed here: chat does not show log-probabilities" in \
+        say(child, "/params logprobs=2")
+    assert "error: ignore_eos cannot be changed here: a reply ends at <|eos|>" in say(child, "/params ignore_eos=true")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
+def test_a_line_that_is_not_utf8_in_a_terminal_is_refused_and_the_chat_goes_on(chat_model):
+    """A bad paste ended the whole session ("standard input is not UTF-8 text")."""
+    child = pexpect.spawn(FRAWD, ["chat", "--model", str(chat_model), "--threads", "1", "--temperature", "0",
+                                  "--max-new-tokens", "12"], encoding="utf-8", codec_errors="replace",
+                          timeout=60, dimensions=(40, 2000), preexec_fn=default_sigint)
+    child.expect_exact("> ")
+    import os
+
+    os.write(child.child_fd, b"ab\xff\xfecd\r")
+    child.expect_exact("error: that message is not UTF-8 text; not sent\r\n> ")
+    assert say(child, "he fed a badge") == expected_reply(chat_model, [{"role": "user", "content": "he fed a badge"}], 12)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_a_system_message_with_characters_the_tokenizer_lacks_is_noted(chat_model):
+    child = pexpect.spawn(FRAWD, ["chat", "--model", str(chat_model), "--threads", "1", "--system", "be ~nice"],
+                          encoding="utf-8", timeout=60, dimensions=(40, 2000), preexec_fn=default_sigint)
+    child.expect_exact("Ctrl-D to leave.\r\n(not in the tokenizer's vocabulary, seen as <|unk|>: 'n~')\r\n> ")
+    assert say(child, "/system be ~kind") == ("(system message set)\r\n"
+                                              "(not in the tokenizer's vocabulary, seen as <|unk|>: 'kn~')")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)

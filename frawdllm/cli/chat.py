@@ -17,12 +17,13 @@ from ..errors import FrawdError, check_unicode
 from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
 
 PROMPT = "> "
+CHAT_FIXED = {"num_samples": 1, "logprobs": None, "ignore_eos": False}  # whatever generation_config.json says
 HELP = """commands:
   /reset            forget the conversation (the system message stays)
   /system TEXT      set the system message (/system alone removes it)
   /params           show the sampling parameters; /params key=value ... changes them
   /help             this list
-  /quit             leave (or Ctrl-D); Ctrl-C stops a reply
+  /quit, /exit      leave (or Ctrl-D); Ctrl-C stops a reply
   //TEXT            send "/TEXT" as a message (a message that starts with a slash)"""
 
 
@@ -49,7 +50,10 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
 
     if system_message is not None:
         check_unicode(system_message, "--system")
-    params = params_from_flags(model_dir, sampling)
+    # (generation_config.json may ask for what a conversation cannot use: several samples
+    # each turn, which were streamed into one reply; log-probabilities chat never shows;
+    # replies that run past <|eos|>)
+    params = params_from_flags(model_dir, sampling, **CHAT_FIXED)
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     # (known before the first message: no message could be rendered)
@@ -73,11 +77,19 @@ class _Repl:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    def note_unknown(self, text: str) -> None:
+        """Name the characters of a message a char-level tokenizer lacks (the model sees
+        <|unk|> for them, as `frawd generate` warns)."""
+        unknown = sorted(self.engine.tokenizer.unknown_characters(text))
+        if unknown:
+            self.out(f"(not in the tokenizer's vocabulary, seen as <|unk|>: {''.join(unknown[:20])!r})\n")
+
     def run(self) -> None:
         if sys.stdin.isatty():
             import readline  # noqa: F401  (line editing and history for input())
         context = self.engine.config.context_length
         self.out(f"frawd chat: {self.model_dir} (context {context} tokens). /help for commands, Ctrl-D to leave.\n")
+        self.note_unknown(self.system or "")
         while True:
             try:
                 line = input(PROMPT)
@@ -89,6 +101,9 @@ class _Repl:
                 self.out("^C\n")
                 continue
             except UnicodeError:
+                if sys.stdin.isatty():  # (a bad paste, a Latin-1 terminal: the conversation goes on)
+                    self.out("error: that message is not UTF-8 text; not sent\n")
+                    continue
                 self.out("\n")
                 raise FrawdError("standard input is not UTF-8 text") from None
             line = line.strip()
@@ -125,6 +140,7 @@ class _Repl:
                     return None
             self.system = arg or None
             self.out("(system message set)\n" if arg else "(system message removed)\n")
+            self.note_unknown(arg)
         elif name == "/params":
             self.set_params(arg.split())
         else:
@@ -138,7 +154,9 @@ class _Repl:
         changes = {}
         fixed = {"stop": "stop strings are set when chat starts (--stop)",
                  "stop_token_ids": "chat stops at its role tokens and <|eos|>",
-                 "num_samples": "chat replies with one sample"}
+                 "num_samples": "chat replies with one sample",
+                 "logprobs": "chat does not show log-probabilities",
+                 "ignore_eos": "a reply ends at <|eos|>"}
         settable = [f.name for f in fields(SamplingParams) if f.name not in fixed]
         try:
             for pair in pairs:
@@ -154,7 +172,8 @@ class _Repl:
         except FrawdError as exc:
             self.out(f"error: {exc}\n")
             return
-        shown = [f"{f.name}={getattr(self.params, f.name)}" for f in fields(self.params) if f.name != "stop_token_ids"]
+        shown = [f"{f.name}={getattr(self.params, f.name)}" for f in fields(self.params)
+                 if f.name not in ("stop_token_ids", *CHAT_FIXED)]
         self.out("  ".join(shown) + "\n")
 
     def reply(self, text: str) -> None:
@@ -162,9 +181,7 @@ class _Repl:
 
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
         messages.append({"role": "user", "content": text})
-        unknown = sorted(self.engine.tokenizer.unknown_characters(text))
-        if unknown:  # (a char tokenizer: the model sees <|unk|> for them, as generate warns)
-            self.out(f"(not in the tokenizer's vocabulary, seen as <|unk|>: {''.join(unknown[:20])!r})\n")
+        self.note_unknown(text)
         context = self.engine.config.context_length
         try:
             ids, dropped = fit_history(self.engine.tokenizer, messages, context,
