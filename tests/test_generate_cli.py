@@ -137,7 +137,11 @@ def test_int8_flag_generates(capsys, model_dir):
     (["--prompt-file", "/tmp"], "--prompt-file /tmp is a folder, not a file"),
     (["--prompt", "x" * 100], "prompt has 100 tokens but the model's context is 64"),
     (["--prompt", "ab" + b"\xff".decode("utf-8", "surrogateescape")],  # invalid UTF-8 in argv
-     "the text is not valid UTF-8 \\(a lone surrogate or undecodable byte at character 2\\)"),
+     "--prompt is not valid UTF-8 \\(a lone surrogate or undecodable byte at character 2\\)"),
+    (["--prompt", "x", "--prompt", "ab" + b"\xff".decode("utf-8", "surrogateescape")],
+     "--prompt 2 is not valid UTF-8 \\(a lone surrogate or undecodable byte at character 2\\)"),
+    (["--prompt", "x", "--stop", b"\xff".decode("utf-8", "surrogateescape")],  # (it could never match)
+     "--stop is not valid UTF-8 \\(a lone surrogate or undecodable byte at character 0\\)"),
 ])
 def test_bad_input_is_one_line_error(capsys, model_dir, args, message):
     import re

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import FrawdError
+from ..errors import FrawdError, check_unicode
 from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_from_flags, sampling_flags
 
 
@@ -57,6 +57,8 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     texts = list(prompts) + [_read_prompt_file(path) for path in prompt_files]
     if not texts:
         raise FrawdError("give a prompt with --prompt TEXT or --prompt-file FILE")
+    for i, text in enumerate(prompts):  # (invalid UTF-8 on the command line; files are decoded strictly)
+        check_unicode(text, "--prompt" if len(prompts) == 1 else f"--prompt {i + 1}")
     given = {name: value for name, value in (("num_samples", num_samples), ("ignore_eos", ignore_eos))
              if value is not None}  # (else generation_config.json's, like every sampling setting)
     params = params_from_flags(model_dir, sampling, **given)

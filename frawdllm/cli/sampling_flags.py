@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ..errors import FrawdError
+from ..errors import FrawdError, check_unicode
 
 _SAMPLING = [
     ("--max-new-tokens", "max_new_tokens", int, "Most tokens to generate per completion.  [default: 128]"),
@@ -48,6 +48,8 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
         if flags.get(name) is not None:
             values[name] = flags[name]
     if flags.get("stop"):
+        for stop in flags["stop"]:  # (invalid UTF-8 on the command line: a stop that could never match)
+            check_unicode(stop, "--stop")
         values["stop"] = list(flags["stop"])
     values.update(extra)
     return SamplingParams.from_dict(values)
