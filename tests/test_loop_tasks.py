@@ -100,3 +100,38 @@ def test_a_frozen_module_sharing_the_models_parameters_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="shares parameters"):
         Trainer(model, Sharing(), config(tmp_path))
+
+
+class FiniteTask(RegressionTask):
+    """`batches` batches, then StopIteration (the most natural custom dataset: an iterator)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.left = batches
+
+    def next_batch(self):
+        if self.left == 0:
+            raise StopIteration
+        self.left -= 1
+        return super().next_batch()
+
+
+def test_a_finite_dataset_ends_the_run_with_a_final_evaluation_and_checkpoint(tmp_path):
+    """StopIteration from next_batch escaped fit(): no final checkpoint, the steps since the
+    last one lost. The step it cuts short (1 of 2 micro-batches here) is dropped."""
+    model = torch.nn.Linear(4, 1)
+    result = Trainer(model, FiniteTask(batches=7), config(tmp_path, grad_accum=2, max_steps=100,
+                                                          eval_interval=100)).fit()
+    assert result.stop_reason == "data_exhausted" and result.steps == 3
+    assert result.summary().startswith("data_exhausted: 3 steps")
+    saved = load_file(str(latest_checkpoint(tmp_path / "run") / "model" / "model.safetensors"))
+    assert torch.equal(saved["weight"], model.weight.detach())
+    assert all(p.grad is None for p in model.parameters())  # the cut step's gradients dropped
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
+
+
+def test_a_dataset_with_no_batch_is_one_error(tmp_path):
+    from frawdllm import FrawdError
+
+    with pytest.raises(FrawdError, match=r"^the task's next_batch gave no batch \(StopIteration before the first step\)$"):
+        Trainer(torch.nn.Linear(4, 1), FiniteTask(batches=0), config(tmp_path)).fit()

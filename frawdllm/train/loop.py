@@ -66,7 +66,11 @@ from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, b
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
-STOP_REASONS = (None, "max_steps", "max_tokens", "max_time", "interrupted")
+STOP_REASONS = (None, "max_steps", "max_tokens", "max_time", "interrupted", "data_exhausted")
+
+
+class _DataExhausted(Exception):
+    """The task's `next_batch` raised StopIteration (a finite dataset ran out)."""
 
 
 class TrainingDiverged(FrawdError):
@@ -165,7 +169,7 @@ class TrainResult:
     steps: int
     tokens: int
     elapsed_s: float
-    stop_reason: str  # max_steps | max_tokens | max_time | interrupted
+    stop_reason: str  # max_steps | max_tokens | max_time | interrupted | data_exhausted
     last_loss: float | None
     val_loss: float | None  # at the final evaluation
     best_val_loss: float | None
@@ -463,7 +467,11 @@ class Trainer:
         if (self.step == 0 and (cfg.eval_interval or cfg.max_time_s)) or self._owed_eval:
             self._evaluate(save=False)
         while self.stop_reason is None:
-            record = self.train_step()
+            try:
+                record = self.train_step()
+            except _DataExhausted:
+                self._data_exhausted()
+                break
             _bar_update(bar, self, record)
             for callback in self.callbacks:
                 callback(self, record)
@@ -496,7 +504,10 @@ class Trainer:
         named: dict[str, Tensor] = {}  # the task's metrics, summed over micro-batches
         step_tokens = 0
         for micro in range(self.grad_accum):
-            batch = to_device(self.task.next_batch(), self.device)
+            try:
+                batch = to_device(self.task.next_batch(), self.device)
+            except StopIteration:  # (leaving a generator as StopIteration would be a RuntimeError)
+                raise _DataExhausted from None
             step_tokens += self.task.batch_tokens(batch) * self.dist.world_size
             with distributed.gradient_sync(self.step_module, micro == self.grad_accum - 1):
                 loss, metrics = self._forward_backward(batch)
@@ -546,6 +557,17 @@ class Trainer:
             self.metrics.log(record)
             self._window = (now, self.tokens)
         return record
+
+    def _data_exhausted(self) -> None:
+        """A finite dataset ran out: the run ends as a budget would end it (a final evaluation
+        and checkpoint); the micro-batches of the step it cut short are dropped."""
+        if self.dist.active:  # (the other ranks are inside this step's collectives)
+            raise FrawdError(f"the task's next_batch ran out of data (StopIteration) at step {self.step + 1} on "
+                             f"rank {self.dist.rank}: under torchrun every rank's data must last the whole budget")
+        if self.step == 0:
+            raise FrawdError("the task's next_batch gave no batch (StopIteration before the first step)")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stop_reason = "data_exhausted"
 
     def _forward_backward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """The micro-batch's loss and named metrics (detached, fp32), its gradients accumulated."""
