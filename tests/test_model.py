@@ -246,3 +246,19 @@ def test_bad_ids_and_targets_are_one_line_naming_them():
         "targets must be a (batch, time) integer tensor, got a 2-D torch.bool tensor",
         "True",
     ]
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_ids_past_the_vocabulary_and_negative_positions_are_one_line(pos):
+    """An id >= vocab_size was `IndexError: index out of range in self` from inside the
+    embedding; a negative position the same with learned positions, and with RoPE read
+    the tables from the end, silently."""
+    model = FrawdLLM(small_cfg(pos_encoding=pos))
+    ids = torch.tensor([[1, 2, 3]])
+    for bad, message in [(64, "token id 64 is outside the model's vocabulary \\(vocab_size 64\\)"),
+                         (-2, "token id -2 is outside the model's vocabulary \\(vocab_size 64\\)")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            model(torch.tensor([[1, bad, 3]]))
+    with pytest.raises(ValueError, match="^position -1 is negative$"):
+        model(ids, positions=torch.tensor([[-1, 0, 1]]))
+    model(ids, positions=torch.tensor([[0, 1, 2]]))  # (still fine)

@@ -160,13 +160,20 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
                     f"sequence length {T} exceeds the model's context_length {self.config.context_length}"
                 )
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
-        elif (not torch.compiler.is_compiling()  # a data-dependent check would break the graph
-              and positions.numel() and int(positions.max()) >= self.config.context_length):
-            raise ValueError(
-                f"position {int(positions.max())} is past the model's context_length "
-                f"{self.config.context_length}"
-            )
-        x = self.embed(token_ids, positions)  # (B, T, D)
+        elif not torch.compiler.is_compiling() and positions.numel():  # (a data-dependent check breaks a graph)
+            low, high = (int(v) for v in torch.aminmax(positions))
+            if high >= self.config.context_length:
+                raise ValueError(f"position {high} is past the model's context_length {self.config.context_length}")
+            if low < 0:  # (RoPE's tables would read it from the end, silently)
+                raise ValueError(f"position {low} is negative")
+        try:
+            x = self.embed(token_ids, positions)  # (B, T, D)
+        except IndexError:  # ids are not read on the way (a GPU would wait): only when one is bad
+            bad = token_ids[(token_ids < 0) | (token_ids >= self.config.vocab_size)]
+            if not bad.numel():
+                raise
+            raise ValueError(f"token id {int(bad[0])} is outside the model's vocabulary "
+                             f"(vocab_size {self.config.vocab_size})") from None
         rope = None
         if self.config.pos_encoding == "rope":
             # (1, 1, T, hd/2) or (B, 1, T, hd/2): broadcast over heads
