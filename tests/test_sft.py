@@ -259,6 +259,37 @@ def test_adapters_of_another_rank_are_refused_in_one_line():
         lora.load_adapter_state(model, saved)
 
 
+def test_lora_twice_or_a_fractional_rank_is_refused():
+    model = lora.add_lora(tiny_model(), rank=2)
+    with pytest.raises(ValueError, match="^FrawdLLM already has LoRA adapters$"):
+        lora.add_lora(model, 2)
+    from cli_helpers import script_lines
+
+    assert script_lines("from frawdllm import FrawdLLM, get_config\nfrom frawdllm.align.lora import add_lora\n"
+                        "try:\n    add_lora(FrawdLLM(get_config('tiny', n_layer=1)), 2.5)\n"
+                        "except ValueError as exc:\n    print(exc)") == ["LoRA rank must be a positive integer, got 2.5"]
+
+
+def test_lora_on_an_encoder_decoder_covers_cross_attention_and_saves_merged(tmp_path):
+    """Cross-attention's q and kv were left out while its proj got adapters."""
+    from frawdllm import Seq2SeqTransformer, get_config
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=50, n_embd=32, n_head=4, n_layer=1,
+                                          n_encoder_layer=1, context_length=16, dropout=0.0))
+    lora.add_lora(model, rank=2)
+    wrapped = {n.rsplit(".", 1)[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert {"decoder.0.cross.q", "decoder.0.cross.kv", "decoder.0.cross.proj"} <= wrapped
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_b" in n:
+                p.normal_(0, 0.05)
+    src, tgt = torch.randint(4, 50, (2, 7)), torch.randint(4, 50, (2, 5))
+    model.eval().save_pretrained(tmp_path / "m")
+    loaded = Seq2SeqTransformer.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(loaded(src, tgt)[0], model(src, tgt)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_int8_models_and_changed_configs_are_not_saved_or_exported(tmp_path):
     from frawdllm import FrawdError
     from frawdllm.export.hf import to_hf_model
@@ -378,7 +409,7 @@ def test_sft_and_dpo_keep_the_init_models_sampling_defaults(tmp_path, capsys):
 def test_lora_on_a_model_without_its_target_layers_is_refused():
     """It froze every weight and added nothing: 0 trainable parameters, no error."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    with pytest.raises(ValueError, match="no linear layer named qkv, proj, up, down to put LoRA adapters on in "
+    with pytest.raises(ValueError, match="no linear layer named qkv, q, kv, proj, up, down to put LoRA adapters on in "
                                          "Sequential"):
         lora.add_lora(model, 2)
     assert all(p.requires_grad for p in model.parameters())  # untouched

@@ -3,7 +3,8 @@
 A frozen linear layer W (out x in) gets a trainable update B A, with A (r x in) and
 B (out x r), r small:  y = x W^T + (alpha / r) x A^T B^T.  B starts at zero, so training
 starts from the base model exactly. The adapters go on every attention and MLP projection
-(qkv, proj, up, down); embeddings, norms and the LM head stay frozen.
+(qkv, proj, up, down; an encoder-decoder's cross-attention q and kv too); embeddings,
+norms and the LM head stay frozen.
 
 On save the update is merged, W' = W + (alpha / r) B A, into a plain model directory:
 every other command (chat, generate, export) reads it without knowing LoRA was used.
@@ -18,7 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-TARGETS = ("qkv", "proj", "up", "down")
+TARGETS = ("qkv", "q", "kv", "proj", "up", "down")
 
 
 class LoRALinear(nn.Module):
@@ -42,8 +43,10 @@ class LoRALinear(nn.Module):
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:
     """Freeze `model` and wrap its projections with adapters (in place); returns it."""
-    if rank < 1:
-        raise ValueError(f"LoRA rank must be positive, got {rank}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+    if has_lora(model):  # (else: "no linear layer named ...", the projections being LoRA layers now)
+        raise ValueError(f"{type(model).__name__} already has LoRA adapters")
     targets = [(module, name, child) for module in model.modules() for name, child in module.named_children()
                if name in TARGETS and isinstance(child, nn.Linear)]
     if not targets:  # (else every weight frozen and nothing to train, silently)
