@@ -135,3 +135,42 @@ def test_a_dataset_with_no_batch_is_one_error(tmp_path):
 
     with pytest.raises(FrawdError, match=r"^the task's next_batch gave no batch \(StopIteration before the first step\)$"):
         Trainer(torch.nn.Linear(4, 1), FiniteTask(batches=0), config(tmp_path)).fit()
+
+
+class MisusedTask(RegressionTask):
+    def __init__(self, mistake):
+        super().__init__()
+        self.mistake = mistake
+
+    def loss(self, model, batch):
+        loss, metrics = super().loss(model, batch)
+        return {"float metric": (loss, {"m": 1.5}), "vector metric": (loss, {"m": batch[1]}),
+                "1-tuple": (loss,), "vector loss": batch[1] - model(batch[0]).squeeze(-1),
+                "no gradient": loss.detach(), "list metrics": (loss, [loss])}.get(self.mistake, (loss, metrics))
+
+    def evaluate(self, model, device):
+        return {"val_loss": torch.tensor(0.5)} if self.mistake == "tensor val_loss" else \
+            {"val_loss": "low"} if self.mistake == "text val_loss" else {}
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("float metric", "the task's metric 'm' must be a scalar tensor, got float"),
+    ("vector metric", "the task's metric 'm' must be a scalar tensor, got a 1-D tensor"),
+    ("1-tuple", r"the task's loss must return a scalar tensor or \(loss, \{name: scalar tensor\}\), got tuple"),
+    ("vector loss", r"the task's loss must return a scalar tensor or \(loss, \{name: scalar tensor\}\), got a 1-D tensor"),
+    ("no gradient", r"the task's loss has no gradient \(not computed from the model's trainable parameters, "
+                    r"or under no_grad\)"),
+    ("list metrics", "the task's metrics must be a dict of scalar tensors, got list"),
+    ("text val_loss", "the task's evaluate result 'val_loss' must be a number, got str"),
+])
+def test_a_task_returning_the_wrong_kind_of_value_is_told_what_it_must_be(tmp_path, mistake, message):
+    """These failed inside the loop's own code: `'float' object has no attribute 'detach'`,
+    "only one element tensors can be converted", "not enough values to unpack", a JSON error."""
+    with pytest.raises(TypeError, match=f"^{message}$"):
+        Trainer(torch.nn.Linear(4, 1), MisusedTask(mistake), config(tmp_path)).fit()
+
+
+def test_a_scalar_tensor_from_evaluate_is_logged_as_its_number(tmp_path):
+    result = Trainer(torch.nn.Linear(4, 1), MisusedTask("tensor val_loss"), config(tmp_path)).fit()
+    assert result.val_loss == 0.5
+    assert [r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r] == [0.5, 0.5, 0.5]

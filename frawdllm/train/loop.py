@@ -80,6 +80,43 @@ class TrainingDiverged(FrawdError):
 LossOutput = Tensor | tuple[Tensor, dict[str, Tensor]]
 
 
+def _kind(value: Any) -> str:
+    return f"a {value.dim()}-D tensor" if isinstance(value, Tensor) else type(value).__name__
+
+
+def checked_loss(out: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """A task's `loss` result as (loss, metrics), else a TypeError saying what it must be
+    (the loop's own code failed on it: `'float' object has no attribute 'detach'`...)."""
+    loss, metrics = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise TypeError(f"the task's loss must return a scalar tensor or (loss, {{name: scalar tensor}}), "
+                        f"got {_kind(out if isinstance(out, tuple) and len(out) != 2 else loss)}")
+    if not loss.requires_grad:
+        raise TypeError("the task's loss has no gradient (not computed from the model's trainable parameters, "
+                        "or under no_grad)")
+    if not isinstance(metrics, dict):
+        raise TypeError(f"the task's metrics must be a dict of scalar tensors, got {_kind(metrics)}")
+    for name, value in metrics.items():
+        if not isinstance(value, Tensor) or value.dim() != 0:
+            raise TypeError(f"the task's metric {name!r} must be a scalar tensor, got {_kind(value)}")
+    return loss, metrics
+
+
+def checked_results(results: Any) -> dict[str, float]:
+    """A task's `evaluate` result as {name: float} (a scalar tensor becomes its value), else
+    a TypeError naming the value."""
+    if not isinstance(results, dict):
+        raise TypeError(f"the task's evaluate must return a dict of numbers, got {_kind(results)}")
+    checked = {}
+    for name, value in results.items():
+        if isinstance(value, Tensor) and value.dim() == 0:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"the task's evaluate result {name!r} must be a number, got {_kind(value)}")
+        checked[name] = float(value)
+    return checked
+
+
 def first_tensor(batch: Any) -> Any:
     """A batch's first tensor, through nested tuples, lists and dicts."""
     while isinstance(batch, (tuple, list, dict)):
@@ -574,7 +611,7 @@ class Trainer:
         try:
             with autocast(self.device, self.dtype):
                 loss = self.step_module(self.loss_fn, batch)
-            loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
+            loss, metrics = checked_loss(loss)
             self.scaler.scale(loss / self.grad_accum).backward()
         except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
             if not self._compiled or self._compiled_ok:
@@ -717,6 +754,7 @@ class Trainer:
             self.model.train()
         self._last_eval_step = self.step
         if results:
+            results = checked_results(results)
             self.last_val_loss = results.get("val_loss")
             self.metrics.log({"step": self.step, "tokens": self.tokens, **results,
                               "elapsed_s": round(self.elapsed(), 3)})
