@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ ROLES = ("system", "user", "assistant")
 KINDS = ("bpe", "char", "byte")
 TOKENIZER_FILE = "tokenizer.json"
 MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the byte alphabet, before any merge
+MAX_TOKEN_ID = 2**32 - 1  # what the tokenizers library reads an id into (u32): any id above is past any vocabulary
 MAX_BPE_VOCAB = 2**20  # 4x the largest vocabularies in use (~256k); the trainer allocates ~56 bytes an id up front
 # End-of-text tokens of other families (GPT-2, Llama 3, Llama 2 / Mistral, Gemma): what ends a
 # document for a tokenizer without FrawdLLM's specials (an imported model's)
@@ -106,6 +107,16 @@ def _role_and_content(message: Any, index: int) -> tuple[str, str]:
     return role, content
 
 
+def _check_text(text: Any, taker: str, index: int | None = None) -> None:
+    """A str that is valid UTF-8, else one line (bytes and None failed inside tokenizers);
+    `index`: its place in a batch."""
+    if not isinstance(text, str):
+        at = "" if index is None else f" as text {index}"
+        hint = ": decode it first, e.g. text.decode('utf-8')" if isinstance(text, (bytes, bytearray)) else ""
+        raise FrawdError(f"{taker} takes text (str), got {type(text).__name__}{at}{hint}")
+    check_unicode(text, "the text" if index is None else f"text {index}")
+
+
 class Tokenizer:
     """A FrawdLLM tokenizer: a thin wrapper around a `tokenizers.Tokenizer` (`.backend`)."""
 
@@ -143,8 +154,14 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for: a byte-level BPE token's bytes (possibly part of a
         character), a char token's UTF-8, a special token's own text; b"" past the vocabulary.
+        An id that is not a non-negative integer is one line, as in `decode`.
         (For logprobs: a token's text alone may be half a character.)"""
-        token = self.backend.id_to_token(token_id)
+        try:
+            token = self.backend.id_to_token(token_id)
+        except (OverflowError, TypeError):  # not a u32 (the check costs nothing on the path logprobs take)
+            if not is_integer(token_id) or token_id < 0:
+                raise FrawdError(f"token_bytes takes a non-negative integer token id, got {token_id!r}") from None
+            token = None
         if token is None:
             return b""
         if self.kind in ("bpe", "byte") and token_id not in self.special_ids and \
@@ -197,25 +214,43 @@ class Tokenizer:
         """Plain text -> ids. No special tokens are added or parsed."""
         try:
             return self._plain.encode(text, add_special_tokens=False).ids
-        except TypeError:  # what `tokenizers` says of a lone surrogate (invalid UTF-8 via argv or JSON)
-            check_unicode(text, "the text")
+        except TypeError:  # what `tokenizers` says of a lone surrogate (invalid UTF-8 via argv or JSON), or not a str
+            _check_text(text, "encode")
             raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many texts at once, in parallel on all cores (Rust threads, GIL released)."""
-        return [e.ids for e in self._plain.encode_batch_fast(texts, add_special_tokens=False)]
+        if isinstance(texts, (str, bytes)):
+            raise FrawdError(f"encode_batch takes a list of texts, not one {type(texts).__name__}: pass [text]")
+        if not isinstance(texts, Sequence):
+            raise FrawdError(f"encode_batch takes a list of texts, got {type(texts).__name__}")
+        try:
+            return [e.ids for e in self._plain.encode_batch_fast(texts, add_special_tokens=False)]
+        except TypeError:
+            for i, text in enumerate(texts):
+                _check_text(text, "encode_batch", i)
+            raise
 
     def decode(self, ids: Iterable, skip_special_tokens: bool = False) -> str:
         """Ids (a list, numpy array or 1-D tensor) -> text. An id that is not a non-negative
         integer is one line (104.9 decoded as 104, -1 overflowed); one past this tokenizer's
         vocabulary decodes to nothing (a model's vocabulary may be larger than its tokenizer's:
         an untrained model can sample such an id)."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        given = ids
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()  # (a 0-d tensor or numpy integer: an int)
+        elif isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)):
+            ids = list(ids)
+        if not isinstance(ids, list):
+            raise FrawdError(f"decode takes a sequence of token ids, got {type(given).__name__}")
         bad = next((i for i in ids if not is_integer(i) or i < 0), None)
         if bad is not None:
             what = "a nested list" if isinstance(bad, list) else repr(bad)
             raise FrawdError(f"decode takes non-negative integer token ids, got {what}")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        except OverflowError:  # an id past any vocabulary (tokenizers reads u32): nothing, as past this one
+            return self.backend.decode([i for i in ids if i <= MAX_TOKEN_ID], skip_special_tokens=skip_special_tokens)
 
     def unknown_characters(self, text: str) -> set[str]:
         """Characters of `text` a char-level tokenizer maps to <|unk|> (empty for bpe/byte)."""

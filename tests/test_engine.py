@@ -337,6 +337,25 @@ def test_empty_prompt_starts_after_end_of_sequence():
         engine.generate([[VOCAB + 3]], SamplingParams())
 
 
+def test_prompt_logprobs_checks_its_prompt_as_generate_does_and_caps_k_as_sampling_params():
+    """An id past the vocabulary failed with IndexError, [] with a message about a float
+    tensor, k=-1 inside topk, and k=50 was accepted past SamplingParams' logprobs cap."""
+    from frawdllm.infer.sampling import MAX_LOGPROBS
+
+    engine = Engine(make_model(**CONFIGS["learned"]), IdTokenizer(), native=False)
+    outside = rf"^prompt token id {VOCAB + 3} is outside the vocabulary \(size {VOCAB}\)$"
+    with pytest.raises(FrawdError, match=outside):
+        engine.prompt_logprobs([5, VOCAB + 3], 2)
+    for k in (-1, MAX_LOGPROBS + 1):
+        with pytest.raises(FrawdError, match=rf"^k \(alternatives per token\) must be an integer in "
+                                             rf"\[0, {MAX_LOGPROBS}\], got {k}$"):
+            engine.prompt_logprobs([5, 6], k)
+    assert engine.prompt_logprobs([], 2) == engine.prompt_logprobs([EOS_ID], 2) == [None]  # (as generate reads [])
+    scored = engine.prompt_logprobs("5 6 7", MAX_LOGPROBS)  # text, as generate takes it
+    assert scored == engine.prompt_logprobs(torch.tensor([5, 6, 7]), MAX_LOGPROBS)
+    assert scored[0] is None and [s.token for s in scored[1:]] == [6, 7] and len(scored[1].top) == MAX_LOGPROBS
+
+
 def test_streamed_bytes_equal_the_one_shot_decode_of_the_tokens():
     from frawdllm.tokenizer import byte_tokenizer
 
@@ -351,6 +370,27 @@ def test_streamed_bytes_equal_the_one_shot_decode_of_the_tokens():
     streamed = "".join(c.text for c in engine.stream("x", params))
     assert streamed == tokenizer.decode(done.tokens, skip_special_tokens=True) == done.text
     assert any(ord(ch) > 127 and ch != "\ufffd" for ch in streamed)  # a real multi-byte character came through
+
+
+@torch.no_grad()
+def test_a_kv_cache_forward_that_begin_did_not_announce_is_one_line():
+    """Without begin(n) a fresh cache failed with "The expanded size of the tensor (0) must
+    match", and a second forward after one begin overwrote the first one's slots."""
+    model = make_model(**CONFIGS["rope"])
+    ids = torch.tensor([prompt_ids(0, 8)])
+    advice = r": call cache.begin\(n\) before each forward of n tokens$"
+    unannounced = r"^KVCache got a forward of {} that no begin\(\) announced" + advice
+    with pytest.raises(FrawdError, match=unannounced.format("8 new tokens")):
+        model(ids, kv_cache=KVCache(model.config, 1, 32))
+    cache = KVCache(model.config, 1, 32)
+    cache.begin(8)
+    model(ids, kv_cache=cache)
+    step = (ids[:, :1], torch.full((1, 1), 8))
+    with pytest.raises(FrawdError, match=unannounced.format("1 new token")):
+        model(step[0], positions=step[1], kv_cache=cache)
+    cache.begin(2)
+    with pytest.raises(FrawdError, match=r"^KVCache got 1 new token but begin\(\) announced 2" + advice):
+        model(step[0], positions=step[1], kv_cache=cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -334,6 +334,51 @@ def test_greedy_and_beam_search_refuse_bad_arguments_naming_them():
             search(model, torch.zeros((0, 5), dtype=torch.long))
 
 
+MISMATCHED_CALLS = r"""
+import torch
+from frawdllm import FrawdLLM, Seq2SeqTransformer, get_config
+from frawdllm.infer.translate import beam_search, greedy_decode, translate_ids
+m = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=40, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1))
+gpt = FrawdLLM(get_config("tiny", vocab_size=40, n_layer=1, n_embd=32, n_head=4))
+src = torch.randint(4, 40, (2, 5))
+for call in [lambda: m(src, src[:1]), lambda: m.hidden_states(src, src[:1]),
+             lambda: m(src, src, src_mask=torch.ones(2, 3, dtype=torch.bool)),
+             lambda: greedy_decode(m, src, torch.ones(2, 5, dtype=torch.long), max_extra=2),
+             lambda: beam_search(m, src, torch.ones(2, 5), beam_size=2, max_extra=2),
+             lambda: greedy_decode(gpt, src), lambda: translate_ids(gpt, [[5, 6]]),
+             lambda: translate_ids(m, [10, 11]), lambda: translate_ids(m, ["hello"]),
+             lambda: translate_ids(m, [[5, 6.0]]), lambda: translate_ids(m, "hello")]:
+    try:
+        call()
+        print("accepted")
+    except ValueError as exc:
+        print(exc)
+"""
+
+
+def test_inputs_that_do_not_fit_together_are_refused_in_one_line():
+    """Batch sizes that differ, a src_mask of the wrong shape or dtype, a decoder-only model,
+    sources that are not lists of ids: each failed deep in attention or with a bare TypeError
+    (a user's script, without the tests' shape checks, which would refuse them first)."""
+    from cli_helpers import script_lines
+
+    decoder_only = ("translation decodes an encoder-decoder Seq2SeqTransformer, got FrawdLLM; a decoder-only "
+                    "model generates through frawdllm.infer.Engine")
+    assert script_lines(MISMATCHED_CALLS) == [
+        "src has 2 rows but tgt has 1: each target row needs its source row",
+        "src has 2 rows but tgt has 1: each target row needs its source row",
+        "src_mask must be a bool tensor of src's shape (2, 5), got a torch.bool tensor of shape (2, 3)",
+        "src_mask must be a bool tensor of src's shape (2, 5), got a torch.int64 tensor of shape (2, 5)",
+        "src_mask must be a bool tensor of src's shape (2, 5), got a torch.float32 tensor of shape (2, 5)",
+        decoder_only,
+        decoder_only,
+        "sources[0] must be a list of token ids, got int: sources is a list of sentences, each a list of ids",
+        "sources[0] must be a list of token ids, got str",
+        "sources[0] must be a list of token ids, holds 6.0",
+        "sources must be a list of sentences, each a list of token ids; got str",
+    ]
+
+
 def test_decoding_bytes_covers_the_caches_a_beam_search_allocates():
     """The estimate behind the memory refusal, against the tensors a search really holds:
     the decoder's KV cache and cross-attention keys/values of batch x beam rows, twice

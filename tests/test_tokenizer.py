@@ -300,6 +300,50 @@ def test_decode_refuses_ids_that_are_not_non_negative_integers(bpe):
     assert bpe.decode(ids + [bpe.vocab_size + 5]) == "hello world"
 
 
+def test_ids_past_any_vocabulary_decode_to_nothing_and_negative_ids_are_one_line(bpe):
+    """2**40 overflowed inside tokenizers (an id past the vocabulary decodes to nothing), and
+    token_bytes(-1) too (b"" past the vocabulary; a negative id is refused, as decode does)."""
+    ids = bpe.encode("hello world")
+    assert bpe.decode(ids[:1] + [2**40, 2**32] + ids[1:]) == "hello world"
+    assert bpe.token_bytes(2**40) == bpe.token_bytes(bpe.vocab_size) == b""
+    with pytest.raises(FrawdError, match=r"^token_bytes takes a non-negative integer token id, got -1$"):
+        bpe.token_bytes(-1)
+
+
+MISUSED_CALLS = r"""
+from frawdllm.errors import FrawdError
+from frawdllm.tokenizer import byte_tokenizer
+tok = byte_tokenizer()
+for call in [lambda: tok.encode(b"hi"), lambda: tok.encode(None), lambda: tok.decode(5), lambda: tok.decode("ab"),
+             lambda: tok.encode_batch("ab"), lambda: tok.encode_batch(5), lambda: tok.encode_batch(["a", None]),
+             lambda: tok.encode_batch(["a", "\ud800"]), lambda: tok.token_bytes(2.0)]:
+    try:
+        call()
+        print("accepted")
+    except FrawdError as exc:
+        print(exc)
+"""
+
+
+def test_arguments_of_the_wrong_type_are_one_line():
+    """bytes or None to encode failed inside check_unicode, decode(5) with "'int' object is
+    not iterable", encode_batch("ab") with a Rust TypeError (a user's script, without the
+    tests' type checks, which would refuse them first)."""
+    from cli_helpers import script_lines
+
+    assert script_lines(MISUSED_CALLS) == [
+        "encode takes text (str), got bytes: decode it first, e.g. text.decode('utf-8')",
+        "encode takes text (str), got NoneType",
+        "decode takes a sequence of token ids, got int",
+        "decode takes a sequence of token ids, got str",
+        "encode_batch takes a list of texts, not one str: pass [text]",
+        "encode_batch takes a list of texts, got int",
+        "encode_batch takes text (str), got NoneType as text 1",
+        "text 1 is not valid UTF-8 (a lone surrogate or undecodable byte at character 0)",
+        "token_bytes takes a non-negative integer token id, got 2.0",
+    ]
+
+
 def test_bpe_training_progress_never_writes_to_stdout(capfd):
     train_tokenizer(CORPUS, "bpe", vocab_size=300, show_progress=True)
     assert capfd.readouterr().out == ""  # `tokenizers` ends each progress stage with a newline on stdout

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from ..errors import FrawdError
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
@@ -76,6 +77,7 @@ class KVCache:
         self.length = 0  # slots written so far
         self.padded = False  # some row has padding slots
         self._start = 0  # first slot of the current forward
+        self._announced = False  # begin() announced a forward that has not yet written (eager forwards)
         self._mask: Tensor | None = None
         self._slot = torch.zeros(1, dtype=torch.long, device=device)  # static mode: the slot being written
         self._static_mask = self.valid[:, None, None, :]  # (B, 1, 1, max_len), a view: follows `valid`
@@ -105,7 +107,7 @@ class KVCache:
         else:
             self.valid[:, a:b] = valid
             self.padded = self.padded or not bool(valid.all())
-        self._start, self.length = a, b
+        self._start, self.length, self._announced = a, b, True
         if self.static and n_new == 1:
             self._slot.fill_(a)
             self._mask = self._static_mask
@@ -130,20 +132,33 @@ class KVCache:
         """The first slot each row writes in the forward `begin(n_new)` announced (all the same here)."""
         return torch.full((rows,), self.length - n_new, dtype=torch.long)
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Store this forward's keys/values (B, n_kv_head, T, hd); return all to attend over."""
+    def update(
+        self, layer_idx: int, k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"]
+    ) -> tuple[Float[Tensor, "B H S hd"], Float[Tensor, "B H S hd"], Bool[Tensor, "B 1 T S"] | None]:
+        """Store this forward's keys/values; return all to attend over (S slots) and the mask.
+        `begin(T)` announces each forward: a forward it did not announce is refused."""
         if self.static and k.shape[2] == 1:
             self.k[layer_idx].index_copy_(2, self._slot, k.to(self.k[layer_idx].dtype))
             self.v[layer_idx].index_copy_(2, self._slot, v.to(self.v[layer_idx].dtype))
             k_all, v_all = self.k[layer_idx], self.v[layer_idx]
         else:
             a, b = self._start, self.length
+            if layer_idx == 0:  # a forward's first write: announced? (else a shape error, or an overwrite)
+                if not self._announced or k.shape[2] != b - a:
+                    self._refuse_unannounced(k.shape[2])
+                self._announced = False
             self.k[layer_idx][:, :, a:b] = k
             self.v[layer_idx][:, :, a:b] = v
             k_all, v_all = self.k[layer_idx][:, :, :b], self.v[layer_idx][:, :, :b]
         if k_all.dtype != k.dtype:  # under autocast the model computes in a lower precision
             k_all, v_all = k_all.to(k.dtype), v_all.to(k.dtype)
         return k_all, v_all, self._mask
+
+    def _refuse_unannounced(self, n_new: int) -> None:
+        tokens = f"{n_new} new token{'s' * (n_new != 1)}"
+        told = f"{tokens} but begin() announced {self.length - self._start}" if self._announced \
+            else f"a forward of {tokens} that no begin() announced"
+        raise FrawdError(f"KVCache got {told}: call cache.begin(n) before each forward of n tokens")
 
     def select_rows(self, rows: Tensor) -> None:
         """Keep only the given batch rows (finished rows dropped), in that order."""
@@ -225,7 +240,9 @@ class RowKVCache:
     def row_starts(self, rows: int, n_new: int) -> Int[Tensor, " B"]:
         return self._starts
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(
+        self, layer_idx: int, k: Float[Tensor, "B H 1 hd"], v: Float[Tensor, "B H 1 hd"]
+    ) -> tuple[Float[Tensor, "B H S hd"], Float[Tensor, "B H S hd"], Bool[Tensor, "B 1 1 S"]]:
         """PyTorch path, one token per row: write each row's slot, attend over its own filled slots."""
         if k.shape[2] != 1:
             raise ValueError("a RowKVCache takes one new token per row")

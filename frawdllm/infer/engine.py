@@ -71,8 +71,8 @@ from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
 from .quantize import Int8Linear
-from .sampling import (SamplingParams, TokenLogprob, checked_params, greedy_index, make_generator, sample_next,
-                       sample_seed, token_logprobs)
+from .sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, checked_params, greedy_index, make_generator,
+                       sample_next, sample_seed, token_logprobs)
 from .textstream import TextStream
 
 OVERFLOW_MODES = ("stop", "slide")
@@ -359,10 +359,15 @@ class Engine:
         yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    def prompt_logprobs(self, ids: Any, k: int) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability given the tokens before it (None for the first:
-        nothing predicts it) and the `k` likeliest there: one PyTorch forward of the prompt
-        (the server's `echo` with `logprobs`, how evaluation harnesses score a text)."""
+        nothing predicts it) and the `k` likeliest there (0..MAX_LOGPROBS): one PyTorch forward
+        of the prompt (the server's `echo` with `logprobs`, how evaluation harnesses score a
+        text). `ids`: a prompt as `generate` takes it, checked by `encode` (an empty one is
+        <|eos|>)."""
+        if not is_integer(k) or not 0 <= k <= MAX_LOGPROBS:
+            raise FrawdError(f"k (alternatives per token) must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        ids = self.encode(ids)
         if len(ids) > self.config.context_length:
             raise FrawdError(f"the prompt has {len(ids)} tokens but the model's context is "
                              f"{self.config.context_length}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Sequence
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -37,7 +38,7 @@ from torch import Tensor
 from ..config import Seq2SeqConfig, is_integer
 from ..memory import free_memory
 from ..model.gpt import eval_mode, is_id_tensor
-from ..model.seq2seq import MemoryKV, Seq2SeqTransformer
+from ..model.seq2seq import MemoryKV, Seq2SeqTransformer, check_src_mask
 from .cache import KVCache
 
 MAX_EXTRA = 50  # target length limit = source length + this
@@ -48,12 +49,22 @@ def _require_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _check_search(model: Seq2SeqTransformer, src: Tensor, beam_size: int, alpha: float, max_extra: int) -> None:
+def _check_model(model: object) -> None:
+    """An encoder-decoder model (a decoder-only one failed on its missing `memory_kv`)."""
+    if not isinstance(getattr(model, "config", None), Seq2SeqConfig):
+        raise ValueError(f"translation decodes an encoder-decoder Seq2SeqTransformer, got {type(model).__name__}; "
+                         "a decoder-only model generates through frawdllm.infer.Engine")
+
+
+def _check_search(model: Seq2SeqTransformer, src: Tensor, beam_size: int, alpha: float, max_extra: int,
+                  src_mask: Tensor | None = None) -> None:
     """One line naming the argument that decoding `src` with these settings cannot take."""
+    _check_model(model)
     if not is_id_tensor(src) or src.dim() != 2 or src.shape[0] == 0:
         what = f"a {src.dim()}-D {src.dtype} tensor of shape {tuple(src.shape)}" if isinstance(src, Tensor) \
             else type(src).__name__
         raise ValueError(f"src must be a 2-D integer tensor of token ids with at least one row, got {what}")
+    check_src_mask(src, src_mask)
     _require_int("beam_size", beam_size, 1)
     _require_int("max_extra", max_extra, 0)
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha < 0:
@@ -152,7 +163,7 @@ def greedy_decode(
     """The greedy translation of each row (token ids, without BOS and EOS); `max_steps` cuts
     every row short after that many tokens, and `step_ends` receives `time.perf_counter()`
     at the end of each step (after its wait for the device): a timing probe."""
-    _check_search(model, src, 1, 0.0, max_extra)
+    _check_search(model, src, 1, 0.0, max_extra, src_mask)
     if max_steps is not None:
         _require_int("max_steps", max_steps, 1)
     with eval_mode(model):  # no dropout; the caller's mode comes back after
@@ -199,7 +210,7 @@ def beam_search(
     beam_size: int = 4, alpha: float = 0.6, max_extra: int = MAX_EXTRA, use_cache: bool = True,
 ) -> list[list[int]]:
     """The best beam-search translation of each row (token ids, without BOS and EOS)."""
-    _check_search(model, src, beam_size, alpha, max_extra)
+    _check_search(model, src, beam_size, alpha, max_extra, src_mask)
     with eval_mode(model):  # no dropout; the caller's mode comes back after
         cfg = model.config
         K = beam_size
@@ -270,6 +281,16 @@ def pad_batch(rows: list[list[int]], pad_id: int, device: torch.device | str = "
     return ids.to(device), mask.to(device)
 
 
+def _check_source(i: int, row: object) -> None:
+    """sources[i] is a list of token ids (a flat list of ids, or text, failed with a bare TypeError)."""
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+        hint = ": sources is a list of sentences, each a list of ids" if is_integer(row) else ""
+        raise ValueError(f"sources[{i}] must be a list of token ids, got {type(row).__name__}{hint}")
+    bad = next((t for t in row if not is_integer(t)), None)
+    if bad is not None:
+        raise ValueError(f"sources[{i}] must be a list of token ids, holds {bad!r}")
+
+
 def translate_ids(
     model: Seq2SeqTransformer, sources: list[list[int]], beam_size: int = 4, alpha: float = 0.6,
     max_extra: int = MAX_EXTRA, batch_size: int = 64,
@@ -277,8 +298,12 @@ def translate_ids(
     """Translations of token-id sources, batched by length (similar lengths together: less padding).
     Every argument is checked, and the widest batch's memory, before the first is decoded."""
     _require_int("batch_size", batch_size, 1)
+    _check_model(model)
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
+        raise ValueError(f"sources must be a list of sentences, each a list of token ids; got {type(sources).__name__}")
     vocab, context = model.config.vocab_size, model.config.context_length
     for i, row in enumerate(sources):
+        _check_source(i, row)
         if len(row) > context:
             raise ValueError(f"sources[{i}] has {len(row)} tokens, more than the model's context_length {context}")
         if row and (min(row) < 0 or max(row) >= vocab):

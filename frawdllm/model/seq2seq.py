@@ -41,6 +41,27 @@ from .saving import ModelDirectoryMixin
 MemoryKV = list[tuple[Tensor, Tensor]]  # per decoder layer: the memory's (k, v), (B, n_kv_head, S, hd) each
 
 
+def check_src_mask(src: Tensor, src_mask: Any) -> None:
+    """`src_mask` is None or a bool tensor of `src`'s shape, else one line naming it (a wrong
+    shape or dtype failed inside the attention kernel). No value is read."""
+    if src_mask is None:
+        return
+    if not isinstance(src_mask, Tensor) or src_mask.dtype != torch.bool or src_mask.shape != src.shape:
+        what = f"a {src_mask.dtype} tensor of shape {tuple(src_mask.shape)}" if isinstance(src_mask, Tensor) \
+            else type(src_mask).__name__
+        raise ValueError(f"src_mask must be a bool tensor of src's shape {tuple(src.shape)}, got {what}")
+
+
+def check_pair(src: Any, tgt: Any) -> None:
+    """`src` and `tgt` are id tensors with a row each for the same sentences (a mismatch
+    failed inside attention)."""
+    check_ids("src", src)
+    check_ids("tgt", tgt)
+    if src.shape[0] != tgt.shape[0]:
+        raise ValueError(f"src has {src.shape[0]} rows but tgt has {tgt.shape[0]}: each target row needs its "
+                         "source row")
+
+
 class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
@@ -90,6 +111,8 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         self, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None
     ) -> Float[Tensor, "B S D"]:
         """The memory: the encoder's output for each source token. src_mask: True = a real token."""
+        check_ids("src", src)
+        check_src_mask(src, src_mask)
         self._check_length(src.shape[1], "source")
         positions = torch.arange(src.shape[1], device=src.device).unsqueeze(0)  # (1, S)
         x = self.source_embed(src, positions)  # (B, S, D)
@@ -142,6 +165,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         self, src: Int[Tensor, "B S"], tgt: Int[Tensor, "B T"], src_mask: Bool[Tensor, "B S"] | None = None
     ) -> Float[Tensor, "B T D"]:
         """Teacher forcing up to the output projection: what the fused training loss takes."""
+        check_pair(src, tgt)
         return self.decoder_states(tgt, self.memory_kv(self.encode(src, src_mask)), src_mask)
 
     def forward(
@@ -154,8 +178,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
         """Teacher-forced logits; with `targets`, the mean cross-entropy over the targets
         that are not IGNORE_INDEX (padding), label-smoothed if asked."""
-        check_ids("src", src)
-        check_ids("tgt", tgt)
+        check_pair(src, tgt)
         if targets is not None:
             check_targets(targets, tgt, "tgt")
         memory = self.encode(src, src_mask)
