@@ -51,6 +51,11 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
                    generation_config: dict[str, Any] | None = None) -> Path:
     directory = Path(directory)
     cfg: ModelConfig = model.config
+    if directory.exists() and not directory.is_dir():
+        raise FrawdError(f"cannot save {directory}: it exists and is not a directory")
+    if tokenizer is not None and not (isinstance(tokenizer, (str, Path)) or hasattr(tokenizer, "save")):
+        raise TypeError(f"tokenizer must be a Tokenizer, a tokenizers.Tokenizer or the path of a tokenizer.json; "
+                        f"got {type(tokenizer).__name__}")
     checked = _as_tokenizer(tokenizer) if tokenizer is not None else None
     if checked is not None:  # (a tokenizer with ids past the embeddings: no command could load the folder)
         checked.check_fits(cfg.vocab_size, f"cannot save {directory}")

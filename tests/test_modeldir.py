@@ -54,6 +54,39 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_anything_is_wr
     assert FrawdLLM.from_pretrained(tmp_path / "m").config.vocab_size == 50
 
 
+SAVE_MISUSE = r"""
+import sys
+from pathlib import Path
+from frawdllm import FrawdError, FrawdLLM, get_config
+m = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300, context_length=32))
+file = Path(sys.argv[1]) / "a_file"
+file.write_text("x")
+for call in [lambda: m.save_pretrained(file), lambda: m.save_pretrained(file.parent / "m", tokenizer=123)]:
+    try:
+        call()
+        print("saved")
+    except (FrawdError, TypeError) as exc:
+        print(type(exc).__name__, exc)
+print(sorted(p.name for p in file.parent.iterdir()))
+"""
+
+
+def test_saving_onto_a_file_or_with_a_tokenizer_of_no_kind_is_one_line(tmp_path):
+    """A file as the target was a raw FileExistsError; tokenizer=123 an AttributeError after
+    the weights were written."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SAVE_MISUSE, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"FrawdError cannot save {tmp_path / 'a_file'}: it exists and is not a directory",
+        "TypeError tokenizer must be a Tokenizer, a tokenizers.Tokenizer or the path of a tokenizer.json; got int",
+        "['a_file']",
+    ]
+
+
 class Boom:
     def __reduce__(self):
         return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))

@@ -207,6 +207,7 @@ def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
     assert not torch.allclose(adapted, before, atol=1e-3)
     merged = lora.merged_copy(model)
     assert not lora.has_lora(merged)
+    assert all(p.requires_grad for p in merged.parameters())  # a plain model, trainable (add_lora froze the base)
     torch.testing.assert_close(merged(x)[0], adapted, atol=1e-5, rtol=1e-5)
 
 

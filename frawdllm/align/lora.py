@@ -63,13 +63,14 @@ def has_lora(model: nn.Module) -> bool:
 
 
 def merged_copy(model: nn.Module) -> nn.Module:
-    """A plain copy of `model` with every adapter merged into its layer."""
+    """A plain copy of `model` with every adapter merged into its layer, trainable as a
+    plain model is (add_lora froze the base)."""
     plain = copy.deepcopy(model)
     for module in list(plain.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
                 setattr(module, name, child.merged())
-    return plain
+    return plain.requires_grad_(True)
 
 
 def adapter_state(model: nn.Module) -> dict[str, Tensor]:
