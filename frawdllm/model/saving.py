@@ -25,8 +25,9 @@ class ModelDirectoryMixin:
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu"):
-        """The model a directory holds, in eval mode (`.train()` to train it); an error if it
-        holds another kind of model."""
+        """The model a directory holds, in eval mode (`.train()` to train it), its parameters
+        float32 whatever dtype the file stores (bf16/fp16 values convert exactly; `.to(dtype)`
+        for another); an error if it holds another kind of model."""
         from ..errors import FrawdError
         from ..modeldir import load_model
         from ..train.device import pick_device
