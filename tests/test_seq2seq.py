@@ -427,3 +427,16 @@ def test_a_steps_loss_is_the_mean_over_all_its_target_tokens():
             sums = [F.cross_entropy(model(b["src"], b["tgt_in"], src_mask=b["src_mask"])[0].flatten(0, 1),
                                     b["labels"].flatten(), ignore_index=-100, reduction="sum") for b in batches]
             assert float(step) == pytest.approx(float(sum(sums)) / sum(counts), rel=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_scaled_embeddings_start_at_std_d_to_the_minus_half_tied_or_not(tied):
+    """Tied (every aiayn-* preset), the output layer's init redrew the shared table at std
+    0.02 after the embeddings' d^-1/2 draw: tokens entered the stream at 0.45 of unit scale."""
+    torch.manual_seed(0)
+    cfg = get_config("aiayn-tiny", n_embd=256, n_layer=1, n_encoder_layer=1, tie_embeddings=tied)
+    model = Seq2SeqTransformer(cfg)
+    tables = [model.embed.tok.weight] + ([] if tied else [model.src_embed.tok.weight])
+    for table in tables:
+        assert float(table.std()) == pytest.approx(256 ** -0.5, rel=0.02)
+    assert (model.lm_head.weight is model.embed.tok.weight) == tied

@@ -83,8 +83,6 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         self.decoder = nn.ModuleList(TransformerBlock(cfg, i, cross=True) for i in range(cfg.n_layer))
         self.norm = make_norm(cfg) if cfg.has_final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.tok.weight
         for module in list(self.modules()):  # the same dropout, drawn faster on a CPU (kernels.py)
             for name, child in module.named_children():
                 if type(child) is nn.Dropout:
@@ -92,6 +90,8 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale.
         embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings else 0.02
         self.apply(lambda m: init_weights(m, cfg.n_encoder_layer + cfg.n_layer, embedding_std))
+        if cfg.tie_embeddings:  # (after the init: the head's Linear init would redraw the table at 0.02)
+            self.lm_head.weight = self.embed.tok.weight
 
     @property
     def source_embed(self) -> Embeddings:
