@@ -125,6 +125,13 @@ def test_padding_keys_change_nothing_in_bidirectional_self_attention():
         torch.testing.assert_close(attn(padded, key_padding_mask=real)[:, :6], attn(x), atol=1e-6, rtol=1e-6)
 
 
+def test_a_causal_layer_refuses_a_key_padding_mask():
+    """The mask replaced causality (`attend` lets a mask alone decide): token 0 saw token 4."""
+    attn = SelfAttention(small_cfg(), 0, causal=True).eval()
+    with pytest.raises(ValueError, match="^key_padding_mask is for bidirectional attention; a causal layer masks "):
+        attn(torch.randn(1, 6, 64), key_padding_mask=torch.ones(1, 6, dtype=torch.bool))
+
+
 def test_cross_attention_ignores_padded_source_positions():
     torch.manual_seed(0)
     cross = CrossAttention(small_cfg(n_kv_head=2)).eval()

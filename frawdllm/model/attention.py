@@ -110,6 +110,9 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd)
         if key_padding_mask is not None:
+            if self.causal:  # (`attend` lets a mask alone decide: the layer would see the future)
+                raise ValueError("key_padding_mask is for bidirectional attention; a causal layer masks "
+                                 "through its kv_cache (KVCache.begin takes the rows' valid slots)")
             mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
         dropout = self.dropout if self.training else 0.0
         y = kernels.attend(q, k, v, mask, dropout, self.causal)  # (B, nh, T, hd)
