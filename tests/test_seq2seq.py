@@ -440,3 +440,18 @@ def test_scaled_embeddings_start_at_std_d_to_the_minus_half_tied_or_not(tied):
     for table in tables:
         assert float(table.std()) == pytest.approx(256 ** -0.5, rel=0.02)
     assert (model.lm_head.weight is model.embed.tok.weight) == tied
+
+
+def test_decode_refuses_positions_outside_the_context_as_the_decoder_only_model_does():
+    """Position -1 with RoPE gave position 7's output (the tables read from the end), 8 a raw
+    IndexError."""
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=40, n_embd=32, n_head=4, n_layer=1,
+                                          n_encoder_layer=1, context_length=8, pos_encoding="rope")).eval()
+    src = torch.randint(4, 40, (1, 5))
+    memory_kv = model.memory_kv(model.encode(src))
+    tgt = torch.tensor([[1]])
+    for position, message in [(-1, "position -1 is negative"), (8, "position 8 is past the model's context_length 8")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            model.decode(tgt, memory_kv, positions=torch.tensor([[position]]))
+    model.decode(tgt, memory_kv, positions=torch.tensor([[7]]))

@@ -110,6 +110,19 @@ def check_ids(name: str, ids: Any) -> None:
         raise ValueError(f"{name} must be a (batch, time) integer tensor, got {what}")
 
 
+def check_positions(positions: Tensor, context_length: int) -> None:
+    """Positions given by the caller lie in [0, context_length), else one line (past the end
+    a raw IndexError; a negative one read RoPE's tables from the end, silently). Reads two
+    values: skipped while compiling, where a data-dependent check would break the graph."""
+    if torch.compiler.is_compiling() or not positions.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(positions))
+    if high >= context_length:
+        raise ValueError(f"position {high} is past the model's context_length {context_length}")
+    if low < 0:
+        raise ValueError(f"position {low} is negative")
+
+
 def check_targets(targets: Any, ids: Tensor, ids_name: str = "token_ids") -> None:
     """`targets` is an integer tensor of the shape of the `ids` they follow (they are
     flattened for the loss: a (T, B) target ran silently against (B, T) ids)."""
@@ -160,12 +173,8 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
                     f"sequence length {T} exceeds the model's context_length {self.config.context_length}"
                 )
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
-        elif not torch.compiler.is_compiling() and positions.numel():  # (a data-dependent check breaks a graph)
-            low, high = (int(v) for v in torch.aminmax(positions))
-            if high >= self.config.context_length:
-                raise ValueError(f"position {high} is past the model's context_length {self.config.context_length}")
-            if low < 0:  # (RoPE's tables would read it from the end, silently)
-                raise ValueError(f"position {low} is negative")
+        else:
+            check_positions(positions, self.config.context_length)
         try:
             x = self.embed(token_ids, positions)  # (B, T, D)
         except IndexError:  # ids are not read on the way (a GPU would wait): only when one is bad

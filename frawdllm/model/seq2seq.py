@@ -34,7 +34,7 @@ from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
-from .gpt import IGNORE_INDEX, check_ids, check_targets, init_weights, model_config
+from .gpt import IGNORE_INDEX, check_ids, check_positions, check_targets, init_weights, model_config
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -155,6 +155,8 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         if positions is None:
             self._check_length(tgt.shape[1], "target")
             positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
+        else:
+            check_positions(positions, self.config.context_length)
         x = self.embed(tgt, positions)  # (B, T, D)
         rope = self._rope(positions)
         for block, kv in zip(self.decoder, memory_kv):
