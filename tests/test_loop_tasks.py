@@ -1,6 +1,8 @@
 """The loop's seam for tasks other than pretraining: named metrics beside the loss, and
 frozen modules (a DPO reference) that the loop moves to the device but never trains."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,3 +176,26 @@ def test_a_scalar_tensor_from_evaluate_is_logged_as_its_number(tmp_path):
     result = Trainer(torch.nn.Linear(4, 1), MisusedTask("tensor val_loss"), config(tmp_path)).fit()
     assert result.val_loss == 0.5
     assert [r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r] == [0.5, 0.5, 0.5]
+
+
+class SlowEvaluationTask(RegressionTask):
+    """Steps of ~5 ms, evaluations of 1 s: a reserve the loop can measure."""
+
+    def loss(self, model, batch):
+        time.sleep(0.005)
+        return super().loss(model, batch)
+
+    def evaluate(self, model, device):
+        time.sleep(1.0)
+        return {"val_loss": 1.0}
+
+
+def test_a_time_budget_decays_to_the_floor_by_the_last_step(tmp_path):
+    """Progress was elapsed / budget, but training stops early by the final evaluation's
+    reserve: a short run's cosine ended far above its floor (about half the peak here)."""
+    cfg = config(tmp_path, max_steps=None, max_time="5s", eval_interval=0, lr=1.0, min_lr_ratio=0.0,
+                 schedule="cosine", log_interval=1)
+    result = Trainer(torch.nn.Linear(4, 1), SlowEvaluationTask(), cfg).fit()
+    assert result.stop_reason == "max_time"
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
+    assert len(lrs) > 50 and lrs[-1] < 0.1  # (1.0 at the peak; before, ~0.3 here)

@@ -670,14 +670,17 @@ class Trainer:
         return self.elapsed_before + (time.perf_counter() - self._start if self._start else 0.0)
 
     def progress(self) -> float:
-        """Share of the budget used: the furthest along of steps, tokens and time."""
+        """Share of the budget used: the furthest along of steps, tokens and time. Time counts
+        against the budget less the final evaluation's reserve, where training stops (else a
+        short run's schedule ended far from its floor: at half the peak in a 20 s run)."""
         cfg, used = self.cfg, [0.0]
         if cfg.max_steps:
             used.append(self.step / cfg.max_steps)
         if cfg.max_tokens:
             used.append(self.tokens / cfg.max_tokens)
         if cfg.max_time_s:
-            used.append(self.elapsed() / cfg.max_time_s)
+            reserve = self._final_eval_s() if self._last_step_s is not None else 0.0
+            used.append(self.elapsed() / max(cfg.max_time_s - reserve, 1e-9))
         return min(1.0, max(used))
 
     def _check_stop(self) -> str | None:

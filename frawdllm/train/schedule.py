@@ -13,8 +13,9 @@
 
 The decay is driven by `progress` in [0, 1]: how much of the run's budget (steps,
 tokens or time, whichever is furthest along) is used. A step budget alone gives the
-classic step-based schedule; a time budget decays to the floor exactly when time runs
-out. `t`, the position inside the decay, starts where warmup ended:
+classic step-based schedule (the last step runs at (N-1)/N, as transformers' schedules
+do); a time budget decays to the floor when training time runs out (the budget less what
+the final evaluation is expected to take). `t`, the position inside the decay, starts where warmup ended:
 t = (progress - p_w) / (1 - p_w), where p_w is the progress at the end of warmup.
 """
 
