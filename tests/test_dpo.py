@@ -109,6 +109,16 @@ def test_sequence_logps_sum_the_answers_tokens_only():
             assert got[row].item() == pytest.approx(by_hand.item(), abs=1e-4)
 
 
+def test_a_pairs_tokens_are_counted_whatever_their_ids():
+    """Tokens were counted as ids != 0, but id 0 is a real token in GPT-2's vocabulary ("!")."""
+    from frawdllm.align.dpo import DPOTask
+    from frawdllm.align.examples import Pair
+
+    pair = Pair(prompt=[5, 0, 0], chosen=[0, 7], rejected=[0])
+    batch = collate_pairs([pair], [0], 8)
+    assert DPOTask.batch_tokens(None, batch) == (5 - 1) + (4 - 1)  # each row's input tokens
+
+
 def dpo_args(base, data, *extra):
     return ["dpo", "--init", base, "--data", data, "--batch-size", "4", "--lr", "1e-3", "--dtype", "fp32",
             "--compile", "false", "--device", "cpu", "--log-interval", "1", "--eval-interval", "3",

@@ -7,14 +7,14 @@ of each answer's tokens. With the implicit rewards r = beta * (log pi(y|x) - log
     sigmoid (DPO):  loss = -log sigmoid(r_w - r_l)
     ipo (IPO):      loss = (d_w - d_l - 1 / (2 beta))^2              (Azar et al., 2023)
 
-where for IPO d = (log pi(y|x) - log pi_ref(y|x)) / len(y), per completion token, as TRL
-computes it (agreed with the IPO authors: the summed form grows with answer length).
-
 so the policy raises the chosen answer's likelihood relative to the rejected one's, and
-beta bounds how far it may move from the reference. Chosen and rejected answers go
+beta bounds how far it may move from the reference. For IPO d = (log pi(y|x) -
+log pi_ref(y|x)) / len(y), per completion token, as TRL computes it (agreed with the IPO
+authors: the summed form grows with answer length). Chosen and rejected answers go
 through the model in one forward pass (stacked on the batch axis). Logged as TRL names
-them: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
-logps/chosen, logps/rejected (means over the batch).
+and computes them: rewards/chosen, rewards/rejected, rewards/accuracies,
+rewards/margins, logps/chosen, logps/rejected (means over the batch, from the summed
+log-probs under IPO too, as TRL 1.x does; `test_dpo_loss_and_metrics_match_trl`).
 
 The reference is a frozen copy of the starting model on the same device (a
 `frozen_modules` of the task), or with `--precompute-ref` its log-probs are computed once
@@ -123,14 +123,15 @@ def collate_pairs(pairs: list[Pair], indices: list[int], length: int) -> dict[st
     rows = [pairs[i].prompt + pairs[i].chosen for i in indices] + [pairs[i].prompt + pairs[i].rejected
                                                                     for i in indices]
     starts = [len(pairs[i].prompt) for i in indices] * 2
-    tokens = np.zeros((len(rows), length), dtype=np.int64)
+    tokens = np.zeros((len(rows), length), dtype=np.int64)  # (the padding's id is never seen nor scored)
     targets = np.full((len(rows), length), IGNORE_INDEX, dtype=np.int64)
     for r, (ids, start) in enumerate(zip(rows, starts)):
         n = len(ids) - 1
         tokens[r, :n] = ids[:-1]
         targets[r, start - 1:n] = ids[start:]
     return {"tokens": torch.from_numpy(tokens), "targets": torch.from_numpy(targets),
-            "index": torch.tensor(indices, dtype=torch.int64)}
+            "index": torch.tensor(indices, dtype=torch.int64),
+            "lengths": torch.tensor([len(ids) - 1 for ids in rows], dtype=torch.int64)}
 
 
 class PairLoader:
@@ -228,7 +229,7 @@ class DPOTask(FinetuneTask):
         return batch
 
     def batch_tokens(self, batch: dict[str, Tensor]) -> int:
-        return int((batch["tokens"] != 0).sum())
+        return int(batch["lengths"].sum())  # (not the tokens != 0: id 0 is a real token in GPT-2's vocabulary)
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         logps = sequence_logps(model, batch["tokens"], batch["targets"])  # (2B,) one pass for both answers

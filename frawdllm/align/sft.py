@@ -99,8 +99,9 @@ class SFTTask(FinetuneTask):
         return int((batch["documents"] >= 0).sum())  # padding is no work done
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        """This rank's share of its one-process micro-batch's mean loss (the mean itself in
-        one process): the sum over its trained tokens over the batch's `normalizer`."""
+        """This micro-batch's part of the step's token-weighted mean loss: the sum over its
+        trained tokens over the batch's `normalizer` (`PackedLoader`), so a step's
+        micro-batches (and ranks) make the mean over all its trained tokens."""
         trained = (batch["targets"] != IGNORE_INDEX).sum()
         return sft_loss(model, batch) * (trained / batch["normalizer"])
 
@@ -111,7 +112,7 @@ class SFTTask(FinetuneTask):
         total, count = 0.0, 0
         for batch in self.val_batches:
             batch = to_device(batch, device)
-            n = int((batch["targets"] != -100).sum())
+            n = int((batch["targets"] != IGNORE_INDEX).sum())
             total += float(sft_loss(model, batch)) * n
             count += n
         return {"val_loss": total / count} if count else {}

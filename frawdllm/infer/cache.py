@@ -170,9 +170,6 @@ class KVCache:
         self._valid_np = self.valid.numpy() if self.valid.device.type == "cpu" else None
 
 
-
-
-
 class RowKVCache:
     """A KV cache whose rows each keep their own length: the cache of a continuous batch.
 
@@ -195,7 +192,7 @@ class RowKVCache:
         self.v = [zeroed(shape, dtype, device) for _ in range(config.n_layer)]
         self.lengths = torch.zeros(capacity, dtype=torch.long)  # slots filled, per row
         self._lengths_np = self.lengths.numpy()  # the same memory
-        self.valid = torch.zeros(capacity, max_len, dtype=torch.bool)  # unused: no row is padded
+        self.valid = torch.zeros(capacity, max_len, dtype=torch.bool)  # never read (no row is padded); the C forward takes its pointer
         self.capacity, self.max_len, self.static, self.padded = capacity, max_len, False, False
         self.config = config
         # numpy views of the storage on the CPU: a row copy through torch (12 small strided
@@ -259,6 +256,7 @@ class RowKVCache:
         if k_all.dtype != k.dtype:
             k_all, v_all = k_all.to(k.dtype), v_all.to(k.dtype)
         return k_all, v_all, self._mask
+
 
 class HalfKVModel(nn.Module):
     """`model` as computed with an fp16 KV cache: its full forward through a cache of that

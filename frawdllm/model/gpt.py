@@ -1,8 +1,9 @@
 """FrawdLLM: a decoder-only transformer language model.
 
 token ids (B, T) -> embeddings (B, T, D) -> n_layer blocks -> final norm -> LM head
--> logits (B, T, V). Trained to predict token t+1 from tokens <= t with cross-entropy;
-targets equal to -100 are ignored (padding, or any token a job does not train on).
+-> logits (B, T, V). Trained to predict token t+1 from tokens <= t with cross-entropy:
+the caller passes targets already shifted (targets[:, t] = ids[:, t + 1]); targets equal
+to -100 are ignored (padding, or any token a job does not train on).
 
 Every architectural choice (positions, norm, MLP, GQA, pre/post-LN, tied head) comes from
 `ModelConfig`; this one class serves GPT-2 style and Llama style models, for training

@@ -10,7 +10,7 @@
   because PyTorch's CPU backward is slow for short sequences: in bf16 on CPUs with
   AVX512-BF16, in fp32 on any CPU in eager mode (T <= 512);
 - training on a CPU under `torch.compile`, causal, where `cpu_attention` does not apply
-  (fp32 on most CPUs, or bf16 without AVX512-BF16; T <= 512): `blocked_causal_attention`,
+  (fp32, or bf16 without AVX512-BF16; T <= 512): `blocked_causal_attention`,
   plain matmuls over a few query blocks (block i attends only the keys up to its end,
   skipping most of the masked half), which torch.compile fuses into about twice the speed.
 
