@@ -164,7 +164,10 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         """The final normalised hidden states (before the LM head).
 
         positions: absolute position of each token (default 0..T-1); with a KV cache the
-        engine passes where the new tokens sit.
+        engine passes where the new tokens sit. kv_cache: anything with `update(layer, k, v)
+        -> (k_all, v_all, mask)` (`attention.KVCacheLike`): the engine's caches
+        (`infer/cache.py`), or packed SFT's `DocumentMask` (`align/packing.py`), which
+        stores nothing and masks attention to each row's own documents.
         """
         check_ids("token_ids", token_ids)
         T = token_ids.shape[1]
