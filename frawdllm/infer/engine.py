@@ -595,11 +595,7 @@ class _Run:
         positions = (slots - pad).clamp(min=0)  # (B, T); padding sits at 0 and is masked anyway
         self.positions = lengths[:, None].clone()  # (B, 1): where each row's next token goes
         self.position_values = self.positions.numpy() if self.positions.device.type == "cpu" else None  # (a view)
-        path = self.engine.path(len(seqs), width)
-        if path.kind == "native":
-            return self.engine.native_forward(self.native, ids, positions, self.cache, path)  # (B, V)
-        return self.engine.torch_forward(len(seqs), width,
-                                         lambda: paths.torch_logits(self.model, ids, positions, self.cache))  # (B, V)
+        return self.engine.forward(ids, positions, self.cache, self.native)  # (B, V)
 
     @torch.inference_mode()
     def _step(self, last_tokens: Int[Tensor, " B"]) -> Float[Tensor, "B V"]:
