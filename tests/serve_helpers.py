@@ -12,7 +12,7 @@ import uvicorn
 
 from frawdllm.infer import native as native_forward
 from frawdllm.infer import Engine
-from frawdllm.serve import ServeOptions, create_app
+from frawdllm.serve import ServeOptions, create_app, server_config
 
 
 class AccessLog(logging.Handler):
@@ -24,6 +24,9 @@ class AccessLog(logging.Handler):
 
     def emit(self, record):
         self.records.append(json.loads(record.getMessage()))
+
+
+LOOP_THREAD = "serve-event-loop"  # the live server's event loop runs on the thread of this name
 
 
 def free_port() -> int:
@@ -46,8 +49,8 @@ def live_server(engines: dict, options: ServeOptions):
     """Yields the base URL ("http://127.0.0.1:PORT") while the server runs."""
     app = create_app(engines, options)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True, name=LOOP_THREAD)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30

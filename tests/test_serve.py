@@ -313,6 +313,7 @@ def test_errors_are_openai_errors(server):
     keyless = httpx.post(server["url"] + "/v1/completions", content=b"{not json",
                          headers={"Content-Type": "application/json"})
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
+    assert keyless.headers["www-authenticate"] == "Bearer"  # (HTTP requires a challenge with a 401)
 
 
 def test_too_many_requests():
@@ -577,10 +578,9 @@ def test_a_queued_stream_whose_client_leaves_leaves_the_queue_under_asgi_2_4(cap
     """Under ASGI spec 2.4 Starlette does not watch for disconnects (only a failed write
     tells, and a queued request writes nothing): the reply's own watcher takes a queued
     request whose client left out of the queue, while the running one goes on. A client
-    gone is not logged as an internal error."""
+    gone is not logged as an internal error, and a failed write ends the request as a
+    disconnect (the app returns: raised on, the server would log it as a bug)."""
     import asyncio
-
-    from starlette.requests import ClientDisconnect
 
     from frawdllm.serve import create_app
     from test_scheduler import varied_model
@@ -628,8 +628,7 @@ def test_a_queued_stream_whose_client_leaves_leaves_the_queue_under_asgi_2_4(cap
             while (await health())["waiting"] == 0:
                 await asyncio.sleep(0.01)
             leaves.set()
-            with pytest.raises(ClientDisconnect):  # (Starlette's way under 2.4: its last write failed)
-                await asyncio.wait_for(second, 2)  # (the first still has seconds to go)
+            await asyncio.wait_for(second, 2)  # (its last write failed; the first still has seconds to go)
             deadline = time.time() + 1  # (the scheduler drops it at its next step)
             while (await health())["waiting"] and time.time() < deadline:
                 await asyncio.sleep(0.01)
@@ -637,8 +636,7 @@ def test_a_queued_stream_whose_client_leaves_leaves_the_queue_under_asgi_2_4(cap
             assert not first.done() and state["waiting"] == 0 and state["running"] == 1, state
             assert [m["body"] for m in sent_second if m["type"] == "http.response.body"] in ([], [b""])
             stays.set()
-            with pytest.raises(ClientDisconnect):
-                await asyncio.wait_for(first, 5)
+            await asyncio.wait_for(first, 5)
             while (await health())["running"]:
                 await asyncio.sleep(0.01)
 

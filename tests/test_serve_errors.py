@@ -239,6 +239,12 @@ def test_body_and_method_errors_say_what_is_wrong(server):
     assert status == 400 and "JSON object" in error["message"], error
     wrong = httpx.get(server["url"] + "/v1/completions")
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+    assert wrong.headers["allow"] == "POST"  # (HTTP requires it with a 405)
+    # a trailing slash is another route: a 404, not a redirect to a URL built from the Host header
+    slash = httpx.post(server["url"] + "/v1/completions/", headers={**JSON, "Host": "evil.example"},
+                       content=b'{"model": "m", "prompt": "ab"}')
+    assert slash.status_code == 404 and "location" not in slash.headers, slash.headers
+    assert slash.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.timeout(60)

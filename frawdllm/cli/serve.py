@@ -123,7 +123,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
     """
     import uvicorn
 
-    from ..serve import ServeOptions, create_app
+    from ..serve import ServeOptions, create_app, server_config
 
     named = [_named(spec) for spec in models]
     names = [name for name, _ in named]
@@ -163,5 +163,5 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
         # the handler it found: these, so that a drained shutdown exits 0.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=120)
+        config = server_config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=120)
         uvicorn.Server(config).run(sockets=[sock])

@@ -10,10 +10,12 @@ in `data: [DONE]` with "stream": true), GET /v1/models, /health, /metrics (Prome
 scheduler chunks into OpenAI's bodies, and enforces the limits:
 
 - an API key (`Authorization: Bearer KEY`, compared in constant time) on /v1/*;
-- bodies over `max_body_bytes` are a 413, more than `max_in_flight` open requests or a
-  full scheduler queue a 429, `max_tokens` and `n` above their caps a 400;
+- bodies over `max_body_bytes` are a 413, a body that stalls a 408, more than
+  `max_in_flight` open requests or a full queue (a scheduler's, or a model's scoring
+  queue) a 429, `max_tokens` and `n` above their caps a 400;
 - every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`;
-- a client that goes away cancels its request (its batch row is freed at the next step);
+- a client that goes away cancels its request (its batch row is freed at the next step, a
+  scoring request's next forward is not run);
 - one JSON access-log line per request (logger "frawdllm.serve.access").
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -30,6 +33,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -61,6 +65,23 @@ class ServeOptions:
     default_max_tokens: int = 256  # when a request gives none
     max_n: int = 8  # cap on n
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 10.0  # seconds a request body may go without a byte: then a 408
+
+
+# The request line and headers together (uvicorn's h11 parser refuses more with a 400).
+MAX_HEAD_BYTES = 64 * 1024
+
+
+def server_config(app: Any, **settings: Any) -> Any:
+    """uvicorn's settings for `app`, for `frawd serve` and the tests alike. The h11 parser,
+    not httptools: httptools buffers a header of any size (a never-ending one grew the
+    server by 330 MB and stalled the event loop), and it lets a client that closes under
+    pipelined requests go unnoticed (uvicorn tells only the last request, which never
+    started, so the first generated to max_tokens). h11 costs ~3 us more CPU per streamed
+    event and ~75 us per request (docs/serving.md)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http="h11", h11_max_incomplete_event_size=MAX_HEAD_BYTES, **settings)
 
 
 # What a field of several forms takes, said when a value has none of them.
@@ -86,10 +107,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 class _Metrics:
@@ -127,11 +148,13 @@ class _Rate:
 
 class _Guard:
     """ASGI middleware: the API key on /v1/* (401, before the body is read: a request
-    without the key learns nothing about its body), the body-size cap (413) and the
-    access log."""
+    without the key learns nothing about its body), the body-size cap (413), a body that
+    stalls (408), a write to a client that left (a disconnect, 499), and the access log."""
 
-    def __init__(self, app: Any, max_body_bytes: int, metrics: _Metrics, api_key: str | None) -> None:
-        self.app, self.max_body, self.metrics, self.api_key = app, max_body_bytes, metrics, api_key
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout: float, metrics: _Metrics,
+                 api_key: str | None) -> None:
+        self.app, self.max_body, self.body_timeout = app, max_body_bytes, body_timeout
+        self.metrics, self.api_key = metrics, api_key
 
     def _key_ok(self, scope: dict) -> bool:
         if self.api_key is None or not scope["path"].startswith("/v1/"):
@@ -146,12 +169,20 @@ class _Guard:
         start = time.perf_counter()
         scope.setdefault("state", {})["log"] = log = {}
         status = {"code": 0}
-        received, body_done, body_cut = 0, False, False
+        received, body_done, body_cut, send_failed = 0, False, False, False
         too_large = f"the request body is larger than {self.max_body} bytes"
 
         async def limited_receive() -> dict:
             nonlocal received, body_done, body_cut
-            message = await receive()
+            if body_done:  # (after the body, receive() waits for a disconnect: no time limit)
+                message = await receive()
+            else:
+                try:  # a body that stops coming would hold its connection, and a SIGTERM drain, forever
+                    message = await asyncio.wait_for(receive(), self.body_timeout)
+                except asyncio.TimeoutError:
+                    raise StarletteHTTPException(  # (and close: the rest of the body may still come)
+                        408, f"the request body stalled: nothing came for {self.body_timeout:g} s",
+                        headers={"Connection": "close"}) from None
             if message["type"] == "http.disconnect" and not body_done:
                 body_cut = True  # the client left mid-body: 499, though FastAPI answers it as a 400
             if message["type"] == "http.request":
@@ -163,24 +194,35 @@ class _Guard:
             return message
 
         async def logged_send(message: dict) -> None:
+            nonlocal send_failed
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-            await send(message)
+            try:
+                await send(message)
+            except (OSError, RuntimeError) as error:  # (uvloop: RuntimeError on a closed transport)
+                if isinstance(error, RuntimeError) and "closed" not in str(error):
+                    raise
+                send_failed = True  # the client is gone: unwind the request as a disconnect
+                raise ClientDisconnect() from None
 
         try:
             length = dict(scope["headers"]).get(b"content-length")
             if not self._key_ok(scope):
-                await ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
-                               code="invalid_api_key").response()(scope, receive, logged_send)
+                await ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
+                               ).response({"WWW-Authenticate": "Bearer"})(scope, receive, logged_send)
             elif length is not None and (not length.isdigit() or int(length) > self.max_body):
                 await ApiError(413, too_large).response()(scope, receive, logged_send)
             else:
                 await self.app(scope, limited_receive, logged_send)
+        except ClientDisconnect:
+            if not send_failed:
+                raise
+            # (nothing left to answer: raised on, uvicorn would log it as a bug)
         except Exception:
             status["code"] = status["code"] or 500  # (answered by the last-resort handler, outside this middleware)
             raise
         finally:  # also when the client went away mid-stream (status 499, as nginx logs it)
-            gone = body_cut or "cancelled" in log
+            gone = body_cut or send_failed or "cancelled" in log
             self._log(scope, status["code"] if status["code"] and not gone else 499, start, log)
 
     def _log(self, scope: dict, status: int, start: float, log: dict) -> None:
@@ -256,6 +298,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         raise FrawdError("give at least one model")
     schedulers = {name: Scheduler(engine, max_batch=options.max_batch, max_queue=options.max_queue)
                   for name, engine in engines.items()}
+    scorers = {name: _Scorer(engine, options.max_queue) for name, engine in engines.items()}
     metrics = _Metrics(schedulers)
     created = int(time.time())
     state = {"in_flight": 0}
@@ -266,8 +309,11 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         yield
         for scheduler in schedulers.values():  # uvicorn has waited for open requests (SIGTERM drain)
             await asyncio.to_thread(scheduler.close, True, 30.0)
+        for scorer in scorers.values():
+            scorer.pool.shutdown(wait=False)
 
-    app = FastAPI(title="FrawdLLM", version="1", lifespan=lifespan,
+    # (redirect_slashes off: POST /v1/completions/ is a 404, not a redirect built from the Host header)
+    app = FastAPI(title="FrawdLLM", version="1", lifespan=lifespan, redirect_slashes=False,
                   description="An OpenAI-compatible API over FrawdLLM models, with continuous batching.")
     app.state.schedulers = schedulers
     app.state.options = options
@@ -303,7 +349,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if error.status_code == 400 and error.detail == "There was an error parsing the body":
             return ApiError(400, "the request body is not valid JSON: not UTF-8 text, nested too deep, "
                                  "or a number too long").response()
-        return ApiError(error.status_code, str(error.detail)).response()
+        return ApiError(error.status_code, str(error.detail)).response(error.headers)  # (405: Allow)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, error: Exception) -> Response:
@@ -327,7 +373,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
     async def health() -> dict:
         return {"status": "ok", "models": list(schedulers),
                 "running": sum(s.running for s in schedulers.values()),
-                "waiting": sum(s.queue_depth for s in schedulers.values())}
+                "waiting": sum(s.queue_depth for s in schedulers.values())  # (scoring requests too)
+                + sum(s.waiting for s in scorers.values())}
 
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # (load-balancer probes)
 
@@ -396,77 +443,106 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             if body.echo:  # the prompt as sent (token ids: decoded)
                 echoes.append(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt))
         if max_new == 0:  # score the prompts, generate nothing
-            return await _score(body, engine, encoded, echoes)
+            return await _score(request, body, engine, encoded, echoes)
         params = _params(body, max_new, options)
-        scored = None
-        if body.echo and params.logprobs is not None:  # the prompt's own (a thread: a forward per prompt)
-            scored = [(ids, await asyncio.to_thread(engine.prompt_logprobs, ids, params.logprobs)) for ids in encoded]
-        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None,
-                             prompt_logprobs=scored)
+        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
 
-    async def _score(body: CompletionRequest, engine: Engine, encoded: list[list[int]], echoes: list[str]):
+    def _open() -> None:
+        """Count a request as open (`finish` or `_close` ends it), or a 429 at the limit."""
+        if state["in_flight"] >= options.max_in_flight:
+            raise ApiError(429, f"{state['in_flight']} requests are open (the server's limit); retry later",
+                           code="too_many_requests")
+        state["in_flight"] += 1
+
+    def _close() -> None:
+        state["in_flight"] -= 1
+
+    async def _score(request: Request, body: CompletionRequest, engine: Engine, encoded: list[list[int]],
+                     echoes: list[str]) -> Response:
         """`max_tokens: 0` with `echo`: each prompt back with its tokens' logprobs (if asked),
         as scoring clients ask (no generation: nothing joins the batch)."""
         if not body.echo or body.stream:
             raise ApiError(400, "max_tokens 0 (scoring a prompt) needs echo: true, and is not streamed",
                            param="max_tokens")
         _params(body, 1, options)  # (the other fields checked as for any request)
-        choices = []
-        for i, ids in enumerate(encoded):
-            logprobs = None
-            if body.logprobs is not None:
-                scored = await asyncio.to_thread(engine.prompt_logprobs, ids, body.logprobs)
-                logprobs = _completion_logprobs(engine.tokenizer, list(zip(ids, scored)), 0)[0]
-            choices += [{"index": i * body.n + j, "text": echoes[i], "logprobs": logprobs, "finish_reason": "length"}
-                        for j in range(body.n)]
         tokens = sum(len(ids) for ids in encoded)
-        return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
-                "model": body.model, "system_fingerprint": None, "choices": choices,
-                "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
+        log = request.scope["state"]["log"]
+        log.update(model=body.model, prompt_tokens=tokens, n=body.n, stream=False)
+        scored = None
+
+        def reply() -> dict:
+            choices = []
+            for i, ids in enumerate(encoded):
+                logprobs = None if scored is None else \
+                    _completion_logprobs(engine.tokenizer, list(zip(ids, scored[i])), 0)[0]
+                choices += [{"index": i * body.n + j, "text": echoes[i], "logprobs": logprobs,
+                             "finish_reason": "length"} for j in range(body.n)]
+            return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+                    "model": body.model, "system_fingerprint": None, "choices": choices,
+                    "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
+
+        _open()
+        try:
+            if body.logprobs is None:
+                return JSONResponse(reply())
+            scored = await scorers[body.model].score(request, encoded, body.logprobs)
+            return await asyncio.to_thread(lambda: _json_by_choice(reply()))  # (megabytes: see _json_by_choice)
+        except _ClientGone:
+            log["cancelled"] = True
+            return Response(status_code=499)
+        finally:
+            _close()
 
     async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
-                      params: SamplingParams, chat: bool, echoes: list[str] | None = None,
-                      prompt_logprobs: list | None = None):
-        """Submit each prompt (one job each) and answer with all their completions."""
-        if state["in_flight"] >= options.max_in_flight:
-            raise ApiError(429, f"{state['in_flight']} requests are open (the server's limit); retry later",
-                           code="too_many_requests")
-        loop = asyncio.get_running_loop()
-        delivery = deliveries.get(loop) or deliveries.setdefault(loop, _Delivery(loop))
-        chunks: asyncio.Queue = asyncio.Queue()
-        jobs: list[Job] = []
-        try:
-            for i, ids in enumerate(prompts):  # prompt i's completions are choices i * n ... i * n + n - 1
-                jobs.append(scheduler.submit(ids, params, _shifted(delivery.listener(chunks), i * params.num_samples)))
-        except (QueueFull, FrawdError) as error:
-            for job in jobs:
-                job.cancel()
-            if isinstance(error, QueueFull):
-                raise ApiError(429, str(error), code="queue_full") from None
-            if isinstance(error, Closed):
-                raise ApiError(503, "the server is shutting down", code="shutting_down") from None
-            raise ApiError(400, str(error)) from None
-        state["in_flight"] += 1
+                      params: SamplingParams, chat: bool, echoes: list[str] | None = None):
+        """Submit each prompt (one job each) and answer with all their completions; with echo
+        and logprobs, the prompts are scored first."""
         prompt_tokens = sum(len(ids) for ids in prompts)
-        metrics.prompt_tokens.labels(body.model).inc(prompt_tokens)
         log = request.scope["state"]["log"]
         log.update(model=body.model, prompt_tokens=prompt_tokens, n=params.num_samples, stream=body.stream)
         if len(prompts) > 1:
             log["prompts"] = len(prompts)
+        _open()
+        loop = asyncio.get_running_loop()
+        delivery = deliveries.get(loop) or deliveries.setdefault(loop, _Delivery(loop))
+        chunks: asyncio.Queue = asyncio.Queue()
+        jobs: list[Job] = []
+        prompt_logprobs = None
+        try:
+            if echoes and params.logprobs is not None:  # the prompts' own logprobs, reported first
+                scored = await scorers[body.model].score(request, prompts, params.logprobs)
+                prompt_logprobs = list(zip(prompts, scored))
+            for i, ids in enumerate(prompts):  # prompt i's completions are choices i * n ... i * n + n - 1
+                jobs.append(scheduler.submit(ids, params, _shifted(delivery.listener(chunks), i * params.num_samples)))
+        except BaseException as error:
+            _close()
+            for job in jobs:
+                job.cancel()
+            if isinstance(error, _ClientGone):
+                log["cancelled"] = True
+                return Response(status_code=499)
+            if isinstance(error, QueueFull):
+                raise ApiError(429, str(error), code="queue_full") from None
+            if isinstance(error, Closed):
+                raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+            if isinstance(error, FrawdError):
+                raise ApiError(400, str(error)) from None
+            raise
+        metrics.prompt_tokens.labels(body.model).inc(prompt_tokens)
         reply = _Reply(body, jobs, chunks, chat, prompt_tokens, created=int(time.time()),
                        echoes=echoes or [""] * len(prompts), tokenizer=scheduler.engine.tokenizer,
                        prompt_logprobs=prompt_logprobs)
         reply.log = log
         if body.stream:
-            return StreamingResponse(reply.events(request, finish), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _Stream(reply.events(request, finish), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         whole = asyncio.ensure_future(reply.whole())
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
             if not whole.done():  # the client went away: nobody reads this, the log says 499 cancelled
                 return Response(status_code=499)
-            return JSONResponse(whole.result())
+            return whole.result()
         finally:
             whole.cancel()
             gone.cancel()
@@ -475,7 +551,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
     def finish(reply: "_Reply") -> None:
         for job in reply.jobs:
             job.cancel()  # (no-op when it finished): a client gone frees the rows
-        state["in_flight"] -= 1
+        _close()
         model = reply.body.model
         metrics.generated.labels(model).inc(reply.completion_tokens)
         metrics.latency.labels(model).observe(time.perf_counter() - reply.submitted)
@@ -487,8 +563,66 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if not all(job.done for job in reply.jobs):
             request_log["cancelled"] = True
 
-    app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, metrics=metrics, api_key=options.api_key)
+    app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, body_timeout=options.body_timeout,
+                       metrics=metrics, api_key=options.api_key)
     return app
+
+
+class _Scorer:
+    """Scores prompts (`echo` with `logprobs`: one PyTorch forward a prompt) for one model,
+    one request at a time on a thread of its own, as generation waits for a row: at most
+    `max_queue` requests wait (a 429 beyond), and one whose client left runs no further
+    forward (the one under way, a prompt's, finishes)."""
+
+    def __init__(self, engine: Engine, max_queue: int) -> None:
+        self.engine, self.max_queue = engine, max_queue
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="frawd-score")
+        self.open = 0  # requests whose client waits for them, the one running included
+
+    @property
+    def waiting(self) -> int:
+        return max(self.open - 1, 0)
+
+    async def score(self, request: Request, prompts: list[list[int]], k: int) -> list[list[TokenLogprob | None]]:
+        """Each prompt's token logprobs (`Engine.prompt_logprobs`); `_ClientGone` if the client left first."""
+        if self.waiting >= self.max_queue:
+            raise ApiError(429, f"{self.waiting} scoring requests are waiting for this model (the server's "
+                                "limit); retry later", code="queue_full")
+        left = threading.Event()
+
+        def run() -> list | None:
+            scored = []
+            for ids in prompts:
+                if left.is_set():
+                    return None
+                scored.append(self.engine.prompt_logprobs(ids, k))
+            return scored
+
+        self.open += 1
+        done = asyncio.wrap_future(self.pool.submit(run))
+        done.add_done_callback(lambda future: future.cancelled() or future.exception())  # (one that left: unread)
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                raise _ClientGone()
+            return done.result()
+        finally:
+            self.open -= 1
+            left.set()
+            gone.cancel()
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that closes its events when it ends, however it ends: a failed
+    write ends the `async for` without closing the generator, whose `finally` (the request's
+    `finish`: its rows and its in-flight place) would then wait for the garbage collector."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def _disconnect(request: Request) -> None:
@@ -670,6 +804,17 @@ def _completion_logprobs(tokenizer: Any, scored: list[tuple[int, TokenLogprob | 
             "text_offset": offsets}, offset
 
 
+def _json_by_choice(body: dict) -> Response:
+    """A reply with logprobs, built on a worker thread: with echo it can take megabytes (11 MB
+    for 32 prompts of 250 tokens, n=8, logprobs=5), and built and serialised on the event loop
+    it stalled every stream and /health for ~0.7 s. Its choices are serialised one at a time:
+    json.dumps holds the GIL, and so the event loop, for the whole of one call (~0.3 s there)."""
+    dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    head = dumps({key: value for key, value in body.items() if key != "choices"})
+    text = head[:-1] + ',"choices":[' + ",".join(map(dumps, body["choices"])) + "]}"
+    return Response(text.encode(), media_type="application/json")
+
+
 class _ClientGone(Exception):
     """Put in a reply's queue when its client disconnects (see `_Reply.events`)."""
 
@@ -740,10 +885,15 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
-    async def whole(self) -> dict:
+    async def whole(self) -> JSONResponse:
         while None in self.reasons:  # (every sample's last chunk taken)
             chunk = await self._next()
             self.texts[chunk.index] += chunk.text
+        if self.wants_logprobs:  # (megabytes with echo: see _json_by_choice)
+            return await asyncio.to_thread(lambda: _json_by_choice(self._whole()))
+        return JSONResponse(self._whole())
+
+    def _whole(self) -> dict:
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text},
                         "logprobs": self._new_logprobs(i), "finish_reason": reason}
@@ -826,8 +976,12 @@ class _Reply:
             yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(self.n)])
         elif any(self.echoes):
-            yield self._event([{"index": i, "text": echo, "logprobs": self._new_logprobs(i), "finish_reason": None}
-                               for i, echo in enumerate(self.echoes)])
+            def echoed() -> str:  # (megabytes with logprobs: built as _json_by_choice builds a reply)
+                choices = [json.dumps({"index": i, "text": echo, "logprobs": self._new_logprobs(i),
+                                       "finish_reason": None}, ensure_ascii=False)
+                           for i, echo in enumerate(self.echoes)]
+                return self._event("[" + ", ".join(choices) + "]")
+            yield await asyncio.to_thread(echoed) if self.prompt_logprobs else echoed()
         while None in self.reasons:  # (every sample's last chunk taken)
             chunks = [await self._next()]
             while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
@@ -859,4 +1013,4 @@ class _Reply:
         yield "data: [DONE]\n\n"
 
 
-__all__ = ["create_app", "ServeOptions", "ApiError"]
+__all__ = ["create_app", "ServeOptions", "ApiError", "server_config"]
