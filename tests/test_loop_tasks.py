@@ -199,3 +199,4 @@ def test_a_time_budget_decays_to_the_floor_by_the_last_step(tmp_path):
     assert result.stop_reason == "max_time"
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
     assert len(lrs) > 50 and lrs[-1] < 0.1  # (1.0 at the peak; before, ~0.3 here)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # a cosine never rises (a reserve re-estimated each step moved it)

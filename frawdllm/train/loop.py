@@ -307,6 +307,7 @@ class Trainer:
         self._start = 0.0  # perf_counter from which this session's time counts
         self._fit_start = 0.0  # perf_counter at the start of fit()
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
+        self._schedule_reserve_s: float | None = None  # (see _schedule_progress)
         self._eval_s: float | None = None  # how long the last evaluation took
         self._publish_s: float | None = None  # the last publish of the best model (its weights)
         self._save_s: float | None = None  # how long the last checkpoint took
@@ -528,7 +529,7 @@ class Trainer:
         """One optimizer step (grad_accum micro-batches); returns its metrics record."""
         cfg = self.cfg
         started = time.perf_counter()
-        lr = self.schedule(self.step, self.progress())
+        lr = self.schedule(self.step, self._schedule_progress())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         timing = self.plan.next_dtype() if self.plan is not None else None
@@ -669,19 +670,25 @@ class Trainer:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self._start if self._start else 0.0)
 
-    def progress(self) -> float:
-        """Share of the budget used: the furthest along of steps, tokens and time. Time counts
-        against the budget less the final evaluation's reserve, where training stops (else a
-        short run's schedule ended far from its floor: at half the peak in a 20 s run)."""
+    def progress(self, reserve_s: float = 0.0) -> float:
+        """Share of the budget used: the furthest along of steps, tokens and time (time
+        against the budget less `reserve_s`)."""
         cfg, used = self.cfg, [0.0]
         if cfg.max_steps:
             used.append(self.step / cfg.max_steps)
         if cfg.max_tokens:
             used.append(self.tokens / cfg.max_tokens)
         if cfg.max_time_s:
-            reserve = self._final_eval_s() if self._last_step_s is not None else 0.0
-            used.append(self.elapsed() / max(cfg.max_time_s - reserve, 1e-9))
+            used.append(self.elapsed() / max(cfg.max_time_s - reserve_s, 1e-9))
         return min(1.0, max(used))
+
+    def _schedule_progress(self) -> float:
+        """The progress the learning rate follows: a time budget's training stops early by
+        the final evaluation's reserve (else a short run's cosine ended at a quarter to half
+        of its peak). The reserve is estimated once, after the run's first evaluation, on rank
+        0 for every rank, and kept in checkpoints: re-estimated each step, it moved the rate
+        back up, and differed between ranks."""
+        return self.progress(self._schedule_reserve_s or 0.0)
 
     def _check_stop(self) -> str | None:
         cfg = self.cfg
@@ -776,6 +783,8 @@ class Trainer:
         if (improved or (not results and save)) and main:
             self._publish_model(whole)
             self._publish_s = time.perf_counter() - saving
+        if self.cfg.max_time_s and self._schedule_reserve_s is None:  # (all ranks evaluate together)
+            self._schedule_reserve_s = self.dist.from_main(self._final_eval_s())
         if save:
             checkpointing = time.perf_counter()
             self._save_checkpoint(whole)
@@ -807,6 +816,7 @@ class Trainer:
             "decided": {} if self.plan is not None else {"dtype": self.dtype, "compiled": self._compiled},
             **({} if sharded else {"optimizer": self.optimizer.state_dict()}),
             "schedule": self.schedule.state_dict(),
+            "schedule_reserve_s": self._schedule_reserve_s,
             "scaler": self.scaler.state_dict(),
             "rng": rng_state(),
             "task": self.task.state_dict(),
@@ -834,6 +844,7 @@ class Trainer:
                              f"this FrawdLLM reads version {STATE_VERSION}")
         distributed.load_optimizer(self.step_module, self.optimizer, path, state.get("optimizer"), self.dist)
         self.schedule.load_state_dict(state["schedule"])
+        self._schedule_reserve_s = state.get("schedule_reserve_s")  # (None: taken at this session's first evaluation)
         self.scaler.load_state_dict(state["scaler"])
         self.task.load_state_dict(state["task"])
         set_rng_state(state["rng"])
