@@ -200,3 +200,17 @@ def test_a_time_budget_decays_to_the_floor_by_the_last_step(tmp_path):
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
     assert len(lrs) > 50 and lrs[-1] < 0.1  # (1.0 at the peak; before, ~0.3 here)
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # a cosine never rises (a reserve re-estimated each step moved it)
+
+
+def test_a_task_mistake_on_a_compiled_first_step_is_not_taken_for_a_compile_failure(tmp_path, monkeypatch):
+    """The check ran inside the first compiled step's retry: "torch.compile failed (TypeError:
+    the task's loss has no gradient); training without it", and the machine's compile cache
+    then said compile fails here (later `auto` runs never compiled)."""
+    import warnings
+
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(TypeError, match="has no gradient"):
+        warnings.simplefilter("always")
+        Trainer(torch.nn.Linear(4, 1), MisusedTask("no gradient"), config(tmp_path, compile="true")).fit()
+    assert not [w for w in seen if "torch.compile failed" in str(w.message)]
+    assert "failed" not in "".join(p.read_text() for p in (tmp_path / "cache").rglob("*.json"))

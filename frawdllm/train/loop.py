@@ -38,6 +38,7 @@ rank 0 alone writes the logs, samples and model directories.
 from __future__ import annotations
 
 import math
+import numbers
 import signal
 import statistics
 import sys
@@ -84,35 +85,40 @@ def _kind(value: Any) -> str:
     return f"a {value.dim()}-D tensor" if isinstance(value, Tensor) else type(value).__name__
 
 
+class TaskOutputError(TypeError):
+    """A task's `loss` or `evaluate` returned the wrong kind of value (the task's mistake,
+    never taken for a torch.compile failure)."""
+
+
 def checked_loss(out: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    """A task's `loss` result as (loss, metrics), else a TypeError saying what it must be
-    (the loop's own code failed on it: `'float' object has no attribute 'detach'`...)."""
+    """A task's `loss` result as (loss, metrics), else a TaskOutputError saying what it must
+    be (the loop's own code failed on it: `'float' object has no attribute 'detach'`...)."""
     loss, metrics = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
     if not isinstance(loss, Tensor) or loss.dim() != 0:
-        raise TypeError(f"the task's loss must return a scalar tensor or (loss, {{name: scalar tensor}}), "
+        raise TaskOutputError(f"the task's loss must return a scalar tensor or (loss, {{name: scalar tensor}}), "
                         f"got {_kind(out if isinstance(out, tuple) and len(out) != 2 else loss)}")
     if not loss.requires_grad:
-        raise TypeError("the task's loss has no gradient (not computed from the model's trainable parameters, "
+        raise TaskOutputError("the task's loss has no gradient (not computed from the model's trainable parameters, "
                         "or under no_grad)")
     if not isinstance(metrics, dict):
-        raise TypeError(f"the task's metrics must be a dict of scalar tensors, got {_kind(metrics)}")
+        raise TaskOutputError(f"the task's metrics must be a dict of scalar tensors, got {_kind(metrics)}")
     for name, value in metrics.items():
         if not isinstance(value, Tensor) or value.dim() != 0:
-            raise TypeError(f"the task's metric {name!r} must be a scalar tensor, got {_kind(value)}")
+            raise TaskOutputError(f"the task's metric {name!r} must be a scalar tensor, got {_kind(value)}")
     return loss, metrics
 
 
 def checked_results(results: Any) -> dict[str, float]:
-    """A task's `evaluate` result as {name: float} (a scalar tensor becomes its value), else
-    a TypeError naming the value."""
+    """A task's `evaluate` result as {name: float} (a scalar tensor or numpy number becomes
+    its value), else a TaskOutputError naming the value."""
     if not isinstance(results, dict):
-        raise TypeError(f"the task's evaluate must return a dict of numbers, got {_kind(results)}")
+        raise TaskOutputError(f"the task's evaluate must return a dict of numbers, got {_kind(results)}")
     checked = {}
     for name, value in results.items():
         if isinstance(value, Tensor) and value.dim() == 0:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"the task's evaluate result {name!r} must be a number, got {_kind(value)}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TaskOutputError(f"the task's evaluate result {name!r} must be a number, got {_kind(value)}")
         checked[name] = float(value)
     return checked
 
@@ -615,7 +621,7 @@ class Trainer:
             loss, metrics = checked_loss(loss)
             self.scaler.scale(loss / self.grad_accum).backward()
         except Exception as exc:  # noqa: BLE001 - only the first compiled step is retried
-            if not self._compiled or self._compiled_ok:
+            if not self._compiled or self._compiled_ok or isinstance(exc, TaskOutputError):
                 raise
             self.optimizer.zero_grad(set_to_none=True)
             first_line = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
