@@ -142,9 +142,10 @@ def _write_error(exc: BaseException, path: Path) -> FrawdError | None:
         text in str(exc) for text in ("PytorchStreamWriter", "unexpected pos", "file write failed"))
     if (isinstance(exc, OSError) or torch_writer) and _nearly_full(path.parent):
         return disk_full_error(path)
-    if torch_writer:
+    if torch_writer:  # (also an I/O error, a stale NFS handle: its text is kept)
+        said = " ".join(str(exc).split())[:200]
         return FrawdError(f"could not write {path}: the write stopped short with space left on "
-                          f"{_mount_point(path)} (a disk quota or the file size limit, `ulimit -f`?)")
+                          f"{_mount_point(path)} (a disk quota or the file size limit, `ulimit -f`?): {said}")
     return None
 
 

@@ -82,13 +82,13 @@ def plain_state(model: torch.nn.Module, failing: str) -> dict[str, torch.Tensor]
     their layers (`align/lora.py`). Refused, after `failing` ("cannot save DIR"): int8 layers
     (`quantize_int8` is for inference; they hold no float weights), and weights that a
     model of `model.config` would not have (a config changed after construction)."""
-    from .align.lora import has_lora, merged_copy
-    from .infer.quantize import Int8Linear
+    from .align.lora import plain
+    from .infer.quantize import is_int8
 
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if is_int8(model):
         raise FrawdError(f"{failing}: its linear layers are int8 (quantize_int8, for inference only); "
                          "use the model from before quantizing")
-    state = (merged_copy(model) if has_lora(model) else model).state_dict()
+    state = plain(model).state_dict()
     cfg = model.config
     held = sum(t.numel() for k, t in state.items() if not (cfg.tie_embeddings and k == TIED_KEY))
     if held != cfg.num_parameters:

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -222,11 +222,11 @@ class Tokenizer:
         """Many texts at once, in parallel on all cores (Rust threads, GIL released)."""
         if isinstance(texts, (str, bytes)):
             raise FrawdError(f"encode_batch takes a list of texts, not one {type(texts).__name__}: pass [text]")
-        if not isinstance(texts, Sequence):
-            raise FrawdError(f"encode_batch takes a list of texts, got {type(texts).__name__}")
         try:
             return [e.ids for e in self._plain.encode_batch_fast(texts, add_special_tokens=False)]
-        except TypeError:
+        except TypeError:  # (checked only now: numpy arrays and pandas Series of str pass above)
+            if not isinstance(texts, Iterable):
+                raise FrawdError(f"encode_batch takes a list of texts, got {type(texts).__name__}") from None
             for i, text in enumerate(texts):
                 _check_text(text, "encode_batch", i)
             raise

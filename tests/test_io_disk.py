@@ -309,7 +309,8 @@ def test_a_file_size_limit_is_named_not_a_full_disk(tmp_path, name):
                                        "(`ulimit -f`, or the filesystem's largest file)")
     else:
         assert re.fullmatch(rf"could not write {re.escape(str(tmp_path / name))}: the write stopped short "
-                            r"with space left on /\S* \(a disk quota or the file size limit, `ulimit -f`\?\)",
+                            r"with space left on /\S* \(a disk quota or the file size limit, `ulimit -f`\?\): "
+                            r"\[enforce fail at inline_container.cc:\d+\] \. unexpected pos \d+ vs \d+",
                             proc.stdout.strip()), proc.stdout
     assert list(tmp_path.iterdir()) == []
 

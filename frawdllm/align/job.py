@@ -115,11 +115,6 @@ def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
     return model, tokenizer, cfg.max_length or context
 
 
-def plain(model: nn.Module) -> nn.Module:
-    """The model as a plain FrawdLLM (LoRA adapters merged into a copy)."""
-    return lora.merged_copy(model) if lora.has_lora(model) else model
-
-
 def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
                    ) -> list[str]:
     """Greedy answers to chat prompts (ids ending in <|assistant|>)."""
@@ -128,7 +123,7 @@ def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[in
     if not prompts:
         return []
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
-    return [c.text for c in Engine(plain(model), tokenizer).generate(prompts, params)]
+    return [c.text for c in Engine(lora.plain(model), tokenizer).generate(prompts, params)]
 
 
 def sample_texts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
@@ -160,7 +155,7 @@ class FinetuneTask(TrainTask):
     def save_model(self, model: nn.Module, directory: Path) -> None:
         from ..modeldir import save_model_dir
 
-        save_model_dir(plain(model), directory, tokenizer=self.tokenizer,
+        save_model_dir(model, directory, tokenizer=self.tokenizer,  # (LoRA: merged on save)
                        generation_config=self.generation_config or None)
 
     def load_model(self, model: nn.Module, directory: Path) -> None:

@@ -19,6 +19,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from ..config import is_integer
+
 TARGETS = ("qkv", "q", "kv", "proj", "up", "down")
 
 
@@ -43,7 +45,7 @@ class LoRALinear(nn.Module):
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:
     """Freeze `model` and wrap its projections with adapters (in place); returns it."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not is_integer(rank) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
     if has_lora(model):  # (else: "no linear layer named ...", the projections being LoRA layers now)
         raise ValueError(f"{type(model).__name__} already has LoRA adapters")
@@ -71,6 +73,11 @@ def merged_copy(model: nn.Module) -> nn.Module:
             if isinstance(child, LoRALinear):
                 setattr(module, name, child.merged())
     return plain.requires_grad_(True)
+
+
+def plain(model: nn.Module) -> nn.Module:
+    """`model` itself, or, with adapters, its merged copy: what saving and inference take."""
+    return merged_copy(model) if has_lora(model) else model
 
 
 def adapter_state(model: nn.Module) -> dict[str, Tensor]:

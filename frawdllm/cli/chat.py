@@ -17,7 +17,10 @@ from ..errors import FrawdError, check_unicode
 from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
 
 PROMPT = "> "
-CHAT_FIXED = {"num_samples": 1, "logprobs": None, "ignore_eos": False}  # whatever generation_config.json says
+# What chat keeps whatever generation_config.json says: each setting's value, and why
+CHAT_FIXED = {"num_samples": (1, "chat replies with one sample"),
+              "logprobs": (None, "chat does not show log-probabilities"),
+              "ignore_eos": (False, "a reply ends at <|eos|>")}
 HELP = """commands:
   /reset            forget the conversation (the system message stays)
   /system TEXT      set the system message (/system alone removes it)
@@ -53,7 +56,7 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     # (generation_config.json may ask for what a conversation cannot use: several samples
     # each turn, which were streamed into one reply; log-probabilities chat never shows;
     # replies that run past <|eos|>)
-    params = params_from_flags(model_dir, sampling, **CHAT_FIXED)
+    params = params_from_flags(model_dir, sampling, **{key: value for key, (value, _) in CHAT_FIXED.items()})
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     # (known before the first message: no message could be rendered)
@@ -154,9 +157,7 @@ class _Repl:
         changes = {}
         fixed = {"stop": "stop strings are set when chat starts (--stop)",
                  "stop_token_ids": "chat stops at its role tokens and <|eos|>",
-                 "num_samples": "chat replies with one sample",
-                 "logprobs": "chat does not show log-probabilities",
-                 "ignore_eos": "a reply ends at <|eos|>"}
+                 **{key: why for key, (_, why) in CHAT_FIXED.items()}}
         settable = [f.name for f in fields(SamplingParams) if f.name not in fixed]
         try:
             for pair in pairs:

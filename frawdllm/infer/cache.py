@@ -85,7 +85,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every token (storage is kept and overwritten)."""
-        self.length, self.padded, self._mask = 0, False, None
+        self.length, self.padded, self._mask, self._start, self._announced = 0, False, None, 0, False
         self.valid.zero_()
 
     @property

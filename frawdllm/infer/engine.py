@@ -70,7 +70,7 @@ from ..train.compile import quiet_inductor
 from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
-from .quantize import Int8Linear
+from .quantize import is_int8
 from .sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, checked_params, greedy_index, make_generator,
                        sample_next, sample_seed, token_logprobs)
 from .textstream import TextStream
@@ -171,7 +171,7 @@ class Engine:
             raise FrawdError(f"weights must be one of {', '.join(WEIGHT_MODES)}; got {weights!r}")
         if self.native and weights == "auto":
             weights = DEFAULT_NATIVE_WEIGHTS if native_forward.has_fp16() else "fp32"
-        if self.native and any(isinstance(m, Int8Linear) for m in model.modules()):
+        if self.native and is_int8(model):
             weights = "int8"  # every linear is int8: that is what the C forward reads
         self.weights = weights if self.native else None
         self._decoder: native_forward.NativeDecoder | None = None

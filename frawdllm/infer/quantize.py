@@ -69,6 +69,11 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_int8(model: nn.Module) -> bool:
+    """Whether `model` has int8 layers (`quantize_int8`)."""
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
 def int8_weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes of all linear weights as stored now, the same weights in fp32)."""
     stored = fp32 = 0

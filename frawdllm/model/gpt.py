@@ -117,7 +117,7 @@ def check_positions(positions: Tensor, context_length: int) -> None:
     values: skipped while compiling, where a data-dependent check would break the graph."""
     if torch.compiler.is_compiling() or not positions.numel():
         return
-    low, high = (int(v) for v in torch.aminmax(positions))
+    low, high = torch.stack(torch.aminmax(positions)).tolist()  # (one read: a GPU waits once)
     if high >= context_length:
         raise ValueError(f"position {high} is past the model's context_length {context_length}")
     if low < 0:
