@@ -87,4 +87,4 @@ def int8_weight_bytes(model: nn.Module) -> tuple[int, int]:
     return stored, fp32
 
 
-__all__ = ["Int8Linear", "quantize_int8", "quantize_rows", "int8_weight_bytes"]
+__all__ = ["Int8Linear", "quantize_int8", "quantize_rows", "int8_weight_bytes", "is_int8"]
