@@ -354,6 +354,12 @@ def test_prompt_logprobs_checks_its_prompt_as_generate_does_and_caps_k_as_sampli
     scored = engine.prompt_logprobs("5 6 7", MAX_LOGPROBS)  # text, as generate takes it
     assert scored == engine.prompt_logprobs(torch.tensor([5, 6, 7]), MAX_LOGPROBS)
     assert scored[0] is None and [s.token for s in scored[1:]] == [6, 7] and len(scored[1].top) == MAX_LOGPROBS
+    context = engine.config.context_length
+    for overflow in ("stop", "slide"):  # scored in one forward: sliding is no way out, and is not offered
+        engine.overflow = overflow
+        with pytest.raises(FrawdError, match=rf"^the prompt has {context + 1} tokens but the model's context is "
+                                             rf"{context}; shorten it$"):
+            engine.prompt_logprobs([5] * (context + 1), 1)
 
 
 def test_streamed_bytes_equal_the_one_shot_decode_of_the_tokens():

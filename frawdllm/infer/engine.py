@@ -286,9 +286,10 @@ class Engine:
         return "; ".join(f"{label} ({', '.join(names)})" for label, names in groups.items())
 
     # ---- prompts ------------------------------------------------------------------------------
-    def encode(self, prompt: Any) -> list[int]:
+    def encode(self, prompt: Any, whole: bool = False) -> list[int]:
         """One prompt as a list of Python ints: text encoded (no special tokens added), token
-        ids (any form the module docstring's "Prompts" names) checked against the vocabulary.
+        ids (any form the module docstring's "Prompts" names) checked against the vocabulary;
+        `whole`: it must fit the context, whatever `overflow` says (a prompt scored at once).
 
         An empty prompt becomes <|eos|>: in pretraining data a document starts after one.
         """
@@ -305,11 +306,10 @@ class Engine:
                 raise FrawdError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
         if not ids:
             ids = [self.eos_id]
-        if len(ids) > self.config.context_length and self.overflow == "stop":
-            raise FrawdError(
-                f"the prompt has {len(ids)} tokens but the model's context is {self.config.context_length}; "
-                "shorten it or use overflow='slide' (--overflow slide)"
-            )
+        if len(ids) > self.config.context_length and (whole or self.overflow == "stop"):
+            advice = "" if whole else " or use overflow='slide' (--overflow slide)"
+            raise FrawdError(f"the prompt has {len(ids)} tokens but the model's context is "
+                             f"{self.config.context_length}; shorten it{advice}")
         return ids
 
     def _prompt_list(self, prompts: Any) -> list[list[int]]:
@@ -367,10 +367,7 @@ class Engine:
         <|eos|>)."""
         if not is_integer(k) or not 0 <= k <= MAX_LOGPROBS:
             raise FrawdError(f"k (alternatives per token) must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-        ids = self.encode(ids)
-        if len(ids) > self.config.context_length:
-            raise FrawdError(f"the prompt has {len(ids)} tokens but the model's context is "
-                             f"{self.config.context_length}")
+        ids = self.encode(ids, whole=True)
         with eval_mode(self.model):
             logits = self.model(torch.tensor([ids], device=self.device))[0][0]  # (T, V)
         return [None] + token_logprobs(logits[:-1], ids[1:], k) if len(ids) > 1 else [None]
