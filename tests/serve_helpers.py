@@ -44,6 +44,14 @@ def test_engine(model, tok) -> Engine:
 test_engine.__test__ = False  # (not a test)
 
 
+def asgi_post(body: bytes, spec_version: str = "2.3", path: str = "/v1/completions") -> dict:
+    """The ASGI scope of a JSON POST of `body`, for calling the app directly."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+
 @contextmanager
 def live_server(engines: dict, options: ServeOptions):
     """Yields the base URL ("http://127.0.0.1:PORT") while the server runs."""

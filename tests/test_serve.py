@@ -22,7 +22,7 @@ from frawdllm.infer import SamplingParams
 from frawdllm.infer.chat import ROLE_TOKEN_IDS
 from frawdllm.serve import ServeOptions
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
-from serve_helpers import AccessLog, free_port, live_server, test_engine
+from serve_helpers import AccessLog, asgi_post, free_port, live_server, test_engine
 from test_scheduler import PROMPTS, varied_model
 
 KEY = "test-key-123"
@@ -597,10 +597,7 @@ def test_a_queued_stream_whose_client_leaves_leaves_the_queue_under_asgi_2_4(cap
 
     async def stream(gone: asyncio.Event, sent: list) -> None:
         body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}).encode()
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        scope = asgi_post(body, spec_version="2.4")
         messages = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def receive():

@@ -16,7 +16,7 @@ import pytest
 
 from frawdllm.serve import ServeOptions, create_app
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
-from serve_helpers import LOOP_THREAD, AccessLog, live_server, test_engine
+from serve_helpers import LOOP_THREAD, AccessLog, asgi_post, live_server, test_engine
 from test_scheduler import varied_model
 
 SCORE = {"model": "m", "prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1}
@@ -191,10 +191,7 @@ def test_a_failed_write_cancels_the_request_and_frees_its_place(access_log, capl
 
     async def call(body: dict, fail_after: int | None) -> list:
         data, sent = json.dumps(body).encode(), []
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]}
+        scope = asgi_post(data)
         messages = [{"type": "http.request", "body": data, "more_body": False}]
 
         async def receive():
