@@ -181,7 +181,8 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
             check_positions(positions, self.config.context_length)
         try:
             x = self.embed(token_ids, positions)  # (B, T, D)
-        except IndexError:  # ids are not read on the way (a GPU would wait): only when one is bad
+        except IndexError:  # (eager on the CPU; ids are read only then: a GPU would wait. A GPU
+            # asserts on the device instead, and a compiled forward raises inductor's own error)
             bad = token_ids[(token_ids < 0) | (token_ids >= self.config.vocab_size)]
             if not bad.numel():
                 raise
