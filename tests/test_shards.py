@@ -97,6 +97,74 @@ def test_long_documents_cut_into_pieces_encode_exactly_like_the_whole(tmp_path, 
     assert read_shard(tmp_path / "out" / "train.bin").tolist() == tok.encode(doc) + [EOS_ID]
 
 
+def test_cuts_at_whitespace_after_a_non_space_never_change_the_bpe_tokens(bpe, monkeypatch):
+    # Against encoding the whole text: kinds of whitespace (\x0b, \x1c, no-break and ideographic
+    # spaces besides the ones cut at), contractions, punctuation and digits around the cuts.
+    monkeypatch.setattr(shards_module, "PIECE_CHARS", 5)
+    alphabet = ["alp", "ha", "bet", "a", "gam", "ma", "doc", "9", "'", ".", ":", "'s", "'ll", " ", "  ", "\t", "\r", "\n",
+                "\r\n", "\x0b", "\x1c", "\u00a0", "\u3000", "é"]  # (word fragments: the vocabulary merges them)
+    rng = np.random.default_rng(0)
+    splitter = shards_module._piece_splitter(bpe)
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet, size=40))
+        pieces = splitter(text)
+        assert "".join(pieces) == text
+        assert [i for p in pieces for i in bpe.encode(p)] == bpe.encode(text), repr(text)
+
+
+def test_a_document_longer_than_a_batch_spreads_over_batches_and_encodes_like_the_whole(tmp_path, bpe,
+                                                                                        monkeypatch):
+    # One line of words and no newline (the tokenizer's encodings of a 20 MB line took 4.3 GB
+    # when a document went whole into one batch): memory stays bounded by the batch.
+    line = " ".join(_corpus(80, seed=5)).replace("\n", " ")
+    docs = _corpus(40) + [line] + _corpus(40, seed=2)
+    src = _write_corpus(tmp_path / "c.txt", docs)
+    monkeypatch.setattr(shards_module, "PIECE_CHARS", 37)
+    splitter = shards_module._piece_splitter(bpe)
+    assert len(splitter(line)) > 100
+    batches = list(shards_module._batches(iter_documents(str(src)), 0.2, splitter, 200))
+    longest_piece = max(len(p) for b in batches for p in b.pieces)
+    assert max(b.chars for b in batches) < 200 + longest_piece < 300
+    monkeypatch.setattr(shards_module, "BATCH_CHARS", 200)
+    meta = prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.2)
+    train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
+    is_val = [shards_module._is_val(d.encode(), 0.2) for d in docs]
+    assert any(is_val) and not all(is_val)
+    for split, tokens in ((False, train), (True, val)):
+        chosen = [d for d, v in zip(docs, is_val) if v == split]
+        assert _documents_of(tokens) == [bpe.encode(d) for d in chosen]
+        assert meta[f"{'val' if split else 'train'}_documents"] == len(chosen)
+        assert meta[f"{'val' if split else 'train'}_text_bytes"] == sum(len(d.encode()) for d in chosen)
+
+
+def test_shards_inside_their_source_folder_are_refused_before_anything_is_written(tmp_path, bpe, capsys):
+    # (they became corpus text for the next run: "holds prepared shards, not text")
+    from cli_helpers import run_cli
+
+    (tmp_path / "src").mkdir()
+    _write_corpus(tmp_path / "src" / "a.txt", _corpus(20))
+    bpe.save(tmp_path / "tok.json")
+    for out in (tmp_path / "src", tmp_path / "src" / "shards", tmp_path / "src" / "." / "deep" / "er"):
+        code, stdout, err = run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer",
+                                    tmp_path / "tok.json", "--out", out)
+        assert (code, stdout) == (1, "")
+        assert err == (f"frawd: error: the shards' folder {out} is inside the source folder {tmp_path / 'src'}: the "
+                       f"next run would read them as corpus text; write them outside {tmp_path / 'src'}\n")
+        assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["a.txt"]
+    assert run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer", tmp_path / "tok.json",
+                   "--out", tmp_path / "srcs")[0] == 0  # (a sibling whose name starts alike is outside)
+
+
+def test_more_local_workers_than_four_per_cpu_are_refused(tmp_path, bpe, monkeypatch):
+    src = _write_corpus(tmp_path / "c.txt", _corpus(5))
+    monkeypatch.setattr(shards_module.os, "cpu_count", lambda: 2)
+    with pytest.raises(FrawdError, match=re.escape("workers must be at most 8 on this machine (4 per CPU, it has 2), "
+                                                   "got 9: more only wait for a core")):
+        prepare_shards(str(src), bpe, tmp_path / "out", workers=9)
+    assert not (tmp_path / "out").exists()
+    shards_module.check_prepare_options(0.1, 9, local=False)  # (Slurm or Ray tasks run elsewhere)
+
+
 def test_header_records_magic_version_dtype_count_and_vocab(tmp_path, bpe):
     src = _write_corpus(tmp_path / "c.txt", _corpus(20))
     prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.0)

@@ -44,7 +44,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
                  --doc-split file --val-fraction 0.1
     """
     from ..data import META_FILE, prepare_shards, read_split
-    from ..data.shards import print_warnings
+    from ..data.shards import print_warnings, split_bytes_per_token
     from ..errors import FrawdError
     from ..modeldir import TOKENIZER_FILE, load_config, load_model, model_file
     from ..tokenizer import Tokenizer
@@ -83,12 +83,11 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             print_warnings(meta)
         tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
-            raise FrawdError(f"the {split} split has {len(tokens)} tokens, too few for one window of {context}; "
+            raise FrawdError(f"the {split} split has {len(tokens)} token{'' if len(tokens) == 1 else 's'}, too few for one window of {context}; "
                              "use more data, a larger --val-fraction or a shorter --context-length")
         with autocast(dev, dtype):
             loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=progress)
-    bytes_per_token = meta.get(f"{split}_bytes_per_token") if split == "val" else None
-    bytes_per_token = bytes_per_token or meta.get("bytes_per_token")
+    bytes_per_token = split_bytes_per_token(meta, split)
     metrics = {**lm_metrics(loss, bytes_per_token), "tokens": count, "bytes_per_token": bytes_per_token,
                "split": split}
     if as_json:

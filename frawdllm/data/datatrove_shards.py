@@ -34,7 +34,7 @@ from ..io import clean_partial, undo_on_error, write_json_atomic
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
 from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _reusable, document_end, remove_stale_shards, shard_meta,
-                     check_prepare_options, tokenize_documents, with_warnings)
+                     check_prepare_options, refuse_out_in_source, tokenize_documents, with_warnings)
 from .sources import SourceStats, file_documents, source_files
 
 EXECUTORS = ("local", "slurm", "ray")
@@ -152,10 +152,11 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
     """
     if executor not in EXECUTORS:
         raise FrawdError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    check_prepare_options(val_fraction, workers)
+    check_prepare_options(val_fraction, workers, local=executor == "local")
     if data.startswith("hf:"):
         raise FrawdError("--engine datatrove splits a list of files among workers; hf: datasets have none "
                          "(download them to files, or use the single-process prepare)")
+    refuse_out_in_source(data, Path(out))
     tokenizer = str(Path(tokenizer).resolve())
     tok = Tokenizer.load(tokenizer)
     document_end(tok, tokenizer)

@@ -71,11 +71,19 @@ ENCODES_IN_FLIGHT = 3  # concurrent encode_batch calls: one's straggling pieces 
 
 @dataclass
 class _Batch:
+    """Texts for one encode_batch call. A document longer than a batch spans several: each
+    batch holds a part of it (some of its pieces), and only its last part ends it."""
     pieces: list[str] = field(default_factory=list)
-    pieces_per_doc: list[int] = field(default_factory=list)
-    doc_is_val: list[bool] = field(default_factory=list)
+    parts: list[tuple[int, bool, bool]] = field(default_factory=list)  # (pieces, is_val, ends the document)
     text_bytes: list[int] = field(default_factory=lambda: [0, 0])  # train, val
     chars: int = 0
+
+    def documents(self, split: int) -> int:
+        """The documents of `split` that end in this batch."""
+        return sum(ends and is_val == bool(split) for _, is_val, ends in self.parts)
+
+
+WORKERS_PER_CPU = 4  # a cap on local --workers: 3000 spent 18 s starting threads for a 136-byte file
 
 
 def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str | Path, *,
@@ -94,6 +102,7 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     document_end(tok, tokenizer)
     out = Path(out)
+    refuse_out_in_source(data, out)
     inputs_hash = _inputs_hash(data, tok, val_fraction, text_field, doc_split)
     clean_partial(out)  # temporary files of a run that was killed
     if not force:
@@ -141,12 +150,28 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
     return with_warnings(meta)
 
 
-def check_prepare_options(val_fraction: Any, workers: Any) -> None:
-    """One line for a val_fraction outside [0, 1) or a worker count below 1 (None: the default)."""
+def check_prepare_options(val_fraction: Any, workers: Any, local: bool = True) -> None:
+    """One line for a val_fraction outside [0, 1) or a worker count below 1 (None: the default),
+    or, for workers on this machine (`local`), above WORKERS_PER_CPU per CPU."""
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise FrawdError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
     if workers is not None and (not is_integer(workers) or workers < 1):
         raise FrawdError(f"workers must be an integer of at least 1, got {workers!r}")
+    cpus = os.cpu_count() or 1
+    if local and workers is not None and workers > WORKERS_PER_CPU * cpus:
+        raise FrawdError(f"workers must be at most {WORKERS_PER_CPU * cpus} on this machine ({WORKERS_PER_CPU} per "
+                         f"CPU, it has {cpus}), got {workers}: more only wait for a core")
+
+
+def refuse_out_in_source(data: str, out: Path) -> None:
+    """Shards written into the source folder would be read back as part of the corpus by the
+    next run (with everything a run writes beside them): one line, before anything is written."""
+    if data == "stdlib" or data.startswith("hf:") or not Path(data).is_dir():
+        return
+    source, dest = Path(data).resolve(), out.resolve()
+    if dest == source or source in dest.parents:
+        raise FrawdError(f"the shards' folder {out} is inside the source folder {data}: the next run would read "
+                         f"them as corpus text; write them outside {data}")
 
 
 def with_warnings(meta: dict) -> dict:
@@ -183,7 +208,7 @@ def tokenize_documents(documents: Iterable[str], tok: Tokenizer, writers: tuple[
             if unknown is not None:
                 totals["unk"] += int(np.count_nonzero(tokens == unknown))
         for split in (0, 1):
-            totals["docs"][split] += batch.doc_is_val.count(bool(split))
+            totals["docs"][split] += batch.documents(split)
             totals["bytes"][split] += batch.text_bytes[split]
         if bar is not None:
             bar.update(sum(batch.text_bytes))
@@ -308,6 +333,16 @@ def shard_files(shard_dir: str | Path, meta: dict) -> list[Path]:
         raise FrawdError(f"{shard_dir} holds prepared shards but {', '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} missing (prepare them again with frawd data prepare)")
     return files
+
+
+def split_bytes_per_token(meta: dict, split: str) -> float | None:
+    """UTF-8 bytes of text per token in one split (for bits per byte): the split's own
+    figure, else the whole corpus's (a hand-made meta.json may lack the per-split counts)."""
+    text_bytes, tokens = meta.get(f"{split}_text_bytes"), meta.get(f"{split}_tokens")
+    if is_integer(text_bytes) and is_integer(tokens) and text_bytes > 0 and tokens > 0:
+        return round(text_bytes / tokens, 6)
+    figure = meta.get(f"{split}_bytes_per_token") or meta.get("bytes_per_token")
+    return figure if isinstance(figure, (int, float)) and not isinstance(figure, bool) and figure > 0 else None
 
 
 def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> TokenArray:
@@ -444,9 +479,9 @@ def _piece_splitter(tok: Tokenizer):
     """A function cutting a long document into pieces that encode to the same ids.
 
     For char and byte tokenizers any cut is safe. For byte-level BPE with the GPT-2
-    regex, a newline right after a non-space character always starts a new pre-token
-    (no pattern spans a non-space and a following newline), so cuts there are safe.
-    Other tokenizers are never cut.
+    regex, a space, tab or newline right after a non-space character always starts a new
+    pre-token (no pattern spans a non-space and a following whitespace character, and none
+    looks behind), so cuts there are safe. Other tokenizers are never cut.
     """
     if tok.kind in ("char", "byte"):
         return lambda text: [text[i:i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS)]
@@ -455,7 +490,7 @@ def _piece_splitter(tok: Tokenizer):
     if not (pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space")
             and normalizer is None and setup["model"].get("type") == "BPE"):
         return lambda text: [text]
-    boundary = re.compile(r"(?<=\S)\n")
+    boundary = re.compile(r"(?<=\S)[ \t\r\n]")  # (a one-line document of words is cut too)
 
     def split(text: str) -> list[str]:
         pieces, start = [], 0
@@ -472,16 +507,29 @@ def _piece_splitter(tok: Tokenizer):
 
 
 def _batches(documents: Iterable[str], val_fraction: float, splitter, batch_chars: int) -> Iterator[_Batch]:
+    """Documents gathered into batches of about `batch_chars` characters; a longer document
+    is cut into pieces spread over several batches, so that memory stays bounded by the
+    batch (the tokenizer's encodings take ~200 bytes per character of text)."""
     batch = _Batch()
     for doc in documents:
         raw = doc.encode("utf-8")
-        is_val = _is_val(raw, val_fraction)
+        n_bytes, is_val = len(raw), _is_val(raw, val_fraction)
+        del raw
         pieces = splitter(doc) if len(doc) > PIECE_CHARS else [doc]
-        batch.pieces.extend(pieces)
-        batch.pieces_per_doc.append(len(pieces))
-        batch.doc_is_val.append(is_val)
-        batch.text_bytes[is_val] += len(raw)
-        batch.chars += len(doc)
+        taken, counted = 0, 0  # this document's pieces in the batch; its bytes in earlier batches
+        for i, piece in enumerate(pieces):
+            batch.pieces.append(piece)
+            batch.chars += len(piece)
+            taken += 1
+            if batch.chars >= batch_chars and i < len(pieces) - 1:  # the document goes on in the next batch
+                part_bytes = sum(len(p.encode("utf-8")) for p in pieces[i + 1 - taken:i + 1])
+                batch.parts.append((taken, is_val, False))
+                batch.text_bytes[is_val] += part_bytes
+                counted += part_bytes
+                yield batch
+                batch, taken = _Batch(), 0
+        batch.parts.append((taken, is_val, True))
+        batch.text_bytes[is_val] += n_bytes - counted
         if batch.chars >= batch_chars:
             yield batch
             batch = _Batch()
@@ -541,14 +589,16 @@ def _encode_ahead(batches: Iterator[_Batch], tok: Tokenizer) -> Iterator[tuple[_
 
 
 def _batch_tokens(batch: _Batch, encodings: list, dtype: np.dtype, end: int) -> tuple[np.ndarray, np.ndarray]:
-    """The train and val tokens of a batch: each document's ids, then `end` (<|eos|>)."""
+    """The train and val tokens of a batch: each document's ids, then `end` (<|eos|>) where
+    the document ends in this batch."""
     flat: tuple[list[int], list[int]] = ([], [])
     k = 0
-    for n_pieces, is_val in zip(batch.pieces_per_doc, batch.doc_is_val):
+    for n_pieces, is_val, ends in batch.parts:
         ids = flat[is_val]
         for encoding in encodings[k:k + n_pieces]:
             ids += encoding.ids
-        ids.append(end)
+        if ends:
+            ids.append(end)
         k += n_pieces
     return np.array(flat[0], dtype=dtype), np.array(flat[1], dtype=dtype)
 

@@ -203,6 +203,12 @@ def _refuse_shard_subdirs(root: Path, files: list[Path]) -> None:
 
 
 def _shard_file_error(path: Path) -> FrawdError:
+    from .shards import META_FILE
+
+    if not (path.parent / META_FILE).exists():
+        return FrawdError(f"{path} is a FrawdLLM token shard (binary token ids), not text, and {path.parent} has no "
+                          f"{META_FILE}: a folder of prepared shards needs its {META_FILE} (prepare it again); a text "
+                          "source must leave shards out")
     return FrawdError(f"{path} is a FrawdLLM token shard (binary token ids), not text; leave it out of the data "
                       "source (a folder of prepared shards goes whole to frawd pretrain --data or frawd eval --data)")
 
@@ -240,12 +246,13 @@ def file_documents(files: list[Path], text_field: str, doc_split: str, stats: So
             yield from _text_documents(path, doc_split, stats)
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def _open_text(path: Path, newline: str = "") -> io.TextIOBase:
     """Open as UTF-8 text (gunzipping .gz); bad bytes become U+FFFD and are counted.
-    newline="" keeps the text exactly as stored."""
+    newline="" keeps the text exactly as stored; "\n" also makes readline() end lines at
+    "\n" alone (JSON Lines: a lone "\r" is whitespace inside a record, not a line end)."""
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors=_ERRORS, newline="")
-    return open(path, encoding="utf-8", errors=_ERRORS, newline="")
+        return gzip.open(path, "rt", encoding="utf-8", errors=_ERRORS, newline=newline)
+    return open(path, encoding="utf-8", errors=_ERRORS, newline=newline)
 
 
 def _read(f: io.TextIOBase, size: int, path: Path, stats: SourceStats) -> str:
@@ -283,8 +290,9 @@ def _split_stream(read_chunk, separator: re.Pattern) -> Iterator[str]:
         chunk = read_chunk()
         buffer = carry + chunk
         start = 0
+        text_end = len(buffer.rstrip())  # (once per chunk: per separator it made reading quadratic)
         for match in separator.finditer(buffer):
-            if chunk and not buffer[match.end():].strip():
+            if chunk and match.end() >= text_end:
                 break
             yield from _nonblank(buffer[start:match.start()])
             start = match.end()
@@ -324,7 +332,7 @@ def _record_text(record: object, text_field: str, where: str) -> str:
 
 
 def _jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
-    with _open_text(path) as f:
+    with _open_text(path, newline="\n") as f:
         lineno = 0
         while True:
             before = _replaced_so_far()

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..config import PRESETS, ModelConfig, get_config, typed_overrides
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
-from ..data.shards import print_warnings, read_shard_meta, resolved_source, shard_files
+from ..data.shards import print_warnings, read_shard_meta, resolved_source, shard_files, split_bytes_per_token
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
 from ..io import write_json_atomic
@@ -81,7 +81,7 @@ class PretrainTask(TrainTask):
                                          world_size=place.world_size, grad_accum=accum,
                                          vocab_size=model_config.vocab_size)
         self.flops_per_token = model_config.flops_per_token(self.context_length)
-        self.bytes_per_token = data.meta.get("val_bytes_per_token") or data.meta.get("bytes_per_token")
+        self.bytes_per_token = split_bytes_per_token(data.meta, "val")
         self.can_evaluate = len(data.val) > self.context_length
         # --init-from's sampling defaults (an imported model's), kept in the models saved
         self.generation_config = load_generation_config(cfg.init_from) if cfg.init_from else {}
