@@ -160,6 +160,19 @@ def test_resume_one_process_to_two_ranks(work, single):
     assert_same_losses(copy, single, range(11, STEPS + 1))
 
 
+def test_with_dropout_ranks_draw_their_own_masks_and_resume_exactly(work):
+    """Each rank's RNG goes its own way after the start (alike, two ranks' rows shared their
+    dropout masks) and is kept per rank in checkpoints (rank 1 came back with rank 0's)."""
+    run = work / "dropout"
+    frawd(train_args(work, run, "--nproc", "2", "--set", "dropout=0.2"))
+    rngs = load_state(run / "checkpoints" / f"step_{10:08d}")["rng_ranks"]
+    assert len(rngs) == 2 and not rngs[0]["torch"].equal(rngs[1]["torch"])
+    copy = resumed_from_step_10(run, work / "dropout-resumed")
+    frawd(train_args(work, copy, "--resume", "--nproc", "2", "--set", "dropout=0.2"))
+    got, want = losses(copy), losses(run)
+    assert [got[step] for step in range(11, STEPS + 1)] == [want[step] for step in range(11, STEPS + 1)]
+
+
 def _descendants(pid: int) -> list[int]:
     children = {}
     for entry in Path("/proc").iterdir():

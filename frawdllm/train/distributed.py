@@ -91,6 +91,14 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order, on every rank ([obj] in one process)."""
+        if not self.active:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def agree_stop(self, main_reason: str | None, interrupted: bool, reasons: tuple,
                    device: torch.device) -> str | None:
         """One stop decision for all ranks: rank 0's budget check, or a signal on any rank."""

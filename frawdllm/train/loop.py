@@ -342,6 +342,8 @@ class Trainer:
             self.plan.peaks = self._peaks
         if self.resumes:
             self._resume()
+        elif self.dist.rank > 0:
+            _own_dropout_seed(self.dist.rank)
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
                                   config_for_loggers) if self.dist.is_main else _NoMetrics()
 
@@ -824,9 +826,14 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "schedule_reserve_s": self._schedule_reserve_s,
             "scaler": self.scaler.state_dict(),
-            "rng": rng_state(),
             "task": self.task.state_dict(),
         }
+        # Each rank's RNG: their dropout masks differ, and under token batches (translation)
+        # ranks draw different amounts. "rng" stays rank 0's (the state of one process).
+        rngs = self.dist.gather(rng_state())
+        state["rng"] = rngs[0]
+        if len(rngs) > 1:
+            state["rng_ranks"] = rngs
         self.last_checkpoint = distributed.save_checkpoint(
             self.run_dir, self.step, lambda d: self.task.save_model(whole, d), state, sharded, self.dist)
         self._last_checkpoint_step = self.step
@@ -853,7 +860,11 @@ class Trainer:
         self._schedule_reserve_s = state.get("schedule_reserve_s")  # (None: taken at this session's first evaluation)
         self.scaler.load_state_dict(state["scaler"])
         self.task.load_state_dict(state["task"])
-        set_rng_state(state["rng"])
+        ranks = state.get("rng_ranks") or [state["rng"]]
+        # (a rank a checkpoint of fewer ranks did not have: rank 0's state, moved on as at a start)
+        set_rng_state(ranks[self.dist.rank] if self.dist.rank < len(ranks) else state["rng"])
+        if self.dist.rank >= len(ranks):
+            _own_dropout_seed(self.dist.rank)
         self.step, self.tokens = state["step"], state["tokens"]
         self.elapsed_before = state["elapsed_s"]
         self.best_val_loss = state["best_val_loss"]
@@ -977,6 +988,13 @@ def _clock(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 \
         else f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _own_dropout_seed(rank: int) -> None:
+    """Every rank was seeded alike (so that they build the same model); from here each draws
+    its own dropout masks (alike, two ranks' rows would share them). Rank 0 keeps the
+    single-process stream."""
+    torch.manual_seed((torch.initial_seed() + 1_000_003 * rank) % 2**63)
 
 
 def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
