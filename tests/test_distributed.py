@@ -269,6 +269,30 @@ def test_a_lost_rank_ends_the_run_with_a_clear_error_and_a_loadable_checkpoint(w
     _assert_loadable(run)
 
 
+def test_ranks_stop_with_a_checkpoint_when_their_launcher_is_killed(work):
+    """kill -9 of `frawd pretrain --nproc 2`: its ranks (torchrun's children) went on as
+    orphans, writing checkpoints under a resume. Now Linux sends them SIGTERM."""
+    run = work / "orphans"
+    proc = _start([sys.executable, "-m", "frawdllm.cli",
+                   *train_args(work, run, "--nproc", "2", "--max-steps", "100000", "--eval-interval", "5")])
+    deadline = time.monotonic() + 90
+    while not (run / "checkpoints" / f"step_{5:08d}").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
+        time.sleep(0.05)
+    ranks = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
+    assert None not in ranks
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    start = time.monotonic()
+    while any(map(_alive, ranks)) and time.monotonic() - start < 60:
+        time.sleep(0.1)
+    alive = [pid for pid in ranks if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "ranks still run 60 s after their launcher was killed"
+    assert load_state(latest_checkpoint(run))["step"] > 5  # (they stopped as at Ctrl-C: a checkpoint)
+
+
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(work, single):
     """Rank 1 killed after the step-5 checkpoint: torchrun restarts both ranks, which join a
     fresh process group (`distributed.attempt_store`) and resume from that checkpoint."""

@@ -340,3 +340,27 @@ def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_u
     other = device.machine_key(CPU) + "|fp32|shape-b"
     assert compiling.compile_cost(other).warmup_s == 12.5 and compiling.compile_cost(other).source == "guessed"
     assert compiling.compile_cost(key).speedup == 2.0 and compiling.compile_cost(key).source == "measured here"
+
+
+STARTED = """
+import os, time
+from frawdllm.train.device import process_started_at
+own = process_started_at()
+os.environ.update(TORCHELASTIC_RUN_ID="x", RANK="0")
+launch = process_started_at()
+os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+restarted = process_started_at()
+print(own - launch, abs(restarted - own))
+"""
+
+
+def test_a_rank_torchrun_started_counts_its_budget_from_torchruns_start(tmp_path):
+    # (under --nproc 2, --max-time 10s took 11.8-12.0 s: the launch was not counted); here the
+    # parent (standing in for torchrun) starts 3 s before the rank; a restart counts its own
+    script = tmp_path / "started.py"
+    script.write_text(STARTED, encoding="utf-8")
+    proc = subprocess.run(["bash", "-c", f"sleep 3; {sys.executable} {script}; true"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before_rank, restart_gap = map(float, proc.stdout.split())
+    assert 2.9 <= before_rank < 6 and restart_gap < 0.05

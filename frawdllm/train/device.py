@@ -327,9 +327,14 @@ def keep_freed_memory() -> bool:
 
 
 def process_started_at() -> float:
-    """When this process started, on the `time.perf_counter()` clock (Linux; elsewhere: now)."""
+    """When this command started, on the `time.perf_counter()` clock (Linux; elsewhere: now):
+    this process's start, or for a rank torchrun started first (not a restart), torchrun's
+    (its parent; with --nproc, the launching command itself), so --max-time counts the
+    launch too."""
+    first_rank = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and \
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
     try:
-        fields_ = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        fields_ = Path(f"/proc/{os.getppid() if first_rank else 'self'}/stat").read_text().rsplit(")", 1)[1].split()
         started = int(fields_[19]) / os.sysconf("SC_CLK_TCK")  # seconds after boot
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
     except (OSError, ValueError, IndexError, AttributeError):

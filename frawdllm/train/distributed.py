@@ -31,6 +31,8 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -142,6 +144,7 @@ def setup(parallel: str = "ddp", device_spec: str = "auto", timeout_s: float = 6
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    _end_with_the_launcher()
     device = pick_device(device_spec)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -156,6 +159,21 @@ def setup(parallel: str = "ddp", device_spec: str = "auto", timeout_s: float = 6
     dist.init_process_group(backend, timeout=timeout, **kwargs)
     _current = Dist(rank, world, local_rank, parallel, device)
     return _current
+
+
+def _end_with_the_launcher() -> None:
+    """Ask Linux for a SIGTERM when torchrun (this rank's parent) dies: a launcher killed
+    with SIGKILL cannot stop its ranks, which went on training and writing checkpoints as
+    orphans. SIGTERM stops a rank as Ctrl-C does (a checkpoint, then exit)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
