@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -171,6 +172,22 @@ def test_with_dropout_ranks_draw_their_own_masks_and_resume_exactly(work):
     frawd(train_args(work, copy, "--resume", "--nproc", "2", "--set", "dropout=0.2"))
     got, want = losses(copy), losses(run)
     assert [got[step] for step in range(11, STEPS + 1)] == [want[step] for step in range(11, STEPS + 1)]
+
+
+def test_a_rank_that_waits_past_the_timeout_for_rank_0s_start_says_so_in_one_line(monkeypatch):
+    # (rank 1 printed a traceback: "RuntimeError: ... Timed out waiting 2000ms for recv operation")
+    from frawdllm.train.distributed import Dist, RankLost
+
+    def timed_out(self, obj):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 2000ms for recv")
+
+    monkeypatch.setattr(Dist, "from_main", timed_out)
+    with pytest.raises(RankLost, match=re.escape("rank 1: rank 0 did not finish the run's start (tokenizer, data) "
+                                                 "within --dist-timeout (or stopped): prepare it beforehand")):
+        Dist(rank=1, world_size=2, parallel="ddp").after_main(None, "the run's start (tokenizer, data)")
+    with pytest.raises(ValueError):  # anything else is not a lost rank
+        monkeypatch.setattr(Dist, "from_main", lambda self, obj: int("x"))
+        Dist(rank=1, world_size=2, parallel="ddp").after_main(None, "x")
 
 
 def _descendants(pid: int) -> list[int]:

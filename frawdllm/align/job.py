@@ -190,7 +190,7 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
     with undo_failed_start(cfg, enabled=place.is_main):
         if place.is_main:  # the others wait, then read the same --init and data
             prepare_run_dir(cfg)
-        cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
+        cfg.resume, cfg.overwrite = place.after_main((cfg.resume, cfg.overwrite), "the run's start")
         model, tokenizer, length = load_init(cfg)
         task = make_task(model, tokenizer, length)
         if cfg.lora_rank:

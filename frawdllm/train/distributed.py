@@ -93,6 +93,18 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def after_main(self, obj: Any, what: str) -> Any:
+        """`from_main` at a point where the other ranks wait while rank 0 alone does `what`
+        (trains the tokenizer, prepares the data): a wait past --dist-timeout is one line."""
+        try:
+            return self.from_main(obj)
+        except Exception as exc:
+            if not (self.active and not self.is_main and is_rank_failure(exc)):
+                raise
+            raise RankLost(f"rank {self.rank}: rank 0 did not finish {what} within --dist-timeout (or stopped): "
+                           "prepare it beforehand (frawd data prepare, frawd tokenizer train) or raise "
+                           "--dist-timeout") from None
+
     def gather(self, obj: Any) -> list:
         """Every rank's `obj`, in rank order, on every rank ([obj] in one process)."""
         if not self.active:

@@ -429,7 +429,8 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
         if place.is_main:  # the others wait, then read what rank 0 made
             prepare_run_dir(cfg)
             data = prepare_data(cfg, run_dir)
-        cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
+        cfg.resume, cfg.overwrite = place.after_main((cfg.resume, cfg.overwrite),
+                                                     "the run's start (tokenizer, data)")
         if not place.is_main:
             data = prepare_data(cfg, run_dir)
         model, window = build_model(cfg, data.tokenizer)

@@ -413,7 +413,7 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
         tokenizer = Tokenizer.load(tokenizer_file) if cfg.resume and tokenizer_file.is_file() \
             else _tokenizer_for(cfg, src, tgt)
     if place.active:  # every rank takes rank 0's tokenizer (one BPE training, not N)
-        text = place.from_main(tokenizer.to_json() if place.is_main else None)
+        text = place.after_main(tokenizer.to_json() if place.is_main else None, "the tokenizer")
         tokenizer = Tokenizer.from_json(text)
     train = encode_pairs(tokenizer, src, tgt, cfg.max_len)
     _require_pairs(train, "training", f"--max-len {cfg.max_len} tokens", "--src/--tgt")
