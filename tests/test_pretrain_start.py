@@ -468,3 +468,41 @@ def test_a_bpe_vocabulary_the_corpus_cannot_fill_is_said(tmp_path, capsys):
     assert tok.vocab_size < 2000
     assert capsys.readouterr().err == (f"note: the corpus gave {tok.vocab_size:,} tokens, not the 2,000 asked for "
                                        "(BPE stops when no pair of tokens occurs twice)\n")
+
+
+HOLD = """
+import sys, time
+from frawdllm.train.rundir import claim_run_dir
+claim_run_dir(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_and_touches_nothing(corpus, tmp_path, capsys, no_work):
+    # (a resume raced the ranks of a killed launcher for the folder: "state.pt: cannot read")
+    import subprocess
+    import sys
+
+    from frawdllm.train.rundir import claim_run_dir, release_run_dir
+
+    run = tmp_path / "busy"
+    run.mkdir()
+    (run / "config.yaml").write_text("# the other run's\n", encoding="utf-8")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        busy = f"frawd: error: {run} is in use by another run (process {holder.pid}): wait for it to end or stop " \
+               "it, or give another --out\n"
+        for flags in (("--resume",), ("--overwrite",)):
+            code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--tokenizer", "char", "--max-steps", "2",
+                                 "--out", str(run), *flags)
+            assert (code, err) == (1, busy)
+            assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+            assert (run / "config.yaml").read_text(encoding="utf-8") == "# the other run's\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    claim_run_dir(run)  # free once the other process ended (however it ended)
+    claim_run_dir(run)  # (again from the same process: nothing)
+    release_run_dir(run)

@@ -62,8 +62,8 @@ from .config import TrainConfig, parse_duration
 from .device import (autocast, choose_dtype, cpu_has_bf16, format_mfu, keep_freed_memory, matmul_dtype, mfu,
                      peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
-from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, budget_spent, load_pyplot,
-                     plot_losses, settle_run_dir, truncate_metrics, truncate_samples)
+from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, budget_spent, claim_run_dir,
+                     load_pyplot, plot_losses, release_run_dir, settle_run_dir, truncate_metrics, truncate_samples)
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -354,6 +354,7 @@ class Trainer:
         decision: bool | str = self.cfg.resume
         if self.dist.is_main:
             try:
+                claim_run_dir(self.run_dir)  # (a job's start claimed it already; `fit` lets go)
                 decision = settle_run_dir(self.run_dir, self.cfg.resume, self.cfg.overwrite, LOOP_OUTPUTS)
             except FrawdError as error:
                 decision = str(error)  # raised on every rank, so none waits for the others
@@ -455,6 +456,7 @@ class Trainer:
                 done = f"{_si(self.tokens)} tokens of --max-tokens {_si(cfg.max_tokens)}"
             else:
                 done = f"{self.elapsed():.0f} s of --max-time {cfg.max_time_s:.0f} s"
+            release_run_dir(self.run_dir)
             raise FrawdError(budget_spent(self.run_dir, done))
         self.model.train()
         load_pyplot()
@@ -489,6 +491,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.metrics.close()
+            release_run_dir(self.run_dir)
         return self._result()
 
     def _warn_overrun(self) -> None:

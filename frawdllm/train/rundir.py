@@ -16,10 +16,13 @@ Every training command (pretrain, sft, dpo, ...) starts its run the same way:
 and the job's own preparation, so a start that fails leaves nothing in the way of the next.
 A `Trainer` used directly, with no job around it, applies the same rules (`settle_run_dir`)
 to what the loop itself writes: an earlier run is resumed, overwritten or refused, never mixed.
+A run holds OUT (`claim_run_dir`: a lock on the folder) from its start to the end of `fit`,
+so a second command on the same OUT is refused instead of racing it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -47,6 +50,50 @@ LOOP_OUTPUTS = (METRICS_FILE, PLOT_FILE, SAMPLES_FILE, *RUN_DIRS)
 
 
 # ---- starting a run --------------------------------------------------------------------------
+
+_claims: dict[Path, int] = {}  # run folders this process holds: their open descriptors
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Create `run_dir` if need be and hold it for this process (an exclusive `flock` on the
+    folder, which the kernel lets go when the process ends, however it ends); again from the
+    same process, nothing. Another process's run there: one line, nothing touched."""
+    run_dir = Path(run_dir)
+    _refuse_file(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key = run_dir.resolve()
+    if key in _claims:
+        return
+    fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = _lock_holder(key)
+        raise FrawdError(f"{run_dir} is in use by another run{f' (process {holder})' if holder else ''}: wait for "
+                         "it to end or stop it, or give another --out") from None
+    _claims[key] = fd
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Let go of a folder `claim_run_dir` holds (nothing if this process does not hold it)."""
+    fd = _claims.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _lock_holder(folder: Path) -> int | None:
+    """The process holding a flock on `folder`, from /proc/locks (Linux), else None."""
+    try:
+        inode = folder.stat().st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and fields[-3].rsplit(":", 1)[-1] == str(inode):
+                return int(fields[-4])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
 
 def check_run_dir(cfg: Any) -> None:
     """OUT (`cfg.out`) suits the run: a new run needs one without a run (or `cfg.overwrite`),
@@ -270,12 +317,15 @@ def undo_failed_start(cfg: Any, enabled: bool = True, keep: tuple[str, ...] = ()
         if folder.exists():
             break
         created = folder
+    if enabled:  # (refused: another run's folder, left as it is)
+        claim_run_dir(run_dir)
     backup = _back_up(run_dir, (CONFIG_FILE, *keep)) if enabled and cfg.resume and created is None else None
     try:
         yield run_dir
     except BaseException:
         if not enabled:
             raise
+        release_run_dir(run_dir)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         elif backup is not None and cfg.resume:  # (not a resume that started the run over)
