@@ -730,3 +730,24 @@ def test_cli_prepare_says_an_invalid_meta_json_at_out_is_not_valid_json(tmp_path
     assert err == (f"frawd: error: {out / 'meta.json'} is not valid JSON; give another --out, "
                    "or --overwrite to replace it\n")
     assert sorted(p.name for p in out.iterdir()) == sorted([*beside, "meta.json"])
+
+
+def test_ctrl_c_says_aborted_once_under_torchrun_on_rank_0_only(tmp_path, bpe, monkeypatch, capsys):
+    # (every rank gets the Ctrl-C: "aborted" was printed once per rank)
+    from cli_helpers import run_cli
+
+    src = _write_corpus(tmp_path / "c.txt", _corpus(5))
+    bpe.save(tmp_path / "tok.json")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards_module.ShardWriter, "finish", interrupted)
+    for rank, said in ((None, "aborted"), ("0", "aborted"), ("1", "")):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        code, _, err = run_cli(capsys, "data", "prepare", "--data", src, "--tokenizer", tmp_path / "tok.json",
+                               "--out", tmp_path / "out")
+        assert code == 130 and err.strip("\n") == said, (rank, err)  # (click writes a newline first)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 import click
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"frawd: error: {_one_line(describe_os_error(exc))}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+        if os.environ.get("RANK", "0") == "0":  # (under torchrun every rank gets the Ctrl-C: one line)
+            click.echo("aborted", err=True)
         sys.exit(130)
     except click.UsageError as exc:  # a bad flag or value: one line, like every other error
         if type(exc).__name__ == "NoArgsIsHelpError":  # `frawd` alone, or a group alone: its help
