@@ -22,7 +22,6 @@ so a second command on the same OUT is refused instead of racing it.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -33,6 +32,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # (Windows: runs are not locked)
+    fcntl = None
 
 from ..errors import FrawdError
 from ..io import atomic_path, is_inside, write_text_atomic
@@ -62,7 +66,7 @@ def claim_run_dir(run_dir: Path) -> None:
     _refuse_file(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     key = run_dir.resolve()
-    if key in _claims:
+    if key in _claims or fcntl is None:
         return
     fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
     try:
