@@ -22,3 +22,8 @@ def check_unicode(text: str, what: str) -> None:
     except UnicodeEncodeError as error:
         raise FrawdError(f"{what} is not valid UTF-8 (a lone surrogate or undecodable byte at "
                          f"character {error.start})") from None
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun for a message: "1 step", "2 steps", "1,024 source lines"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -129,6 +129,9 @@ def test_a_config_file_may_be_yaml_or_toml_and_each_error_names_its_language(tmp
     yaml_file.write_text('preset = "tiny"\n')  # TOML in a .yaml file
     with pytest.raises(ConfigError, match=r"run\.yaml: expected a mapping of config fields .*TOML in a file named"):
         build_config(PretrainConfig, yaml_file)
+    yaml_file.write_text("preset: tiny\nbogus_key: 1\n")  # (said "unknown ... field(s): bogus_key", no file)
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: unknown PretrainConfig field\(s\): bogus_key; known: "):
+        build_config(PretrainConfig, yaml_file)
 
 
 def test_swiglu_hidden_defaults_to_eight_thirds_rounded():

@@ -523,6 +523,22 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_resume(tmp
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
 
 
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+def test_an_overwrite_or_resume_whose_data_is_refused_leaves_the_earlier_run_as_it_was(flag, tmp_path, capsys):
+    # (--overwrite deleted the run it was to replace, then refused the data: an empty folder)
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "chats.jsonl", word_chats(40))
+    run = tmp_path / "run"
+    args = ["--init", base, "--batch-size", "4", "--dtype", "fp32", "--compile", "false", "--eval-interval", "0",
+            "--sample-tokens", "0", "--no-progress", "--out", run]
+    assert run_cli(capsys, "sft", "--data", data, "--max-steps", "2", *args)[0] == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    (tmp_path / "bad.jsonl").write_text('{"messages": [}\n', encoding="utf-8")
+    code, _, err = run_cli(capsys, "sft", "--data", tmp_path / "bad.jsonl", "--max-steps", "4", flag, *args)
+    assert code == 1 and "bad.jsonl:1: not valid JSON" in err
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.parametrize("command", ["sft", "dpo"])
 def test_the_pretraining_sample_prompt_is_no_option_of_sft_or_dpo(command, tmp_path, capsys):
     code, out, _ = run_cli(capsys, command, "--help")
@@ -583,6 +599,9 @@ def test_lora_alpha_without_a_rank_and_dpo_beta_inf_are_refused():
     for beta in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ConfigError, match="beta must be a finite positive number"):
             DPOConfig(init="m", beta=beta, max_steps=1)
+    for alpha in (float("inf"), float("nan"), 0.0):  # (inf: every step NaN, and exit 0)
+        with pytest.raises(ConfigError, match="lora_alpha must be a finite positive number"):
+            SFTConfig(init="m", lora_alpha=alpha, lora_rank=4, max_steps=1)
 
 
 @pytest.mark.parametrize("command", ["sft", "dpo"])

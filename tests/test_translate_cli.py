@@ -95,7 +95,7 @@ def test_run_translates_arguments_and_streams_stdin(trained, capsys, monkeypatch
     monkeypatch.setattr("sys.stdin", _stdin(b"ein mann\n\nein hund\n"))
     code, piped, err = run_cli(capsys, "translate", "run", "--model", model)
     assert code == 0 and piped.split("\n")[:3] == [out.splitlines()[0], "", out.splitlines()[1]]
-    assert "1 empty source lines" in err
+    assert "1 empty source line: left empty" in err
 
 
 def _stdin(data: bytes):
@@ -455,6 +455,15 @@ def test_vocab_size_with_a_tokenizer_is_refused(trained, capsys, tmp_path):
                            trained / "train.en", "--tokenizer", trained / "run" / "model", "--vocab-size", "500",
                            "--out", tmp_path / "run", "--max-steps", "1")
     assert code == 1 and "vocab_size 500: the vocabulary is --tokenizer" in _one_line_error(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_vocab_size_no_bpe_can_have_is_refused_before_the_data_is_read(capsys, tmp_path):
+    # (it was refused after "training a joint BPE tokenizer (5 tokens) on ... sentences")
+    code, out, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "missing.de", "--tgt",
+                             tmp_path / "missing.en", "--vocab-size", "5", "--out", tmp_path / "run", "--max-steps", "1")
+    assert code == 1 and out == "" and _one_line_error(err).endswith(
+        "BPE vocab_size must be between 263 (7 specials + 256 bytes) and 1,048,576, got 5")
     assert not (tmp_path / "run").exists()
 
 

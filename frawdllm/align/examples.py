@@ -27,7 +27,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import FrawdError
+from ..errors import FrawdError, counted
 from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer, _role_and_content
 
 TRAIN_ON = ("assistant", "last", "all")
@@ -76,7 +76,7 @@ class LoadSummary:
     unknown_examples: int = 0
 
     def line(self, what: str = "examples") -> str:
-        text = f"{self.examples} {what} ({self.train} train, {self.val} held out)"
+        text = f"{counted(self.examples, what.removesuffix('s'))} ({self.train} train, {self.val} held out)"
         if self.truncated:
             text += f"; {self.truncated} truncated to {self.limit} (prompt tail, response head kept)"
         if self.skipped:

@@ -8,6 +8,7 @@ directory with the --init model's config and tokenizer, usable by chat, generate
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ class FinetuneConfig(TrainConfig):
                               "prompts of the data (sample_count of them)")
         _require("max_length", self.max_length, lambda v: v is None or v >= 8, "an integer >= 8")
         _require("lora_rank", self.lora_rank, lambda v: v >= 0, "an integer >= 0")
-        _require("lora_alpha", self.lora_alpha, lambda v: v is None or v > 0, "positive")
+        _require("lora_alpha", self.lora_alpha, lambda v: v is None or 0 < v < math.inf,
+                 "a finite positive number")  # (inf: every step NaN)
         if self.lora_alpha is not None and not self.lora_rank:
             raise ConfigError("lora_alpha scales LoRA adapters: give --lora-rank R too (or leave --lora-alpha out)")
         if self.lora_rank and self.parallel == "fsdp":  # (a sharded merge saved wrong weights: refused)

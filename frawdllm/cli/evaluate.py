@@ -45,7 +45,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
     """
     from ..data import META_FILE, prepare_shards, read_split
     from ..data.shards import print_warnings, split_bytes_per_token
-    from ..errors import FrawdError
+    from ..errors import FrawdError, counted
     from ..modeldir import TOKENIZER_FILE, load_config, load_model, model_file
     from ..tokenizer import Tokenizer
     from ..train.device import autocast, pick_device
@@ -83,7 +83,7 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             print_warnings(meta)
         tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
-            raise FrawdError(f"the {split} split has {len(tokens)} token{'' if len(tokens) == 1 else 's'}, too few for one window of {context}; "
+            raise FrawdError(f"the {split} split has {counted(len(tokens), 'token')}, too few for one window of {context}; "
                              "use more data, a larger --val-fraction or a shorter --context-length")
         with autocast(dev, dtype):
             loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=progress)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import FrawdError
+from ..errors import FrawdError, counted
 from ..train.translation import TranslateConfig
 from .flags import dataclass_options
 from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
@@ -159,9 +159,9 @@ class _Translator:
 
     def report(self) -> None:
         if self.empty:
-            click.echo(f"{self.empty:,} empty source lines: left empty", err=True)
+            click.echo(f"{counted(self.empty, 'empty source line')}: left empty", err=True)
         if self.too_long:
-            click.echo(f"{self.too_long:,} source lines longer than the model's context_length ({self.limit} "
+            click.echo(f"{counted(self.too_long, 'source line')} longer than the model's context_length ({self.limit} "
                        "tokens): not translated (empty lines)", err=True)
 
 

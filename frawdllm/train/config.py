@@ -303,6 +303,10 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
     """
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     from_file = load_config_file(config_file) if config_file else {}
+    try:  # (checked here, the message names the file to fix)
+        check_fields(cls, from_file, f"{cls.__name__} field")
+    except ConfigError as exc:
+        raise ConfigError(f"{config_file}: {exc}") from None
     out = flags.get("out", from_file.get("out", field_defaults(cls).get("out")))
     resume = flags.get("resume", from_file.get("resume", False))
     from .rundir import CONFIG_FILE  # (the run's saved config)

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import FrawdError
+from ..errors import FrawdError, counted
 from ..io import atomic_dir
 from . import checkpoint as ckpt
 from . import compile as compiling
@@ -229,7 +229,7 @@ class TrainResult:
         speed = f"this session {_si(self.tokens_per_s)} tok/s"
         if self.flops_known:
             speed += f", MFU {format_mfu(self.mfu)}"
-        parts = [f"{self.stop_reason}: {self.steps} steps, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s "
+        parts = [f"{self.stop_reason}: {counted(self.steps, 'step')}, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s "
                  "(the run so far)", speed]
         if self.last_loss is not None:
             parts.append(f"loss {self.last_loss:.4f}")

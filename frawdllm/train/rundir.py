@@ -303,7 +303,7 @@ def _note_changed_settings(cfg: Any, run_dir: Path) -> None:
               flush=True)
 
 
-START_BACKUP_DIR = ".start-backup"  # what a --resume's start may replace, until it has succeeded
+START_BACKUP_DIR = ".start-backup"  # what a --resume's or --overwrite's start may replace, until it has succeeded
 
 
 @contextmanager
@@ -312,9 +312,10 @@ def undo_failed_start(cfg: Any, enabled: bool = True, keep: tuple[str, ...] = ()
     config.yaml it wrote (reusable data such as a tokenizer and shards stays). `enabled`
     False (ranks other than 0, which write nothing) leaves everything in place.
 
-    A --resume's start leaves the run as it was: its config.yaml and the names in `keep`
-    (e.g. the run's own data/ and tokenizer.json, which other --data replaces) are put back,
-    so a plain --resume still continues it."""
+    A --resume's or --overwrite's start leaves an earlier run as it was: its outputs and the
+    names in `keep` (e.g. the run's own data/ and tokenizer.json, which other --data
+    replaces) are put back, so a plain --resume still continues it (an --overwrite whose data
+    was then refused deleted the run it was to replace)."""
     run_dir = Path(cfg.out)
     created = None  # the outermost folder this start creates
     for folder in (run_dir, *run_dir.parents):
@@ -323,7 +324,9 @@ def undo_failed_start(cfg: Any, enabled: bool = True, keep: tuple[str, ...] = ()
         created = folder
     if enabled:  # (refused: another run's folder, left as it is)
         claim_run_dir(run_dir)
-    backup = _back_up(run_dir, (CONFIG_FILE, *keep)) if enabled and cfg.resume and created is None else None
+    names = (*RUN_FILES, *RUN_DIRS, *keep)  # (hard links: no copy of the checkpoints)
+    backup = _back_up(run_dir, names) if enabled and (cfg.resume or cfg.overwrite) and created is None \
+        and run_dir.is_dir() else None
     try:
         yield run_dir
     except BaseException:
@@ -332,8 +335,8 @@ def undo_failed_start(cfg: Any, enabled: bool = True, keep: tuple[str, ...] = ()
         release_run_dir(run_dir)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
-        elif backup is not None and cfg.resume:  # (not a resume that started the run over)
-            _restore(run_dir, backup, (CONFIG_FILE, *keep))
+        elif backup is not None:
+            _restore(run_dir, backup, names)
         elif not cfg.resume and not (run_dir / CHECKPOINTS_DIR).exists():
             (run_dir / CONFIG_FILE).unlink(missing_ok=True)
         raise

@@ -37,7 +37,7 @@ from ..config import Seq2SeqConfig, SEQ2SEQ_PRESETS, get_config
 from ..data.parallel import EncodedPairs, encode_pairs, read_parallel
 from ..errors import ConfigError, FrawdError
 from ..model import IGNORE_INDEX
-from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, check_bpe_vocab_size, train_tokenizer
 from . import distributed
 from .config import COMPILE_CHOICES, EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option, parse_duration
 from .loop import TrainResult, Trainer, TrainTask
@@ -89,6 +89,11 @@ class TranslateConfig(TrainConfig):
         _require("bleu_sentences", self.bleu_sentences, lambda v: v >= 0, "an integer >= 0")
         _require("label_smoothing", self.label_smoothing, lambda v: 0 <= v < 1, "in [0, 1)")
         _require("vocab_size", self.vocab_size, lambda v: v is None or v >= 1, "a positive integer")
+        if self.vocab_size is not None:  # (before the data is read, not after)
+            try:
+                check_bpe_vocab_size(self.vocab_size)
+            except FrawdError as exc:
+                raise ConfigError(str(exc)) from None
         if (self.valid_src is None) != (self.valid_tgt is None):
             raise ConfigError("give both --valid-src and --valid-tgt, or neither")
         if self.sample_prompt:  # a pretrain option (TrainConfig's); not a flag of translate train
