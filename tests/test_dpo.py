@@ -2,6 +2,7 @@
 (live and precomputed) and `frawd dpo` end to end."""
 
 import math
+import re
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -286,6 +287,9 @@ def test_trl_preference_shapes_give_the_same_pair():
          "differ only in their last message"),
         ({"prompt": user, "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
          "'chosen' as messages must be one assistant message"),
+        ({"question": "q", "good": "a", "bad": "b", "chosen": None},  # (was "'chosen' must be a string (missing)")
+         re.escape("""r:1: expected "prompt", "chosen" and "rejected" (fields: 'question', 'good', 'bad')""")),
+        ({"prompt": "q", "chosen": 5, "rejected": "b"}, "'chosen' must be a string \\(int\\)"),
     ]:
         with pytest.raises(BadExample, match=message):
             preference(bad, "r:1")

@@ -480,3 +480,21 @@ def test_batch_size_in_a_config_file_is_refused(tmp_path, capsys):
 def test_run_help_says_stdin_is_translated_a_line_at_a_time(capsys):
     code, out, _ = run_cli(capsys, "translate", "run", "--help")
     assert code == 0 and "standard input is translated a line at a time" in " ".join(out.split())
+
+
+def test_at_a_terminal_run_says_how_to_use_it_then_translates_each_line(trained):
+    # (it waited silently for input)
+    import sys
+
+    import pexpect
+
+    frawd = str(Path(sys.executable).parent / "frawd")
+    child = pexpect.spawn(frawd, ["translate", "run", "--model", str(trained / "run" / "model")], encoding="utf-8",
+                          timeout=60, dimensions=(40, 2000))
+    child.expect_exact("type a sentence and Enter to translate it; Ctrl-D to end")
+    child.sendline("ein mann")
+    child.expect(r"ein mann\r\n(.*)\r\n")  # (the terminal's echo, then the translation's line)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

@@ -149,6 +149,9 @@ def preference(record: object, where: str) -> tuple[list[dict], str, str]:
     turn; or no prompt, `chosen`/`rejected` whole conversations that share all but their
     last (assistant) message, the prompt."""
     record = _object(record, where, '"prompt", "chosen" and "rejected"')
+    if record.get("chosen") is None or record.get("rejected") is None:  # (was "'chosen' must be a string (missing)")
+        raise BadExample(f"{where}: expected \"prompt\", \"chosen\" and \"rejected\" "
+                         f"(fields: {', '.join(repr(k) for k, v in record.items() if v is not None) or 'none'})")
     prompt = record.get("prompt")
     if prompt is None and isinstance(record.get("chosen"), list) and isinstance(record.get("rejected"), list):
         chosen = _messages(record["chosen"], where, "chosen")

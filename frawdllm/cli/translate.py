@@ -268,6 +268,8 @@ def run(model_dir: str, beam: int, alpha: float, batch_size: int, sentences: tup
         for line in translator(list(sentences)):
             click.echo(line)
     else:
+        if sys.stdin.isatty():
+            click.echo("type a sentence and Enter to translate it; Ctrl-D to end", err=True)
         for line in _stdin_lines():
             click.echo(translator([line])[0])
             sys.stdout.flush()
