@@ -173,17 +173,23 @@ def setup(parallel: str = "ddp", device_spec: str = "auto", timeout_s: float = 6
     return _current
 
 
+LAUNCHER_GONE = signal.SIGHUP  # what a rank gets when torchrun (its parent) dies
+
+
 def _end_with_the_launcher() -> None:
-    """Ask Linux for a SIGTERM when torchrun (this rank's parent) dies: a launcher killed
+    """Ask Linux for LAUNCHER_GONE when torchrun (this rank's parent) dies: a launcher killed
     with SIGKILL cannot stop its ranks, which went on training and writing checkpoints as
-    orphans. SIGTERM stops a rank as Ctrl-C does (a checkpoint, then exit)."""
+    orphans. The training loop stops on it as on Ctrl-C (a checkpoint, then exit), however
+    often it comes: the kernel sends it once per thread of the dying launcher (a SIGTERM's
+    second coming would stop at once, without the checkpoint); before the loop it ends the
+    rank."""
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc.prctl(1, LAUNCHER_GONE, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 

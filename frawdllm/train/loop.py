@@ -1001,10 +1001,12 @@ def _own_dropout_seed(rank: int) -> None:
 
 
 def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
-    """SIGINT/SIGTERM ask the trainer to stop after the current step (a second one kills)."""
+    """SIGINT/SIGTERM ask the trainer to stop after the current step (a second one kills);
+    under torchrun so does the signal of a launcher that died, however often it comes."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    gone = {distributed.LAUNCHER_GONE: signal.getsignal(distributed.LAUNCHER_GONE)} if trainer.dist.active else {}
 
     def handler(signum, frame) -> None:
         trainer.request_stop("interrupted")
@@ -1013,9 +1015,11 @@ def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
 
     for sig in previous:
         signal.signal(sig, handler)
+    for sig in gone:
+        signal.signal(sig, lambda signum, frame: trainer.request_stop("interrupted"))
 
     def restore() -> None:
-        for sig, old in previous.items():
+        for sig, old in {**previous, **gone}.items():
             signal.signal(sig, old)
 
     return restore
