@@ -27,7 +27,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -290,11 +292,29 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
             os.replace(tmp, path)
             if _fsync_wanted():
                 sync_path(path.parent)
-            if old is not None:
-                shutil.rmtree(old)
+            if old is not None:  # the swap stands whatever happens here
+                remove_tree_or_warn(old, f"replaced {path}, but its old copy")
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+
+
+def remove_tree_or_warn(folder: Path, what: str) -> bool:
+    """Delete `folder`; True once it is gone. If part of it cannot be deleted (a read-only
+    folder), a warning says "`what` is left at FOLDER" and names the first file that resisted,
+    by its full path."""
+    failed: list[tuple[str, BaseException]] = []
+
+    def note(_function: Any, name: str, error: Any) -> None:
+        failed.append((name, error[1] if isinstance(error, tuple) else error))
+
+    shutil.rmtree(folder, **{"onexc" if sys.version_info >= (3, 12) else "onerror": note})
+    if not failed:
+        return True
+    name, error = failed[0]
+    reason = (getattr(error, "strerror", None) or str(error)).lower()
+    warnings.warn(f"{what} is left at {folder} ({reason}: {name}); delete it by hand")
+    return False
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -325,6 +345,7 @@ def clean_partial(folder: str | os.PathLike, only: str | None = None) -> None:
         if match["kind"] == "old" and not target.exists():
             os.replace(path, target)
         elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree_or_warn(path, f"the old copy of {target}, set aside when it was replaced,"
+                                if match["kind"] == "old" else f"an unfinished write of {target}")
         else:
             path.unlink(missing_ok=True)

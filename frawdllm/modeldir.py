@@ -157,11 +157,17 @@ def load_config(directory: str | Path) -> ModelConfig:
         raise FrawdError(f"{directory} is a file, not a model directory")
     if not directory.is_dir():
         raise FrawdError(f"model directory not found: {directory}")
+    inner = directory / "model"
+    if not (directory / CONFIG_FILE).exists() and (inner / CONFIG_FILE).is_file():  # `frawd pretrain`'s --out
+        raise FrawdError(f"{directory}: no {CONFIG_FILE}; a training run keeps its model in model/: give {inner}")
     path = model_file(directory, CONFIG_FILE)
     data = _read_json(path)
     if not isinstance(data, dict):
         raise FrawdError(f"{path}: expected a JSON object")
     version = data.pop("format_version", None)
+    if version is None and ("model_type" in data or "architectures" in data):
+        raise FrawdError(f"{path}: a transformers config (model_type {data.get('model_type')!r}), not a FrawdLLM "
+                         f"model directory; convert it first: frawd import --from-hf {directory} --out NEW_DIR")
     if version is None:
         raise FrawdError(f"{path}: no format_version; not a FrawdLLM model directory")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:

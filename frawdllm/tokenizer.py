@@ -218,6 +218,25 @@ class Tokenizer:
             _check_text(text, "encode")
             raise
 
+    @functools.cached_property
+    def prompt_prefix(self) -> list[int]:
+        """The special tokens this tokenizer's own template (tokenizer.json's post-processor)
+        puts before a text, as transformers' tokenizer adds them: an imported Llama's <s>.
+        [] for every tokenizer trained here (they have no post-processor)."""
+        probe = self._plain.encode("a", add_special_tokens=True)  # ("a": any content token ends the prefix)
+        prefix = []
+        for token_id, special in zip(probe.ids, probe.special_tokens_mask):
+            if not special:
+                return prefix
+            prefix.append(token_id)
+        return []  # no content token to tell a prefix from a suffix
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text to generate from: `prompt_prefix` (the BOS the tokenizer's template adds,
+        if any), then `encode(text)`. What transformers' tokenizer gives the model, less any
+        suffix its template adds (an end token would end the prompt)."""
+        return self.prompt_prefix + self.encode(text)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many texts at once, in parallel on all cores (Rust threads, GIL released)."""
         if isinstance(texts, (str, bytes)):

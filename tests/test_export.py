@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
@@ -183,7 +184,54 @@ def test_sampling_defaults_mean_the_same_on_both_sides_and_come_back_on_import(t
     assert load_generation_config(tmp_path / "ids") == {}
     hf_gen.write_text(json.dumps({"do_sample": True, "top_p": 0.8}))
     main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "k50")])
-    assert load_generation_config(tmp_path / "k50") == {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "min_p": 0.0}
+    assert load_generation_config(tmp_path / "k50") == {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+
+
+def test_stop_settings_samples_and_max_new_tokens_reach_transformers_generate_and_come_back(tmp_path, tokenizer):
+    """generation_config.json says our stop tokens (eos_token_id list), max_new_tokens (else
+    transformers stops at 20 tokens in all), stop strings and samples per prompt: transformers'
+    plain `generate()` gives our greedy tokens; the import maps them back, and export ->
+    import -> export writes the same bytes."""
+    from frawdllm.infer import Engine, SamplingParams
+    from frawdllm.modeldir import load_generation_config
+
+    model, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    hf_dir, gen_file = tmp_path / "hf", "generation_config.json"
+    prompt = tokenizer.encode("ROMEO: But")
+    engine = Engine(model, tokenizer, weights="fp32")
+    n_new = SMALL["context_length"] - len(prompt)
+    assert len(prompt) + n_new > 20
+    ours = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=n_new))[0].tokens
+    stop_at = next(k for k in range(3, len(ours)) if ours[k] not in ours[:k])
+    for sampling in ({"temperature": 0, "max_new_tokens": n_new},
+                     {"temperature": 0, "max_new_tokens": n_new, "stop_token_ids": [ours[stop_at]]}):
+        (model_dir / gen_file).write_text(json.dumps(sampling))
+        export(model_dir, hf_dir, "--overwrite")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        with torch.no_grad():
+            theirs = hf_model.generate(torch.tensor([prompt]))[0, len(prompt):].tolist()
+        assert theirs == engine.generate([prompt], SamplingParams.from_dict(sampling))[0].tokens
+    assert len(theirs) == stop_at + 1
+    (model_dir / gen_file).write_text(json.dumps({"temperature": 0}))
+    export(model_dir, hf_dir, "--overwrite")
+    assert transformers.GenerationConfig.from_pretrained(hf_dir).max_new_tokens == SamplingParams().max_new_tokens
+
+    sampling = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 3, "num_samples": 3, "stop": ["xyz", "\n"],
+                "stop_token_ids": [5, 3]}
+    (model_dir / gen_file).write_text(json.dumps(sampling))
+    export(model_dir, hf_dir, "--overwrite")
+    gen = transformers.GenerationConfig.from_pretrained(hf_dir)
+    assert (gen.eos_token_id, gen.stop_strings, gen.num_return_sequences, gen.max_new_tokens) == \
+        ([3, 5], ["xyz", "\n"], 3, 3)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        rows = hf_model.generate(torch.tensor([prompt]), tokenizer=transformers.AutoTokenizer.from_pretrained(hf_dir))
+    assert rows.shape[0] == 3
+    main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "back")])
+    assert SamplingParams.from_dict(load_generation_config(tmp_path / "back")) == \
+        SamplingParams.from_dict({**sampling, "stop_token_ids": [5]})  # (3 is the model's eos)
+    export(tmp_path / "back", tmp_path / "again")
+    assert (tmp_path / "again" / gen_file).read_bytes() == (hf_dir / gen_file).read_bytes()
 
 
 def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokenizer):
@@ -322,6 +370,120 @@ def test_import_of_a_random_transformers_checkpoint_reproduces_its_logits(tmp_pa
     assert diff < TOL
 
 
+@pytest.mark.parametrize("variant", ["gpt2-untied", "llama-mqa-untied"])
+def test_import_keeps_a_distinct_head_that_config_says_is_tied_as_transformers_does(tmp_path, variant, capsys):
+    """config.json says tie_word_embeddings but the safetensors hold another lm_head.weight:
+    transformers keeps that head, so must we (tying it changed the logits by up to 1.4); a
+    head equal to the embedding stays tied."""
+    from frawdllm.export.hf import to_hf_config
+
+    hf_config = to_hf_config(small_model(variant).config)
+    randomize_(transformers.AutoModelForCausalLM.from_config(hf_config), seed=11).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model = FrawdLLM.from_pretrained(tmp_path / "ours").eval()
+    ids = random_ids(hf_config.vocab_size, seed=5)
+    with torch.no_grad():
+        assert (model(ids)[0] - hf_model(ids).logits).abs().max().item() < TOL
+    assert not model.config.tie_embeddings and "imported untied" in capsys.readouterr().err
+
+    weights = load_file(tmp_path / "hf" / "model.safetensors")  # the head stored twice, equal
+    weights["lm_head.weight"] = hf_model.get_input_embeddings().weight.detach().clone()
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    main(["import", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "tied")])
+    assert "untied" not in capsys.readouterr().err and FrawdLLM.from_pretrained(tmp_path / "tied").config.tie_embeddings
+
+
+def bos_template_checkpoint(directory: Path) -> Path:
+    """A transformers Llama checkpoint whose tokenizer's post-processor starts every text with
+    <s> (as TinyLlama's and Llama 3's do), saved with transformers' own tokenizer class."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:20_000]
+    backend.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(directory)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, bos_token_id=0,
+                                      eos_token_id=1)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # large weights: where the prompt starts matters to the argmax
+        for p in hf_model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.3)
+    hf_model.save_pretrained(directory)
+    return directory
+
+
+def test_a_tokenizer_template_bos_leads_our_prompts_as_in_transformers_and_both_exports(tmp_path, capsys):
+    """`frawd generate` of an imported model whose tokenizer adds <s> gives transformers'
+    greedy tokens (it left the <s> out); the HF export keeps the template, GGUF says
+    add_bos_token."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not present")
+    gguf = pytest.importorskip("gguf")
+    hf_dir = bos_template_checkpoint(tmp_path / "hf")
+    main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")])
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    prompt = hf_tokenizer("ROMEO:", return_tensors="pt")
+    assert prompt["input_ids"][0, 0] == 0
+    with torch.no_grad():
+        theirs = hf_model.generate(**prompt, do_sample=False, max_new_tokens=10)[0, prompt["input_ids"].shape[1]:]
+    capsys.readouterr()
+    main(["generate", "--model", str(tmp_path / "ours"), "--prompt", "ROMEO:", "--temperature", "0",
+          "--max-new-tokens", "10", "--native", "off", "--json"])
+    ours = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert ours["tokens"] == theirs.tolist() and ours["prompt_tokens"] == prompt["input_ids"].shape[1]
+
+    export(tmp_path / "ours", tmp_path / "again")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "again")("ROMEO:")["input_ids"] == \
+        prompt["input_ids"][0].tolist()
+    export(tmp_path / "ours", tmp_path / "g", "--format", "gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))
+    assert reader.fields["tokenizer.ggml.add_bos_token"].contents() is True
+
+
+def test_a_chat_that_writes_its_bos_gets_no_second_one_from_the_tokenizer_template(tmp_path):
+    """A tokenizer with our specials whose template also adds <|bos|>: a text prompt starts
+    with one <|bos|>; a chat (our template writes <|bos|>) with one too, in `render_chat`,
+    in transformers' apply_chat_template, and in llama.cpp (which adds BOS itself when
+    add_bos_token, so the GGUF template must not write it)."""
+    from tokenizers import processors
+
+    from frawdllm.infer import Engine
+    from frawdllm.tokenizer import BOS_ID, Tokenizer
+
+    backend = byte_tokenizer().backend
+    backend.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", BOS_ID)])
+    tok = Tokenizer(backend)
+    model = small_model("llama-gqa", vocab_size=tok.vocab_size)
+    assert Engine(model, tok, weights="fp32").encode("hi") == [BOS_ID] + tok.encode("hi")
+    chat = tok.render_chat(CHAT)
+    assert chat[0] == BOS_ID and chat[1] != BOS_ID
+    model.save_pretrained(tmp_path / "ours", tokenizer=tok)
+    export(tmp_path / "ours", tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = hf_tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert (ids["input_ids"] if not isinstance(ids, list) else ids) == chat
+    gguf = pytest.importorskip("gguf")
+    export(tmp_path / "ours", tmp_path / "g", "--format", "gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))
+    assert reader.fields["tokenizer.ggml.add_bos_token"].contents() is True
+    import jinja2
+
+    template = jinja2.Template(reader.fields["tokenizer.chat_template"].contents())
+    assert "<|bos|>" + template.render(messages=CHAT, add_generation_prompt=True) == render_chat_text(CHAT)
+
+
 def test_import_reads_sharded_checkpoints_and_keeps_the_tokenizer(tmp_path, tokenizer):
     _, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
     export(model_dir, tmp_path / "hf")
@@ -398,3 +560,40 @@ def test_import_names_a_missing_folder_and_a_frawdllm_directory(tmp_path, tokeni
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
         assert not (tmp_path / "ours").exists()
+
+
+def test_import_without_tokenizer_json_says_what_was_left_out_and_how_to_get_it(tmp_path, capsys):
+    """A checkpoint with only a slow tokenizer's vocab.json and merges.txt imported without a
+    tokenizer and said nothing; now one warning names the files and the fix, which works."""
+    vocab = {chr(c): i for i, c in enumerate(range(33, 127))}
+    end = vocab["<|endoftext|>"] = len(vocab)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "vocab.json").write_text(json.dumps(vocab))
+    (hf_dir / "merges.txt").write_text("#version: 0.2\n")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(vocab), n_embd=32, n_layer=1, n_head=2, n_positions=16, bos_token_id=end, eos_token_id=end,
+    )).save_pretrained(hf_dir)
+    main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ours")])
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "no tokenizer.json (only vocab.json, merges.txt" in warned[0], warned
+    assert not (tmp_path / "ours" / "tokenizer.json").exists()
+    transformers.AutoTokenizer.from_pretrained(hf_dir).save_pretrained(hf_dir)  # the fix it names
+    assert f"AutoTokenizer.from_pretrained({str(hf_dir)!r}).save_pretrained({str(hf_dir)!r})" in warned[0]
+    main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ours"), "--overwrite"])
+    assert "warning" not in capsys.readouterr().err and (tmp_path / "ours" / "tokenizer.json").is_file()
+
+
+def test_export_of_a_transformers_folder_or_a_training_run_names_what_to_give_instead(tmp_path, capsys):
+    from frawdllm.export.hf import to_hf_config
+
+    hf_dir, run = tmp_path / "hf", tmp_path / "run"
+    to_hf_config(get_config("tiny-llama", **SMALL)).save_pretrained(hf_dir)
+    small_model("gpt2-tied").save_pretrained(run / "model")
+    for model_dir, says in ((hf_dir, f"convert it first: frawd import --from-hf {hf_dir} --out"),
+                            (run, f"a training run keeps its model in model/: give {run / 'model'}")):
+        with pytest.raises(SystemExit):
+            export(model_dir, tmp_path / "out")
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()

@@ -325,3 +325,41 @@ def test_export_cleans_what_an_export_killed_before_left_beside_its_out(tmp_path
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.a1b2c3d4.tmp", "hf"]
+
+
+# Root deletes read-only files regardless of their mode: without these capabilities it cannot.
+AS_OWNER = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+
+
+def test_a_replaced_folder_that_cannot_be_deleted_leaves_the_new_one_and_a_warning_naming_it(tmp_path):
+    """--overwrite onto a read-only old output: the new one is in place and a warning names
+    the old copy left over and the file that resisted, by full path (it was an error naming
+    only "tokenizer.json", with the new one already in place); the clean-up of a later write
+    names it again (it ignored it)."""
+    if os.geteuid() == 0 and subprocess.run([*AS_OWNER, "true"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv cannot drop root's file-permission override here")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("old")
+    out.chmod(0o555)
+    script = f"""
+import warnings
+from pathlib import Path
+from frawdllm.io import atomic_dir, clean_partial
+warnings.simplefilter("always")
+out = Path({str(out)!r})
+with atomic_dir(out, overwrite=True) as tmp:
+    (tmp / "new.txt").write_text("new")
+clean_partial(out.parent, only="out")
+"""
+    proc = subprocess.run([*(AS_OWNER if os.geteuid() == 0 else []), sys.executable, "-c", script],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    for p in left:
+        p.chmod(0o755)  # (for pytest's clean-up)
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(out) == ["new.txt"] and len(left) == 1
+    warned = [line for line in proc.stderr.splitlines() if "UserWarning" in line]
+    assert len(warned) == 2, proc.stderr
+    assert all(f"is left at {left[0]} (permission denied: {left[0] / 'tokenizer.json'})" in w for w in warned)
+    assert "replaced" in warned[0] and "old copy" in warned[1]

@@ -657,3 +657,28 @@ def test_truncate_drops_a_too_long_turn_with_its_answers_never_starting_at_a_rep
     assert _within_reach([system, long, reply, question], engine, True) == [system, question]
     assert _within_reach([long, reply, reply, question, reply], engine, True) == [question, reply]
     assert _within_reach([system, question, reply], engine, True) == [system, question, reply]  # nothing too long
+
+
+def test_a_text_prompt_starts_with_the_bos_its_tokenizers_template_adds_truncated_or_not():
+    # (/v1/completions encoded text without it, unlike Engine.generate and transformers)
+    from tokenizers import processors
+
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.infer import Engine
+    from frawdllm.tokenizer import BOS_ID, Tokenizer, byte_tokenizer
+
+    backend = byte_tokenizer().backend
+    backend.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", BOS_ID)])
+    tok = Tokenizer(backend)
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, context_length=32, vocab_size=tok.vocab_size))
+    engine = Engine(model, tok, weights="fp32")
+    want = engine.generate("hello", SamplingParams(temperature=0, max_new_tokens=4))[0]
+    with live_server({"m": engine}, ServeOptions()) as url:
+        got = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4,
+                                                         "temperature": 0}, timeout=60).json()
+        assert got["usage"]["prompt_tokens"] == len(tok.encode("hello")) + 1
+        assert got["choices"][0]["text"] == tok.decode(want.tokens)
+        long = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x" * 100, "max_tokens": 4,
+                                                          "truncate": True, "echo": True, "logprobs": 1},
+                          timeout=60).json()
+        assert long["choices"][0]["logprobs"]["tokens"][0] == "<|bos|>"  # (first, after the cut)

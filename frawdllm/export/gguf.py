@@ -14,12 +14,15 @@ Two layout details differ from ours:
 The tokenizer goes in as llama.cpp's byte-level BPE (`gpt2` model, GPT-2 pre-tokenizer):
 our `bpe` and `byte` kinds are exactly that; a tokenizer that splits text otherwise (an
 imported SentencePiece-style one) is refused. Special tokens are control tokens, and the
-chat template is the Jinja one of the transformers export.
+chat template is the Jinja one of the transformers export. add_bos_token says whether the
+tokenizer's own template starts a text with BOS (`Tokenizer.prompt_prefix`: an imported
+Llama-style one's does, ours do not).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from .hf import GPT2, hf_architecture, hf_parts
 from .hf_dir import CHAT_TEMPLATE, DTYPES, load_for_export, special_token
 
 GGUF_FILE = "model.gguf"
+_TEMPLATE_BOS = "{{ '<|bos|>' }}"  # how CHAT_TEMPLATE starts
 
 
 def interleave_rope_rows(weight: Float[Tensor, "rows *rest"], n_heads: int) -> Float[Tensor, "rows *rest"]:
@@ -134,10 +138,21 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
     writer.add_pad_token_id(cfg.pad_token_id)
     if tokenizer.token_to_id("<|unk|>") is not None:
         writer.add_unk_token_id(tokenizer.token_to_id("<|unk|>"))
-    writer.add_add_bos_token(False)  # our encode adds no special tokens
+    add_bos = _adds_bos(tokenizer, cfg)
+    writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(False)
-    if tokenizer.has_frawd_specials():
-        writer.add_chat_template(CHAT_TEMPLATE)
+    if tokenizer.has_frawd_specials():  # (llama.cpp adds the BOS itself when add_bos: not twice)
+        writer.add_chat_template(CHAT_TEMPLATE.removeprefix(_TEMPLATE_BOS) if add_bos else CHAT_TEMPLATE)
+
+
+def _adds_bos(tokenizer: Tokenizer, cfg: ModelConfig) -> bool:
+    """Whether llama.cpp should start a prompt with bos_token_id: when the tokenizer's own
+    template does (an imported Llama's; none of ours). Another prefix it cannot say: a warning."""
+    prefix = tokenizer.prompt_prefix
+    if prefix and prefix != [cfg.bos_token_id]:
+        warnings.warn(f"the tokenizer's template starts a prompt with ids {prefix}, which GGUF cannot say "
+                      f"(only bos_token_id {cfg.bos_token_id} alone): llama.cpp will not add them")
+    return prefix == [cfg.bos_token_id]
 
 
 def _not_gpt2_byte_level(setup: dict) -> str | None:

@@ -47,6 +47,7 @@ _NEEDS: dict[str, dict[str, Any]] = {
 _COMPUTES = {GPT2: "learned positions, LayerNorm, GELU MLP", LLAMA: "RoPE, RMSNorm, SwiGLU MLP"}
 # GELU activations of transformers that are the tanh approximation we compute.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_EMBEDDING = {GPT2: "transformer.wte.weight", LLAMA: "model.embed_tokens.weight"}
 _IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 V = TypeVar("V")
 
@@ -269,8 +270,22 @@ def normalise_hf_names(state: dict[str, V], gpt2: bool) -> dict[str, V]:
     return state
 
 
+def head_differs(state: dict[str, Tensor], cfg: ModelConfig) -> bool:
+    """True when `cfg` ties the head but `state` (transformers names) holds an lm_head.weight
+    that differs from the embedding: transformers then keeps that head, untied."""
+    if not cfg.tie_embeddings:
+        return False
+    arch = hf_architecture(cfg)
+    state = normalise_hf_names(state, arch == GPT2)
+    head, embedding = state.get("lm_head.weight"), state.get(_EMBEDDING[arch])
+    return head is not None and embedding is not None and not torch.equal(head, embedding)
+
+
 def from_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """A transformers state dict (GPT-2 or Llama, per `cfg`) as our state dict."""
+    if head_differs(state, cfg):  # tying would silently drop the head (see `head_differs`)
+        raise FrawdError("lm_head.weight differs from the token embedding, so the head cannot be tied; "
+                         "convert with tie_embeddings=False")
     state = normalise_hf_names(state, hf_architecture(cfg) == GPT2)
     layout = tensor_layout(cfg)
     expected = {name for m in layout for name in m.theirs}
@@ -312,12 +327,16 @@ def from_hf_model(hf_model: torch.nn.Module):
     from ..model import FrawdLLM
 
     cfg = from_hf_config(hf_model.config)
+    state = hf_model.state_dict()
+    if head_differs(state, cfg):
+        cfg = cfg.replace(tie_embeddings=False)
     model = FrawdLLM(cfg)
-    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), cfg))
+    model.load_state_dict(from_hf_state_dict(state, cfg))
     return model.eval()
 
 
 __all__ = [
     "GPT2", "LLAMA", "TensorMap", "hf_architecture", "to_hf_config", "from_hf_config",
-    "tensor_layout", "hf_parts", "to_hf_state_dict", "from_hf_state_dict", "to_hf_model", "from_hf_model",
+    "tensor_layout", "hf_parts", "to_hf_state_dict", "head_differs", "from_hf_state_dict", "to_hf_model",
+    "from_hf_model",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,8 +46,8 @@ from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_s
                         load_config, load_generation_config, load_model, model_file, tables_too_large,
                         weight_shapes)
 from ..tokenizer import Tokenizer
-from .hf import (from_hf_config, from_hf_state_dict, hf_architecture, normalise_hf_names, tensor_layout,
-                 to_hf_config, to_hf_state_dict)
+from .hf import (from_hf_config, from_hf_state_dict, head_differs, hf_architecture, normalise_hf_names,
+                 tensor_layout, to_hf_config, to_hf_state_dict)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,8 +62,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
-# Sampling defaults of ours that mean the same in transformers' GenerationConfig.
-_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+# transformers' GenerationConfig settings that say how it generates (not which tokens are which).
+_HF_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
+                "num_return_sequences", "stop_strings")
 
 
 # ---- export ------------------------------------------------------------------------------------
@@ -105,30 +107,62 @@ def generation_config(cfg, sampling: dict[str, Any]) -> dict[str, Any]:
     """transformers' generation_config.json for the model's sampling defaults (`sampling`:
     its own generation_config.json, over `SamplingParams`' defaults): what `frawd generate`
     does is what `model.generate()` does. Sampling (temperature > 0, ours by default) is
-    do_sample with top_k given even when 0 (off), since transformers' default is 50."""
+    do_sample with top_k given even when 0 (off), since transformers' default is 50; settings
+    at their "off" value are left out (transformers' defaults are off too). Our stop tokens
+    join eos_token_id (a list), stop strings are stop_strings (transformers then needs
+    `generate(..., tokenizer=)`, and keeps the string in the output, which we leave out) and
+    num_samples is num_return_sequences. seed, ignore_eos and logprobs have no counterpart."""
+    params = SamplingParams.from_dict(sampling)
+    stops = [cfg.eos_token_id] + [i for i in dict.fromkeys(params.stop_token_ids) if i != cfg.eos_token_id]
     config: dict[str, Any] = {
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": stops if len(stops) > 1 else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
     }
-    config.update({k: sampling[k] for k in _SAMPLING_KEYS if sampling.get(k) is not None})
-    temperature = config.get("temperature", SamplingParams().temperature)
-    if temperature > 0:
-        config.update(do_sample=True, temperature=temperature, top_k=config.get("top_k", 0))
-    else:
-        config.pop("temperature", None)
+    if not params.greedy:
+        config.update(do_sample=True, temperature=params.temperature, top_k=params.top_k)
+        if params.top_p != 1:
+            config["top_p"] = params.top_p
+        if params.min_p != 0:
+            config["min_p"] = params.min_p
+    if params.repetition_penalty != 1:
+        config["repetition_penalty"] = params.repetition_penalty
+    config["max_new_tokens"] = params.max_new_tokens  # (transformers' own limit: 20 tokens in all)
+    if params.num_samples > 1 and not params.greedy:  # (transformers refuses several greedy sequences)
+        config["num_return_sequences"] = params.num_samples
+    if params.stop:
+        config["stop_strings"] = list(params.stop)
     return config
 
 
-def sampling_from_hf(config: dict[str, Any]) -> dict[str, Any]:
-    """Our generation_config.json from transformers' one: its sampling settings, read with
-    transformers' defaults (greedy without do_sample; top_k 50 with it); {} when the file
-    sets none of them (only token ids: the importing side's defaults apply)."""
-    if not config.get("do_sample") and not any(config.get(k) is not None for k in _SAMPLING_KEYS):
-        return {}
-    out = {k: config[k] for k in ("repetition_penalty", "max_new_tokens") if config.get(k) is not None}
-    if not config.get("do_sample"):
-        return {"temperature": 0, **out}
-    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
-    return {**{k: config[k] if config.get(k) is not None else v for k, v in defaults.items()}, **out}
+def _set_or(config: dict[str, Any], key: str, default: Any) -> Any:
+    return config[key] if config.get(key) is not None else default
+
+
+def sampling_from_hf(config: dict[str, Any], eos_token_id: int) -> dict[str, Any]:
+    """Our generation_config.json from transformers' one (`eos_token_id`: the imported model's):
+    its sampling settings, read with transformers' defaults (greedy without do_sample; top_k
+    50 with it), and its stop settings (`generation_config`'s mapping backwards). Only what the
+    file sets: {} for a file of token ids alone (the importing side's defaults apply), but end
+    ids past the model's own become stop_token_ids."""
+    out: dict[str, Any] = {}
+    if config.get("do_sample"):
+        out.update(temperature=_set_or(config, "temperature", 1.0), top_k=_set_or(config, "top_k", 50))
+        out.update({k: config[k] for k in ("top_p", "min_p") if config.get(k) is not None})
+    elif any(config.get(k) is not None for k in _HF_SETTINGS):
+        out["temperature"] = 0  # transformers' greedy default
+    for ours, theirs in (("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_new_tokens"),
+                         ("num_samples", "num_return_sequences")):
+        if config.get(theirs) is not None:
+            out[ours] = config[theirs]
+    stop_strings = config.get("stop_strings")
+    if stop_strings:
+        out["stop"] = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    ends = config.get("eos_token_id")
+    ends = ends if isinstance(ends, list) else [ends]
+    stop_ids = [i for i in ends if i is not None and i != eos_token_id]
+    if stop_ids:
+        out["stop_token_ids"] = stop_ids
+    return out
 
 
 def write_hf_dir(model: FrawdLLM, tokenizer: Tokenizer | None, directory: Path, dtype: str = "float32",
@@ -391,8 +425,15 @@ def _built(checked: _Checked) -> FrawdLLM:
 
 
 def _load_checked(checked: _Checked) -> FrawdLLM:
-    model = _built(checked)
-    state = from_hf_state_dict(_read_hf_weights(checked.directory, checked.files), checked.cfg)
+    model, cfg = _built(checked), checked.cfg
+    weights = _read_hf_weights(checked.directory, checked.files)
+    if head_differs(weights, cfg):  # as transformers loads it: untied
+        warnings.warn(f"{checked.directory / 'config.json'} says tie_word_embeddings, but the weights hold "
+                      "an lm_head.weight that differs from the embedding: imported untied, as transformers "
+                      "loads it")
+        cfg = cfg.replace(tie_embeddings=False)
+        model = FrawdLLM(cfg)
+    state = from_hf_state_dict(weights, cfg)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
@@ -408,6 +449,20 @@ def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
     return _load_checked(_checked_hf_dir(hf_dir))
 
 
+# Tokenizer files of transformers' slow tokenizers, which FrawdLLM does not read.
+_OTHER_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "spiece.model")
+
+
+def _note_no_tokenizer(directory: Path) -> None:
+    """Warn when the checkpoint's tokenizer is only in files FrawdLLM does not read."""
+    others = [name for name in _OTHER_TOKENIZER_FILES if (directory / name).is_file()]
+    if others:
+        warnings.warn(f"{directory} has no {TOKENIZER_FILE} (only {', '.join(others)}, which FrawdLLM does not "
+                      "read): imported without a tokenizer, so prompts must be token ids; "
+                      f"AutoTokenizer.from_pretrained({str(directory)!r}).save_pretrained({str(directory)!r}) "
+                      "writes it, then import again")
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> FrawdLLM:
     """Convert a transformers checkpoint into a FrawdLLM model directory `out`."""
     directory = Path(hf_dir)
@@ -419,8 +474,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
             raise FrawdError(f"{tokenizer} is not a file")
         if tokenizer.is_file():  # copied as is, once it has shown it loads and fits the model
             Tokenizer.load(tokenizer).check_fits(model.config.vocab_size, tokenizer)
+        if not tokenizer.is_file():
+            _note_no_tokenizer(directory)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
-        sampling = sampling_from_hf(_json_object(directory / GENERATION_CONFIG_FILE))
+        sampling = sampling_from_hf(_json_object(directory / GENERATION_CONFIG_FILE), model.config.eos_token_id)
         if sampling:
             checked_sampling(sampling, directory / GENERATION_CONFIG_FILE)
             write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)

@@ -32,7 +32,8 @@ PyTorch; `compile=True` runs decode steps under
 tensor, so one graph serves every step). The model given is never changed: each PyTorch
 forward runs it in eval mode (no dropout) and leaves it in the mode it was in.
 
-Prompts: text (`str`, encoded without special tokens) or token ids: a list or tuple of
+Prompts: text (`str`: no special tokens parsed; only the BOS that the tokenizer's own
+template adds, `Tokenizer.encode_prompt`, leads it) or token ids: a list or tuple of
 integers (numpy integers too), or a 1-D integer tensor or numpy array. A list whose first
 item is a number is one prompt of ids; otherwise a list holds prompts (a 2-D tensor or
 array: a prompt per row). `bytes` is refused: decode it to `str` first. (Annotated `Any`:
@@ -287,8 +288,9 @@ class Engine:
 
     # ---- prompts ------------------------------------------------------------------------------
     def encode(self, prompt: Any, whole: bool = False) -> list[int]:
-        """One prompt as a list of Python ints: text encoded (no special tokens added), token
-        ids (any form the module docstring's "Prompts" names) checked against the vocabulary;
+        """One prompt as a list of Python ints: text encoded (after the BOS its tokenizer's template
+        adds: an imported Llama's; none for ours), token ids (any form the module docstring's
+        "Prompts" names, taken as they are) checked against the vocabulary;
         `whole`: it must fit the context, whatever `overflow` says (a prompt scored at once).
 
         An empty prompt becomes <|eos|>: in pretraining data a document starts after one.
@@ -298,7 +300,8 @@ class Engine:
             if not callable(getattr(self.tokenizer, "encode", None)):
                 raise FrawdError(f"a text prompt needs a tokenizer with encode ({type(self.tokenizer).__name__} has "
                                  "none): give token ids")
-            ids = self.tokenizer.encode(prompt)
+            # the BOS the tokenizer's own template adds, as transformers' tokenizer does (a duck-typed one: encode)
+            ids = getattr(self.tokenizer, "encode_prompt", self.tokenizer.encode)(prompt)
         else:
             ids = prompt
             bad = [i for i in ids if not 0 <= i < self.config.vocab_size]

@@ -426,15 +426,18 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         encoded, echoes = [], []
         for i, prompt in enumerate(prompts):
             what = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            prefix: list[int] = []  # the BOS a text's tokenizer template adds (an imported Llama's), kept first
             if isinstance(prompt, str):
                 _check_text(prompt, what, param="prompt")
+                prefix = list(getattr(engine.tokenizer, "prompt_prefix", []))
                 ids = engine.tokenizer.encode(_text_within_reach(prompt, engine, body.truncate, what))
             else:
                 ids = list(prompt)
             if body.truncate:  # the last tokens that leave room for the reply, as chat does
                 context = engine.config.context_length
-                keep = context - reply_reserve(context, max_new)
+                keep = max(0, context - reply_reserve(context, max_new) - len(prefix))
                 ids = ids[max(0, len(ids) - keep):]  # (keep 0: empty, a prompt of <|eos|>)
+            ids = prefix + ids
             _check_fits(ids, engine, chat=False, what=what)
             try:
                 encoded.append(engine.encode(ids))  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
