@@ -35,6 +35,14 @@ def page_server():
 
 
 @pytest.fixture(scope="module")
+def key_server():
+    """A server that wants an API key, with a model whose context (64) is below the cap."""
+    model, tok = varied_model(context_length=64)
+    with live_server({"small": test_engine(model, tok)}, ServeOptions(max_tokens=1000, api_key="s3cret")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -43,6 +51,7 @@ def browser():
     options.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,800"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # (the console, for get_log)
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     driver.set_script_timeout(30)
     yield driver
@@ -57,6 +66,10 @@ def wait_for(condition, timeout=20.0, what="condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def console_errors(driver):
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
 def screenshot(driver, tmp_path, name):
@@ -78,8 +91,36 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     d.get(page_server + "/")
     by_id = lambda i: d.find_element(By.ID, i)  # noqa: E731
     wait_for(lambda: by_id("model").get_attribute("value") == "varied", what="the model list")
+    time.sleep(0.3)
+    assert not console_errors(d)  # (a /favicon.ico 404 was one on every load: the icon is inline)
+    assert "on the left" not in by_id("empty").text  # (true on a phone too)
+    labels = d.execute_script("return [...document.getElementById('input').labels].map(l => l.textContent)")
+    assert labels == ["Message"]
+    assert [by_id(i).get_attribute("aria-live") for i in ("thread", "stats")] == ["polite", "polite"]
     by_id("system").send_keys("You answer in letters.")
     max_tokens = by_id("max-tokens")
+
+    # the box's number is what is sent (1e3 is 1000), rounded and clamped to 1..cap, which the box says
+    for typed, sent, note in [("1e3", 1000, ""), ("0", 1, "at least 1"), ("-5", 1, "at least 1"),
+                              ("2.7", 3, "whole tokens"), ("99999", 1000, "at most 1000"), ("", 200, "default")]:
+        max_tokens.clear()
+        max_tokens.send_keys(typed)
+        assert d.execute_script("return maxTokens()") == sent, typed
+        assert note in by_id("max-tokens-note").text and (note == "") == (not by_id("max-tokens-note").is_displayed())
+        assert max_tokens.get_attribute("aria-invalid") == ("true" if note else "false")
+    max_tokens.send_keys("99999")
+    by_id("system").click()  # leaving the box puts what will be sent in it
+    assert max_tokens.get_attribute("value") == "1000" and "99999 → at most 1000" in by_id("max-tokens-note").text
+    assert max_tokens.get_attribute("aria-invalid") == "false"
+
+    # Enter that ends an IME composition (isComposing, or keyCode 229 on some browsers) sends nothing
+    by_id("input").send_keys("日本")
+    for init in ("{key: 'Enter', isComposing: true}", "{key: 'Enter', keyCode: 229}"):
+        d.execute_script(f"document.getElementById('input').dispatchEvent("
+                         f"new KeyboardEvent('keydown', {{...{init}, bubbles: true, cancelable: true}}))")
+    time.sleep(0.2)
+    assert not d.find_elements(By.CSS_SELECTOR, ".msg") and by_id("input").get_attribute("value") == "日本"
+    by_id("input").clear()
     max_tokens.clear()
     max_tokens.send_keys("1000")
 
@@ -126,12 +167,18 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
              what="the refusal")
     assert "Error: max_tokens is 5000; this server allows at most 1000" in reply()
     assert d.execute_script("return turns.length") == 4
+    assert by_id("stats").text.startswith("request failed: max_tokens is 5000")  # (not "0 tokens · – tokens/s")
     max_tokens.clear()
     max_tokens.send_keys("12")
 
     # code blocks are monospace
     html = d.execute_script("return render('see `x`\\n\\n```py\\ndef f():\\n    return 1\\n```');")
     assert "<pre><code>def f():\n    return 1\n</code></pre>" in html and "<code>x</code>" in html
+    # a fence's first line is a language tag only when it looks like one: code right after ``` stays
+    fences = {"```x = 1\ny = 2\n```": "x = 1\ny = 2\n", "a ```inline code``` b": "inline code",
+              "```c++\nint x;\n```": "int x;\n", "```\nplain\n```": "plain\n"}
+    for text, code in fences.items():
+        assert f"<pre><code>{code}</code></pre>" in d.execute_script("return render(arguments[0])", text), text
 
     # phone-narrow: settings fold away behind a button, nothing overflows sideways
     d.set_window_size(390, 844)
@@ -160,3 +207,132 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     time.sleep(0.3)
     assert d.execute_script("return turns.length") == 0
     assert not d.find_elements(By.CSS_SELECTOR, ".msg") and by_id("stats").text == "ready"
+
+
+# a fetch that serves the reply's first chunks, then fails as a dropped connection does
+CUT_FETCH = """
+window.realFetch = window.realFetch || window.fetch;
+window.fetch = async (url, init) => {
+  const response = await window.realFetch(url, init);
+  if (!String(url).includes('/chat/')) return response;
+  const reader = response.body.getReader();
+  let chunks = 0;
+  const body = new ReadableStream({async pull(c) {
+    const {value, done} = await reader.read();
+    if (done || ++chunks > 4) { reader.cancel(); c.error(new TypeError('network error')); } else c.enqueue(value);
+  }});
+  return new Response(body, {status: response.status, headers: response.headers});
+};"""
+
+
+@pytest.mark.timeout(120)
+def test_chat_page_scrolls_only_the_messages_and_keeps_a_cut_reply(page_server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    d = browser
+    d.set_window_size(1280, 800)
+    d.get(page_server + "/")
+    by_id = lambda i: d.find_element(By.ID, i)  # noqa: E731
+    js = d.execute_script
+    wait_for(lambda: by_id("model").get_attribute("value") == "varied", what="the model list")
+    # a conversation far longer than the window
+    js("for (let i = 0; i < 20; i++) { bubble('user', 'question ' + i); "
+       "bubble('assistant', ('An answer that goes on. ').repeat(40) + '\\n\\n```\\ncode ' + i + '\\n```'); }")
+    rects = lambda: js("return ['header', 'composer', 'stop'].map(s => "  # noqa: E731
+                       "(document.getElementById(s) || document.querySelector(s)).getBoundingClientRect().top)")
+    fixed = rects()
+    at_bottom = lambda: js("return nearBottom()")  # noqa: E731
+    top = lambda: js("return document.getElementById('messages').scrollTop")  # noqa: E731
+    reply = lambda: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].text  # noqa: E731
+    max_tokens = by_id("max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("1000")
+    by_id("input").send_keys("go on", Keys.ENTER)
+    first = wait_for(lambda: reply() if len(reply()) >= 3 else None, what="the reply to start")
+    wait_for(lambda: len(reply()) > len(first) + 20, what="more of the reply")
+    # only #messages scrolls: the page does not, header, input and Stop stay where they were
+    assert js("return document.scrollingElement.scrollHeight <= window.innerHeight && window.scrollY === 0")
+    assert js("const m = document.getElementById('messages'); return m.scrollHeight > 3 * m.clientHeight")
+    assert rects() == fixed and fixed[2] < 800
+    assert at_bottom()  # the view follows the stream
+    screenshot(d, tmp_path, "long-wide.png")
+    # scrolled up, the reader stays there while the reply grows; back at the bottom it follows again
+    js("document.getElementById('messages').scrollTop = 100")
+    now = reply()
+    wait_for(lambda: len(reply()) > len(now) + 20, what="the reply to grow")
+    assert top() == 100 and not at_bottom()
+    js("toBottom()")
+    now = reply()
+    wait_for(lambda: len(reply()) > len(now) + 20, what="the reply to grow")
+    assert at_bottom()
+
+    d.set_window_size(390, 844)  # the same on a phone
+    time.sleep(0.3)
+    assert js("return document.scrollingElement.scrollHeight <= window.innerHeight && window.scrollY === 0")
+    assert js("return document.documentElement.scrollWidth <= window.innerWidth")
+    assert 0 < rects()[1] < 844 and by_id("stop").is_displayed()
+    js("toBottom()")
+    time.sleep(0.2)
+    screenshot(d, tmp_path, "long-narrow.png")
+    # Stop, focused, turns disabled: the focus goes to the message box, not to the page
+    by_id("stop").click()
+    wait_for(lambda: by_id("send").is_enabled(), what="stop to take effect")
+    assert js("return document.activeElement.id") == "input"
+    d.set_window_size(1280, 800)
+
+    # a connection lost mid-reply: the text so far stays, marked cut short, and in the conversation
+    js(CUT_FETCH)
+    turns = js("return turns.length")
+    by_id("input").send_keys("once more")
+    by_id("send").click()
+    assert js("return document.activeElement.id") == "input"  # (Send turned disabled under the focus)
+    wait_for(lambda: by_id("send").is_enabled() and by_id("stop").get_attribute("disabled"), what="the cut reply")
+    last = d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+    note = last.find_element(By.CSS_SELECTOR, ".note")
+    assert note.is_displayed() and note.text.startswith("connection lost: network error")
+    partial = js("return turns[turns.length - 1]")
+    assert partial["role"] == "assistant" and partial["content"] and reply().startswith(partial["content"][:20])
+    assert js("return turns.length") == turns + 2
+    assert "connection lost" in by_id("stats").text
+    screenshot(d, tmp_path, "cut-reply.png")
+    # nothing came back at all: the error, not kept, and the header says the request failed
+    js("window.fetch = (url, init) => String(url).includes('/chat/') ? "
+       "Promise.reject(new TypeError('Failed to fetch')) : window.realFetch(url, init)")
+    by_id("input").send_keys("and again", Keys.ENTER)
+    wait_for(lambda: "Error: Failed to fetch" in reply(), what="the error")
+    assert by_id("stats").text == "request failed: Failed to fetch" and js("return turns.length") == turns + 2
+    js("window.fetch = window.realFetch")
+
+
+@pytest.mark.timeout(120)
+def test_chat_page_asks_for_the_api_key_and_its_panel_works_by_keyboard(key_server, browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    d = browser
+    d.set_window_size(390, 844)  # on a phone, where the key box is in the folded panel
+    d.get(key_server + "/")
+    by_id = lambda i: d.find_element(By.ID, i)  # noqa: E731
+    js = d.execute_script
+    wait_for(lambda: by_id("stats").text == "API key needed", what="the 401")
+    assert not by_id("settings").is_displayed() and by_id("toggle").get_attribute("aria-expanded") == "false"
+    screenshot(d, tmp_path, "key-needed-narrow.png")
+    assert by_id("enter-key").is_displayed() and d.execute_script(  # (not cut off by the header's width)
+        "return document.getElementById('enter-key').getBoundingClientRect().right") <= 390
+    by_id("enter-key").click()  # the message leads to the key box
+    assert by_id("settings").is_displayed() and by_id("toggle").get_attribute("aria-expanded") == "true"
+    assert js("return document.activeElement.id") == "api-key"
+    by_id("api-key").send_keys("s3cret", Keys.TAB)
+    wait_for(lambda: by_id("model").get_attribute("value") == "small", what="the model list")
+    assert by_id("stats").text == "ready" and not by_id("enter-key").is_displayed()  # the key message goes
+    assert by_id("max-tokens").get_attribute("max") == "64"  # the context (64) is below the server's cap (1000)
+    ActionChains(d).send_keys(Keys.ESCAPE).perform()  # Escape folds the panel, back to its button
+    assert not by_id("settings").is_displayed() and by_id("toggle").get_attribute("aria-expanded") == "false"
+    assert js("return document.activeElement.id") == "toggle"
+    by_id("toggle").click()  # opened, the focus goes into it
+    assert by_id("settings").is_displayed() and js("return document.activeElement.id") == "model"
+    by_id("close-settings").click()
+    assert not by_id("settings").is_displayed() and js("return document.activeElement.id") == "toggle"
+    js("localStorage.clear()")
