@@ -224,14 +224,20 @@ def _start(args: list[str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _kill_rank_after(proc: subprocess.Popen, run: Path, step: int, how: int = signal.SIGKILL) -> tuple[int, int]:
-    """Once checkpoint `step` exists, send `how` to rank 1; (rank 0's pid, rank 1's pid)."""
+def _ranks_once_checkpointed(proc: subprocess.Popen, run: Path, step: int) -> tuple[int, int]:
+    """(rank 0's pid, rank 1's pid) once checkpoint `step` exists."""
     deadline = time.monotonic() + 90
     while not (run / "checkpoints" / f"step_{step:08d}").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
         time.sleep(0.05)
     pids = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
     assert None not in pids
+    return pids
+
+
+def _kill_rank_after(proc: subprocess.Popen, run: Path, step: int, how: int = signal.SIGKILL) -> tuple[int, int]:
+    """Once checkpoint `step` exists, send `how` to rank 1; (rank 0's pid, rank 1's pid)."""
+    pids = _ranks_once_checkpointed(proc, run, step)
     os.kill(pids[1], how)
     return pids
 
@@ -293,12 +299,7 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_is_killed(work):
     run = work / "orphans"
     proc = _start([sys.executable, "-m", "frawdllm.cli",
                    *train_args(work, run, "--nproc", "2", "--max-steps", "100000", "--eval-interval", "5")])
-    deadline = time.monotonic() + 90
-    while not (run / "checkpoints" / f"step_{5:08d}").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
-        time.sleep(0.05)
-    ranks = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
-    assert None not in ranks
+    ranks = _ranks_once_checkpointed(proc, run, 5)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     start = time.monotonic()

@@ -72,6 +72,15 @@ def console_errors(driver):
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
+def open_page(driver, url, size=(1280, 800)):
+    """The page at `url` in a window of `size`; a function finding an element by its id."""
+    from selenium.webdriver.common.by import By
+
+    driver.set_window_size(*size)
+    driver.get(url + "/")
+    return lambda element_id: driver.find_element(By.ID, element_id)
+
+
 def screenshot(driver, tmp_path, name):
     path = tmp_path / name
     driver.save_screenshot(str(path))
@@ -87,9 +96,7 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     from selenium.webdriver.common.by import By
 
     d = browser
-    d.set_window_size(1280, 800)
-    d.get(page_server + "/")
-    by_id = lambda i: d.find_element(By.ID, i)  # noqa: E731
+    by_id = open_page(d, page_server)
     wait_for(lambda: by_id("model").get_attribute("value") == "varied", what="the model list")
     time.sleep(0.3)
     assert not console_errors(d)  # (a /favicon.ico 404 was one on every load: the icon is inline)
@@ -231,9 +238,7 @@ def test_chat_page_scrolls_only_the_messages_and_keeps_a_cut_reply(page_server, 
     from selenium.webdriver.common.keys import Keys
 
     d = browser
-    d.set_window_size(1280, 800)
-    d.get(page_server + "/")
-    by_id = lambda i: d.find_element(By.ID, i)  # noqa: E731
+    by_id = open_page(d, page_server)
     js = d.execute_script
     wait_for(lambda: by_id("model").get_attribute("value") == "varied", what="the model list")
     # a conversation far longer than the window
@@ -308,13 +313,10 @@ def test_chat_page_scrolls_only_the_messages_and_keeps_a_cut_reply(page_server, 
 @pytest.mark.timeout(120)
 def test_chat_page_asks_for_the_api_key_and_its_panel_works_by_keyboard(key_server, browser, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
     d = browser
-    d.set_window_size(390, 844)  # on a phone, where the key box is in the folded panel
-    d.get(key_server + "/")
-    by_id = lambda i: d.find_element(By.ID, i)  # noqa: E731
+    by_id = open_page(d, key_server, (390, 844))  # on a phone, where the key box is in the folded panel
     js = d.execute_script
     wait_for(lambda: by_id("stats").text == "API key needed", what="the 401")
     assert not by_id("settings").is_displayed() and by_id("toggle").get_attribute("aria-expanded") == "false"
