@@ -324,7 +324,10 @@ def undo_failed_start(cfg: Any, enabled: bool = True, keep: tuple[str, ...] = ()
         created = folder
     if enabled:  # (refused: another run's folder, left as it is)
         claim_run_dir(run_dir)
-    names = (*RUN_FILES, *RUN_DIRS, *keep)  # (hard links: no copy of the checkpoints)
+    # What the start may replace: a resume's config.yaml and `keep`; everything when the start
+    # deletes the run (--overwrite, or a resume with no checkpoint, which starts over).
+    deletes = cfg.overwrite or latest_checkpoint(run_dir) is None
+    names = (*RUN_FILES, *RUN_DIRS, *keep) if deletes else (CONFIG_FILE, *keep)
     backup = _back_up(run_dir, names) if enabled and (cfg.resume or cfg.overwrite) and created is None \
         and run_dir.is_dir() else None
     try:
