@@ -326,6 +326,11 @@ def test_chat_page_asks_for_the_api_key_and_its_panel_works_by_keyboard(key_serv
     by_id("enter-key").click()  # the message leads to the key box
     assert by_id("settings").is_displayed() and by_id("toggle").get_attribute("aria-expanded") == "true"
     assert js("return document.activeElement.id") == "api-key"
+    # A key no header can carry: fetch threw "non ISO-8859-1 code point" into the header
+    by_id("api-key").send_keys("sé", Keys.TAB)
+    wait_for(lambda: by_id("stats").text == "API key not accepted (keys are ASCII)", what="the 401 for 'sé'")
+    assert not [e for e in console_errors(d) if "401" not in e]  # (the 401s themselves are logged)
+    by_id("api-key").clear()
     by_id("api-key").send_keys("s3cret", Keys.TAB)
     wait_for(lambda: by_id("model").get_attribute("value") == "small", what="the model list")
     assert by_id("stats").text == "ready" and not by_id("enter-key").is_displayed()  # the key message goes

@@ -167,6 +167,9 @@ def test_sft_shapes_trl_and_mixed_tables_use():
         assert chat_messages(record, "r:1") == turns, record
     with pytest.raises(BadExample, match=r"expected \"messages\" or \"prompt\" and \"response\" \(fields: 'prompt'\)"):
         chat_messages({"messages": None, "prompt": "Hi", "response": None}, "r:1")
+    # Both shapes in one record: the prompt/response pair was dropped without a word.
+    with pytest.raises(BadExample, match=r"r:1: has both \"messages\" and 'prompt', 'response'; give one shape"):
+        chat_messages({"messages": turns, "prompt": "Hi", "response": "Other."}, "r:1")
 
 
 def test_characters_a_char_tokenizer_lacks_are_counted_in_the_summary(tmp_path):

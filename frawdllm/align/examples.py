@@ -131,6 +131,10 @@ def chat_messages(record: object, where: str) -> list[dict]:
     A null field counts as absent (a table mixing the shapes gives every row every column)."""
     record = _object(record, where, '"messages" or "prompt" and "response"')
     answer_key = next((k for k in ("response", "completion") if record.get(k) is not None), None)
+    other = [k for k in ("prompt", "response", "completion") if record.get(k) is not None]
+    if record.get("messages") is not None and other:  # which one to learn would be a guess
+        raise BadExample(f"{where}: has both \"messages\" and {', '.join(repr(k) for k in other)}; "
+                         "give one shape per record")
     if record.get("messages") is not None:
         messages = _messages(record["messages"], where, "messages")
     elif record.get("prompt") is not None and answer_key is not None:

@@ -34,8 +34,9 @@ def data() -> None:
 @click.option("--val-fraction", type=float, default=0.005, show_default=True,
               help="Share of documents held out for validation (chosen by a hash of their text).")
 @click.option("--workers", type=int, default=None,
-              help="Tokenizer threads [default: all cores]; with --engine datatrove, the number of "
-                   "datatrove tasks (each tokenizes a contiguous block of the sorted files) [default: 2].")
+              help="Tokenizer threads [default: all cores; at most 4 per core]; with --engine datatrove, the "
+                   "number of datatrove tasks (each tokenizes a contiguous block of the sorted files) "
+                   "[default: 2; at most 4 per core with the local executor].")
 @click.option("--engine", type=click.Choice(["single", "datatrove"]), default="single", show_default=True,
               help="single: one process (threads). datatrove: a pipeline on HF datatrove (pip install "
                    "'frawdllm[datatrove]'), writing train-RRRRR.bin/val-RRRRR.bin per task; the "
