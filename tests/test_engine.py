@@ -217,19 +217,21 @@ def test_overflow_stop_ends_rows_at_the_context_length(mode):
 
 
 @torch.no_grad()
-def naive_slide(model, prompt, n_new, keep):
-    """Recompute everything, keeping only the tokens since the last slide."""
+def naive_slide(model, prompt, n_new, keep, kept=0):
+    """Recompute everything, keeping only the tokens since the last slide (after the prompt's
+    first `kept` tokens)."""
     context = model.config.context_length
     seq, start, out = list(prompt), 0, []
+    window = lambda: seq if start == 0 else seq[:kept] + seq[start:]  # noqa: E731
     if len(seq) > context:
-        start = len(seq) - keep
+        start = len(seq) - keep + kept
     for _ in range(n_new):
-        logits = model(torch.tensor([seq[start:]]))[0][0, -1]
+        logits = model(torch.tensor([window()]))[0][0, -1]
         token = int(logits.argmax())
         seq.append(token)
         out.append(token)
-        if len(seq) - start > context:  # the new token would not fit: slide
-            start = len(seq) - keep
+        if len(window()) > context:  # the new token would not fit: slide
+            start = len(seq) - keep + kept
     return out
 
 
@@ -247,6 +249,30 @@ def test_overflow_slide_keeps_the_cache_coherent_past_the_context(name, mode):
     prompts = [prompt_ids(10, 5), prompt_ids(11, 11), prompt_ids(12, 14), prompt_ids(13, 20)]
     batched = engine.generate(prompts, params)
     assert [c.tokens for c in batched] == [naive_slide(reference(model, engine), p, 40, keep=12) for p in prompts]
+
+
+class BosTokenizer(IdTokenizer):
+    """An imported Llama's: its template starts every text prompt with BOS (id 1 here)."""
+    prompt_prefix = [1]
+
+    def encode_prompt(self, text):
+        return self.prompt_prefix + self.encode(text)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_overflow_slide_keeps_the_prompts_bos(mode):
+    """A slid window lost the BOS an imported model always saw first."""
+    model = make_model(context_length=16, **CONFIGS["llama"])
+    engine = Engine(model, BosTokenizer(), overflow="slide", **mode)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, repetition_penalty=1.0)
+    prompts = ["5 9 7", " ".join(str(t) for t in prompt_ids(9, 20)), "4 4 8 2 2 8 3 5 6 7 9 2 3"]
+    out = engine.generate(prompts, params)
+    ids = [engine.encode(p) for p in prompts]
+    assert all(i[0] == 1 for i in ids)
+    expected = [naive_slide(reference(model, engine), i, 40, keep=12, kept=1) for i in ids]
+    assert [c.tokens for c in out] == expected
+    assert expected != [naive_slide(reference(model, engine), i, 40, keep=12) for i in ids]  # (the test can tell)
+    assert engine.generate(prompts[1:2], params)[0].tokens == expected[1]  # alone as in a batch
 
 
 COMPILE_SCRIPT = """

@@ -15,7 +15,8 @@ How a batch runs:
    rules. A row that finishes stops producing tokens; once half the batch has finished,
    finished rows are dropped from the cache so they cost nothing.
 3. past the model's context: `overflow="stop"` ends the row (finish_reason "length");
-   `overflow="slide"` keeps the last 3/4 of the context and prefills it again, so every
+   `overflow="slide"` keeps the last 3/4 of the context (after the BOS a prompt starts with,
+   as llama.cpp's context shift keeps it) and prefills it again, so every
    position stays inside the range the model was trained on (for RoPE, learned and
    sinusoidal positions alike) and the cache stays coherent. Each row slides when it
    reaches the context itself (the others are prefilled again with their own windows),
@@ -473,9 +474,14 @@ class _Run:
         self.generated = [0] * self.n_rows
         self.done = [False] * self.n_rows
         self.slide_keep = max(1, int(self.context * SLIDE_KEEP))
-        # where each row's window (what its cache holds) starts in its sequence: a prompt
-        # longer than the context starts sliding at once
-        self.starts = [0 if len(s) <= self.context else len(s) - self.slide_keep for s in self.seqs]
+        # A window keeps the prefix its tokenizer starts a prompt with (an imported Llama's BOS):
+        # the model never saw a text without it.
+        prefix = list(getattr(engine.tokenizer, "prompt_prefix", None) or [])
+        self.kept = [len(prefix) if prefix and s[:len(prefix)] == prefix and len(prefix) < self.slide_keep else 0
+                     for s in self.seqs]
+        # where each row's window (what its cache holds) resumes in its sequence after the kept
+        # prefix: a prompt longer than the context starts sliding at once
+        self.starts = [0 if len(s) <= self.context else self._slid_start(row) for row, s in enumerate(self.seqs)]
         widths = [len(self._window(row)) for row in range(self.n_rows)]
         longest = max(widths)
         needed = longest + params.max_new_tokens - 1  # the last sampled token is never fed back
@@ -561,12 +567,19 @@ class _Run:
 
     # ---- model calls --------------------------------------------------------------------------
     def _window(self, row: int) -> list[int]:
-        """What of a row's sequence goes into the cache: all of it, or after a slide its last part."""
-        return self.seqs[row][self.starts[row]:]
+        """What of a row's sequence goes into the cache: all of it, or after a slide its kept
+        prefix and its last part."""
+        seq, start = self.seqs[row], self.starts[row]
+        return seq if start == 0 else seq[:self.kept[row]] + seq[start:]
+
+    def _slid_start(self, row: int, keep: int | None = None) -> int:
+        """Where a window of `keep` tokens (default `slide_keep`), kept prefix included, resumes."""
+        return len(self.seqs[row]) - (self.slide_keep if keep is None else keep) + self.kept[row]
 
     def _over_context(self, row: int) -> bool:
         """The row's newest token has no position left in its window."""
-        return len(self.seqs[row]) - self.starts[row] > self.context
+        start = self.starts[row]
+        return len(self.seqs[row]) - start + (self.kept[row] if start else 0) > self.context
 
     def _slide(self) -> None:
         """New windows for a prefill past the context: a row that reached it keeps its last
@@ -574,9 +587,9 @@ class _Run:
         other row the window it has."""
         for row in self.rows:
             if self.done[row]:
-                self.starts[row] = len(self.seqs[row]) - 1
+                self.starts[row] = self._slid_start(row, keep=self.kept[row] + 1)
             elif self._over_context(row):
-                self.starts[row] = len(self.seqs[row]) - self.slide_keep
+                self.starts[row] = self._slid_start(row)
 
     @torch.inference_mode()
     def _prefill(self) -> Float[Tensor, "B V"]:
