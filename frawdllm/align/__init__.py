@@ -6,6 +6,7 @@
     lora.py            low-rank adapters, merged into a plain model on save
     sft.py             `frawd sft`: supervised fine-tuning on the assistant's tokens
     dpo.py             `frawd dpo`: direct preference optimisation against a frozen reference
+    job.py             what both share: config fields, the start from a model, LoRA, saving
 
 Both jobs are `TrainTask`s on the shared loop (frawdllm/train/loop.py).
 """

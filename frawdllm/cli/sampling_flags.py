@@ -1,7 +1,7 @@
 """Flags shared by the commands that generate text (`generate`, `chat`).
 
-`sampling_flags` adds one flag per `SamplingParams` field; `params_from_flags` builds the
-parameters: the model's generation_config.json first, then the flags actually typed.
+`sampling_flags` adds the sampling flags (`--temperature` ... `--stop`; `generate` adds
+`--num-samples` and `--ignore-eos`); `params_from_flags` builds the parameters: the model's generation_config.json first, then the flags actually typed.
 `engine_flags` and `load_engine` load a model directory into an `Engine` (device, dtype,
 int8 quantization, the native C forward or torch.compile, overflow policy).
 """

@@ -17,8 +17,8 @@ out. Each row's absolute positions (what learned, sinusoidal and rotary encoding
 are the engine's business: position = slot - padding of that row.
 
 Storage dtype: the model's, or fp16 (`Engine.kv_dtype`: where the native forward reads
-fp16 weights): keys and values are rounded once as they are stored and read back as
-fp32 for attention (`update` returns them in the model's dtype).
+fp16 weights): keys and values are rounded once as they are stored, and `update` returns
+them in the dtype the model computes in (fp32, or autocast's).
 
 Two ways to run a decode step:
 

@@ -11,7 +11,8 @@ How a batch runs:
    each row's positions start at 0 at its first real token, and padding is masked out of
    attention (see `cache.py`). Only the last position goes through the LM head.
 2. decode: each step feeds every row's newest token at its own position, samples the
-   next one (`sampling.sample_next`, the one sampler of the project) and checks the stop
+   next one (`sampling.sample_next`, the one sampler of the project; plain greedy rows its
+   argmax rule, `greedy_choice`) and checks the stop
    rules. A row that finishes stops producing tokens; once half the batch has finished,
    finished rows are dropped from the cache so they cost nothing.
 3. past the model's context: `overflow="stop"` ends the row (finish_reason "length");
@@ -127,7 +128,8 @@ class Engine:
 
     Construction changes nothing in the model (forwards run it in eval mode). `native`
     (None: per phase, where it measures fastest; True: everywhere; False: never) uses the
-    C forward, reading `weights` ("auto" = "fp16" copies, or "fp32"; an int8 model is read
+    C forward, reading `weights` ("auto" = "fp16" copies where the CPU reads fp16, else
+    "fp32"; or either by name; an int8 model is read
     as int8); `compile=True` runs PyTorch decode steps under torch.compile instead;
     `overflow` says what happens past the context ("stop" or "slide").
     """

@@ -598,7 +598,7 @@ class RowStep:
 
     A step of a small model takes ~0.1 ms in C, so what Python does around it counts:
     `NativeDecoder.forward` checks its tensors, makes a logits tensor and a slot tensor
-    and converts fourteen ctypes arguments every call (~20 us). Here the arguments live
+    and converts fifteen ctypes arguments every call (~20 us). Here the arguments live
     in one struct built once (cache pointers, scratch memory, a logits buffer); a step
     writes the token, position and slot into a small array the struct points to and
     makes one call. The logits returned are the same (1, V) buffer every step: read them

@@ -4,7 +4,7 @@ The native C forward (`native.py`) wins where PyTorch's per-operation overhead d
 (batch-1 decode of a small model); PyTorch eager, whose matrix products are MKL/oneDNN
 GEMMs, can win where there is arithmetic to share (long prefills, wide batches), by how
 much depending on the CPU (AVX-512 or AVX2 only, core count) and the model. So the
-engine times each candidate on the real model, once, for four phases:
+engine times each candidate on the real model, once, for five phases:
 
     prefill   up to 64 prompt tokens in all          long     more (timed at 256)
     decode    one row, one new token                 batch    2-7 rows, one new token each

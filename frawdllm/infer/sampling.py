@@ -1,7 +1,8 @@
 """Sampling: turn the model's next-token logits into the next token.
 
 One function, `sample_next`, serves every caller (the engine, `frawd generate`, `frawd
-chat`), so a setting means the same thing everywhere. Applied in order:
+chat`, the server's scheduler), so a setting means the same thing everywhere; plain greedy
+rows take its argmax rule straight from the logits (`greedy_choice`, `greedy_index`). Applied in order:
 
     repetition penalty  a logit of a token already in the sequence is divided by the
                         penalty when positive, multiplied by it when negative (CTRL)

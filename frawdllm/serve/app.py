@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import FrawdError, check_unicode
 from ..infer.chat import ROLE_TOKEN_IDS, fit_history, reply_reserve
 from ..infer.engine import Engine, StreamChunk
-from ..infer.sampling import SamplingParams, TokenLogprob
+from ..infer.sampling import MIN_TEMPERATURE, SamplingParams, TokenLogprob
 from ..infer.scheduler import Closed, QueueFull, Request as Job, Scheduler
 from .schemas import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
@@ -776,7 +776,7 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(body, name) is not None:
             values[name] = getattr(body, name)
-    if 0 < values["temperature"] < 1e-4 or values.get("top_p") == 0:
+    if 0 < values["temperature"] < MIN_TEMPERATURE or values.get("top_p") == 0:
         values["temperature"] = 0  # below the sampler's floor, or top_p 0 (the likeliest token): greedy
         values.pop("top_p", None)
     try:

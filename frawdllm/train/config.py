@@ -2,11 +2,12 @@
 
 `TrainConfig` holds what the shared loop needs (optimizer, schedule, budget, dtype,
 checkpoints, logging). A job extends it: `PretrainConfig` adds the model (a preset plus
-field overrides) and the data; another job would add its own fields the same way.
+field overrides) and the data; `FinetuneConfig` (sft, dpo: align/job.py) and
+`TranslateConfig` (train/translation.py) add theirs the same way.
 
 A run is described by layers, later ones winning:
 
-    dataclass defaults  <  YAML file (--config FILE)  <  command-line flags
+    defaults  <  the run's saved config.yaml (with --resume)  <  YAML file (--config FILE)  <  flags
 
 and the run directory's `config.yaml` is the merged result, loadable with `--config`.
 Values are validated once, here; the loop trusts them.

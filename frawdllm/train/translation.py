@@ -133,8 +133,8 @@ def token_batches(pairs: list[tuple[list[int], list[int]]], tokens_per_batch: in
 
 def collate(pairs: list[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
     """Padded tensors of a batch: src, src_mask, tgt_in (BOS + target), labels (target + EOS),
-    and `normalizer`: its real target tokens (what `TranslationTask.loss` divides by; a rank's
-    part of a batch gets its whole batch's instead)."""
+    and `normalizer`: its real target tokens, so that `TranslationTask.loss` of it is its mean
+    (the task's training batches carry their step's instead: `TranslationTask.next_batch`)."""
     S = max(len(s) for s, _ in pairs)
     T = max(len(t) for _, t in pairs) + 1
     # padded Python lists, one tensor each: a tensor per row cost ~5 ms a batch of 60 rows
