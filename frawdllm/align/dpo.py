@@ -79,7 +79,7 @@ class DPOConfig(FinetuneConfig):
 
 def dpo_loss(policy_chosen: Float[Tensor, "B"], policy_rejected: Float[Tensor, "B"],
              ref_chosen: Float[Tensor, "B"], ref_rejected: Float[Tensor, "B"], beta: float,
-             loss_type: str = "sigmoid", lengths: tuple[Tensor, Tensor] | None = None,
+             loss_type: str = "sigmoid", lengths: tuple[Int[Tensor, "B"], Int[Tensor, "B"]] | None = None,
              ) -> tuple[Float[Tensor, ""], dict[str, Tensor]]:
     """The batch's mean loss and its metrics, from summed log-probs of each answer
     (`lengths`: the answers' token counts, chosen and rejected; IPO needs them)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..model.gpt import IGNORE_INDEX
@@ -34,7 +34,9 @@ class DocumentMask:
     def __init__(self, documents: Int[Tensor, "B T"]) -> None:
         self.mask = document_mask(documents)
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(
+        self, layer_idx: int, k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"]
+    ) -> tuple[Float[Tensor, "B H T hd"], Float[Tensor, "B H T hd"], Bool[Tensor, "B 1 T T"]]:
         return k, v, self.mask
 
 

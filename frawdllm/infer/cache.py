@@ -160,7 +160,7 @@ class KVCache:
             else f"a forward of {tokens} that no begin() announced"
         raise FrawdError(f"KVCache got {told}: call cache.begin(n) before each forward of n tokens")
 
-    def select_rows(self, rows: Tensor) -> None:
+    def select_rows(self, rows: Int[Tensor, " R"]) -> None:
         """Keep only the given batch rows (finished rows dropped), in that order."""
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import BFloat16, Float, Int, Num
 from torch import Tensor, nn
 
 from ..cbuild import CLibrary, build
@@ -188,7 +188,9 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
-def packed_tiles(weight: Tensor, tile: int, dtype: torch.dtype) -> Tensor:
+def packed_tiles(
+    weight: Num[Tensor, "out inputs"], tile: int, dtype: torch.dtype
+) -> Num[Tensor, "tiles inputs tile"]:
     """W (out, in) as `native.c` reads it: (tiles, in, tile), tile t = W^T[:, t*tile:(t+1)*tile],
     the outputs padded with zero columns to whole tiles."""
     out, inputs = weight.shape
@@ -198,7 +200,7 @@ def packed_tiles(weight: Tensor, tile: int, dtype: torch.dtype) -> Tensor:
     return padded.view(tiles, tile, inputs).transpose(1, 2).contiguous()
 
 
-def amx_planes(weight: Tensor, tile: int) -> Tensor:
+def amx_planes(weight: Float[Tensor, "out inputs"], tile: int) -> BFloat16[Tensor, "blocks chunks 2 16 16 2"]:
     """W (out, in), rounded to fp16, as the two bf16 planes `native.c`'s AMX products read
     (wh = bf16(w), wl = w - wh, both exact): per 16 outputs (padded to whole tiles), per 32
     inputs, wh then wl, each 16 input pairs x 16 outputs x 2 (the tile unit's layout)."""

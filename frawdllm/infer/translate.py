@@ -118,7 +118,7 @@ class _Decoder:
         self.cache = KVCache(model.config, src_mask.shape[0], max_len, dtype=dtype, device=src_mask.device) \
             if use_cache else None
 
-    def next_logits(self, tokens: Int[Tensor, "R t"]) -> Tensor:
+    def next_logits(self, tokens: Int[Tensor, "R t"]) -> Float[Tensor, "R V"]:
         """Logits (R, V) of the token after `tokens` (each row's whole prefix so far)."""
         if self.cache is None:
             return self.model.decode(tokens, self.memory_kv, self.src_mask)[:, -1].float()
@@ -134,7 +134,7 @@ class _Decoder:
         scores[:, self.never] = float("-inf")
         return scores
 
-    def select_rows(self, rows: Tensor) -> None:
+    def select_rows(self, rows: Int[Tensor, " R"]) -> None:
         """Keep rows `rows` (repeats allowed: beams that branch) in that order."""
         self.memory_kv = [(k[rows], v[rows]) for k, v in self.memory_kv]
         self.src_mask = self.src_mask[rows]
@@ -148,7 +148,7 @@ def never_after_bos(cfg: Seq2SeqConfig) -> list[int]:
     return sorted(i for i in {cfg.pad_token_id, cfg.bos_token_id} if i != cfg.eos_token_id)
 
 
-def length_limits(model: Seq2SeqTransformer, src_mask: Tensor, max_extra: int) -> list[int]:
+def length_limits(model: Seq2SeqTransformer, src_mask: Bool[Tensor, "B S"], max_extra: int) -> list[int]:
     """Per row: how many tokens (EOS included) it may generate."""
     cap = model.config.context_length - 1  # position 0 holds BOS
     return [min(int(n) + max_extra, cap) for n in src_mask.sum(dim=1)]

@@ -45,8 +45,8 @@ from .embeddings import apply_rope
 
 class KVCacheLike(Protocol):
     def update(
-        self, layer_idx: int, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor | None]: ...
+        self, layer_idx: int, k: Float[Tensor, "B Hkv T hd"], v: Float[Tensor, "B Hkv T hd"]
+    ) -> tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"], Bool[Tensor, "#B 1 #T S"] | None]: ...
 
 
 def reference_attention(
@@ -90,7 +90,7 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "B T D"],
-        rope: tuple[Tensor, Tensor] | None = None,
+        rope: tuple[Float[Tensor, "#B 1 T half"], Float[Tensor, "#B 1 T half"]] | None = None,
         kv_cache: Any = None,
         key_padding_mask: Bool[Tensor, "B T"] | None = None,
     ) -> Float[Tensor, "B T D"]:
@@ -144,7 +144,7 @@ class CrossAttention(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "B T D"],
-        memory_kv: tuple[Tensor, Tensor],
+        memory_kv: tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"]],
         memory_mask: Bool[Tensor, "B S"] | None = None,
     ) -> Float[Tensor, "B T D"]:
         """memory_mask: True where the source holds a real token (padding is never attended)."""

@@ -46,16 +46,20 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def memory_kv(self, memory: Float[Tensor, "B S D"]) -> tuple[Tensor, Tensor]:
+    def memory_kv(
+        self, memory: Float[Tensor, "B S D"]
+    ) -> tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"]]:
         """This (decoder) block's cross-attention keys and values of the encoder output. A
         method of the block, not of its `cross` child: FSDP shards per block and gathers a
         block's weights around the methods registered on it (`distributed.wrap`)."""
         return self.cross.memory_kv(memory)
 
     def forward(
-        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None,
+        self, x: Float[Tensor, "B T D"],
+        rope: tuple[Float[Tensor, "#B 1 T half"], Float[Tensor, "#B 1 T half"]] | None = None, kv_cache: Any = None,
         key_padding_mask: Bool[Tensor, "B T"] | None = None,
-        memory_kv: tuple[Tensor, Tensor] | None = None, memory_mask: Bool[Tensor, "B S"] | None = None,
+        memory_kv: tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"]] | None = None,
+        memory_mask: Bool[Tensor, "B S"] | None = None,
     ) -> Float[Tensor, "B T D"]:
         """key_padding_mask: an encoder's real tokens; memory_kv, memory_mask: the encoder
         output's keys/values for this block's cross-attention and its real tokens."""
@@ -66,9 +70,11 @@ class TransformerBlock(nn.Module):
         return self.residual_stream(x, rope, kv_cache)
 
     def residual_stream(
-        self, x: Float[Tensor, "B T D"], rope: tuple[Tensor, Tensor] | None = None, kv_cache: Any = None,
-        key_padding_mask: Tensor | None = None, memory_kv: tuple[Tensor, Tensor] | None = None,
-        memory_mask: Tensor | None = None,
+        self, x: Float[Tensor, "B T D"],
+        rope: tuple[Float[Tensor, "#B 1 T half"], Float[Tensor, "#B 1 T half"]] | None = None, kv_cache: Any = None,
+        key_padding_mask: Bool[Tensor, "B T"] | None = None,
+        memory_kv: tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"]] | None = None,
+        memory_mask: Bool[Tensor, "B S"] | None = None,
     ) -> Float[Tensor, "B T D"]:
         if self.pre_norm:
             x = x + self.drop(self.attn(self.norm1(x), rope, kv_cache, key_padding_mask))

@@ -111,7 +111,7 @@ def check_ids(name: str, ids: Any) -> None:
         raise ValueError(f"{name} must be a (batch, time) integer tensor, got {what}")
 
 
-def check_positions(positions: Tensor, context_length: int) -> None:
+def check_positions(positions: Int[Tensor, "#B T"], context_length: int) -> None:
     """Positions given by the caller lie in [0, context_length), else one line (past the end
     a raw IndexError; a negative one read RoPE's tables from the end, silently). Reads two
     values: skipped while compiling, where a data-dependent check would break the graph."""

@@ -130,7 +130,7 @@ def _c_keep_mask(x: Tensor, p: float) -> Tensor:
 class Dropout(nn.Dropout):
     """`nn.Dropout` drawing its mask with `dropout`."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
         return dropout(x, self.p, self.training)
 
 
