@@ -261,6 +261,21 @@ def test_engine_sees_weight_updates_that_leave_the_version_counter_alone(update)
     assert after != before
 
 
+def test_refresh_copies_again_after_a_data_write_the_probes_miss():
+    """One row of the tied embedding written through `.data`: the version counter stays, the
+    probes (16 values a tensor) miss it, and the LM head's packed copy kept the old row."""
+    torch.manual_seed(0)
+    model = make_model(**CONFIGS["learned"])
+    engine = Engine(model, IdTokenizer(), native=True)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    before = engine.generate([[9, 10, 11]], params)[0].tokens
+    model.lm_head.weight.data[before[0]] *= -3.0  # the first pick's row (tied: the embedding's too)
+    engine.refresh()
+    after = engine.generate([[9, 10, 11]], params)[0].tokens
+    assert after == Engine(model, IdTokenizer(), native=True).generate([[9, 10, 11]], params)[0].tokens
+    assert after != before
+
+
 def test_models_it_cannot_run_use_pytorch_or_fail_clearly_when_native_is_required():
     bf16 = make_model(**CONFIGS["learned"]).to(torch.bfloat16)
     assert "bfloat16" in native.supports(bf16)

@@ -203,6 +203,13 @@ class Engine:
             raise FrawdError(f"native decoding is not possible: {reason}")
         return reason is None
 
+    def refresh(self) -> None:
+        """Copy the model's weights again at the next call. Needed only after a write the
+        engine cannot see: through `.data` (or another way round the version counter) to
+        a few entries that its 16 probed values per tensor miss."""
+        with self._lock:
+            self._decoder = None
+
     def native_decoder(self) -> native_forward.NativeDecoder:
         """The C forward over the model as it is now (rebuilt if its weights changed)."""
         with self._lock:

@@ -280,10 +280,11 @@ def _signature(model: nn.Module) -> list[tuple[int, int, tuple[int, ...]]]:
 
 class _Probe:
     """A few values of each tensor the decoder copied (the linear layers'), read through views
-    of their memory: writes that leave the version counter alone show up here (torch's fused
-    AdamW step does not count as an in-place write, nor does `p.data.mul_(...)`: a decoder
-    built before such an update went on multiplying by the old weights, beside the new
-    embeddings and norms it points to)."""
+    of their memory: writes that leave the version counter alone and change the probed
+    values show up here (torch's fused AdamW step does not count as an in-place write, nor
+    does `p.data.mul_(...)`: a decoder built before such an update went on multiplying by the
+    old weights, beside the new embeddings and norms it points to). A `.data` write to entries
+    between the probes is not seen: `Engine.refresh()` is for that."""
 
     PER_TENSOR = 16
 
