@@ -198,7 +198,16 @@ def load_generation_config(directory: str | Path) -> dict[str, Any]:
     data = _read_json(path)
     if not isinstance(data, dict):
         raise FrawdError(f"{path}: expected a JSON object of sampling parameters")
+    if _HF_MARKERS.intersection(data):  # transformers' file (copied in): read as `frawd import` reads it
+        from .export.hf_dir import sampling_from_hf
+
+        data = sampling_from_hf(data, load_config(directory).eos_token_id)
     return checked_sampling(data, path)
+
+
+# Keys only transformers' generation_config.json has (its settings mean other things: a
+# temperature without do_sample is greedy there).
+_HF_MARKERS = frozenset({"transformers_version", "do_sample", "_from_model_config"})
 
 
 def checked_sampling(data: dict[str, Any], where: str | Path) -> dict[str, Any]:

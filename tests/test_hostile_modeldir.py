@@ -131,6 +131,24 @@ def test_generation_config_refused_in_one_line(zoo, name):
     assert "\n" not in str(info.value)
 
 
+def test_a_transformers_generation_config_reads_as_import_reads_it(zoo, tmp_path):
+    """Copied in from a transformers checkpoint, it was refused ("unknown sampling parameter(s):
+    do_sample, eos_token_id"): its settings mean what they mean in transformers."""
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in zoo["good"].iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    path = d / GENERATION_CONFIG_FILE
+    path.write_text(json.dumps({"do_sample": False, "temperature": 0.7, "eos_token_id": [3, 5],
+                                "transformers_version": "4.57.0"}))
+    assert load_generation_config(d) == {"temperature": 0, "stop_token_ids": [5]}  # greedy without do_sample
+    path.write_text(json.dumps({"do_sample": True, "top_p": 0.9, "eos_token_id": 3}))
+    assert load_generation_config(d) == {"temperature": 1.0, "top_k": 50, "top_p": 0.9}  # transformers' defaults
+    path.write_text(json.dumps({"temperature": 0.7, "eos_token_id": 3}))  # no marker: still ours, still refused
+    with pytest.raises(FrawdError, match="eos_token_id"):
+        load_generation_config(d)
+
+
 def test_links_inside_the_folder_are_followed(zoo, tmp_path):
     d = tmp_path / "m"
     d.mkdir()
