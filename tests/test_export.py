@@ -585,6 +585,11 @@ def test_import_without_tokenizer_json_says_what_was_left_out_and_how_to_get_it(
     assert f"AutoTokenizer.from_pretrained({str(hf_dir)!r}).save_pretrained({str(hf_dir)!r})" in warned[0]
     main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ours"), "--overwrite"])
     assert "warning" not in capsys.readouterr().err and (tmp_path / "ours" / "tokenizer.json").is_file()
+    for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"):  # no tokenizer at all
+        (hf_dir / name).unlink(missing_ok=True)
+    main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "bare")])
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "no tokenizer.json (nor any other tokenizer file)" in warned[0], warned
 
 
 def test_export_of_a_transformers_folder_or_a_training_run_names_what_to_give_instead(tmp_path, capsys):

@@ -454,9 +454,13 @@ _OTHER_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.
 
 
 def _note_no_tokenizer(directory: Path) -> None:
-    """Warn when the checkpoint's tokenizer is only in files FrawdLLM does not read."""
+    """Warn that the checkpoint has no tokenizer.json (naming the files FrawdLLM does not read, if any)."""
     others = [name for name in _OTHER_TOKENIZER_FILES if (directory / name).is_file()]
-    if others:
+    if not others:
+        warnings.warn(f"{directory} has no {TOKENIZER_FILE} (nor any other tokenizer file): imported without a "
+                      "tokenizer, so prompts must be token ids; copy the tokenizer.json of the model it came from "
+                      "into the import")
+    else:
         warnings.warn(f"{directory} has no {TOKENIZER_FILE} (only {', '.join(others)}, which FrawdLLM does not "
                       "read): imported without a tokenizer, so prompts must be token ids; "
                       f"AutoTokenizer.from_pretrained({str(directory)!r}).save_pretrained({str(directory)!r}) "
