@@ -34,6 +34,7 @@ import pickle
 import signal
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -514,7 +515,9 @@ def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, che
 
         template = sharded_optimizer_state(step_module, optimizer)  # this run's layout, filled in place
         read_sharded_metadata(sharded_dir)  # (a clear line on every rank for a bad index, before the collective)
-        dcp.load(template, storage_reader=_SafeReader(sharded_dir))
+        with warnings.catch_warnings():  # one process reading a sharded run is a supported resume, not news
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(template, storage_reader=_SafeReader(sharded_dir))
         set_optimizer_state_dict(step_module, optimizer, template["optimizer"])
         return
     if saved is None:
