@@ -279,3 +279,83 @@ def test_a_system_message_with_characters_the_tokenizer_lacks_is_noted(chat_mode
                                               "(not in the tokenizer's vocabulary, seen as <|unk|>: 'kn~')")
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+
+
+def test_sigterm_ends_chat_at_the_prompt_and_during_a_reply(chat_model):
+    """SIGTERM (kill, timeout) was taken for Ctrl-C: "^C" at the prompt, "[stopped]" during
+    a reply, and the chat went on. It now ends the command, with the status Ctrl-C gives
+    elsewhere (130), while Ctrl-C still only stops a reply (the test above)."""
+    import subprocess
+
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "1000000", "--overflow", "slide")
+    child.kill(signal.SIGTERM)
+    child.expect(pexpect.EOF, timeout=20)
+    child.close()
+    assert child.exitstatus == 130 and "^C" not in child.before
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "1000000", "--overflow", "slide")
+    child.sendline("write forever")
+    child.expect_exact("write forever\r\n")
+    child.expect(REPLY + "{30}")  # the reply is streaming
+    child.kill(signal.SIGTERM)
+    child.expect(pexpect.EOF, timeout=20)
+    child.close()
+    assert child.exitstatus == 130 and "[stopped]" not in child.before
+    # piped input that stays open (`(sleep 30) | timeout 10 frawd chat`): it waited for the end of stdin
+    with subprocess.Popen([FRAWD, "chat", "--model", str(chat_model), "--threads", "1"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        try:
+            assert process.stdout.read(len(b"frawd chat:")) == b"frawd chat:"  # started: its handler is set
+            process.terminate()
+            assert process.wait(timeout=20) == 130
+        finally:
+            process.kill()
+        assert process.stderr.read().decode().strip() == "aborted"
+
+
+def seeded_reply(model_dir, messages, seed, max_new_tokens):
+    engine = Engine(FrawdLLM.from_pretrained(model_dir), Tokenizer.load(model_dir))
+    ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+    params = SamplingParams(temperature=1, seed=seed, max_new_tokens=max_new_tokens, stop_token_ids=ROLE_TOKEN_IDS)
+    return engine.generate([ids], params)[0].text
+
+
+def test_with_a_seed_each_reply_draws_fresh_numbers_and_the_session_repeats(chat_model):
+    """Every reply drew from the same seed, so replies to different messages shared long
+    identical tails. Reply k of a session draws as sample k of `frawd generate --seed S`
+    (seed S + k x SEED_STRIDE); /reset and /params seed= start the count again."""
+    from frawdllm.infer.sampling import sample_seed
+
+    child = spawn(chat_model, "--temperature", "1", "--max-new-tokens", "40", "--seed", "7")
+    first = say(child, "he fed a badge")
+    assert first == seeded_reply(chat_model, [{"role": "user", "content": "he fed a badge"}], 7, 40)
+    history = [{"role": "user", "content": "he fed a badge"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "a bad deed"}]
+    second = say(child, "a bad deed")
+    assert second == seeded_reply(chat_model, history, sample_seed(7, 1), 40)
+    assert second != seeded_reply(chat_model, history, 7, 40)  # (what it drew before)
+    assert "(conversation cleared)" in say(child, "/reset")
+    assert say(child, "a bad deed") == seeded_reply(chat_model, [{"role": "user", "content": "a bad deed"}], 7, 40)
+    assert "(conversation cleared)" in say(child, "/reset")
+    assert "seed=3" in say(child, "/params seed=3")
+    assert say(child, "he fed a badge") == seeded_reply(chat_model, [{"role": "user", "content": "he fed a badge"}],
+                                                        3, 40)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
+def test_a_reply_cut_off_at_the_context_says_so(chat_model):
+    """With --overflow stop a reply that reached the context ended without a word (generate
+    prints a note naming --overflow slide)."""
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "200")
+    reply = say(child, "he fed a badge")
+    # 18 prompt tokens (<|bos|><|user|>, 14 characters, <|eos|><|assistant|>): 128 - 18 + 1 new ones
+    assert reply == expected_reply(chat_model, [{"role": "user", "content": "he fed a badge"}], 200)[:111] + (
+        "\r\n(the reply stopped at the model's context of 128 tokens after 111 new tokens, short of "
+        "--max-new-tokens 200; --overflow slide keeps going)")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "200", "--overflow", "slide")
+    reply = say(child, "he fed a badge")
+    assert re.fullmatch(REPLY + "{200}", reply)  # the whole reply, and no note
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)

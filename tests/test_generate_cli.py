@@ -213,3 +213,124 @@ def test_stream_asked_for_where_it_cannot_apply_says_so(capsys, model_dir):
     code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "a", "--stream",
                          "--max-new-tokens", "2")
     assert code == 0 and "--stream" not in err, err
+
+
+def stdin_of(monkeypatch, data: bytes) -> None:
+    """Standard input holding `data`, as Python opens it (undecodable bytes as surrogates)."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape"))
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_its_source_and_byte(capsys, model_dir, tmp_path, monkeypatch):
+    """From stdin it said "the text is not valid UTF-8 (... at character 6)" without naming
+    stdin (after a warning about an <|unk|> '\\udcff' with a char model); a file said
+    "bad.txt: not UTF-8 text" with no position."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("é ROMEO:".encode() + b"\xff")  # 8 characters, 9 bytes (é is 2) before the bad one
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", str(bad),
+                         "--max-new-tokens", "2")
+    assert (code, out) == (1, "")
+    assert err == f"frawd: error: --prompt-file {bad} is not UTF-8 text (byte 0xff at byte offset 9)\n"
+    stdin_of(monkeypatch, b"ROMEO:\xff")
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", "-", "--max-new-tokens", "2")
+    assert (code, out) == (1, "")
+    assert err == "frawd: error: --prompt-file - (stdin) is not UTF-8 text (byte 0xff at byte offset 6)\n"
+
+
+def test_a_prompt_file_reaches_the_model_byte_for_byte(capsys, model_dir, tmp_path, monkeypatch):
+    """Text mode turned each CRLF into LF: the model saw another prompt than the file's."""
+    prompt = tmp_path / "crlf.txt"
+    prompt.write_bytes(b"ab\r\ncd\r\n")
+    for source in (str(prompt), "-"):
+        stdin_of(monkeypatch, b"ab\r\ncd\r\n")
+        code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", source,
+                             "--max-new-tokens", "2", "--temperature", "0", "--json", "--echo-prompt")
+        assert code == 0, err
+        record = json.loads(out)
+        assert record["prompt_tokens"] == 8 and record["prompt"] == "ab\r\ncd\r\n", (source, record)
+
+
+def test_the_memory_check_sizes_the_cache_as_the_engine_does(capsys, model_dir, monkeypatch):
+    """The check sized every row's cache for the whole context in fp32: 2,000 rows of one
+    new token after a 1-token prompt were refused for 67 MB they never needed (1 slot a row)."""
+    import frawdllm.memory
+
+    monkeypatch.setattr(frawdllm.memory, "free_memory", lambda device: 16 * 2**20)
+    common = ["generate", "--model", str(model_dir), "--prompt", "a", "--num-samples", "2000", "--json"]
+    code, out, err = run(capsys, *common, "--max-new-tokens", "1")
+    assert code == 0 and len(out.splitlines()) == 2000, err
+    # 63 slots a row (the whole context): about 33 MB in fp32, 17 MB in fp16; still refused
+    for native in ("fp32", "auto"):
+        code, out, err = run(capsys, *common, "--max-new-tokens", "63", "--native", native)
+        assert code == 1 and "2,000 sequences at once (prompts x --num-samples) need about" in err, err
+
+
+def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch):
+    from types import SimpleNamespace
+
+    import frawdllm.memory
+    from frawdllm.cli.sampling_flags import check_rows_fit
+    from frawdllm.errors import FrawdError
+    from frawdllm.infer import SamplingParams
+
+    cfg = get_config("tiny", vocab_size=256, n_layer=2, n_embd=32, n_head=4, context_length=64)
+
+    def engine(kv_dtype):
+        return SimpleNamespace(config=cfg, kv_dtype=kv_dtype, compile=False, encode=lambda text: [0] * len(text))
+
+    slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim  # elements of one token's keys and values
+    # 2 prompts of 10 and 30 tokens, 20 new: 30 + 20 - 1 = 49 slots (under 64 + 30 - 10)
+    fp32 = 2 * (slot * 49 * 4 + 4 * 256)
+    params = SamplingParams(max_new_tokens=20)
+    monkeypatch.setattr(frawdllm.memory, "free_memory", lambda device: fp32)
+    check_rows_fit(engine(torch.float32), ["x" * 10, "x" * 30], params)
+    monkeypatch.setattr(frawdllm.memory, "free_memory", lambda device: fp32 - 1)
+    with pytest.raises(FrawdError, match="2 sequences at once"):
+        check_rows_fit(engine(torch.float32), ["x" * 10, "x" * 30], params)
+    check_rows_fit(engine(torch.float16), ["x" * 10, "x" * 30], params)  # half the cache
+    monkeypatch.setattr(frawdllm.memory, "free_memory", lambda device: 2 * (slot * 49 * 2 + 4 * 256) - 1)
+    with pytest.raises(FrawdError, match="2 sequences at once"):
+        check_rows_fit(engine(torch.float16), ["x" * 10, "x" * 30], params)
+
+
+def test_flags_can_undo_what_generation_config_sets(capsys, model_dir, tmp_path):
+    """With ignore_eos, a seed or stop strings in generation_config.json there was no
+    --no-ignore-eos, `--seed none` was refused, and the stop strings could not be cleared."""
+    import shutil
+
+    directory = tmp_path / "m"
+    shutil.copytree(model_dir, directory)
+    common = ["generate", "--model", str(directory), "--prompt", "x", "--json"]
+
+    def finish_reasons(*args):
+        code, out, err = run(capsys, *common, *args)
+        assert code == 0, err
+        return [json.loads(line)["finish_reason"] for line in out.splitlines()]
+
+    # near-uniform draws over the 262 tokens: some of 30 samples of 62 tokens draw <|eos|>
+    write_json_atomic(directory / "generation_config.json", {"ignore_eos": True, "temperature": 100, "seed": 1,
+                                                              "num_samples": 30, "max_new_tokens": 62})
+    assert set(finish_reasons()) == {"length"}
+    assert "stop" in finish_reasons("--no-ignore-eos")
+    assert set(finish_reasons("--ignore-eos")) == {"length"}
+
+    write_json_atomic(directory / "generation_config.json", {"seed": 5, "max_new_tokens": 20})
+    texts = [json.loads(run(capsys, *common, *args)[1])["text"] for args in [(), (), ("--seed", "none"),
+                                                                             ("--seed", "NONE")]]
+    assert texts[0] == texts[1] and len({texts[1], texts[2], texts[3]}) == 3  # none: fresh entropy each run
+
+    code, out, err = run(capsys, *common, "--temperature", "0", "--max-new-tokens", "20", "--no-stop")
+    greedy = json.loads(out)["text"]
+    stop = greedy[4:6]
+    assert code == 0 and len(greedy) > 6 and stop not in greedy[:5], (greedy, err)
+    write_json_atomic(directory / "generation_config.json", {"stop": [stop], "temperature": 0, "max_new_tokens": 20})
+    assert json.loads(run(capsys, *common)[1])["text"] == greedy[:4]
+    assert json.loads(run(capsys, *common, "--no-stop")[1])["text"] == greedy
+    code, _, err = run(capsys, *common, "--no-stop", "--stop", "q")
+    assert code == 1 and err == "frawd: error: --stop and --no-stop contradict each other: give one\n"
+
+    code, out, _ = run(capsys, "generate", "--help")
+    help_text = " ".join(out.split())
+    assert "--ignore-eos / --no-ignore-eos" in help_text and "--no-stop" in help_text and "'none'" in help_text

@@ -91,8 +91,13 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
         _show_warning(message, category, filename, lineno, file, line)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, a job scheduler). A KeyboardInterrupt, so every command tidies
+    up as it does for Ctrl-C; a command where Ctrl-C only cancels (chat) tells them apart."""
+
+
 def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM (kill, timeout, a job scheduler) tidies up as Ctrl-C does
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,8 +2,9 @@
 
 A read-eval-print loop over the chat template. Each reply streams as it is generated;
 Ctrl-C stops the reply (what was printed stays in the history) and returns to the
-prompt; Ctrl-D or /quit leaves. History that no longer fits the context is dropped,
-oldest exchange first (a message with its reply), and the REPL says so the first time.
+prompt; Ctrl-D or /quit leaves; SIGTERM (kill, timeout) ends the command. History that
+no longer fits the context is dropped, oldest exchange first (a message with its reply),
+and the REPL says so the first time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import fields
 import click
 
 from ..errors import FrawdError, check_unicode
-from .sampling_flags import engine_flags, load_engine, params_from_flags, sampling_flags
+from . import Terminated
+from .sampling_flags import context_stop_note, engine_flags, load_engine, params_from_flags, sampling_flags
 
 PROMPT = "> "
 # What chat keeps whatever generation_config.json says: each setting's value, and why
@@ -43,7 +45,8 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
 
     Type a message and press Enter; the reply streams back. Commands: /reset,
     /system TEXT, /params [key=value ...], /help, /quit (//TEXT sends "/TEXT"). Ctrl-C
-    stops the current reply, Ctrl-D leaves.
+    stops the current reply, Ctrl-D leaves. With --seed S the session repeats as a whole:
+    reply k draws as sample k of `frawd generate --seed S` would (/reset counts again).
 
     \b
     Example:
@@ -75,6 +78,7 @@ class _Repl:
         self.system = system_message
         self.turns: list[dict] = []
         self.told_about_dropping = False
+        self.replies = 0  # replies drawn since the start, /reset or /params seed=: reply k's seed comes from it
 
     def out(self, text: str) -> None:
         sys.stdout.write(text)
@@ -100,6 +104,8 @@ class _Repl:
             except EOFError:
                 self.out("\n")
                 return
+            except Terminated:  # (a KeyboardInterrupt too, but SIGTERM means "end", not "cancel")
+                raise
             except KeyboardInterrupt:
                 self.out("^C\n")
                 continue
@@ -128,7 +134,7 @@ class _Repl:
         if name == "/help":
             self.out(HELP + "\n")
         elif name == "/reset":
-            self.turns = []
+            self.turns, self.replies = [], 0  # (with --seed, replies draw as in a fresh session)
             self.out("(conversation cleared)\n")
         elif name == "/system":
             if arg:
@@ -170,6 +176,8 @@ class _Repl:
                     raise FrawdError(f"unknown parameter {key!r}; /params takes {', '.join(settable)}")
                 changes[key] = parse_value(SamplingParams, key, text)
             self.params = self.params.replace(**changes)
+            if "seed" in changes:  # the next reply draws as the first of `frawd chat --seed` would
+                self.replies = 0
         except FrawdError as exc:
             self.out(f"error: {exc}\n")
             return
@@ -179,6 +187,7 @@ class _Repl:
 
     def reply(self, text: str) -> None:
         from ..infer.chat import fit_history, reply_reserve
+        from ..infer.sampling import sample_seed
 
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
         messages.append({"role": "user", "content": text})
@@ -196,12 +205,23 @@ class _Repl:
                 self.out(f"(the oldest turns no longer fit the {context}-token context; dropping them as we go)\n")
                 self.told_about_dropping = True
         self.turns.append({"role": "user", "content": text})
-        reply = ""
+        # Reply k draws as sample k of `frawd generate --seed S` would: each reply gets fresh
+        # numbers, and the session as a whole is repeatable (None stays None: fresh entropy).
+        params = self.params.replace(seed=sample_seed(self.params.seed, self.replies))
+        self.replies += 1
+        reply, n_tokens, reason = "", 0, None
         try:
-            for chunk in self.engine.stream(ids, self.params):
+            for chunk in self.engine.stream(ids, params):
                 reply += chunk.text
+                n_tokens += chunk.token is not None
+                reason = chunk.finish_reason or reason
                 self.out(chunk.text)
+        except Terminated:
+            raise
         except KeyboardInterrupt:
             self.out(" [stopped]")
         self.out("\n")
         self.turns.append({"role": "assistant", "content": reply})
+        note = context_stop_note(self.engine, params, [(reason, n_tokens)], "the reply")
+        if note:  # (--overflow stop, and a reply longer than the room the history left)
+            self.out(f"({note})\n")

@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError, check_unicode
-from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_from_flags, sampling_flags
+from .sampling_flags import (check_rows_fit, context_stop_note, engine_flags, load_engine, params_from_flags,
+                             sampling_flags)
 
 
 @click.command()
@@ -25,9 +26,9 @@ from .sampling_flags import check_rows_fit, engine_flags, load_engine, params_fr
 @click.option("--num-samples", type=int, default=None,
               help="Completions per prompt (all run as one batch: bounded by memory).  [default: 1, or the "
                    "model's generation_config.json]")
-@click.option("--ignore-eos", is_flag=True, default=None,
-              help="Do not stop at the end-of-sequence token (default: the model's generation_config.json, "
-                   "else stop).")
+@click.option("--ignore-eos/--no-ignore-eos", default=None,
+              help="Go on past the end-of-sequence token, or stop there (either overrides the model's "
+                   "generation_config.json).  [default: the file's, else stop]")
 @click.option("--stream/--no-stream", default=None,
               help="Print text as it is generated (one prompt, one sample, not --json) [default: on when "
                    "stdout is a terminal].")
@@ -63,7 +64,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
              if value is not None}  # (else generation_config.json's, like every sampling setting)
     params = params_from_flags(model_dir, sampling, **given)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
-    check_rows_fit(engine.config, len(texts) * params.num_samples, dtype)  # (the loader checked the config)
+    check_rows_fit(engine, texts, params)
     unknown = sorted(set().union(*(engine.tokenizer.unknown_characters(text) for text in texts)))
     if unknown:  # (a char tokenizer: the model sees <|unk|> for them, as data prepare and eval warn)
         shown = "".join(unknown[:20]) + (f" and {len(unknown) - 20} more" if len(unknown) > 20 else "")
@@ -110,27 +111,31 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
 
 def _note_context_stop(engine: Any, params: Any, ends: list[tuple[str | None, int]]) -> None:
     """A note on stderr when a completion ended at the model's context, short of --max-new-tokens."""
-    short = [n for reason, n in ends if reason == "length" and n < params.max_new_tokens]
-    if short:
-        click.echo(f"note: {'a completion' if len(ends) > 1 else 'the completion'} stopped at the model's context "
-                   f"of {engine.config.context_length} tokens after {min(short)} new tokens, short of "
-                   f"--max-new-tokens {params.max_new_tokens}; --overflow slide keeps going", err=True)
+    note = context_stop_note(engine, params, ends, "a completion" if len(ends) > 1 else "the completion")
+    if note:
+        click.echo(f"note: {note}", err=True)
 
 
 def _read_prompt_file(path: str) -> str:
+    """A prompt file's text ('-': standard input), byte for byte: read as bytes, so a CRLF
+    stays CRLF (text mode would turn it into LF) and a byte that is not UTF-8 is named."""
     from ..data.sources import BOM
 
     if path == "-":
-        return sys.stdin.read().removeprefix(BOM)
-    file = Path(path)
-    if file.is_dir():
-        raise FrawdError(f"--prompt-file {file} is a folder, not a file")
-    if not file.is_file():
-        raise FrawdError(f"prompt file not found: {file}")
+        raw, where = sys.stdin.buffer.read(), "--prompt-file - (stdin)"
+    else:
+        file = Path(path)
+        if file.is_dir():
+            raise FrawdError(f"--prompt-file {file} is a folder, not a file")
+        if not file.is_file():
+            raise FrawdError(f"prompt file not found: {file}")
+        raw, where = file.read_bytes(), f"--prompt-file {file}"
     try:
-        return file.read_text(encoding="utf-8").removeprefix(BOM)  # (a byte-order mark is no prompt text)
-    except UnicodeDecodeError:
-        raise FrawdError(f"{file}: not UTF-8 text") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FrawdError(f"{where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte offset "
+                         f"{exc.start})") from None
+    return text.removeprefix(BOM)  # (a byte-order mark is no prompt text)
 
 
 def _report(stats: bool, n_tokens: int, seconds: float, engine: Any) -> None:

@@ -1,7 +1,9 @@
 """Flags shared by the commands that generate text (`generate`, `chat`).
 
-`sampling_flags` adds the sampling flags (`--temperature` ... `--stop`; `generate` adds
-`--num-samples` and `--ignore-eos`); `params_from_flags` builds the parameters: the model's generation_config.json first, then the flags actually typed.
+`sampling_flags` adds the sampling flags (`--temperature` ... `--stop`, `--no-stop`; `generate`
+adds `--num-samples` and `--ignore-eos/--no-ignore-eos`); `params_from_flags` builds the
+parameters: the model's generation_config.json first, then the flags actually typed (each
+defaults to None, "not given", so a flag can also undo the file: `--seed none`, `--no-stop`).
 `engine_flags` and `load_engine` load a model directory into an `Engine` (device, dtype,
 int8 quantization, the native C forward or torch.compile, overflow policy).
 """
@@ -16,6 +18,18 @@ import click
 
 from ..errors import FrawdError, check_unicode
 
+
+class SeedType(click.ParamType):
+    """--seed: an integer, or `none` (fresh entropy, overriding generation_config.json's seed)."""
+
+    name = "integer|none"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, str) and value.lower() == "none":
+            return "none"
+        return click.INT.convert(value, param, ctx)
+
+
 _SAMPLING = [
     ("--max-new-tokens", "max_new_tokens", int, "Most tokens to generate per completion.  [default: 128]"),
     ("--temperature", "temperature", float, "Sampling temperature; 0 = greedy.  [default: 1.0]"),
@@ -23,15 +37,20 @@ _SAMPLING = [
     ("--top-p", "top_p", float, "Nucleus sampling: keep the most likely tokens up to this mass.  [default: 1.0]"),
     ("--min-p", "min_p", float, "Drop tokens below min_p x the top probability.  [default: 0]"),
     ("--repetition-penalty", "repetition_penalty", float, "Penalise tokens already present (>1).  [default: 1.0]"),
-    ("--seed", "seed", int, "Random seed: a prompt's samples get the same text with the same seed and "
-                            "settings, alone, beside other prompts or served.  [default: random]"),
+    ("--seed", "seed", SeedType(), "Random seed: a prompt's samples get the same text with the same seed and "
+                                   "settings, alone, beside other prompts or served; 'none' = fresh entropy "
+                                   "(overrides the model's generation_config.json).  [default: the file's, else "
+                                   "random]"),
 ]
 
 
 def sampling_flags(command):
     """Decorator: the sampling flags (each defaults to None = 'not given')."""
+    command = click.option("--no-stop", "no_stop", is_flag=True,
+                           help="No stop strings, not even those of the model's generation_config.json.")(command)
     command = click.option("--stop", "stop", multiple=True, metavar="TEXT",
-                           help="Stop before this text (repeatable); it is never printed.")(command)
+                           help="Stop before this text (repeatable; replaces the model's generation_config.json "
+                                "stop strings); it is never printed.")(command)
     for flag, name, kind, help_text in reversed(_SAMPLING):
         command = click.option(flag, name, type=kind, default=None, help=help_text)(command)
     return command
@@ -47,6 +66,12 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     for _, name, _, _ in _SAMPLING:
         if flags.get(name) is not None:
             values[name] = flags[name]
+    if flags.get("seed") == "none":  # --seed none: fresh entropy, whatever the file says
+        values["seed"] = None
+    if flags.get("no_stop"):
+        if flags.get("stop"):
+            raise FrawdError("--stop and --no-stop contradict each other: give one")
+        values["stop"] = []
     if flags.get("stop"):
         for stop in flags["stop"]:  # (invalid UTF-8 on the command line: a stop that could never match)
             check_unicode(stop, "--stop")
@@ -55,20 +80,39 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     return SamplingParams.from_dict(values)
 
 
-def check_rows_fit(cfg: Any, rows: int, dtype: str = "fp32") -> None:
-    """FrawdError if `rows` sequences at once (prompts x --num-samples) of a model of config
-    `cfg` would need a KV cache larger than the memory available; the cache is sized for the
-    full context."""
+def check_rows_fit(engine: Any, prompts: list[str], params: Any) -> None:
+    """FrawdError if the prompts, `params.num_samples` rows each, would need a KV cache (and
+    a row of logits each) larger than the memory available. The cache is sized as the engine
+    sizes it (`_Run` in infer/engine.py): per row, the longest prompt + max_new_tokens - 1
+    slots (the last token is never fed back), at most the context plus the longest prompt
+    minus the shortest, at the engine's cache dtype (fp16 where the C forward keeps it)."""
     import torch
 
     from ..memory import free_memory
 
-    item = 2 if dtype == "bf16" else 4
-    per_row = (2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * cfg.context_length + 4 * cfg.vocab_size) * item
+    cfg = engine.config
+    rows = len(prompts) * params.num_samples
+    # (a prompt past the context slides to a shorter window with --overflow slide: near enough)
+    widths = [min(len(engine.encode(text)), cfg.context_length) for text in prompts]
+    slots = max(1, min(max(widths) + params.max_new_tokens - 1, cfg.context_length + max(widths) - min(widths)))
+    if engine.compile:  # (compiled: a few fixed cache sizes, as the engine rounds them)
+        slots = max(64, 1 << (slots - 1).bit_length())
+    item = torch.empty(0, dtype=engine.kv_dtype).element_size()
+    per_row = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * slots * item + 4 * cfg.vocab_size  # (fp32 logits)
     need, have = rows * per_row, free_memory(torch.device("cpu"))
     if have is not None and need > have:
         raise FrawdError(f"{rows:,} sequences at once (prompts x --num-samples) need about {need / 2**30:.1f} GiB "
                          f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")
+
+
+def context_stop_note(engine: Any, params: Any, ends: list[tuple[str | None, int]], what: str) -> str | None:
+    """What to say when a completion (`what`: "the reply", ...) ended at the model's context short
+    of max_new_tokens (`ends`: each one's finish reason and token count), or None."""
+    short = [n for reason, n in ends if reason == "length" and n < params.max_new_tokens]
+    if not short:
+        return None
+    return (f"{what} stopped at the model's context of {engine.config.context_length} tokens after {min(short)} "
+            f"new tokens, short of --max-new-tokens {params.max_new_tokens}; --overflow slide keeps going")
 
 
 # (the modes of infer/quantize.py, named here so that --help does not import torch)
@@ -148,4 +192,5 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
                   weights="auto" if native == "off" else native)
 
 
-__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine", "check_rows_fit"]
+__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine", "check_rows_fit",
+           "context_stop_note"]
