@@ -1,6 +1,6 @@
 """How much memory a new allocation may take: what refuses work that would not fit (a KV
-cache, a beam search) before any of it is allocated, instead of the kernel's OOM killer
-ending the process without a word."""
+cache, a beam search, a training batch) before any of it is allocated, instead of the
+kernel's OOM killer ending the process without a word."""
 
 from __future__ import annotations
 

@@ -117,6 +117,22 @@ def test_an_existing_run_or_a_file_as_out_is_refused_untouched(corpus, tmp_path,
     assert code == 1 and "is a file" in err
 
 
+def test_an_out_that_cannot_be_a_folder_names_the_real_cause(corpus, tmp_path, capsys, no_work):
+    """`--out afile/run` said "not a directory: afile/run" (afile is the file), and an OUT
+    the OS cannot create said "no such file or directory", as if it were missing."""
+    (tmp_path / "afile").write_text("x")
+    base = ["pretrain", "--data", str(corpus), "--tokenizer", "char", "--max-steps", "2", "--no-progress"]
+    for out in (tmp_path / "afile" / "run", tmp_path / "afile" / "a" / "run"):
+        for dry in ([], ["--dry-run"]):
+            code, err, _ = frawd(capsys, *base, "--out", str(out), *dry)
+            assert (code, err) == (1, f"frawd: error: --out {out}: {tmp_path / 'afile'} is a file, not a folder\n")
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc: no folder the OS refuses to create")
+    code, err, _ = frawd(capsys, *base, "--out", "/proc/frawd-run")
+    assert (code, err) == (1, "frawd: error: --out /proc/frawd-run: cannot create the folder there "
+                              "(no such file or directory)\n")
+
+
 def test_a_start_that_fails_after_the_checks_leaves_nothing_in_the_way(corpus, tmp_path, monkeypatch):
     class Broken(Exception):
         pass
@@ -368,6 +384,38 @@ def test_a_run_started_with_relative_paths_resumes_and_reruns_from_anywhere(corp
     assert code == 0 and f"data:          {start / 'corpus.txt'}" in out, err
 
 
+def test_a_relative_out_is_saved_absolute_and_resumes_from_anywhere(corpus, tmp_path, monkeypatch, capsys):
+    """config.yaml kept `out: runs/rel` and a `--config runs/rel/config.yaml` rerun header, so
+    `--config /abs/runs/rel/config.yaml --resume` from another folder said "runs/rel: no run
+    to resume"."""
+    import yaml
+
+    from cli_helpers import run_cli
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    code, out, err = run_cli(capsys, "pretrain", "--data", corpus, "--tokenizer", "char", "--max-steps", "2",
+                             "--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2", "--set",
+                             "context_length=32", "--sample-tokens", "0", "--out", "runs/rel", "--no-progress")
+    assert code == 0 and "model in runs/rel/model" in out, err  # the user's own words in what is shown
+    config = start / "runs" / "rel" / "config.yaml"
+    assert config.read_text().splitlines()[0] == f"# rerun: frawd pretrain --config {config} --out NEW_DIR"
+    assert yaml.safe_load(config.read_text())["out"] == str(start / "runs" / "rel")
+    monkeypatch.chdir(elsewhere)
+    code, out, err = run_cli(capsys, "pretrain", "--config", config, "--resume", "--max-steps", "3", "--no-progress")
+    assert code == 0 and "max_steps: 3 steps" in out, err
+    assert not (elsewhere / "runs").exists()
+
+
+def test_tokenizer_training_is_said_on_stderr(corpus, tmp_path, capsys):
+    """Like every other note before the bar moves (it went to stdout)."""
+    run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=1, progress=True))
+    captured = capsys.readouterr()
+    assert f"training a char tokenizer on {corpus} ...\n" in captured.err
+    assert "tokenizer" not in captured.out, captured.out
+
+
 def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corpus, tmp_path):
     run = tmp_path / "run"
     run_pretraining(tiny_config(corpus, run, max_steps=2))
@@ -432,7 +480,7 @@ def test_a_context_whose_position_tables_no_loader_builds_is_refused_before_trai
                          str(tmp_path / "run"), "--max-steps", "1", "--preset", "tiny-llama", "--set",
                          "context_length=1000000", "--batch-size", "1", "--dry-run")
     assert code == 1 and "context_length 1,000,000 needs position tables of" in err and \
-        "no command could load the trained model" in err, err
+        err.endswith(", so no command could load the trained model: give a shorter context_length\n"), err
     assert not (tmp_path / "run").exists()
 
 

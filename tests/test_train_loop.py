@@ -542,6 +542,16 @@ def test_samples_longer_than_the_context_are_as_long_as_asked(corpus, tmp_path):
     assert len(samples) == 2 and all(40 < len(s) <= len("ROMEO:") + 50 for s in samples), samples
 
 
+def test_every_training_line_has_the_same_keys_mfu_null_where_it_is_na(corpus, tmp_path):
+    """A peak far below what the run achieves (MFU above 100%: n/a) left `mfu` out of the lines."""
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=3, eval_interval=0, sample_tokens=0, peak_tflops=1e-5))
+    train_lines = [r for r in read_metrics(run) if "loss" in r]
+    assert len(train_lines) == 3 and all(r["mfu"] is None for r in train_lines), train_lines
+    assert all(set(r) == {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s"}
+               for r in train_lines), train_lines
+
+
 def test_run_directory_has_every_file(corpus, tmp_path):
     run = tmp_path / "run"
     cfg = tiny_config(corpus, run, max_steps=30, eval_interval=5, keep_last=2)

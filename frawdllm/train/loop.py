@@ -670,12 +670,11 @@ class Trainer:
                 f"stopped ({where}); try a lower --lr, --grad-clip or fp32")
 
     def _speed(self, tokens_per_s: float) -> dict:
-        out = {"tokens_per_s": round(tokens_per_s, 1)}
+        """tokens/s and MFU; MFU None (null in metrics.jsonl) where it is n/a, so that every
+        training line has the same keys."""
         peak = self.peak_flops * self.dist.world_size if self.peak_flops else None  # one device per rank
         value = mfu(tokens_per_s, self.task.flops_per_token, peak)
-        if value is not None:
-            out["mfu"] = round(value, 4)
-        return out
+        return {"tokens_per_s": round(tokens_per_s, 1), "mfu": None if value is None else round(value, 4)}
 
     # ---- budget -------------------------------------------------------------------------
     def elapsed(self) -> float:

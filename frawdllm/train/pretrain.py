@@ -234,7 +234,7 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     from ..data.sources import iter_documents
 
     if cfg.progress:
-        print(f"training a {kind} tokenizer on {cfg.data} ...", flush=True)
+        print(f"training a {kind} tokenizer on {cfg.data} ...", file=sys.stderr, flush=True)
     documents = iter_documents(cfg.data, text_field=cfg.text_field, doc_split=cfg.doc_split)
     # the trainer's bars only where someone watches them (in a log they are blank lines)
     tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size,
@@ -270,7 +270,7 @@ def model_config_for(cfg: PretrainConfig, vocab_size: int, tokenizer: Tokenizer 
     model_cfg = get_config(cfg.preset, **{**overrides, "vocab_size": wanted or vocab_size})
     problem = tables_too_large(model_cfg, 4 * model_cfg.num_parameters)
     if problem:
-        raise FrawdError(f"{problem}: no command could load the trained model; a shorter context_length")
+        raise FrawdError(f"{problem}, so no command could load the trained model: give a shorter context_length")
     return model_cfg
 
 

@@ -64,7 +64,7 @@ def claim_run_dir(run_dir: Path) -> None:
     same process, nothing. Another process's run there: one line, nothing touched."""
     run_dir = Path(run_dir)
     _refuse_file(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     key = run_dir.resolve()
     if key in _claims or fcntl is None:
         return
@@ -127,8 +127,8 @@ def rerun_line(command: str, run_dir: Path, world_size: int = 1) -> str:
 
 
 def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main: bool) -> None:
-    """OUT/config.yaml (rank 0 writes it): the run's merged config, without this start's
-    resume/overwrite, under a header of the command that reruns it, the versions and
+    """OUT/config.yaml (rank 0 writes it): the run's merged config, paths absolute, without
+    this start's resume/overwrite, under a header of the command that reruns it, the versions and
     `about` (the model and data in a few words)."""
     if not is_main:
         return
@@ -138,14 +138,17 @@ def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main
     from .config import dump_yaml
 
     run_dir = Path(cfg.out)
-    header = rerun_line(command, run_dir, world_size) + \
+    # OUT absolute too, in the config and in the header: `--config OUT/config.yaml --resume`
+    # from another folder finds the run
+    out = os.path.abspath(run_dir)
+    header = rerun_line(command, Path(out), world_size) + \
         f"# frawdllm {__version__}, torch {torch.__version__}; {about}\n"
-    saved = type(cfg).from_dict({**absolute_paths(cfg.to_dict()), "resume": False, "overwrite": False})
+    saved = type(cfg).from_dict({**absolute_paths(cfg.to_dict()), "out": out, "resume": False, "overwrite": False})
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
 
 
-# Settings that name files or folders: config.yaml keeps them absolute, so that a --resume
-# or a rerun from another working directory finds them.
+# Settings that name files or folders: config.yaml keeps them absolute (and `out`:
+# save_run_config), so that a --resume or a rerun from another working directory finds them.
 PATH_FIELDS = ("data", "init_from", "init", "tokenizer", "src", "tgt", "valid_src", "valid_tgt")
 
 
@@ -177,8 +180,22 @@ def existing_run_message(run_dir: Path) -> str:
 
 
 def _refuse_file(run_dir: Path) -> None:
+    """One line when OUT, or the nearest folder above it that exists, is a file."""
     if run_dir.exists() and not run_dir.is_dir():
         raise FrawdError(f"--out {run_dir} is a file, not a folder")
+    above = next((folder for folder in run_dir.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():  # (the OS says "not a directory: OUT")
+        raise FrawdError(f"--out {run_dir}: {above} is a file, not a folder")
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create OUT and the folders above it; one line, with the OS's reason, where it cannot
+    be created (a read-only disk, /proc), instead of an OSError naming OUT as if it were missing."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = (error.strerror or str(error) or type(error).__name__).lower()
+        raise FrawdError(f"--out {run_dir}: cannot create the folder there ({reason})") from None
 
 
 def settle_run_dir(run_dir: Path, resume: bool, overwrite: bool,
@@ -216,7 +233,7 @@ def prepare_run_dir(cfg: Any) -> Path:
         cfg.resume, cfg.overwrite = False, True
     if cfg.resume:
         _note_changed_settings(cfg, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     return run_dir
 
 
