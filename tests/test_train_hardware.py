@@ -123,6 +123,22 @@ def test_compile_auto_says_no_for_a_short_budget_and_yes_for_a_long_one(private_
     assert plan(remaining_s=600.0)[1] is True
     compiling.record_cost("key-fp32", warmup_s=30.0, speedup=1.05)  # barely faster: never worth it
     assert plan(remaining_s=3600.0)[1] is False
+    assert "the most steps in the ~3600 s left" in plan(remaining_s=3600.0)[2]
+    assert "in the ~0.4 s left" in plan(remaining_s=0.42)[2]  # (a budget of a few steps: was "~0 s left")
+    assert "in the <0.1 s left" in plan(remaining_s=0.01)[2]
+
+
+def test_the_hardware_report_counts_threads_and_names_only_the_candidates_it_times(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda features=None: True)
+    monkeypatch.setattr(device, "choose_dtype", lambda dtype, dev: ("bf16", "auto: native bf16"))
+    monkeypatch.setattr(device, "cached_peak", lambda dev, dtype: 1e11)  # (no measurement in a test)
+    lines = device.hardware_report("cpu", "auto", "false")
+    assert lines[0].endswith("cpu (1 thread)")  # (was "1 threads")
+    dtype = next(line for line in lines if line.startswith("dtype:"))
+    assert dtype.endswith("keep the faster)") and "compiled or not" not in dtype  # --no-compile: no compiled ones
+    dtype = next(line for line in device.hardware_report("cpu", "auto", "auto") if line.startswith("dtype:"))
+    assert dtype.endswith("keep the faster (compiled or not))")
 
 
 def test_auto_dtype_keeps_the_faster_of_the_native_dtypes():

@@ -248,7 +248,8 @@ class AutoPlan:
                                                 f"~{cost.warmup_s:.0f} s warm-up ({cost.source})"))
         steps, dtype, compiled, what = max(options, key=lambda o: o[0])
         others = "; ".join(o[3] for o in options if o[1:3] != (dtype, compiled))
-        why = f"{what}: the most steps in the ~{remaining_s:.0f} s left" + (f" (vs {others})" if others else "")
+        left = f"~{remaining_s:.0f} s" if remaining_s >= 10 else f"~{remaining_s:.1f} s" if remaining_s >= 0.1 else "<0.1 s"
+        why = f"{what}: the most steps in the {left} left" + (f" (vs {others})" if others else "")
         return dtype, compiled, why
 
 

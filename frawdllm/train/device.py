@@ -40,7 +40,7 @@ import torch
 
 from ..cbuild import cache_dir as _native_cache_dir
 from ..cbuild import cpuinfo_flags_line
-from ..errors import ConfigError
+from ..errors import ConfigError, counted
 from ..io import write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -351,11 +351,12 @@ def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_sett
 
     device = pick_device(device_name)
     chosen, why = choose_dtype(dtype, device)
-    lines = [f"device:        {device}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else
+    lines = [f"device:        {device}" + (f" ({counted(torch.get_num_threads(), 'thread')})" if device.type == "cpu" else
                                            f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")]
     lines.append(f"cpu features:  {shown_features()}")
     if dtype == "auto" and device.type == "cpu" and cpu_has_bf16() and compile_setting != "true":
-        why += "; the first steps time bf16 and fp32 and keep the faster (compiled or not)"
+        why += "; the first steps time bf16 and fp32 and keep the faster" + (
+            "" if compile_setting == "false" else " (compiled or not)")
     lines.append(f"dtype:         {chosen} ({why})")
     blocker = compiling.known_failure(device) if compile_setting != "false" else None
     if compile_setting == "false":
