@@ -4,6 +4,9 @@ stream from several shard files by the loaders, `frawd eval` and `frawd pretrain
 
 import json
 import random
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,13 +18,15 @@ pytest.importorskip("datatrove")
 from frawdllm.cli import main  # noqa: E402
 from frawdllm.data import (RandomWindowLoader, SequentialLoader, ShardStream, prepare_shards,  # noqa: E402
                            read_shard, read_split, split_files)
-from frawdllm.data.datatrove_shards import prepare_shards_datatrove, rank_files  # noqa: E402
+from frawdllm.data import datatrove_shards  # noqa: E402
+from frawdllm.data.datatrove_shards import TokenizeFiles, prepare_shards_datatrove, rank_files  # noqa: E402
 from frawdllm.errors import FrawdError  # noqa: E402
 from frawdllm.tokenizer import train_tokenizer  # noqa: E402
 from frawdllm.train import PretrainConfig, run_pretraining  # noqa: E402
 from frawdllm.train.pretrain import is_shard_dir  # noqa: E402
 from frawdllm.train.rundir import read_metrics  # noqa: E402
 
+FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
 WORDS = "the king shall speak of war and peace to his people while rain falls on old stone".split()
 
 
@@ -204,12 +209,85 @@ def test_datatrove_options_are_checked_not_replaced_or_ignored(corpus, tokenizer
     assert not (tmp_path / "o").exists()
 
 
-def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error(tmp_path, tokenizer):
+def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error_before_any_task_runs(tmp_path, tokenizer,
+                                                                                       monkeypatch):
+    """The merge found it, after every tokenize task had run (on Slurm, hours of work lost)."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    monkeypatch.setattr(LocalPipelineExecutor, "run", lambda self: pytest.fail("the tasks were launched"))
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "a.txt").write_text("one small document\n", encoding="utf-8")
     with pytest.raises(FrawdError, match="val split"):
         prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.01)
-    assert not (tmp_path / "out" / "meta.json").exists()
+    (tmp_path / "c" / "a.txt").write_text("\n \n", encoding="utf-8")
+    with pytest.raises(FrawdError, match="holds no documents"):
+        prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.01)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_in_a_task_is_one_line_on_the_terminal_not_a_traceback(tmp_path, tokenizer):
+    """datatrove logged the task's FrawdError with ~120 lines of annotated traceback first."""
+    src = tmp_path / "src"
+    src.mkdir()
+    # a.jsonl has val documents early, so the check before launching stops there; task 1's b.jsonl
+    # lacks the field at line 51
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(100)))
+    (src / "b.jsonl").write_text("".join(json.dumps({"text": f"other {i}"}) + "\n" for i in range(50))
+                                 + json.dumps({"body": "x"}) + "\n")
+    proc = subprocess.run([*FRAWD, "data", "prepare", "--data", str(src), "--tokenizer", str(tokenizer),
+                           "--out", str(tmp_path / "out"), "--engine", "datatrove", "--workers", "2",
+                           "--val-fraction", "0.3"], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 1
+    assert "datatrove.executor" in proc.stderr, "the error must come from a datatrove task: " + proc.stderr
+    assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "no field" in line]
+    assert said == [f"frawd: error: {src}/b.jsonl:51: no field 'text' (fields: 'body'); choose one with --text-field"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_merge_still_checks_a_source_too_long_to_check_first_in_one_line(tmp_path, tokenizer, monkeypatch,
+                                                                             capsys):
+    monkeypatch.setattr(datatrove_shards, "PROBE_BYTES", 1)  # the check before launching reads one document
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("one small document\n\nand another\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", "--data", str(tmp_path / "c"), "--tokenizer", str(tokenizer), "--out",
+              str(tmp_path / "out"), "--engine", "datatrove", "--workers", "1", "--val-fraction", "0.01"])
+    err = capsys.readouterr().err  # (the merge, and here the 1 tokenize task, ran in this process)
+    assert info.value.code == 1 and "Launching pipeline for rank=0" in err
+    assert "Traceback" not in err and [line for line in err.splitlines() if "val split" in line] == [
+        f"frawd: error: no document of {str(tmp_path / 'c')!r} hashed into the val split (too few documents for "
+        "--val-fraction 0.01); use a larger --val-fraction or the single-process prepare, which then holds out "
+        "the tail of train"]
+
+
+@pytest.mark.timeout(120)
+def test_an_unexpected_error_in_a_task_keeps_its_traceback(corpus, tokenizer, tmp_path, monkeypatch, capsys):
+    """A bug is not bad input: only a FrawdError is cut down to one line."""
+    def broken(self, data=None, rank=0, world_size=1):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(TokenizeFiles, "run", broken)  # (1 worker: the task runs in this process)
+    with pytest.raises(ZeroDivisionError):
+        prepare_shards_datatrove(str(corpus), tokenizer, tmp_path / "out", workers=1, val_fraction=0.1)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError: a bug" in err
+
+
+@pytest.mark.timeout(120)
+def test_meta_seconds_is_the_wall_time_of_the_whole_prepare(corpus, tokenizer, tmp_path, capsys):
+    """It was the slowest task's tokenizing alone (0.155 s of a 9.5 s run), so mb_per_s looked 3x too fast."""
+    start = time.perf_counter()
+    main(["data", "prepare", "--data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"),
+          "--val-fraction", "0.1", "--engine", "datatrove", "--workers", "2"])
+    wall = time.perf_counter() - start
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert wall - 0.5 <= meta["seconds"] <= wall + 0.01, (meta["seconds"], wall)
+    text_mb = (meta["train_text_bytes"] + meta["val_text_bytes"]) / 1e6
+    assert meta["mb_per_s"] == pytest.approx(text_mb / meta["seconds"], rel=0.01, abs=0.002)
+    assert f"mb_per_s: {meta['mb_per_s']}" in capsys.readouterr().out
 
 
 def test_a_tokenizer_without_frawd_special_tokens_is_refused(corpus, tmp_path):

@@ -16,7 +16,12 @@ Order: the loaders read a split as its shards in rank order. Since the blocks ar
 contiguous and each document goes to train or val by a hash of its own text, that stream
 is token for token the stream of single-process `prepare_shards` on the same inputs.
 One difference: a corpus too small for a hashed val split (no document hashed to val) is
-an error here, where single-process prepare moves the tail of train into val.
+an error here, where single-process prepare moves the tail of train into val. Before
+launching, `check_source_start` reads the start of the source to catch that early.
+
+A FrawdError in a task (bad input) reaches the user as one line, as with the single
+engine: see `FrawdStep`. meta.json's `seconds` is the wall time from the call to the end
+of the merge (for Slurm and Ray, queueing included).
 """
 
 from __future__ import annotations
@@ -28,16 +33,20 @@ import time
 from pathlib import Path
 
 from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.logging import logger
 
 from ..errors import FrawdError
 from ..io import clean_partial, undo_on_error, write_json_atomic
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
-from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _reusable, document_end, remove_stale_shards, shard_meta,
-                     check_prepare_options, refuse_out_in_source, tokenize_documents, with_warnings)
+from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _is_val, _reusable, document_end, remove_stale_shards,
+                     shard_meta, check_prepare_options, refuse_out_in_source, tokenize_documents, with_warnings)
 from .sources import SourceStats, file_documents, source_files
 
 EXECUTORS = ("local", "slurm", "ray")
+PROBE_BYTES = 16 << 20  # text of the source's start read before launching (check_source_start)
+# The datatrove module that logs a failed task's exception, traceback and all, before raising it again.
+EXECUTOR_LOG = "datatrove.executor.base"
 
 
 def logs_name(inputs_hash: str, workers: int) -> str:
@@ -55,7 +64,57 @@ def _names(rank: int) -> dict[str, str]:
     return {"train": f"train-{rank:05d}.bin", "val": f"val-{rank:05d}.bin", "part": f"part-{rank:05d}.json"}
 
 
-class TokenizeFiles(PipelineStep):
+def _doc_split(data: str, doc_split: str) -> str:
+    return "file" if data == "stdlib" else doc_split  # (the built-in corpus is one document per file)
+
+
+def _no_documents(data: str) -> FrawdError:
+    return FrawdError(f"data source {data!r} holds no documents (no non-empty text)")
+
+
+def _no_val_document(data: str, val_fraction: float) -> FrawdError:
+    return FrawdError(f"no document of {data!r} hashed into the val split (too few documents for "
+                      f"--val-fraction {val_fraction}); use a larger --val-fraction or the single-process "
+                      "prepare, which then holds out the tail of train")
+
+
+def check_source_start(data: str, text_field: str, doc_split: str, val_fraction: float) -> None:
+    """Before any task runs: read the source from its start until a document lands in the val
+    split (any document, with no val split). A source that ends first, within PROBE_BYTES of
+    text, would fail the merge's checks after every task ran, so it fails them now. A longer
+    one is left to the merge: reading it all here would be the tasks' work."""
+    documents = file_documents(source_files(data), text_field, _doc_split(data, doc_split), SourceStats())
+    count, read = 0, 0
+    for doc in documents:
+        raw = doc.encode("utf-8")
+        if val_fraction == 0 or _is_val(raw, val_fraction):
+            return
+        count, read = count + 1, read + len(raw)
+        if read >= PROBE_BYTES:
+            return
+    raise _no_documents(data) if count == 0 else _no_val_document(data, val_fraction)
+
+
+class FrawdStep(PipelineStep):
+    """A pipeline step whose FrawdError (bad input) reaches the user as one line.
+
+    datatrove's executor logs a task's exception with its full traceback, to the terminal
+    and the task's log, before raising it again; the CLI then prints its one line. For a
+    FrawdError that log is switched off as it passes (the log file gets a line of our own).
+    The next step, or the end of a local run, switches it on again. Other exceptions are
+    bugs and keep their traceback."""
+
+    def __call__(self, data=None, rank: int = 0, world_size: int = 1):
+        logger.enable(EXECUTOR_LOG)
+        try:
+            return self.run(data, rank, world_size)
+        except FrawdError as exc:
+            logger.debug(f"stopped by bad input: {exc}")  # (a task prints INFO and up; its log file has all)
+            logger.disable(EXECUTOR_LOG)
+            raise
+
+
+class TokenizeFiles(FrawdStep):
     """Tokenize this rank's block of the source files into its own train and val shards."""
 
     name = "frawd tokenize"
@@ -73,32 +132,31 @@ class TokenizeFiles(PipelineStep):
         tok = Tokenizer.load(self.tokenizer)
         out, names = Path(self.out), _names(rank)
         files = rank_files(source_files(self.data), rank, world_size)
-        split = "file" if self.data == "stdlib" else self.doc_split
+        split = _doc_split(self.data, self.doc_split)
         stats = SourceStats()
-        start = time.perf_counter()
         with open_shard_writer(out / names["train"], tok.vocab_size) as train, \
                 open_shard_writer(out / names["val"], tok.vocab_size) as val:
             documents = file_documents(files, self.text_field, split, stats)
             totals = tokenize_documents(documents, tok, (train, val), self.val_fraction)
         totals.update(train_tokens=train.n_tokens, val_tokens=val.n_tokens, replaced=stats.replaced,
-                      replaced_in=stats.replaced_in, files=len(files), seconds=time.perf_counter() - start)
+                      replaced_in=stats.replaced_in, files=len(files))
         self.stat_update("documents", value=sum(totals["docs"]))
         write_json_atomic(out / names["part"], totals)
         return iter(())  # nothing flows on to a next step
 
 
-class MergeShards(PipelineStep):
+class MergeShards(FrawdStep):
     """Sum the ranks' counts into meta.json, listing the shards in rank order."""
 
     name = "frawd merge"
     type = "FrawdLLM"
 
     def __init__(self, data: str, tokenizer: str, out: str, *, parts: int, val_fraction: float,
-                 text_field: str, doc_split: str, inputs_hash: str):
+                 text_field: str, doc_split: str, inputs_hash: str, started: float):
         super().__init__()
         self.data, self.tokenizer, self.out, self.parts = data, tokenizer, out, parts
         self.options = {"val_fraction": val_fraction, "text_field": text_field, "doc_split": doc_split,
-                        "inputs_hash": inputs_hash}
+                        "inputs_hash": inputs_hash, "started": started}
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         merge_parts(self.data, Tokenizer.load(self.tokenizer), Path(self.out), self.parts, **self.options)
@@ -106,10 +164,10 @@ class MergeShards(PipelineStep):
 
 
 def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fraction: float, text_field: str,
-                doc_split: str, inputs_hash: str) -> dict:
-    """Write meta.json from the part-RRRRR.json of ranks 0..parts-1; returns it."""
-    totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0, "train_tokens": 0, "val_tokens": 0, "replaced": 0,
-              "seconds": 0.0}
+                doc_split: str, inputs_hash: str, started: float) -> dict:
+    """Write meta.json from the part-RRRRR.json of ranks 0..parts-1; returns it. `started`:
+    the time.time() at which the prepare began (its `seconds` run from there to now)."""
+    totals = {"docs": [0, 0], "bytes": [0, 0], "unk": 0, "train_tokens": 0, "val_tokens": 0, "replaced": 0}
     totals["replaced_in"] = []  # files in which bytes were replaced
     for rank in range(parts):
         path = out / _names(rank)["part"]
@@ -121,14 +179,13 @@ def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fractio
         for key in ("unk", "train_tokens", "val_tokens", "replaced"):
             totals[key] += part[key]
         totals["replaced_in"] += part["replaced_in"]
-        totals["seconds"] = max(totals["seconds"], part["seconds"])  # the ranks ran side by side
-    if sum(totals["docs"]) == 0:
-        raise FrawdError(f"data source {data!r} holds no documents (no non-empty text)")
+    if sum(totals["docs"]) == 0:  # (check_source_start catches these early for a small source)
+        raise _no_documents(data)
     if val_fraction > 0 and totals["val_tokens"] == 0:
-        raise FrawdError(f"no document of {data!r} hashed into the val split (too few documents for "
-                         f"--val-fraction {val_fraction}); use a larger --val-fraction or the single-process "
-                         "prepare, which then holds out the tail of train")
+        raise _no_val_document(data, val_fraction)
     totals["val_split"] = "documents"
+    # Wall time, as the single engine's: with Slurm or Ray, time spent queueing counts too.
+    totals["seconds"] = max(0.0, time.time() - started)  # (time.time: the merge may run on another machine)
     shards = {split: [_names(rank)[split] for rank in range(parts)] for split in ("train", "val")}
     meta = shard_meta(data, tok, totals, val_fraction=val_fraction, text_field=text_field, doc_split=doc_split,
                       inputs_hash=inputs_hash, shards=shards)
@@ -150,6 +207,7 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
     meta.json appears when the merge job ends. A rerun with the same inputs reuses finished
     shards (meta.json) or, after a failure, skips the ranks datatrove marked complete.
     """
+    started = time.time()
     if executor not in EXECUTORS:
         raise FrawdError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     check_prepare_options(val_fraction, workers, local=executor == "local")
@@ -166,6 +224,7 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
         reused = _reusable(out, inputs_hash)
         if reused is not None:
             return reused
+    check_source_start(data, text_field, doc_split, val_fraction)  # a source too small fails now, not at the merge
     logs = out / LOGS_DIR / logs_name(inputs_hash, workers)
     with undo_on_error(out):
         out.mkdir(parents=True, exist_ok=True)
@@ -176,14 +235,18 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
             shutil.rmtree(logs, ignore_errors=True)
         options = {"val_fraction": val_fraction, "text_field": text_field, "doc_split": doc_split}
         tokenize = [TokenizeFiles(data, tokenizer, str(out), **options)]
-        merge = [MergeShards(data, tokenizer, str(out), parts=workers, inputs_hash=inputs_hash, **options)]
+        merge = [MergeShards(data, tokenizer, str(out), parts=workers, inputs_hash=inputs_hash, started=started,
+                             **options)]
         if executor == "local":
             from datatrove.executor import LocalPipelineExecutor
 
             tokenize[0].threads = max(1, (os.cpu_count() or 1) // workers)  # the workers share this machine
             first = LocalPipelineExecutor(tokenize, tasks=workers, workers=workers, logging_dir=str(logs / "tokenize"))
             second = LocalPipelineExecutor(merge, tasks=1, logging_dir=str(logs / "merge"), depends=first)
-            second.run()
+            try:
+                second.run()
+            finally:
+                logger.enable(EXECUTOR_LOG)  # (a FrawdStep that failed here, in this process, switched it off)
             if not (out / META_FILE).is_file():
                 raise FrawdError(f"the datatrove pipeline wrote no {META_FILE}; see its logs in {logs}")
             return with_warnings(json.loads((out / META_FILE).read_text(encoding="utf-8")))
