@@ -434,6 +434,22 @@ def test_nproc_checks_flags_and_data_before_starting_torchrun(tmp_path, capsys, 
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_trained_from_pipes_says_in_its_config_to_give_them_again(tmp_path, capsys):
+    """config.yaml kept `/proc/PID/fd/pipe:[N]` of `--src <(zcat ...)`, and its rerun line failed
+    with "file not found" on it without a word of why."""
+    de, en = _corpus(tmp_path, n=20)
+    _fifo_holding(tmp_path / "src.pipe", ("\n".join(de) + "\n").encode())
+    _fifo_holding(tmp_path / "tgt.pipe", ("\n".join(en) + "\n").encode())
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "src.pipe", "--tgt", tmp_path / "tgt.pipe",
+                           "--out", tmp_path / "run", "--max-steps", "1", *TINY)
+    assert code == 0, err
+    header = (tmp_path / "run" / "config.yaml").read_text().splitlines()[:3]
+    assert header[2] == "# --src, --tgt were pipes (read once): give them again to rerun or --resume", header
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
+                           tmp_path / "train.en", "--out", tmp_path / "files", "--max-steps", "1", *TINY)
+    assert code == 0 and "(read once)" not in (tmp_path / "files" / "config.yaml").read_text()
+
+
 def test_a_refused_resume_gives_advice_translate_train_has(trained, capsys, tmp_path):
     import shutil
 

@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,6 +144,11 @@ def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main
     out = os.path.abspath(run_dir)
     header = rerun_line(command, Path(out), world_size) + \
         f"# frawdllm {__version__}, torch {torch.__version__}; {about}\n"
+    streams = [name for name in PATH_FIELDS if _is_stream(getattr(cfg, name, None))]
+    if streams:  # (`<(zcat ...)`: its /dev/fd path means nothing once this command ends)
+        flags = ", ".join("--" + name.replace("_", "-") for name in streams)
+        header += f"# {flags} {'was a pipe' if len(streams) == 1 else 'were pipes'} (read once): give " \
+                  f"{'it' if len(streams) == 1 else 'them'} again to rerun or --resume\n"
     saved = type(cfg).from_dict({**absolute_paths(cfg.to_dict()), "out": out, "resume": False, "overwrite": False})
     write_text_atomic(run_dir / CONFIG_FILE, dump_yaml(saved, header))
 
@@ -150,6 +156,17 @@ def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main
 # Settings that name files or folders: config.yaml keeps them absolute (and `out`:
 # save_run_config), so that a --resume or a rerun from another working directory finds them.
 PATH_FIELDS = ("data", "init_from", "init", "tokenizer", "src", "tgt", "valid_src", "valid_tgt")
+
+
+def _is_stream(value: Any) -> bool:
+    """A path that names a pipe or a device (a FIFO, `/dev/fd/63` of `<(...)`), not a file or folder."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        mode = os.stat(value).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
