@@ -27,8 +27,6 @@ collective and no sharding (it costs one model's weights per rank, bf16/fp32 as 
 from __future__ import annotations
 
 import copy
-import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,39 +38,12 @@ from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
 from ..train import distributed
-from ..train.config import _require, option
 from ..train.device import pick_device
 from ..train.distributed import Share
 from ..train.loop import TrainResult, to_device
+from .config import LOSSES, DPOConfig  # noqa: F401 (re-exported: they live in config.py, torch-free)
 from .examples import LoadSummary, NothingToLearn, Pair, collect, iter_source, preference, tokenize_pair
-from .job import FinetuneConfig, FinetuneTask, run_finetune
-
-LOSSES = ("sigmoid", "ipo")
-
-
-@dataclass
-class DPOConfig(FinetuneConfig):
-    """`frawd dpo`: align a model directory with preference pairs."""
-
-    ROWS_PER_EXAMPLE = 2  # a pair's chosen and rejected answers
-    KIND = "dpo"
-
-    beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
-    loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")
-    precompute_ref: bool = option(False, "Compute the reference's log-probs once before training and free the "
-                                         "reference (less memory and time per step; a forward of every pair "
-                                         "first, inside the time budget).")
-    data: str = option("stdlib-prefs", "Preference pairs: .jsonl[.gz], .parquet, a folder or glob of them, "
-                                       "hf:NAME, or the built-in stdlib-prefs.")
-    out: str = option("runs/dpo", "Run directory: config, metrics, checkpoints, the best model.")
-    lr: float = option(5e-6, "Peak learning rate.")
-    batch_size: int = option(8, "Preference pairs per micro-batch.")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require("beta", self.beta, lambda v: 0 < v < math.inf, "a finite positive number")  # (inf: NaN losses)
-        if self.loss_type not in LOSSES:
-            raise FrawdError(f"loss_type must be one of {', '.join(LOSSES)}, got {self.loss_type!r}")
+from .job import FinetuneTask, run_finetune
 
 
 # ---- the loss ----------------------------------------------------------------------------------

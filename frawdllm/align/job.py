@@ -1,5 +1,7 @@
-"""What `frawd sft` and `frawd dpo` share: the config fields, the start from an existing
-model directory, LoRA, sampling held-out prompts and saving a plain model directory.
+"""What `frawd sft` and `frawd dpo` share: the start from an existing model directory,
+LoRA, sampling held-out prompts and saving a plain model directory. Their shared config
+fields, `FinetuneConfig`, are in config.py (torch-free, for the CLI's --help) and
+re-exported here.
 
 A fine-tuning run starts like a pretraining run (train/rundir.py: checks before any work,
 OUT prepared, a failed start undone) and ends the same way: RUN/model/ is a model
@@ -8,10 +10,8 @@ directory with the --init model's config and tokenizer, usable by chat, generate
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,63 +21,13 @@ from ..errors import ConfigError, FrawdError
 from ..memory import check_training_fits
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
 from ..train import distributed
-from ..train.config import EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option, parse_duration
+from ..train.config import parse_duration
 from ..train.device import pick_device, seed_everything
 from ..train.loop import Trainer, TrainResult, TrainTask
 from ..train.rundir import check_run_dir, prepare_run_dir, save_run_config, undo_failed_start
 from . import lora
+from .config import FinetuneConfig
 from .examples import check_source
-
-
-@dataclass
-class FinetuneConfig(TrainConfig):
-    """Fields both post-training commands add to the loop's."""
-
-    ROWS_PER_EXAMPLE = 1  # rows a micro-batch example takes (DPO: 2), for the memory check
-    KIND = "sft"  # what its --data holds: "sft" examples or "dpo" preference pairs
-
-    init: str | None = option(None, "The model directory to start from (e.g. a pretraining run's model/); "
-                                    "its config and tokenizer are kept.")
-    # each command names its own built-in corpus (SFTConfig, DPOConfig)
-    data: str = option("stdlib-instruct", "Examples: .jsonl[.gz], .parquet, a folder or glob of them, hf:NAME, "
-                                          "or a built-in corpus.")
-    val_fraction: float = option(0.05, "Share of the examples held out for evaluation (a hash split).")
-    max_length: int | None = option(None, "Tokens per example (default: the model's context); longer ones are "
-                                          "truncated: the prompt's tail and the response's head are kept.")
-    skip_bad_lines: bool = option(False, "Skip malformed records (counted in the summary) instead of stopping.")
-    lora_rank: int = option(0, "Train rank-R LoRA adapters on the attention and MLP projections instead of "
-                               "every weight (0 = full fine-tuning; at most n_embd); merged into RUN/model on save.")
-    lora_alpha: float | None = option(None, "LoRA scale numerator: the update is (alpha / rank) B A "
-                                            "(default 2 x rank; only with --lora-rank).")
-    sample_count: int = option(2, "Held-out prompts answered (greedy) in samples.txt at each evaluation.")
-    # defaults suited to fine-tuning (the loop's suit pretraining)
-    out: str = option("runs/finetune", "Run directory: config, metrics, checkpoints, the best model.")
-    lr: float = option(1e-4, "Peak learning rate.")
-    warmup_steps: int = option(10, WARMUP_HELP)
-    weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
-    eval_interval: int = option(100, EVAL_INTERVAL_HELP)
-    eval_batches: int = option(10, "Validation batches per evaluation.")
-    batch_size: int = option(8, "Rows (SFT: packed rows of examples; DPO: pairs) per micro-batch.")
-    sample_tokens: int = option(96, "Tokens to sample per held-out prompt at each evaluation (0 = none).")
-    seed: int = option(1337, "Seed of the data order, dropout and LoRA's initialisation (the weights "
-                             "come from --init).")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
-        if self.sample_prompt:  # a pretrain option (TrainConfig's); not a flag of sft or dpo
-            raise ConfigError("sample_prompt: sft and dpo take no prompt; their samples answer held-out "
-                              "prompts of the data (sample_count of them)")
-        _require("max_length", self.max_length, lambda v: v is None or v >= 8, "an integer >= 8")
-        _require("lora_rank", self.lora_rank, lambda v: v >= 0, "an integer >= 0")
-        _require("lora_alpha", self.lora_alpha, lambda v: v is None or 0 < v < math.inf,
-                 "a finite positive number")  # (inf: every step NaN)
-        if self.lora_alpha is not None and not self.lora_rank:
-            raise ConfigError("lora_alpha scales LoRA adapters: give --lora-rank R too (or leave --lora-alpha out)")
-        if self.lora_rank and self.parallel == "fsdp":  # (a sharded merge saved wrong weights: refused)
-            raise ConfigError("--lora-rank trains adapters in one process or under --parallel ddp; with "
-                              "--parallel fsdp the merged model came out wrong, so the pair is refused")
-        _require("sample_count", self.sample_count, lambda v: v >= 0, "an integer >= 0")
 
 
 def check_init(cfg: FinetuneConfig) -> None:

@@ -8,8 +8,6 @@ validation loss; samples.txt holds the model's greedy answers to held-out prompt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -18,30 +16,13 @@ from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import ASSISTANT_ID, Tokenizer
 from ..train import distributed
-from ..train.config import option
 from ..train.distributed import Share
 from ..train.loop import TrainResult
 from ..train.losses import linear_cross_entropy
-from .examples import TRAIN_ON, Example, LoadSummary, chat_messages, collect, iter_source, tokenize_chat, truncate
-from .job import FinetuneConfig, FinetuneTask, run_finetune
+from .config import SFTConfig
+from .examples import Example, LoadSummary, chat_messages, collect, iter_source, tokenize_chat, truncate
+from .job import FinetuneTask, run_finetune
 from .packing import DocumentMask, PackedLoader, fixed_batches
-
-
-@dataclass
-class SFTConfig(FinetuneConfig):
-    """`frawd sft`: fine-tune a model directory on conversations."""
-
-    train_on: str = option("assistant", "Tokens that carry the loss: assistant (every assistant turn), last "
-                                        "(the last assistant turn), all (every token: no masking).")
-    pack: bool = option(True, "Pack several examples per row (attention kept inside each example).")
-    data: str = option("stdlib-instruct", "Examples: .jsonl[.gz], .parquet, a folder or glob of them, hf:NAME, "
-                                          "or the built-in stdlib-instruct.")
-    out: str = option("runs/sft", "Run directory: config, metrics, checkpoints, the best model.")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.train_on not in TRAIN_ON:
-            raise FrawdError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
 
 
 def packed_hidden(model: nn.Module, batch: dict[str, Tensor]) -> Float[Tensor, "B T D"]:

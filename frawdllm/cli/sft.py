@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..align.dpo import DPOConfig
-from ..align.sft import SFTConfig
+from ..align.config import DPOConfig, SFTConfig  # (torch-free: the jobs themselves are imported by _run)
 from ..errors import ConfigError
 from .flags import dataclass_options
 from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank

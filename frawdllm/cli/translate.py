@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError, counted
-from ..train.translation import TranslateConfig
+from ..train.translation_config import TranslateConfig  # (torch-free: the job is imported when run)
 from .flags import dataclass_options
 from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 from .options import set_option
