@@ -1,5 +1,7 @@
-"""A tiny encoder-decoder learns to copy and to reverse random symbol sequences through the
-shared training loop, to at least 99% exact match on unseen sequences."""
+"""A tiny encoder-decoder learns to reverse random symbol sequences through the shared
+training loop, to at least 99% exact match on unseen sequences. (Copying, the easier task,
+was tested too: 15 s of the suite that reversing, which needs the same cross-attention
+plus positions, already covers.)"""
 
 import random
 import time
@@ -32,7 +34,7 @@ def _pairs(n: int, reverse: bool, rng: random.Random) -> list[tuple[list[int], l
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("task", ["copy", "reverse"])
+@pytest.mark.parametrize("task", ["reverse"])
 def test_tiny_model_learns_the_task(task, tmp_path, shape_checks_for_first_steps):
     rng = random.Random(0)
     train, test = _pairs(4000, task == "reverse", rng), _pairs(200, task == "reverse", rng)
