@@ -4,11 +4,13 @@ The parts of FrawdLLM in C: the inference forward (`infer/native.c`) and, for tr
 a CPU, the attention (`model/cpu_attention.c`), RMSNorm/RoPE/SwiGLU (`model/cpu_fused.c`)
 and dropout's mask (`model/cpu_dropout.c`); each says why in its header. All are built
 the same way: `cc -O3 -march=native -fopenmp` (seconds to half a minute, announced on
-stderr), into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`), under a name
-keyed by the source (with the headers it includes), the flags, the compiler and the CPU,
-so later processes load the built file at once. The compile goes to a temporary file
-that is then renamed: a killed build never leaves half a library. Without a compiler,
-with a build that fails (a full disk...), or with `FRAWD_NATIVE=0`, a library is
+stderr), into `~/.cache/frawdllm/native/` (or `$FRAWD_CACHE_DIR/native`...: cache_dir),
+under a name keyed by the source (with the headers it includes), the flags, the compiler
+and the CPU, so later processes load the built file at once. The compile goes to a
+temporary file that is then renamed: a killed build never leaves half a library. Where the
+cache folder cannot be written, the library is built into a temporary folder of the
+process (built again by the next process, but not slow PyTorch instead). Without a
+compiler, with a build that fails (a full disk...), or with `FRAWD_NATIVE=0`, a library is
 unavailable and its callers use PyTorch instead; a failure is said once on stderr.
 
 `FRAWD_MARCH` replaces `native` in `-march=` (e.g. `haswell` to run the AVX2 code on a
@@ -20,11 +22,14 @@ OpenMP runtime (same soname), so C and PyTorch share one thread pool.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import platform
 import re
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -43,8 +48,61 @@ def march() -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FRAWD_CACHE_DIR") or Path.home() / ".cache" / "frawdllm"
-    return Path(root) / "native"
+    """Where the built libraries go: `$FRAWD_CACHE_DIR/native` (`~` expanded), else
+    `$XDG_CACHE_HOME/frawdllm/native`, else `~/.cache/frawdllm/native`.
+
+    A process without a home (no $HOME and no passwd entry for its user id: `docker run -u
+    12345`, OpenShift's random user ids) gets `frawdllm-cache-UID` in the temporary folder
+    instead: Path.home() raises there, and a cache that is lost when /tmp is cleaned only
+    costs a rebuild."""
+    given = os.environ.get("FRAWD_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if given:
+        root = Path(os.path.expanduser(given))  # (FRAWD_CACHE_DIR='~/x': the shell left the `~` as it is)
+    elif os.path.isabs(xdg):  # (the XDG spec: a relative path there is to be ignored)
+        root = Path(xdg) / "frawdllm"
+    else:
+        try:
+            root = Path.home() / ".cache" / "frawdllm"
+        except RuntimeError:  # "Could not determine home directory"
+            root = _homeless_cache()
+    return root / "native"
+
+
+def _homeless_cache() -> Path:
+    """`frawdllm-cache-UID` in the temporary folder, made private to this user. That name can be
+    taken by another user (anyone may create folders in /tmp), and the libraries in it are
+    code this process runs: a folder that is not this user's alone is not used."""
+    folder = Path(tempfile.gettempdir()) / f"frawdllm-cache-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = folder.lstat()
+    except OSError:
+        return folder  # (not there and cannot be made: nothing can be loaded from it)
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022:
+        return folder
+    return process_folder()
+
+
+_process_folder: Path | None = None
+
+
+def process_folder() -> Path:
+    """A temporary folder of this process alone (made on first use, removed at exit)."""
+    global _process_folder
+    if _process_folder is None:
+        _process_folder = Path(tempfile.mkdtemp(prefix="frawdllm-"))
+        atexit.register(shutil.rmtree, _process_folder, ignore_errors=True)
+    return _process_folder
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (`taskset`, a container's cpuset), which
+    can be fewer than the machine's os.cpu_count(). (A CPU quota, `docker --cpus`, is not seen.)"""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (macOS has no affinity to ask)
+        return os.cpu_count() or 1
 
 
 def cpuinfo_flags_line() -> str | None:
@@ -95,10 +153,16 @@ def build(source: Path, what: str = "") -> Path:
     target = cache_dir() / f"{source.stem}_{key}.so"
     if target.exists():
         return target
-    print(f"compiling {what or source.name} for this CPU (once)...", file=sys.stderr, flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # compile aside, then rename: never half a file
+    when = "once"
+    try:  # the folder first: a compile announced must have somewhere to go
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # compile aside, then rename: never half a file
+    except OSError as e:  # e.g. a read-only home: build for this process rather than not at all
+        when = f"for this process only: cannot write {target.parent}: {e.strerror or e}"
+        target = process_folder() / target.name
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    print(f"compiling {what or source.name} for this CPU ({when})...", file=sys.stderr, flush=True)
     try:
         result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from frawdllm import FrawdLLM, get_config
+from frawdllm import FrawdLLM, cbuild, get_config
 from frawdllm.errors import FrawdError
 from frawdllm.infer import Engine, KVCache, SamplingParams, native, paths, quantize_int8
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -321,6 +321,34 @@ def test_the_compiled_library_is_cached_and_built_atomically(tmp_path, monkeypat
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native.LIBRARY, "_lib", None)
     assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_an_unwritable_cache_builds_into_a_folder_of_the_process(tmp_path, monkeypatch, capsys):
+    """A read-only home or a cache path that is a file: the C forward is built for this
+    process rather than not at all (PyTorch instead is several times slower)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(blocker))
+    (tmp_path / "process").mkdir()
+    monkeypatch.setattr(cbuild, "_process_folder", tmp_path / "process", raising=False)
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
+    assert native.available()
+    assert [p.suffix for p in (tmp_path / "process").iterdir()] == [".so"]
+    assert capsys.readouterr().err == (f"compiling the native forward for this CPU (for this process only: cannot "
+                                       f"write {blocker / 'native'}: Not a directory)...\n")
+
+
+def test_a_build_with_nowhere_to_go_is_not_announced(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(cbuild, "process_folder", lambda: blocker, raising=False)  # (nor can a temporary folder be)
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
+    assert not native.available()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("the native forward is unavailable (") and "Not a directory" in err[0]
 
 
 @pytest.mark.parametrize("name", ["learned", "llama", "post-ln"])

@@ -157,9 +157,9 @@ def test_shards_inside_their_source_folder_are_refused_before_anything_is_writte
 
 def test_more_local_workers_than_four_per_cpu_are_refused(tmp_path, bpe, monkeypatch):
     src = _write_corpus(tmp_path / "c.txt", _corpus(5))
-    monkeypatch.setattr(shards_module.os, "cpu_count", lambda: 2)
-    with pytest.raises(FrawdError, match=re.escape("workers must be at most 8 on this machine (4 per CPU, it has 2), "
-                                                   "got 9: more only wait for a core")):
+    monkeypatch.setattr(shards_module, "usable_cpus", lambda: 2)
+    with pytest.raises(FrawdError, match=re.escape("workers must be at most 8 here (4 per CPU, this process may use "
+                                                   "2), got 9: more only wait for a core")):
         prepare_shards(str(src), bpe, tmp_path / "out", workers=9)
     assert not (tmp_path / "out").exists()
     shards_module.check_prepare_options(0.1, 9, local=False)  # (Slurm or Ray tasks run elsewhere)

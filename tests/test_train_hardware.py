@@ -220,6 +220,30 @@ def test_a_hanging_free_compile_failure_falls_back_within_bounded_time(tmp_path,
     assert result.steps == 20 and time.perf_counter() - start < 10
 
 
+def test_a_compile_failure_whose_first_line_only_introduces_the_cause_keeps_the_cause(tmp_path, monkeypatch):
+    # inductor's BackendCompilerFailed: "backend='inductor' raised:" and the cause on the next line
+    def broken(fn):
+        def compiled(*args):
+            raise RuntimeError("backend='inductor' raised:\nPermissionError: [Errno 13] Permission denied: "
+                               "'/cache/inductor'\n\nSet TORCHDYNAMO_VERBOSE=1 for more information")
+        return compiled
+
+    monkeypatch.setattr(compiling, "compile_step", broken)
+    trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="true", max_steps=2))
+    with pytest.warns(UserWarning) as warned:
+        trainer.fit()
+    reason = "RuntimeError: backend='inductor' raised: PermissionError: [Errno 13] Permission denied: '/cache/inductor'"
+    assert f"torch.compile failed ({reason}); training without it" in [str(w.message) for w in warned]
+    assert trainer.compile_why == f"off: torch.compile failed ({reason})"
+    assert compiling.known_failure(CPU) == f"it failed here before ({reason}); --compile true tries again"
+
+
+def test_a_compile_failure_is_one_bounded_line():
+    assert compiling.failure_reason(ValueError("x" * 500 + "\nmore")) == "ValueError: " + "x" * 200
+    assert compiling.failure_reason(RuntimeError("a:\n" + "b" * 500)) == "RuntimeError: a: " + "b" * 197
+    assert compiling.failure_reason(RuntimeError()) == "RuntimeError: "
+
+
 def test_a_long_compile_warmup_is_not_taken_for_the_next_steps_time(tmp_path, monkeypatch):
     # torch.compile's warm-up took most of a minute of a 100 s budget: the run stopped after
     # that one step, as if every step would take as long. Here a 2 s warm-up in a 4 s budget.

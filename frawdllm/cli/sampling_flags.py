@@ -10,7 +10,6 @@ int8 quantization, the native C forward or torch.compile, overflow policy).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -159,18 +158,20 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     """A ready Engine for a model directory; every problem is a one-line FrawdError."""
     import torch
 
+    from ..cbuild import usable_cpus
     from ..infer import Engine
     from ..infer.quantize import quantize_int8
     from ..modeldir import TOKENIZER_FILE, load_model, model_file
     from ..tokenizer import Tokenizer
 
     if threads is not None:
-        cpus = os.cpu_count() or 1
+        cpus = usable_cpus()  # (`taskset -c 0` leaves one of the machine's CPUs to this process)
         if threads < 1:
             raise FrawdError(f"--threads must be at least 1, got {threads}")
         if threads > MAX_THREADS_PER_CPU * cpus:  # (100000 crashed OpenMP: a segfault, no message)
-            raise FrawdError(f"--threads {threads} is more than {MAX_THREADS_PER_CPU}x this machine's {cpus} CPUs "
-                             f"(at most {MAX_THREADS_PER_CPU * cpus}; more threads than CPUs only wait for each other)")
+            raise FrawdError(f"--threads {threads} is more than {MAX_THREADS_PER_CPU}x the {cpus} CPUs this process "
+                             f"may use (at most {MAX_THREADS_PER_CPU * cpus}; more threads than CPUs only wait for "
+                             f"each other)")
         torch.set_num_threads(threads)
     if compile_model and native in ("fp16", "fp32"):
         raise FrawdError(f"--compile runs the decode step through torch.compile, not the native forward that "

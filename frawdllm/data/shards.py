@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cbuild import usable_cpus
 from ..config import is_integer
 from ..errors import FrawdError
 from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_error, write_json_atomic
@@ -157,10 +158,10 @@ def check_prepare_options(val_fraction: Any, workers: Any, local: bool = True) -
         raise FrawdError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
     if workers is not None and (not is_integer(workers) or workers < 1):
         raise FrawdError(f"workers must be an integer of at least 1, got {workers!r}")
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()  # (`taskset -c 0` leaves one of the machine's CPUs to this process)
     if local and workers is not None and workers > WORKERS_PER_CPU * cpus:
-        raise FrawdError(f"workers must be at most {WORKERS_PER_CPU * cpus} on this machine ({WORKERS_PER_CPU} per "
-                         f"CPU, it has {cpus}), got {workers}: more only wait for a core")
+        raise FrawdError(f"workers must be at most {WORKERS_PER_CPU * cpus} here ({WORKERS_PER_CPU} per CPU, "
+                         f"this process may use {cpus}), got {workers}: more only wait for a core")
 
 
 def refuse_out_in_source(data: str, out: Path) -> None:

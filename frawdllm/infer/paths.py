@@ -41,7 +41,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..cbuild import cache_dir, cpu_signature, march, source_digest
+from ..cbuild import cache_dir, cpu_signature, march, source_digest, usable_cpus
 from ..io import atomic_path
 from ..model.gpt import eval_mode
 from . import native as native_forward
@@ -160,16 +160,28 @@ BUSY_SHARE = 0.25  # other processes using more than this share of the cores: th
 
 
 def _machine_cpu_seconds() -> float | None:
-    """CPU seconds the cores have been busy since boot (/proc/stat: all but idle and iowait;
-    steal, time the hypervisor gave to other guests, counts as busy), or None."""
+    """CPU seconds the cores this process may use have been busy since boot, or None.
+    /proc/stat has a line per core ("cpu3 ...": all but idle and iowait is busy; steal, time
+    the hypervisor gave to other guests, counts as busy); the cores are those of the process's
+    affinity (`taskset -c 0`: only what runs on core 0 competes with it), or all of them."""
+    try:
+        mine = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+    except (AttributeError, OSError):
+        mine = {"cpu"}  # (the first line: all cores together)
+    busy = 0
     try:
         with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
+            for line in f:
+                name, *values = line.split()
+                if name in mine:
+                    fields = [int(v) for v in values]
+                    if len(fields) < 5:
+                        return None
+                    busy += sum(fields[:8]) - fields[3] - fields[4]  # (guest time is in user)
+                    mine.remove(name)
     except (OSError, ValueError):
         return None
-    if len(fields) < 5:
-        return None
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # (guest time is in user)
+    return None if mine else busy / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -191,12 +203,12 @@ class CpuWindow:
         if now is None or self.machine is None or wall <= 0:
             return None
         others = (now - self.machine) - (times.user + times.system - self.own)
-        return max(0.0, others) / (wall * (os.cpu_count() or 1))
+        return max(0.0, others) / (wall * usable_cpus())
 
 
 def machine_busy(window: CpuWindow | None = None, seconds: float = 0.05) -> bool:
-    """Whether other work keeps this machine's cores busy: other processes used more than a
-    quarter of the cores during `window` (or, without one, during the next `seconds`).
+    """Whether other work keeps the cores this process may use busy: other processes used more
+    than a quarter of them during `window` (or, without one, during the next `seconds`).
     Where /proc/stat cannot be read: the 1-minute load average above half the cores. (The
     load average alone lags by a minute: a compile that had just started left it low while
     a plan was measured next to it.)"""
@@ -207,7 +219,7 @@ def machine_busy(window: CpuWindow | None = None, seconds: float = 0.05) -> bool
     if share is not None:
         return share > BUSY_SHARE
     try:
-        return os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
+        return os.getloadavg()[0] > 0.5 * usable_cpus()
     except (AttributeError, OSError):
         return False
 

@@ -97,6 +97,15 @@ def is_cache_corruption(exc: BaseException) -> bool:
         s in text for s in ("file too short", "invalid ELF header", "cannot open shared object", "Unpickl"))
 
 
+def failure_reason(exc: BaseException, limit: int = 200) -> str:
+    """`exc` in one line: its type and the first line of its message, with the next line too
+    when the first only introduces it (inductor's "backend='inductor' raised:" puts the cause
+    on the second line); at most `limit` characters of message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines or [""])[0]
+    return f"{type(exc).__name__}: {text[:limit]}"
+
+
 def cxx_compiler() -> str | None:
     """The C++ compiler inductor would use on a CPU, if there is one."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):

@@ -2,8 +2,8 @@
 
 `TrainConfig` holds what the shared loop needs (optimizer, schedule, budget, dtype,
 checkpoints, logging). A job extends it: `PretrainConfig` adds the model (a preset plus
-field overrides) and the data; `FinetuneConfig` (sft, dpo: align/job.py) and
-`TranslateConfig` (train/translation.py) add theirs the same way.
+field overrides) and the data; `FinetuneConfig` (sft, dpo: align/config.py) and
+`TranslateConfig` (train/translation_config.py) add theirs the same way.
 
 A run is described by layers, later ones winning:
 
@@ -15,6 +15,7 @@ Values are validated once, here; the loop trusts them.
 
 from __future__ import annotations
 
+import os
 import re
 import types
 import typing
@@ -267,7 +268,7 @@ def field_defaults(cls: type) -> dict[str, Any]:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """A config file as a mapping: YAML, or TOML for a `.toml` file (FrawdError on a missing
-    or malformed file)."""
+    or malformed file), its paths with `~` expanded (see expand_home)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -284,7 +285,17 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config fields at the top level (`key: value` lines; "
                           f"TOML in a file named .toml)")
-    return data
+    return expand_home(data)
+
+
+def expand_home(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with `~` expanded in `out` and the other paths (rundir.PATH_FIELDS): the shell
+    expands `--out ~/run` on a command line, but nothing expands `out: ~/run` in a config file,
+    which would make a folder named `~` in the working directory."""
+    from .rundir import PATH_FIELDS
+
+    return {key: os.path.expanduser(value) if key in ("out", *PATH_FIELDS) and isinstance(value, str) else value
+            for key, value in values.items()}
 
 
 def _toml() -> types.ModuleType:

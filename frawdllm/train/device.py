@@ -40,7 +40,7 @@ import torch
 
 from ..cbuild import cache_dir as _native_cache_dir
 from ..cbuild import cpuinfo_flags_line
-from ..errors import ConfigError, counted
+from ..errors import ConfigError, FrawdError, counted
 from ..io import write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,7 +70,8 @@ SHOWN_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni"
 
 
 def user_cache_dir() -> Path:
-    """FrawdLLM's per-user cache: ~/.cache/frawdllm, or $FRAWD_CACHE_DIR."""
+    """FrawdLLM's per-user cache: ~/.cache/frawdllm, $XDG_CACHE_HOME/frawdllm or $FRAWD_CACHE_DIR
+    (cbuild.cache_dir says which, and where a process without a home keeps it)."""
     return _native_cache_dir().parent
 
 
@@ -271,7 +272,7 @@ def update_cache(name: str, key: str, value) -> None:
     data[key] = value
     try:
         write_json_atomic(user_cache_dir() / name, data)
-    except OSError:
+    except (OSError, FrawdError):  # (a full disk is a FrawdError: one line for the files a run must write)
         pass
 
 

@@ -629,19 +629,19 @@ class Trainer:
             if not self._compiled or self._compiled_ok or isinstance(exc, TaskOutputError):
                 raise
             self.optimizer.zero_grad(set_to_none=True)
-            first_line = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            reason = compiling.failure_reason(exc)
             if compiling.is_cache_corruption(exc) and not self._compile_retried:
                 # e.g. a kernel truncated by a killed run: compile again into a fresh cache folder
                 self._compile_retried = True
                 where = compiling.use_fresh_cache()
-                self._say(f"torch.compile's cache is damaged ({first_line}); compiling again in {where}")
+                self._say(f"torch.compile's cache is damaged ({reason}); compiling again in {where}")
                 self._use_compiled(True)
                 return self._forward_backward(batch)
             # e.g. no working C++ compiler on this machine: train without torch.compile
-            warnings.warn(f"torch.compile failed ({first_line}); training without it", stacklevel=2)
+            warnings.warn(f"torch.compile failed ({reason}); training without it", stacklevel=2)
             if self._signal is None:  # Ctrl-C or SIGTERM reach inductor's compilers too: no fault of this machine
-                compiling.remember_failure(self.device, first_line)
-            self.compile_why = f"off: torch.compile failed ({first_line})"
+                compiling.remember_failure(self.device, reason)
+            self.compile_why = f"off: torch.compile failed ({reason})"
             self._use_compiled(False)
             return self._forward_backward(batch)
         if self._compiled:
