@@ -69,6 +69,8 @@ def sync_path(path: Path) -> None:
         return
     try:
         os.fsync(fd)
+    except OSError as exc:  # (a full disk found here is named by the file, for the message)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     finally:
         os.close(fd)
 
@@ -130,11 +132,30 @@ def _nearly_full(folder: Path) -> bool:
     return vfs.f_bavail * vfs.f_frsize < 2**20
 
 
+def _failed_file(exc: BaseException, path: Path) -> Path:
+    """The file a write that found the disk full was writing: `path`, or the file beside it
+    that its OSError names (our temporary name read as the name it stands for). With two
+    files written at once (train.bin and val.bin) this names the one the disk filled up on.
+    The OSError may be one that `exc` was raised from or during (closing a file flushes it
+    again, and fails again naming no file)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = exc.filename if isinstance(exc, OSError) and _full_errno(exc) is not None else None
+        if isinstance(name, str) and os.path.abspath(Path(name).parent) == os.path.abspath(path.parent):
+            match = _PARTIAL.fullmatch(Path(name).name)
+            return path.parent / (match["name"] if match else Path(name).name)  # (spelled as the caller did)
+        exc = exc.__cause__ or exc.__context__
+    return path
+
+
 def _write_error(exc: BaseException, path: Path) -> FrawdError | None:
     """The one-line error for a write into `path` that failed for lack of room (disk,
-    quota, file size limit), or None if it failed for another reason."""
+    quota, file size limit), or None if it failed for another reason. An error already
+    worded (a FrawdError, by an inner write) passes through unchanged."""
     if isinstance(exc, FrawdError) or not isinstance(exc, Exception):
         return None
+    path = _failed_file(exc, path)
     if is_disk_full(exc):
         return disk_full_error(path, exc)
     # (torch.save's writer reports a short write as a RuntimeError without the errno:
@@ -163,11 +184,20 @@ def disk_full_error(path: str | os.PathLike, exc: BaseException | None = None) -
     return FrawdError(f"no space left on {_mount_point(Path(path))} while writing {path}")
 
 
+def _refuse_dangling_link(path: str | os.PathLike) -> None:
+    """Refuse to write at or below a symbolic link whose target does not exist: it cannot
+    be written through, and replacing it would delete what the user made."""
+    for link in (Path(path), *Path(path).parents):
+        if link.is_symlink() and not link.exists():
+            raise FrawdError(f"{link} is a symbolic link to {os.readlink(link)}, which does not exist: "
+                             "remove the link or choose another path")
+
+
 def _missing_parents(path: Path) -> list[Path]:
     """The folders above `path` that do not exist yet, outermost first."""
     missing = []
     for parent in path.parents:
-        if parent.exists():
+        if os.path.lexists(parent):  # (a link counts: it is there, even if its target is not)
             break
         missing.append(parent)
     return missing[::-1]
@@ -179,7 +209,8 @@ def undo_on_error(path: str | os.PathLike) -> Iterator[None]:
     before the block (a failed write leaves no empty folders behind); a full disk becomes
     one clear FrawdError."""
     path = Path(path)
-    created = _missing_parents(path) + ([] if path.exists() else [path])
+    _refuse_dangling_link(path)
+    created = _missing_parents(path) + ([] if os.path.lexists(path) else [path])
     try:
         yield
     except BaseException as exc:
@@ -189,7 +220,7 @@ def undo_on_error(path: str | os.PathLike) -> Iterator[None]:
             elif folder.exists() or folder.is_symlink():
                 folder.unlink(missing_ok=True)
         if isinstance(exc, Exception) and not isinstance(exc, FrawdError) and is_disk_full(exc):
-            raise disk_full_error(path, exc) from None
+            raise disk_full_error(_failed_file(exc, path), exc) from None
         raise
 
 
@@ -228,6 +259,7 @@ def _temporary_in(make: Any, path: Path) -> str:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` if the block succeeds."""
     path = Path(path)
+    _refuse_dangling_link(path)
     with undo_on_error(path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp_path = Path(_temporary_in(tempfile.mkstemp, path))
@@ -262,6 +294,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
     replaced only after the new folder is complete; never when that would delete one of
     `keep` (the input being converted) or the current folder."""
     path = Path(path)
+    _refuse_dangling_link(path)
     if path.exists() and not path.is_dir():
         raise FrawdError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not overwrite:

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from frawdllm import FrawdError, FrawdLLM, get_config
-from frawdllm.io import atomic_dir, atomic_path, write_text_atomic
+from frawdllm.io import _mount_point, atomic_dir, atomic_path, sync_path, undo_on_error, write_text_atomic
 from frawdllm.tokenizer import byte_tokenizer
+from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
@@ -363,3 +364,73 @@ clean_partial(out.parent, only="out")
     assert len(warned) == 2, proc.stderr
     assert all(f"is left at {left[0]} (permission denied: {left[0] / 'tokenizer.json'})" in w for w in warned)
     assert "replaced" in warned[0] and "old copy" in warned[1]
+
+
+def test_a_symbolic_link_to_nowhere_is_refused_and_kept(tmp_path):
+    """A dangling link counted as a folder our write had created (`exists()` is False for
+    it), so the failed write deleted the user's link; an export said "not a directory:
+    .lnk.x1y2z3w4.tmp -> lnk", a name of ours the user never gave."""
+    link = tmp_path / "lnk"
+    link.symlink_to("nowhere")
+    said = (f"^{re.escape(str(link))} is a symbolic link to nowhere, which does not exist: "
+            "remove the link or choose another path$")
+    for writer in (atomic_path(link), atomic_path(link / "sub" / "f"), atomic_dir(link), atomic_dir(link / "sub"),
+                   undo_on_error(link), undo_on_error(link / "sub")):
+        with pytest.raises(FrawdError, match=said):
+            with writer:
+                pass
+    assert os.listdir(tmp_path) == ["lnk"] and os.readlink(link) == "nowhere"
+
+
+@pytest.mark.parametrize("command", ["tokenizer", "data", "export", "export-below"])
+def test_out_a_symbolic_link_to_nowhere_is_one_line_and_the_link_stays(tmp_path, capsys, command):
+    tok = byte_tokenizer()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("first document\n\nsecond document\n")
+    tok.save(tmp_path / "tok.json")
+    if command.startswith("export"):
+        FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=4, context_length=16)) \
+            .save_pretrained(tmp_path / "model", tokenizer=tok)
+    before = sorted(os.listdir(tmp_path))
+    link = tmp_path / "lnk"
+    link.symlink_to("nowhere")
+    out = link / "sub" if command == "export-below" else link
+    args = {"tokenizer": ["tokenizer", "train", "--data", corpus, "--kind", "char", "--out", out],
+            "data": ["data", "prepare", "--data", corpus, "--tokenizer", tmp_path / "tok.json", "--out", out],
+            "export": ["export", "--model", tmp_path / "model", "--format", "hf", "--out", out]}
+    code, _, err = run_cli(capsys, *args[command.split("-")[0]])
+    assert code == 1 and err == (f"frawd: error: {link} is a symbolic link to nowhere, which does not exist: "
+                                 "remove the link or choose another path\n")
+    assert os.readlink(link) == "nowhere" and sorted(os.listdir(tmp_path)) == sorted([*before, "lnk"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names file descriptors through /proc")
+@pytest.mark.parametrize("failing", ["train.bin", "val.bin"])
+@pytest.mark.parametrize("how", ["write", "fsync"])
+def test_a_full_disk_names_the_file_being_written_not_another_one_open(tmp_path, monkeypatch, failing, how):
+    """`data prepare` writes train.bin and val.bin at once (two atomic_path blocks, one inside
+    the other). The disk filled while writing train.bin, and the message named val.bin (674
+    bytes), the inner block, which worded the error first with its own name."""
+    files = {}  # name -> its temporary file
+    fsync = os.fsync
+
+    def full_fsync(fd):  # the data of `failing` does not fit
+        if Path(os.readlink(f"/proc/self/fd/{fd}")) == files[failing]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.delenv("FRAWD_FSYNC", raising=False)
+    monkeypatch.setattr(os, "fsync", full_fsync)
+    with pytest.raises(FrawdError) as info:
+        with atomic_path(tmp_path / "train.bin") as files["train.bin"], \
+                atomic_path(tmp_path / "val.bin") as files["val.bin"]:
+            files["val.bin"].write_bytes(b"small")
+            if how == "write":
+                try:  # the write, its OSError naming the (temporary) file it was writing
+                    raise OSError(errno.ENOSPC, "No space left on device", str(files[failing]))
+                except OSError:  # closing that file flushes it again, and fails naming no file
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            sync_path(files["train.bin"])  # the delayed write-back fails here, as shards.py flushes them
+            sync_path(files["val.bin"])
+    assert str(info.value) == f"no space left on {_mount_point(tmp_path)} while writing {tmp_path / failing}"
+    assert list(tmp_path.iterdir()) == []

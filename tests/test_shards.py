@@ -751,3 +751,37 @@ def test_ctrl_c_says_aborted_once_under_torchrun_on_rank_0_only(tmp_path, bpe, m
         code, _, err = run_cli(capsys, "data", "prepare", "--data", src, "--tokenizer", tmp_path / "tok.json",
                                "--out", tmp_path / "out")
         assert code == 130 and err.strip("\n") == said, (rank, err)  # (click writes a newline first)
+
+
+def test_a_full_disk_names_the_shard_that_did_not_fit(tmp_path, bpe, monkeypatch):
+    """train.bin filled the disk, and the message named val.bin: Python's failed write names
+    no file, and the error that reached the user came from the shard opened last."""
+    import builtins
+    import errno
+
+    class Full:  # a file on a disk that takes the header and nothing more
+        def __init__(self, f):
+            self.f, self.name = f, f.name
+
+        def write(self, data):
+            if self.f.tell() >= HEADER_BYTES:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def opened(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return Full(f) if "w" in mode and ".train.bin" in str(path) else f
+
+    monkeypatch.setattr(shards_module, "open", opened, raising=False)
+    src = _write_corpus(tmp_path / "c.txt", _corpus(50))
+    with pytest.raises(FrawdError, match=r"no space left on .* while writing .*train\.bin"):
+        prepare_shards(str(src), bpe, tmp_path / "out")

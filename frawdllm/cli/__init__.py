@@ -2,8 +2,8 @@
 
 Each subcommand lives in its own module here and is imported only when used, so
 `frawd --help` stays fast and torch is loaded only by commands that need it. A
-`FrawdError` (bad input) or an `OSError` (an unwritable folder, a full disk) becomes one
-line on stderr and exit status 1.
+`FrawdError` (bad input), an `OSError` (an unwritable folder, a full disk) or running out
+of memory becomes one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
+import signal
 import sys
+from typing import Any
 
 import click
 
@@ -39,7 +42,26 @@ def _available(name: str) -> bool:
     return importlib.util.find_spec(f"{__name__}.{COMMANDS[name][0]}") is not None
 
 
+class ReaderLeft(Exception):
+    """stdout's reader has gone (`frawd ... | head`). Not an OSError, so that it gets past
+    click, which would turn the BrokenPipeError into a silent exit 1."""
+
+
 class LazyGroup(click.Group):
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:  # (--help, --version print here)
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            raise ReaderLeft from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # piped output is buffered: a reader that left shows up here, not at exit
+            return result
+        except BrokenPipeError:
+            raise ReaderLeft from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if _available(name)]
 
@@ -100,12 +122,71 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
+_terminal_fds: list[int] = []  # stdout and stderr, where they were a terminal at the start
+
+
+def _hung_up(signum, frame) -> None:
+    """SIGHUP (the terminal closed, ssh dropped): do what SIGTERM does now (tidy up and end,
+    or a trainer's checkpoint first, a server's drain). The terminal is gone, and writing to
+    it would fail and cut that short: what is still printed goes to /dev/null instead."""
+    for fd in _terminal_fds:
+        _to_devnull(fd)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        raise Terminated
+    signal.raise_signal(signal.SIGTERM)
+
+
+def _to_devnull(fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _reader_left() -> None:
+    """stdout's reader has gone (`frawd ... | head`): exit quietly, as a program killed by
+    SIGPIPE does (`yes | head -1` gives 141), so a pipeline knows the output was cut short.
+    What Python still holds for stdout goes to /dev/null, so its flush at exit cannot fail
+    again with "Exception ignored ... BrokenPipeError"."""
+    try:
+        _to_devnull(sys.stdout.fileno())
+    except (AttributeError, ValueError, OSError):  # (a stdout that is not a file: nothing to redirect)
+        pass
+    sys.exit(128 + signal.SIGPIPE)
+
+
+_OUT_OF_MEMORY = ("can't allocate memory", "not enough memory", "out of memory")
+
+
+def _out_of_memory(exc: BaseException) -> str | None:
+    """The one-line message for an allocation that failed (Python's MemoryError, torch's
+    allocators' RuntimeError), or None for any other error."""
+    if isinstance(exc, MemoryError):
+        said = str(exc)
+    elif isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OUT_OF_MEMORY):
+        said = str(exc).strip().splitlines()[0]
+        said = re.sub(r"^\[enforce fail at [^\]]*\] \S*\. ", "", said)  # torch's source line: not the user's concern
+    else:
+        return None
+    said = f": {_one_line(said)}" if said.strip() else ""
+    return f"out of memory{said}; try a smaller --batch-size or model, or a machine with more memory"
+
+
 def main(argv: list[str] | None = None) -> None:
-    import signal
     import warnings
+
+    # Output that the terminal's encoding cannot show (PYTHONIOENCODING=latin-1, a C locale)
+    # is written as \u65e5 escapes instead of crashing the command.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (commands that drain install their own)
         signal.signal(signal.SIGTERM, _terminated)
+    # `nohup frawd ...` ignores SIGHUP, and so must we; else a hangup ends the command as SIGTERM
+    # does (under torchrun the trainer takes it over during training: its launcher died).
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        _terminal_fds[:] = [fd for fd in (1, 2) if os.isatty(fd)]
+        signal.signal(signal.SIGHUP, _hung_up)
 
     global _show_warning
     if warnings.showwarning is not _warning_line:
@@ -115,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     except FrawdError as exc:
         click.echo(f"frawd: error: {_one_line(exc)}", err=True)
         sys.exit(1)
-    except BrokenPipeError:
-        sys.exit(0)
+    except ReaderLeft:
+        _reader_left()
     except OSError as exc:  # an unwritable --out, a file where a folder is needed, a full disk
         click.echo(f"frawd: error: {_one_line(describe_os_error(exc))}", err=True)
         sys.exit(1)
@@ -139,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except (MemoryError, RuntimeError) as exc:
+        message = _out_of_memory(exc)
+        if message is None:  # any other RuntimeError is a bug: its traceback
+            raise
+        click.echo(f"frawd: error: {message}", err=True)
+        sys.exit(1)
     finally:
         if argv is None:  # the process is this command: it ends now
             # Python's collections at exit walk every object torch and the rest created

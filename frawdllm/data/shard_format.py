@@ -102,14 +102,27 @@ class ShardWriter:
             position = int(np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))[0])
             raise FrawdError(f"token id {tokens[position]} at position {self.n_tokens + position} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
-        self.file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        with self._named_errors():
+            self.file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.n_tokens += len(tokens)
 
     def finish(self) -> None:
-        self.file.flush()
-        self.file.seek(0)
-        self.file.write(_pack_header(self.n_tokens, self.dtype, self.vocab_size))
-        self.file.flush()
+        with self._named_errors():
+            self.file.flush()
+            self.file.seek(0)
+            self.file.write(_pack_header(self.n_tokens, self.dtype, self.vocab_size))
+            self.file.flush()
+
+    @contextmanager
+    def _named_errors(self) -> Iterator[None]:
+        """A failed write (a full disk) names this shard's file: Python's does not, and with
+        train and val open at once the message then named the wrong one."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror, getattr(self.file, "name", None)) from exc
 
 
 @contextmanager
