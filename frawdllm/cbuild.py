@@ -18,6 +18,10 @@ newer CPU: how the AVX2 figures of docs/inference.md can be reproduced anywhere)
 
 The library links `libgomp.so.1`; in a process that imported torch that is torch's own
 OpenMP runtime (same soname), so C and PyTorch share one thread pool.
+
+This module also owns the user cache folder (`cache_dir`), the small JSON files kept there
+(`read_json_cache`, `update_json_cache`: measured peaks, compile costs, the engine's paths)
+and the reading of /proc/cpuinfo (`cpuinfo_line`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import re
@@ -35,9 +40,10 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import FrawdError
+from .io import write_json_atomic
 
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
@@ -105,15 +111,42 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def read_json_cache(path: Path) -> dict:
+    """A JSON cache file's entries ({} if it is missing, unreadable or not a JSON object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_json_cache(path: Path, key: str, value: Any, keep: int | None = None) -> None:
+    """Set one entry of a JSON cache file (written atomically, as the newest entry); with
+    `keep`, only the newest `keep` entries stay. A cache that cannot be written is skipped:
+    it costs a measurement next time, nothing else."""
+    data = read_json_cache(path)
+    data.pop(key, None)  # (then set again: the file's order is the order the entries were written in)
+    data[key] = value
+    if keep is not None:
+        data = dict(list(data.items())[-keep:])
+    try:
+        write_json_atomic(path, data)
+    except (OSError, FrawdError):  # (a full disk is a FrawdError: one line for the files a run must write)
+        pass
+
+
+def cpuinfo_line(*starts: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of `starts` (None: none, or no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return next((line for line in text.splitlines() if line.startswith(starts)), None)
+
+
 def cpuinfo_flags_line() -> str | None:
     """The feature-flags line of /proc/cpuinfo ("flags: ..." on x86, "Features: ..." on ARM)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return None
+    return cpuinfo_line("flags", "Features")
 
 
 def cpu_signature() -> str:

@@ -1,12 +1,12 @@
-"""cbuild's helper that is not about compiling C: the mark torch.compile reads
-(tests/test_startup.py checks the import it saves)."""
+"""cbuild's helpers that are not about compiling C: the mark torch.compile reads
+(tests/test_startup.py checks the import it saves), and the user cache's JSON files."""
 
 import ctypes
 
 import pytest
 import torch
 
-from frawdllm.cbuild import constant_under_compile
+from frawdllm.cbuild import constant_under_compile, read_json_cache, update_json_cache
 
 
 def test_the_mark_is_the_one_torchs_decorator_sets():
@@ -35,3 +35,33 @@ def test_torch_compile_takes_a_marked_function_as_a_constant():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(lambda x: x * unmarked(), fullgraph=True, backend="eager")(torch.ones(2))
+
+
+def test_a_missing_corrupt_or_non_object_json_cache_reads_as_empty(tmp_path):
+    path = tmp_path / "cache.json"
+    assert read_json_cache(path) == {}
+    for content in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        path.write_bytes(content)
+        assert read_json_cache(path) == {}
+    update_json_cache(path, "key", 1.0)  # (a corrupt file is replaced)
+    assert read_json_cache(path) == {"key": 1.0}
+
+
+def test_a_bounded_json_cache_keeps_the_entries_written_last(tmp_path):
+    path = tmp_path / "cache.json"
+    for key in "abcd":
+        update_json_cache(path, key, key.upper(), keep=3)
+    assert list(read_json_cache(path)) == ["b", "c", "d"]
+    update_json_cache(path, "b", "B2", keep=3)  # written again: the newest now
+    update_json_cache(path, "e", "E", keep=3)
+    assert read_json_cache(path) == {"d": "D", "b": "B2", "e": "E"}
+    assert list(read_json_cache(path)) == ["d", "b", "e"]
+    update_json_cache(path, "f", "F")  # (no bound: nothing dropped)
+    assert list(read_json_cache(path)) == ["d", "b", "e", "f"]
+
+
+def test_a_json_cache_that_cannot_be_written_is_skipped(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    update_json_cache(blocker / "cache.json", "key", 1.0)  # (its folder is a file: no error)
+    assert read_json_cache(blocker / "cache.json") == {}

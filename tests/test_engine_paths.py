@@ -117,6 +117,19 @@ def test_the_plan_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     assert not calls and capsys.readouterr().err == ""
 
 
+def test_the_engine_paths_file_keeps_only_its_newest_entries(tmp_path, monkeypatch):
+    """engine_paths.json grew without bound (2,091 entries, 305 KB, read by each engine)."""
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paths, "KEPT_ENTRIES", 3)
+    monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
+    monkeypatch.setattr(paths, "_key", lambda model, weights, threads: f"{weights}|{threads}")
+    for n in range(5):
+        assert paths.remembered("plan", torch.nn.Identity(), f"w{n}", lambda: n) == n
+    kept = cbuild.read_json_cache(tmp_path / "native" / "engine_paths.json")
+    assert [entry["value"] for entry in kept.values()] == [2, 3, 4]
+    assert paths.remembered("plan", torch.nn.Identity(), "w4", lambda: "measured again") == 4  # (still read from the file)
+
+
 @NATIVE
 def test_a_plan_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tmp_path, monkeypatch):
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))

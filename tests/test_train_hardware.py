@@ -373,6 +373,16 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert "per character" not in result.output
 
 
+def test_the_machine_key_names_the_cpu_model_or_the_platform_without_cpuinfo(monkeypatch):
+    monkeypatch.setattr(device, "cpuinfo_line", lambda *starts: "model name\t: Fake CPU @ 3GHz" if starts == (
+        "model name",) else None)
+    assert device.machine_key(CPU).startswith("cpu:Fake CPU @ 3GHz [")
+    monkeypatch.setattr(device, "cpuinfo_line", lambda *starts: None)
+    monkeypatch.setattr(device.platform, "processor", lambda: "")
+    monkeypatch.setattr(device.platform, "machine", lambda: "riscv64")
+    assert device.machine_key(CPU).startswith("cpu:riscv64 [")
+
+
 def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_user_cache):
     key = device.machine_key(CPU) + "|fp32|shape-a"
     assert compiling.compile_cost(key).warmup_s == compiling.GUESS_WARMUP_S

@@ -15,7 +15,7 @@ count and at one thread. Each phase uses the fastest, so no phase is slower than
 eager (up to timing noise). Load changes while a program runs (another process takes a
 core: a team of threads then waits for its member that has no core), so each phase's
 thread count, native or PyTorch eager, keeps being re-decided as it runs (`ThreadChoice`). The choice is
-cached in `~/.cache/frawdllm/native/engine_paths.json`, keyed by the CPU, the
+cached in `~/.cache/frawdllm/native/engine_paths.json` (the newest `KEPT_ENTRIES`), keyed by the CPU, the
 C build (-march), torch's kernel choice and thread count, the model's shape and the weight type; a
 measurement of a model over 20M parameters says so on stderr (smaller ones take a
 fraction of a second). A plan measured while other work kept the cores busy (other
@@ -41,8 +41,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..cbuild import cache_dir, cpu_signature, march, source_digest, usable_cpus
-from ..io import atomic_path
+from ..cbuild import cache_dir, cpu_signature, march, read_json_cache, source_digest, update_json_cache, usable_cpus
 from ..model.gpt import eval_mode
 from . import native as native_forward
 from .cache import KVCache, RowKVCache
@@ -50,6 +49,10 @@ from .cache import KVCache, RowKVCache
 PHASES = {"prefill": (1, 32), "long": (1, 256), "decode": (1, 1), "batch": (4, 1), "wide": (16, 1)}  # rows, tokens
 FILL = 32  # cached tokens before a timed decode step
 LOUD_PARAMS = 20_000_000  # models above this size say on stderr that they are being measured
+# Entries engine_paths.json keeps, the last written (~150 bytes each): unbounded, it grew to 2,000
+# (300 KB, read by each engine and rewritten at each measurement) with every model shape, weight
+# type and thread count ever run; one dropped costs a measurement the next time it is needed
+KEPT_ENTRIES = 256
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ def torch_logits(
 
 
 def _key(model: nn.Module, weights: str, threads: int) -> str:
+    # (Not train.device.machine_key, on purpose: a plan is only valid for this C build (-march,
+    # native.c's code, AMX on or off) and oneDNN/ATen caps as set, for this model; changing the
+    # scheme would also throw away every plan users have measured.)
     isa = [os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]  # torch's kernels
     if os.environ.get("DNNL_MAX_CPU_ISA"):  # (appended only when set: the keys of users who set none stay)
         isa.append(os.environ["DNNL_MAX_CPU_ISA"])
@@ -146,14 +152,6 @@ def _key(model: nn.Module, weights: str, threads: int) -> str:
 
 def _file():
     return cache_dir() / "engine_paths.json"
-
-
-def _load() -> dict[str, Any]:
-    try:
-        data = json.loads(_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 BUSY_SHARE = 0.25  # other processes using more than this share of the cores: the machine is busy
@@ -229,19 +227,13 @@ def remembered(what: str, model: nn.Module, weights: str, measure: Callable[[], 
     and weight type: from `engine_paths.json` when it holds one measured on a quiet machine,
     else measured now and kept there (with whether other processes were busy meanwhile)."""
     key = f"{what}:{_key(model, weights, torch.get_num_threads())}"
-    entry = _load().get(key)
+    entry = read_json_cache(_file()).get(key)
     if isinstance(entry, dict) and "value" in entry and not (entry.get("busy") and not machine_busy()):
         return entry["value"]
     window = CpuWindow.open()
     value = measure()
     busy = machine_busy(window)  # other processes' CPU use while it was measured
-    data = _load()
-    data[key] = {"value": value, "busy": busy}
-    try:
-        with atomic_path(_file()) as tmp:
-            tmp.write_text(json.dumps(data, indent=1))
-    except OSError:
-        pass  # an unwritable cache costs a measurement next time, nothing else
+    update_json_cache(_file(), key, {"value": value, "busy": busy}, keep=KEPT_ENTRIES)
     return value
 
 

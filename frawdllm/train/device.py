@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import hashlib
-import json
 import os
 import platform
 import random
@@ -39,9 +38,8 @@ import numpy as np
 import torch
 
 from ..cbuild import cache_dir as _native_cache_dir
-from ..cbuild import cpuinfo_flags_line
-from ..errors import ConfigError, FrawdError, counted
-from ..io import write_json_atomic
+from ..cbuild import cpuinfo_flags_line, cpuinfo_line, read_json_cache, update_json_cache
+from ..errors import ConfigError, counted
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,13 +71,6 @@ def user_cache_dir() -> Path:
     """FrawdLLM's per-user cache: ~/.cache/frawdllm, $XDG_CACHE_HOME/frawdllm or $FRAWD_CACHE_DIR
     (cbuild.cache_dir says which, and where a process without a home keeps it)."""
     return _native_cache_dir().parent
-
-
-def _cpuinfo_text() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
 
 
 def _cpuinfo_flags() -> frozenset[str]:
@@ -247,33 +238,25 @@ PEAKS_FILE = "peaks.json"
 
 def machine_key(device: torch.device) -> str:
     """What a measured peak or compile cost belongs to: the processor, its features, the
-    thread count and the torch version."""
+    thread count and the torch version (readable: compile.py splits it at "|"; why the
+    engine's paths have a key of their own: `infer.paths._key`)."""
     if device.type == "cuda":
         what = torch.cuda.get_device_name(device)
     else:
-        model = next((line.split(":", 1)[1].strip() for line in _cpuinfo_text().splitlines()
-                      if line.startswith("model name")), platform.processor() or platform.machine())
+        line = cpuinfo_line("model name")
+        model = line.split(":", 1)[1].strip() if line else platform.processor() or platform.machine()
         what = f"{model} [{hashlib.sha256(' '.join(sorted(cpu_features())).encode()).hexdigest()[:8]}]"
     return f"{device.type}:{what}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
 def read_cache(name: str) -> dict:
     """A JSON file of the user cache as a dict ({} if missing or unreadable)."""
-    try:
-        data = json.loads((user_cache_dir() / name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_cache(user_cache_dir() / name)
 
 
 def update_cache(name: str, key: str, value) -> None:
     """Set one entry of a JSON file of the user cache (a cache that cannot be written is skipped)."""
-    data = read_cache(name)
-    data[key] = value
-    try:
-        write_json_atomic(user_cache_dir() / name, data)
-    except (OSError, FrawdError):  # (a full disk is a FrawdError: one line for the files a run must write)
-        pass
+    update_json_cache(user_cache_dir() / name, key, value)
 
 
 def cached_peak(device: torch.device, dtype: str) -> float | None:
