@@ -16,7 +16,8 @@ import click
 
 from ..errors import FrawdError, check_unicode
 from . import Terminated
-from .sampling_flags import context_stop_note, engine_flags, load_engine, params_from_flags, sampling_flags
+from .sampling_flags import (context_stop_note, engine_flags, load_engine, params_from_flags, sampling_flags,
+                             warn_unmatchable_stops)
 
 PROMPT = "> "
 # What chat keeps whatever generation_config.json says: each setting's value, and why
@@ -62,6 +63,7 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     params = params_from_flags(model_dir, sampling, **{key: value for key, (value, _) in CHAT_FIXED.items()})
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
+    warn_unmatchable_stops(engine, params)
     # (known before the first message: no message could be rendered)
     engine.tokenizer.require_frawd_specials(f"{model_dir}: the tokenizer", "which the chat template needs; "
                                             "frawd generate continues plain text with it")

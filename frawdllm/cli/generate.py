@@ -12,7 +12,7 @@ import click
 
 from ..errors import FrawdError, check_unicode
 from .sampling_flags import (check_rows_fit, context_stop_note, engine_flags, load_engine, params_from_flags,
-                             sampling_flags)
+                             sampling_flags, warn_unmatchable_stops)
 
 
 @click.command()
@@ -65,6 +65,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     params = params_from_flags(model_dir, sampling, **given)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     check_rows_fit(engine, texts, params)
+    warn_unmatchable_stops(engine, params)
     unknown = sorted(set().union(*(engine.tokenizer.unknown_characters(text) for text in texts)))
     if unknown:  # (a char tokenizer: the model sees <|unk|> for them, as data prepare and eval warn)
         shown = "".join(unknown[:20]) + (f" and {len(unknown) - 20} more" if len(unknown) > 20 else "")

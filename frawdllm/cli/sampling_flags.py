@@ -104,6 +104,16 @@ def check_rows_fit(engine: Any, prompts: list[str], params: Any) -> None:
                          f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")
 
 
+def warn_unmatchable_stops(engine: Any, params: Any) -> None:
+    """A warning on stderr for each stop string the model can never write: one with characters
+    a char tokenizer lacks (it decodes them as nothing it can generate, so the stop never matches)."""
+    for stop in params.stop:
+        missing = sorted(engine.tokenizer.unknown_characters(stop))
+        if missing:
+            click.echo(f"warning: --stop {stop!r} can never match: the tokenizer has no {''.join(missing)!r}",
+                       err=True)
+
+
 def context_stop_note(engine: Any, params: Any, ends: list[tuple[str | None, int]], what: str) -> str | None:
     """What to say when a completion (`what`: "the reply", ...) ended at the model's context short
     of max_new_tokens (`ends`: each one's finish reason and token count), or None."""
@@ -194,4 +204,4 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
 
 
 __all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine", "check_rows_fit",
-           "context_stop_note"]
+           "warn_unmatchable_stops", "context_stop_note"]
