@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import hashlib
-import json
 import os
 import platform
 import re
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import FrawdError
-from .io import write_json_atomic
+from .io import read_json_object, write_json_atomic
 
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
@@ -113,11 +112,7 @@ def usable_cpus() -> int:
 
 def read_json_cache(path: Path) -> dict:
     """A JSON cache file's entries ({} if it is missing, unreadable or not a JSON object)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(path)
 
 
 def update_json_cache(path: Path, key: str, value: Any, keep: int | None = None) -> None:

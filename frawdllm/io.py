@@ -359,6 +359,15 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON file's top-level object ({} when it is missing, unreadable, not JSON or not an object)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 # The temporary names above: .NAME.<8 random characters>.tmp (or .old for a replaced folder).
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.(?P<kind>tmp|old)")
 

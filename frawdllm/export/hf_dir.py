@@ -23,7 +23,6 @@ once the headers bound its size: at most about twice the weights').
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import warnings
@@ -40,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from ..config import ModelConfig, Seq2SeqConfig
 from ..errors import FrawdError
 from ..infer.sampling import SamplingParams
-from ..io import atomic_dir, write_json_atomic
+from ..io import atomic_dir, read_json_object, write_json_atomic
 from ..model import FrawdLLM
 from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_sampling, expected_shapes,
                         load_config, load_generation_config, load_model, model_file, tables_too_large,
@@ -226,18 +225,9 @@ def _no_progress_bars() -> Iterator[None]:
 
 
 # ---- import ------------------------------------------------------------------------------------
-def _json_object(path: Path) -> dict:
-    """A JSON file's top-level object ({} when it is not one, or not JSON)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _index_shards(index: Path) -> list[Path]:
     """The shard files a model.safetensors.index.json names (files beside it, nowhere else)."""
-    weight_map = _json_object(index).get("weight_map")
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FrawdError(f"{index}: not a safetensors index (a \"weight_map\" of tensor names to shard files)")
     names = sorted(set(weight_map.values()))
@@ -351,7 +341,7 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
             f"(hf download {hf_dir} --local-dir DIR)" if hub_like else ""))
     if not (directory / "config.json").is_file():
         raise FrawdError(f"{directory}: no config.json; not a transformers model directory")
-    if "format_version" in _json_object(directory / "config.json"):
+    if "format_version" in read_json_object(directory / "config.json"):
         raise FrawdError(f"{directory}: a FrawdLLM model directory already (its config.json has format_version); "
                          "every frawd command reads it as it is")
     kind, cfg = _read_hf_config(directory)
@@ -481,7 +471,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         if not tokenizer.is_file():
             _note_no_tokenizer(directory)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
-        sampling = sampling_from_hf(_json_object(directory / GENERATION_CONFIG_FILE), model.config.eos_token_id)
+        sampling = sampling_from_hf(read_json_object(directory / GENERATION_CONFIG_FILE), model.config.eos_token_id)
         if sampling:
             checked_sampling(sampling, directory / GENERATION_CONFIG_FILE)
             write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)
