@@ -15,6 +15,7 @@ from frawdllm.infer import Engine, SamplingParams
 from frawdllm.errors import FrawdError
 from frawdllm.infer.chat import ROLE_TOKEN_IDS
 from frawdllm.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from cli_helpers import run_cli
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 FRAWD = str(Path(sys.executable).parent / "frawd")
@@ -149,10 +150,8 @@ def test_an_undecodable_system_message_is_one_line_before_anything_runs(chat_mod
         "frawd: error: --system is not valid UTF-8 (a lone surrogate or undecodable byte at character 0)"]
 
 
-def test_a_tokenizer_without_chat_tokens_is_refused_at_start(tmp_path):
+def test_a_tokenizer_without_chat_tokens_is_refused_at_start(tmp_path, capsys):
     """It used to start, fail every message with the same error, and exit 0."""
-    import subprocess
-
     from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
     plain = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(ALPHABET)}, unk_token="a"))
@@ -160,10 +159,9 @@ def test_a_tokenizer_without_chat_tokens_is_refused_at_start(tmp_path):
     model = FrawdLLM(get_config("tiny", vocab_size=len(ALPHABET), n_layer=1, n_embd=16, n_head=2,
                                 context_length=32))
     model.save_pretrained(tmp_path / "m", tokenizer=Tokenizer(plain))
-    done = subprocess.run([FRAWD, "chat", "--model", str(tmp_path / "m"), "--threads", "1"], input=b"hi\n",
-                          capture_output=True, timeout=120)
-    assert done.returncode == 1
-    err = done.stderr.decode().strip().splitlines()
+    code, _, err = run_cli(capsys, "chat", "--model", tmp_path / "m", "--threads", "1")  # (refused before reading)
+    assert code == 1
+    err = err.strip().splitlines()
     assert len(err) == 1 and "lacks FrawdLLM's special tokens" in err[0] and "frawd generate" in err[0], err
 
 
@@ -215,16 +213,17 @@ def test_fitting_a_long_history_tokenizes_each_message_a_bounded_number_of_times
     assert kept[1]["role"] == "user" and earlier[1]["role"] == "user" and len(tok.render_chat(earlier)) > 64 - 16
 
 
-def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat_model):
+def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat_model, capsys):
     import subprocess
 
     done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1"], input=b"/quit\n",
                           capture_output=True, timeout=120)
     assert done.returncode == 0 and done.stdout.endswith(b"> \n"), done.stdout  # the shell prompt on its own line
-    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1", "--max-new-tokens", "8",
-                           "--system", "abc " * 39 + "abc"], input=b"hi\n", capture_output=True, timeout=120)
-    assert done.returncode == 1 and done.stdout == b""
-    assert done.stderr.decode().strip().splitlines() == [
+    # (refused before it reads anything: in this process, without a fresh interpreter's `import torch`)
+    code, out, err = run_cli(capsys, "chat", "--model", chat_model, "--threads", "1", "--max-new-tokens", "8",
+                             "--system", "abc " * 39 + "abc")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == [
         "frawd: error: --system needs 165 tokens with the template (an empty user message included) but the "
         "model's context leaves 120 (context 128 - 8 for the reply); shorten it"]
     child = spawn(chat_model, "--max-new-tokens", "8")

@@ -6,21 +6,29 @@ import sys
 
 from frawdllm import FrawdLLM, get_config
 
+from cli_helpers import run_cli
+
 
 def frawd(*args: str) -> subprocess.CompletedProcess:
     code = "import sys; from frawdllm.cli import main; main(sys.argv[1:])"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 
-def test_info_prints_the_built_models_parameter_count():
-    result = frawd("info", "--preset", "tiny")
+def frawd_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`frawd ARGS` run in this process (no fresh interpreter's `import torch`), as `frawd` gives it back."""
+    code, out, err = run_cli(capsys, *args)
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def test_info_prints_the_built_models_parameter_count(capsys):
+    result = frawd_here(capsys, "info", "--preset", "tiny")
     assert result.returncode == 0, result.stderr
     count = int(re.search(r"parameters:\s+([\d,]+)", result.stdout).group(1).replace(",", ""))
     assert count == sum(p.numel() for p in FrawdLLM(get_config("tiny")).parameters())
 
 
-def test_info_set_overrides_a_field():
-    result = frawd("info", "--preset", "tiny", "--set", "n_layer=2", "--set", "tie_embeddings=false")
+def test_info_set_overrides_a_field(capsys):
+    result = frawd_here(capsys, "info", "--preset", "tiny", "--set", "n_layer=2", "--set", "tie_embeddings=false")
     assert result.returncode == 0, result.stderr
     count = int(re.search(r"parameters:\s+([\d,]+)", result.stdout).group(1).replace(",", ""))
     assert count == get_config("tiny", n_layer=2, tie_embeddings=False).num_parameters
@@ -35,8 +43,8 @@ def test_bad_input_is_one_line_and_nonzero_exit():
         assert len(lines) == 1 and lines[0].startswith("frawd: error:"), result.stderr
 
 
-def test_info_ranks_shows_each_ranks_share_of_the_training_memory():
-    result = frawd("info", "--preset", "tiny", "--ranks", "4")
+def test_info_ranks_shows_each_ranks_share_of_the_training_memory(capsys):
+    result = frawd_here(capsys, "info", "--preset", "tiny", "--ranks", "4")
     assert result.returncode == 0, result.stderr
     n = sum(p.numel() for p in FrawdLLM(get_config("tiny")).parameters())
     rows = {m.group(1): [float(v) for v in m.groups()[1:]] for m in

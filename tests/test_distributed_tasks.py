@@ -46,7 +46,8 @@ def work(tmp_path_factory) -> Path:
 
 
 def frawd(command: str, work: Path, out: Path, *extra: str) -> dict[int, float]:
-    """Run `frawd COMMAND` on a tiny model for STEPS steps; its losses by step."""
+    """Run `frawd COMMAND` on a tiny model for STEPS steps (under --nproc: a torchrun subprocess,
+    else in this process); its losses by step."""
     common = ["--max-steps", str(STEPS), "--dtype", "fp32", "--compile", "false", "--device", "cpu",
               "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1", "--no-progress",
               "--dist-timeout", "30s", "--out", str(out)]
@@ -60,10 +61,18 @@ def frawd(command: str, work: Path, out: Path, *extra: str) -> dict[int, float]:
         args = [command, "--init", str(work / "base-llama"), "--data", str(data), "--batch-size", "8", "--lr", "3e-3",
                 "--sample-tokens", "4", "--sample-count", "1", "--val-fraction", "0.1"]
     args += common + list(extra)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", *args], capture_output=True, text=True,
-                          timeout=200, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if "--nproc" in args:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", *args], capture_output=True, text=True,
+                              timeout=200, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:  # the one-process reference: in this process (no fresh interpreter's `import torch` to pay)
+        from frawdllm.cli import main
+
+        try:
+            main(args)
+        except SystemExit as exc:
+            assert exc.code in (0, None), f"frawd {command} exited {exc.code}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 

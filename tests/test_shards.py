@@ -496,13 +496,15 @@ def test_overwrite_leaves_only_the_new_shards_once_they_are_complete(tmp_path, b
     assert len(read_shard(out / "train.bin")) == new["train_tokens"] and new["resolved_source"] == str(second.resolve())
 
 
-def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path):
+def test_cli_prepare_reports_a_bad_tokenizer_as_one_line(tmp_path, capfd):
+    from cli_helpers import run_cli
+
     src = _write_corpus(tmp_path / "c.txt", _corpus(3))
-    proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", "data", "prepare",
-                           "--data", str(src), "--tokenizer", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == f"frawd: error: tokenizer not found: {tmp_path / 'none.json'}"
+    capfd.readouterr()
+    code, _, stderr = run_cli(capfd, "data", "prepare", "--data", src, "--tokenizer", tmp_path / "none.json",
+                              "--out", tmp_path / "o")  # (in this process; captured at the descriptors)
+    assert code == 1
+    assert stderr.strip() == f"frawd: error: tokenizer not found: {tmp_path / 'none.json'}"
 
 
 @pytest.mark.parametrize("lost", ["val.bin", "train.bin"])
@@ -529,7 +531,9 @@ def test_shards_missing_a_split_are_an_error_not_a_text_corpus(tmp_path, bpe, lo
 
 
 
-def test_a_shard_folder_is_never_read_as_text(tmp_path, bpe):
+def test_a_shard_folder_is_never_read_as_text(tmp_path, bpe, capfd):
+    from cli_helpers import run_cli
+
     from click.testing import CliRunner
 
     from frawdllm.cli import cli
@@ -545,9 +549,9 @@ def test_a_shard_folder_is_never_read_as_text(tmp_path, bpe):
         prepare_shards(str(out), bpe, tmp_path / "again")
     for args in (["data", "prepare", "--data", out, "--tokenizer", tmp_path / "tok.json", "--out", tmp_path / "again"],
                  ["tokenizer", "train", "--data", out, "--vocab-size", "300", "--out", tmp_path / "tok2"]):
-        proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", *map(str, args)],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and proc.stderr == f"frawd: error: {refused}\n" and not proc.stdout
+        capfd.readouterr()
+        code, stdout, stderr = run_cli(capfd, *args)  # (in this process; captured at the descriptors)
+        assert code == 1 and stderr == f"frawd: error: {refused}\n" and not stdout
     assert not (tmp_path / "again").exists() and not (tmp_path / "tok2").exists()
     # meta.json without any of the shard files it names: an error everywhere, not a text corpus
     (out / "train.bin").unlink()
@@ -645,10 +649,11 @@ def test_an_imported_tokenizer_ends_documents_with_its_own_end_of_text(tmp_path)
     assert tokens == expected and meta["unk_tokens"] == 0
 
 
-def test_prepare_and_eval_draw_progress_bars_only_on_a_terminal(tmp_path, bpe):
+def test_prepare_and_eval_draw_progress_bars_only_on_a_terminal(tmp_path, bpe, capfd):
     import pexpect
 
     from align_helpers import model_dir
+    from frawdllm.cli import main
 
     corpus = _write_corpus(tmp_path / "c.txt", _corpus(200))
     bpe.save(tmp_path / "tok.json")
@@ -657,9 +662,15 @@ def test_prepare_and_eval_draw_progress_bars_only_on_a_terminal(tmp_path, bpe):
     evaluate = ["eval", "--model", str(model_dir(tmp_path)), "--data", str(corpus), "--val-fraction", "0.3",
                 "--device", "cpu"]
     for args, result in ((prepare + ["--out", str(tmp_path / "log")], "train_tokens: "), (evaluate, "loss: ")):
-        proc = subprocess.run(frawd + args, capture_output=True, text=True, timeout=300)  # stderr: a pipe, a log
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-        assert result in proc.stdout  # the result lines stay
+        capfd.readouterr()
+        try:  # in this process, stdout and stderr captured at the descriptors: not a terminal (a pipe, a log)
+            main(args)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+        stdout, stderr = capfd.readouterr()
+        assert code == 0 and stderr == "", stderr
+        assert result in stdout  # the result lines stay
     for args, bar in ((prepare + ["--out", str(tmp_path / "tty")], "tokenizing"), (evaluate, "evaluating")):
         child = pexpect.spawn(frawd[0], frawd[1:] + args, encoding="utf-8", timeout=300)
         child.expect_exact(bar)  # on a terminal the bar is drawn

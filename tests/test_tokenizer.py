@@ -243,13 +243,15 @@ def test_cli_trains_each_kind_into_out_dir(tmp_path):
         assert tok.vocab_size == {"bpe": 300, "char": 7 + len(set("".join(CORPUS))), "byte": 263}[kind]
 
 
-def test_cli_reports_a_missing_corpus_as_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "from frawdllm.cli import main; main()", "tokenizer", "train", "--data",
-                           str(tmp_path / "missing.txt"), "--out", str(tmp_path / "t")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().count("\n") == 0
-    assert "data source not found" in proc.stderr and "missing.txt" in proc.stderr
+def test_cli_reports_a_missing_corpus_as_one_line(tmp_path, capfd):
+    from cli_helpers import run_cli
+
+    capfd.readouterr()
+    code, _, stderr = run_cli(capfd, "tokenizer", "train", "--data", tmp_path / "missing.txt",
+                              "--out", tmp_path / "t")  # (in this process; captured at the descriptors)
+    assert code == 1
+    assert stderr.strip().count("\n") == 0
+    assert "data source not found" in stderr and "missing.txt" in stderr
 
 
 

@@ -143,11 +143,15 @@ def test_frawd_eval_notes_raw_source_flags_given_with_a_shard_folder(corpus, tmp
 FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
 
 
-def frawd(*args):
-    return subprocess.run([*FRAWD, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def frawd_here(capsys, *args):
+    """`frawd ARGS` run in this process (no fresh interpreter's `import torch` to pay)."""
+    from cli_helpers import run_cli as run_main
+
+    code, out, err = run_main(capsys, *args)
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
-def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(corpus, tmp_path):
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(corpus, tmp_path, capsys):
     config = write_config(tmp_path, corpus, max_time="5m", eval_interval=0)
     out = tmp_path / "run"
     proc = subprocess.Popen([*FRAWD, "pretrain", "--config", str(config),
@@ -162,21 +166,21 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(corpus, t
     assert "interrupted" in stderr and "--resume" in stderr
     (step, path), = list_checkpoints(out)
     assert step == max(r["step"] for r in read_metrics(out))
-    resumed = frawd("pretrain", "--out", str(out), "--resume", "--max-steps", str(step + 3))
+    resumed = frawd_here(capsys, "pretrain", "--out", str(out), "--resume", "--max-steps", str(step + 3))
     assert resumed.returncode == 0, resumed.stderr
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]
     assert steps == list(range(1, step + 4))  # continued where it stopped, nothing twice
 
 
-def test_user_errors_are_one_line(corpus, tmp_path):
+def test_user_errors_are_one_line(corpus, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("batch_sise: 4\n")
-    proc = frawd("pretrain", "--config", str(bad), "--out", str(tmp_path / "x"))
+    proc = frawd_here(capsys, "pretrain", "--config", str(bad), "--out", str(tmp_path / "x"))
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "batch_sise" in proc.stderr
-    proc = frawd("pretrain", "--out", str(tmp_path / "nothing"), "--resume")
+    proc = frawd_here(capsys, "pretrain", "--out", str(tmp_path / "nothing"), "--resume")
     assert proc.returncode == 1 and "no run to resume" in proc.stderr and proc.stderr.count("\n") == 1
-    proc = frawd("eval", "--model", str(tmp_path / "missing"), "--data", str(corpus))
+    proc = frawd_here(capsys, "eval", "--model", str(tmp_path / "missing"), "--data", str(corpus))
     assert proc.returncode == 1 and "not found" in proc.stderr and proc.stderr.count("\n") == 1
 
 
