@@ -238,3 +238,17 @@ def test_a_shard_folder_with_a_corrupt_meta_json_is_an_error_not_text(corpus, tm
     (text / "meta.json").write_text("{oops\n")
     (text / "a.txt").write_text("hello\n")
     assert read_shard_meta(text) is None and not is_shard_dir(text)
+
+
+def test_a_command_called_from_a_running_program_gets_its_whole_max_time(corpus, tmp_path, capsys, monkeypatch):
+    """main(ARGS) in a program that started long before (a notebook, this test session)
+    counted the program's age as the command's start-up: `--max-time 5m` ended after one step
+    with "start-up 477.8 s". The command counts from main()'s call; as the process, from the
+    process's start (its `import torch` included)."""
+    from frawdllm.train import device
+
+    monkeypatch.setattr(device, "process_started_at", lambda: time.perf_counter() - 3600.0)  # an hour-old program
+    config = write_config(tmp_path, corpus, max_time="5m", max_steps=6, eval_interval=0)
+    done = frawd_here(capsys, "pretrain", "--config", str(config), "--out", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == list(range(1, 7)), done.stderr

@@ -171,8 +171,26 @@ def _out_of_memory(exc: BaseException) -> str | None:
     return f"out of memory{said}; try a smaller --batch-size or model, or a machine with more memory"
 
 
+_called_at: float | None = None  # main(ARGS) called from a running program: when (perf_counter)
+
+
+def command_started_at() -> float:
+    """When this command started, for --max-time: the process's start (its `import torch`
+    included) when the process is the command, else when main() was called (a program, a
+    test or a notebook calling main(ARGS) long after its own start)."""
+    if _called_at is not None:
+        return _called_at
+    from ..train.device import process_started_at
+
+    return process_started_at()
+
+
 def main(argv: list[str] | None = None) -> None:
+    import time
     import warnings
+
+    global _called_at
+    _called_at = None if argv is None else time.perf_counter()
 
     # Output that the terminal's encoding cannot show (PYTHONIOENCODING=latin-1, a C locale)
     # is written as \u65e5 escapes instead of crashing the command.

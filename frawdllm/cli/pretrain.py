@@ -44,10 +44,10 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
     from ..config import parse_overrides, ModelConfig
     from ..errors import FrawdError
     from ..train.config import build_config
-    from ..train.device import process_started_at
+    from . import command_started_at
     from ..train.pretrain import dry_run_plan, run_pretraining, vocab_size_note
 
-    started_at = process_started_at()  # --max-time counts the whole command
+    started_at = command_started_at()  # --max-time counts the whole command
     cfg = build_config(PretrainConfig, config_file, flags, parse_overrides(ModelConfig, list(overrides)))
     if cfg.init_from is not None and flags.get("preset") is not None:
         raise FrawdError("--preset and --init-from both choose the model; give one")

@@ -16,9 +16,9 @@ from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 
 def _run(cls: type, command: str, config_file: str | None, nproc: int | None, flags: dict) -> None:
     from ..train.config import build_config
-    from ..train.device import process_started_at
+    from . import command_started_at
 
-    started_at = process_started_at()  # --max-time counts the whole command
+    started_at = command_started_at()  # --max-time counts the whole command
     _refuse_another_commands_config(cls, command, config_file, flags)
     cfg = build_config(cls, config_file, flags)
     if command == "sft":

@@ -56,10 +56,10 @@ def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None
     """
     from ..config import Seq2SeqConfig, parse_overrides
     from ..train.config import build_config
-    from ..train.device import process_started_at
+    from . import command_started_at
     from ..train.translation import check_translation, run_translation_training
 
-    started_at = process_started_at()
+    started_at = command_started_at()
     cfg = build_config(TranslateConfig, config_file, flags, parse_overrides(Seq2SeqConfig, list(overrides)))
     if nproc is not None:
         _require_files(cfg)
