@@ -20,8 +20,8 @@ The library links `libgomp.so.1`; in a process that imported torch that is torch
 OpenMP runtime (same soname), so C and PyTorch share one thread pool.
 
 This module also owns the user cache folder (`cache_dir`), the small JSON files kept there
-(`read_json_cache`, `update_json_cache`: measured peaks, compile costs, the engine's paths)
-and the reading of /proc/cpuinfo (`cpuinfo_line`).
+(`update_json_cache`; read with `io.read_json_object`: measured peaks, compile costs, the
+engine's paths) and the reading of /proc/cpuinfo (`cpuinfo_line`).
 """
 
 from __future__ import annotations
@@ -110,16 +110,11 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def read_json_cache(path: Path) -> dict:
-    """A JSON cache file's entries ({} if it is missing, unreadable or not a JSON object)."""
-    return read_json_object(path)
-
-
 def update_json_cache(path: Path, key: str, value: Any, keep: int | None = None) -> None:
     """Set one entry of a JSON cache file (written atomically, as the newest entry); with
     `keep`, only the newest `keep` entries stay. A cache that cannot be written is skipped:
     it costs a measurement next time, nothing else."""
-    data = read_json_cache(path)
+    data = read_json_object(path)
     data.pop(key, None)  # (then set again: the file's order is the order the entries were written in)
     data[key] = value
     if keep is not None:

@@ -6,7 +6,8 @@ import ctypes
 import pytest
 import torch
 
-from frawdllm.cbuild import constant_under_compile, read_json_cache, update_json_cache
+from frawdllm.cbuild import constant_under_compile, update_json_cache
+from frawdllm.io import read_json_object as read_json_cache
 
 
 def test_the_mark_is_the_one_torchs_decorator_sets():

@@ -10,6 +10,7 @@ import torch
 
 from frawdllm import cbuild
 from frawdllm.infer import Engine, SamplingParams, native, paths, quantize_int8
+from frawdllm.io import read_json_object
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 from test_engine import CONFIGS, IdTokenizer, make_model
 from test_native import check_against_full_forward
@@ -125,7 +126,7 @@ def test_the_engine_paths_file_keeps_only_its_newest_entries(tmp_path, monkeypat
     monkeypatch.setattr(paths, "_key", lambda model, weights, threads: f"{weights}|{threads}")
     for n in range(5):
         assert paths.remembered("plan", torch.nn.Identity(), f"w{n}", lambda: n) == n
-    kept = cbuild.read_json_cache(tmp_path / "native" / "engine_paths.json")
+    kept = read_json_object(tmp_path / "native" / "engine_paths.json")
     assert [entry["value"] for entry in kept.values()] == [2, 3, 4]
     assert paths.remembered("plan", torch.nn.Identity(), "w4", lambda: "measured again") == 4  # (still read from the file)
 

@@ -82,20 +82,18 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
 def check_rows_fit(engine: Any, prompts: list[str], params: Any) -> None:
     """FrawdError if the prompts, `params.num_samples` rows each, would need a KV cache (and
     a row of logits each) larger than the memory available. The cache is sized as the engine
-    sizes it (`_Run` in infer/engine.py): per row, the longest prompt + max_new_tokens - 1
-    slots (the last token is never fed back), at most the context plus the longest prompt
-    minus the shortest, at the engine's cache dtype (fp16 where the C forward keeps it)."""
+    sizes it (`engine.cache_slots`), at the engine's cache dtype (fp16 where the C forward
+    keeps it)."""
     import torch
 
+    from ..infer.engine import cache_slots
     from ..memory import free_memory
 
     cfg = engine.config
     rows = len(prompts) * params.num_samples
     # (a prompt past the context slides to a shorter window with --overflow slide: near enough)
     widths = [min(len(engine.encode(text)), cfg.context_length) for text in prompts]
-    slots = max(1, min(max(widths) + params.max_new_tokens - 1, cfg.context_length + max(widths) - min(widths)))
-    if engine.compile:  # (compiled: a few fixed cache sizes, as the engine rounds them)
-        slots = max(64, 1 << (slots - 1).bit_length())
+    slots = cache_slots(widths, cfg.context_length, params.max_new_tokens, engine.compile)
     item = torch.empty(0, dtype=engine.kv_dtype).element_size()
     per_row = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * slots * item + 4 * cfg.vocab_size  # (fp32 logits)
     need, have = rows * per_row, free_memory(torch.device("cpu"))

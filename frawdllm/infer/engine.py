@@ -471,6 +471,17 @@ def _at_threads(threads: int | None, run: Callable[[], Tensor]) -> Tensor:
         torch.set_num_threads(before)
 
 
+def cache_slots(widths: list[int], context: int, max_new_tokens: int, compiled: bool) -> int:
+    """The KV cache slots per row of a run whose rows start with windows of `widths` tokens."""
+    longest = max(widths)
+    needed = longest + max_new_tokens - 1  # the last sampled token is never fed back
+    cap = context + longest - min(widths)  # every row can reach its context end
+    slots = max(1, min(needed, cap))
+    if compiled:  # a few fixed cache sizes, so a new prompt length rarely means a new graph
+        slots = max(64, 1 << (slots - 1).bit_length())
+    return slots
+
+
 class _Run:
     """The token loop of one `generate`/`stream` call: prefill, then decode steps."""
 
@@ -491,13 +502,8 @@ class _Run:
         # where each row's window (what its cache holds) resumes in its sequence after the kept
         # prefix: a prompt longer than the context starts sliding at once
         self.starts = [0 if len(s) <= self.context else self._slid_start(row) for row, s in enumerate(self.seqs)]
-        widths = [len(self._window(row)) for row in range(self.n_rows)]
-        longest = max(widths)
-        needed = longest + params.max_new_tokens - 1  # the last sampled token is never fed back
-        cap = self.context + longest - min(widths)  # every row can reach its context end
-        max_len = max(1, min(needed, cap))
-        if engine.compile:  # a few fixed cache sizes, so a new prompt length rarely means a new graph
-            max_len = max(64, 1 << (max_len - 1).bit_length())
+        max_len = cache_slots([len(self._window(row)) for row in range(self.n_rows)], self.context,
+                              params.max_new_tokens, engine.compile)
         self.cache = KVCache(cfg, self.n_rows, max_len, dtype=engine.kv_dtype, device=engine.device,
                              static=engine.compile)
         self.rows = list(range(self.n_rows))  # batch position -> row
@@ -742,4 +748,4 @@ def _own_decode_step():
     return types.FunctionType(_decode_step.__code__.replace(), _decode_step.__globals__, "_decode_step")
 
 
-__all__ = ["Engine", "Completion", "StreamChunk", "decode_logits", "OVERFLOW_MODES"]
+__all__ = ["Engine", "Completion", "StreamChunk", "decode_logits", "cache_slots", "OVERFLOW_MODES"]

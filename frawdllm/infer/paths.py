@@ -41,7 +41,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..cbuild import cache_dir, cpu_signature, march, read_json_cache, source_digest, update_json_cache, usable_cpus
+from ..cbuild import cache_dir, cpu_signature, march, source_digest, update_json_cache, usable_cpus
+from ..io import read_json_object
 from ..model.gpt import eval_mode
 from . import native as native_forward
 from .cache import KVCache, RowKVCache
@@ -227,7 +228,7 @@ def remembered(what: str, model: nn.Module, weights: str, measure: Callable[[], 
     and weight type: from `engine_paths.json` when it holds one measured on a quiet machine,
     else measured now and kept there (with whether other processes were busy meanwhile)."""
     key = f"{what}:{_key(model, weights, torch.get_num_threads())}"
-    entry = read_json_cache(_file()).get(key)
+    entry = read_json_object(_file()).get(key)
     if isinstance(entry, dict) and "value" in entry and not (entry.get("busy") and not machine_busy()):
         return entry["value"]
     window = CpuWindow.open()

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ..cbuild import cache_dir as _native_cache_dir
-from ..cbuild import cpuinfo_flags_line, cpuinfo_line, read_json_cache, update_json_cache
+from ..cbuild import cpuinfo_flags_line, cpuinfo_line, update_json_cache
+from ..io import read_json_object
 from ..errors import ConfigError, counted
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -251,7 +252,7 @@ def machine_key(device: torch.device) -> str:
 
 def read_cache(name: str) -> dict:
     """A JSON file of the user cache as a dict ({} if missing or unreadable)."""
-    return read_json_cache(user_cache_dir() / name)
+    return read_json_object(user_cache_dir() / name)
 
 
 def update_cache(name: str, key: str, value) -> None:
