@@ -275,10 +275,19 @@ def test_hf_export_to_a_gguf_file_name_is_refused(tmp_path, tokenizer, capsys):
     _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
     before = entries(tmp_path)
     with pytest.raises(SystemExit) as info:
-        export(model_dir, tmp_path / "model.gguf")  # --format hf is the default
+        export(model_dir, tmp_path / "model.gguf", "--format", "hf")
     assert info.value.code != 0
     assert "--format gguf" in capsys.readouterr().err
     assert entries(tmp_path) == before
+
+
+def test_format_defaults_to_gguf_for_a_gguf_out_and_hf_otherwise(tmp_path, tokenizer):
+    pytest.importorskip("gguf")
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
+    export(model_dir, tmp_path / "model.gguf")
+    assert (tmp_path / "model.gguf").read_bytes()[:4] == b"GGUF"
+    export(model_dir, tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 def test_export_failing_midway_leaves_no_out_and_no_temporary_files(tmp_path, tokenizer, monkeypatch):

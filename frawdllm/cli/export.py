@@ -21,15 +21,16 @@ def require(module: str) -> None:
 
 @click.command()
 @click.option("--model", "model_dir", required=True, metavar="DIR", help="FrawdLLM model directory to export.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="hf", show_default=True,
-              help="hf: a transformers model directory; gguf: a llama.cpp file.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="hf: a transformers model directory; gguf: a llama.cpp file.  [default: gguf for an "
+                   "--out ending in .gguf, else hf]")
 @click.option("--out", required=True, metavar="PATH",
               help="New directory to create (gguf: model.gguf inside it), or a path ending in .gguf.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="Precision of the weights (GGUF keeps norms and biases in float32).")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out, only once the new export is complete.")
-def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> None:
+def export(model_dir: str, fmt: str | None, out: str, dtype: str, overwrite: bool) -> None:
     """Export a model to Hugging Face transformers or GGUF (llama.cpp).
 
     GPT-2 style configs (learned positions, LayerNorm, GELU) become GPT2LMHeadModel /
@@ -47,6 +48,8 @@ def export(model_dir: str, fmt: str, out: str, dtype: str, overwrite: bool) -> N
 
     Nothing is written at --out unless the whole export succeeds.
     """
+    if fmt is None:
+        fmt = "gguf" if out.lower().endswith(".gguf") else "hf"
     if fmt == "hf" and out.lower().endswith(".gguf"):
         raise click.UsageError(f"--out {out} names a GGUF file, but --format hf writes a directory; "
                                "for a GGUF file give --format gguf")
