@@ -201,7 +201,8 @@ def load_generation_config(directory: str | Path) -> dict[str, Any]:
     if _HF_MARKERS.intersection(data):  # transformers' file (copied in): read as `frawd import` reads it
         from .export.hf_dir import sampling_from_hf
 
-        data = sampling_from_hf(data, load_config(directory).eos_token_id)
+        config = load_config(directory)
+        data = sampling_from_hf(data, config.eos_token_id, config.context_length, path)
     return checked_sampling(data, path)
 
 

@@ -234,6 +234,42 @@ def test_stop_settings_samples_and_max_new_tokens_reach_transformers_generate_an
     assert (tmp_path / "again" / gen_file).read_bytes() == (hf_dir / gen_file).read_bytes()
 
 
+def test_import_of_a_greedy_max_length_or_beam_config_stays_greedy_and_names_what_it_ignores(tmp_path, capsys):
+    """transformers generates greedily without do_sample, and its max_length counts the prompt.
+    A file setting only max_length or num_beams imported as nothing (our sampling defaults), so
+    HF -> FrawdLLM -> HF turned a greedy model into a sampler, and what we cannot honour was
+    dropped without a word. A max_length reaching the context maps (generation runs until the
+    context is full, where transformers' greedy tokens are ours); the rest is named in one line."""
+    from cli_helpers import run_cli
+    from frawdllm.export.hf import to_hf_config
+    from frawdllm.infer import Engine, SamplingParams
+    from frawdllm.modeldir import load_generation_config
+
+    tok = byte_tokenizer()  # (the engine decodes what it generates)
+    cfg = small_model("llama-gqa", vocab_size=tok.vocab_size).config
+    hf_model = randomize_(transformers.AutoModelForCausalLM.from_config(to_hf_config(cfg)), seed=11).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    gen_file, ids = tmp_path / "hf" / "generation_config.json", {"bos_token_id": 2, "eos_token_id": 3}
+    gen_file.write_text(json.dumps({"max_length": cfg.context_length + 8, **ids}))
+    code, _, err = run_cli(capsys, "import", "--from-hf", tmp_path / "hf", "--out", tmp_path / "ours")
+    assert code == 0 and "ignored" not in err, err
+    sampling = load_generation_config(tmp_path / "ours")
+    assert sampling == {"temperature": 0, "max_new_tokens": cfg.context_length}
+    prompt = random_ids(cfg.vocab_size, batch=1, length=5, seed=3)
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval().generate(
+            prompt, attention_mask=torch.ones_like(prompt))[0, 5:].tolist()
+    engine = Engine(FrawdLLM.from_pretrained(tmp_path / "ours").eval(), tok, weights="fp32")
+    ours = engine.generate([prompt[0].tolist()], SamplingParams.from_dict(sampling))[0].tokens
+    assert 5 + len(ours) > cfg.context_length and ours == theirs[:len(ours)]
+
+    gen_file.write_text(json.dumps({"num_beams": 4, "no_repeat_ngram_size": 3, "max_length": 20, **ids}))
+    code, _, err = run_cli(capsys, "import", "--from-hf", tmp_path / "hf", "--out", tmp_path / "beams")
+    assert code == 0 and load_generation_config(tmp_path / "beams") == {"temperature": 0}
+    named = [line for line in err.splitlines() if "ignored" in line]
+    assert len(named) == 1 and all(f"{k}=" in named[0] for k in ("num_beams", "no_repeat_ngram_size", "max_length"))
+
+
 def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokenizer):
     model, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
     export(model_dir, tmp_path / "hf", "--dtype", "bfloat16")

@@ -18,7 +18,7 @@ from frawdllm import FrawdLLM, get_config
 from frawdllm.cli import main
 from frawdllm.errors import FrawdError
 from frawdllm.modeldir import (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
-                               load_generation_config, load_model)
+                               load_config, load_generation_config, load_model)
 from frawdllm.tokenizer import byte_tokenizer
 from cli_helpers import run_cli
 
@@ -144,6 +144,9 @@ def test_a_transformers_generation_config_reads_as_import_reads_it(zoo, tmp_path
     assert load_generation_config(d) == {"temperature": 0, "stop_token_ids": [5]}  # greedy without do_sample
     path.write_text(json.dumps({"do_sample": True, "top_p": 0.9, "eos_token_id": 3}))
     assert load_generation_config(d) == {"temperature": 1.0, "top_k": 50, "top_p": 0.9}  # transformers' defaults
+    context = load_config(d).context_length
+    path.write_text(json.dumps({"max_length": context, "eos_token_id": 3, "transformers_version": "4.57.0"}))
+    assert load_generation_config(d) == {"temperature": 0, "max_new_tokens": context}  # as `frawd import` maps it
     path.write_text(json.dumps({"temperature": 0.7, "eos_token_id": 3}))  # no marker: still ours, still refused
     with pytest.raises(FrawdError, match="eos_token_id"):
         load_generation_config(d)

@@ -132,3 +132,36 @@ def test_transformers_warnings_about_the_config_stay_off_stderr(checkpoints, tmp
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "bos_token_id=50256" in done.stderr
+
+
+def test_a_config_without_special_ids_takes_them_from_the_other_files_or_is_refused(checkpoints, tmp_path, capsys):
+    """bos, eos and pad all null imported as id 0, an ordinary token, without a word: generation
+    stopped at it. Now the ids come from the files that give them (generation_config.json,
+    tokenizer_config.json, the tokenizer's end-of-text token), with a warning; without any, one
+    line names eos_token_id."""
+    from frawdllm.export.hf_dir import write_hf_dir
+    from frawdllm.tokenizer import byte_tokenizer
+
+    def imported_ids(source: Path, out: str, says: str) -> tuple[int, int, int]:
+        code, _, err = run_cli(capsys, "import", "--from-hf", source, "--out", tmp_path / out)
+        assert code == 0 and says in err, err
+        cfg = FrawdLLM.from_pretrained(tmp_path / out).config
+        return cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id
+
+    null_ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    source = edited(checkpoints["llama"], tmp_path / "bare", **null_ids)
+    assert imported_ids(source, "gen", "took bos_token_id 2 from generation_config.json") == (2, 3, 0)
+    (source / "generation_config.json").unlink()
+    err = import_one_line(capsys, source, tmp_path / "refused")
+    assert "config.json: llama config has no eos_token_id (null)" in err, err
+
+    tok = byte_tokenizer()  # its tokenizer_config.json names <|bos|> 2, <|eos|> 3, <|pad|> 0
+    (tmp_path / "tok").mkdir()
+    write_hf_dir(FrawdLLM(get_config("tiny-llama", **{**TINY, "vocab_size": tok.vocab_size})), tok, tmp_path / "tok")
+    source = edited(tmp_path / "tok", tmp_path / "named", **null_ids)
+    (source / "generation_config.json").unlink()
+    assert imported_ids(source, "ours", "has no bos_token_id, eos_token_id, pad_token_id: took bos_token_id 2 "
+                                        "(<|bos|>) from tokenizer_config.json; eos_token_id 3") == (2, 3, 0)
+    (source / "tokenizer_config.json").unlink()  # only tokenizer.json's <|eos|> names an id (bos, pad: the eos)
+    assert imported_ids(source, "end", "has no eos_token_id: took eos_token_id 3 (<|eos|>) from tokenizer.json") == \
+        (3, 3, 3)

@@ -128,3 +128,28 @@ def test_transformers_generate_on_the_export_decodes_as_frawd_does():
     theirs = hf.generate(input_ids=src, num_beams=1, do_sample=False, max_new_tokens=9)[:, 1:].tolist()
     for row, their_row in zip(ours, theirs):  # (transformers forces EOS as the last of its 9)
         assert len(row) >= 8 and their_row[:8] == row[:8] and cfg.bos_token_id not in their_row, (row, their_row)
+
+
+def test_transformers_generate_without_length_arguments_stops_where_frawd_does(tmp_path):
+    """Our decoding's cap is the context (BOS + context_length - 1 tokens); the export wrote no
+    max_length, so a plain generate() stopped at transformers' 20 tokens in all and cut long
+    translations. A model that never chooses EOS runs to the cap on both sides."""
+    from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+
+    from frawdllm.infer.translate import greedy_decode
+
+    torch.manual_seed(0)
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1, mlp_hidden=64,
+                     context_length=40)
+    model = Seq2SeqTransformer(cfg).eval()
+    with torch.no_grad():  # EOS's logit is then 0, below the favourite's: never chosen
+        model.embed.tok.weight[cfg.eos_token_id] = 0
+    src = torch.randint(4, 60, (2, 9))
+    ours = greedy_decode(model, src)
+    assert [len(row) for row in ours] == [cfg.context_length - 1] * 2  # (9 + 50 tokens would be more)
+    to_marian_model(model).save_pretrained(tmp_path)
+    with torch.no_grad():
+        theirs = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval().generate(input_ids=src).tolist()
+    for row, their_row in zip(ours, theirs):  # BOS, then ours, the last one replaced by a forced EOS
+        assert their_row == [cfg.bos_token_id] + row[:-1] + [cfg.eos_token_id]
+    assert GenerationConfig.from_pretrained(tmp_path).max_length == cfg.context_length

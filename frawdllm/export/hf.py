@@ -105,13 +105,14 @@ def to_hf_config(cfg: ModelConfig):
     )
 
 
-def _first_id(*candidates: Any) -> int:
+def _first_id(*candidates: Any) -> int | None:
+    """The first candidate that is a token id (of a list of ids: its first); None if none is."""
     for value in candidates:
         if isinstance(value, (list, tuple)) and value:
             value = value[0]
         if isinstance(value, int):
             return value
-    return 0
+    return None
 
 
 def _rope_theta(hf_config: Any) -> float:
@@ -127,9 +128,6 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
     """The ModelConfig of a transformers GPT-2 or Llama config; anything we cannot compute
     exactly (another activation, RoPE scaling, ...) is a FrawdError naming it."""
     kind = getattr(hf_config, "model_type", None)
-    bos = _first_id(hf_config.bos_token_id, hf_config.eos_token_id)
-    eos = _first_id(hf_config.eos_token_id, hf_config.bos_token_id)
-    ids = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=_first_id(hf_config.pad_token_id, eos))
     tied = bool(getattr(hf_config, "tie_word_embeddings", True))
     if kind == "gpt2":
         checks = {
@@ -166,6 +164,14 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
     if bad:
         shown = ", ".join(f"{name}={getattr(hf_config, name.split('/')[0], '?')!r}" for name in bad)
         raise FrawdError(f"{kind} config with {shown} has no FrawdLLM equivalent")
+    # A missing bos or pad id is the eos (GPT-2 has one id for all three), a missing eos the bos;
+    # with neither we refuse: generation stops at the eos, and an id we picked would be an ordinary token.
+    eos = _first_id(hf_config.eos_token_id, hf_config.bos_token_id)
+    if eos is None:
+        raise FrawdError(f"{kind} config has no eos_token_id (null), and no tokenizer names an end-of-sequence "
+                         "token: set eos_token_id in config.json")
+    ids = dict(bos_token_id=_first_id(hf_config.bos_token_id, eos), eos_token_id=eos,
+               pad_token_id=_first_id(hf_config.pad_token_id, eos))
     outside = {name: value for name in ("bos_token_id", "eos_token_id", "pad_token_id")
                if isinstance(value := getattr(hf_config, name, None), int)
                and not 0 <= value < values["vocab_size"]}

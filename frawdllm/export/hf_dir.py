@@ -45,8 +45,8 @@ from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_s
                         load_config, load_generation_config, load_model, model_file, tables_too_large,
                         weight_shapes)
 from ..tokenizer import Tokenizer
-from .hf import (from_hf_config, from_hf_state_dict, head_differs, hf_architecture, normalise_hf_names,
-                 tensor_layout, to_hf_config, to_hf_state_dict)
+from .hf import (_first_id, from_hf_config, from_hf_state_dict, head_differs, hf_architecture,
+                 normalise_hf_names, tensor_layout, to_hf_config, to_hf_state_dict)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -63,7 +63,18 @@ CHAT_TEMPLATE = (
 )
 # transformers' GenerationConfig settings that say how it generates (not which tokens are which).
 _HF_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
-                "num_return_sequences", "stop_strings")
+                "max_length", "num_return_sequences", "stop_strings")
+# Its settings that change what generate() returns but have no counterpart in ours, each at
+# its "off" value (transformers' default): a file setting one otherwise is warned about.
+_HF_UNMAPPED = {
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "length_penalty": 1.0, "early_stopping": False,
+    "penalty_alpha": None, "dola_layers": None, "min_length": 0, "min_new_tokens": None, "max_time": None,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "force_words_ids": None, "constraints": None, "sequence_bias": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "guidance_scale": 1.0,
+    "token_healing": False, "watermarking_config": None,
+}
 
 
 # ---- export ------------------------------------------------------------------------------------
@@ -137,18 +148,33 @@ def _set_or(config: dict[str, Any], key: str, default: Any) -> Any:
     return config[key] if config.get(key) is not None else default
 
 
-def sampling_from_hf(config: dict[str, Any], eos_token_id: int) -> dict[str, Any]:
-    """Our generation_config.json from transformers' one (`eos_token_id`: the imported model's):
-    its sampling settings, read with transformers' defaults (greedy without do_sample; top_k
-    50 with it), and its stop settings (`generation_config`'s mapping backwards). Only what the
-    file sets: {} for a file of token ids alone (the importing side's defaults apply), but end
-    ids past the model's own become stop_token_ids."""
+def sampling_from_hf(config: dict[str, Any], eos_token_id: int, context_length: int | None = None,
+                     where: str | Path = GENERATION_CONFIG_FILE) -> dict[str, Any]:
+    """Our generation_config.json from transformers' one (`eos_token_id`, `context_length`: the
+    imported model's): its sampling settings, read with transformers' defaults (greedy without
+    do_sample; top_k 50 with it), and its stop settings (`generation_config`'s mapping
+    backwards). Only what the file sets: {} for a file of token ids alone (the importing side's
+    defaults apply), but end ids past the model's own become stop_token_ids. max_length counts
+    the prompt, so it maps only when it reaches the context (our generation ends there):
+    max_new_tokens = context_length. One warning names each setting that is ignored
+    (`_HF_UNMAPPED`, a smaller max_length)."""
     out: dict[str, Any] = {}
+    ignored = {k: config[k] for k, off in _HF_UNMAPPED.items() if config.get(k) not in (None, off)}
+    max_length = config.get("max_length")
+    if max_length is not None and config.get("max_new_tokens") is None:  # (max_new_tokens wins in transformers)
+        if context_length is not None and isinstance(max_length, int) and max_length >= context_length:
+            out["max_new_tokens"] = context_length  # (a row ends when the context is full, before this)
+        else:
+            ignored["max_length"] = max_length
+    if ignored:
+        shown = ", ".join(f"{k}={v!r}" for k, v in ignored.items())
+        why = " (max_length counts the prompt: only one reaching the context maps)" if "max_length" in ignored else ""
+        warnings.warn(f"{where}: ignored, FrawdLLM's generation has no counterpart: {shown}{why}")
     if config.get("do_sample"):
         out.update(temperature=_set_or(config, "temperature", 1.0), top_k=_set_or(config, "top_k", 50))
         out.update({k: config[k] for k in ("top_p", "min_p") if config.get(k) is not None})
-    elif any(config.get(k) is not None for k in _HF_SETTINGS):
-        out["temperature"] = 0  # transformers' greedy default
+    elif ignored or any(config.get(k) is not None for k in _HF_SETTINGS):
+        out["temperature"] = 0  # transformers' greedy default (a beam search becomes greedy too)
     for ours, theirs in (("repetition_penalty", "repetition_penalty"), ("max_new_tokens", "max_new_tokens"),
                          ("num_samples", "num_return_sequences")):
         if config.get(theirs) is not None:
@@ -291,12 +317,48 @@ def _read_hf_config(directory: Path) -> tuple[str, ModelConfig]:
         raise FrawdError(f"{path}: {_first_line(exc)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    taken = _fill_special_ids(hf_config, directory)
     try:
-        return getattr(hf_config, "model_type", ""), from_hf_config(hf_config)
+        cfg = from_hf_config(hf_config)
     except FrawdError as exc:  # what has no FrawdLLM equivalent, named by the file it is in
         raise FrawdError(f"{path}: {exc}") from None
     except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:  # a value transformers let through
         raise FrawdError(f"{path}: {_first_line(exc)}") from None
+    if taken:  # (once the config is accepted: a refusal stays one line)
+        warnings.warn(f"{path} has no {', '.join(taken)}: took " + "; ".join(taken.values()))
+    return getattr(hf_config, "model_type", ""), cfg
+
+
+def _fill_special_ids(hf_config: Any, directory: Path) -> dict[str, str]:
+    """Set the special ids config.json leaves null from the checkpoint's other files:
+    generation_config.json's (what transformers' generate() reads), else the tokens
+    tokenizer_config.json names (eos_token, ...) looked up in tokenizer.json, else, for the
+    eos, the tokenizer's end-of-text token (`Tokenizer.document_end_id`). Returns
+    {field: where its id came from}."""
+    fields = ("bos_token_id", "eos_token_id", "pad_token_id")
+    missing = [field for field in fields if _first_id(getattr(hf_config, field, None)) is None]
+    if not missing:
+        return {}
+    generation = read_json_object(directory / GENERATION_CONFIG_FILE)
+    named = read_json_object(directory / "tokenizer_config.json")
+    tokenizer_file = directory / TOKENIZER_FILE
+    tokenizer = Tokenizer.load(tokenizer_file) if tokenizer_file.is_file() else None
+    taken: dict[str, str] = {}
+    for field in missing:
+        token = named.get(field.removesuffix("_id"))
+        token = token.get("content") if isinstance(token, dict) else token  # (transformers' AddedToken form)
+        found = _first_id(generation.get(field))
+        if found is not None:
+            taken[field] = f"{field} {found} from {GENERATION_CONFIG_FILE}"
+        elif tokenizer is not None and isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            found = tokenizer.token_to_id(token)
+            taken[field] = f"{field} {found} ({token}) from tokenizer_config.json"
+        elif tokenizer is not None and field == "eos_token_id" and tokenizer.document_end_id() is not None:
+            found = tokenizer.document_end_id()
+            taken[field] = f"{field} {found} ({tokenizer.id_to_token(found)}) from {TOKENIZER_FILE}"
+        if found is not None:
+            setattr(hf_config, field, found)
+    return taken
 
 
 # config.json's names of the fields the header checks name, per model_type.
@@ -471,7 +533,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         if not tokenizer.is_file():
             _note_no_tokenizer(directory)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
-        sampling = sampling_from_hf(read_json_object(directory / GENERATION_CONFIG_FILE), model.config.eos_token_id)
+        sampling = sampling_from_hf(read_json_object(directory / GENERATION_CONFIG_FILE), model.config.eos_token_id,
+                                    model.config.context_length, directory / GENERATION_CONFIG_FILE)
         if sampling:
             checked_sampling(sampling, directory / GENERATION_CONFIG_FILE)
             write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)

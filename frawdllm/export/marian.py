@@ -131,4 +131,7 @@ def to_marian_model(model: torch.nn.Module):
     if set(missing) - ignorable or unexpected:
         raise RuntimeError(f"Marian weights do not line up: missing {missing}, unexpected {unexpected}")
     hf.generation_config.bad_words_ids = [[i] for i in never_after_bos(cfg)]  # as our decoding (generate() reads it)
+    # Our decoding's cap: BOS and at most context_length - 1 tokens (else generate() stops at 20 in
+    # all). Our other limit, source length + 50, has no generate() setting: pass max_new_tokens.
+    hf.generation_config.max_length = cfg.context_length
     return hf
