@@ -53,12 +53,18 @@ def asgi_post(body: bytes, spec_version: str = "2.3", path: str = "/v1/completio
 
 
 @contextmanager
-def live_server(engines: dict, options: ServeOptions):
-    """Yields the base URL ("http://127.0.0.1:PORT") while the server runs."""
+def live_server(engines: dict, options: ServeOptions, send_buffer: int | None = None):
+    """Yields the base URL ("http://127.0.0.1:PORT") while the server runs. `send_buffer`:
+    the kernel's send buffer of each connection, in bytes (small: a client that does not
+    read fills it, and then the server's own buffer, after a few kilobytes)."""
     app = create_app(engines, options)
-    port = free_port()
+    sock = socket.socket()
+    if send_buffer is not None:  # (accepted connections inherit it)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True, name=LOOP_THREAD)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=LOOP_THREAD)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30

@@ -6,6 +6,7 @@ in one line."""
 import json
 import logging
 import socket
+import threading
 import time
 
 import httpx
@@ -133,6 +134,26 @@ def test_truncate_leaves_room_for_the_reply(server):
                     (max_tokens, reply["usage"])
 
 
+def test_truncate_answers_a_turn_that_fits_the_context_but_not_the_room_for_the_reply(server):
+    """A conversation answered without "truncate" was refused with it (the chat page always
+    asks for it) when its newest turn fitted the context but not with max_tokens of room:
+    that turn (with the system message) is now the prompt, and the reply gets the room left."""
+    system, newest = {"role": "system", "content": "s"}, {"role": "user", "content": "a" * 40}
+    history = [{"role": "user", "content": "x" * 10}, {"role": "assistant", "content": "y"}]
+    for messages, truncated in [([system, newest], 47), ([system, *history, newest], 47)]:  # (of 47 and 62)
+        body = {"model": "m", "messages": messages, "max_tokens": 200, "temperature": 0}
+        plain = httpx.post(server["url"] + "/v1/chat/completions", json=body).json()
+        status, reply = post(server, "/v1/chat/completions", {**body, "truncate": True})
+        assert status == 200, reply
+        assert reply["usage"]["prompt_tokens"] == truncated <= plain["usage"]["prompt_tokens"], (reply, plain)
+        assert reply["choices"][0]["finish_reason"] == "length"
+    status, error = post(server, "/v1/chat/completions", {"model": "m", "max_tokens": 2, "truncate": True,
+                                                          "messages": [system, {**newest, "content": "a" * 60}]})
+    assert status == 400 and error["code"] == "context_length_exceeded", error
+    assert error["message"] == ("the message needs 67 tokens with the template and the system message but the "
+                                f"model's context is {CONTEXT}; shorten it")
+
+
 def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
     """Tokenizing 1M characters held the event loop (and every stream) for ~1.4 s, even for a
     request then refused: a text too long to ever fit is refused by its length."""
@@ -158,6 +179,32 @@ def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
     chat["messages"][-1]["content"] = long  # the newest message cannot be dropped
     status, error = post(server, "/v1/chat/completions", {**chat, "truncate": True})
     assert status == 400 and error["code"] == "context_length_exceeded" and "messages[2]" in error["message"]
+
+
+def test_a_conversation_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """A megabyte of chat turns, each short enough to pass the check on its length, was
+    tokenized on the event loop: every stream and /health stalled for 0.4-1 s. Now /health
+    answers while a conversation is being tokenized."""
+    tokenizer, inside, release, replies = server["tokenizer"], threading.Event(), threading.Event(), []
+    encode = tokenizer.encode
+
+    def held(text):  # (until /health has answered)
+        inside.set()
+        release.wait(5)
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", held)
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "abc"}]}
+    chat = threading.Thread(target=lambda: replies.append(httpx.post(server["url"] + "/v1/chat/completions",
+                                                                     json=body, timeout=30)))
+    chat.start()
+    try:
+        assert inside.wait(5)
+        health = httpx.get(server["url"] + "/health", timeout=2)  # (a timeout: the event loop is held)
+    finally:
+        release.set()
+        chat.join(10)
+    assert health.status_code == 200 and replies[0].status_code == 200, replies
 
 
 @pytest.mark.parametrize("field, value, param", [
@@ -215,6 +262,27 @@ def test_echo_of_token_ids_is_the_decoded_prompt(server):
     as_ids = httpx.post(server["url"] + "/v1/completions", json={**body, "prompt": [ids, ids]}).json()
     assert as_text["choices"][0]["text"].startswith("ab cd")
     assert [c["text"] for c in as_ids["choices"]] == [as_text["choices"][0]["text"]] * 2
+
+
+def test_echo_of_a_truncated_prompt_is_the_part_the_model_was_given(server):
+    """With "truncate", echo gave the whole prompt as sent while its logprobs covered the kept
+    tail (their tokens did not join to the text, their text_offset started at 0 on the tail):
+    the echo is now the tail, and the tokens join to the text."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 3  # 132 characters, context 64
+    tail = prompt[-(CONTEXT - 5):]  # (5: max_tokens, the room kept for the reply)
+    ids = server["tokenizer"].encode(prompt)
+    for given in (prompt, ids):
+        for stream in (False, True):
+            body = {"model": "m", "prompt": given, "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 1,
+                    "truncate": True, "stream": stream}
+            reply = httpx.post(server["url"] + "/v1/completions", json=body)
+            events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+            choices = [e["choices"][0] for e in events] if stream else reply.json()["choices"]
+            text = "".join(c["text"] for c in choices)
+            tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+            offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+            assert text.startswith(tail) and len(text) == len(tail) + 5, (given, stream, text)
+            assert "".join(tokens) == text and offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
 
 
 def test_an_oversized_chunked_body_is_a_413(server):

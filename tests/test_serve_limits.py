@@ -1,7 +1,8 @@
 """`frawd serve` against hostile or careless clients: scoring requests count against the
 same caps as generation and stop for a client that left; pipelined requests whose client
 closes are cancelled and free their place; a header or a body that never ends is refused;
-large logprob replies are built off the event loop."""
+large logprob replies are built off the event loop; a client that stops reading loses its
+place after the send timeout, and one that leaves is logged as cancelled."""
 
 import asyncio
 import gc
@@ -309,3 +310,84 @@ def test_logprob_replies_are_built_off_the_event_loop(small_server, monkeypatch)
         reply = httpx.post(url + "/v1/completions", json=body, timeout=10)
         assert reply.status_code == 200, reply.text
         assert threads and LOOP_THREAD not in threads[:2 * 2 * 3], (body, threads)  # (the echoed prompts' tokens)
+
+
+# ---- clients that stop reading ------------------------------------------------------------------------
+BIG_STREAM = {"model": "m", "prompt": "abcdefg" * 30, "max_tokens": 5, "n": 8, "echo": True, "logprobs": 5,
+              "stream": True}  # (~250 KB of events, past the buffers of a send_buffer=4096 server)
+
+
+def stalled_client(address, body: dict) -> socket.socket:
+    """A connection that sends `body`, reads the reply's status line, then nothing more (with
+    a 2 KB receive window: the server's buffers fill)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.settimeout(10)
+    sock.connect(address)
+    sock.sendall(raw_post(body))
+    assert sock.recv(12, socket.MSG_WAITALL) == b"HTTP/1.1 200"
+    return sock
+
+
+def generated_whole(url: str) -> bool:
+    """Whether the server's requests were all submitted (their prompt tokens counted) and
+    generated to their end."""
+    submitted = 'frawd_prompt_tokens_total{model="m"}' in httpx.get(url + "/metrics").text
+    health = httpx.get(url + "/health").json()
+    return submitted and health["running"] == health["waiting"] == 0
+
+
+def address_of(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_takes_no_bytes_is_closed_after_the_send_timeout(access_log, caplog):
+    """Streams to clients that never read held their --max-in-flight places after generation
+    had ended (every new request a 429, /health saying nothing runs) and a SIGTERM drain for
+    as long as the clients kept their sockets open. A connection whose client takes no bytes
+    for `send_timeout` seconds is now closed: its request is cancelled (499) and its place
+    free, and a shutdown waits no longer for it."""
+    engine = test_engine(*varied_model(context_length=1024))
+    sockets = []
+    try:
+        with live_server({"m": engine}, ServeOptions(max_in_flight=1, send_timeout=0.5), send_buffer=4096) as url:
+            sockets.append(stalled_client(address_of(url), BIG_STREAM))  # holds the one place
+            small = {"model": "m", "prompt": "a", "max_tokens": 2}
+            wait_until(lambda: httpx.post(url + "/v1/completions", json=small).status_code == 200)
+            sockets.append(stalled_client(address_of(url), BIG_STREAM))
+            start = time.time()  # (leaving the block stops the server: it drains open requests)
+        assert time.time() - start < 3
+    finally:
+        for sock in sockets:
+            sock.close()
+    stalled = [r for r in access_log if r["path"] == "/v1/completions" and r["prompt_tokens"] > 1]
+    assert [(r["status"], r["cancelled"]) for r in stalled] == [(499, True)] * 2, stalled
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_whose_client_closed_without_reading_is_logged_and_counted_cancelled(access_log, monkeypatch):
+    """A client that read nothing of a reply generated whole, then closed, was logged and
+    counted in /metrics as a 200 with every token and finish "stop": the stream, cancelled
+    while it waited (here for its echoed prompt's logprobs, built on a worker thread), had
+    all its jobs done. (A stream waiting for a write: the test above.)"""
+    from frawdllm.serve import app as serve_app
+
+    release, piece = threading.Event(), serve_app._piece
+    monkeypatch.setattr(serve_app, "_piece", lambda *args: release.wait(5) and piece(*args))
+    engine = test_engine(*varied_model(context_length=1024))
+    try:
+        with live_server({"m": engine}, ServeOptions()) as url:
+            with stalled_client(address_of(url), BIG_STREAM):
+                wait_until(lambda: generated_whole(url))
+            wait_until(lambda: any(r["path"] == "/v1/completions" for r in access_log))
+            release.set()  # (the worker thread: the server waits for it when it stops)
+            metrics = httpx.get(url + "/metrics").text
+    finally:
+        release.set()
+    record = next(r for r in access_log if r["path"] == "/v1/completions")
+    assert record["status"] == 499 and record["cancelled"], record
+    assert 'frawd_requests_total{path="/v1/completions",status="499"} 1.0' in metrics
+    assert 'path="/v1/completions",status="200"' not in metrics

@@ -101,6 +101,9 @@ def default_tokens(given: int | None, cap: int) -> int:
 @click.option("--max-n", type=click.IntRange(1), default=8, show_default=True, help="The largest n.")
 @click.option("--max-body", "max_body", type=click.IntRange(1), default=1 << 20, show_default=True,
               help="The largest request body in bytes; beyond it a 413.")
+@click.option("--send-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a client may take no bytes of a reply; then its connection is closed and its "
+                   "place freed.")
 @click.option("--native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto", show_default=True,
               help="The C forward (see frawd generate --help).")
 @quantize_option
@@ -108,7 +111,8 @@ def default_tokens(given: int | None, cap: int) -> int:
 @click.option("--log-level", type=click.Choice(["info", "warning", "error"]), default="info", show_default=True,
               help="info prints one JSON access-log line per request on stderr.")
 def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
-          max_in_flight: int, max_tokens: int, default_max_tokens: int | None, max_n: int, max_body: int, native: str,
+          max_in_flight: int, max_tokens: int, default_max_tokens: int | None, max_n: int, max_body: int, send_timeout: float,
+          native: str,
           quantize: str, threads: int | None, log_level: str) -> None:
     """Serve models over an OpenAI-compatible API, with a chat page at /.
 
@@ -139,7 +143,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
     default_max_tokens = default_tokens(default_max_tokens, max_tokens)
     options = ServeOptions(api_key=api_key, max_batch=max_batch, max_queue=max_queue, max_in_flight=max_in_flight,
                            max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
-                           max_body_bytes=max_body)
+                           max_body_bytes=max_body, send_timeout=send_timeout)
     with _listen(host, port) as sock:
         engines = {}
         for name, directory in named:

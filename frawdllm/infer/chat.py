@@ -10,7 +10,9 @@ drops the oldest exchanges, a user turn with the replies after it, until the ren
 prompt leaves `reserve` tokens for the reply. The system message and the newest user
 message always stay, and a shortened history starts with a user turn: a reply kept
 without its question would read as the model's own unprompted words and change the
-answers. `frawd chat` and the server's "truncate" go through it.
+answers. When even they leave less than `reserve`, they are the prompt as long as they
+fit the context, and the reply gets the room left (it ends there). `frawd chat` and the
+server's "truncate" go through it.
 
 Chat replies end at <|eos|>; a role token (<|user|>, <|system|>, <|assistant|>) inside a
 reply means the model is writing the next turn itself, so those stop a reply too.
@@ -35,7 +37,9 @@ def fit_history(
     tokenizer: Any, messages: list[dict], context_length: int, reserve: int
 ) -> tuple[list[int], int]:
     """(prompt ids, number of oldest messages dropped) for a prompt of at most context - reserve
-    tokens, dropping whole exchanges (the kept turns start at a user or system turn).
+    tokens, dropping whole exchanges (the kept turns start at a user or system turn); or, if
+    the newest user turn (with the system message) leaves less, that turn and the replies
+    after it, up to the whole context (a FrawdError beyond it).
 
     Each message is tokenized once (the template is <|bos|>, a part per message, then
     <|assistant|>): trying each start by rendering the rest again took time quadratic in
@@ -54,15 +58,16 @@ def fit_history(
         need -= sizes[dropped - 1]
         if turns[dropped].get("role") != "assistant" and need <= budget:
             return tokenizer.render_chat(system + turns[dropped:], add_generation_prompt=True), dropped
-    if system:
-        check_system_message(tokenizer, system[0]["content"], context_length, reserve)
     last = max([0] + [i for i, m in enumerate(turns) if m.get("role") != "assistant"])
     need = frame + sum(sizes[last:])
+    if need <= context_length:  # less room for the reply than asked, as without dropping anything
+        return tokenizer.render_chat(system + turns[last:], add_generation_prompt=True), last
+    if system:
+        check_system_message(tokenizer, system[0]["content"], context_length, reserve=0)
     raise FrawdError(
         f"the message needs {need} tokens with the template"
         + (" and the system message" if system else "")
-        + f" but the model's context leaves {budget} (context {context_length} - {reserve} for the reply); "
-        + "shorten it"
+        + f" but the model's context is {context_length}; shorten it"
     )
 
 
@@ -73,10 +78,10 @@ def check_system_message(tokenizer: Any, system: str, context_length: int, reser
                                      add_generation_prompt=True))
     budget = context_length - reserve
     if need > budget:
-        raise FrawdError(
-            f"{what} needs {need} tokens with the template (an empty user message included) but "
-            f"the model's context leaves {budget} (context {context_length} - {reserve} for the reply); shorten it"
-        )
+        room = f"leaves {budget} (context {context_length} - {reserve} for the reply)" if reserve else \
+            f"is {context_length}"
+        raise FrawdError(f"{what} needs {need} tokens with the template (an empty user message included) but "
+                         f"the model's context {room}; shorten it")
 
 
 __all__ = ["fit_history", "check_system_message", "reply_reserve", "ROLE_TOKEN_IDS"]

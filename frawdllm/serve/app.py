@@ -15,7 +15,8 @@ scheduler chunks into OpenAI's bodies, and enforces the limits:
   queue) a 429, `max_tokens` and `n` above their caps a 400;
 - every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`;
 - a client that goes away cancels its request (its batch row is freed at the next step, a
-  scoring request's next forward is not run);
+  scoring request's next forward is not run), and so does one that takes no bytes of its
+  reply for `send_timeout` seconds (`server_config` closes its connection);
 - one JSON access-log line per request (logger "frawdllm.serve.access").
 """
 
@@ -66,6 +67,7 @@ class ServeOptions:
     max_n: int = 8  # cap on n
     max_body_bytes: int = 1 << 20
     body_timeout: float = 10.0  # seconds a request body may go without a byte: then a 408
+    send_timeout: float = 30.0  # seconds a client may take no bytes of a reply: then its connection is closed
 
 
 # The request line and headers together (uvicorn's h11 parser refuses more with a 400).
@@ -73,15 +75,44 @@ MAX_HEAD_BYTES = 64 * 1024
 
 
 def server_config(app: Any, **settings: Any) -> Any:
-    """uvicorn's settings for `app`, for `frawd serve` and the tests alike. The h11 parser,
-    not httptools: httptools buffers a header of any size (a never-ending one grew the
-    server by 330 MB and stalled the event loop), and it lets a client that closes under
-    pipelined requests go unnoticed (uvicorn tells only the last request, which never
-    started, so the first generated to max_tokens). h11 costs ~3 us more CPU per streamed
-    event and ~75 us per request (docs/serving.md)."""
+    """uvicorn's settings for `app` (made by `create_app`), for `frawd serve` and the tests
+    alike. The h11 parser, not httptools: httptools buffers a header of any size (a
+    never-ending one grew the server by 330 MB and stalled the event loop), and it lets a
+    client that closes under pipelined requests go unnoticed (uvicorn tells only the last
+    request, which never started, so the first generated to max_tokens). h11 costs ~3 us
+    more CPU per streamed event and ~75 us per request (docs/serving.md)."""
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    return uvicorn.Config(app, http="h11", h11_max_incomplete_event_size=MAX_HEAD_BYTES, **settings)
+    send_timeout = app.state.options.send_timeout
+
+    class Protocol(H11Protocol):
+        """h11, and a connection whose client takes no bytes for `send_timeout` seconds is
+        closed. Its reply waits for room in the full write buffer: it held its place under
+        --max-in-flight (and a SIGTERM drain) for as long as the client kept the socket open.
+        Closed, the request sees a disconnect and ends as cancelled (499)."""
+
+        stalled: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:  # (the transport's buffer is full)
+            super().pause_writing()
+            self._unstall()
+            self.stalled = self.loop.call_later(send_timeout, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._unstall()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._unstall()
+            super().connection_lost(exc)
+
+        def _unstall(self) -> None:
+            if self.stalled is not None:
+                self.stalled.cancel()
+                self.stalled = None
+
+    return uvicorn.Config(app, http=Protocol, h11_max_incomplete_event_size=MAX_HEAD_BYTES, **settings)
 
 
 # What a field of several forms takes, said when a value has none of them.
@@ -405,14 +436,19 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         for i, message in enumerate(messages):
             _check_text(message["content"], f"messages[{i}].content", param="messages")
         messages = _within_reach(messages, engine, body.truncate)
-        try:
-            if body.truncate:  # room for the reply, as `frawd chat` keeps
-                context = engine.config.context_length
-                ids, _ = fit_history(engine.tokenizer, messages, context, reply_reserve(context, max_new))
-            else:
-                ids = engine.tokenizer.render_chat(messages, add_generation_prompt=True)
-        except FrawdError as error:
-            raise ApiError(400, str(error), param="messages", code="context_length_exceeded") from None
+
+        def prompt() -> list[int]:
+            try:
+                if body.truncate:  # room for the reply, as `frawd chat` keeps
+                    context = engine.config.context_length
+                    return fit_history(engine.tokenizer, messages, context, reply_reserve(context, max_new))[0]
+                return engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+            except FrawdError as error:
+                raise ApiError(400, str(error), param="messages", code="context_length_exceeded") from None
+
+        # (on a worker thread: a megabyte of turns, each within reach, took the event loop, and
+        # every stream and /health, for ~1 s; the tokenizer lets the loop in between turns)
+        ids = await asyncio.to_thread(prompt)
         _check_fits(ids, engine, chat=True)
         params = _params(body, max_new, options, stop_token_ids=ROLE_TOKEN_IDS)
         return await _answer(request, scheduler, body, [ids], params, chat=True)
@@ -433,18 +469,21 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 ids = engine.tokenizer.encode(_text_within_reach(prompt, engine, body.truncate, what))
             else:
                 ids = list(prompt)
+            dropped = 0
             if body.truncate:  # the last tokens that leave room for the reply, as chat does
                 context = engine.config.context_length
                 keep = max(0, context - reply_reserve(context, max_new) - len(prefix))
-                ids = ids[max(0, len(ids) - keep):]  # (keep 0: empty, a prompt of <|eos|>)
+                dropped = max(0, len(ids) - keep)
+                ids = ids[dropped:]  # (keep 0: empty, a prompt of <|eos|>)
             ids = prefix + ids
             _check_fits(ids, engine, chat=False, what=what)
             try:
                 encoded.append(engine.encode(ids))  # (ids inside the vocabulary; an empty prompt becomes <|eos|>)
             except FrawdError as error:
                 raise ApiError(400, f"{what}: {error}" if len(prompts) > 1 else str(error), param="prompt") from None
-            if body.echo:  # the prompt as sent (token ids: decoded)
-                echoes.append(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt))
+            if body.echo:  # the prompt as sent (token ids: decoded); cut by "truncate", the part the model got
+                whole = isinstance(prompt, str) and not dropped
+                echoes.append(prompt if whole else engine.tokenizer.decode(ids[len(prefix):]))
         if max_new == 0:  # score the prompts, generate nothing
             return await _score(request, body, engine, encoded, echoes)
         params = _params(body, max_new, options)
@@ -961,14 +1000,22 @@ class _Reply:
         # A client that goes away: Starlette cancels this stream where the server speaks ASGI
         # spec 2.3 (uvicorn), but not under 2.4, where only a failed write would tell, and a
         # request still queued writes nothing. This watcher (one task a request, not a timer
-        # per chunk) covers both.
+        # per chunk) covers both. And a write to a client that left returns without an error:
+        # a reply generated whole was "sent" to its end and logged 200 (Starlette cancels only
+        # a stream that waits, and this one never waited again). A disconnect wakes the
+        # watcher before the write it unblocks, so the check after each write sees it.
         gone = asyncio.ensure_future(_disconnect(request))
         gone.add_done_callback(lambda task: task.cancelled() or self.chunks.put_nowait(_ClientGone()))
         try:
             async for event in self._events():
                 yield event
-        except _ClientGone:
-            return  # (nobody reads the rest; finish() cancels the jobs)
+                if gone.done():
+                    raise _ClientGone()
+        except (_ClientGone, asyncio.CancelledError) as error:  # (Starlette cancels a stream that waits)
+            # the client left, maybe after its reply was generated whole: nobody reads the rest
+            self.log["cancelled"] = True  # (and finish() cancels the jobs)
+            if isinstance(error, asyncio.CancelledError):
+                raise
         finally:
             gone.cancel()
             finish(self)

@@ -48,7 +48,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     truncate: bool = Field(False, description="FrawdLLM extension: drop the oldest prompt tokens (chat: "
                                               "whole exchanges) until the prompt leaves room for the reply "
-                                              "(max_tokens, at most half the context), instead of a 400.")
+                                              "(max_tokens, at most half the context; chat keeps its newest "
+                                              "turn with less room if need be), instead of a 400.")
     user: str | None = None
     # OpenAI fields this server does not support: only their neutral values pass
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
