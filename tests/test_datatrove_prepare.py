@@ -209,6 +209,12 @@ def test_datatrove_options_are_checked_not_replaced_or_ignored(corpus, tokenizer
     assert not (tmp_path / "o").exists()
 
 
+def one_val_document(val_fraction: float) -> str:
+    """A one-line document that hashes into the val split."""
+    return next(text for text in (f"one small document {i}" for i in range(1000))
+                if datatrove_shards._is_val(text.encode(), val_fraction))
+
+
 def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error_before_any_task_runs(tmp_path, tokenizer,
                                                                                        monkeypatch):
     """The merge found it, after every tokenize task had run (on Slurm, hours of work lost)."""
@@ -217,8 +223,11 @@ def test_too_few_documents_for_a_hashed_val_split_is_a_clear_error_before_any_ta
     monkeypatch.setattr(LocalPipelineExecutor, "run", lambda self: pytest.fail("the tasks were launched"))
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "a.txt").write_text("one small document\n", encoding="utf-8")
-    with pytest.raises(FrawdError, match="val split"):
+    with pytest.raises(FrawdError, match="no document of .* hashed into the val split"):
         prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.01)
+    (tmp_path / "c" / "a.txt").write_text(one_val_document(0.5), encoding="utf-8")  # (it left train empty)
+    with pytest.raises(FrawdError, match="every document of .* hashed into the val split .* smaller --val-fraction"):
+        prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.5)
     (tmp_path / "c" / "a.txt").write_text("\n \n", encoding="utf-8")
     with pytest.raises(FrawdError, match="holds no documents"):
         prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=2, val_fraction=0.01)
@@ -261,6 +270,17 @@ def test_the_merge_still_checks_a_source_too_long_to_check_first_in_one_line(tmp
         f"frawd: error: no document of {str(tmp_path / 'c')!r} hashed into the val split (too few documents for "
         "--val-fraction 0.01); use a larger --val-fraction or the single-process prepare, which then holds out "
         "the tail of train"]
+
+
+@pytest.mark.timeout(120)
+def test_the_merge_refuses_an_empty_train_split(tmp_path, tokenizer, monkeypatch):
+    """Every document hashed into val: the merge wrote a meta.json with train_tokens 0."""
+    monkeypatch.setattr(datatrove_shards, "PROBE_BYTES", 1)  # the check before launching reads one document
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text(one_val_document(0.5) + "\n", encoding="utf-8")
+    with pytest.raises(FrawdError, match=f"^every document of {str(tmp_path / 'c')!r} hashed into the val split"):
+        prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=1, val_fraction=0.5)
+    assert not (tmp_path / "out" / "meta.json").exists()
 
 
 @pytest.mark.timeout(120)

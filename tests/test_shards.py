@@ -296,16 +296,32 @@ def test_vocab_above_65535_is_stored_as_uint32(tmp_path):
     assert tokens.max() > 65_535
 
 
-def test_single_document_corpus_still_gets_a_validation_tail(tmp_path, bpe):
-    doc = "\n".join(_corpus(30))
-    src = tmp_path / "one.txt"
-    src.write_text(doc, encoding="utf-8")
-    meta = prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.1, doc_split="file")
+def one_document(path, hashed_to_val: bool, val_fraction: float = 0.1) -> str:
+    """Write a one-document corpus (one file, --doc-split file) whose text hashes into val,
+    or into train; returns the document."""
+    for i in range(1000):
+        doc = "\n".join(_corpus(30)) + f"\nthe end {i}"
+        if shards_module._is_val(doc.encode(), val_fraction) == hashed_to_val:
+            path.write_text(doc, encoding="utf-8")
+            assert list(iter_documents(str(path), doc_split="file")) == [doc]
+            return doc
+    raise AssertionError("no such document")
+
+
+@pytest.mark.parametrize("hashed_to_val", [False, True], ids=["hashed-to-train", "hashed-to-val"])
+def test_single_document_corpus_still_gets_a_validation_tail(tmp_path, bpe, hashed_to_val):
+    """Whichever side its hash falls on: hashed to val, it was all val (train_tokens 0, and
+    pretraining refused the run as too short) for 1 in 10 such corpora."""
+    doc = one_document(tmp_path / "one.txt", hashed_to_val)
+    meta = prepare_shards(str(tmp_path / "one.txt"), bpe, tmp_path / "out", val_fraction=0.1, doc_split="file")
     train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
     everything = bpe.encode(doc) + [EOS_ID]
     assert train.tolist() + val.tolist() == everything
     assert len(val) == round(0.1 * len(everything))
     assert meta["val_split"] == "tail" and meta["val_tokens"] == len(val)
+    assert (meta["train_documents"], meta["val_documents"]) == (0, 1)
+    assert meta["train_text_bytes"] + meta["val_text_bytes"] == len(doc.encode())
+    assert 0 < meta["val_text_bytes"] < meta["train_text_bytes"]
 
 
 @pytest.mark.parametrize("kind", ["char", "byte"])

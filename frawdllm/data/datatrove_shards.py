@@ -15,9 +15,9 @@ Two stages, each a datatrove executor, the second depending on the first:
 Order: the loaders read a split as its shards in rank order. Since the blocks are
 contiguous and each document goes to train or val by a hash of its own text, that stream
 is token for token the stream of single-process `prepare_shards` on the same inputs.
-One difference: a corpus too small for a hashed val split (no document hashed to val) is
-an error here, where single-process prepare moves the tail of train into val. Before
-launching, `check_source_start` reads the start of the source to catch that early.
+One difference: a corpus too small for a hashed val split (no document hashed to val, or
+every one) is an error here, where single-process prepare splits its tokens head/tail.
+Before launching, `check_source_start` reads the start of the source to catch that early.
 
 A FrawdError in a task (bad input) reaches the user as one line, as with the single
 engine: see `FrawdStep`. meta.json's `seconds` is the wall time from the call to the end
@@ -78,21 +78,30 @@ def _no_val_document(data: str, val_fraction: float) -> FrawdError:
                       "prepare, which then holds out the tail of train")
 
 
+def _no_train_document(data: str, val_fraction: float) -> FrawdError:
+    return FrawdError(f"every document of {data!r} hashed into the val split (too few documents for "
+                      f"--val-fraction {val_fraction}); use a smaller --val-fraction or the single-process "
+                      "prepare, which then trains on the head of val")
+
+
 def check_source_start(data: str, text_field: str, doc_split: str, val_fraction: float) -> None:
-    """Before any task runs: read the source from its start until a document lands in the val
-    split (any document, with no val split). A source that ends first, within PROBE_BYTES of
-    text, would fail the merge's checks after every task ran, so it fails them now. A longer
-    one is left to the merge: reading it all here would be the tasks' work."""
+    """Before any task runs: read the source from its start until it has met a document of
+    each split (any document, with no val split). A source that ends first, within
+    PROBE_BYTES of text, would fail the merge's checks after every task ran, so it fails them
+    now. A longer one is left to the merge: reading it all here would be the tasks' work."""
     documents = file_documents(source_files(data), text_field, _doc_split(data, doc_split), SourceStats())
-    count, read = 0, 0
+    count, read, sides = 0, 0, set()  # sides met: True for val
     for doc in documents:
         raw = doc.encode("utf-8")
-        if val_fraction == 0 or _is_val(raw, val_fraction):
+        sides.add(val_fraction > 0 and _is_val(raw, val_fraction))
+        if val_fraction == 0 or len(sides) == 2:
             return
         count, read = count + 1, read + len(raw)
         if read >= PROBE_BYTES:
             return
-    raise _no_documents(data) if count == 0 else _no_val_document(data, val_fraction)
+    if count == 0:
+        raise _no_documents(data)
+    raise _no_train_document(data, val_fraction) if True in sides else _no_val_document(data, val_fraction)
 
 
 class FrawdStep(PipelineStep):
@@ -183,6 +192,8 @@ def merge_parts(data: str, tok: Tokenizer, out: Path, parts: int, *, val_fractio
         raise _no_documents(data)
     if val_fraction > 0 and totals["val_tokens"] == 0:
         raise _no_val_document(data, val_fraction)
+    if totals["train_tokens"] == 0:
+        raise _no_train_document(data, val_fraction)
     totals["val_split"] = "documents"
     # Wall time, as the single engine's: with Slurm or Ray, time spent queueing counts too.
     totals["seconds"] = max(0.0, time.time() - started)  # (time.time: the merge may run on another machine)

@@ -126,6 +126,8 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
                     writers = (ShardWriter(train_f, tok.vocab_size), ShardWriter(val_f, tok.vocab_size))
                     totals = tokenize_documents(documents, tok, writers, val_fraction, bar)
                     val_split = "documents"
+                    if val_fraction > 0 and writers[0].n_tokens == 0:
+                        _move_all(writers[1], writers[0], totals)  # every document hashed into val
                     if val_fraction > 0 and writers[1].n_tokens == 0:
                         _move_tail(writers[0], writers[1], val_fraction, totals, tok)  # too few documents to hash
                         val_split = "tail"
@@ -602,6 +604,24 @@ def _batch_tokens(batch: _Batch, encodings: list, dtype: np.dtype, end: int) -> 
             ids.append(end)
         k += n_pieces
     return np.array(flat[0], dtype=dtype), np.array(flat[1], dtype=dtype)
+
+
+MOVE_TOKENS = 1 << 24  # tokens `_move_all` copies at a time
+
+
+def _move_all(val: ShardWriter, train: ShardWriter, totals: dict) -> None:
+    """Every document hashed into val (a single document does with probability val_fraction):
+    all of val becomes train, and `_move_tail` then gives val the tail, so that a corpus of
+    one document is split head/tail whichever way its hash falls."""
+    val.file.flush()
+    for start in range(0, val.n_tokens, MOVE_TOKENS):
+        train.write(np.fromfile(val.file.name, dtype=val.dtype, count=min(MOVE_TOKENS, val.n_tokens - start),
+                                offset=HEADER_BYTES + start * val.dtype.itemsize))
+    val.file.truncate(HEADER_BYTES)
+    val.file.seek(0, os.SEEK_END)
+    val.n_tokens = 0
+    for key in ("docs", "bytes"):  # [train, val]
+        totals[key] = [sum(totals[key]), 0]
 
 
 def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals: dict, tok: Tokenizer) -> None:
