@@ -7,6 +7,7 @@ real `frawd` process to check what the user's terminal sees.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,6 +110,13 @@ CASES = [
     ("pretrain-yaml-dropout-null", pre("--config", "{root}/dropout_null.yaml"), "dropout"),
     ("pretrain-yaml-not-utf8", pre("--config", "{root}/bad_utf8.yaml"), "UTF-8"),
     ("pretrain-set-nan", pre("--set", "norm_eps=nan"), "norm_eps"),
+    # inf passed `lr > 0` (lr null in metrics.jsonl, then a late failure with --out half written)
+    ("pretrain-lr-inf", pre("--lr", "inf"), "lr must be a finite positive number, got inf"),
+    ("pretrain-weight-decay-inf", pre("--weight-decay", "inf"), "weight_decay must be a finite number"),
+    ("pretrain-grad-clip-inf", pre("--grad-clip", "inf"), "grad_clip must be a finite number"),
+    ("pretrain-peak-tflops-inf", pre("--peak-tflops", "inf"), "peak_tflops must be a finite positive number"),
+    ("sft-lr-inf", ["sft", "--init", "{root}/model", "--max-steps", "1", "--out", "{out}", "--lr", "inf"],
+     "lr must be a finite positive number"),
     # item 10
     ("eval-max-batches-0", ev("--max-batches", "0"), "max-batches"),
     ("eval-max-batches-neg", ev("--max-batches", "-1"), "max-batches"),
@@ -189,3 +197,26 @@ def test_the_readonly_folder_really_is_readonly(env):
     """The read-only cases above test something only if writing there really fails."""
     with pytest.raises(OSError):
         (env / "readonly" / "probe").write_text("x")
+
+
+def test_every_float_setting_of_every_training_command_refuses_nan_and_inf():
+    """`--lr inf` and `--weight-decay inf` passed their range checks; so could any float field
+    whose check forgot that inf (or nan) is no usable value."""
+    import typing
+
+    from frawdllm.align.config import DPOConfig, SFTConfig
+    from frawdllm.errors import ConfigError
+    from frawdllm.train.config import PretrainConfig, TrainConfig
+    from frawdllm.train.translation_config import TranslateConfig
+
+    for cls in (TrainConfig, PretrainConfig, SFTConfig, DPOConfig, TranslateConfig):
+        floats = [name for name, hint in typing.get_type_hints(cls).items()
+                  if float in (typing.get_args(hint) or (hint,))]
+        assert {"lr", "weight_decay", "grad_clip", "beta1", "peak_tflops"} <= set(floats)
+        for name in floats:
+            for value in (math.inf, -math.inf, math.nan):
+                with pytest.raises(ConfigError, match=f"^{name} must be .*, got {value}$"):
+                    cls(max_steps=1, **{name: value})
+    for duration in ("max_time", "dist_timeout"):  # strings read as seconds: 400 digits are inf
+        with pytest.raises(ConfigError, match="a duration must be positive and finite"):
+            TrainConfig(max_steps=1, **{duration: "9" * 400})

@@ -70,7 +70,9 @@ def test_a_crash_before_the_first_checkpoint_is_named_and_resume_starts_over(cor
 def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     kill_at_checkpoint(tiny_config(corpus, run, max_steps=12, eval_interval=4), nth=2)
-    assert sample_steps(run) == [0, 4, 8]  # step 8 was sampled, its checkpoint never completed
+    assert sample_steps(run) == [0, 4]  # samples follow their checkpoint: step 8's never completed
+    with open(run / SAMPLES_FILE, "a") as f:  # what an older run (samples first) left: step 8 sampled
+        f.write("=== step 8 sample 0 ===\nthe first time\n\n")
     (run / ".model.abcdefgh.tmp").mkdir()  # a best-model publication killed half-way
     (run / ".model.abcdefgh.tmp" / "model.safetensors").write_bytes(b"torn")
     (run / ".loss.png.0123abcd.tmp").write_bytes(b"torn")

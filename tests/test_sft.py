@@ -367,6 +367,29 @@ def test_sft_cli_trains_writes_the_run_and_resumes_exactly(tmp_path, capsys):
     assert [r["loss"] for r in read_metrics(tmp_path / "split") if "loss" in r] == losses
 
 
+@pytest.mark.parametrize("command, flag, changed", [("sft", "--train-on", "train_on"), ("dpo", "--beta", "beta"),
+                                                   ("sft", "--val-fraction", "validation examples")])
+def test_a_resume_that_changes_what_val_loss_measures_publishes_a_new_best(tmp_path, capsys, command, flag, changed):
+    """`--resume --train-on all` (val_loss now counts the prompts: 3.35 -> 3.95) kept the
+    best of before, and RUN/model stayed the model of the step before the resume."""
+    base = model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "data.jsonl", word_chats(60) if command == "sft" else word_prefs(60))
+    common = ["--init", base, "--data", data, "--batch-size", "4", "--dtype", "fp32", "--compile", "false",
+              "--device", "cpu", "--eval-interval", "2", "--eval-batches", "2", "--sample-tokens", "0",
+              "--no-progress", "--val-fraction", "0.2", "--out", tmp_path / "run"]
+    assert run_cli(capsys, command, *common, "--max-steps", "2")[0] == 0
+    value = {"--train-on": "all", "--beta": "0.5", "--val-fraction": "0.3"}[flag]
+    code, out, err = run_cli(capsys, command, "--out", tmp_path / "run", "--resume", "--max-steps", "4",
+                             "--no-progress", flag, value)
+    assert code == 0, err
+    assert f"{tmp_path / 'run'}: val_loss now measures something else ({changed} changed): the best model is " \
+           "chosen afresh from step 2" in out
+    assert "best val_loss" in out and "at step 4" in out  # the summary
+    published = load_model(tmp_path / "run" / "model").state_dict()
+    for name, weight in load_model(tmp_path / "run" / "checkpoints" / "step_00000004" / "model").state_dict().items():
+        assert torch.equal(published[name], weight), name
+
+
 def test_a_step_is_one_batch_however_it_is_cut_into_micro_batches(tmp_path, capsys):
     """--batch-size 8 and --batch-size 2 --grad-accum 4 take the same rows a step, and now
     the same loss and update: the mean over the step's trained tokens. Each micro-batch's

@@ -822,3 +822,165 @@ def test_a_validation_split_shorter_than_a_window_is_said_and_the_last_model_pub
     assert "warning: the validation split has" in err and "fewer than one window of 33: no val_loss" in err
     assert not [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
     assert result.steps == 4 and (tmp_path / "run" / "model" / "config.json").exists()
+
+
+@pytest.mark.parametrize("lr, sampled", [(1e6, True), (1e38, False)], ids=["weights-past-fp16", "logits-nan"])
+def test_a_diverging_run_writes_its_final_checkpoint_and_samples_what_it_can(corpus, tmp_path, recwarn, lr, sampled):
+    """--lr 1e6: weights past fp16's range, and the end-of-run sample (the native forward's fp16
+    copies) ended the run with `too large for fp16` before its final checkpoint. Such weights
+    are sampled from fp32 copies; weights whose logits are NaN give a warning, not a sample."""
+    result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=3, lr=lr))
+    assert result.steps == 3 and load_state(latest_checkpoint(tmp_path / "run"))["step"] == 3
+    said = [str(w.message) for w in recwarn if "no sample" in str(w.message)]
+    samples = (tmp_path / "run" / "samples.txt").read_text()
+    if sampled:
+        assert not said and "=== step 3 sample 0 ===" in samples
+    else:
+        assert len(said) == 1 and said[0].startswith("step 3: no sample (RuntimeError: probability tensor")
+        assert "step 3" not in samples
+
+
+class FailingSampleTask(ScriptedTask):
+    def samples(self, model, device):
+        raise RuntimeError("a bug in the task's sampling\nand its details")
+
+
+def test_a_failing_sample_is_one_warning_line_after_the_final_checkpoint(tmp_path):
+    cfg = generic_config(tmp_path, max_steps=4, eval_interval=0, sample_tokens=8)
+    with pytest.warns(UserWarning, match=r"^step 4: no sample \(RuntimeError: a bug in the task's sampling\)$"):
+        result = Trainer(torch.nn.Linear(4, 1), FailingSampleTask(nan_steps=()), cfg).fit()
+    assert result.steps == 4 and load_state(latest_checkpoint(tmp_path / "run"))["step"] == 4
+
+
+class CountingSampleTask(ScriptedTask):
+    sampled = 0
+
+    def samples(self, model, device):
+        self.sampled += 1
+        return ["a sample"]
+
+
+def test_weights_that_hold_inf_give_no_sample_but_a_warning(tmp_path):
+    model = torch.nn.Linear(4, 1)
+
+    def blow_up(trainer, record):  # (a diverging run's weights, after its last step)
+        if record["step"] == 4:
+            with torch.no_grad():
+                model.weight.fill_(math.inf)
+
+    task = CountingSampleTask(nan_steps=())
+    cfg = generic_config(tmp_path, max_steps=4, eval_interval=0, sample_tokens=8)
+    with pytest.warns(UserWarning, match=r"^step 4: no sample \(the weights hold NaN or inf\)$"):
+        Trainer(model, task, cfg, callbacks=[blow_up]).fit()
+    assert task.sampled == 0 and latest_checkpoint(tmp_path / "run") is not None
+
+
+class MeasuredTask(ScriptedTask):
+    """Evaluates to `val_loss`; `measure` stands for what its evaluation reads (its key)."""
+
+    def __init__(self, measure, val_loss):
+        super().__init__(nan_steps=())
+        self.measure, self.val_loss = measure, val_loss
+
+    def evaluation_key(self):
+        return {"measure": self.measure}
+
+    def evaluate(self, model, device):
+        return {"val_loss": self.val_loss}
+
+
+@pytest.mark.parametrize("measure, best_step", [("other", 6), ("same", 0)], ids=["changed", "unchanged"])
+def test_a_resume_that_changes_what_val_loss_measures_chooses_the_best_afresh(tmp_path, capsys, measure, best_step):
+    """Resumed with --train-on all (prompt tokens now count: val_loss 3.35 -> 3.95), the best
+    stayed the old 3.35 and OUT/model the model of before the resume, with no word said."""
+    first = Trainer(torch.nn.Linear(4, 1), MeasuredTask("same", 1.0), generic_config(tmp_path, max_steps=4)).fit()
+    assert first.best_step == 0  # (the evaluation before the first step)
+    resumed_model = torch.nn.Linear(4, 1)
+    resumed = Trainer(resumed_model, MeasuredTask(measure, 2.0), generic_config(tmp_path, max_steps=6, resume=True)).fit()
+    said = [line for line in capsys.readouterr().out.splitlines() if "measures" in line]
+    assert resumed.best_step == best_step and resumed.best_val_loss == (2.0 if measure == "other" else 1.0)
+    if measure == "other":
+        assert said == [f"{tmp_path / 'run'}: val_loss now measures something else (measure changed): the best "
+                        "model is chosen afresh from step 4"]
+        assert load_state(latest_checkpoint(tmp_path / "run"))["best_step"] == 6
+        published = torch.nn.Linear(4, 1)  # OUT/model: the model of step 6, the last
+        load_weights(published, tmp_path / "run" / "model")
+        assert torch.equal(published.weight, resumed_model.weight)
+    else:
+        assert said == []
+
+
+def test_resuming_on_another_validation_split_says_so_and_chooses_the_best_afresh(corpus, tmp_path, capsys):
+    run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=6, eval_interval=3, sample_tokens=0))
+    capsys.readouterr()
+    result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=9, eval_interval=3, sample_tokens=0,
+                                         val_fraction=0.2, resume=True))
+    out = capsys.readouterr().out
+    assert (f"{tmp_path / 'run'}: val_loss now measures something else (validation tokens changed): the best "
+            "model is chosen afresh from step 6") in out
+    assert result.best_step == 9
+
+
+@pytest.mark.parametrize("budget", ["max_steps", "max_tokens"])
+def test_a_resume_with_a_larger_budget_follows_the_schedule_of_a_run_started_with_it(tmp_path, capsys, budget):
+    """A 6-step run resumed with --max-steps 10 kept the end of warmup at 2/6 of the budget
+    (a fresh 10-step run has it at 2/10): a different rate at every step after the resume."""
+    def lrs(run, steps, **extra):
+        seen = {}
+        limit = {"max_steps": steps} if budget == "max_steps" else {"max_steps": None, "max_tokens": 64 * steps}  # (64 a step)
+        cfg = generic_config(tmp_path / run, warmup_steps=2, **limit, **extra)
+        Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), cfg,
+                callbacks=[lambda trainer, record: seen.update({record["step"]: record["lr"]})]).fit()
+        return seen
+
+    fresh = lrs("fresh", 10)
+    lrs("split", 6)
+    capsys.readouterr()
+    resumed = lrs("split", 10, resume=True)
+    assert resumed == {step: fresh[step] for step in range(7, 11)}
+    was, now = ("6", "10") if budget == "max_steps" else ("384", "640")
+    assert f"{tmp_path / 'split' / 'run'}: a new budget, {budget} {now} (was {was}): from step 7 the learning rate " \
+           "follows the schedule of a run started with it (its cosine decay spans the new budget)" in \
+           capsys.readouterr().out
+
+
+def test_a_terminal_that_reports_no_width_gets_whole_lines(monkeypatch):
+    """On a pty of 0 columns (some `docker exec -t` and CI ptys) the bar drew nothing, and
+    the lines a log gets were not written either."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    from tqdm import tqdm
+
+    import frawdllm.train.loop as loop
+
+    controller, terminal = pty.openpty()
+    try:
+        with open(terminal, "w", closefd=False) as stderr, monkeypatch.context() as patch:
+            patch.setattr(sys, "stderr", stderr)
+            for rows, columns, shown in [(0, 0, loop.LogLines), (24, 80, tqdm)]:
+                fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+                bar = loop._progress_bar(True, 0.0)
+                assert type(bar) is shown, (rows, columns)
+                bar.close()
+    finally:
+        os.close(terminal)
+        os.close(controller)
+
+
+def test_translation_keys_its_evaluation_by_the_validation_pairs_it_reads():
+    from frawdllm import get_config
+    from frawdllm.train.translation import TranslationTask, ValidationSet
+
+    def key(pairs, eval_batches=20):
+        valid = ValidationSet(pairs, ["s"] * len(pairs), ["r"] * len(pairs)) if pairs is not None else None
+        return TranslationTask(get_config("aiayn-tiny"), None, [([5, 6], [7, 8])], valid, tokens_per_batch=8,
+                               eval_batches=eval_batches).evaluation_key()
+
+    pairs = [([5 + i, 6], [7, 8 + i]) for i in range(12)]
+    assert key(pairs) == key(list(pairs)) and key(None) == {}
+    assert key(pairs) != key(pairs[:-1] + [([5, 6], [9])])  # other validation text
+    assert key(pairs, eval_batches=1) != key(pairs)  # fewer of its pairs read

@@ -40,7 +40,7 @@ from ..tokenizer import Tokenizer
 from ..train import distributed
 from ..train.device import pick_device
 from ..train.distributed import Share
-from ..train.loop import TrainResult, to_device
+from ..train.loop import TrainResult, content_hash, to_device
 from .config import LOSSES, DPOConfig  # noqa: F401 (re-exported: they live in config.py, torch-free)
 from .examples import LoadSummary, NothingToLearn, Pair, collect, iter_source, preference, tokenize_pair
 from .job import FinetuneTask, run_finetune
@@ -213,6 +213,13 @@ class DPOTask(FinetuneTask):
         ref_chosen, ref_rejected = ref.chunk(2)
         lengths = (batch["targets"] != IGNORE_INDEX).sum(dim=1).chunk(2)
         return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, lengths)
+
+    def evaluation_key(self) -> dict:
+        """The held-out pairs `evaluate` reads (other --data, --val-fraction, --max-length,
+        --eval-batches... make others) and the loss it computes on them."""
+        pairs = self.val_pairs[:self.cfg.batch_size * self.cfg.eval_batches]
+        return {"validation pairs": content_hash([[p.prompt, p.chosen, p.rejected] for p in pairs]),
+                "beta": self.beta, "loss_type": self.loss_type}
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """The held-out pairs' loss and metrics (`val_loss`, `val_rewards/accuracies`, ...)."""

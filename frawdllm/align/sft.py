@@ -17,7 +17,7 @@ from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import ASSISTANT_ID, Tokenizer
 from ..train import distributed
 from ..train.distributed import Share
-from ..train.loop import TrainResult
+from ..train.loop import TrainResult, content_hash
 from ..train.losses import linear_cross_entropy
 from .config import SFTConfig
 from .examples import Example, LoadSummary, chat_messages, collect, iter_source, tokenize_chat, truncate
@@ -97,6 +97,12 @@ class SFTTask(FinetuneTask):
             total += float(sft_loss(model, batch)) * n
             count += n
         return {"val_loss": total / count} if count else {}
+
+    def evaluation_key(self) -> dict:
+        """The held-out rows `evaluate` reads (other --data, --val-fraction, --max-length,
+        --eval-batches... make others) and which of their tokens carry the loss."""
+        rows = [part for batch in self.val_batches for part in (batch["tokens"], batch["documents"])]
+        return {"validation examples": content_hash(*rows), "train_on": self.cfg.train_on}
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict(), **self.lora_state()}

@@ -15,6 +15,7 @@ Values are validated once, here; the loop trusts them.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import types
@@ -61,8 +62,8 @@ def parse_duration(text: str | float | int) -> float:
             pos = match.end()
         if not value or pos != len(value):
             raise ConfigError(f"cannot read {text!r} as a duration; use e.g. 90, 100s, 5m, 1h30m")
-    if seconds <= 0:
-        raise ConfigError(f"a duration must be positive, got {text!r}")
+    if not 0 < seconds < math.inf:  # (nan and inf too: YAML's .inf, or 400 digits)
+        raise ConfigError(f"a duration must be positive and finite, got {text!r}")
     return seconds
 
 
@@ -130,14 +131,14 @@ class TrainConfig:
         _require_integers(self, ("warmup_steps", "eval_interval", "sample_tokens"), lambda v: v >= 0,
                           "an integer >= 0")
         _require_integers(self, ("seed",), lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")  # (numpy's, torch's)
-        _require("lr", self.lr, lambda v: v > 0, "positive")
+        _require("lr", self.lr, lambda v: v > 0, "a finite positive number")
         _require("min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]")
         _require("decay_fraction", self.decay_fraction, lambda v: 0 < v <= 1, "in (0, 1]")
-        _require("weight_decay", self.weight_decay, lambda v: v >= 0, ">= 0")
-        _require("grad_clip", self.grad_clip, lambda v: v >= 0, ">= 0")
+        _require("weight_decay", self.weight_decay, lambda v: v >= 0, "a finite number >= 0")
+        _require("grad_clip", self.grad_clip, lambda v: v >= 0, "a finite number >= 0 (0 = off)")
         for name in ("beta1", "beta2"):
             _require(name, getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
-        _require("peak_tflops", self.peak_tflops, lambda v: v is None or v > 0, "positive")
+        _require("peak_tflops", self.peak_tflops, lambda v: v is None or v > 0, "a finite positive number")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         self.compile = _compile_setting(self.compile)
@@ -219,10 +220,12 @@ def _compile_setting(value: Any) -> str:
 
 def _require(name: str, value: Any, ok, what: str) -> None:
     """`value` passes `ok`, else one line saying `name` must be `what`. A `what` that promises
-    an integer also refuses floats (2.5, and 16.0 too) and booleans; None is left to `ok`."""
+    an integer also refuses floats (2.5, and 16.0 too) and booleans; None is left to `ok`.
+    nan and inf are refused whatever `ok` says (`--lr inf` passed `v > 0` and failed later)."""
     integer = is_integer(value)
+    finite = not isinstance(value, float) or math.isfinite(value)
     try:
-        good = ok(value) and (integer or value is None or "integer" not in what)
+        good = finite and ok(value) and (integer or value is None or "integer" not in what)
     except TypeError:
         good = False
     if not good:

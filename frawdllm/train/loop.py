@@ -37,8 +37,11 @@ rank 0 alone writes the logs, samples and model directories.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import numbers
+import os
 import signal
 import statistics
 import sys
@@ -50,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -164,6 +168,14 @@ class TrainTask:
         """Validation metrics with at least `val_loss` (eval mode, no_grad, autocast); {} if none."""
         return {}
 
+    def evaluation_key(self) -> dict[str, Any]:
+        """What `evaluate`'s val_loss measures: {name: plain value} for each thing that changes
+        it, a setting (SFT's train_on) or a `content_hash` of the held-out data it reads. Kept
+        in checkpoints: a resume where it differs (other --data, --val-fraction, ...) chooses
+        the best model afresh, as the best val_loss so far measured something else. {}: unknown
+        (the best is kept)."""
+        return {}
+
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return []
 
@@ -193,6 +205,21 @@ class TrainTask:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def content_hash(*parts: Any) -> str:
+    """A short hash of tensors, numpy arrays and JSON values (lists of ids...), for
+    `TrainTask.evaluation_key`."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Tensor):
+            part = part.numpy(force=True)
+        if isinstance(part, np.ndarray):
+            h.update(f"{part.dtype} {part.shape}".encode())
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            h.update(json.dumps(part).encode())
+    return h.hexdigest()[:16]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -306,6 +333,7 @@ class Trainer:
         self.elapsed_before = 0.0  # training time spent by earlier sessions of a resumed run
         self.best_val_loss = math.inf
         self.best_step: int | None = None
+        self.evaluates = task.evaluation_key()  # what val_loss measures (saved in checkpoints)
         self.bad_steps = 0
         # this session
         self.stop_reason: str | None = None
@@ -313,7 +341,8 @@ class Trainer:
         self._start = 0.0  # perf_counter from which this session's time counts
         self._fit_start = 0.0  # perf_counter at the start of fit()
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
-        self._schedule_reserve_s: float | None = None  # (see _schedule_progress)
+        self._schedule_reserve_s: float | None = None  # (see _learning_rate)
+        self._warmup_end: list | None = None  # step, tokens, time and reserve where warmup ended (see _learning_rate)
         self._eval_s: float | None = None  # how long the last evaluation took
         self._publish_s: float | None = None  # the last publish of the best model (its weights)
         self._save_s: float | None = None  # how long the last checkpoint took
@@ -540,7 +569,7 @@ class Trainer:
         """One optimizer step (grad_accum micro-batches); returns its metrics record."""
         cfg = self.cfg
         started = time.perf_counter()
-        lr = self.schedule(self.step, self._schedule_progress())
+        lr = self._learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         timing = self.plan.next_dtype() if self.plan is not None else None
@@ -680,25 +709,38 @@ class Trainer:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self._start if self._start else 0.0)
 
-    def progress(self, reserve_s: float = 0.0) -> float:
+    def progress(self, reserve_s: float = 0.0, at: tuple[int, int, float] | None = None) -> float:
         """Share of the budget used: the furthest along of steps, tokens and time (time
-        against the budget less `reserve_s`)."""
+        against the budget less `reserve_s`); now, or `at` (step, tokens, elapsed seconds)."""
+        step, tokens, elapsed = at if at is not None else (self.step, self.tokens, self.elapsed())
         cfg, used = self.cfg, [0.0]
         if cfg.max_steps:
-            used.append(self.step / cfg.max_steps)
+            used.append(step / cfg.max_steps)
         if cfg.max_tokens:
-            used.append(self.tokens / cfg.max_tokens)
+            used.append(tokens / cfg.max_tokens)
         if cfg.max_time_s:
-            used.append(self.elapsed() / max(cfg.max_time_s - reserve_s, 1e-9))
+            used.append(elapsed / max(cfg.max_time_s - reserve_s, 1e-9))
         return min(1.0, max(used))
 
-    def _schedule_progress(self) -> float:
-        """The progress the learning rate follows: a time budget's training stops early by
-        the final evaluation's reserve (else a short run's cosine ended at a quarter to half
-        of its peak). The reserve is estimated once, after the run's first evaluation, on rank
-        0 for every rank, and kept in checkpoints: re-estimated each step, it moved the rate
-        back up, and differed between ranks."""
-        return self.progress(self._schedule_reserve_s or 0.0)
+    def _learning_rate(self) -> float:
+        """This step's rate, at the progress the schedule follows: a time budget's training
+        stops early by the final evaluation's reserve (else a short run's cosine ended at a
+        quarter to half of its peak). The reserve is estimated once, after the run's first
+        evaluation, on rank 0 for every rank, and kept in checkpoints: re-estimated each step,
+        it moved the rate back up, and differed between ranks.
+
+        The step where warmup ends keeps its counters (`_warmup_end`): the decay starts at
+        their progress, which a resume recomputes under its own budget, so that a run resumed
+        with a larger --max-steps follows the schedule of a run started with it."""
+        at, reserve = (self.step, self.tokens, self.elapsed()), self._schedule_reserve_s or 0.0
+        ending = self.schedule.warmup_end_progress is None and self.schedule.warmup_steps > 0
+        lr = self.schedule(self.step, self.progress(reserve, at))
+        if ending and self.schedule.warmup_end_progress is not None:
+            self._warmup_end = [*at, reserve]
+        return lr
+
+    def _budget(self) -> list:
+        return [self.cfg.max_steps, self.cfg.max_tokens, self.cfg.max_time_s]
 
     def _check_stop(self) -> str | None:
         cfg = self.cfg
@@ -768,8 +810,6 @@ class Trainer:
                 # through the step module: under FSDP every rank takes part in each forward
                 results = self.dist.from_main(self.step_module(lambda m: self.task.evaluate(m, self.device)))
                 whole = distributed.full_model(self.step_module, self.model, self.dist, self._plain)
-                samples = self.task.samples(whole, next(whole.parameters()).device) \
-                    if self.cfg.sample_tokens and main else []
         finally:
             self.model.train()
         self._last_eval_step = self.step
@@ -778,30 +818,55 @@ class Trainer:
             self.last_val_loss = results.get("val_loss")
             self.metrics.log({"step": self.step, "tokens": self.tokens, **results,
                               "elapsed_s": round(self.elapsed(), 3)})
-        if samples:
-            append_samples(self.run_dir, self.step, samples)
         improved = self.last_val_loss is not None and self.last_val_loss < self.best_val_loss
         if improved:
             self.best_val_loss, self.best_step = self.last_val_loss, self.step
         if main:
             plot_losses(self.run_dir, self.task.loss_unit)
         saving = time.perf_counter()
-        self._eval_s = saving - start
-        self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
-        if self._step_times and self._costs_step_s:  # (not against a session's first step: a warm-up)
-            self._eval_steps = self._eval_steps[-2:] + [self._eval_s / self._costs_step_s]
+        evaluating_s = saving - start
         if (improved or (not results and save)) and main:
             self._publish_model(whole)
             self._publish_s = time.perf_counter() - saving
-        if self.cfg.max_time_s and self._schedule_reserve_s is None:  # (all ranks evaluate together)
-            self._schedule_reserve_s = self.dist.from_main(self._final_eval_s())
         if save:
             checkpointing = time.perf_counter()
             self._save_checkpoint(whole)
             self._save_s = time.perf_counter() - checkpointing
+        # The samples last: they are optional, so whatever they meet cannot cost the checkpoint.
+        # Their time counts as the evaluation's (a time budget keeps it in reserve).
+        sampling = time.perf_counter()
+        if self.cfg.sample_tokens and main:
+            self._write_samples(whole)
+        self._eval_s = evaluating_s + time.perf_counter() - sampling
+        self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
+        if self._step_times and self._costs_step_s:  # (not against a session's first step: a warm-up)
+            self._eval_steps = self._eval_steps[-2:] + [self._eval_s / self._costs_step_s]
+        if self.cfg.max_time_s and self._schedule_reserve_s is None:  # (all ranks evaluate together)
+            self._schedule_reserve_s = self.dist.from_main(self._final_eval_s())
         now = time.perf_counter()
         self._evaluating_s += now - start
         self._window = (now, self.tokens)  # tokens/s measures training, not evaluation
+
+    def _write_samples(self, whole: nn.Module) -> None:
+        """The task's samples into samples.txt. Samples are optional: weights that hold NaN or
+        inf (a diverging run) give none, and a sample that fails (a diverging run's logits
+        were NaN) is a warning line, never the end of the run."""
+        if not all(torch.isfinite(p).all() for p in whole.parameters()):
+            warnings.warn(f"step {self.step}: no sample (the weights hold NaN or inf)", stacklevel=3)
+            return
+        self.model.eval()
+        try:
+            with torch.no_grad(), autocast(self.device, self.dtype):
+                samples = self.task.samples(whole, next(whole.parameters()).device)
+        except Exception as error:  # noqa: BLE001 - said, and the run goes on
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            why = first if isinstance(error, FrawdError) else f"{type(error).__name__}: {first}"
+            warnings.warn(f"step {self.step}: no sample ({why})", stacklevel=3)
+            return
+        finally:
+            self.model.train()
+        if samples:
+            append_samples(self.run_dir, self.step, samples)
 
     def _publish_model(self, whole: nn.Module) -> None:
         with atomic_dir(self.run_dir / BEST_MODEL_DIR, overwrite=True) as tmp:
@@ -821,12 +886,15 @@ class Trainer:
             "elapsed_s": self.elapsed(),
             "best_val_loss": self.best_val_loss,
             "best_step": -1 if self.best_step is None else self.best_step,
+            "evaluates": self.evaluates,
             "evaluated": self._last_eval_step == self.step,
             # what `auto` settled on (none while the first steps are still being timed)
             "decided": {} if self.plan is not None else {"dtype": self.dtype, "compiled": self._compiled},
             **({} if sharded else {"optimizer": self.optimizer.state_dict()}),
             "schedule": self.schedule.state_dict(),
             "schedule_reserve_s": self._schedule_reserve_s,
+            "warmup_end": self._warmup_end,
+            "budget": self._budget(),
             "scaler": self.scaler.state_dict(),
             "task": self.task.state_dict(),
         }
@@ -860,6 +928,10 @@ class Trainer:
         distributed.load_optimizer(self.step_module, self.optimizer, path, state.get("optimizer"), self.dist)
         self.schedule.load_state_dict(state["schedule"])
         self._schedule_reserve_s = state.get("schedule_reserve_s")  # (None: taken at this session's first evaluation)
+        self._warmup_end = state.get("warmup_end")  # (None: warmup not over, or an older checkpoint)
+        if self._warmup_end is not None:  # the end of warmup's progress under this budget (as saved, if the same)
+            *at, reserve = self._warmup_end
+            self.schedule.warmup_end_progress = self.progress(reserve, tuple(at))
         self.scaler.load_state_dict(state["scaler"])
         self.task.load_state_dict(state["task"])
         ranks = state.get("rng_ranks") or [state["rng"]]
@@ -871,6 +943,8 @@ class Trainer:
         self.elapsed_before = state["elapsed_s"]
         self.best_val_loss = state["best_val_loss"]
         self.best_step = None if state["best_step"] < 0 else state["best_step"]
+        self._forget_a_best_measured_otherwise(state.get("evaluates"))
+        self._note_new_budget(state.get("budget"))
         interval = self.cfg.eval_interval
         self._owed_eval = not state.get("evaluated", True) and bool(interval) and self.step % interval == 0
         self._adopt(state.get("decided") or {})
@@ -878,6 +952,31 @@ class Trainer:
         if self.dist.is_main:
             truncate_metrics(self.run_dir, self.step)
             truncate_samples(self.run_dir, self.step)
+
+    def _note_new_budget(self, before: list | None) -> None:
+        """A resume with another budget: the learning rate's decay spans the new one (see
+        `_learning_rate`), so it can rise again where the old budget had run it down: said."""
+        now = self._budget()
+        if before is None or list(before) == now or self.schedule.kind in ("constant", "noam") \
+                or not self.dist.is_main:
+            return
+        shown = [f"{name} {_budget_value(new)} (was {_budget_value(old)})"
+                 for name, old, new in zip(("max_steps", "max_tokens", "max_time"), before, now) if old != new]
+        print(f"{self.run_dir}: a new budget, {', '.join(shown)}: from step {self.step + 1} the learning rate "
+              f"follows the schedule of a run started with it (its {self.schedule.kind} decay spans the new budget)",
+              flush=True)
+
+    def _forget_a_best_measured_otherwise(self, before: dict | None) -> None:
+        """Resumed with other held-out data or another measure (--data, --val-fraction,
+        --train-on...): the best val_loss so far is no bar for the new ones, which would never
+        publish a model if they are higher. The best is chosen afresh from here."""
+        if before is None or before == self.evaluates or self.best_step is None:  # (None: an older checkpoint)
+            return
+        changed = [name for name in {**before, **self.evaluates} if before.get(name) != self.evaluates.get(name)]
+        if self.dist.is_main:
+            print(f"{self.run_dir}: val_loss now measures something else ({', '.join(changed)} changed): the best "
+                  f"model is chosen afresh from step {self.step}", flush=True)
+        self.best_val_loss, self.best_step = math.inf, None
 
     def _adopt(self, decided: dict) -> None:
         """Resume with the dtype and compile choice `auto` made before (timing again could
@@ -921,6 +1020,10 @@ class _NoMetrics:
 
 # ---- progress bar and signals ---------------------------------------------------------------
 
+def _budget_value(value: int | float | None) -> str:
+    return "none" if value is None else f"{value:g} s" if isinstance(value, float) else str(value)
+
+
 def _si(n: int | float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -932,16 +1035,25 @@ LOG_LINE_INTERVAL_S = 30.0
 
 
 def _progress_bar(enabled: bool, progress: float):
-    """A bar on a terminal; elsewhere (a log file, a pipe) `LogLines`."""
+    """A bar on a terminal; elsewhere (a log file, a pipe) `LogLines`, and on a terminal that
+    says it has 0 columns (some `docker exec -t` and CI ptys), where tqdm draws nothing."""
     if not enabled:
         return None
-    if not sys.stderr.isatty():
+    if not sys.stderr.isatty() or _columns(sys.stderr) == 0:
         return LogLines(progress, LOG_LINE_INTERVAL_S)
     from tqdm import tqdm
 
     bar = tqdm(total=1000, bar_format="training {percentage:3.0f}%|{bar}| {desc}", dynamic_ncols=True)
     bar.n = int(1000 * progress)
     return bar
+
+
+def _columns(terminal) -> int:
+    """The width the terminal `terminal` reports (0 where it reports none)."""
+    try:
+        return os.get_terminal_size(terminal.fileno()).columns
+    except (OSError, ValueError):
+        return 0
 
 
 class LogLines:

@@ -52,7 +52,7 @@ from .config import PretrainConfig, parse_duration
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
-from .loop import Trainer, TrainResult, TrainTask
+from .loop import Trainer, TrainResult, TrainTask, content_hash
 from .rundir import check_run_dir, has_run, prepare_run_dir, save_run_config, undo_failed_start
 
 DATA_DIR = "data"
@@ -102,13 +102,23 @@ class PretrainTask(TrainTask):
                           max_batches=self.cfg.eval_batches)
         return lm_metrics(loss, self.bytes_per_token, prefix="val_")
 
+    def evaluation_key(self) -> dict:
+        """The tokens `evaluate` reads: its first eval_batches x batch_size windows of val.bin
+        (others with other --data, --val-fraction, --doc-split, --eval-batches...)."""
+        if not self.can_evaluate:
+            return {}
+        windows = min((len(self.data.val) - 1) // self.context_length, self.cfg.eval_batches * self.cfg.batch_size)
+        read = np.asarray(self.data.val[:windows * self.context_length + 1])
+        return {"validation tokens": content_hash(read, self.context_length)}
+
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         from ..infer import Engine, SamplingParams
 
         params = SamplingParams(max_new_tokens=self.cfg.sample_tokens, temperature=0.8, top_k=50,
                                 seed=self.cfg.seed)
         # slide: a sample of more tokens than the context (shakespeare_char: 200 in 64) goes on
-        completion = Engine(model, self.data.tokenizer, overflow="slide").generate(self.cfg.sample_prompt, params)[0]
+        engine = Engine(model, self.data.tokenizer, overflow="slide", weights=sampling_weights(model))
+        completion = engine.generate(self.cfg.sample_prompt, params)[0]
         return [self.cfg.sample_prompt + completion.text]
 
     def prepare_samples(self, device: torch.device) -> None:
@@ -138,6 +148,17 @@ class PretrainTask(TrainTask):
         n = len(self.data.train)
         sample = np.asarray(self.data.train[np.linspace(0, n - 1, num=min(n, 4096), dtype=np.int64)])
         return {"train_tokens": n, "sample_sha256": hashlib.sha256(sample.astype("<u4").tobytes()).hexdigest()}
+
+
+FP16_WEIGHT_LIMIT = 65000.0  # what the native forward's fp16 copies take (fp16's largest is 65504)
+
+
+def sampling_weights(model: nn.Module) -> str:
+    """The Engine's `weights` for a sample of the model in training: its default ("auto": fp16
+    copies on the native forward), or exact fp32 copies where a weight is past fp16's range (a
+    run with too high a learning rate: the fp16 copy was refused, and the run ended there)."""
+    largest = max(float(p.detach().abs().max()) for p in model.parameters())
+    return "fp32" if largest > FP16_WEIGHT_LIMIT else "auto"
 
 
 # ---- data --------------------------------------------------------------------------------------

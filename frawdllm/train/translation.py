@@ -43,7 +43,7 @@ from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from . import distributed
 from .config import parse_duration
-from .loop import TrainResult, Trainer, TrainTask
+from .loop import TrainResult, Trainer, TrainTask, content_hash
 from .losses import linear_cross_entropy_and_nll
 from .translation_config import TranslateConfig
 
@@ -185,12 +185,23 @@ class TranslationTask(TrainTask):
     def batch_tokens(self, batch: dict[str, Tensor]) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())  # real target tokens: padding not counted
 
+    def _valid_batches(self) -> list[list[int]]:
+        """The validation token batches `evaluate` reads: the first eval_batches."""
+        return token_batches(self.valid.pairs, self.tokens_per_batch, random.Random(0))[: self.eval_batches]
+
+    def evaluation_key(self) -> dict:
+        """The validation pairs `evaluate` reads (other --valid-src/--valid-tgt, --eval-batches,
+        --tokens-per-batch... read others)."""
+        if self.valid is None or not self.valid.pairs:
+            return {}
+        read = [self.valid.pairs[i] for batch in self._valid_batches() for i in batch]
+        return {"validation pairs": content_hash(read)}
+
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         if self.valid is None or not self.valid.pairs:
             return {}
         total, count = 0.0, 0
-        batches = token_batches(self.valid.pairs, self.tokens_per_batch, random.Random(0))[: self.eval_batches]
-        for batch in batches:
+        for batch in self._valid_batches():
             data = {k: v.to(device) for k, v in collate([self.valid.pairs[i] for i in batch]).items()}
             logits, _ = model(data["src"], data["tgt_in"], src_mask=data["src_mask"])
             total += float(F.cross_entropy(logits.float().flatten(0, 1), data["labels"].flatten(),
