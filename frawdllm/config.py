@@ -152,8 +152,9 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6N + attention (PaLM appendix B).
 
-        N counts the parameters used in matmuls: everything but the embedding lookups,
-        plus the LM head (which is the token embedding when tied).
+        N counts every parameter but the embedding lookups, plus the LM head (which is the
+        token embedding when tied): the matmul weights, and the norms' gains and biases too
+        (~0.3% of `tiny`'s N), as nanoGPT's count does.
         """
         seq_len = self.context_length if seq_len is None else seq_len
         matmul_params = self.num_non_embedding_parameters + self.vocab_size * self.n_embd
@@ -332,8 +333,8 @@ class Seq2SeqConfig(ModelConfig):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per target token, source and target of `seq_len` tokens:
-        6N for the matmul parameters (the output projection included, embedding lookups
-        not) + the attention scores (encoder self, decoder self and cross)."""
+        6N for the parameters but the embedding lookups (the output projection included;
+        norms and biases counted as matmul weights) + the attention scores (encoder self, decoder self and cross)."""
         seq_len = self.context_length if seq_len is None else seq_len
         matmul_params = self.num_parameters - self.num_embedding_parameters + self.vocab_size * self.n_embd
         if not self.tie_embeddings:

@@ -229,13 +229,26 @@ for args in [(x[0],), ([[1, 2]],), (x.float(),), (x, x.reshape(8, 2)), (x, x > 3
     except ValueError as exc:
         print(exc)
 print(float(m(x, x.int())[1]) == float(m(x, x)[1]))
+r = FrawdLLM(get_config("tiny-llama", n_layer=1, n_embd=32, n_head=8, n_kv_head=8, vocab_size=300, context_length=32))
+for model, kwargs in [(r, dict(positions=torch.arange(8))), (m, dict(positions=torch.tensor([[3]]))),
+                      (r, dict(positions=torch.zeros(3, 8, dtype=torch.long))),
+                      (m, dict(positions=torch.arange(8.0)[None])), (m, dict(targets=x.index_fill(1, torch.tensor([3]), 300))),
+                      (m, dict(targets=x.index_fill(1, torch.tensor([3]), -1)))]:
+    try:
+        model(x, **kwargs)
+        print("accepted")
+    except ValueError as exc:
+        print(exc)
 """
 
 
 def test_bad_ids_and_targets_are_one_line_naming_them():
     """Without the tests' shape checks (a user's run): a 1-D tensor failed with `IndexError:
     tuple index out of range`, (T, B) targets against (B, T) ids gave a loss without a word,
-    int32 targets a RuntimeError inside cross_entropy."""
+    int32 targets a RuntimeError inside cross_entropy. Positions of the wrong shape ran
+    silently (a 1-D arange(T) with T heads rotated head h by position h, a (1, 1) tensor gave
+    every token one position) or failed deep inside; a target past the vocabulary was
+    PyTorch's "IndexError: Target 300 is out of bounds"."""
     from cli_helpers import script_lines
 
     assert script_lines(BAD_CALLS) == [
@@ -245,6 +258,12 @@ def test_bad_ids_and_targets_are_one_line_naming_them():
         "targets of shape (8, 2) do not match token_ids of shape (2, 8)",
         "targets must be a (batch, time) integer tensor, got a 2-D torch.bool tensor",
         "True",
+        "positions must be a (1 or batch 2, time 8) integer tensor, got a (8,) torch.int64 tensor",
+        "positions must be a (1 or batch 2, time 8) integer tensor, got a (1, 1) torch.int64 tensor",
+        "positions must be a (1 or batch 2, time 8) integer tensor, got a (3, 8) torch.int64 tensor",
+        "positions must be a (1 or batch 2, time 8) integer tensor, got a (1, 8) torch.float32 tensor",
+        "target id 300 is outside the model's vocabulary (vocab_size 300; -100 marks a target to ignore)",
+        "target id -1 is outside the model's vocabulary (vocab_size 300; -100 marks a target to ignore)",
     ]
 
 

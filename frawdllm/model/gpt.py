@@ -111,10 +111,19 @@ def check_ids(name: str, ids: Any) -> None:
         raise ValueError(f"{name} must be a (batch, time) integer tensor, got {what}")
 
 
-def check_positions(positions: Int[Tensor, "#B T"], context_length: int) -> None:
-    """Positions given by the caller lie in [0, context_length), else one line (past the end
-    a raw IndexError; a negative one read RoPE's tables from the end, silently). Reads two
-    values: skipped while compiling, where a data-dependent check would break the graph."""
+def check_positions(positions: Int[Tensor, "#B T"], ids: Tensor, context_length: int) -> None:
+    """Positions given by the caller are a (1 or B, T) integer tensor for the (B, T) `ids`,
+    in [0, context_length), else one line: a 1-D arange(T) rotated head h of every token by
+    position h when T equalled the head count, and a (1, 1) one gave every token one
+    position, silently; past the end a raw IndexError; a negative one read RoPE's tables from
+    the end. Reads two values: skipped while compiling, where a data-dependent check would
+    break the graph."""
+    B, T = ids.shape
+    if not is_id_tensor(positions) or positions.dim() != 2 or positions.shape[1] != T \
+            or positions.shape[0] not in (1, B):
+        what = (f"a {tuple(positions.shape)} {positions.dtype} tensor" if isinstance(positions, Tensor)
+                else type(positions).__name__)
+        raise ValueError(f"positions must be a (1 or batch {B}, time {T}) integer tensor, got {what}")
     if torch.compiler.is_compiling() or not positions.numel():
         return
     low, high = torch.stack(torch.aminmax(positions)).tolist()  # (one read: a GPU waits once)
@@ -131,6 +140,23 @@ def check_targets(targets: Any, ids: Tensor, ids_name: str = "token_ids") -> Non
     if targets.shape != ids.shape:
         raise ValueError(f"targets of shape {tuple(targets.shape)} do not match {ids_name} of shape "
                          f"{tuple(ids.shape)}")
+
+
+def token_loss(logits: Float[Tensor, "B T V"], targets: Int[Tensor, "B T"],
+               label_smoothing: float = 0.0) -> Float[Tensor, ""]:
+    """Mean cross-entropy over the targets that are not IGNORE_INDEX, in fp32. A target
+    outside the vocabulary is one line naming it (PyTorch's "IndexError: Target 64 is out
+    of bounds" named neither targets nor the vocabulary; read only then, as token ids are)."""
+    V = logits.size(-1)
+    try:
+        return F.cross_entropy(logits.float().view(-1, V), targets.reshape(-1).long(),
+                               ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+    except IndexError:
+        bad = targets[((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= V)]
+        if not bad.numel():
+            raise
+        raise ValueError(f"target id {int(bad[0])} is outside the model's vocabulary (vocab_size {V}; "
+                         f"{IGNORE_INDEX} marks a target to ignore)") from None
 
 
 class FrawdLLM(ModelDirectoryMixin, nn.Module):
@@ -178,7 +204,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
                 )
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
         else:
-            check_positions(positions, self.config.context_length)
+            check_positions(positions, token_ids, self.config.context_length)
         try:
             x = self.embed(token_ids, positions)  # (B, T, D)
         except IndexError:  # (eager on the CPU; ids are read only then: a GPU would wait. A GPU
@@ -208,7 +234,5 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         logits = self.lm_head(self.hidden_states(token_ids, positions, kv_cache))  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), targets.reshape(-1).long(), ignore_index=IGNORE_INDEX
-            )
+            loss = token_loss(logits, targets)
         return logits, loss

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
@@ -34,7 +33,7 @@ from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_tables
-from .gpt import IGNORE_INDEX, check_ids, check_positions, check_targets, init_weights, model_config
+from .gpt import check_ids, check_positions, check_targets, init_weights, model_config, token_loss
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -156,7 +155,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
             self._check_length(tgt.shape[1], "target")
             positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
         else:
-            check_positions(positions, self.config.context_length)
+            check_positions(positions, tgt, self.config.context_length)
         x = self.embed(tgt, positions)  # (B, T, D)
         rope = self._rope(positions)
         for block, kv in zip(self.decoder, memory_kv):
@@ -187,6 +186,5 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         logits = self.decode(tgt, self.memory_kv(memory), src_mask)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1).long(),
-                                   ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+            loss = token_loss(logits, targets, label_smoothing)
         return logits, loss
