@@ -105,7 +105,7 @@ def to_hf_config(cfg: ModelConfig):
     )
 
 
-def _first_id(*candidates: Any) -> int | None:
+def first_id(*candidates: Any) -> int | None:
     """The first candidate that is a token id (of a list of ids: its first); None if none is."""
     for value in candidates:
         if isinstance(value, (list, tuple)) and value:
@@ -166,12 +166,12 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
         raise FrawdError(f"{kind} config with {shown} has no FrawdLLM equivalent")
     # A missing bos or pad id is the eos (GPT-2 has one id for all three), a missing eos the bos;
     # with neither we refuse: generation stops at the eos, and an id we picked would be an ordinary token.
-    eos = _first_id(hf_config.eos_token_id, hf_config.bos_token_id)
+    eos = first_id(hf_config.eos_token_id, hf_config.bos_token_id)
     if eos is None:
         raise FrawdError(f"{kind} config has no eos_token_id (null), and no tokenizer names an end-of-sequence "
                          "token: set eos_token_id in config.json")
-    ids = dict(bos_token_id=_first_id(hf_config.bos_token_id, eos), eos_token_id=eos,
-               pad_token_id=_first_id(hf_config.pad_token_id, eos))
+    ids = dict(bos_token_id=first_id(hf_config.bos_token_id, eos), eos_token_id=eos,
+               pad_token_id=first_id(hf_config.pad_token_id, eos))
     outside = {name: value for name in ("bos_token_id", "eos_token_id", "pad_token_id")
                if isinstance(value := getattr(hf_config, name, None), int)
                and not 0 <= value < values["vocab_size"]}

@@ -45,7 +45,7 @@ from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_s
                         load_config, load_generation_config, load_model, model_file, tables_too_large,
                         weight_shapes)
 from ..tokenizer import Tokenizer
-from .hf import (_first_id, from_hf_config, from_hf_state_dict, head_differs, hf_architecture,
+from .hf import (first_id, from_hf_config, from_hf_state_dict, head_differs, hf_architecture,
                  normalise_hf_names, tensor_layout, to_hf_config, to_hf_state_dict)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -336,7 +336,7 @@ def _fill_special_ids(hf_config: Any, directory: Path) -> dict[str, str]:
     eos, the tokenizer's end-of-text token (`Tokenizer.document_end_id`). Returns
     {field: where its id came from}."""
     fields = ("bos_token_id", "eos_token_id", "pad_token_id")
-    missing = [field for field in fields if _first_id(getattr(hf_config, field, None)) is None]
+    missing = [field for field in fields if first_id(getattr(hf_config, field, None)) is None]
     if not missing:
         return {}
     generation = read_json_object(directory / GENERATION_CONFIG_FILE)
@@ -347,7 +347,7 @@ def _fill_special_ids(hf_config: Any, directory: Path) -> dict[str, str]:
     for field in missing:
         token = named.get(field.removesuffix("_id"))
         token = token.get("content") if isinstance(token, dict) else token  # (transformers' AddedToken form)
-        found = _first_id(generation.get(field))
+        found = first_id(generation.get(field))
         if found is not None:
             taken[field] = f"{field} {found} from {GENERATION_CONFIG_FILE}"
         elif tokenizer is not None and isinstance(token, str) and tokenizer.token_to_id(token) is not None:
