@@ -203,14 +203,23 @@ def _missing_parents(path: Path) -> list[Path]:
     return missing[::-1]
 
 
-@contextmanager
-def undo_on_error(path: str | os.PathLike) -> Iterator[None]:
-    """If the block fails, remove `path` and the folders above it that did not exist
-    before the block (a failed write leaves no empty folders behind); a full disk becomes
-    one clear FrawdError."""
+def new_folders(path: str | os.PathLike) -> list[Path]:
+    """`path` and the folders above it that do not exist yet, outermost first; a link to
+    nowhere in the way is one line (nothing can be made through it)."""
     path = Path(path)
     _refuse_dangling_link(path)
-    created = _missing_parents(path) + ([] if os.path.lexists(path) else [path])
+    return _missing_parents(path) + ([] if os.path.lexists(path) else [path])
+
+
+@contextmanager
+def undo_on_error(path: str | os.PathLike, created: list[Path] | None = None) -> Iterator[None]:
+    """If the block fails, remove `path` and the folders above it that did not exist
+    before the block (a failed write leaves no empty folders behind); a full disk becomes
+    one clear FrawdError. `created`: those folders, when the caller made them just before
+    the block (`new_folders` looked first)."""
+    path = Path(path)
+    _refuse_dangling_link(path)
+    created = new_folders(path) if created is None else created
     try:
         yield
     except BaseException as exc:

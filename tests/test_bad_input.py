@@ -220,3 +220,18 @@ def test_every_float_setting_of_every_training_command_refuses_nan_and_inf():
     for duration in ("max_time", "dist_timeout"):  # strings read as seconds: 400 digits are inf
         with pytest.raises(ConfigError, match="a duration must be positive and finite"):
             TrainConfig(max_steps=1, **{duration: "9" * 400})
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["data", "prepare", "--data", "{root}/corpus.txt", "--tokenizer", "{root}/model", "--out", "{root}/a_file"],
+     "--out {root}/a_file is a file, not a folder"),
+    (["data", "prepare", "--data", "{root}/corpus.txt", "--tokenizer", "{root}/model", "--out", "{root}/a_file/sub"],
+     "--out {root}/a_file/sub: {root}/a_file is a file, not a folder"),
+    (["tokenizer", "train", "--data", "{root}/corpus.txt", "--kind", "byte", "--out", "{root}/a_file"],
+     "{root}/a_file exists and is not a directory; give a directory or a path ending in .json"),
+], ids=["data-prepare", "data-prepare-below", "tokenizer-train"])
+def test_an_out_that_is_a_file_is_bad_input_exit_1_not_a_usage_error(env, capsys, argv, said):
+    # (data prepare --out FILE exited 2 with click's "Invalid value for '--out'")
+    code, stdout, err = run(capsys, *[a.format(root=env) for a in argv])
+    assert (code, stdout, err) == (1, "", f"frawd: error: {said.format(root=env)}\n")
+    assert (env / "a_file").read_text() == "not a folder\n"

@@ -2,7 +2,9 @@
 uint32 path, reuse, atomic failure, and tiny shakespeare as char-level shards."""
 
 import json
+import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -148,8 +150,9 @@ def test_shards_inside_their_source_folder_are_refused_before_anything_is_writte
         code, stdout, err = run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer",
                                     tmp_path / "tok.json", "--out", out)
         assert (code, stdout) == (1, "")
-        assert err == (f"frawd: error: the shards' folder {out} is inside the source folder {tmp_path / 'src'}: the "
-                       f"next run would read them as corpus text; write them outside {tmp_path / 'src'}\n")
+        assert err == (f"frawd: error: the output folder {out} is inside the source folder {tmp_path / 'src'}: the "
+                       "next run would read what is written there as corpus text; write it outside "
+                       f"{tmp_path / 'src'}\n")
         assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["a.txt"]
     assert run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer", tmp_path / "tok.json",
                    "--out", tmp_path / "srcs")[0] == 0  # (a sibling whose name starts alike is outside)
@@ -812,3 +815,130 @@ def test_a_full_disk_names_the_shard_that_did_not_fit(tmp_path, bpe, monkeypatch
     src = _write_corpus(tmp_path / "c.txt", _corpus(50))
     with pytest.raises(FrawdError, match=r"no space left on .* while writing .*train\.bin"):
         prepare_shards(str(src), bpe, tmp_path / "out")
+
+
+# ---- one writer per folder; hf: folders; the tail's bytes; extreme val fractions ------------------
+
+HOLD = """
+import sys, time
+from frawdllm.train.rundir import claim_run_dir
+claim_run_dir(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_prepare_into_a_folder_another_process_writes_is_refused_and_touches_nothing(tmp_path, bpe, capsys,
+                                                                                       monkeypatch):
+    # (a second prepare deleted the first's temporary shards, which then failed: "no such file or directory")
+    from cli_helpers import run_cli
+    from frawdllm.train.rundir import _lock_holder
+
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    bpe.save(tmp_path / "tok.json")
+    out = tmp_path / "out"
+    holders = []
+    real = shards_module.tokenize_documents
+
+    def watched(*args, **kwargs):  # a prepare holds its folder while it writes
+        holders.append(_lock_holder(out))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shards_module, "tokenize_documents", watched)
+    prepare_shards(str(src), bpe, out)
+    assert holders == [os.getpid()]
+    live = out / ".train.bin.l1ve0000.tmp"
+    live.write_bytes(b"being written by the other process")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    prepare = ["data", "prepare", "--data", src, "--tokenizer", tmp_path / "tok.json", "--out", out]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, stdout, err = run_cli(capsys, *prepare, "--force")
+        assert (code, stdout) == (1, "")
+        assert err == (f"frawd: error: {out} is in use by another run (process {holder.pid}): wait for it to end or "
+                       "stop it, or give another --out\n")
+        code, stdout, _ = run_cli(capsys, *prepare)  # reusing needs no lock (the ranks of a training run do it at once)
+        assert code == 0 and "reusing" in stdout
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the other's files untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    assert prepare_shards(str(src), bpe, out).get("reused")  # now a killed run's file: removed
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_an_hf_source_in_a_local_folder_is_known_by_its_absolute_path_and_its_files(tmp_path, bpe, monkeypatch):
+    # (its shards were reused after the dataset changed, and a folder of the same name elsewhere passed as it)
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    def save(folder, docs):
+        shutil.rmtree(folder, ignore_errors=True)
+        datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(folder))
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    save(tmp_path / "ds", _corpus(20))
+    first = prepare_shards("hf:ds", bpe, out, val_fraction=0.3)
+    assert first["resolved_source"] == f"hf:{tmp_path / 'ds'}"
+    assert prepare_shards(f"hf:{tmp_path / 'ds'}", bpe, out, val_fraction=0.3).get("reused")
+    save(tmp_path / "ds", _corpus(25, seed=4))
+    changed = prepare_shards("hf:ds", bpe, out, val_fraction=0.3)
+    assert not changed.get("reused") and changed["train_documents"] + changed["val_documents"] == 25
+    (tmp_path / "elsewhere").mkdir()
+    save(tmp_path / "elsewhere" / "ds", _corpus(5))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(FrawdError, match=re.escape(f"{out} holds the shards of hf:{tmp_path / 'ds'}, not of hf:ds")):
+        shards_module.refuse_other_shards(out, "hf:ds")
+    assert shards_module.resolved_source("hf:someone/corpus@test") == "hf:someone/corpus@test"  # a Hub name
+
+
+def test_a_validation_tail_counts_the_real_bytes_of_characters_a_char_tokenizer_does_not_know(tmp_path):
+    # (each <|unk|> counted 1 byte: val_text_bytes 3999 for 4878, and bits per byte 22% off)
+    tok = train_tokenizer(["abc "], "char")
+    for i in range(100):  # three documents, none hashed into val: the tail is cut from the middle one
+        docs = [f"abc é{i} " * 40, f"cab 日本{i} " * 50, f"a😀{i} " * 30]
+        if not any(shards_module._is_val(d.encode(), 0.5) for d in docs):
+            break
+    (tmp_path / "c.txt").write_text("\n\n".join(docs), encoding="utf-8")
+    meta = prepare_shards(str(tmp_path / "c.txt"), tok, tmp_path / "out", val_fraction=0.5)
+    stream = [ch for doc in docs for ch in [*doc, ""]]  # what the tokens stand for: a character each, "" for <|eos|>
+    keep = meta["train_tokens"]
+    assert meta["val_split"] == "tail" and meta["unk_tokens"] > 0
+    assert len(docs[0]) + 1 < keep < len(docs[0]) + len(docs[1]) + 2  # (cut inside the second document)
+    assert meta["train_text_bytes"] == len("".join(stream[:keep]).encode())
+    assert meta["val_text_bytes"] == len("".join(stream[keep:]).encode())
+
+
+def test_a_val_fraction_leaving_train_empty_is_refused_and_one_below_a_token_leaves_val_empty(tmp_path, bpe):
+    # (0.999999 wrote train_tokens 0 without a word; 1e-9 a val split of one <|eos|>, "0 bytes a token")
+    src = tmp_path / "c.txt"
+    _write_corpus(src, _corpus(20))
+    with pytest.raises(FrawdError, match=r"val_fraction 0\.999999 of the [0-9,]+ tokens of .*c\.txt leaves none to "
+                                         "train on; use a smaller one"):
+        prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=0.999999)
+    assert not (tmp_path / "out").exists()
+    meta = prepare_shards(str(src), bpe, tmp_path / "out", val_fraction=1e-9)
+    assert (meta["val_split"], meta["val_tokens"], meta["val_bytes_per_token"]) == ("tail", 0, None)
+    assert f"val_fraction 1e-09 of the {meta['train_tokens']:,} tokens is less than one token: the val split is " \
+           "empty" in meta["warnings"]
+
+
+def test_eval_of_a_train_split_too_short_for_a_window_advises_a_smaller_val_fraction(tmp_path, capsys):
+    import torch
+
+    from cli_helpers import run_cli
+    from frawdllm import FrawdLLM, get_config
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=16, n_head=2, context_length=16)
+             ).save_pretrained(tmp_path / "model", tokenizer=tok)
+    (tmp_path / "c.txt").write_text("a short document of a hundred bytes or so, " * 3, encoding="utf-8")
+    args = ["eval", "--model", tmp_path / "model", "--data", tmp_path / "c.txt", "--doc-split", "file"]
+    code, _, err = run_cli(capsys, *args, "--val-fraction", "0.95", "--split", "train")
+    assert code == 1 and err.startswith("frawd: error: the train split has ")
+    assert err.endswith("use more data, a smaller --val-fraction or a shorter --context-length\n")
+    code, _, err = run_cli(capsys, *args, "--val-fraction", "0.05")
+    assert code == 1 and err.endswith("use more data, a larger --val-fraction or a shorter --context-length\n")

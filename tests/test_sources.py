@@ -341,3 +341,77 @@ def test_a_folder_of_hidden_files_only_says_so(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FrawdError, match=re.escape(f"folder {tmp_path / 'empty'} holds no files")):
         list(iter_documents(str(tmp_path / "empty")))
+
+
+# ---- names that look like globs; compressed and UTF-16 files; a saved Dataset's split -----------
+
+def test_an_existing_path_holding_glob_characters_is_that_path_not_a_pattern(tmp_path, monkeypatch):
+    # (data[1].txt was refused "no files match", or read data1.txt instead when that existed)
+    from frawdllm.data.shards import resolved_source
+
+    monkeypatch.chdir(tmp_path)
+    Path("data[1].txt").write_text("from data[1]", encoding="utf-8")
+    Path("data1.txt").write_text("from data1", encoding="utf-8")
+    Path("corpus [v2]").mkdir()
+    Path("corpus [v2]", "a.txt").write_text("from the folder", encoding="utf-8")
+    assert list(iter_documents("data[1].txt")) == ["from data[1]"]
+    assert list(iter_documents("corpus [v2]")) == ["from the folder"]
+    assert list(iter_documents("data[0-9].txt")) == ["from data1"]  # no such path: a pattern
+    Path("link[1].txt").symlink_to("data[1].txt")
+    assert resolved_source("link[1].txt") == str(tmp_path / "data[1].txt")  # a path: its link resolved
+
+
+@pytest.mark.parametrize("suffix, opener", [(".bz2", "bz2"), (".xz", "lzma"), ("", "gzip")],
+                         ids=["bz2", "xz", "gzip-without-suffix"])
+def test_bzip2_and_xz_files_read_like_the_plain_file(tmp_path, suffix, opener):
+    import importlib
+
+    text = "alpha\n\nbeta gamma\n\nδέλτα\n"
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    packed = tmp_path / f"packed{suffix}"  # known by its suffix, or by its first bytes
+    packed.write_bytes(importlib.import_module(opener).compress(text.encode()))
+    assert list(iter_documents(str(packed))) == list(iter_documents(str(tmp_path / "a.txt")))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n", encoding="utf-8")
+    jsonl = tmp_path / f"b.jsonl{suffix or '.gz'}"
+    jsonl.write_bytes(importlib.import_module(opener).compress((tmp_path / "b.jsonl").read_bytes()))
+    assert list(iter_documents(str(jsonl))) == ["one"]
+
+
+@pytest.mark.parametrize("magic, kind, command", [(b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
+                                                  (b"PK\x03\x04", "zip", "unzip")])
+def test_a_file_compressed_in_a_format_not_read_is_one_line_naming_it(tmp_path, magic, kind, command):
+    # (a .zst file was tokenized as binary garbage, with only a warning of replaced bytes)
+    (tmp_path / "a.txt").write_text("fine text", encoding="utf-8")
+    packed = tmp_path / "b.txt"  # known by its first bytes
+    packed.write_bytes(magic + bytes(range(200)))
+    said = f"{packed} is compressed with {kind}, which is not read here (gzip, bzip2 and xz are): decompress it " \
+           f"first ({command} {packed})"
+    with pytest.raises(FrawdError, match=re.escape(said)):
+        list(iter_documents(str(tmp_path)))
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_file_opening_with_a_utf16_or_utf32_byte_order_mark_is_decoded_as_such(tmp_path, encoding):
+    # (Windows "Unicode" text was read as F\0i\0r\0s\0t\0...)
+    text = "First Citizen:\nBefore we proceed\n\nδέλτα 🙂\n"
+    path = tmp_path / "win.txt"
+    path.write_bytes(("\ufeff" if encoding == "utf-16-be" else "").encode(encoding) + text.encode(encoding))
+    stats = SourceStats()
+    assert list(iter_documents(str(path), stats=stats)) == ["First Citizen:\nBefore we proceed", "δέλτα 🙂"]
+    assert stats.replaced == 0
+
+
+def test_a_split_given_for_a_saved_dataset_without_splits_is_refused(tmp_path, monkeypatch):
+    # (hf:DIR@no_such_split read the rows of the one saved Dataset)
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    bare, named = tmp_path / "bare", tmp_path / "named"
+    datasets.Dataset.from_dict({"text": ["alpha", "beta"]}).save_to_disk(str(bare))
+    datasets.Dataset.from_dict({"text": ["gamma"]}, split="test").save_to_disk(str(named))
+    assert list(iter_documents(f"hf:{bare}")) == ["alpha", "beta"]
+    with pytest.raises(FrawdError, match=re.escape(f"hf:{bare}@nope: {bare} holds one saved dataset, not a dictionary "
+                                                   "of splits, so @nope cannot apply; leave it out")):
+        iter_documents(f"hf:{bare}@nope")
+    assert list(iter_documents(f"hf:{named}@test")) == ["gamma"]  # its own split
+    with pytest.raises(FrawdError, match=re.escape(f"{named} holds one saved dataset (the test split)")):
+        iter_documents(f"hf:{named}@train")

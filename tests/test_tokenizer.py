@@ -423,3 +423,18 @@ def test_token_bytes_put_together_are_the_texts_bytes():
         ids = tok.encode(text)
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), tok.kind
         assert tok.token_bytes(3) == b"<|eos|>" and tok.token_bytes(10**6) == b""
+
+
+def test_cli_refuses_to_write_the_tokenizer_inside_its_source_folder(tmp_path, capsys):
+    # (corp/tokenizer.json was then read by the next run as corpus text)
+    from cli_helpers import run_cli
+
+    corp = tmp_path / "corp"
+    corp.mkdir()
+    (corp / "a.txt").write_text("\n\n".join(CORPUS), encoding="utf-8")
+    for out, folder in ((corp, corp), (corp / "tok", corp / "tok"), (corp / "t.json", corp)):
+        code, stdout, err = run_cli(capsys, "tokenizer", "train", "--data", corp, "--kind", "byte", "--out", out)
+        assert (code, stdout) == (1, "")
+        assert err == (f"frawd: error: the output folder {folder} is inside the source folder {corp}: the next run "
+                       f"would read what is written there as corpus text; write it outside {corp}\n")
+    assert sorted(p.name for p in corp.iterdir()) == ["a.txt"]

@@ -30,7 +30,7 @@ def data() -> None:
 @data_source_options
 @click.option("--tokenizer", "tokenizer_path", required=True, metavar="T",
               help="A tokenizer.json, or a directory holding one (e.g. a model directory).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--out", required=True, help="Output directory.")  # (a file there is refused in one line)
 @click.option("--val-fraction", type=float, default=0.005, show_default=True,
               help="Share of documents held out for validation (chosen by a hash of their text).")
 @click.option("--workers", type=int, default=None,

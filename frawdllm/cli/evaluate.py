@@ -83,8 +83,9 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             print_warnings(meta)
         tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
+            larger = "larger" if split == "val" else "smaller"  # (the train split is what val leaves)
             raise FrawdError(f"the {split} split has {counted(len(tokens), 'token')}, too few for one window of {context}; "
-                             "use more data, a larger --val-fraction or a shorter --context-length")
+                             f"use more data, a {larger} --val-fraction or a shorter --context-length")
         with autocast(dev, dtype):
             loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=progress)
     bytes_per_token = split_bytes_per_token(meta, split)

@@ -40,6 +40,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
       frawd tokenizer train --data stdlib --vocab-size 8192 --out tok/stdlib
       frawd tokenizer train --data shakespeare.txt --kind char --out tok/shakespeare
     """
+    from ..data.shards import refuse_out_in_source
     from ..data.sources import SourceStats, iter_documents
     from ..errors import FrawdError
     from ..tokenizer import TOKENIZER_FILE, check_bpe_vocab_size, short_bpe_note, train_tokenizer
@@ -51,6 +52,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
         if path.exists() and not path.is_dir():
             raise FrawdError(f"{path} exists and is not a directory; give a directory or a path ending in .json")
         path = path / TOKENIZER_FILE
+    refuse_out_in_source(data, path.parent)  # the next run would read tokenizer.json as text
     # Checked before training: shards prepared with the old tokenizer would no longer match it.
     if path.exists() and not overwrite:
         raise FrawdError(f"{path} exists; choose a new {what} (or --overwrite)")

@@ -36,11 +36,12 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.logging import logger
 
 from ..errors import FrawdError
-from ..io import clean_partial, undo_on_error, write_json_atomic
+from ..io import write_json_atomic
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
 from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _is_val, _reusable, document_end, remove_stale_shards,
-                     shard_meta, check_prepare_options, refuse_out_in_source, tokenize_documents, with_warnings)
+                     shard_meta, check_prepare_options, refuse_out_in_source, tokenize_documents, with_warnings,
+                     writing_into)
 from .sources import SourceStats, file_documents, source_files
 
 EXECUTORS = ("local", "slurm", "ray")
@@ -237,9 +238,7 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
             return reused
     check_source_start(data, text_field, doc_split, val_fraction)  # a source too small fails now, not at the merge
     logs = out / LOGS_DIR / logs_name(inputs_hash, workers)
-    with undo_on_error(out):
-        out.mkdir(parents=True, exist_ok=True)
-        clean_partial(out)  # temporary shard files of tasks that were killed
+    with writing_into(out):  # (a second prepare into OUT is refused while this one runs or submits)
         # The tasks rewrite the shard files in place, so the old meta.json must go first.
         (out / META_FILE).unlink(missing_ok=True)
         if force:

@@ -22,9 +22,10 @@ finds the matching `inputs_hash` in meta.json and reuses the shards unless `forc
 `frawd data prepare` first calls `refuse_other_shards`: a folder holding the shards of
 another source is refused unless --overwrite, so preparing a second corpus never silently
 replaces the first (`prepare_shards` itself replaces them: pretrain's run folder caches the
-data it was last given). Documents end with <|eos|>, or with the end-of-text token of a
-tokenizer without FrawdLLM's specials (an imported GPT-2's <|endoftext|>); a tokenizer with
-neither is refused.
+data it was last given). A prepare that writes holds `out` (`writing_into`: a lock), so a
+second one into it is refused instead of deleting the first's files. Documents end with
+<|eos|>, or with the end-of-text token of a tokenizer without FrawdLLM's specials (an
+imported GPT-2's <|endoftext|>); a tokenizer with neither is refused.
 
 `read_split` reads a split back: train.bin, or the several shard files meta.json lists
 (`--engine datatrove` writes one per worker, see datatrove_shards.py) as one stream.
@@ -32,6 +33,7 @@ neither is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -44,9 +46,10 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -54,11 +57,12 @@ import numpy as np
 from ..cbuild import usable_cpus
 from ..config import is_integer
 from ..errors import FrawdError
-from ..io import _fsync_wanted, atomic_path, clean_partial, sync_path, undo_on_error, write_json_atomic
+from ..io import _fsync_wanted, atomic_path, clean_partial, new_folders, sync_path, undo_on_error, write_json_atomic
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
 from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
                            read_shard, token_dtype)
-from .sources import BUILTIN_SOURCES, SourceStats, iter_documents, source_files, source_spec
+from .sources import (BUILTIN_SOURCES, SourceStats, hf_local_path, is_glob, iter_documents, parse_hf_spec, source_files,
+                      source_spec)
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
 LOGS_DIR = ".datatrove"  # datatrove's logs and completion marks, inside the output folder
@@ -105,17 +109,16 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
     out = Path(out)
     refuse_out_in_source(data, out)
     inputs_hash = _inputs_hash(data, tok, val_fraction, text_field, doc_split)
-    clean_partial(out)  # temporary files of a run that was killed
     if not force:
-        reused = _reusable(out, inputs_hash)
+        reused = _reusable(out, inputs_hash)  # (read without the lock: every file there is replaced whole)
         if reused is not None:
+            _tidy(out)
             return reused
 
     stats = SourceStats()
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
 
-    with undo_on_error(out):  # a failed first run leaves no empty folder
-        out.mkdir(parents=True, exist_ok=True)
+    with writing_into(out):  # a failed first run leaves no empty folder
         start = time.perf_counter()
         bar = _progress_bar(progress, _source_bytes(data))
         try:
@@ -128,8 +131,9 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
                     val_split = "documents"
                     if val_fraction > 0 and writers[0].n_tokens == 0:
                         _move_all(writers[1], writers[0], totals)  # every document hashed into val
-                    if val_fraction > 0 and writers[1].n_tokens == 0:
-                        _move_tail(writers[0], writers[1], val_fraction, totals, tok)  # too few documents to hash
+                    if val_fraction > 0 and writers[1].n_tokens == 0:  # too few documents to hash
+                        source = functools.partial(iter_documents, data, text_field=text_field, doc_split=doc_split)
+                        _move_tail(writers[0], writers[1], val_fraction, totals, tok, source, data)
                         val_split = "tail"
                     for writer in writers:
                         writer.finish()
@@ -167,20 +171,52 @@ def check_prepare_options(val_fraction: Any, workers: Any, local: bool = True) -
 
 
 def refuse_out_in_source(data: str, out: Path) -> None:
-    """Shards written into the source folder would be read back as part of the corpus by the
-    next run (with everything a run writes beside them): one line, before anything is written."""
+    """Shards (or a tokenizer) written into the source folder would be read back as part of
+    the corpus by the next run (with everything a run writes beside them): one line, before
+    anything is written."""
     if data == "stdlib" or data.startswith("hf:") or not Path(data).is_dir():
         return
     source, dest = Path(data).resolve(), out.resolve()
     if dest == source or source in dest.parents:
-        raise FrawdError(f"the shards' folder {out} is inside the source folder {data}: the next run would read "
-                         f"them as corpus text; write them outside {data}")
+        raise FrawdError(f"the output folder {out} is inside the source folder {data}: the next run would read "
+                         f"what is written there as corpus text; write it outside {data}")
+
+
+@contextmanager
+def writing_into(out: Path) -> Iterator[None]:
+    """Hold `out` while the block writes there, with the lock a training run takes on its
+    folder (`claim_run_dir`): a second prepare into it fails at once, naming this process,
+    instead of deleting the temporary files this one is writing. Once it is held, what
+    killed runs left there is removed (`clean_partial`). If the block fails, the folders it
+    created go too; a run refused here removes nothing (the folder is the other's)."""
+    from ..train.rundir import claim_run_dir, release_run_dir  # (the data package is imported by train)
+
+    created = new_folders(out)  # (looked at before claim_run_dir creates them)
+    taken = claim_run_dir(out)  # (False: this process held it already, and goes on holding it)
+    try:
+        with undo_on_error(out, created):
+            clean_partial(out)
+            yield
+    finally:
+        if taken:
+            release_run_dir(out)
+
+
+def _tidy(out: Path) -> None:
+    """Remove the temporary files of killed runs from a folder whose shards are reused, unless
+    another process holds it (then they are its live ones; several ranks of a training run
+    reuse the shards at once)."""
+    try:
+        with writing_into(out):
+            pass
+    except FrawdError:
+        pass
 
 
 def with_warnings(meta: dict) -> dict:
     """`meta` with its `warnings` (not written to meta.json): replaced bytes, unknown characters."""
     replaced = SourceStats(replaced=meta["replaced_utf8_sequences"], replaced_in=meta.get("replaced_in_files", []))
-    meta["warnings"] = [w for w in (replaced.warning(), _unk_warning(meta)) if w]
+    meta["warnings"] = [w for w in (replaced.warning(), _unk_warning(meta), _empty_val_warning(meta)) if w]
     return meta
 
 
@@ -375,6 +411,13 @@ def _unk_warning(meta: dict) -> str | None:
             f"vocabulary and became <|unk|>")
 
 
+def _empty_val_warning(meta: dict) -> str | None:
+    if meta.get("val_split") != "tail" or meta["val_tokens"] or not meta.get("val_fraction"):
+        return None
+    return (f"val_fraction {meta['val_fraction']} of the {meta['train_tokens']:,} tokens is less than one token: "
+            "the val split is empty")
+
+
 def remove_stale_shards(out: Path, meta: dict, keep_logs: str | None = None) -> None:
     """Delete what earlier prepares left in `out` beside the shard set `meta` lists: the shard
     files it does not list (known by their names and FrawdLLM's header) and datatrove's log
@@ -407,11 +450,16 @@ def _is_shard_file(path: Path) -> bool:
 
 def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str, doc_split: str) -> str:
     """Everything the shards depend on: the source files (path, size, mtime), the
-    tokenizer's content and the options. hf: sources are identified by name only."""
+    tokenizer's content and the options. An hf: dataset in a local folder is known by its
+    files too; one on the Hub by its name only."""
     h = hashlib.sha256()  # (paths as resolved: `c.txt`, `./c.txt` and its absolute path are one source)
     h.update(json.dumps([VERSION, resolved_source(str(data)), tok.fingerprint, val_fraction, text_field,
                          doc_split]).encode())
-    for path in source_files(data) or []:
+    files = source_files(data)
+    if files is None:  # hf:
+        local = hf_local_path(data)
+        files = [] if local is None else sorted(p for p in (local, *local.rglob("*")) if p.is_file())
+    for path in files:
         st = path.stat()
         h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
@@ -419,10 +467,17 @@ def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str
 
 def resolved_source(spec: str) -> str:
     """The source the same from any working directory: a path or glob made absolute (links
-    resolved for a path), built-in (`BUILTIN_SOURCES`) and hf: names as given."""
-    if spec in BUILTIN_SOURCES or spec.startswith("hf:"):
+    resolved for a path), and so the local folder of an hf: spec; built-in (`BUILTIN_SOURCES`)
+    and Hub dataset names as given."""
+    if spec in BUILTIN_SOURCES:
         return spec
-    if any(ch in spec for ch in "*?["):
+    if spec.startswith("hf:"):
+        local = hf_local_path(spec)
+        if local is None:
+            return spec
+        name = parse_hf_spec(spec)[0]  # as written, then :CONFIG@SPLIT as given
+        return f"hf:{local.resolve()}{spec[len('hf:') + len(name):]}"
+    if is_glob(spec):
         return os.path.abspath(spec)
     return str(Path(spec).resolve())
 
@@ -624,12 +679,18 @@ def _move_all(val: ShardWriter, train: ShardWriter, totals: dict) -> None:
         totals[key] = [sum(totals[key]), 0]
 
 
-def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals: dict, tok: Tokenizer) -> None:
+def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals: dict, tok: Tokenizer,
+               source: Callable[[], Iterable[str]], data: str) -> None:
     """Too few documents for a hashed split: the last `val_fraction` of train tokens become val.
     The text bytes and documents moved are counted from those tokens (a document is on the
-    side of the cut where it ends), so val's bytes per token are its own."""
+    side of the cut where it ends), so val's bytes per token are its own. A fraction of less
+    than one token moves nothing (val stays empty, and a warning says so); one that would
+    leave train empty is refused. `source()` reads the documents again (see `_head_text_bytes`)."""
     n = train.n_tokens
-    n_val = max(1, round(n * val_fraction)) if n > 1 else 0
+    n_val = round(n * val_fraction)
+    if n_val >= n:
+        raise FrawdError(f"val_fraction {val_fraction} of the {n:,} tokens of {data} leaves none to train on; "
+                         "use a smaller one")
     if n_val == 0:
         return
     train.file.flush()
@@ -640,7 +701,11 @@ def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals
     train.file.truncate(HEADER_BYTES + keep * train.dtype.itemsize)
     train.file.seek(0, os.SEEK_END)
     train.n_tokens = keep
-    moved = _text_bytes(tail, tok)
+    unk = tok.unknown_id()
+    if tok.kind == "char" and unk is not None and np.any(tail == unk):  # (its bytes are gone from the tokens)
+        moved = totals["bytes"][0] - _head_text_bytes(source(), keep)
+    else:
+        moved = _text_bytes(tail, tok)
     totals["bytes"][0] -= moved
     totals["bytes"][1] += moved
     ends = int(np.count_nonzero(tail == tok.document_end_id()))
@@ -648,9 +713,23 @@ def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals
     totals["docs"][1] += ends
 
 
+def _head_text_bytes(documents: Iterable[str], keep: int) -> int:
+    """UTF-8 bytes of the text of a char tokenizer's first `keep` tokens, read from the
+    documents (all on the train side): one token per character, then the document's end.
+    (`_move_tail` needs it when its tail holds <|unk|>: which character of 1 to 4 bytes an
+    <|unk|> stood for, the tokens no longer say.)"""
+    done = head = 0  # tokens and bytes of the documents before this one
+    for doc in documents:
+        if done + len(doc) + 1 > keep:
+            return head + len(doc[:keep - done].encode())
+        done, head = done + len(doc) + 1, head + len(doc.encode())
+    return head
+
+
 def _text_bytes(ids: np.ndarray, tok: Tokenizer) -> int:
     """UTF-8 bytes of document text that `ids` stand for: each token's own bytes, none for a
-    special token (a document's end), one for <|unk|> (the character it replaced is gone)."""
+    special token (a document's end), one for <|unk|> (the character it replaced is gone;
+    `_move_tail` counts those from the source)."""
     unique, counts = np.unique(ids, return_counts=True)
     unk, specials = tok.unknown_id(), tok.special_ids
     return sum(int(count) * (1 if i == unk else 0 if i in specials else len(tok.token_bytes(int(i))))
@@ -662,7 +741,7 @@ def _text_bytes(ids: np.ndarray, tok: Tokenizer) -> int:
 def _source_bytes(data: str) -> int | None:
     """Total size of a plain-file source (the progress bar's 100%), else None."""
     files = source_files(data)
-    if files is None or any(p.name.lower().endswith((".gz", ".parquet")) for p in files):
+    if files is None or any(p.name.lower().endswith((".gz", ".bz2", ".xz", ".parquet")) for p in files):
         return None
     return sum(p.stat().st_size for p in files)
 

@@ -2,13 +2,14 @@
 
     stdlib                       the .py files of this interpreter's standard library
                                  (tests excluded, sorted by path; one document per file)
-    path/to/file.txt[.gz]        a text file; documents split by `doc_split`:
+    path/to/file.txt[.gz|.bz2|.xz]  a text file; documents split by `doc_split`:
                                  "blank" (a blank line, default), "line", or "file"
     path/to/folder               every non-hidden file below it, sorted by path; a folder
                                  of prepared shards (meta.json) is refused, not read as text,
                                  and so is one holding such a folder, at any depth
-    'data/*.txt', 'data/**/*.gz' a glob (quote it in the shell), sorted
-    *.jsonl[.gz]                 one JSON object a line; its `text_field` is the document
+    'data/*.txt', 'data/**/*.gz' a glob (quote it in the shell), sorted; a path that exists
+                                 is that path, even if its name holds [ ] * ?
+    *.jsonl[.gz|.bz2|.xz]        one JSON object a line; its `text_field` is the document
     *.parquet                    the `text_field` column, through pyarrow
     hf:NAME[:CONFIG][@SPLIT]     a Hugging Face dataset through `datasets` (split: train);
                                  NAME may be a local dataset directory
@@ -22,6 +23,7 @@ named *.bin are checked when the source is resolved, any other when it is read.
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import contextlib
 import functools
@@ -29,11 +31,13 @@ import glob
 import gzip
 import io
 import json
+import lzma
 import os
 import re
 import socket
 import sysconfig
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterable, Iterator
@@ -53,6 +57,15 @@ _CHUNK_CHARS = 1 << 22
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ERRORS = "frawd-count-replace"
 _counter = threading.local()
+# Compressed files read as they are, known by their suffix or their first bytes
+_DECOMPRESSORS = {".gz": (b"\x1f\x8b", gzip.open), ".bz2": (b"BZh", bz2.open), ".xz": (b"\xfd7zXZ\x00", lzma.open)}
+# Compressed files that are not (their first bytes), and the command that unpacks them
+_NOT_READ = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -d"), b"PK\x03\x04": ("zip", "unzip"),
+             b"7z\xbc\xaf\x27\x1c": ("7z", "7z x"), b"\x04\x22\x4d\x18": ("lz4", "lz4 -d")}
+# Byte-order marks of text that is not UTF-8 (UTF-32's first: it starts like UTF-16's)
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)  # what a corrupt compressed file raises
 
 
 def _count_and_replace(exc: UnicodeError) -> tuple[str, int]:
@@ -150,10 +163,16 @@ def source_files(spec: str | os.PathLike) -> list[Path] | None:
     return stdlib_files() if spec == "stdlib" else resolve_files(spec)
 
 
+def is_glob(spec: str) -> bool:
+    """Whether a spec is a glob: it holds a wildcard and names no existing path (a file named
+    `data[1].txt` is that file, never a pattern that could match `data1.txt`)."""
+    return any(ch in spec for ch in "*?[") and not os.path.lexists(spec)
+
+
 def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
     """A file, a folder (all non-hidden files below it) or a glob, as a sorted list of files.
     `builtin` names the built-in corpus the caller also accepts, for the error message."""
-    if any(ch in spec for ch in "*?["):
+    if is_glob(spec):
         files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         if not files:
             raise FrawdError(f"no files match {spec!r}")
@@ -238,7 +257,7 @@ def file_documents(files: list[Path], text_field: str, doc_split: str, stats: So
     for path in files:
         stats.files += 1
         name = path.name.lower()
-        if name.endswith((".jsonl", ".jsonl.gz")):
+        if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz")):
             yield from _jsonl_documents(path, text_field, stats)
         elif name.endswith(".parquet"):
             yield from _parquet_documents(path, text_field)
@@ -247,19 +266,30 @@ def file_documents(files: list[Path], text_field: str, doc_split: str, stats: So
 
 
 def _open_text(path: Path, newline: str = "") -> io.TextIOBase:
-    """Open as UTF-8 text (gunzipping .gz); bad bytes become U+FFFD and are counted.
+    """Open as UTF-8 text, unpacking gzip, bzip2 and xz files (by suffix or first bytes) and
+    refusing in one line other compressed files; a file opening with a UTF-16 or UTF-32
+    byte-order mark is decoded as such. Bad bytes become U+FFFD and are counted.
     newline="" keeps the text exactly as stored; "\n" also makes readline() end lines at
     "\n" alone (JSON Lines: a lone "\r" is whitespace inside a record, not a line end)."""
-    if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors=_ERRORS, newline=newline)
-    return open(path, encoding="utf-8", errors=_ERRORS, newline=newline)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    name = path.name.lower()
+    for suffix, (magic, opener) in _DECOMPRESSORS.items():
+        if name.endswith(suffix) or head.startswith(magic):
+            return opener(path, "rt", encoding="utf-8", errors=_ERRORS, newline=newline)
+    for magic, (kind, command) in _NOT_READ.items():
+        if head.startswith(magic):
+            raise FrawdError(f"{path} is compressed with {kind}, which is not read here (gzip, bzip2 and xz are): "
+                             f"decompress it first ({command} {path})")
+    encoding = next((codec for bom, codec in _BOMS if head.startswith(bom)), "utf-8")
+    return open(path, encoding=encoding, errors=_ERRORS, newline=newline)
 
 
 def _read(f: io.TextIOBase, size: int, path: Path, stats: SourceStats) -> str:
     before = _replaced_so_far()
     try:
         text = f.read(size)
-    except (OSError, EOFError) as exc:  # a corrupt .gz
+    except _READ_ERRORS as exc:  # a corrupt compressed file
         raise FrawdError(f"{path}: cannot read ({exc})") from None
     stats.note_replaced(_replaced_so_far() - before, str(path))
     return text
@@ -338,7 +368,7 @@ def _jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterato
             before = _replaced_so_far()
             try:
                 line = f.readline()
-            except (OSError, EOFError) as exc:
+            except _READ_ERRORS as exc:
                 raise FrawdError(f"{path}: cannot read ({exc})") from None
             stats.note_replaced(_replaced_so_far() - before, str(path))
             if not line:
@@ -412,6 +442,15 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split
 
 
+def hf_local_path(spec: str) -> Path | None:
+    """The local folder (or file) an 'hf:' spec names, None for a Hub dataset name."""
+    try:
+        name = Path(parse_hf_spec(spec)[0])
+    except FrawdError:  # (a bad spec is said when the source is read)
+        return None
+    return name if name.exists() else None
+
+
 def open_hf_dataset(spec: str):
     """The `datasets` dataset an 'hf:' spec names: a local `save_to_disk` folder, or one
     streamed by `load_dataset` (one split either way)."""
@@ -432,6 +471,10 @@ def open_hf_dataset(spec: str):
                 if split not in dataset:
                     raise FrawdError(f"{spec}: no split {split!r} (splits: {', '.join(dataset)})")
                 dataset = dataset[split]
+            elif "@" in spec[len("hf:"):] and (dataset.split is None or split != str(dataset.split)):
+                its = "" if dataset.split is None else f" (the {dataset.split} split)"
+                raise FrawdError(f"{spec}: {name} holds one saved dataset{its}, not a dictionary of splits, so "
+                                 f"@{split} cannot apply; leave it out")
         else:
             dataset = datasets.load_dataset(name, config, split=split, streaming=True)
     except FrawdError:
