@@ -554,3 +554,36 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_touches_nothing(corpus, 
     claim_run_dir(run)  # free once the other process ended (however it ended)
     claim_run_dir(run)  # (again from the same process: nothing)
     release_run_dir(run)
+
+
+HOLD_THEN_LEAVE_A_CHILD = """
+import os, sys, time
+from frawdllm.train.rundir import claim_run_dir
+claim_run_dir(sys.argv[1])
+if os.fork() == 0:  # a child holding the lock on (as datatrove's manager process did after a kill -9)
+    time.sleep(120)
+    os._exit(0)
+os._exit(0)
+"""
+
+
+def test_a_folder_held_by_a_child_of_a_run_that_ended_names_the_child(tmp_path):
+    """The message named the process that took the lock, long gone, not the one to stop."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from frawdllm.train.rundir import _lock_holder
+
+    run = tmp_path / "busy"
+    run.mkdir()
+    taker = subprocess.Popen([sys.executable, "-c", HOLD_THEN_LEAVE_A_CHILD, str(run)])
+    assert taker.wait() == 0
+    holder = _lock_holder(run)
+    try:
+        assert holder is not None and holder != taker.pid
+        assert b"claim_run_dir" in Path(f"/proc/{holder}/cmdline").read_bytes()  # the child left behind
+    finally:
+        if holder is not None and holder != taker.pid:
+            os.kill(holder, signal.SIGKILL)

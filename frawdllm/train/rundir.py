@@ -59,16 +59,17 @@ LOOP_OUTPUTS = (METRICS_FILE, PLOT_FILE, SAMPLES_FILE, *RUN_DIRS)
 _claims: dict[Path, int] = {}  # run folders this process holds: their open descriptors
 
 
-def claim_run_dir(run_dir: Path) -> None:
+def claim_run_dir(run_dir: Path) -> bool:
     """Create `run_dir` if need be and hold it for this process (an exclusive `flock` on the
     folder, which the kernel lets go when the process ends, however it ends); again from the
-    same process, nothing. Another process's run there: one line, nothing touched."""
+    same process, nothing. Another process's run there: one line, nothing touched. True if
+    this call took the hold (then its caller is the one to release it)."""
     run_dir = Path(run_dir)
     _refuse_file(run_dir)
     make_run_dir(run_dir)
     key = run_dir.resolve()
     if key in _claims or fcntl is None:
-        return
+        return False
     fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -78,6 +79,7 @@ def claim_run_dir(run_dir: Path) -> None:
         raise FrawdError(f"{run_dir} is in use by another run{f' (process {holder})' if holder else ''}: wait for "
                          "it to end or stop it, or give another --out") from None
     _claims[key] = fd
+    return True
 
 
 def release_run_dir(run_dir: Path) -> None:
@@ -88,15 +90,31 @@ def release_run_dir(run_dir: Path) -> None:
 
 
 def _lock_holder(folder: Path) -> int | None:
-    """The process holding a flock on `folder`, from /proc/locks (Linux), else None."""
+    """The process holding a flock on `folder`, from /proc/locks (Linux), else None. The lock
+    names the process that took it; a child it forked holds it too, after that process is
+    gone (datatrove's manager process outlives a `kill -9`): then the process that still has
+    the folder open."""
     try:
         inode = folder.stat().st_ino
         for line in Path("/proc/locks").read_text().splitlines():
             fields = line.split()
             if "FLOCK" in fields and fields[-3].rsplit(":", 1)[-1] == str(inode):
-                return int(fields[-4])
+                taker = int(fields[-4])
+                return taker if Path(f"/proc/{taker}").exists() else _opener(folder) or taker
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _opener(folder: Path) -> int | None:
+    """A process of this user with `folder` open (as `fuser` finds it), else None."""
+    target = str(folder)
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                return int(fd_dir.parent.name)
+        except OSError:  # (another user's process, or one that just ended)
+            continue
     return None
 
 
