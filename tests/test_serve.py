@@ -523,6 +523,7 @@ def test_a_runs_model_folder_is_named_after_the_run(tmp_path, monkeypatch):
     (tmp_path / "runs" / "lr=3e-4" / "model").mkdir(parents=True)  # '=' in a run's name: still a DIR
     assert _named("runs/lr=3e-4/model") == ("lr=3e-4", "runs/lr=3e-4/model")
     assert _named("runs/lr=1e-3/model")[0] == "lr=1e-3"  # (not made yet: the loader says it is missing)
+    assert _named("org/tiny=runs/shakespeare") == ("org/tiny", "runs/shakespeare")  # (a name with a slash)
     monkeypatch.chdir(tmp_path / "runs" / "shakespeare")
     assert _named(".")[0] == "shakespeare"
 

@@ -32,9 +32,10 @@ def default_name(directory: str) -> str:
 
 def _named(spec: str) -> tuple[str, str]:
     """'NAME=DIR' or 'DIR' (named by `default_name`); a folder that exists is a DIR even
-    with '=' in its path, and so is anything whose part before '=' holds a path separator."""
+    with '=' in its path, and so is anything whose part before '=' holds a path separator,
+    unless the part after it is a folder (a hub-style name: org/tiny=runs/x/model)."""
     name, sep, directory = spec.partition("=")
-    if not sep or os.path.isdir(spec) or os.path.dirname(name):  # (a path, not a name)
+    if not sep or os.path.isdir(spec) or (os.path.dirname(name) and not os.path.isdir(directory)):  # (a path)
         directory = spec
         name = default_name(spec)
     if not name or not directory:
