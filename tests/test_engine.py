@@ -550,6 +550,23 @@ def test_keys_past_fp16_range_in_a_half_cache_are_refused_not_decoded_as_nan():
         Engine(model, IdTokenizer(), native=False).generate([prompt_ids(5, 4)], params)[0].tokens
 
 
+@pytest.mark.skipif(not (native.available() and native.has_fp16()), reason="needs the native forward with fp16")
+def test_weights_past_fp16_range_make_auto_read_fp32_copies():
+    """A diverged training run's weights: "auto" chose fp16 copies and the engine refused
+    them ("a weight ... is too large for fp16"), so the run's end-of-run sample failed."""
+    model = make_model(**CONFIGS["learned"])
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    assert Engine(model, IdTokenizer(), native=True).weights == "fp16"
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight[0, 0] = 70000.0
+    auto = Engine(model, IdTokenizer(), native=True)
+    assert auto.weights == "fp32"
+    assert auto.generate([prompt_ids(5, 4)], params)[0].tokens == \
+        Engine(model, IdTokenizer(), native=True, weights="fp32").generate([prompt_ids(5, 4)], params)[0].tokens
+    with pytest.raises(FrawdError, match="too large for fp16; use fp32 weights"):  # (asked for by name)
+        Engine(model, IdTokenizer(), native=True, weights="fp16").generate([prompt_ids(5, 4)], params)
+
+
 def test_a_stop_string_found_in_the_flushed_tail_finishes_as_stop():
     """The last token starts a character that never completes: finish() flushes it as U+FFFD,
     and a stop string there cuts the text: the reason is "stop", not the "length" that

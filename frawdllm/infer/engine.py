@@ -128,8 +128,8 @@ class Engine:
 
     Construction changes nothing in the model (forwards run it in eval mode). `native`
     (None: per phase, where it measures fastest; True: everywhere; False: never) uses the
-    C forward, reading `weights` ("auto" = "fp16" copies where the CPU reads fp16, else
-    "fp32"; or either by name; an int8 model is read
+    C forward, reading `weights` ("auto" = "fp16" copies where the CPU reads fp16 and every
+    weight fits fp16, else "fp32"; or either by name; an int8 model is read
     as int8); `compile=True` runs PyTorch decode steps under torch.compile instead;
     `overflow` says what happens past the context ("stop" or "slide").
     """
@@ -173,8 +173,9 @@ class Engine:
         self._force_native = bool(native)
         if weights not in WEIGHT_MODES:
             raise FrawdError(f"weights must be one of {', '.join(WEIGHT_MODES)}; got {weights!r}")
-        if self.native and weights == "auto":
-            weights = DEFAULT_NATIVE_WEIGHTS if native_forward.has_fp16() else "fp32"
+        if self.native and weights == "auto":  # (fp32 where a weight is past fp16's range: a diverged run's)
+            fp16 = native_forward.has_fp16() and native_forward.fits_fp16(model)
+            weights = DEFAULT_NATIVE_WEIGHTS if fp16 else "fp32"
         if self.native and is_int8(model):
             weights = "int8"  # every linear is int8: that is what the C forward reads
         self.weights = weights if self.native else None

@@ -307,6 +307,16 @@ class _Probe:
 
 WEIGHT_DTYPES = ("fp32", "fp16")
 
+FP16_WEIGHT_LIMIT = 65000.0  # the largest weight the fp16 copies take (fp16's largest is 65504)
+
+
+def fits_fp16(model: nn.Module) -> bool:
+    """Every linear weight of `model` fits the fp16 copies (a run diverged by too high a
+    learning rate grows weights past them)."""
+    return all(float(m.weight.detach().abs().max()) <= FP16_WEIGHT_LIMIT
+               for m in model.modules() if isinstance(m, nn.Linear) and m.weight.is_floating_point())
+
+
 
 class NativeDecoder:
     """The C forward for one model: its own packed copies of the linear weights (fp32,
@@ -355,7 +365,7 @@ class NativeDecoder:
             if isinstance(module, Int8Linear):  # int8, a quarter of fp32's bytes
                 return packed_tiles(module.weight_int8, tile, torch.int8)
             if weights == "fp16":
-                if float(module.weight.detach().abs().max()) > 65000:
+                if float(module.weight.detach().abs().max()) > FP16_WEIGHT_LIMIT:
                     raise FrawdError(f"a weight of {module} is too large for fp16; use fp32 weights")
                 return packed_tiles(module.weight.to(torch.float16), tile, torch.float16)
             return packed_tiles(module.weight, tile, torch.float32)
@@ -641,7 +651,7 @@ class RowStep:
         return self.logits
 
 
-__all__ = ["NativeDecoder", "RowStep", "WEIGHT_DTYPES", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "packed_tiles", "available", "unavailable_reason", "supports", "library"]
+__all__ = ["NativeDecoder", "RowStep", "WEIGHT_DTYPES", "fits_fp16", "fp16_rounded_copy", "dequantized_copy", "has_fp16", "packed_tiles", "available", "unavailable_reason", "supports", "library"]
 
 if __name__ == "__main__":  # `python -m frawdllm.infer.native`: build and say where it went
     print(build(LIBRARY.source) if available() else f"unavailable: {unavailable_reason()}", file=sys.stderr)

@@ -117,8 +117,7 @@ class PretrainTask(TrainTask):
         params = SamplingParams(max_new_tokens=self.cfg.sample_tokens, temperature=0.8, top_k=50,
                                 seed=self.cfg.seed)
         # slide: a sample of more tokens than the context (shakespeare_char: 200 in 64) goes on
-        engine = Engine(model, self.data.tokenizer, overflow="slide", weights=sampling_weights(model))
-        completion = engine.generate(self.cfg.sample_prompt, params)[0]
+        completion = Engine(model, self.data.tokenizer, overflow="slide").generate(self.cfg.sample_prompt, params)[0]
         return [self.cfg.sample_prompt + completion.text]
 
     def prepare_samples(self, device: torch.device) -> None:
@@ -148,17 +147,6 @@ class PretrainTask(TrainTask):
         n = len(self.data.train)
         sample = np.asarray(self.data.train[np.linspace(0, n - 1, num=min(n, 4096), dtype=np.int64)])
         return {"train_tokens": n, "sample_sha256": hashlib.sha256(sample.astype("<u4").tobytes()).hexdigest()}
-
-
-FP16_WEIGHT_LIMIT = 65000.0  # what the native forward's fp16 copies take (fp16's largest is 65504)
-
-
-def sampling_weights(model: nn.Module) -> str:
-    """The Engine's `weights` for a sample of the model in training: its default ("auto": fp16
-    copies on the native forward), or exact fp32 copies where a weight is past fp16's range (a
-    run with too high a learning rate: the fp16 copy was refused, and the run ended there)."""
-    largest = max(float(p.detach().abs().max()) for p in model.parameters())
-    return "fp32" if largest > FP16_WEIGHT_LIMIT else "auto"
 
 
 # ---- data --------------------------------------------------------------------------------------
