@@ -235,3 +235,43 @@ def test_an_out_that_is_a_file_is_bad_input_exit_1_not_a_usage_error(env, capsys
     code, stdout, err = run(capsys, *[a.format(root=env) for a in argv])
     assert (code, stdout, err) == (1, "", f"frawd: error: {said.format(root=env)}\n")
     assert (env / "a_file").read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["pretrain", "--schedule", "foo"], "--schedule"),
+    (["pretrain", "--dtype", "fp64"], "--dtype"),
+    (["pretrain", "--doc-split", "foo"], "--doc-split"),
+    (["sft", "--init", "{root}/model", "--train-on", "foo"], "--train-on"),
+    (["dpo", "--init", "{root}/model", "--loss-type", "foo"], "--loss-type"),
+    (["translate", "train", "--schedule", "foo"], "--schedule"),
+    (["translate", "train", "--preset", "tiny"], "--preset"),
+])
+def test_a_flag_value_outside_its_choices_is_a_usage_error_exit_2(env, capsys, argv, flag):
+    """The README promises exit 2 for an option value outside its choices; these were
+    checked after parsing and exited 1."""
+    code, stdout, err = run(capsys, *[a.format(root=env) for a in argv], "--max-steps", "1",
+                            "--out", env / "choices_run")
+    assert (code, stdout) == (2, ""), err
+    assert f"Invalid value for '{flag}'" in err and "is not one of" in err, err
+    assert not (env / "choices_run").exists()
+
+
+def test_the_same_values_in_a_config_file_are_bad_input_exit_1(env, capsys, tmp_path):
+    config = tmp_path / "bad.yaml"
+    for setting, said in (("schedule: foo", "schedule must be one of cosine, linear, wsd, constant, noam; got 'foo'"),
+                          ("doc_split: foo", "doc_split must be one of blank, line, file; got 'foo'")):
+        config.write_text(setting + "\n")
+        code, stdout, err = run(capsys, "pretrain", "--config", config, "--max-steps", "1", "--out", tmp_path / "r")
+        assert (code, stdout, err) == (1, "", f"frawd: error: {said}\n")
+
+
+def test_a_bad_doc_split_is_refused_with_prepared_shards_too(env, capsys, tmp_path):
+    """--doc-split was checked only for raw text, so a typo passed silently with --data SHARDS."""
+    shards = tmp_path / "shards"
+    assert run(capsys, "data", "prepare", "--data", env / "corpus.txt", "--tokenizer", env / "model",
+               "--out", shards)[0] == 0
+    config = tmp_path / "c.yaml"
+    config.write_text("doc_split: lines\n")
+    code, stdout, err = run(capsys, "pretrain", "--data", shards, "--config", config, "--max-steps", "1",
+                            "--dry-run", "--out", tmp_path / "r")
+    assert (code, err) == (1, "frawd: error: doc_split must be one of blank, line, file; got 'lines'\n"), stdout

@@ -74,7 +74,7 @@ class SFTConfig(FinetuneConfig):
     """`frawd sft`: fine-tune a model directory on conversations."""
 
     train_on: str = option("assistant", "Tokens that carry the loss: assistant (every assistant turn), last "
-                                        "(the last assistant turn), all (every token: no masking).")
+                                        "(the last assistant turn), all (every token: no masking).", choices=TRAIN_ON)
     pack: bool = option(True, "Pack several examples per row (attention kept inside each example).")
     data: str = option("stdlib-instruct", "Examples: .jsonl[.gz], .parquet, a folder or glob of them, hf:NAME, "
                                           "or the built-in stdlib-instruct.")
@@ -94,7 +94,7 @@ class DPOConfig(FinetuneConfig):
     KIND = "dpo"
 
     beta: float = option(0.1, "How far the policy may move from the reference (the KL penalty's weight).")
-    loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.")
+    loss_type: str = option("sigmoid", "sigmoid (DPO) or ipo.", choices=LOSSES)
     precompute_ref: bool = option(False, "Compute the reference's log-probs once before training and free the "
                                          "reference (less memory and time per step; a forward of every pair "
                                          "first, inside the time budget).")

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from ..config import ModelConfig, check_fields, get_config, is_integer, positions_override
+from ..data.sources import DOC_SPLITS
 from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
@@ -82,7 +83,7 @@ class TrainConfig:
     seed: int = option(1337, "Seed of the weights' initialisation, dropout and data order.")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps.")
     dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = bf16 where the hardware computes it "
-                                "natively, else fp32.")
+                                "natively, else fp32.", choices=DTYPES)
     compile: str | bool = option("auto", "torch.compile the training step: true, false, or auto = only where its "
                                   "warm-up pays back within the budget (measured, cached per machine).",
                           choices=COMPILE_CHOICES)
@@ -97,7 +98,7 @@ class TrainConfig:
     lr: float = option(3e-4, "Peak learning rate.")
     min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak.")
     schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant, "
-                                              "noam (inverse square root of the step).")
+                                              "noam (inverse square root of the step).", choices=SCHEDULES)
     warmup_steps: int = option(100, WARMUP_HELP)
     decay_fraction: float = option(0.2, "wsd: the final fraction of the run spent decaying.")
     weight_decay: float = option(0.1, "AdamW weight decay, applied to matrices only.")
@@ -187,7 +188,8 @@ class PretrainConfig(TrainConfig):
     data: str = option("stdlib", "Corpus (stdlib, file, folder, glob, .jsonl, .parquet, hf:NAME) "
                                  "or a folder of prepared shards (train.bin, val.bin, meta.json).")
     text_field: str = option("text", "JSONL field / Parquet column holding the text.")
-    doc_split: str = option("blank", "How text files split into documents: blank, line or file.")
+    doc_split: str = option("blank", "How text files split into documents: blank, line or file.",
+                            choices=DOC_SPLITS)
     tokenizer: str | None = option(None, "A tokenizer kind to train on --data (bpe, char, byte) or the path of "
                                          "a tokenizer.json (or a folder holding one); default: bpe, or the "
                                          "--init-from model's tokenizer.json.")
@@ -205,6 +207,8 @@ class PretrainConfig(TrainConfig):
         if get_config(self.preset, **self.model).__class__ is not ModelConfig:
             raise ConfigError(f"{self.preset} is an encoder-decoder preset: train it with `frawd translate train`")
         _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")
+        if self.doc_split not in DOC_SPLITS:  # (with prepared shards too, where it is unused)
+            raise ConfigError(f"doc_split must be one of {', '.join(DOC_SPLITS)}; got {self.doc_split!r}")
         _require_integers(self, ("vocab_size",), lambda v: v is None or v >= 1, "a positive integer")
 
 

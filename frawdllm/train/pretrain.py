@@ -352,10 +352,8 @@ def _check_source(cfg: PretrainConfig) -> None:
     """A raw source exists (its documents are read later)."""
     import importlib.util
 
-    from ..data.sources import DOC_SPLITS, parse_hf_spec, source_files
+    from ..data.sources import parse_hf_spec, source_files
 
-    if cfg.doc_split not in DOC_SPLITS:
-        raise FrawdError(f"doc_split must be one of {', '.join(DOC_SPLITS)}, got {cfg.doc_split!r}")
     if cfg.data.startswith("hf:"):
         parse_hf_spec(cfg.data)
         if importlib.util.find_spec("datasets") is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..config import SEQ2SEQ_PRESETS, get_config
 from ..errors import ConfigError, FrawdError
 from ..tokenizer import check_bpe_vocab_size
-from .config import COMPILE_CHOICES, EVAL_INTERVAL_HELP, WARMUP_HELP, TrainConfig, _require, option
+from .config import COMPILE_CHOICES, EVAL_INTERVAL_HELP, SCHEDULES, WARMUP_HELP, TrainConfig, _require, option
 
 
 @dataclass
@@ -25,7 +25,7 @@ class TranslateConfig(TrainConfig):
     tgt: str | None = option(None, "Training target sentences, line i translating line i of --src.")
     valid_src: str | None = option(None, "Validation source sentences (validation loss and BLEU).")
     valid_tgt: str | None = option(None, "Validation target sentences (raw references for BLEU).")
-    preset: str = option("aiayn-tiny", "Model preset: aiayn-tiny, aiayn-base, aiayn-big.")
+    preset: str = option("aiayn-tiny", "Model preset: aiayn-tiny, aiayn-base, aiayn-big.", choices=SEQ2SEQ_PRESETS)
     model: dict = option({}, "Seq2SeqConfig field overrides (YAML mapping; on the command line --set F=V).")
     tokenizer: str | None = option(None, "A tokenizer.json (or a folder holding one) with FrawdLLM's special "
                                          "tokens, as `frawd tokenizer train` writes; default: a joint BPE "
@@ -39,7 +39,7 @@ class TranslateConfig(TrainConfig):
     # the paper's optimizer and schedule
     lr: float = option(1e-3, "Peak learning rate (noam: reached at the end of warmup).")
     schedule: str = option("noam", "Decay after warmup: noam (the paper's inverse square root), cosine, linear, "
-                                   "wsd, constant.")
+                                   "wsd, constant.", choices=SCHEDULES)
     warmup_steps: int = option(1000, WARMUP_HELP)
     beta2: float = option(0.98, "AdamW beta2 (the paper's 0.98).")
     weight_decay: float = option(0.0, "AdamW weight decay, applied to matrices only.")
