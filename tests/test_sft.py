@@ -753,3 +753,56 @@ def test_nproc_refuses_bad_data_once_before_torchrun(command, data, said, tmp_pa
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and lines[0].startswith(f"frawd: error: {said}"), err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("train_on, learned", [("assistant", "A2<|eos|>A3<|eos|>"), ("last", "A3<|eos|>"),
+                                               ("all", None)])
+def test_a_prompt_completion_record_learns_only_its_completion(train_on, learned, tmp_path):
+    """As TRL's SFTTrainer does (completion_only_loss): the prompt's assistant turns were
+    trained too, and a completion with no assistant turn trained on the prompt's alone."""
+    tok = byte_tokenizer()
+    prompt = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "WRONG"},
+              {"role": "user", "content": "Q2"}]
+    completion = [{"role": "assistant", "content": "A2"}, {"role": "user", "content": "Q3"},
+                  {"role": "assistant", "content": "A3"}]
+    write_jsonl(tmp_path / "chats.jsonl", [{"prompt": prompt, "completion": completion}])
+    cfg = SFTConfig(init=None, data=str(tmp_path / "chats.jsonl"), progress=False, max_steps=1, val_fraction=0.0,
+                    train_on=train_on)
+    (example,), _, _ = load_examples(cfg, tok, 256)
+    assert example.ids == tok.render_chat(prompt + completion, add_generation_prompt=False)
+    if learned is None:  # every token but the unpredicted <|bos|>, the prompt's too
+        assert example.trained == [False] + [True] * (len(example.ids) - 1)
+    else:
+        assert tok.decode([i for i, t in zip(example.ids, example.trained) if t]) == learned
+    # the same conversation as messages still learns every assistant turn
+    as_messages = tokenize_chat(tok, chat_messages({"messages": prompt + completion}, "r:1"), train_on)
+    assert as_messages.ids == example.ids
+    if train_on == "assistant":
+        assert tok.decode([i for i, t in zip(as_messages.ids, as_messages.trained) if t]) == \
+            "WRONG<|eos|>A2<|eos|>A3<|eos|>"
+    # a prompt/response record's string response is its one trained turn, as before
+    strings = tokenize_chat(tok, chat_messages({"prompt": "Q", "response": "A"}, "r:1"), train_on)
+    assert show(tok, strings) == ("<2><4>Q<3><5>A*<3>*" if learned else "<2><4>*Q*<3>*<5>*A*<3>*")
+
+
+def test_a_completion_without_an_assistant_turn_is_a_bad_record(tmp_path):
+    prompt = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}]
+    data = tmp_path / "chats.jsonl"
+    write_jsonl(data, word_chats(3) + [{"prompt": prompt, "completion": [{"role": "user", "content": "Q2"}]}])
+    cfg = SFTConfig(init=None, data=str(data), progress=False, max_steps=1, val_fraction=0.0)
+    with pytest.raises(BadExample, match=r"/chats.jsonl:4: 'completion' has no assistant turn to learn "
+                                         r"\(--skip-bad-lines"):
+        load_examples(cfg, byte_tokenizer(), 64)
+    cfg.skip_bad_lines = True
+    train, _, summary = load_examples(cfg, byte_tokenizer(), 64)
+    assert (len(train), summary.skipped) == (3, 1)
+    with pytest.raises(BadExample, match=r"r:1: the conversation has no assistant turn to learn"):
+        chat_messages({"messages": prompt[:1]}, "r:1")
+    # DPO's prompt may hold assistant turns (context): unchanged
+    from frawdllm.align.dpo import DPOConfig, load_pairs
+
+    write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": prompt + [{"role": "user", "content": "Q2"}],
+                                            "chosen": "yes", "rejected": "no"}])
+    (pair,), _, _ = load_pairs(DPOConfig(data=str(tmp_path / "prefs.jsonl"), val_fraction=0.0), byte_tokenizer(), 64)
+    assert pair.prompt == byte_tokenizer().render_chat(prompt + [{"role": "user", "content": "Q2"}],
+                                                       add_generation_prompt=True)

@@ -4,6 +4,10 @@ SFT records (JSONL / Parquet / hf: rows), one of:
 
     {"messages": [{"role": "system|user|assistant", "content": "..."}, ...]}
     {"prompt": "...", "response": "..."}              (one user turn, one answer)
+    {"prompt": [...], "completion": [...]}            (TRL's; either field a string or messages)
+
+In the prompt/response (or completion) shape only the response is learned, as TRL's
+SFTTrainer learns only the completion: the prompt's assistant turns are context.
 
 DPO records: {"prompt": ..., "chosen": "...", "rejected": "..."}, the prompt a string (one
 user turn) or a list of messages.
@@ -96,6 +100,15 @@ class LoadSummary:
 
 # ---- records -> messages ---------------------------------------------------------------------
 
+class Chat(list):
+    """A conversation (a list of messages) whose first `prompt_turns` messages are prompt:
+    never trained, whatever their role (but with train_on="all", which trains every token)."""
+
+    def __init__(self, messages: list[dict], prompt_turns: int = 0) -> None:
+        super().__init__(messages)
+        self.prompt_turns = prompt_turns
+
+
 def _messages(value: object, where: str, name: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadExample(f"{where}: {name!r} must be a non-empty list of messages")
@@ -125,10 +138,11 @@ def _object(record: object, where: str, expected: str) -> dict:
     return record
 
 
-def chat_messages(record: object, where: str) -> list[dict]:
-    """An SFT record's conversation; it must contain an assistant turn. Shapes: `messages`;
-    `prompt` and `response` (or TRL's `completion`), each a string or a list of messages.
-    A null field counts as absent (a table mixing the shapes gives every row every column)."""
+def chat_messages(record: object, where: str) -> Chat:
+    """An SFT record's conversation; what it learns must contain an assistant turn. Shapes:
+    `messages`; `prompt` and `response` (or TRL's `completion`), each a string or a list of
+    messages, the prompt's turns being the `Chat`'s prompt turns. A null field counts as
+    absent (a table mixing the shapes gives every row every column)."""
     record = _object(record, where, '"messages" or "prompt" and "response"')
     answer_key = next((k for k in ("response", "completion") if record.get(k) is not None), None)
     other = [k for k in ("prompt", "response", "completion") if record.get(k) is not None]
@@ -136,14 +150,16 @@ def chat_messages(record: object, where: str) -> list[dict]:
         raise BadExample(f"{where}: has both \"messages\" and {', '.join(repr(k) for k in other)}; "
                          "give one shape per record")
     if record.get("messages") is not None:
-        messages = _messages(record["messages"], where, "messages")
+        messages = Chat(_messages(record["messages"], where, "messages"))
     elif record.get("prompt") is not None and answer_key is not None:
-        messages = _turns(record, "prompt", "user", where) + _turns(record, answer_key, "assistant", where)
+        prompt = _turns(record, "prompt", "user", where)
+        messages = Chat(prompt + _turns(record, answer_key, "assistant", where), len(prompt))
     else:
         raise BadExample(f"{where}: expected \"messages\" or \"prompt\" and \"response\" "
                          f"(fields: {', '.join(repr(k) for k, v in record.items() if v is not None) or 'none'})")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadExample(f"{where}: the conversation has no assistant turn to learn")
+    if not any(m["role"] == "assistant" for m in messages[messages.prompt_turns:]):
+        learned = repr(answer_key) if messages.prompt_turns else "the conversation"
+        raise BadExample(f"{where}: {learned} has no assistant turn to learn")
     return messages
 
 
@@ -200,15 +216,18 @@ def _answer(record: dict, key: str, where: str) -> str:
 # ---- messages -> ids --------------------------------------------------------------------------
 
 def tokenize_chat(tokenizer: Tokenizer, messages: list[dict], train_on: str = "assistant") -> Example:
-    """The conversation's ids (exactly `tokenizer.render_chat(messages, False)`) and its loss mask."""
+    """The conversation's ids (exactly `tokenizer.render_chat(messages, False)`) and its loss
+    mask; a `Chat`'s prompt turns are not trained (but with "all")."""
     if train_on not in TRAIN_ON:
         raise FrawdError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    first = messages.prompt_turns if isinstance(messages, Chat) else 0
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     ids, trained = [BOS_ID], [False]
     for i, message in enumerate(messages):
         role_id = SPECIAL_TOKENS.index(f"<|{message['role']}|>")
         content = tokenizer.encode(message["content"]) + [EOS_ID]
-        learn = train_on == "all" or (message["role"] == "assistant" and (train_on == "assistant" or i == last))
+        learn = train_on == "all" or (message["role"] == "assistant" and i >= first
+                                      and (train_on == "assistant" or i == last))
         ids.append(role_id)
         trained.append(train_on == "all")
         ids.extend(content)
