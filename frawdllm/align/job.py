@@ -6,10 +6,17 @@ re-exported here.
 A fine-tuning run starts like a pretraining run (train/rundir.py: checks before any work,
 OUT prepared, a failed start undone) and ends the same way: RUN/model/ is a model
 directory with the --init model's config and tokenizer, usable by chat, generate, export.
+
+A resumed run reads --init again. Full SFT takes only its config and tokenizer from there
+(the checkpoint holds the weights), but DPO's reference and LoRA's frozen base weights are
+--init's weights themselves: a run that depends on them records their sha256 in its
+checkpoints (`check_init_weights`), and a --resume where --init now holds other weights is
+refused, since it would continue against another reference or base.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +27,7 @@ from torch import nn
 from ..errors import ConfigError, FrawdError
 from ..memory import check_training_fits
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
+from ..train import checkpoint as ckpt
 from ..train import distributed
 from ..train.config import parse_duration
 from ..train.device import pick_device, seed_everything
@@ -67,6 +75,66 @@ def load_init(cfg: FinetuneConfig) -> tuple[nn.Module, Tokenizer, int]:
     return model, tokenizer, cfg.max_length or context
 
 
+INIT_WEIGHTS = "init_weights"  # the task state's sha256 of --init's weights file (`check_init_weights`)
+
+
+def init_weights_use(cfg: FinetuneConfig) -> str | None:
+    """What a run keeps taking from --init's weights after its start, in words (their
+    checkpoints hold everything else); None where nothing (full SFT: the checkpoint's
+    weights replace --init's)."""
+    uses = (["DPO's reference model"] if cfg.KIND == "dpo" else []) + \
+        (["the frozen base weights of LoRA"] if cfg.lora_rank else [])
+    return " and ".join(uses) or None
+
+
+def weights_fingerprint(directory: str | Path) -> str:
+    """The sha256 of a model directory's weights file (read in 8 MiB chunks)."""
+    from ..modeldir import WEIGHTS_FILE, model_file
+
+    digest = hashlib.sha256()
+    with open(model_file(directory, WEIGHTS_FILE), "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 23), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _task_state(checkpoint: Path) -> dict | None:
+    """A checkpoint's task state, its tensors left on disk where they can be (memory-mapped:
+    the AdamW moments are not read); None if unreadable (the resume itself says why)."""
+    try:
+        state = torch.load(checkpoint / ckpt.STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - no mmap there, or unreadable: read as the resume reads it
+        try:
+            state = ckpt.load_state(checkpoint)
+        except FrawdError:  # (reported by the Trainer's own reading of the state)
+            return None
+    task = state.get("task") if isinstance(state, dict) else None
+    return task if isinstance(task, dict) else None
+
+
+def check_init_weights(cfg: FinetuneConfig, run_dir: Path) -> str | None:
+    """The fingerprint of --init's weights where the run depends on them (`init_weights_use`),
+    else None. A --resume whose --init now holds other weights than those its latest
+    checkpoint recorded is refused (a checkpoint of an earlier FrawdLLM records none: a note)."""
+    use = init_weights_use(cfg)
+    if use is None:
+        return None
+    now = weights_fingerprint(cfg.init)
+    latest = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
+    state = _task_state(latest) if latest is not None else None
+    if state is None:
+        return now
+    recorded = state.get(INIT_WEIGHTS)
+    if recorded is None:
+        print(f"{run_dir}: its checkpoint records no fingerprint of --init's weights (an earlier FrawdLLM wrote it): "
+              f"not checked that --init {cfg.init} still holds the model the run started from", flush=True)
+    elif recorded != now:
+        raise FrawdError(f"--init {cfg.init}: its weights differ from those the run in {run_dir} started from (it "
+                         f"takes {use} from them): put the original model back in {cfg.init}, or start a new run "
+                         "(another --out, or --overwrite)")
+    return now
+
+
 def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
                    ) -> list[str]:
     """Greedy answers to chat prompts (ids ending in <|assistant|>)."""
@@ -94,6 +162,7 @@ class FinetuneTask(TrainTask):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg  # (LoRA wraps `model` in place)
         self.sample_prompts = sample_prompts[:cfg.sample_count]
         self.generation_config = load_generation_config(cfg.init) if cfg.init else {}  # kept: --init's defaults
+        self.init_weights: str | None = None  # `check_init_weights`'s fingerprint, kept in the checkpoints
 
     def samples(self, model: nn.Module, device: torch.device) -> list[str]:
         return sample_texts(model, self.tokenizer, self.sample_prompts, self.cfg.sample_tokens)
@@ -116,7 +185,10 @@ class FinetuneTask(TrainTask):
         # with LoRA the base weights are --init's (frozen); the adapters come back in load_state_dict
 
     def lora_state(self) -> dict:
-        return {"lora": lora.adapter_state(self.model)} if lora.has_lora(self.model) else {}
+        """What the task state holds beside the data position: the LoRA adapters, and the
+        fingerprint of the --init weights the run depends on (`check_init_weights`)."""
+        state = {"lora": lora.adapter_state(self.model)} if lora.has_lora(self.model) else {}
+        return {**state, INIT_WEIGHTS: self.init_weights} if self.init_weights else state
 
     def load_lora_state(self, state: dict) -> None:
         if lora.has_lora(self.model):
@@ -140,11 +212,15 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
         check()
     run_dir = Path(cfg.out)
     with undo_failed_start(cfg, enabled=place.is_main):
+        init_weights = None
         if place.is_main:  # the others wait, then read the same --init and data
             prepare_run_dir(cfg)
-        cfg.resume, cfg.overwrite = place.after_main((cfg.resume, cfg.overwrite), "the run's start")
+            init_weights = check_init_weights(cfg, run_dir)  # (before any work: a refusal costs nothing)
+        cfg.resume, cfg.overwrite, init_weights = place.after_main((cfg.resume, cfg.overwrite, init_weights),
+                                                                   "the run's start")
         model, tokenizer, length = load_init(cfg)
         task = make_task(model, tokenizer, length)
+        task.init_weights = init_weights
         if cfg.lora_rank:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
