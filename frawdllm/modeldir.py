@@ -356,7 +356,8 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     path = _weights_path(directory)
     model = check_weights(cfg, path, build=lambda: model_class(cfg)(cfg))
     try:
-        state = load_file(str(path), device=str(device))
+        # (safetensors reads "cpu" and "cuda:N" but refuses torch's "cpu:0")
+        state = load_file(str(path), device="cpu" if torch.device(device).type == "cpu" else str(device))
     except (SafetensorError, OSError, ValueError) as exc:
         raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
     if cfg.tie_embeddings:

@@ -275,3 +275,32 @@ def test_a_bad_doc_split_is_refused_with_prepared_shards_too(env, capsys, tmp_pa
     code, stdout, err = run(capsys, "pretrain", "--data", shards, "--config", config, "--max-steps", "1",
                             "--dry-run", "--out", tmp_path / "r")
     assert (code, err) == (1, "frawd: error: doc_split must be one of blank, line, file; got 'lines'\n"), stdout
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "--model", "{root}/model", "--prompt", "a", "--device", "xpu"],
+     "unknown device 'xpu'; use auto, cpu, cuda, cuda:N or mps"),
+    (["generate", "--model", "{root}/model", "--prompt", "a", "--device", "mps"],
+     "device mps requested but MPS is not available"),
+    (["chat", "--model", "{root}/model", "--device", "meta"], "unknown device 'meta'; use auto, cpu, cuda, cuda:N or mps"),
+    (["eval", "--model", "{root}/model", "--data", "{root}/corpus.txt", "--device", "xla"],
+     "unknown device 'xla'; use auto, cpu, cuda, cuda:N or mps"),
+    (["pretrain", "--data", "{root}/corpus.txt", "--tokenizer", "byte", "--max-steps", "1", "--device", "xpu",
+      "--out", "{root}/xpu_run"], "unknown device 'xpu'; use auto, cpu, cuda, cuda:N or mps"),
+], ids=["generate-xpu", "generate-mps", "chat-meta", "eval-xla", "pretrain-xpu"])
+def test_a_device_type_torch_knows_but_nothing_here_runs_on_is_one_line(env, capsys, argv, said):
+    """--device xpu/xla/meta (and mps for generate and chat, which checked only cuda) ended in
+    a traceback from torch."""
+    if "mps" in argv and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    code, stdout, err = run(capsys, *[a.format(root=env) for a in argv])
+    assert (code, err) == (1, f"frawd: error: {said}\n"), stdout
+    assert not (env / "xpu_run").exists()
+
+
+def test_device_cpu_0_loads_a_model(env, capsys):
+    """torch's name for the CPU, cpu:0, was passed to safetensors, which refuses it: the
+    error blamed the weights file ("not a readable safetensors file")."""
+    code, stdout, err = run(capsys, "generate", "--model", env / "model", "--prompt", "a", "--max-new-tokens", "2",
+                            "--temperature", "0", "--device", "cpu:0", "--json")
+    assert code == 0 and json.loads(stdout)["finish_reason"] in ("stop", "length"), err

@@ -149,7 +149,7 @@ def engine_flags(command):
                           "cannot run (bf16, GPU) use PyTorch."),
         click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
                      help="torch.compile the decode step instead of --native (slow to start)."),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps."),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)."),
         click.option("--threads", type=int, default=None, help="CPU threads, torch's and the native forward's, at most 8 per CPU [default: torch's choice]."),
     ]
     for option in reversed(options):
@@ -171,6 +171,7 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     from ..infer.quantize import quantize_int8
     from ..modeldir import TOKENIZER_FILE, load_model, model_file
     from ..tokenizer import Tokenizer
+    from ..train.device import pick_device
 
     if threads is not None:
         cpus = usable_cpus()  # (`taskset -c 0` leaves one of the machine's CPUs to this process)
@@ -184,13 +185,7 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     if compile_model and native in ("fp16", "fp32"):
         raise FrawdError(f"--compile runs the decode step through torch.compile, not the native forward that "
                          f"--native {native} asks for: give one of them")
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError:
-        raise FrawdError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise FrawdError("--device cuda asked for, but no CUDA GPU is available")
-    model = load_model(model_dir, device=torch_device, kind="decoder")
+    model = load_model(model_dir, device=pick_device(device), kind="decoder")
     tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE)).check_fits(model.config.vocab_size, model_dir)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)

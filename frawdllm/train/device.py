@@ -45,7 +45,12 @@ from ..errors import ConfigError, counted
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+SUPPORTED_DEVICES = ("cpu", "cuda", "mps")
+
+
 def pick_device(name: str = "auto") -> torch.device:
+    """`name` as a device this machine has (auto: cuda > mps > cpu), else one line saying why.
+    Other types torch parses (xpu, xla, meta...) are refused: nothing here runs on them."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -55,7 +60,9 @@ def pick_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+        device = None
+    if device is None or device.type not in SUPPORTED_DEVICES:
+        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda requested but no CUDA GPU is available")
     if device.type == "mps" and not torch.backends.mps.is_available():
