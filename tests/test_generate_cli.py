@@ -121,6 +121,21 @@ def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_
     assert code == 1 and "temperature must be a number, got 'hot'" in err, err  # (not "a number or an integer")
 
 
+def test_logprobs_asked_by_generation_config_get_a_note_not_silence(capsys, model_dir, tmp_path):
+    """The file may set any SamplingParams field; generate prints no log-probabilities, and
+    dropped them without a word."""
+    import shutil
+
+    directory = tmp_path / "m"
+    shutil.copytree(model_dir, directory)
+    write_json_atomic(directory / "generation_config.json", {"logprobs": 3, "temperature": 0})
+    code, out, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--max-new-tokens", "2",
+                         "--json")
+    assert code == 0 and json.loads(out)["completion_tokens"] == 2
+    assert err == ("note: generation_config.json asks for logprobs; frawd generate prints text and token ids, not "
+                   "log-probabilities (frawd serve and Engine.stream give them)\n")
+
+
 def test_int8_flag_generates(capsys, model_dir):
     code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--quantize", "int8",
                          "--max-new-tokens", "5", "--temperature", "0", "--json", "--ignore-eos")

@@ -63,6 +63,10 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     given = {name: value for name, value in (("num_samples", num_samples), ("ignore_eos", ignore_eos))
              if value is not None}  # (else generation_config.json's, like every sampling setting)
     params = params_from_flags(model_dir, sampling, **given)
+    if params.logprobs is not None:  # (only generation_config.json can ask: generate has no such flag)
+        click.echo("note: generation_config.json asks for logprobs; frawd generate prints text and token ids, "
+                   "not log-probabilities (frawd serve and Engine.stream give them)", err=True)
+        params = params.replace(logprobs=None)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
     check_rows_fit(engine, texts, params)
     warn_unmatchable_stops(engine, params)
