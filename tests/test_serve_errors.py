@@ -377,6 +377,14 @@ def test_serve_refuses_a_port_out_of_range(capsys, tmp_path):
     assert code == 2 and "--port" in err and "99999" in err, err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_serve_refuses_a_send_timeout_that_is_not_finite(capsys, tmp_path, value):
+    """nan passes every range (its comparisons are all false) and reached loop.call_later."""
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "m", "--send-timeout", value)
+    assert (code, err) == (2, f"frawd: error: Invalid value for '--send-timeout': {value} is not a finite number "
+                              "(see frawd serve --help)\n")
+
+
 def test_serve_refuses_a_default_above_the_cap(capsys, tmp_path):
     err = one_line_error(capsys, "--model", tmp_path / "m", "--default-max-tokens", 500, "--max-tokens", 100)
     assert "--default-max-tokens 500" in err and "--max-tokens 100" in err, err

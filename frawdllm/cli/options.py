@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
 
 from ..config import ModelConfig, config_class, get_config, parse_overrides
+
+
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan (which passes every range: its comparisons are all
+    false) and inf."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return number
 
 
 def preset_option():

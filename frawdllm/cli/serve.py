@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError
+from .options import FiniteFloat
 from .sampling_flags import load_engine, quantize_option
 
 
@@ -102,7 +103,7 @@ def default_tokens(given: int | None, cap: int) -> int:
 @click.option("--max-n", type=click.IntRange(1), default=8, show_default=True, help="The largest n.")
 @click.option("--max-body", "max_body", type=click.IntRange(1), default=1 << 20, show_default=True,
               help="The largest request body in bytes; beyond it a 413.")
-@click.option("--send-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+@click.option("--send-timeout", type=FiniteFloat(0, min_open=True), default=30.0, show_default=True,
               help="Seconds a client may take no bytes of a reply; then its connection is closed and its "
                    "place freed.")
 @click.option("--native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto", show_default=True,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from ..errors import FrawdError, counted
 from ..train.translation_config import TranslateConfig  # (torch-free: the job is imported when run)
 from .flags import dataclass_options
 from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
-from .options import set_option
+from .options import FiniteFloat, set_option
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -68,17 +67,6 @@ def train(config_file: str | None, overrides: tuple[str, ...], nproc: int | None
     train_on_this_rank(lambda: run_translation_training(cfg, started_at=started_at), "translate train", cfg)
 
 
-class _FiniteFloat(click.FloatRange):
-    """A FloatRange that also refuses nan (which passes every range: its comparisons are all
-    false) and inf."""
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value} is not a finite number", param, ctx)
-        return number
-
-
 def _require_files(cfg: TranslateConfig) -> None:
     """Under --nproc every rank reads the text itself: a pipe (`<(...)`) can be read only once."""
     for flag, path in (("--src", cfg.src), ("--tgt", cfg.tgt), ("--valid-src", cfg.valid_src),
@@ -93,7 +81,7 @@ def _decoding_options(batch_help: str):
     def add(command):
         command = click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
                                help=batch_help)(command)
-        command = click.option("--alpha", type=_FiniteFloat(min=0), default=0.6, show_default=True,
+        command = click.option("--alpha", type=FiniteFloat(min=0), default=0.6, show_default=True,
                                help="Length penalty exponent of beam search (the paper's 0.6).")(command)
         command = click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
                                help="Beam size (1 = greedy; at most the model's vocabulary size).")(command)
