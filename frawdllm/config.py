@@ -212,6 +212,11 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_number(value: Any) -> bool:
+    """An int or float, not a bool, not NaN (not a number anyone means)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 def _fits(value: Any, kind: Any) -> bool:
     if typing.get_origin(kind) is not None:
         return True
@@ -221,8 +226,8 @@ def _fits(value: Any, kind: Any) -> bool:
         return isinstance(value, bool)
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:  # an int is a fine float; NaN is not a number anyone means
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if kind is float:  # an int is a fine float
+        return is_number(value)
     return isinstance(value, kind)
 
 

@@ -186,10 +186,9 @@ class Engine:
         self._plan_lock = threading.Lock()
         if compile:
             quiet_inductor()
-        self._decode = (
-            torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS) if compile
-            else decode_logits
-        )
+        # the compiled decode step (the "compiled" path, which only a compile=True engine plans)
+        self._decode = (torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+                        if compile else None)
 
     def _use_native(self, wanted: bool | None) -> bool:
         """Decode steps in C (`native.py`): by default whenever the model qualifies."""

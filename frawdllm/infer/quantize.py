@@ -65,7 +65,6 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, Int8Linear(child))
-    model.quantization = "int8"
     return model
 
 

@@ -29,7 +29,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..config import check_fields, check_types
+from ..config import check_fields, check_types, is_integer, is_number
 from ..errors import ConfigError
 
 
@@ -65,24 +65,24 @@ class SamplingParams:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int))
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+        _check(is_integer(self.max_new_tokens) and self.max_new_tokens >= 1,
                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _check(_is_number(self.temperature) and (self.temperature == 0
+        _check(is_number(self.temperature) and (self.temperature == 0
                                                  or MIN_TEMPERATURE <= self.temperature < float("inf")),
                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
                f"got {self.temperature!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(_is_number(self.repetition_penalty)
+        _check(is_integer(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(is_number(self.repetition_penalty)
                and 1 / MAX_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
                f"repetition_penalty must be in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}] (1 = off), "
                f"got {self.repetition_penalty!r}")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+        _check(self.seed is None or (is_integer(self.seed) and 0 <= self.seed < 2**64),
                f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        _check(_is_int(self.num_samples) and self.num_samples >= 1,
+        _check(is_integer(self.num_samples) and self.num_samples >= 1,
                f"num_samples must be a positive integer, got {self.num_samples!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        _check(self.logprobs is None or (is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(all(self.stop), "stop strings must not be empty")
         _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
@@ -118,14 +118,6 @@ def _plain_number(value: Any) -> Any:
     if isinstance(value, numbers.Real):
         return float(value)
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
 def _check(ok: bool, message: str) -> None:

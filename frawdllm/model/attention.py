@@ -120,9 +120,6 @@ class SelfAttention(nn.Module):
         return self.proj(y)
 
 
-CausalSelfAttention = SelfAttention  # causal is the default use
-
-
 class CrossAttention(nn.Module):
     """Queries from the decoder, keys and values from the encoder output (`memory`)."""
 
