@@ -268,7 +268,8 @@ class HalfKVModel(nn.Module):
         super().__init__()
         self.model, self.config = model, model.config
 
-    def forward(self, token_ids: Int[Tensor, "B T"], targets: Int[Tensor, "B T"] | None = None):
+    def forward(self, token_ids: Int[Tensor, "B T"], targets: Int[Tensor, "B T"] | None = None
+                ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
         B, T = token_ids.shape
         cache = KVCache(self.config, B, T, dtype=torch.float16, device=token_ids.device)
         cache.begin(T)

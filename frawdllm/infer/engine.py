@@ -244,7 +244,7 @@ class Engine:
         return self._at_best_threads(paths.phase(*tokens.shape), path.threads, tokens.numel(),
                                      lambda threads: decoder.forward(tokens, positions, cache, threads))
 
-    def torch_forward(self, rows: int, new_tokens: int, run: Callable[[], Tensor]) -> Tensor:
+    def torch_forward(self, rows: int, new_tokens: int, run: Callable[[], Tensor]) -> Float[Tensor, "B V"]:
         """`run()`, a PyTorch eager forward of `rows` rows of `new_tokens` tokens, at the thread
         count its phase currently runs fastest with. Under load torch's team of threads waits at
         every operation for its member without a core: a 16-row decode step of `tiny` took
@@ -258,7 +258,7 @@ class Engine:
                                      lambda threads: step(token, position, slot, threads))
 
     def _at_best_threads(self, phase: str, planned: int | None, tokens: int, run: Callable[[int | None], Tensor]
-                         ) -> Tensor:
+                         ) -> Float[Tensor, "B V"]:
         """`run(threads)` at the thread count `phase` currently runs fastest with, timed to
         keep that choice current (`paths.ThreadChoice`); the planned count where none is kept."""
         choice = self._threads.get(phase)

@@ -98,7 +98,9 @@ def _buffer_reuse() -> bool:
 
 
 @torch.compiler.nested_compile_region
-def _compiled_once(block: TransformerBlock, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+def _compiled_once(block: TransformerBlock, x: Float[Tensor, "B T D"],
+                   rope: tuple[Float[Tensor, "#B 1 T half"], Float[Tensor, "#B 1 T half"]] | None
+                   ) -> Float[Tensor, "B T D"]:
     """Under torch.compile, every layer runs this one traced region: the compiler works on
     a single block instead of n_layer copies (a faster warm-up, the same code)."""
     return block.residual_stream(x, rope)
