@@ -174,12 +174,12 @@ def main() -> None:
     import torch
 
     from frawdllm import get_config
-    from frawdllm.train.device import (PEAKS_FILE, cached_peak, matmul_dtype, mfu, peak_flops, resolve_dtype,
+    from frawdllm.train.device import (PEAKS_FILE, cached_peak, choose_dtype, matmul_dtype, mfu, peak_flops,
                                        user_cache_dir)
 
     cpu = torch.device("cpu")
     cfg = get_config("tiny")
-    auto = resolve_dtype("auto", cpu)
+    auto = choose_dtype("auto", cpu)[0]
     dtypes = list(dict.fromkeys(auto if d == "auto" else d for d in args.dtypes))
     print(cpu_features_line())
     print(f"auto_dtype={auto}")

@@ -160,11 +160,6 @@ def choose_dtype(name: str, device: torch.device, features: frozenset[str] | Non
     return "fp32", f"auto: fp32 on {device.type}"
 
 
-def resolve_dtype(name: str, device: torch.device, features: frozenset[str] | None = None) -> str:
-    """The concrete dtype name `choose_dtype` picks for `auto` (any other name comes back as given)."""
-    return choose_dtype(name, device, features)[0]
-
-
 def matmul_dtype(dtype: str, device: torch.device, features: frozenset[str] | None = None) -> str:
     """The dtype that actually computes the matmuls: fp32 where bf16/fp16 would be emulated."""
     if device.type != "cpu" or dtype == "fp32":
