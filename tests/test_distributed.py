@@ -422,3 +422,65 @@ def test_nproc_runs_torchruns_launcher_and_passes_on_how_it_ended(monkeypatch, c
     assert args.training_script_args == ["pretrain", "--max-steps", "3"]
     err = capsys.readouterr().err
     assert "rank      : 1" in err and "SIGKILL" in err and "4321" in err
+
+
+def _torchrun_with_extra_args_on_rank_1(tmp_path: Path, args: list[str], extra: list[str]) -> tuple[int, list, float]:
+    """`torchrun --nproc-per-node 2 --no-python wrap.sh ARGS`, wrap.sh adding `extra` to rank 1's
+    command: (torchrun's exit status, each rank's stderr lines, seconds taken)."""
+    wrap, logs = tmp_path / "wrap.sh", tmp_path / "logs"
+    logs.mkdir()
+    wrap.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then set -- "$@" {" ".join(extra)}; fi\n'
+                    f'exec "{sys.executable}" -m frawdllm.cli "$@" 2>"{logs}/rank$RANK.err"\n')
+    wrap.chmod(0o755)
+    start = time.monotonic()
+    proc = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "--no-python", str(wrap), *args])
+    _finish(proc, 90)
+    return proc.returncode, [(logs / f"rank{r}.err").read_text().splitlines() for r in (0, 1)], \
+        time.monotonic() - start
+
+
+@pytest.mark.parametrize("parallel, extra, differ", [
+    ("ddp", ["--lr", "0.1", "--seed", "7"], "seed 7 (rank 0: 1337), lr 0.1 (rank 0: 0.003)"),
+    ("fsdp", ["--set", "n_layer=3"], "model.n_layer 3 (rank 0: 2)"),  # (FSDP hung until --dist-timeout)
+], ids=["lr-seed", "n_layer"])
+def test_ranks_started_with_other_settings_are_refused_in_one_line(work, tmp_path, parallel, extra, differ):
+    """Rank 1 started with another --lr and --seed: the run finished, each rank stepping its own
+    weights, rank 0 saving its own. With another model: a traceback per rank under DDP, a hang
+    until --dist-timeout under FSDP. Now every rank stops at the start, in one line, and
+    nothing of the run is written."""
+    run = tmp_path / "run"
+    code, stderr, took = _torchrun_with_extra_args_on_rank_1(
+        tmp_path, train_args(work, run, "--max-steps", "2", "--parallel", parallel, "--dist-timeout", "60s"), extra)
+    assert code == 1 and took < 45, (code, took, stderr)  # (a hang ends at --dist-timeout, before _finish's 90 s)
+    line = f"frawd: error: rank 1 was started with other settings than rank 0: {differ}; start every rank with the " \
+           "same command"
+    assert stderr == [[line], [line]]
+    assert not run.exists()
+
+
+def test_the_settings_check_names_every_differing_rank_and_lets_progress_differ(monkeypatch):
+    from frawdllm.errors import FrawdError
+    from frawdllm.train import distributed
+    from frawdllm.train.config import PretrainConfig
+
+    base = PretrainConfig(max_steps=2)
+    ranks = [base, PretrainConfig(max_steps=2, progress=False), PretrainConfig(max_steps=2, batch_size=6),
+             PretrainConfig(max_steps=2, model={"dropout": 0.1}, sample_prompt="x" * 100)]
+    monkeypatch.setattr(distributed, "_current", distributed.Dist(0, 4, 0, "ddp"))
+    configs = []  # what each rank hands to the gather
+    monkeypatch.setattr(distributed.Dist, "gather", lambda self, obj: configs.append(obj) or [obj])
+    for cfg in ranks:
+        distributed.check_same_settings(cfg)
+    monkeypatch.setattr(distributed.Dist, "gather", lambda self, obj: configs)
+    with pytest.raises(FrawdError) as refused:
+        distributed.check_same_settings(base)
+    assert str(refused.value) == (
+        "rank 2 was started with other settings than rank 0: batch_size 6 (rank 0: 16); rank 3 was started with "
+        f"other settings than rank 0: sample_prompt '{'x' * 76}... (rank 0: ''), model.dropout 0.1 (rank 0: "
+        "(not set)); start every rank with the same command")
+    monkeypatch.setattr(distributed.Dist, "gather", lambda self, obj: [obj] * 4)  # the same: nothing said
+    distributed.check_same_settings(base)
+    monkeypatch.setattr(distributed, "_current", distributed.Dist())  # one process: nothing gathered
+    monkeypatch.setattr(distributed.Dist, "gather", None)
+    distributed.check_same_settings(base)

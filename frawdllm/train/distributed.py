@@ -21,6 +21,8 @@ process group (`nccl` on CUDA, `gloo` on CPU) and trains its share:
   model directory (gathered to rank 0) and the training state as before; with FSDP the
   AdamW moments are written sharded by `torch.distributed.checkpoint`, which reshards
   them on load, so a run saved with N ranks resumes with M (and one process reads them too).
+- **Same settings on every rank**: right after joining, the ranks compare their configs
+  (`check_same_settings`); a rank started with other settings ends the run in one line.
 - **Faults**: every collective has a timeout (`dist_timeout`), and a lost rank ends the
   others with one line naming the last checkpoint (torchrun's `--max-restarts` can then
   restart the group, which resumes from it).
@@ -233,10 +235,52 @@ def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"{base}/{attempt}", store)
 
 
+PER_RANK_SETTINGS = ("progress",)  # may differ between ranks: only rank 0 shows a bar (`rank_config`)
+
+
+def check_same_settings(cfg: Any) -> None:
+    """Refuse, on every rank and in one line, a run whose ranks were started with other
+    settings than rank 0 (torchrun starts each with its own command line): ranks with
+    another --lr, --batch-size or --seed trained silently different runs, and another
+    model (`--set n_layer=3`) failed inside DDP with a traceback per rank, or hung FSDP
+    until --dist-timeout. Every rank's config (`to_dict()`, the model's fields one by one,
+    less PER_RANK_SETTINGS) is gathered on every rank right after the process group is
+    up, before anything is written, read or built."""
+    place = current()
+    if not place.active:
+        return
+    unset = "(not set)"
+
+    def flat(data: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            elif f"{prefix}{key}" not in PER_RANK_SETTINGS:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    def shown(value: Any) -> str:
+        text = repr(value) if isinstance(value, str) and value is not unset else str(value)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    every = place.gather({"command": type(cfg).__name__, **flat(cfg.to_dict())})
+    main, problems = every[0], []
+    for rank, theirs in enumerate(every[1:], start=1):
+        keys = [*main, *(key for key in theirs if key not in main)]
+        differ = [f"{key} {shown(theirs.get(key, unset))} (rank 0: {shown(main.get(key, unset))})"
+                  for key in keys if key not in main or key not in theirs or theirs[key] != main[key]]
+        if differ:
+            problems.append(f"rank {rank} was started with other settings than rank 0: {', '.join(differ)}")
+    if problems:
+        raise FrawdError(f"{'; '.join(problems)}; start every rank with the same command")
+
+
 def rank_config(cfg: Any) -> Any:
-    """The run's config as this rank follows it: no progress output off rank 0, and after
-    a restart by torchrun (`--max-restarts`) a resume from the last checkpoint, never a
-    fresh start over it."""
+    """The run's config as this rank follows it, once `check_same_settings` found it the same
+    on every rank: no progress output off rank 0, and after a restart by torchrun
+    (`--max-restarts`) a resume from the last checkpoint, never a fresh start over it."""
+    check_same_settings(cfg)
     place = current()
     if not place.is_main:
         cfg = type(cfg).from_dict({**cfg.to_dict(), "progress": False})
