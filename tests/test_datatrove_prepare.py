@@ -2,11 +2,15 @@
 single-process `prepare_shards`: the same tokens in the same order, read back as one
 stream from several shard files by the loaders, `frawd eval` and `frawd pretrain`."""
 
+import contextlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -322,3 +326,56 @@ def test_a_tokenizer_without_frawd_special_tokens_is_refused(corpus, tmp_path):
     with pytest.raises(FrawdError, match=r"has no token to end documents with: .*<\|eos\|>"):
         prepare_shards_datatrove(str(corpus), tmp_path / "plain.json", tmp_path / "out", workers=2)
     assert not (tmp_path / "out").exists()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(120)
+def test_a_prepare_killed_with_sigkill_leaves_no_process_holding_its_folder(tmp_path, tokenizer):
+    """datatrove's manager process, forked from the prepare, outlived a `kill -9` of it and
+    kept OUT's lock: the next prepare into OUT was refused as "in use" until someone found
+    and stopped that orphan."""
+    src = tmp_path / "src"
+    src.mkdir()
+    line = json.dumps({"text": "a document of some words, " * 40}) + "\n"
+    for name in ("a", "b"):
+        (src / f"{name}.jsonl").write_text(line * 20000)  # (~20 MB each: the run lasts seconds)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*FRAWD, "data", "prepare", "--data", str(src), "--tokenizer", str(tokenizer),
+                             "--out", str(out), "--engine", "datatrove", "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not children and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            children = [c for c in _children(proc.pid)
+                        if "frawdllm.cli" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+        assert children, "the prepare forked no child (it ended first?)"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [c for c in children if Path(f"/proc/{c}").exists()
+                and Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not left, f"processes {left} outlived the killed prepare"
+    finally:
+        proc.kill()
+        for child in children:  # (what a failure leaves)
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+    again = subprocess.run([*FRAWD, "data", "prepare", "--data", str(src), "--tokenizer", str(tokenizer),
+                            "--out", str(out), "--overwrite"], capture_output=True, text=True, timeout=110)
+    assert again.returncode == 0 and "in use" not in again.stderr, again.stderr

@@ -37,6 +37,7 @@ from datatrove.utils.logging import logger
 
 from ..errors import FrawdError
 from ..io import write_json_atomic
+from ..orphans import children_end_with_this_process
 from ..tokenizer import Tokenizer
 from .shard_format import open_shard_writer
 from .shards import (LOGS_DIR, META_FILE, _inputs_hash, _is_val, _reusable, document_end, remove_stale_shards,
@@ -254,7 +255,8 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
             first = LocalPipelineExecutor(tokenize, tasks=workers, workers=workers, logging_dir=str(logs / "tokenize"))
             second = LocalPipelineExecutor(merge, tasks=1, logging_dir=str(logs / "merge"), depends=first)
             try:
-                second.run()
+                with children_end_with_this_process():  # (datatrove's manager, forked, held OUT's lock as an orphan)
+                    second.run()
             finally:
                 logger.enable(EXECUTOR_LOG)  # (a FrawdStep that failed here, in this process, switched it off)
             if not (out / META_FILE).is_file():

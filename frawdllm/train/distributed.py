@@ -34,7 +34,6 @@ import importlib
 import os
 import pickle
 import signal
-import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -45,9 +44,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from ..errors import FrawdError
+from ..orphans import signal_when_parent_dies
 from .config import PARALLEL_CHOICES
 
 SHARDED_OPTIMIZER_DIR = "optimizer"  # inside a checkpoint: FSDP's sharded AdamW moments (DCP)
@@ -186,15 +186,7 @@ def _end_with_the_launcher() -> None:
     often it comes: the kernel sends it once per thread of the dying launcher (a SIGTERM's
     second coming would stop at once, without the checkpoint); before the loop it ends the
     rank."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, LAUNCHER_GONE, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    signal_when_parent_dies(LAUNCHER_GONE)
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:

@@ -92,7 +92,8 @@ def release_run_dir(run_dir: Path) -> None:
 def _lock_holder(folder: Path) -> int | None:
     """The process holding a flock on `folder`, from /proc/locks (Linux), else None. The lock
     names the process that took it; a child it forked holds it too, after that process is
-    gone (datatrove's manager process outlives a `kill -9`): then the process that still has
+    gone (a helper process of some library that outlived a `kill -9`; datatrove's manager
+    did, before `orphans.children_end_with_this_process`): then the process that still has
     the folder open."""
     try:
         inode = folder.stat().st_ino
