@@ -40,6 +40,13 @@ def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[Float[Tensor, 
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_at(
+    cos: Float[Tensor, "P half"], sin: Float[Tensor, "P half"], positions: Int[Tensor, "#B T"]
+) -> tuple[Float[Tensor, "#B 1 T half"], Float[Tensor, "#B 1 T half"]]:
+    """The tables' rows at `positions`, with a head axis to broadcast over: (1 or B, 1, T, hd/2)."""
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
 def apply_rope(
     x: Float[Tensor, "B H T hd"], cos: Float[Tensor, "*b T half"], sin: Float[Tensor, "*b T half"]
 ) -> Float[Tensor, "B H T hd"]:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig, Seq2SeqConfig
 from ..errors import ConfigError
 from .block import TransformerBlock
-from .embeddings import Embeddings, rope_tables
+from .embeddings import Embeddings, rope_at, rope_tables
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -109,6 +109,12 @@ def check_ids(name: str, ids: Any) -> None:
     if not is_id_tensor(ids) or ids.dim() != 2:
         what = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"{name} must be a (batch, time) integer tensor, got {what}")
+
+
+def check_length(n: int, context_length: int, what: str) -> None:
+    """A sequence of `n` tokens fits the context, else one line."""
+    if n > context_length:
+        raise ValueError(f"{what} length {n} exceeds the model's context_length {context_length}")
 
 
 def check_positions(positions: Int[Tensor, "#B T"], ids: Tensor, context_length: int) -> None:
@@ -198,10 +204,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         check_ids("token_ids", token_ids)
         T = token_ids.shape[1]
         if positions is None:
-            if T > self.config.context_length:
-                raise ValueError(
-                    f"sequence length {T} exceeds the model's context_length {self.config.context_length}"
-                )
+            check_length(T, self.config.context_length, "sequence")
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
         else:
             check_positions(positions, token_ids, self.config.context_length)
@@ -214,10 +217,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
                 raise
             raise ValueError(f"token id {int(bad[0])} is outside the model's vocabulary "
                              f"(vocab_size {self.config.vocab_size})") from None
-        rope = None
-        if self.config.pos_encoding == "rope":
-            # (1, 1, T, hd/2) or (B, 1, T, hd/2): broadcast over heads
-            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        rope = rope_at(self.rope_cos, self.rope_sin, positions) if self.config.pos_encoding == "rope" else None
         for block in self.blocks:
             x = block(x, rope, kv_cache)
         return self.norm(x)

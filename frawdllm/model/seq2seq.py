@@ -32,8 +32,9 @@ from torch import Tensor, nn
 from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
-from .embeddings import Embeddings, rope_tables
-from .gpt import check_ids, check_positions, check_targets, init_weights, model_config, token_loss
+from .embeddings import Embeddings, rope_at, rope_tables
+from .gpt import (check_ids, check_length, check_positions, check_targets, init_weights, model_config,
+                  token_loss)
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -96,14 +97,9 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     def source_embed(self) -> Embeddings:
         return self.embed if self.config.tie_embeddings else self.src_embed
 
-    def _check_length(self, n: int, what: str) -> None:
-        if n > self.config.context_length:
-            raise ValueError(f"{what} length {n} exceeds the model's context_length {self.config.context_length}")
-
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor] | None:
-        if self.config.pos_encoding != "rope":
-            return None
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+    def _rope(self, positions: Int[Tensor, "#B T"]
+              ) -> tuple[Float[Tensor, "#B 1 T half"], Float[Tensor, "#B 1 T half"]] | None:
+        return rope_at(self.rope_cos, self.rope_sin, positions) if self.config.pos_encoding == "rope" else None
 
     # ---- encoder -------------------------------------------------------------------------
     def encode(
@@ -112,7 +108,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         """The memory: the encoder's output for each source token. src_mask: True = a real token."""
         check_ids("src", src)
         check_src_mask(src, src_mask)
-        self._check_length(src.shape[1], "source")
+        check_length(src.shape[1], self.config.context_length, "source")
         positions = torch.arange(src.shape[1], device=src.device).unsqueeze(0)  # (1, S)
         x = self.source_embed(src, positions)  # (B, S, D)
         rope = self._rope(positions)
@@ -152,7 +148,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     ) -> Float[Tensor, "B T D"]:
         """The decoder's final normalised hidden states: `decode` without the output projection."""
         if positions is None:
-            self._check_length(tgt.shape[1], "target")
+            check_length(tgt.shape[1], self.config.context_length, "target")
             positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
         else:
             check_positions(positions, tgt, self.config.context_length)
