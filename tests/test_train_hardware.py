@@ -141,6 +141,21 @@ def test_the_hardware_report_counts_threads_and_names_only_the_candidates_it_tim
     assert dtype.endswith("keep the faster (compiled or not))")
 
 
+def test_a_dry_run_names_the_peak_tflops_given_as_the_peak_of_its_mfu(monkeypatch, capsys, tmp_path):
+    """--peak-tflops replaces the measured peak in MFU, but the dry run showed only the cached one."""
+    from cli_helpers import run_cli
+
+    monkeypatch.setattr(device, "cached_peak", lambda dev, dtype: 1e11)  # (no measurement in a test)
+    (tmp_path / "t.txt").write_text("some text to train a byte model on\n" * 50)
+    code, out, err = run_cli(capsys, "pretrain", "--data", tmp_path / "t.txt", "--tokenizer", "byte", "--max-steps", "1",
+                             "--peak-tflops", "989", "--dry-run", "--out", tmp_path / "r")
+    assert code == 0, err
+    assert "peak for MFU:  989,000.0 GFLOP/s (--peak-tflops, in place of the measured peaks)" in out.splitlines()
+    code, out, err = run_cli(capsys, "pretrain", "--data", tmp_path / "t.txt", "--tokenizer", "byte", "--max-steps", "1",
+                             "--dry-run", "--out", tmp_path / "r")
+    assert code == 0 and "peak for MFU" not in out, err
+
+
 def test_auto_dtype_keeps_the_faster_of_the_native_dtypes():
     p = compiling.AutoPlan(["bf16", "fp32"], "false", {})
     for seconds in (5.0, 0.6, 0.6):

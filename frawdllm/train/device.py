@@ -330,10 +330,10 @@ def process_started_at() -> float:
 
 
 def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_setting: str = "auto",
-                    say=None) -> list[str]:
+                    say=None, peak_tflops: float | None = None) -> list[str]:
     """What `frawd info` and `frawd pretrain --dry-run` say about this machine: the device,
     its CPU features, the dtype and compile decisions and why, the matmul peaks (measured
-    once, cached)."""
+    once, cached), and the one MFU divides by where `peak_tflops` (--peak-tflops) replaces them."""
     from . import compile as compiling
 
     device = pick_device(device_name)
@@ -365,4 +365,6 @@ def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_sett
                      f"{user_cache_dir() / PEAKS_FILE})")
     if device.type == "cpu" and not cpu_has_bf16():
         lines.append("peak bf16:     none native (emulated bf16 matmuls; MFU of bf16 training uses fp32's peak)")
+    if peak_tflops is not None:
+        lines.append(f"peak for MFU:  {peak_tflops * 1e3:,.1f} GFLOP/s (--peak-tflops, in place of the measured peaks)")
     return lines

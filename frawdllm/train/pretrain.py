@@ -407,7 +407,7 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
              f"budget:        {budget}" + (" (--max-time: the whole command, tokenizer, data, warm-up, "
                                                "evaluations and save included)" if cfg.max_time else "")]
     say = print if cfg.progress else None
-    return lines + hardware_report(cfg.device, cfg.dtype, cfg.compile, say=say)
+    return lines + hardware_report(cfg.device, cfg.dtype, cfg.compile, say=say, peak_tflops=cfg.peak_tflops)
 
 
 def build_model(cfg: PretrainConfig, tokenizer: Tokenizer) -> tuple[nn.Module, int]:
