@@ -23,6 +23,7 @@ sft_acc_after, last). Run it under `flock /tmp/bench.lock` on a shared machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -33,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import ArgumentParser, cpu_features_line, duration, positive_int, run_main
+from bench_common import ArgumentParser, cpu_features_line, duration, positive_float, positive_int, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,7 +165,7 @@ def part_a(work: Path, args) -> dict[str, float]:
         margin = sequence_logps(policy, batch["tokens"], batch["targets"]) \
             - sequence_logps(reference, batch["tokens"], batch["targets"])
         chosen, rejected = margin.chunk(2)
-        figures["dpo_pref_acc"] = float((chosen > rejected).float().mean())
+        figures["dpo_pref_acc"] = round(float((chosen > rejected).float().mean()), 4)
         # KL(policy || reference) per answer, estimated on the policy's own samples
         samples = [tokenize_pair(tok, [{"role": "user", "content": p}], s, s, 64)[0]
                    for p, s in zip(test_prompts, sampled)]
@@ -188,7 +189,7 @@ def part_b(work: Path, args) -> dict[str, float]:
     figures: dict[str, float] = {}
     work.mkdir(parents=True, exist_ok=True)
     demo = work / "demo_model"
-    if args.demo_model and Path(args.demo_model).is_dir():
+    if args.demo_model:
         shutil.copytree(args.demo_model, demo)
         say(f"(b) using a copy of {args.demo_model}")
     else:
@@ -231,13 +232,15 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=positive_int, default=600)
     parser.add_argument("--dpo-examples", type=positive_int, default=1000)
     parser.add_argument("--dpo-steps", type=positive_int, default=40)
-    parser.add_argument("--dpo-lr", type=float, default=5e-4)
+    parser.add_argument("--dpo-lr", type=positive_float, default=5e-4)
     parser.add_argument("--stdlib-sft-time", type=duration, default="3m")
     parser.add_argument("--stdlib-dpo-time", type=duration, default="90s")
     parser.add_argument("--work", default=None, help="working folder (default: a temporary one, removed)")
     args = parser.parse_args()
     if args.skip_stdlib and args.skip_synthetic:
         parser.error("--skip-stdlib and --skip-synthetic together leave nothing to run")
+    if args.demo_model is not None and not (Path(args.demo_model) / "config.json").is_file():
+        parser.error(f"--demo-model {args.demo_model} is not a model directory (no config.json)")
     if args.min_letters > args.max_letters:
         parser.error(f"--min-letters ({args.min_letters}) is above --max-letters ({args.max_letters})")
     temporary = []  # folders this script makes: removed at the end, also on failure
@@ -254,10 +257,11 @@ def main() -> None:
     figures: dict[str, float] = {}
     try:
         work.mkdir(parents=True, exist_ok=True)
-        if not args.skip_synthetic:
-            figures.update(part_a(work / "a", args))
-        if not args.skip_stdlib:
-            figures.update(part_b(work / "b", args))
+        with contextlib.redirect_stdout(sys.stderr):  # (the runs' own lines: stdout holds only the figures)
+            if not args.skip_synthetic:
+                figures.update(part_a(work / "a", args))
+            if not args.skip_stdlib:
+                figures.update(part_b(work / "b", args))
     finally:
         for folder in temporary:
             shutil.rmtree(folder, ignore_errors=True)

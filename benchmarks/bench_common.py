@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -34,6 +35,17 @@ def _int_at_least(minimum: int):
 
 positive_int = _int_at_least(1)  # argparse types
 non_negative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (nan passes every comparison, so it is named)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def duration(text: str) -> str:
@@ -64,8 +76,10 @@ def run_main(main) -> None:
     included, or an `OSError` such as a missing file) becomes one line on stderr,
     `<script>: error: ...`, and exit status 1, as `frawd` does. Anything else is a bug and
     keeps its traceback."""
+    from frawdllm.cli import one_line_warnings
     from frawdllm.errors import FrawdError
 
+    one_line_warnings()  # (a budget overrun is `warning: ...`, not Python's file:line: source form)
     try:
         main()
     except (FrawdError, OSError) as error:

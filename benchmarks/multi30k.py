@@ -175,7 +175,8 @@ def run(args, out: str) -> None:
     reserve = max(120.0, 0.1 * budget_s)
     train_s = budget_s - (time.perf_counter() - started) - reserve
     if train_s < 60:
-        raise FrawdError(f"--budget {args.budget} leaves {train_s:.0f} s to train; give more")
+        raise FrawdError(f"--budget {args.budget} leaves {max(train_s, 0):.0f} s to train after the test "
+                         f"translation's {reserve:.0f} s; give at least {budget_s - train_s + 60:.0f} s")
     cfg.max_time = f"{train_s:.0f}s"
     say("train_budget_s", round(train_s))
     cpu_start = time.process_time()

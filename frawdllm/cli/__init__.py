@@ -113,6 +113,15 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
         _show_warning(message, category, filename, lineno, file, line)
 
 
+def one_line_warnings() -> None:
+    """Show the project's own warnings as `_warning_line` does, from now on (once is enough)."""
+    import warnings
+
+    global _show_warning
+    if warnings.showwarning is not _warning_line:
+        _show_warning, warnings.showwarning = warnings.showwarning, _warning_line
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (kill, timeout, a job scheduler). A KeyboardInterrupt, so every command tidies
     up as it does for Ctrl-C; a command where Ctrl-C only cancels (chat) tells them apart."""
@@ -187,7 +196,6 @@ def command_started_at() -> float:
 
 def main(argv: list[str] | None = None) -> None:
     import time
-    import warnings
 
     global _called_at
     _called_at = None if argv is None else time.perf_counter()
@@ -206,9 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         _terminal_fds[:] = [fd for fd in (1, 2) if os.isatty(fd)]
         signal.signal(signal.SIGHUP, _hung_up)
 
-    global _show_warning
-    if warnings.showwarning is not _warning_line:
-        _show_warning, warnings.showwarning = warnings.showwarning, _warning_line
+    one_line_warnings()
     try:
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
