@@ -86,14 +86,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.model is not None and not Path(args.model).is_dir():
         raise FrawdError(f"model folder not found: {args.model}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise FrawdError(f"{args.model} is not a model directory (no config.json)")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FrawdError(f"--data-dir folder not found: {args.data_dir}")
     torch.set_num_threads(args.threads)
+    where = args.model
     with tempfile.TemporaryDirectory(prefix="frawd-int8-") as tmp:
         if args.model is None:
             run = Path(args.run) if args.run else Path(tmp) / "run"
-            if not (run / "model").is_dir():
+            if (run / "model").is_dir():
+                where = f"reused from {run / 'model'}"
+            else:
                 train(run, args.recipe, args.max_steps)
+                where = f"trained here ({args.recipe}, {args.max_steps} steps)"
             model_dir, data_dir = run / "model", run / "data"
         else:
             model_dir = Path(args.model)
@@ -120,7 +126,6 @@ def main() -> None:
                 decode_model, options = decoding.get(name, (model, {}))
                 speed[name] = decode_tok_s(decode_model, tokenizer, **options)
     stored, full = int8_weight_bytes(int8)
-    where = f"trained here ({args.recipe}, {args.max_steps} steps)" if args.model is None else args.model
     print(cpu_features_line())
     for key, value in (("model", where), ("val_tokens", count), ("context", context),
                        ("params", fp32.num_parameters()), ("linear_weight_bytes_fp32", full),
