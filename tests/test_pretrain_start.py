@@ -79,7 +79,6 @@ BAD_STARTS = {
     "unparsable --set": (["--max-steps", "5", "--set", "n_layer=two"], "n_layer"),
     "unknown preset": (["--max-steps", "5", "--preset", "huge"], "unknown preset 'huge'"),
     "missing data": (["--max-steps", "5", "--data", "{tmp}/nowhere.txt"], "data source not found"),
-    "bad doc split": (["--max-steps", "5", "--doc-split", "page"], "doc_split"),
     "missing tokenizer": (["--max-steps", "5", "--tokenizer", "{tmp}/tok.json"], "neither a kind"),
     "small bpe vocab": (["--max-steps", "5", "--tokenizer", "bpe", "--vocab-size", "100"], "between 263"),
     "huge bpe vocab": (["--max-steps", "5", "--tokenizer", "bpe", "--vocab-size", "10000000000"], "1,048,576"),

@@ -44,10 +44,10 @@ from collections.abc import Iterable, Iterator
 from urllib.parse import urlparse
 
 from ..errors import FrawdError
+from ..train.config import DOC_SPLITS
 
 BOM = "\ufeff"  # the UTF-8 byte-order mark some editors (Windows') write first
 
-DOC_SPLITS = ("blank", "line", "file")
 # Names of the built-in corpora, which no file of that name can shadow: `stdlib` here, and
 # the alignment data of frawdllm.align.stdlib_corpus.CORPORA
 BUILTIN_SOURCES = ("stdlib", "stdlib-instruct", "stdlib-prefs")

@@ -27,10 +27,12 @@ from typing import Any
 import yaml
 
 from ..config import ModelConfig, check_fields, get_config, is_integer, positions_override
-from ..data.sources import DOC_SPLITS
 from ..errors import ConfigError
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
+# How text files split into documents (data.sources reads them; defined here, where the CLI's
+# options can read them without importing the data package, which imports torch)
+DOC_SPLITS = ("blank", "line", "file")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 COMPILE_CHOICES = ("auto", "true", "false")
 PARALLEL_CHOICES = ("ddp", "fsdp")
