@@ -348,9 +348,9 @@ def test_a_prepare_killed_with_sigkill_leaves_no_process_holding_its_folder(tmp_
     and stopped that orphan."""
     src = tmp_path / "src"
     src.mkdir()
-    line = json.dumps({"text": "a document of some words, " * 40}) + "\n"
-    for name in ("a", "b"):
-        (src / f"{name}.jsonl").write_text(line * 20000)  # (~20 MB each: the run lasts seconds)
+    for name in ("a", "b"):  # (~8 MB each: the run lasts seconds)
+        (src / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"document {i}: " + "some words, " * 80})
+                                                   + "\n" for i in range(8000)))
     out = tmp_path / "out"
     proc = subprocess.Popen([*FRAWD, "data", "prepare", "--data", str(src), "--tokenizer", str(tokenizer),
                              "--out", str(out), "--engine", "datatrove", "--workers", "2"],
@@ -376,6 +376,8 @@ def test_a_prepare_killed_with_sigkill_leaves_no_process_holding_its_folder(tmp_
         for child in children:  # (what a failure leaves)
             with contextlib.suppress(OSError):
                 os.kill(child, signal.SIGKILL)
-    again = subprocess.run([*FRAWD, "data", "prepare", "--data", str(src), "--tokenizer", str(tokenizer),
-                            "--out", str(out), "--overwrite"], capture_output=True, text=True, timeout=110)
+    (tmp_path / "small.txt").write_text("a small corpus\n\nof two documents\n")
+    again = subprocess.run([*FRAWD, "data", "prepare", "--data", str(tmp_path / "small.txt"), "--tokenizer",
+                            str(tokenizer), "--out", str(out), "--overwrite"], capture_output=True, text=True,
+                           timeout=110)
     assert again.returncode == 0 and "in use" not in again.stderr, again.stderr
