@@ -77,10 +77,9 @@ class ModelConfig:
             raise ConfigError(
                 f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})"
             )
-        if self.pos_encoding in ("rope", "sinusoidal") and self.head_dim % 2 != 0:
+        if self.pos_encoding == "rope" and self.head_dim % 2 != 0:  # (RoPE rotates pairs within a head)
             raise ConfigError(
-                f"head_dim = n_embd/n_head = {self.head_dim} must be even for "
-                f"pos_encoding={self.pos_encoding!r}"
+                f"head_dim = n_embd/n_head = {self.head_dim} must be even for pos_encoding='rope'"
             )
         if self.pos_encoding == "sinusoidal" and self.n_embd % 2 != 0:
             raise ConfigError(f"n_embd ({self.n_embd}) must be even for sinusoidal positions")

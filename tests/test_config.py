@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,3 +206,31 @@ def test_pretrain_vocab_size_must_be_an_integer_and_numpy_integers_become_ints()
     cfg.__post_init__()
     assert type(cfg.batch_size) is int and type(cfg.max_steps) is int
     assert "batch_size: 8" in dump_yaml(cfg)  # config.yaml can hold it
+
+
+def test_sinusoidal_positions_need_an_even_width_not_an_even_head():
+    """The sinusoidal table is added to the embeddings (width n_embd); RoPE rotates pairs
+    inside each head. An odd head dimension is fine for the first, not the second."""
+    from frawdllm.infer.engine import Engine
+    from frawdllm.infer.sampling import SamplingParams
+    from frawdllm.model.seq2seq import Seq2SeqTransformer
+    from test_engine import IdTokenizer
+
+    cfg = get_config("tiny", n_embd=24, n_head=8, n_layer=1, vocab_size=40, context_length=16,
+                     pos_encoding="sinusoidal")
+    assert cfg.head_dim == 3
+    torch.manual_seed(0)
+    model = FrawdLLM(cfg).eval()
+    ids = torch.randint(4, 40, (1, 6))
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    out = Engine(model, IdTokenizer()).generate([ids[0].tolist()], params)[0].tokens
+    with torch.no_grad():  # greedy through the engine's KV cache = argmax of full forwards
+        seq = ids[0].tolist()
+        for _ in range(4):
+            seq.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
+    assert out == seq[6:]
+    s2s = get_config("aiayn-tiny", n_embd=24, n_head=8, n_layer=1, n_encoder_layer=1, vocab_size=40)
+    assert s2s.head_dim == 3 and s2s.pos_encoding == "sinusoidal"
+    Seq2SeqTransformer(s2s)(ids, ids)
+    with pytest.raises(ConfigError, match=r"n_embd \(15\) must be even for sinusoidal positions"):
+        get_config("tiny", n_embd=15, n_head=5, pos_encoding="sinusoidal")

@@ -35,8 +35,9 @@ IGNORE_INDEX = -100
 
 
 def init_weights(module: nn.Module, n_layer: int, embedding_std: float = 0.02) -> None:
-    """GPT-2 init: N(0, 0.02); projections into the residual stream scaled by
-    1/sqrt(2 * n_layer) so the stream's variance does not grow with depth."""
+    """GPT-2 init: N(0, 0.02) (embeddings: N(0, embedding_std)); projections into the
+    residual stream scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow
+    with depth."""
     if isinstance(module, nn.Linear):
         std = 0.02
         if getattr(module, "is_residual_proj", False):

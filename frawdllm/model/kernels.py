@@ -6,14 +6,13 @@
 - PyTorch's `scaled_dot_product_attention` (flash / memory-efficient kernels where
   available): the default, and the one for masks and bidirectional attention except
   with dropout on a CPU (below);
-- training on a CPU, causal: `cpu_attention` (a fused C kernel, forward and backward),
+- training on a CPU, causal, without dropout: `cpu_attention` (a fused C kernel, forward and backward),
   because PyTorch's CPU backward is slow for short sequences: in bf16 on CPUs with
   AVX512-BF16, in fp32 on any CPU in eager mode (T <= 512);
 - training on a CPU under `torch.compile`, causal, where `cpu_attention` does not apply
   (fp32, or bf16 without AVX512-BF16; T <= 512): `blocked_causal_attention`,
   plain matmuls over a few query blocks (block i attends only the keys up to its end,
   skipping most of the masked half), which torch.compile fuses into about twice the speed.
-
 - training on a CPU with dropout and a mask (an encoder's padding, cross-attention, packed
   SFT rows):
   `dropout_attention`, the reference's math with `dropout` below; PyTorch's own attention

@@ -17,7 +17,7 @@ The blocks, attention, MLP, norms and embeddings are the decoder-only model's
 (`TransformerBlock(causal=False)` for the encoder, `TransformerBlock(cross=True)` for the
 decoder). The paper's choices are `Seq2SeqConfig` settings: post-LN, sinusoidal
 positions, token embeddings x sqrt(d_model), ReLU, dropout on every sub-layer output and
-on the embeddings, and one embedding matrix shared by source, target and the output
+on the embeddings (and, not in the paper, on the attention weights), and one embedding matrix shared by source, target and the output
 projection (a joint vocabulary).
 """
 
@@ -87,7 +87,9 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
             for name, child in module.named_children():
                 if type(child) is nn.Dropout:
                     setattr(module, name, kernels.Dropout(child.p))
-        # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale.
+        # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale
+        # (learned position tables, an option, are drawn at the same std and not scaled). The
+        # residual projections' 1/sqrt(2 * n_layer) counts the encoder's and decoder's layers together.
         embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings else 0.02
         self.apply(lambda m: init_weights(m, cfg.n_encoder_layer + cfg.n_layer, embedding_std))
         if cfg.tie_embeddings:  # (after the init: the head's Linear init would redraw the table at 0.02)
