@@ -975,12 +975,15 @@ def test_translation_keys_its_evaluation_by_the_validation_pairs_it_reads():
     from frawdllm import get_config
     from frawdllm.train.translation import TranslationTask, ValidationSet
 
-    def key(pairs, eval_batches=20):
+    def key(pairs, eval_batches=20, tokens_per_batch=8):
         valid = ValidationSet(pairs, ["s"] * len(pairs), ["r"] * len(pairs)) if pairs is not None else None
-        return TranslationTask(get_config("aiayn-tiny"), None, [([5, 6], [7, 8])], valid, tokens_per_batch=8,
-                               eval_batches=eval_batches).evaluation_key()
+        return TranslationTask(get_config("aiayn-tiny"), None, [([5, 6], [7, 8])], valid,
+                               tokens_per_batch=tokens_per_batch, eval_batches=eval_batches).evaluation_key()
 
     pairs = [([5 + i, 6], [7, 8 + i]) for i in range(12)]
     assert key(pairs) == key(list(pairs)) and key(None) == {}
     assert key(pairs) != key(pairs[:-1] + [([5, 6], [9])])  # other validation text
     assert key(pairs, eval_batches=1) != key(pairs)  # fewer of its pairs read
+    # the same pairs in other batches (another --tokens-per-batch): val_loss is a mean over
+    # their tokens, the same measure, so the best model so far stays the best
+    assert key(pairs, tokens_per_batch=1000) == key(pairs) == key(pairs, tokens_per_batch=12)

@@ -434,6 +434,24 @@ def test_nproc_checks_flags_and_data_before_starting_torchrun(tmp_path, capsys, 
     assert not (tmp_path / "run").exists()
 
 
+def test_nproc_an_error_every_rank_finds_is_said_once(tmp_path):
+    """What needs the tokenizer (every pair longer than --max-len) the ranks find: it was
+    printed once per rank, then torchrun's 20-line report of the failed ranks."""
+    import subprocess
+    import sys
+
+    _corpus(tmp_path, n=20)
+    args = ["translate", "train", "--nproc", "2", "--src", tmp_path / "train.de.gz", "--tgt", tmp_path / "train.en",
+            "--out", tmp_path / "run", "--max-steps", "1", "--max-len", "1", *TINY]
+    done = subprocess.run([sys.executable, "-m", "frawdllm.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code, err = done.returncode, done.stderr
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "failed" in line.lower()]
+    assert code == 1 and errors == ["frawd: error: no training pairs left in --src/--tgt: all 20 skipped, 20 longer "
+                                    "than --max-len 1 tokens"], err
+    assert "Root Cause" not in err and "exitcode" not in err and "Traceback" not in err, err
+
+
 def test_a_run_trained_from_pipes_says_in_its_config_to_give_them_again(tmp_path, capsys):
     """config.yaml kept `/proc/PID/fd/pipe:[N]` of `--src <(zcat ...)`, and its rerun line failed
     with "file not found" on it without a word of why."""
@@ -441,10 +459,20 @@ def test_a_run_trained_from_pipes_says_in_its_config_to_give_them_again(tmp_path
     _fifo_holding(tmp_path / "src.pipe", ("\n".join(de) + "\n").encode())
     _fifo_holding(tmp_path / "tgt.pipe", ("\n".join(en) + "\n").encode())
     code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "src.pipe", "--tgt", tmp_path / "tgt.pipe",
-                           "--out", tmp_path / "run", "--max-steps", "1", *TINY)
+                           "--out", tmp_path / "run", "--max-steps", "1", *TINY, "--vocab-size", "2000")
     assert code == 0, err
+    # (20 sentences of 11 words do not have 2000 tokens' worth of pairs: said, as `frawd tokenizer train` does)
+    vocab = json.loads((tmp_path / "run" / "model" / "config.json").read_text())["vocab_size"]
+    assert vocab < 2000 and f"note: the corpus gave {vocab:,} tokens, not the 2,000 asked for" in err
     header = (tmp_path / "run" / "config.yaml").read_text().splitlines()[:3]
     assert header[2] == "# --src, --tgt were pipes (read once): give them again to rerun or --resume", header
+    # the rerun or --resume of such a run: the path that config.yaml kept says why it is gone
+    from frawdllm.data.parallel import read_lines
+    from frawdllm.errors import FrawdError
+    for gone in ("/proc/999999999/fd/pipe:[172464]", "/dev/fd/987"):
+        with pytest.raises(FrawdError, match=re.escape(f"file not found: {gone} (the pipe of a command that has "
+                                                       "ended, as `<(...)` gives: give the file again)")):
+            read_lines(gone)
     code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
                            tmp_path / "train.en", "--out", tmp_path / "files", "--max-steps", "1", *TINY)
     assert code == 0 and "(read once)" not in (tmp_path / "files" / "config.yaml").read_text()
@@ -459,6 +487,13 @@ def test_a_refused_resume_gives_advice_translate_train_has(trained, capsys, tmp_
     line = _one_line_error(err)
     assert code == 1 and "these settings differ: n_embd=64 (the run has 32)" in line
     assert "--init" not in line and line.endswith("start a new run (another --out, or --overwrite to replace this one)")
+    # a --tokenizer for a run that trained its own (its config.yaml holds the --vocab-size it
+    # trained with): a change of the run's tokenizer, not "give --tokenizer or --vocab-size"
+    code, _, err = run_cli(capsys, "translate", "train", "--out", tmp_path / "run", "--resume", "--max-steps", "9",
+                           "--tokenizer", tmp_path / "run" / "tokenizer.json")
+    line = _one_line_error(err)
+    assert code == 1 and f"these settings differ: tokenizer='{tmp_path / 'run' / 'tokenizer.json'}' (the run has " \
+        "None)" in line, line
 
 
 def test_resume_of_a_run_that_is_not_there_says_so(capsys, tmp_path):

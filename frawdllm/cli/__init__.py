@@ -194,6 +194,23 @@ def command_started_at() -> float:
     return process_started_at()
 
 
+def say_error(message: str) -> None:
+    """`frawd: error: MESSAGE` on stderr; on a rank that `--nproc` started, in a file for the
+    launcher instead, which says each different error once (N ranks refusing the same data
+    printed it N times, then torchrun's report of the failed ranks)."""
+    from .launch import RANK_ERRORS
+
+    folder = os.environ.get(RANK_ERRORS)
+    if folder and os.path.isdir(folder) and "RANK" in os.environ:
+        try:
+            with open(os.path.join(folder, f"rank{int(os.environ['RANK'])}"), "a", encoding="utf-8") as f:
+                f.write(message + "\n")
+            return
+        except (OSError, ValueError):
+            pass
+    click.echo(f"frawd: error: {message}", err=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     import time
 
@@ -218,12 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
-        click.echo(f"frawd: error: {_one_line(exc)}", err=True)
+        say_error(_one_line(exc))
         sys.exit(1)
     except ReaderLeft:
         _reader_left()
     except OSError as exc:  # an unwritable --out, a file where a folder is needed, a full disk
-        click.echo(f"frawd: error: {_one_line(describe_os_error(exc))}", err=True)
+        say_error(_one_line(describe_os_error(exc)))
         sys.exit(1)
     except click.exceptions.Abort:
         if os.environ.get("RANK", "0") == "0":  # (under torchrun every rank gets the Ctrl-C: one line)
@@ -248,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         message = _out_of_memory(exc)
         if message is None:  # any other RuntimeError is a bug: its traceback
             raise
-        click.echo(f"frawd: error: {message}", err=True)
+        say_error(message)
         sys.exit(1)
     finally:
         if argv is None:  # the process is this command: it ends now

@@ -10,14 +10,22 @@ Each rank gets its share of the cores. Several machines, restarts after a failur
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
 import click
 
 from ..errors import FrawdError
+
+# The environment variable naming the folder where ranks started by --nproc leave their
+# one-line errors (`say_error`), for the launcher to say once.
+RANK_ERRORS = "FRAWD_RANK_ERRORS"
 
 
 def nproc_option():
@@ -59,14 +67,35 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])])
     click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
-    try:
-        run(args)
-    except ChildFailedError as exc:  # its message names each failed rank, its exit code or signal
-        click.echo(str(exc), err=True)
-        raise SystemExit(1) from None
-    except SignalException as exc:  # the ranks were stopped (Ctrl-C, SIGTERM)
-        raise SystemExit(128 + int(exc.sigval)) from None
+    with tempfile.TemporaryDirectory(prefix="frawd-rank-errors-") as errors:
+        os.environ[RANK_ERRORS] = errors
+        agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        level = agent_log.level
+        try:
+            agent_log.setLevel(logging.CRITICAL)  # ("failed (exitcode: 1)" per rank: the report below says it)
+            run(args)
+        except ChildFailedError as exc:
+            said = _rank_errors(Path(errors))
+            for line in dict.fromkeys(line for lines in said.values() for line in lines):  # each once, rank order
+                click.echo(f"frawd: error: {line}", err=True)
+            if not set(exc.failures) <= set(said):  # a rank that ended without saying why: torchrun's report
+                click.echo(str(exc), err=True)  # (names each failed rank, its exit code or signal)
+            raise SystemExit(1) from None
+        except SignalException as exc:  # the ranks were stopped (Ctrl-C, SIGTERM)
+            raise SystemExit(128 + int(exc.sigval)) from None
+        finally:
+            agent_log.setLevel(level)
+            os.environ.pop(RANK_ERRORS, None)
     raise SystemExit(0)
+
+
+def _rank_errors(folder: Path) -> dict[int, list[str]]:
+    """{rank: the error lines it left in `folder`}, by rank."""
+    said = {}
+    for file in folder.glob("rank*"):
+        with contextlib.suppress(ValueError, OSError):
+            said[int(file.name[4:])] = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    return dict(sorted(said.items()))
 
 
 def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> None:
@@ -82,7 +111,9 @@ def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> N
         rank = distributed.current().rank
     except distributed.RankLost as exc:
         # leave at once: the process group's destructor would wait for the lost rank
-        click.echo(f"frawd: error: {exc}", err=True)
+        from . import say_error
+
+        say_error(str(exc))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

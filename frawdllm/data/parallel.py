@@ -10,6 +10,7 @@ skipped and counted, so the caller can say how many.
 from __future__ import annotations
 
 import gzip
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def read_lines(path: str | Path) -> list[str]:
         raise FrawdError(f"{path} is a folder; give a text file of one sentence a line")
     if not path.exists():
         where = "" if path.is_absolute() else f" (looked for in the current folder, {Path.cwd()})"  # (a config's path)
+        if re.fullmatch(r"/(proc/\d+|dev)/fd/.*", path.as_posix()):  # a run's config.yaml keeps `<(zcat ...)`'s path
+            where = " (the pipe of a command that has ended, as `<(...)` gives: give the file again)"
         raise FrawdError(f"file not found: {path}{where}")
     try:
         raw = path.read_bytes()

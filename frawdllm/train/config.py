@@ -84,8 +84,9 @@ class TrainConfig:
     overwrite: bool = option(False, "Start over in an --out that already holds a run (deletes it).")
     seed: int = option(1337, "Seed of the weights' initialisation, dropout and data order.")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps.")
-    dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = bf16 where the hardware computes it "
-                                "natively, else fp32.", choices=DTYPES)
+    dtype: str = option("auto", "fp32, bf16 or fp16 autocast; auto = fp32 where the hardware has no "
+                                "native bf16, else whichever of bf16 and fp32 the first steps time faster "
+                                "(on a GPU: bf16 where it has it).", choices=DTYPES)
     compile: str | bool = option("auto", "torch.compile the training step: true, false, or auto = only where its "
                                   "warm-up pays back within the budget (measured, cached per machine).",
                           choices=COMPILE_CHOICES)

@@ -5,8 +5,9 @@ Mixed precision keeps the weights and the optimizer in fp32 and runs the forward
 backward matmuls in bf16 or fp16 under `torch.autocast`. bf16 has fp32's range, so it
 needs nothing else; fp16 overflows easily, so its loss is scaled (`GradScaler`).
 `auto` picks a low-precision dtype only where the hardware computes it natively (GPUs
-that support bf16; CPUs with AVX-512 BF16 or AMX), else fp32: on an AVX2 CPU bf16
-matmuls are emulated, about 100x slower than fp32.
+that support bf16; CPUs with AVX-512 BF16 or AMX, where the training loop times bf16
+against fp32 in its first steps), else fp32: on an AVX2 CPU bf16 matmuls are emulated,
+about 100x slower than fp32.
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. The peak is that
 of the dtype that really computes the matmuls (fp32's where bf16 would be emulated),

@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from ..config import Seq2SeqConfig, get_config
 from ..data.parallel import EncodedPairs, encode_pairs, read_parallel
-from ..errors import FrawdError
+from ..errors import ConfigError, FrawdError
 from ..model import IGNORE_INDEX
-from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, short_bpe_note, train_tokenizer
 from . import distributed
 from .config import parse_duration
 from .loop import TrainResult, Trainer, TrainTask, content_hash
@@ -191,10 +191,11 @@ class TranslationTask(TrainTask):
 
     def evaluation_key(self) -> dict:
         """The validation pairs `evaluate` reads (other --valid-src/--valid-tgt, --eval-batches,
-        --tokens-per-batch... read others)."""
+        --tokens-per-batch... may read others), in any order: val_loss is a mean over their
+        tokens, whichever batches hold them."""
         if self.valid is None or not self.valid.pairs:
             return {}
-        read = [self.valid.pairs[i] for batch in self._valid_batches() for i in batch]
+        read = [self.valid.pairs[i] for i in sorted(i for batch in self._valid_batches() for i in batch)]
         return {"validation pairs": content_hash(read)}
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
@@ -309,7 +310,11 @@ def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Toke
         return given_tokenizer(cfg.tokenizer)
     vocab = cfg.vocab_size or get_config(cfg.preset, **cfg.model).vocab_size
     _say(f"training a joint BPE tokenizer ({vocab} tokens) on {len(src):,} + {len(tgt):,} sentences...")
-    return train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
+    tokenizer = train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
+    note = short_bpe_note(tokenizer, vocab)
+    if note is not None:
+        _say(note)
+    return tokenizer
 
 
 @dataclass
@@ -327,6 +332,11 @@ def check_translation(cfg: TranslateConfig) -> ParallelText:
     from .rundir import check_run_dir
 
     check_run_dir(cfg)  # first: `--resume` of a run that is not there is that, not missing --src
+    # (after it: a resume's vocab_size comes from the run's config.yaml, and a --tokenizer
+    # given then is refused there as a change of the run's tokenizer)
+    if cfg.tokenizer is not None and cfg.vocab_size is not None:
+        raise ConfigError(f"vocab_size {cfg.vocab_size}: the vocabulary is --tokenizer {cfg.tokenizer}'s own; "
+                          "--vocab-size sizes a tokenizer trained on the data: give one of them, not both")
     if not cfg.src or not cfg.tgt:
         raise FrawdError("give the training text: --src FILE --tgt FILE")
     cfg.require_budget()

@@ -75,6 +75,3 @@ class TranslateConfig(TrainConfig):
         if self.batch_size != TrainConfig.batch_size:
             raise ConfigError(f"batch_size: translate train cuts batches by token count, not sentences; use "
                               f"tokens_per_batch (--tokens-per-batch) instead of batch_size {self.batch_size!r}")
-        if self.tokenizer is not None and self.vocab_size is not None:
-            raise ConfigError(f"vocab_size {self.vocab_size}: the vocabulary is --tokenizer {self.tokenizer}'s own; "
-                              "--vocab-size sizes a tokenizer trained on the data: give one of them, not both")
