@@ -237,6 +237,34 @@ def test_an_out_that_is_a_file_is_bad_input_exit_1_not_a_usage_error(env, capsys
     assert (env / "a_file").read_text() == "not a folder\n"
 
 
+@pytest.mark.parametrize("argv", [
+    ["data", "prepare", "--data", "", "--tokenizer", "tok", "--out", "x"],
+    ["data", "prepare", "--data=", "--tokenizer", "tok", "--out", "x"],
+    ["tokenizer", "train", "--data", "corpus.txt", "--kind", "char", "--out", " "],
+    ["eval", "--model", "", "--data", "corpus.txt"],
+    ["pretrain", "--data", "corpus.txt", "--out", ""],
+    ["translate", "train", "--src", "", "--tgt", "b", "--out", "x"],
+])
+def test_an_empty_path_is_a_usage_error_not_the_current_folder(env, capsys, argv, monkeypatch, tmp_path):
+    """`--data "$UNSET"` tokenized whatever the working folder held, `--out ''` wrote into it
+    (and said it wrote /train.bin), `--model ''` was "config.json: missing"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "private.txt").write_text("not a corpus\n")
+    code, stdout, err = run(capsys, *argv)
+    flag = next(a.partition("=")[0] for i, a in enumerate(argv) if a.startswith("--") and
+                (a.endswith("=") or not argv[i + 1].strip()))
+    assert (code, stdout, err) == (2, "", f"frawd: error: {flag} is empty: give a path (an unset shell variable?)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["private.txt"]
+
+
+def test_an_empty_data_source_is_refused_by_the_library_too():
+    from frawdllm.data.sources import iter_documents
+    from frawdllm.errors import FrawdError
+
+    with pytest.raises(FrawdError, match="^the data source is empty: give stdlib, hf:NAME, a file, a folder or a glob$"):
+        next(iter_documents("  "))
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["pretrain", "--schedule", "foo"], "--schedule"),
     (["pretrain", "--dtype", "fp64"], "--dtype"),

@@ -158,6 +158,31 @@ def test_shards_inside_their_source_folder_are_refused_before_anything_is_writte
                    "--out", tmp_path / "srcs")[0] == 0  # (a sibling whose name starts alike is outside)
 
 
+def test_shards_or_a_tokenizer_where_the_source_glob_finds_files_are_refused(tmp_path, bpe, capsys):
+    """`--data 'src/**/*' --out src/tok`: the tokenizer became a document of the next run,
+    and the same prepare run again failed on its own shards ("a token shard, not text")."""
+    from cli_helpers import run_cli
+
+    (tmp_path / "src").mkdir()
+    _write_corpus(tmp_path / "src" / "a.txt", _corpus(20))
+    bpe.save(tmp_path / "tok.json")
+    pattern = str(tmp_path / "src" / "**" / "*")
+    for command, out in ((["data", "prepare", "--tokenizer", tmp_path / "tok.json"], tmp_path / "src" / "shards"),
+                         (["tokenizer", "train", "--kind", "char"], tmp_path / "src" / "deep" / "tok"),
+                         (["tokenizer", "train", "--kind", "char"], tmp_path / "src")):
+        code, stdout, err = run_cli(capsys, *command, "--data", pattern, "--out", out)
+        assert (code, stdout) == (1, ""), err
+        assert err == (f"frawd: error: the output folder {out} is where the glob {pattern!r} finds files: the next "
+                       "run would read what is written there as corpus text; write it elsewhere\n")
+        assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["a.txt"]
+    # a glob that cannot find what is written there (*.txt; one level only) leaves it free
+    for pattern, out in ((tmp_path / "src" / "**" / "*.txt", tmp_path / "src" / "shards"),
+                         (tmp_path / "src" / "*", tmp_path / "src" / "shards2")):
+        code, _, err = run_cli(capsys, "data", "prepare", "--tokenizer", tmp_path / "tok.json", "--data", pattern,
+                               "--out", out)
+        assert code == 0, err
+
+
 def test_more_local_workers_than_four_per_cpu_are_refused(tmp_path, bpe, monkeypatch):
     src = _write_corpus(tmp_path / "c.txt", _corpus(5))
     monkeypatch.setattr(shards_module, "usable_cpus", lambda: 2)
@@ -942,3 +967,15 @@ def test_eval_of_a_train_split_too_short_for_a_window_advises_a_smaller_val_frac
     assert err.endswith("use more data, a smaller --val-fraction or a shorter --context-length\n")
     code, _, err = run_cli(capsys, *args, "--val-fraction", "0.05")
     assert code == 1 and err.endswith("use more data, a larger --val-fraction or a shorter --context-length\n")
+
+
+def test_the_bar_has_a_total_only_where_it_counts_the_whole_file(tmp_path):
+    """The bar counts document text: for a JSONL file (or Parquet, or compressed) that is a
+    part of its bytes, and a bar out of the file's size crawled to 9% and jumped to 100%."""
+    from frawdllm.data.shards import _source_bytes
+
+    (tmp_path / "a.txt").write_text("some text\n\nmore\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "x", "meta": "' + "y" * 800 + '"}\n')
+    assert _source_bytes(str(tmp_path / "a.txt")) == 16
+    assert _source_bytes(str(tmp_path / "b.jsonl")) is None
+    assert _source_bytes(str(tmp_path)) is None  # (a folder holding one)

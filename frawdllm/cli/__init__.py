@@ -194,6 +194,24 @@ def command_started_at() -> float:
     return process_started_at()
 
 
+# Options that name a file or folder. Given empty (`--data "$UNSET"`), each meant the current
+# folder, silently: `data prepare --data ''` tokenized whatever the working folder held.
+PATH_OPTIONS = frozenset({"--data", "--out", "--model", "--tokenizer", "--src", "--tgt", "--ref", "--valid-src",
+                          "--valid-tgt", "--init", "--init-from", "--config", "--hyp-out", "--prompt-file",
+                          "--from-hf"})
+
+
+def empty_path_option(args: list[str]) -> str | None:
+    """The first of PATH_OPTIONS given an empty value in `args`, if any."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return None
+        name, eq, value = arg.partition("=")
+        if name in PATH_OPTIONS and not (value if eq else args[i + 1] if i + 1 < len(args) else "x").strip():
+            return name
+    return None
+
+
 def say_error(message: str) -> None:
     """`frawd: error: MESSAGE` on stderr; on a rank that `--nproc` started, in a file for the
     launcher instead, which says each different error once (N ranks refusing the same data
@@ -233,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
 
     one_line_warnings()
     try:
+        empty = empty_path_option(sys.argv[1:] if argv is None else list(argv))
+        if empty is not None:
+            raise click.UsageError(f"{empty} is empty: give a path (an unset shell variable?)")
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
         say_error(_one_line(exc))

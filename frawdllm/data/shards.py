@@ -33,6 +33,7 @@ imported GPT-2's <|endoftext|>); a tokenizer with neither is refused.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import json
@@ -58,7 +59,7 @@ from ..cbuild import usable_cpus
 from ..config import is_integer
 from ..errors import FrawdError
 from ..io import _fsync_wanted, atomic_path, clean_partial, new_folders, sync_path, undo_on_error, write_json_atomic
-from ..tokenizer import FOREIGN_DOCUMENT_ENDS, Tokenizer
+from ..tokenizer import FOREIGN_DOCUMENT_ENDS, TOKENIZER_FILE, Tokenizer
 from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
                            read_shard, token_dtype)
 from .sources import (BUILTIN_SOURCES, SourceStats, hf_local_path, is_glob, iter_documents, parse_hf_spec, source_files,
@@ -174,12 +175,28 @@ def refuse_out_in_source(data: str, out: Path) -> None:
     """Shards (or a tokenizer) written into the source folder would be read back as part of
     the corpus by the next run (with everything a run writes beside them): one line, before
     anything is written."""
+    if is_glob(data):
+        written = [out / name for name in (TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, META_FILE)]
+        if any(_glob_matches(Path(os.path.abspath(data)).parts, Path(os.path.abspath(p)).parts) for p in written):
+            raise FrawdError(f"the output folder {out} is where the glob {data!r} finds files: the next run would "
+                             f"read what is written there as corpus text; write it elsewhere")
+        return
     if data == "stdlib" or data.startswith("hf:") or not Path(data).is_dir():
         return
     source, dest = Path(data).resolve(), out.resolve()
     if dest == source or source in dest.parents:
         raise FrawdError(f"the output folder {out} is inside the source folder {data}: the next run would read "
                          f"what is written there as corpus text; write it outside {data}")
+
+
+def _glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether `glob.glob(pattern, recursive=True)` would list the path of `parts` (a part of
+    the pattern matches one name, `**` any number of folders)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob_matches(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_matches(pattern[1:], parts[1:])
 
 
 @contextmanager
@@ -739,9 +756,11 @@ def _text_bytes(ids: np.ndarray, tok: Tokenizer) -> int:
 # ---- progress --------------------------------------------------------------------------------------
 
 def _source_bytes(data: str) -> int | None:
-    """Total size of a plain-file source (the progress bar's 100%), else None."""
+    """Total size of a plain-text source (the progress bar's 100%: the bar counts document
+    text), else None (compressed files, and JSONL or Parquet, whose documents are a part of
+    their bytes)."""
     files = source_files(data)
-    if files is None or any(p.name.lower().endswith((".gz", ".bz2", ".xz", ".parquet")) for p in files):
+    if files is None or any(p.name.lower().endswith((".gz", ".bz2", ".xz", ".parquet", ".jsonl")) for p in files):
         return None
     return sum(p.stat().st_size for p in files)
 

@@ -110,6 +110,8 @@ def source_spec(spec: str | os.PathLike) -> str:
     if not isinstance(spec, str):
         raise FrawdError(f"a data source is a string (stdlib, hf:NAME, a file, a folder or a glob) or a path, "
                          f"got {spec!r}")
+    if not spec.strip():  # (not the current folder: an unset variable in a script gave it)
+        raise FrawdError("the data source is empty: give stdlib, hf:NAME, a file, a folder or a glob")
     return spec
 
 
