@@ -229,7 +229,12 @@ def test_every_float_setting_of_every_training_command_refuses_nan_and_inf():
      "--out {root}/a_file/sub: {root}/a_file is a file, not a folder"),
     (["tokenizer", "train", "--data", "{root}/corpus.txt", "--kind", "byte", "--out", "{root}/a_file"],
      "{root}/a_file exists and is not a directory; give a directory or a path ending in .json"),
-], ids=["data-prepare", "data-prepare-below", "tokenizer-train"])
+    (["tokenizer", "train", "--data", "{root}/corpus.txt", "--kind", "byte", "--out", "{root}/a_file/t.json"],
+     "--out {root}/a_file/t.json: {root}/a_file is a file, not a folder"),
+    (["tokenizer", "train", "--data", "{root}/corpus.txt", "--kind", "byte", "--out", "{root}/a_file/d/e"],
+     "--out {root}/a_file/d/e: {root}/a_file is a file, not a folder"),
+], ids=["data-prepare", "data-prepare-below", "tokenizer-train", "tokenizer-train-json-below",
+        "tokenizer-train-below"])
 def test_an_out_that_is_a_file_is_bad_input_exit_1_not_a_usage_error(env, capsys, argv, said):
     # (data prepare --out FILE exited 2 with click's "Invalid value for '--out'")
     code, stdout, err = run(capsys, *[a.format(root=env) for a in argv])

@@ -52,6 +52,9 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
         if path.exists() and not path.is_dir():
             raise FrawdError(f"{path} exists and is not a directory; give a directory or a path ending in .json")
         path = path / TOKENIZER_FILE
+    above = next((folder for folder in path.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():  # (was the OS's "file exists: ABOVE")
+        raise FrawdError(f"--out {out}: {above} is a file, not a folder")
     refuse_out_in_source(data, path.parent)  # the next run would read tokenizer.json as text
     # Checked before training: shards prepared with the old tokenizer would no longer match it.
     if path.exists() and not overwrite:
