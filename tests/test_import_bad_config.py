@@ -89,6 +89,10 @@ CASES = [
     ("gpt2", {"bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": None},
      ["config.json", "bos_token_id=50256, eos_token_id=50256 outside the vocabulary (vocab_size=101)"]),
     ("llama", {"pad_token_id": 101}, ["config.json", "pad_token_id=101 outside the vocabulary"]),
+    # one bias flag on, the other off (both on, or both off, import): both values shown
+    ("llama", {"attention_bias": True, "mlp_bias": False},
+     ["config.json", "llama config with attention_bias/mlp_bias=True/False has no FrawdLLM equivalent"]),
+    ("llama", {"attention_bias": False, "mlp_bias": True}, ["attention_bias/mlp_bias=False/True"]),
 ]
 
 
@@ -99,6 +103,18 @@ def test_import_refuses_a_bad_config_in_one_line(checkpoints, tmp_path, capsys, 
     err = import_one_line(capsys, source, tmp_path / "out")
     for word in words:
         assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("config.json", "is a file, not a transformers model directory"),
+    ("m.gguf", "is a file, not a transformers model directory (a GGUF file is not imported: give the "
+               "transformers directory it came from)"),
+])
+def test_a_file_given_to_import_is_named_a_file(checkpoints, tmp_path, capsys, name, said):
+    """`--from-hf DIR/config.json` said "DIR/config.json: no config.json"."""
+    (tmp_path / name).write_bytes((checkpoints["gpt2"] / "config.json").read_bytes())
+    err = import_one_line(capsys, tmp_path / name, tmp_path / "out")
+    assert err == f"frawd: error: {tmp_path / name} {said}\n"
 
 
 def test_a_huge_config_is_refused_without_allocating(checkpoints, tmp_path, capsys):

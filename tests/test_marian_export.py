@@ -72,6 +72,11 @@ def test_frawd_export_refuses_a_seq2seq_model_that_does_not_map(tmp_path, capsys
     Seq2SeqTransformer(cfg).save_pretrained(tmp_path / "m")
     code, _, err = run_cli(capsys, "export", "--model", tmp_path / "m", "--format", "hf", "--out", tmp_path / "hf")
     assert code == 1 and "norm_placement='pre'" in err and not (tmp_path / "hf").exists()
+    # each item names the field to change and the value it needs
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_kv_head=2, n_layer=1, n_encoder_layer=1)
+    Seq2SeqTransformer(cfg).save_pretrained(tmp_path / "gqa")
+    code, _, err = run_cli(capsys, "export", "--model", tmp_path / "gqa", "--format", "hf", "--out", tmp_path / "hf")
+    assert code == 1 and "n_kv_head=2 (Marian has no grouped-query attention: needs n_kv_head=4)" in err, err
 
 
 @pytest.mark.parametrize("out", ["x.gguf", "gguf_dir"])

@@ -162,7 +162,8 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
         raise FrawdError(f"model_type={kind!r} cannot be imported; supported: gpt2, llama")
     bad = [name for name, ok in checks.items() if not ok]
     if bad:
-        shown = ", ".join(f"{name}={getattr(hf_config, name.split('/')[0], '?')!r}" for name in bad)
+        shown = ", ".join(f"{name}=" + "/".join(repr(getattr(hf_config, part, "?")) for part in name.split("/"))
+                          for name in bad)  # (attention_bias/mlp_bias=True/False: both values)
         raise FrawdError(f"{kind} config with {shown} has no FrawdLLM equivalent")
     # A missing bos or pad id is the eos (GPT-2 has one id for all three), a missing eos the bos;
     # with neither we refuse: generation stops at the eos, and an id we picked would be an ordinary token.

@@ -46,7 +46,7 @@ def marian_mismatches(cfg: Seq2SeqConfig) -> list[str]:
     """The options of `cfg` that MarianMTModel cannot express, as 'field=ours (needs X)'."""
     out = [f"{k}={getattr(cfg, k)!r} (Marian needs {v!r})" for k, v in _NEEDS.items() if getattr(cfg, k) != v]
     if cfg.n_kv_head != cfg.n_head:
-        out.append(f"n_kv_head={cfg.n_kv_head} (Marian has no grouped-query attention: needs n_head={cfg.n_head})")
+        out.append(f"n_kv_head={cfg.n_kv_head} (Marian has no grouped-query attention: needs n_kv_head={cfg.n_head})")
     return out
 
 
