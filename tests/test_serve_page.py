@@ -175,6 +175,9 @@ def test_chat_page_streams_stops_and_starts_over(page_server, browser, tmp_path)
     assert "Error: max_tokens is 5000; this server allows at most 1000" in reply()
     assert d.execute_script("return turns.length") == 4
     assert by_id("stats").text.startswith("request failed: max_tokens is 5000")  # (not "0 tokens · – tokens/s")
+    # ...and reads the server's models and caps again (a reload, which loses the chat, was the only way)
+    wait_for(lambda: max_tokens.get_attribute("max") == "1000", what="the caps read again")
+    assert by_id("stats").text.startswith("request failed: max_tokens is 5000")
     max_tokens.clear()
     max_tokens.send_keys("12")
 
@@ -307,6 +310,27 @@ def test_chat_page_scrolls_only_the_messages_and_keeps_a_cut_reply(page_server, 
     by_id("input").send_keys("and again", Keys.ENTER)
     wait_for(lambda: "Error: Failed to fetch" in reply(), what="the error")
     assert by_id("stats").text == "request failed: Failed to fetch" and js("return turns.length") == turns + 2
+    # the server restarted with another model: a 404 for the chosen one makes the page read the list again
+    js("window.fetch = (url, init) => String(url).includes('/chat/') ? Promise.resolve(new Response("
+       "JSON.stringify({error: {message: 'the model does not exist'}}), {status: 404})) : "
+       "String(url).includes('/v1/models') ? Promise.resolve(new Response(JSON.stringify({data: [{id: 'bard', "
+       "context_length: 64, max_tokens: 50}]}), {status: 200})) : window.realFetch(url, init)")
+    by_id("input").send_keys("hello?", Keys.ENTER)
+    wait_for(lambda: by_id("model").get_attribute("value") == "bard", what="the model list read again")
+    assert by_id("stats").text == "request failed: the model does not exist"
+    assert by_id("max-tokens").get_attribute("max") == "50"
+    # a request that waits for its first token: the header shows this one (not the last reply's
+    # figures); Stop before any token keeps nothing in the conversation, and says so
+    js("window.fetch = (url, init) => String(url).includes('/chat/') ? new Promise((_, reject) => "
+       "init.signal.addEventListener('abort', () => reject(new DOMException('stopped', 'AbortError')))) : "
+       "window.realFetch(url, init)")
+    by_id("input").send_keys("wait for it", Keys.ENTER)
+    wait_for(lambda: by_id("stop").is_enabled(), what="the request")
+    assert by_id("stats").text == "0 tokens · – tokens/s · first token …"
+    by_id("stop").click()
+    wait_for(lambda: by_id("send").is_enabled(), what="the stop")
+    assert by_id("stats").text == "stopped before the first token" and js("return turns.length") == turns + 2
+    assert reply() == "(stopped before a reply: not kept in the conversation)"
     js("window.fetch = window.realFetch")
 
 
