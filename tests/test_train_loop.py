@@ -775,7 +775,34 @@ def test_progress_in_a_log_is_whole_lines_at_an_interval(tmp_path, capsys, monke
     monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
     every = lines("every-step")
     assert [line.split(" | ")[:2] for line in every] == [[f"training {20 * k:3d}%", f"step {k}"] for k in range(1, 6)]
-    assert all(line.endswith(tuple(f"ETA 0:{s:02d}" for s in range(60))) for line in every[:-1]), every
+    # (the first step's pace is not the run's: a step budget's ETA is known from the second update)
+    assert every[0].endswith("ETA ?") and all(line.endswith(("ETA 0:00", "ETA 0:01")) for line in every[1:]), every
+
+
+def test_the_first_steps_do_not_make_the_eta_of_a_step_budget(tmp_path, capsys, monkeypatch):
+    """The ETA was the session's time so far stretched over what is left: after a 1 s
+    evaluation before step 1 (and the first step's one-time costs), a 2-minute run showed
+    20 minutes. It is the pace since the first update, times the steps left."""
+    import frawdllm.train.loop as loop
+
+    class SlowFirstEvaluation(LinearTask):
+        evaluations = 0
+
+        def evaluate(self, model, device):
+            self.evaluations += 1
+            if self.evaluations == 1:
+                time.sleep(1.0)
+            return super().evaluate(model, device)
+
+    monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
+    start = time.perf_counter()
+    Trainer(torch.nn.Linear(4, 1), SlowFirstEvaluation(8),
+            generic_config(tmp_path, max_steps=200, eval_interval=1000, progress=True)).fit()
+    took = time.perf_counter() - start
+    etas = [line.rsplit("ETA ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("training ")]
+    assert len(etas) == 200 and etas[0] == "?" and took < 60, (took, etas[:3])
+    # (the old estimate at step 1: >= 1 s of evaluation x 199 steps left, over 3 minutes)
+    assert all(int(eta[0]) * 60 + int(eta[2:]) <= took for eta in etas[1:]), (took, etas[:5])
 
 
 def test_the_eta_of_a_time_budget_is_the_time_left_after_start_up(tmp_path, capsys, monkeypatch):
@@ -785,17 +812,24 @@ def test_the_eta_of_a_time_budget_is_the_time_left_after_start_up(tmp_path, caps
     import frawdllm.train.loop as loop
 
     monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
-    started = time.perf_counter() - 40.0  # 40 s of start-up of a 100 s budget
+    started = time.perf_counter() - 95.0  # 95 s of start-up of a 100 s budget
     trainer = Trainer(torch.nn.Linear(4, 1), LinearTask(8),
-                      generic_config(tmp_path, max_steps=100, max_time="100s", eval_interval=0, progress=True),
+                      generic_config(tmp_path, max_steps=None, max_time="100s", eval_interval=0, progress=True),
                       started_at=started)
     trainer.fit()
-    took = time.perf_counter() - started - 40.0
+    took = time.perf_counter() - started - 95.0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training ")]
-    etas = [line.rsplit("ETA ", 1)[1] for line in lines[:39]]  # (from step 41 on, steps lead the budget)
-    assert len(etas) == 39 and all(re.fullmatch(r"[01]:\d\d", eta) for eta in etas), etas
-    seconds = [int(eta[0]) * 60 + int(eta[2:]) for eta in etas]
-    assert all(60 - took - 1 <= s <= 60 for s in seconds), (took, etas)  # the budget left when it was shown
+    etas = [line.rsplit("ETA ", 1)[1] for line in lines]
+    assert len(etas) > 10 and all(re.fullmatch(r"0:0\d", eta) for eta in etas), etas
+    seconds = [int(eta[2:]) for eta in etas]
+    assert seconds[0] >= 5 - took - 1 and all(a >= b for a, b in zip(seconds, seconds[1:])), (took, etas)
+    # and with a step budget that ends first, the steps' pace (it showed the time left, 0:59)
+    capsys.readouterr()
+    Trainer(torch.nn.Linear(4, 1), LinearTask(8),
+            generic_config(tmp_path / "steps", max_steps=50, max_time="100s", eval_interval=0, progress=True),
+            started_at=time.perf_counter() - 40.0).fit()
+    etas = [line.rsplit("ETA ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("training ")]
+    assert etas[0] in ("1:00", "0:59") and set(etas[1:]) <= {"0:00", "0:01"}, etas
 
 
 def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):

@@ -341,6 +341,7 @@ class Trainer:
         self._start = 0.0  # perf_counter from which this session's time counts
         self._fit_start = 0.0  # perf_counter at the start of fit()
         self._session_step, self._session_tokens, self._session_progress = 0, 0, 0.0
+        self._eta_from: tuple[float, int, int] | None = None  # (time, step, tokens) of the session's first bar update
         self._schedule_reserve_s: float | None = None  # (see _learning_rate)
         self._warmup_end: list | None = None  # step, tokens, time and reserve where warmup ended (see _learning_rate)
         self._eval_s: float | None = None  # how long the last evaluation took
@@ -496,6 +497,7 @@ class Trainer:
         self._window = (self._fit_start, self.tokens)
         self._session_step, self._session_tokens = self.step, self.tokens
         self._session_progress = self.progress()
+        self._eta_from = None
         late = bool(cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s)
         if late:
             warnings.warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole "
@@ -1082,18 +1084,33 @@ class LogLines:
 def _bar_update(bar, trainer: Trainer, record: dict) -> None:
     if bar is None:
         return
-    progress, start = trainer.progress(), trainer._session_progress
+    progress = trainer.progress()
     speed = trainer._speed(trainer._rate)
-    session = time.perf_counter() - trainer._fit_start  # from where `start` was taken (after start-up)
-    eta = session * (1 - progress) / (progress - start) if progress > start else math.inf
     postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     postfix += [f"{key} {record[key]:.3g}" for key in trainer.task.bar_metrics if key in record]
     postfix.append(f"{_si(speed['tokens_per_s'])} tok/s")
     if trainer.task.flops_per_token:
         postfix.append(f"MFU {format_mfu(speed.get('mfu'))}")
-    postfix.append(f"ETA {_clock(eta)}")
+    postfix.append(f"ETA {_clock(_eta(trainer))}")
     bar.set_description_str(" | ".join(postfix), refresh=False)
     bar.update(int(1000 * progress) - bar.n)  # redraws at most every bar.mininterval
+
+
+def _eta(trainer: Trainer) -> float:
+    """Seconds until the first budget runs out: a time budget's is what is left of it; a step
+    or token budget's, what is left at the pace since this session's first bar update (the
+    first step's pace would count the evaluation before it and one-time start-up: 20 minutes
+    shown for a 2-minute run). inf (shown "?") where a step or token budget's pace is not
+    known yet."""
+    cfg, now = trainer.cfg, time.perf_counter()
+    if trainer._eta_from is None:
+        trainer._eta_from = (now, trainer.step, trainer.tokens)
+    since, step, tokens = trainer._eta_from
+    left = [max(cfg.max_time_s - trainer.elapsed(), 0.0)] if cfg.max_time_s else []
+    for budget, done, first in ((cfg.max_steps, trainer.step, step), (cfg.max_tokens, trainer.tokens, tokens)):
+        if budget:
+            left.append((now - since) / (done - first) * max(budget - done, 0) if done > first else math.inf)
+    return min(left) if left else math.inf
 
 
 def _clock(seconds: float) -> str:
