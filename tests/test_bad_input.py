@@ -262,6 +262,14 @@ def test_an_empty_path_is_a_usage_error_not_the_current_folder(env, capsys, argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["private.txt"]
 
 
+def test_an_out_in_a_config_file_that_is_no_path_is_one_line(env, capsys, tmp_path):
+    """`out: [a]` (or any list or mapping) in a config file was a TypeError traceback: `out`
+    is read before the fields are checked (to find a resumed run's config)."""
+    (tmp_path / "run.yaml").write_text("out: [a]\nmax_steps: 1\n")
+    code, stdout, err = run(capsys, "pretrain", "--config", tmp_path / "run.yaml", "--dry-run")
+    assert (code, stdout, err) == (1, "", f"frawd: error: {tmp_path / 'run.yaml'}: out: expected a string, got ['a']\n")
+
+
 def test_an_empty_data_source_is_refused_by_the_library_too():
     from frawdllm.data.sources import iter_documents
     from frawdllm.errors import FrawdError

@@ -330,6 +330,11 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
     except ConfigError as exc:
         raise ConfigError(f"{config_file}: {exc}") from None
     out = flags.get("out", from_file.get("out", field_defaults(cls).get("out")))
+    if out is not None and "out" in {f.name for f in fields(cls)}:
+        try:  # (read here, before the fields are checked: `out: [a]` was a TypeError traceback)
+            out = _coerce(cls, "out", out)
+        except ConfigError as exc:
+            raise ConfigError(f"{config_file}: {exc}" if "out" in from_file else str(exc)) from None
     resume = flags.get("resume", from_file.get("resume", False))
     from .rundir import CONFIG_FILE  # (the run's saved config)
 
