@@ -88,11 +88,15 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
                 if type(child) is nn.Dropout:
                     setattr(module, name, kernels.Dropout(child.p))
         # Scaled by sqrt(D), embeddings drawn with std D^-1/2 enter the stream at unit scale
-        # (learned position tables, an option, are drawn at the same std and not scaled). The
-        # residual projections' 1/sqrt(2 * n_layer) counts the encoder's and decoder's layers together.
-        embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings else 0.02
+        # (learned position tables, an option, are drawn at the same std and not scaled). A
+        # table tied to the output layer is that layer too, and is drawn as one (0.02): at
+        # D^-1/2 the untrained model scores each input token far above the rest (validation
+        # loss 13.7 at step 0 against ln V = 9.0), and the multi30k recipe ended worse at the
+        # same step (docs/seq2seq.md). The residual projections' 1/sqrt(2 * n_layer) counts
+        # the encoder's and decoder's layers together.
+        embedding_std = cfg.n_embd ** -0.5 if cfg.scale_embeddings and not cfg.tie_embeddings else 0.02
         self.apply(lambda m: init_weights(m, cfg.n_encoder_layer + cfg.n_layer, embedding_std))
-        if cfg.tie_embeddings:  # (after the init: the head's Linear init would redraw the table at 0.02)
+        if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
 
     @property
