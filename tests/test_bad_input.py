@@ -274,7 +274,8 @@ def test_an_empty_data_source_is_refused_by_the_library_too():
     from frawdllm.data.sources import iter_documents
     from frawdllm.errors import FrawdError
 
-    with pytest.raises(FrawdError, match="^the data source is empty: give stdlib, hf:NAME, a file, a folder or a glob$"):
+    with pytest.raises(FrawdError, match="^the data source is empty: give stdlib, hf:NAME, a file, a folder "
+                                         "or a glob$"):
         next(iter_documents("  "))
 
 

@@ -17,8 +17,8 @@ The blocks, attention, MLP, norms and embeddings are the decoder-only model's
 (`TransformerBlock(causal=False)` for the encoder, `TransformerBlock(cross=True)` for the
 decoder). The paper's choices are `Seq2SeqConfig` settings: post-LN, sinusoidal
 positions, token embeddings x sqrt(d_model), ReLU, dropout on every sub-layer output and
-on the embeddings (and, not in the paper, on the attention weights), and one embedding matrix shared by source, target and the output
-projection (a joint vocabulary).
+on the embeddings (and, not in the paper, on the attention weights), and one embedding
+matrix shared by source, target and the output projection (a joint vocabulary).
 """
 
 from __future__ import annotations
