@@ -1021,3 +1021,37 @@ def test_translation_keys_its_evaluation_by_the_validation_pairs_it_reads():
     # the same pairs in other batches (another --tokens-per-batch): val_loss is a mean over
     # their tokens, the same measure, so the best model so far stays the best
     assert key(pairs, tokens_per_batch=1000) == key(pairs) == key(pairs, tokens_per_batch=12)
+
+
+@pytest.mark.parametrize("cached, dropped", [(1e3, True), (1e15, False)])
+def test_a_peak_the_run_out_computes_is_dropped_from_the_cache_and_said(tmp_path, private_user_cache, cached,
+                                                                        dropped):
+    """A peak measured while other work held the cores stayed cached for good, and every
+    MFU after it read n/a (37 GFLOP/s cached for fp32 where a quiet measurement gives 90)."""
+    import warnings as warnings_module
+
+    from frawdllm.train import device as dev
+
+    class Counted(LinearTask):
+        flops_per_token = 1000
+
+    cpu = torch.device("cpu")
+    key = f"{dev.machine_key(cpu)}|{dev.matmul_dtype('fp32', cpu)}"
+    dev.update_cache(dev.PEAKS_FILE, key, cached)
+    with warnings_module.catch_warnings(record=True) as said:
+        warnings_module.simplefilter("always")
+        Trainer(torch.nn.Linear(4, 1), Counted(8), generic_config(tmp_path, max_steps=6, eval_interval=0)).fit()
+    ours = [str(w.message) for w in said if "matmul peak" in str(w.message)]
+    if dropped:
+        assert dev.cached_peak(cpu, "fp32") is None and dev.read_cache(dev.PEAKS_FILE)[key] == 0
+        assert len(ours) == 1 and ours[0].startswith("this run computed ") and \
+            ours[0].endswith("GFLOP/s, above the cached matmul peak of 0.0 (measured while the machine was busy, "
+                             "so MFU showed n/a): the next run measures it again"), ours
+    else:
+        assert dev.cached_peak(cpu, "fp32") == cached and not ours
+    # a peak given (--peak-tflops) is the user's: never checked
+    with warnings_module.catch_warnings(record=True) as said:
+        warnings_module.simplefilter("always")
+        Trainer(torch.nn.Linear(4, 1), Counted(8), generic_config(tmp_path / "given", max_steps=6, eval_interval=0,
+                                                                  peak_tflops=1e-12)).fit()
+    assert not [w for w in said if "matmul peak" in str(w.message)]

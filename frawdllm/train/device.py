@@ -13,7 +13,8 @@ MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. The peak
 of the dtype that really computes the matmuls (fp32's where bf16 would be emulated),
 measured once per machine, dtype and thread count with a large matmul and cached in
 `~/.cache/frawdllm/peaks.json`. An MFU above 100% means the peak is wrong; it is never
-shown (`n/a` instead), nor is one without a peak.
+shown (`n/a` instead), nor is one without a peak; a run that computed more than the cached
+peak drops it (`forget_peak`), so the next run measures it again.
 
 On Linux, glibc's malloc hands large freed blocks back to the kernel and asks for them
 again at the next step; every page then comes back zeroed through a page fault (about
@@ -282,6 +283,13 @@ def peak_flops(device: torch.device, dtype: str, say=None) -> float:
     peak = measure_matmul_flops(device, computed)
     update_cache(PEAKS_FILE, f"{machine_key(device)}|{computed}", peak)
     return peak
+
+
+def forget_peak(device: torch.device, dtype: str) -> None:
+    """Drop the cached peak of `dtype`'s matmuls here (0: not measured), so the next run
+    measures it again: a run computed more than it (it was measured while other work held
+    the cores, and every MFU would be n/a until the cache was deleted)."""
+    update_cache(PEAKS_FILE, f"{machine_key(device)}|{matmul_dtype(dtype, device)}", 0)
 
 
 def mfu(tokens_per_s: float, flops_per_token: int | float | None, peak: float | None) -> float | None:

@@ -63,8 +63,8 @@ from . import checkpoint as ckpt
 from . import compile as compiling
 from . import distributed
 from .config import TrainConfig, parse_duration
-from .device import (autocast, choose_dtype, cpu_has_bf16, format_mfu, keep_freed_memory, matmul_dtype, mfu,
-                     peak_flops, pick_device, rng_state, set_rng_state)
+from .device import (autocast, choose_dtype, cpu_has_bf16, forget_peak, format_mfu, keep_freed_memory, matmul_dtype,
+                     mfu, peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
 from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, budget_spent, claim_run_dir,
                      load_pyplot, plot_losses, release_run_dir, settle_run_dir, truncate_metrics, truncate_samples)
@@ -72,6 +72,9 @@ from .schedule import LRSchedule
 
 STATE_VERSION = 1
 STOP_REASONS = (None, "max_steps", "max_tokens", "max_time", "interrupted", "data_exhausted")
+# A run whose fastest logged window computed more than this times the cached peak had it
+# measured on a busy machine (a quiet measurement is not beaten: the demo runs at ~90% MFU).
+PEAK_SLACK = 1.05
 
 
 class _DataExhausted(Exception):
@@ -353,6 +356,7 @@ class Trainer:
         self._step_times: list[float] = []  # recent step durations, the session's first excluded
         self._window = (0.0, 0)  # (time, tokens) where the current tokens/s window starts
         self._rate = 0.0  # tokens/s over that window
+        self._top_rate = 0.0  # the fastest logged window of this session (checked against the peak)
         self._last_eval_step: int | None = None
         self._owed_eval = False  # resumed from a checkpoint whose step's evaluation a signal cut off
         self._last_checkpoint_step: int | None = None
@@ -523,7 +527,21 @@ class Trainer:
                 bar.close()
             self.metrics.close()
             release_run_dir(self.run_dir)
+        self._check_cached_peak()
         return self._result()
+
+    def _check_cached_peak(self) -> None:
+        """A measured peak that this run out-computed (by more than the timing's noise) was
+        measured on a busy machine: it is dropped, to be measured again next run, and said."""
+        peak = self._peaks.get(self.dtype)
+        if not peak or not self.task.flops_per_token or not self.dist.is_main:  # (--peak-tflops: not in _peaks)
+            return
+        achieved = self._top_rate * self.task.flops_per_token / self.dist.world_size  # FLOP/s of one device
+        if achieved > PEAK_SLACK * peak:
+            forget_peak(self.device, self.dtype)
+            warnings.warn(f"this run computed {achieved / 1e9:.1f} GFLOP/s, above the cached matmul peak of "
+                          f"{peak / 1e9:.1f} (measured while the machine was busy, so MFU showed n/a): the next "
+                          "run measures it again", stacklevel=3)
 
     def _warn_overrun(self) -> None:
         """A run that ended over its --max-time (by more than 5%) says where the time went."""
@@ -634,6 +652,8 @@ class Trainer:
         self._rate = (self.tokens - tokens_then) / max(now - since, 1e-9)
         if self.step % cfg.log_interval == 0:
             record.update(self._speed(self._rate), elapsed_s=round(self.elapsed(), 3))
+            if self.step > self._session_step + 1:  # (not the warm-up step)
+                self._top_rate = max(self._top_rate, self._rate)
             self.metrics.log(record)
             self._window = (now, self.tokens)
         return record
