@@ -276,7 +276,7 @@ def test_init_from_errors_are_one_line_before_any_work(case, corpus, trained, tm
     assert not out.exists() and seconds < 1.0
 
 
-def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tmp_path):
+def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from frawdllm.export.hf import to_hf_config
     from frawdllm.tokenizer import Tokenizer
@@ -291,6 +291,7 @@ def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tm
           "--val-fraction", "0.1", "--max-steps", "2", "--batch-size", "4", "--dtype", "fp32", "--no-compile",
           "--device", "cpu", "--eval-interval", "0", "--log-interval", "1", "--sample-tokens", "0",
           "--peak-tflops", "1", "--no-progress", "--out", str(tmp_path / "run")])
+    assert "tok/s (fp32, eager), MFU" in capsys.readouterr().out  # what ran, said even without progress
     first = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r][0]
     imported = FrawdLLM.from_pretrained(tmp_path / "imported")
     cfg = PretrainConfig(batch_size=4)  # the seed and batch size the run used

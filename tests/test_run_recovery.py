@@ -121,7 +121,7 @@ def test_the_summary_says_what_its_figures_cover(tmp_path):
 
     result = TrainResult(steps=30, tokens=30_700, elapsed_s=18.0, stop_reason="max_steps", last_loss=1.0,
                          val_loss=None, best_val_loss=None, best_step=None, tokens_per_s=3_700.0, mfu=0.1,
-                         checkpoint=None, run_dir=tmp_path, flops_known=True)
+                         checkpoint=None, run_dir=tmp_path, flops_known=True, ran_as="bf16, eager")
     line = result.summary()
     assert "30 steps, 30.7k tokens in 18.0 s (the run so far)" in line
-    assert "this session 3.7k tok/s, MFU" in line
+    assert "this session 3.7k tok/s (bf16, eager), MFU" in line

@@ -252,11 +252,12 @@ class TrainResult:
     checkpoint: Path | None
     run_dir: Path
     flops_known: bool = False  # the task counts its FLOPs (MFU is shown, n/a without a peak)
+    ran_as: str = ""  # how this session's steps ran, e.g. "bf16, compiled" (what dtype/compile auto chose)
 
     def summary(self) -> str:
         # steps, tokens and time count the whole run (earlier sessions of a resumed run too);
         # the speed is this session's average, so each is labelled with what it covers
-        speed = f"this session {_si(self.tokens_per_s)} tok/s"
+        speed = f"this session {_si(self.tokens_per_s)} tok/s" + (f" ({self.ran_as})" if self.ran_as else "")
         if self.flops_known:
             speed += f", MFU {format_mfu(self.mfu)}"
         parts = [f"{self.stop_reason}: {counted(self.steps, 'step')}, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s "
@@ -1027,7 +1028,8 @@ class Trainer:
             last_loss=self.last_loss, val_loss=self.last_val_loss,
             best_val_loss=None if math.isinf(self.best_val_loss) else self.best_val_loss,
             best_step=self.best_step, tokens_per_s=speed["tokens_per_s"], mfu=speed.get("mfu"),
-            checkpoint=self.last_checkpoint, run_dir=self.run_dir, flops_known=bool(self.task.flops_per_token))
+            checkpoint=self.last_checkpoint, run_dir=self.run_dir, flops_known=bool(self.task.flops_per_token),
+            ran_as=f"{self.dtype}, {'compiled' if self.compiled else 'eager'}")
 
 
 class _NoMetrics:
