@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from frawdllm import FrawdLLM, get_config
-from frawdllm.cli import main
 from frawdllm.tokenizer import byte_tokenizer, train_tokenizer
 from cli_helpers import run_cli
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from frawdllm import FrawdLLM, get_config
-from frawdllm.cli import main
 from frawdllm.errors import FrawdError
 from frawdllm.modeldir import (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
                                load_config, load_generation_config, load_model)

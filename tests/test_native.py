@@ -5,7 +5,6 @@ shapes that are not multiples of the C code's vector and tile widths, fp32 and f
 weights, threads, the rebuild after a weight change, and the ways it says no.
 """
 
-import ctypes
 import os
 import signal
 import threading

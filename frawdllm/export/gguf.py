@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from jaxtyping import Float
 from torch import Tensor
 
