@@ -23,6 +23,7 @@ scheduler chunks into OpenAI's bodies, and enforces the limits:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import functools
 import hmac
@@ -516,14 +517,16 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             choices = []
             for i, ids in enumerate(encoded):
                 logprobs = None if scored is None else \
-                    _completion_logprobs(engine.tokenizer, list(zip(ids, scored[i])), 0)[0]
+                    _completion_logprobs(engine.tokenizer, _prompt_scored(engine.tokenizer, ids, scored[i]))
                 choices += [{"index": i * body.n + j, "text": echoes[i], "logprobs": logprobs,
                              "finish_reason": "length"} for j in range(body.n)]
             return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
                     "model": body.model, "system_fingerprint": None, "choices": choices,
                     "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
 
+        started = time.perf_counter()
         _open()
+        metrics.prompt_tokens.labels(body.model).inc(tokens)  # (counted as a generating request's are)
         try:
             if body.logprobs is None:
                 return JSONResponse(reply())
@@ -534,6 +537,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
             return Response(status_code=499)
         finally:
             _close()
+            metrics.latency.labels(body.model).observe(time.perf_counter() - started)
 
     async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
                       params: SamplingParams, chat: bool, echoes: list[str] | None = None):
@@ -830,20 +834,39 @@ def _piece(tokenizer: Any, token: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def _completion_logprobs(tokenizer: Any, scored: list[tuple[int, TokenLogprob | None]],
-                         offset: int) -> tuple[dict, int]:
+class _TextOffsets:
+    """Where each token of a stream starts in its decoded text, in characters (what
+    `text_offset` counts): its bytes run through one incremental UTF-8 decoder, so a token
+    that ends or starts inside a character ("é" as two byte-level tokens) does not count
+    a U+FFFD of its own. A special token is no text (decoding skips it)."""
+
+    def __init__(self, tokenizer: Any, start: int = 0) -> None:
+        self.tokenizer, self.chars = tokenizer, start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def span(self, token: int) -> tuple[int, int]:
+        """(where the token's text starts, where the text decoded so far ends) after it."""
+        start = self.chars  # (inside a character: where that character starts)
+        if token not in self.tokenizer.special_ids:
+            self.chars += len(self._decoder.decode(self.tokenizer.token_bytes(token)))
+        return start, self.chars
+
+
+def _prompt_scored(tokenizer: Any, ids: list[int], logprobs: list[TokenLogprob | None]
+                   ) -> list[tuple[int, TokenLogprob | None, int]]:
+    """An echoed prompt's (token, logprob, where its text starts) triples."""
+    offsets = _TextOffsets(tokenizer)
+    return [(token, entry, offsets.span(token)[0]) for token, entry in zip(ids, logprobs)]
+
+
+def _completion_logprobs(tokenizer: Any, scored: list[tuple[int, TokenLogprob | None, int]]) -> dict:
     """The completions API's logprobs object (tokens, token_logprobs, top_logprobs,
-    text_offset) for (token, logprob or None) pairs whose text starts at `offset`; and the
-    offset after them."""
-    texts = [_piece(tokenizer, token)[0] for token, _ in scored]
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": texts, "token_logprobs": [None if e is None else e.logprob for _, e in scored],
+    text_offset) for (token, logprob or None, where its text starts) triples."""
+    return {"tokens": [_piece(tokenizer, token)[0] for token, _, _ in scored],
+            "token_logprobs": [None if e is None else e.logprob for _, e, _ in scored],
             "top_logprobs": [None if e is None else {_piece(tokenizer, token)[0]: lp for token, lp in e.top}
-                             for _, e in scored],
-            "text_offset": offsets}, offset
+                             for _, e, _ in scored],
+            "text_offset": [start for _, _, start in scored]}
 
 
 def _json_by_choice(body: dict) -> Response:
@@ -876,9 +899,11 @@ class _Reply:
         self.texts, self.reasons, self.counts = [""] * total, [None] * total, [0] * total
         self.tokenizer = tokenizer
         self.wants_logprobs = jobs[0].params.logprobs is not None
-        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(total)]
-        self._logprobs_sent = [0] * total  # (streaming: entries already in an event)
-        self._text_offsets = [0] * total  # (completions' text_offset, running)
+        # Each choice's logprob entries not yet in an event, with where their text starts and
+        # ends (in the choice's text, echo included). An entry goes out with the event whose
+        # text reaches its start; one whose text never comes (a stop string cut it) is dropped.
+        self._unsent: list[list[tuple[TokenLogprob, int, int]]] = [[] for _ in range(total)]
+        self._offsets = [_TextOffsets(tokenizer, len(echo)) for echo in self.echoes] if self.wants_logprobs else []
         # echo with logprobs: each prompt's (ids, logprobs), reported before its choices' tokens
         self.prompt_logprobs = prompt_logprobs
         self._prompt_sent = [prompt_logprobs is None] * total
@@ -914,8 +939,9 @@ class _Reply:
         if isinstance(item, BaseException):
             raise ApiError(503, f"generation failed: {item}")
         self.counts[item.index] += item.token is not None
+        self.texts[item.index] += item.text
         if item.logprob is not None:
-            self.logprobs[item.index].append(item.logprob)
+            self._unsent[item.index].append((item.logprob, *self._offsets[item.index].span(item.logprob.token)))
         if item.finish_reason is not None:
             self.reasons[item.index] = item.finish_reason
         return item
@@ -929,8 +955,7 @@ class _Reply:
 
     async def whole(self) -> JSONResponse:
         while None in self.reasons:  # (every sample's last chunk taken)
-            chunk = await self._next()
-            self.texts[chunk.index] += chunk.text
+            await self._next()
         if self.wants_logprobs:  # (megabytes with echo: see _json_by_choice)
             return await asyncio.to_thread(lambda: _json_by_choice(self._whole()))
         return JSONResponse(self._whole())
@@ -948,14 +973,22 @@ class _Reply:
                 "choices": choices, "usage": self._usage()}
 
     def _new_logprobs(self, index: int) -> dict | None:
-        """choices[index].logprobs for the tokens not yet sent (all of them, unstreamed), in
-        OpenAI's form: chat's `content` list (token, logprob, bytes, top_logprobs) or the
-        completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset). A
-        token's text is its bytes decoded, U+FFFD for part of a character."""
+        """choices[index].logprobs for the tokens not yet sent whose text has begun in the
+        choice's text so far (all of them, unstreamed), in OpenAI's form: chat's `content`
+        list (token, logprob, bytes, top_logprobs) or the completions' parallel lists (tokens,
+        token_logprobs, top_logprobs, text_offset). A token's text is its bytes decoded,
+        U+FFFD for part of a character. Once the choice has finished, the tokens whose text
+        never came (a stop string's: it is cut from the text) are dropped."""
         if not self.wants_logprobs:
             return None
-        entries = self.logprobs[index][self._logprobs_sent[index]:]
-        self._logprobs_sent[index] += len(entries)
+        shown = len(self.echoes[index]) + len(self.texts[index])  # characters of the choice's text so far
+        unsent = self._unsent[index]
+        ready = 0
+        while ready < len(unsent) and (unsent[ready][1] < shown or unsent[ready][2] <= shown):
+            ready += 1  # (a token of no text counts as shown where the text reaches it)
+        entries = [entry for entry, _, _ in unsent[:ready]]
+        starts = [start for _, start, _ in unsent[:ready]]
+        self._unsent[index] = [] if self.reasons[index] is not None else unsent[ready:]
 
         if self.chat:
             content = []
@@ -965,13 +998,12 @@ class _Reply:
                        ((_piece(self.tokenizer, token), lp) for token, lp in entry.top)]
                 content.append({"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
             return {"content": content, "refusal": None}
-        scored = [(entry.token, entry) for entry in entries]
+        scored = [(entry.token, entry, start) for entry, start in zip(entries, starts)]
         if not self._prompt_sent[index]:  # echo: the prompt's tokens first (the first has no logprob)
             self._prompt_sent[index] = True
             ids, prompt = self.prompt_logprobs[index // self.n]
-            scored = list(zip(ids, prompt)) + scored
-        out, self._text_offsets[index] = _completion_logprobs(self.tokenizer, scored, self._text_offsets[index])
-        return out
+            scored = _prompt_scored(self.tokenizer, ids, prompt) + scored
+        return _completion_logprobs(self.tokenizer, scored)
 
     def _token_choices(self, index: int, text: str) -> str:
         """json.dumps of a token event's choices, [{"index", "delta": {"content"} or "text",
@@ -1033,11 +1065,12 @@ class _Reply:
                 return self._event("[" + ", ".join(choices) + "]")
             yield await asyncio.to_thread(echoed) if self.prompt_logprobs else echoed()
         while None in self.reasons:  # (every sample's last chunk taken)
-            chunks = [await self._next()]
+            chunks = [await self.chunks.get()]
             while not self.chunks.empty():  # a client that fell behind gets what is ready in one write
-                chunks.append(self._take(self.chunks.get_nowait()))
+                chunks.append(self.chunks.get_nowait())
             events = []
             for chunk in chunks:
+                chunk = self._take(chunk)  # (taken as its event is made: its logprobs go with it)
                 if chunk.finish_reason is None:
                     if chunk.text and self.wants_logprobs:  # (a token's logprobs go with the next text)
                         field = {"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text}

@@ -1,0 +1,179 @@
+"""How the server lays out logprobs against the text it sends: each streamed event carries
+its own tokens' entries, `text_offset` counts characters of the returned text (a token
+inside a multi-byte character starts where that character starts), and the tokens of a
+stop string, which is cut from the text, are not reported. Driven at the level of a reply
+(`_Reply` fed the chunks a scheduler would deliver) so that how chunks bunch up between
+two event-loop turns is chosen by the test, and once end to end through a live server."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from frawdllm.infer.engine import StreamChunk
+from frawdllm.infer.sampling import SamplingParams, TokenLogprob
+from frawdllm.infer.scheduler import Request as Job
+from frawdllm.infer.textstream import TextStream
+from frawdllm.serve import ServeOptions
+from frawdllm.serve.app import _Reply
+from frawdllm.tokenizer import byte_tokenizer, train_tokenizer
+from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
+from serve_helpers import live_server, test_engine
+from test_scheduler import varied_model
+
+
+def chunks_of(tokenizer, ids, stop=(), max_tokens=None):
+    """The StreamChunks a scheduler delivers for `ids` (each with a logprob entry): text as
+    `TextStream` releases it; the last chunk finishes the reply ("stop" at a stop string)."""
+    stream, chunks = TextStream(tokenizer, stop), []
+    for i, token in enumerate(ids):
+        text = stream.push(token)
+        reason = "stop" if stream.stopped else "length" if i == len(ids) - 1 else None
+        if reason == "length":
+            text += stream.finish()
+        chunks.append(StreamChunk(0, text, token, reason, TokenLogprob(token, -0.5 - i)))
+        if reason:
+            break
+    return chunks
+
+
+def reply(tokenizer, chunks, chat=False, echo=""):
+    queue = asyncio.Queue()
+    for chunk in chunks:
+        queue.put_nowait(chunk)
+    body = SimpleNamespace(model="m", stream_options=None)
+    job = Job([1], SamplingParams(logprobs=0), listener=lambda chunk: None)
+    return _Reply(body, [job], queue, chat, prompt_tokens=1, created=0, echoes=[echo], tokenizer=tokenizer)
+
+
+def streamed(tokenizer, chunks, chat=False):
+    """Every event's (text, logprob tokens, text_offsets) of the reply streamed, all its
+    chunks ready at once (a client behind by several tokens gets them in one write)."""
+    async def run():
+        return [e async for e in reply(tokenizer, chunks, chat)._events()]
+
+    events = [json.loads(line[6:]) for e in asyncio.run(run()) for line in e.splitlines()
+              if line.startswith("data: {")]
+    out = []
+    for event in events:
+        choice = event["choices"][0]
+        text = choice["delta"].get("content", "") if chat else choice["text"]
+        logprobs = choice["logprobs"]
+        if chat:
+            tokens = [e["token"] for e in logprobs["content"]] if logprobs else []
+            out.append((text, tokens, None))
+        else:
+            out.append((text, logprobs["tokens"] if logprobs else [], logprobs["text_offset"] if logprobs else []))
+    return [e for e in out if e[0] or e[1]]
+
+
+def whole(tokenizer, chunks, chat=False):
+    async def run():
+        r = reply(tokenizer, chunks, chat)
+        while None in r.reasons:
+            await r._next()
+        return r._whole()["choices"][0]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def char_tok():
+    return train_tokenizer(["abc,\nxyz hello world"], kind="char")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_each_streamed_event_carries_its_own_tokens_logprobs(char_tok, chat):
+    """All chunks were taken from the queue before any event was made, so the first event
+    with text carried every token's entry and the others none."""
+    ids = char_tok.encode("hello world")
+    events = streamed(char_tok, chunks_of(char_tok, ids), chat)
+    assert [text for text, _, _ in events] == list("hello world")
+    assert [tokens for _, tokens, _ in events] == [[c] for c in "hello world"]
+    if not chat:
+        assert [offsets for _, _, offsets in events] == [[i] for i in range(len("hello world"))]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stop_strings_tokens_are_not_reported(char_tok, chat):
+    """The stop string ",\\nx" is cut from the text; its tokens' logprobs were still sent,
+    so the tokens no longer joined to the text."""
+    ids = char_tok.encode("abc,\nxyz")
+    chunks = chunks_of(char_tok, ids, stop=(",\nx",))
+    assert "".join(c.text for c in chunks) == "abc" and chunks[-1].finish_reason == "stop"
+    events = streamed(char_tok, chunks, chat)
+    assert "".join(text for text, _, _ in events) == "abc"
+    assert [t for _, tokens, _ in events for t in tokens] == ["a", "b", "c"]
+    choice = whole(char_tok, chunks, chat)
+    tokens = [e["token"] for e in choice["logprobs"]["content"]] if chat else choice["logprobs"]["tokens"]
+    assert tokens == ["a", "b", "c"]
+    # a token that the cut splits keeps its entry: its text began before the stop string
+    chunks = chunks_of(char_tok, char_tok.encode("abc,\nxyz"), stop=("c,\n",))
+    assert "".join(c.text for c in chunks) == "ab"
+    assert [t for _, tokens, _ in streamed(char_tok, chunks, chat) for t in tokens] == ["a", "b"]
+
+
+def test_a_held_token_waits_for_its_text(char_tok):
+    """Stop "ab", tokens "a", "a", "c": the first "a" is held (it could start "ab"), the
+    second releases it and is held in its turn, "c" releases the rest. An entry goes out
+    with the event whose text reaches its token."""
+    ids = char_tok.encode("aac")
+    events = streamed(char_tok, chunks_of(char_tok, ids, stop=("ab",)))
+    assert [(text, tokens) for text, tokens, _ in events] == [("a", ["a"]), ("ac", ["a", "c"])]
+
+
+def test_text_offset_counts_characters_of_the_text():
+    """Byte tokens of multi-byte characters: the offsets counted each token's own U+FFFD
+    text, so past "é" they no longer indexed the text (and ran past its end)."""
+    tok = byte_tokenizer()
+    text = "hé wörld 😀 x"
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode())  # a token a byte
+    # independent: where each token's first byte falls, in characters of the text
+    raw = text.encode()
+    want = [len(raw[:i].decode("utf-8", errors="ignore")) for i in range(len(raw))]
+    choice = whole(tok, chunks_of(tok, ids))
+    assert choice["text"] == text
+    assert choice["logprobs"]["text_offset"] == want
+    assert all(text[o] == "x" for o, t in zip(want, choice["logprobs"]["tokens"]) if t == "x")
+    events = streamed(tok, chunks_of(tok, ids))
+    assert [o for _, _, offsets in events for o in offsets] == want
+    assert "".join(t for t, _, _ in events) == text
+
+
+def test_a_live_server_reports_the_text_it_sends():
+    """End to end: a stop string that spans tokens, streamed and not, completions and chat:
+    the reported tokens join to the text sent."""
+    model, tok = varied_model(context_length=128)
+    engine = test_engine(model, tok)
+    greedy = engine.generate("the", SamplingParams(temperature=0, max_new_tokens=12))[0]
+    stop = greedy.text[4:7]  # three characters in the middle of the greedy reply
+    assert len(stop) == 3 and greedy.text.find(stop) == 4
+    with live_server({"m": engine}, ServeOptions()) as url:
+        for stream in (False, True):
+            body = {"model": "m", "prompt": "the", "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                    "stop": stop, "stream": stream}
+            response = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            if stream:
+                choices = [json.loads(line[6:])["choices"][0] for line in response.text.splitlines()
+                           if line.startswith("data: {")]
+            else:
+                choices = response.json()["choices"]
+            text = "".join(c["text"] for c in choices)
+            tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            assert text == greedy.text[:4] and "".join(tokens) == text, (stream, text, tokens)
+            for c in choices:  # each event's tokens are its own text
+                assert "".join(c["logprobs"]["tokens"] if c["logprobs"] else []) == c["text"], choices
+        # a scoring request (max_tokens 0, echo) counts in /metrics as a generating one does
+        def metric(name):
+            line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(name + '{model="m"}'))
+            return float(line.split()[-1])
+
+        before = (metric("frawd_prompt_tokens_total"), metric("frawd_request_seconds_count"))
+        body = {"model": "m", "prompt": "the cat", "max_tokens": 0, "echo": True, "logprobs": 0}
+        scored = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        assert scored["usage"]["prompt_tokens"] == len(tok.encode("the cat"))
+        after = (metric("frawd_prompt_tokens_total"), metric("frawd_request_seconds_count"))
+        assert after == (before[0] + len(tok.encode("the cat")), before[1] + 1)
