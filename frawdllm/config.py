@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
@@ -52,6 +53,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # (numpy scalars, from a sweep over an array: plain Python numbers)
+            setattr(self, f.name, plain_number(getattr(self, f.name)))
         check_types(type(self), {f.name: getattr(self, f.name) for f in fields(self)})
         if self.pos_encoding is None:
             self.pos_encoding = "rope" if self.use_rope else "learned"
@@ -209,6 +212,20 @@ def _type_name(hint: Any) -> str:
 def is_integer(value: Any) -> bool:
     """An integer (Python's or numpy's), not a bool (which Python counts as one)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def plain_number(value: Any) -> Any:
+    """`np.int64(5)` -> 5, `np.float32(0.5)` -> 0.5, `np.True_` -> True; the rest as given."""
+    numpy = sys.modules.get("numpy")  # (not imported: no numpy scalar exists, and none is imported here)
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def is_number(value: Any) -> bool:

@@ -208,6 +208,24 @@ def test_pretrain_vocab_size_must_be_an_integer_and_numpy_integers_become_ints()
     assert "batch_size: 8" in dump_yaml(cfg)  # config.yaml can hold it
 
 
+def test_a_model_config_takes_numpy_numbers_as_python_ones():
+    """`ModelConfig(n_layer=np.int64(2))` said "n_layer must be an integer, got np.int64(2)",
+    where the training and sampling configs take numpy's numbers."""
+    import json
+
+    import numpy as np
+
+    cfg = ModelConfig()  # (set after construction: the tests' type checker refuses numpy's at the call)
+    cfg.n_layer, cfg.context_length, cfg.dropout, cfg.bias = np.int64(2), np.int32(64), np.float32(0.25), np.False_
+    cfg.__post_init__()
+    assert (cfg.n_layer, cfg.context_length, cfg.dropout, cfg.bias) == (2, 64, 0.25, False)
+    assert [type(v) for v in (cfg.n_layer, cfg.context_length, cfg.dropout, cfg.bias)] == [int, int, float, bool]
+    assert json.loads(json.dumps(cfg.to_dict()))["n_layer"] == 2  # (config.json can hold it)
+    cfg.n_layer = np.float64(2.5)
+    with pytest.raises(ConfigError, match="n_layer must be an integer, got 2.5"):
+        cfg.__post_init__()
+
+
 def test_sinusoidal_positions_need_an_even_width_not_an_even_head():
     """The sinusoidal table is added to the embeddings (width n_embd); RoPE rotates pairs
     inside each head. An odd head dimension is fine for the first, not the second."""

@@ -19,7 +19,6 @@ the same tokens run after run.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import asdict, dataclass, fields
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..config import check_fields, check_types, is_integer, is_number
+from ..config import check_fields, check_types, is_integer, is_number, plain_number
 from ..errors import ConfigError
 
 
@@ -61,7 +60,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # numpy and other numbers.Integral/Real scalars become Python ints and floats.
         for f in fields(self):
-            object.__setattr__(self, f.name, _plain_number(getattr(self, f.name)))
+            object.__setattr__(self, f.name, plain_number(getattr(self, f.name)))
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int))
@@ -107,19 +106,6 @@ class SamplingParams:
         return SamplingParams.from_dict({**self.to_dict(), **changes})
 
 
-def _plain_number(value: Any) -> Any:
-    """`np.int64(5)` -> 5, `np.float32(0.5)` -> 0.5, `np.True_` -> True; the rest as given."""
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, bool) or type(value) in (int, float):
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
-
-
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -134,7 +120,7 @@ def _as_tuple(name: str, value: Any, kind: type) -> tuple:
         items = tuple(value)
     except TypeError:
         raise ConfigError(f"{name} must be a list of {kind.__name__}, got {value!r}") from None
-    items = tuple(_plain_number(item) for item in items)
+    items = tuple(plain_number(item) for item in items)
     for item in items:
         if not isinstance(item, kind) or isinstance(item, bool):
             raise ConfigError(f"{name} must hold {kind.__name__} values, got {item!r}")
