@@ -59,6 +59,8 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
     checked = _as_tokenizer(tokenizer) if tokenizer is not None else None
     if checked is not None:  # (a tokenizer with ids past the embeddings: no command could load the folder)
         checked.check_fits(cfg.vocab_size, f"cannot save {directory}")
+    elif tokenizer is None:  # the folder's own tokenizer.json stays: it must fit the new model too
+        _check_kept_tokenizer(directory, cfg.vocab_size)
     state = {k: v.detach().contiguous().cpu() for k, v in plain_state(model, f"cannot save {directory}").items()}
     if cfg.tie_embeddings:
         state.pop(TIED_KEY)  # the same tensor as the token embedding; stored once
@@ -75,6 +77,24 @@ def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any
         if generation_config is not None:
             write_json_atomic(directory / GENERATION_CONFIG_FILE, generation_config)
     return directory
+
+
+def _check_kept_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Refuse a save without a tokenizer into a folder whose tokenizer.json (from an earlier
+    save) has ids past the new model's vocabulary: no command could load the folder."""
+    from .tokenizer import Tokenizer
+
+    kept = directory / TOKENIZER_FILE
+    if not kept.is_file():
+        return
+    try:
+        old = Tokenizer.load(kept)
+    except (FrawdError, OSError, ValueError):  # not one we can read: not ours to judge
+        return
+    if old.vocab_size > vocab_size:
+        raise FrawdError(f"cannot save {directory}: its {TOKENIZER_FILE} (from an earlier save) has "
+                         f"{old.vocab_size} ids but this model only {vocab_size}; pass the model's "
+                         "tokenizer (tokenizer=...) or save to another folder")
 
 
 def plain_state(model: torch.nn.Module, failing: str) -> dict[str, torch.Tensor]:

@@ -54,6 +54,23 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_anything_is_wr
     assert FrawdLLM.from_pretrained(tmp_path / "m").config.vocab_size == 50
 
 
+def test_a_save_without_a_tokenizer_over_one_that_no_longer_fits_is_refused(tmp_path):
+    """The folder's tokenizer.json from an earlier save stays; a smaller model saved over
+    it without a tokenizer made a folder no command could load, without a word."""
+    from frawdllm.tokenizer import train_tokenizer
+
+    big = train_tokenizer(["".join(chr(0x400 + i) for i in range(60))], "char")  # 67 ids
+    big_model = FrawdLLM(get_config("tiny", vocab_size=67, n_layer=1, n_embd=32, n_head=2, context_length=16))
+    big_model.save_pretrained(tmp_path / "m", tokenizer=big)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    with pytest.raises(FrawdError, match=f"cannot save {tmp_path / 'm'}: its tokenizer.json .from an earlier "
+                                         "save. has 67 ids but this model only 50"):
+        tiny().save_pretrained(tmp_path / "m")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before  # nothing written
+    big_model.save_pretrained(tmp_path / "m")  # the kept tokenizer fits: saved, tokenizer kept
+    assert (tmp_path / "m" / "tokenizer.json").read_bytes() == before["tokenizer.json"]
+
+
 SAVE_MISUSE = r"""
 import sys
 from pathlib import Path
