@@ -119,6 +119,35 @@ def test_frawd_eval_accepts_a_prepared_shard_folder_and_prints_key_values(corpus
     assert int(lines["tokens"]) == 2 * 4 * 16
 
 
+def test_frawd_eval_refuses_a_loss_that_is_not_a_number(corpus, tmp_path, capsys):
+    """A model whose weights hold nan printed {"loss": NaN, ...} (not JSON) with exit 0."""
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=16, vocab_size=tok.vocab_size))
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "model", tokenizer=tok)
+    for extra in ([], ["--json"]):
+        result = frawd_here(capsys, "eval", "--model", str(tmp_path / "model"), "--data", str(corpus),
+                            "--max-batches", "1", *extra)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr.strip() == ("frawd: error: the loss is nan on this data: the model's weights hold nan "
+                                         "or inf values (the first: blocks.0.mlp.up.weight)"), result.stderr
+
+
+def test_frawd_eval_with_a_too_small_split_of_a_shard_folder_says_to_prepare_it_again(corpus, tmp_path, capsys):
+    """The advice was "a larger --val-fraction", which a shard folder ignores (with a note)."""
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=16, vocab_size=tok.vocab_size))
+    model.save_pretrained(tmp_path / "model", tokenizer=tok)
+    prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.0)
+    result = frawd_here(capsys, "eval", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "shards"))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "frawd: error: the val split has 0 tokens, too few for one window of 16 (it takes 17: each position "
+        f"predicts the next token); prepare {tmp_path / 'shards'} again with a larger --val-fraction or a shorter "
+        "--context-length"), result.stderr
+
+
 def test_frawd_eval_notes_raw_source_flags_given_with_a_shard_folder(corpus, tmp_path):
     """A shard folder keeps the split it was prepared with; a --val-fraction given anyway
     gets a one-line note on stderr, not silence, and one left at its default gets nothing."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -84,10 +85,15 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
         tokens = read_split(shard_dir, split, meta)
         if len(tokens) <= context:
             larger = "larger" if split == "val" else "smaller"  # (the train split is what val leaves)
-            raise FrawdError(f"the {split} split has {counted(len(tokens), 'token')}, too few for one window of {context}; "
-                             f"use more data, a {larger} --val-fraction or a shorter --context-length")
+            fix = (f"prepare {data} again with a {larger} --val-fraction" if is_shard_dir(data)
+                   else f"use more data, a {larger} --val-fraction")  # (a shard folder's split is fixed)
+            raise FrawdError(f"the {split} split has {counted(len(tokens), 'token')}, too few for one window of "
+                             f"{context} (it takes {context + 1}: each position predicts the next token); "
+                             f"{fix} or a shorter --context-length")
         with autocast(dev, dtype):
             loss, count = lm_loss(model, tokens, batch_size, context, dev, max_batches, progress=progress)
+    if not math.isfinite(loss):  # (nan is not a loss, and not JSON either)
+        raise FrawdError(f"the loss is {loss} on this data: {_not_finite_cause(model, dtype)}")
     bytes_per_token = split_bytes_per_token(meta, split)
     metrics = {**lm_metrics(loss, bytes_per_token), "tokens": count, "bytes_per_token": bytes_per_token,
                "split": split}
@@ -98,6 +104,17 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
             if metrics.get(key) is not None:
                 value = metrics[key]
                 click.echo(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
+
+
+def _not_finite_cause(model, dtype: str) -> str:
+    """Why a loss came out nan or inf: weights that hold such values, else the forward
+    overflowing in its dtype."""
+    import torch
+
+    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        return f"the model's weights hold nan or inf values (the first: {bad})"
+    return f"the forward overflowed in {dtype}" + ("; try --dtype fp32" if dtype != "fp32" else "")
 
 
 def _raw_source_flags_note(data: str, meta: dict) -> str | None:
