@@ -170,6 +170,10 @@ def test_sft_shapes_trl_and_mixed_tables_use():
     # Both shapes in one record: the prompt/response pair was dropped without a word.
     with pytest.raises(BadExample, match=r"r:1: has both \"messages\" and 'prompt', 'response'; give one shape"):
         chat_messages({"messages": turns, "prompt": "Hi", "response": "Other."}, "r:1")
+    # Two names for the answer: "response" was learned and "completion" dropped without a word.
+    with pytest.raises(BadExample, match=r"r:1: has both \"response\" and \"completion\" .two names for the "
+                                         r"answer.; give one"):
+        chat_messages({"prompt": "Hi", "response": "Hello.", "completion": "Other."}, "r:1")
 
 
 def test_characters_a_char_tokenizer_lacks_are_counted_in_the_summary(tmp_path):
@@ -191,6 +195,9 @@ def test_characters_a_char_tokenizer_lacks_are_counted_in_the_summary(tmp_path):
     cfg.max_length = 8
     *_, summary = load_examples(cfg, tok, 8)
     assert "4 truncated to --max-length 8 (prompt tail, response head kept)" in summary.line()
+    cfg.data, cfg.max_length = str(write_jsonl(tmp_path / "e.jsonl", chats[:5])), None  # one: not "1 examples"
+    *_, summary = load_examples(cfg, tok, 64)
+    assert "became <|unk|> (in 1 example;" in summary.line()
 
 
 def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():

@@ -90,7 +90,7 @@ class LoadSummary:
             text += f"; {self.dropped} dropped with nothing to learn (first: {self.first_dropped})"
         if self.unknown:
             text += (f"; {self.unknown} character(s) outside the tokenizer's vocabulary became <|unk|> "
-                     f"(in {self.unknown_examples} {what}; a char tokenizer knows only its corpus' characters)")
+                     f"(in {counted(self.unknown_examples, what.removesuffix('s'))}; a char tokenizer knows only its corpus' characters)")
         if self.ignored:
             files = "file" if len(self.ignored) == 1 else "files"
             shown = ", ".join(p.name for p in self.ignored[:3]) + (", ..." if len(self.ignored) > 3 else "")
@@ -149,6 +149,8 @@ def chat_messages(record: object, where: str) -> Chat:
     if record.get("messages") is not None and other:  # which one to learn would be a guess
         raise BadExample(f"{where}: has both \"messages\" and {', '.join(repr(k) for k in other)}; "
                          "give one shape per record")
+    if record.get("response") is not None and record.get("completion") is not None:  # (the same guess)
+        raise BadExample(f"{where}: has both \"response\" and \"completion\" (two names for the answer); give one")
     if record.get("messages") is not None:
         messages = Chat(_messages(record["messages"], where, "messages"))
     elif record.get("prompt") is not None and answer_key is not None:
