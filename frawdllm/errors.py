@@ -10,6 +10,10 @@ class FrawdError(Exception):
     """Bad input: shown to the user as one line, never as a traceback."""
 
 
+class RankLost(FrawdError):
+    """Another rank died or stopped answering: the collectives failed or timed out."""
+
+
 class ConfigError(FrawdError, ValueError):
     """An invalid configuration value; a ValueError so library users can catch it as one."""
 

@@ -164,6 +164,21 @@ def test_a_planted_or_broken_sharded_index_is_one_line_and_runs_nothing(work, tw
                                                        f"state's index") and reason in lines[0], lines
 
 
+@pytest.mark.parametrize("two_ranks", ["fsdp"], indirect=True)
+def test_a_truncated_optimizer_shard_is_one_line(work, two_ranks, capsys):
+    """A shard cut short (a copy that stopped, a full disk) gave an EOFError traceback (one
+    per rank, and torchrun's report, under --nproc)."""
+    _, run = two_ranks
+    copy = resumed_from_step_10(run, work / "truncated-shard")
+    folder = copy / "checkpoints" / f"step_{10:08d}" / "optimizer"
+    shard = sorted(folder.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = frawd_here(capsys, train_args(work, copy, "--resume"))
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]
+    assert proc.returncode == 1 and lines == [f"frawd: error: {folder}: cannot read the sharded checkpoint "
+                                              "(EOFError)"], proc.stderr[-3000:]
+
+
 def test_resume_one_process_to_two_ranks(work, single):
     copy = resumed_from_step_10(single, work / "one-to-two-fsdp")
     frawd(train_args(work, copy, "--resume", "--nproc", "2", "--parallel", "fsdp"))
@@ -181,6 +196,37 @@ def test_with_dropout_ranks_draw_their_own_masks_and_resume_exactly(work):
     frawd(train_args(work, copy, "--resume", "--nproc", "2", "--set", "dropout=0.2"))
     got, want = losses(copy), losses(run)
     assert [got[step] for step in range(11, STEPS + 1)] == [want[step] for step in range(11, STEPS + 1)]
+
+
+def test_a_start_that_rank_0_refuses_is_said_in_one_line(tmp_path):
+    """Rank 0 refused the data (only rank 0 prepares it) and the waiting rank 1 then said
+    "rank 0 did not finish the run's start ... within --dist-timeout" too, a timeout that
+    never happened: a rank's line about another one leaving is said only when that one
+    said nothing."""
+    (tmp_path / "empty.txt").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", "pretrain", "--preset", "tiny", "--data",
+                           str(tmp_path / "empty.txt"), "--max-steps", "2", "--nproc", "2", "--no-progress",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                          env=environment())
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("launching 2 processes")]
+    assert proc.returncode == 1 and errors == [
+        f"frawd: error: data source {str(tmp_path / 'empty.txt')!r} holds no documents (no non-empty text)"], \
+        proc.stderr
+
+
+def test_the_loops_warnings_are_said_once_not_once_per_rank(tmp_path):
+    """Every rank warned of each skipped step (the same loss on every rank): N lines each."""
+    (tmp_path / "c.txt").write_text("hello world this is a tiny corpus\n\nanother document here\n\nand a third\n")
+    proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", "pretrain", "--preset", "tiny", "--set", "n_layer=1",
+                           "--set", "n_embd=32", "--set", "n_head=2", "--set", "context_length=16", "--tokenizer",
+                           "char", "--data", str(tmp_path / "c.txt"), "--val-fraction", "0.3", "--batch-size", "2",
+                           "--max-steps", "3", "--lr", "1e30", "--grad-clip", "0", "--max-bad-steps", "5", "--dtype",
+                           "fp32", "--compile", "false", "--nproc", "2", "--no-progress", "--eval-interval", "0",
+                           "--warmup-steps", "0", "--sample-tokens", "0", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning: step")]
+    assert proc.returncode == 0 and warned == [f"warning: step {step}: loss nan; update skipped ({step - 1} in a row)"
+                                               for step in (2, 3)], proc.stderr
 
 
 def test_a_rank_that_waits_past_the_timeout_for_rank_0s_start_says_so_in_one_line(monkeypatch):

@@ -147,6 +147,18 @@ class PairLoader:
 
 # ---- the task --------------------------------------------------------------------------------
 
+def without_dropout(model: nn.Module) -> None:
+    """Turn the model's dropout off (its config keeps the setting, for a later run). DPO
+    compares the policy's log-probs with the reference's, which runs in eval mode: with
+    dropout the policy's were noisy, and step 1, where the two are the same model, did not
+    give the loss ln 2 and zero rewards. TRL's DPOTrainer does the same (disable_dropout)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        elif isinstance(getattr(module, "dropout", None), float):  # attention's dropout on its weights
+            module.dropout = 0.0
+
+
 class DPOTask(FinetuneTask):
     bar_metrics = ("rewards/accuracies", "rewards/margins")
     loss_unit = "mean over preference pairs"
@@ -158,6 +170,7 @@ class DPOTask(FinetuneTask):
         self.loss_type = cfg.loss_type
         self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed,
                                  share=Share.of_this_rank(cfg.batch_size, cfg.grad_accum))
+        without_dropout(model)  # (before the copy: the reference runs in eval mode anyway)
         flops = model.config.flops_per_token(length)  # the policy's forward and backward: 6N per token
         self.flops_per_token = flops if cfg.precompute_ref else flops * 4 // 3  # + the reference's forward, 2N
         reference = copy.deepcopy(model).eval().requires_grad_(False)

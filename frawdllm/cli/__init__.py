@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from ..errors import FrawdError
+from ..errors import FrawdError, RankLost
 
 # command name -> (module in frawdllm.cli, attribute, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -212,16 +212,18 @@ def empty_path_option(args: list[str]) -> str | None:
     return None
 
 
-def say_error(message: str) -> None:
+def say_error(message: str, lost: bool = False) -> None:
     """`frawd: error: MESSAGE` on stderr; on a rank that `--nproc` started, in a file for the
     launcher instead, which says each different error once (N ranks refusing the same data
-    printed it N times, then torchrun's report of the failed ranks)."""
+    printed it N times, then torchrun's report of the failed ranks). `lost`: the error is
+    another rank's leaving (`RankLost`), said only when no rank said why it left."""
     from .launch import RANK_ERRORS
 
     folder = os.environ.get(RANK_ERRORS)
     if folder and os.path.isdir(folder) and "RANK" in os.environ:
         try:
-            with open(os.path.join(folder, f"rank{int(os.environ['RANK'])}"), "a", encoding="utf-8") as f:
+            name = f"{'lost' if lost else 'rank'}{int(os.environ['RANK'])}"
+            with open(os.path.join(folder, name), "a", encoding="utf-8") as f:
                 f.write(message + "\n")
             return
         except (OSError, ValueError):
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             raise click.UsageError(f"{empty} is empty: give a path (an unset shell variable?)")
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
-        say_error(_one_line(exc))
+        say_error(_one_line(exc), lost=isinstance(exc, RankLost))
         sys.exit(1)
     except ReaderLeft:
         _reader_left()

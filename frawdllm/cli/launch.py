@@ -69,32 +69,41 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
     with tempfile.TemporaryDirectory(prefix="frawd-rank-errors-") as errors:
         os.environ[RANK_ERRORS] = errors
-        agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-        level = agent_log.level
+        # torchrun's own log lines, said better below: "failed (exitcode: 1)" per rank, and
+        # "Received 15 death signal, shutting down workers" at Ctrl-C or SIGTERM
+        quieted = {"torch.distributed.elastic.multiprocessing.api": logging.CRITICAL,
+                   "torch.distributed.elastic.agent.server.api": logging.ERROR}
+        levels = {name: logging.getLogger(name).level for name in quieted}
         try:
-            agent_log.setLevel(logging.CRITICAL)  # ("failed (exitcode: 1)" per rank: the report below says it)
+            for name, level in quieted.items():
+                logging.getLogger(name).setLevel(level)
             run(args)
         except ChildFailedError as exc:
-            said = _rank_errors(Path(errors))
-            for line in dict.fromkeys(line for lines in said.values() for line in lines):  # each once, rank order
+            said, lost = _rank_errors(Path(errors), "rank"), _rank_errors(Path(errors), "lost")
+            # a rank that saw another leave ("rank 0 did not finish the run's start", "lost the
+            # other ranks") is said only where the one that left said nothing
+            shown = said or lost
+            for line in dict.fromkeys(line for lines in shown.values() for line in lines):  # each once, rank order
                 click.echo(f"frawd: error: {line}", err=True)
-            if not set(exc.failures) <= set(said):  # a rank that ended without saying why: torchrun's report
+            if not set(exc.failures) <= set(said) | set(lost):  # a rank that ended without saying why: torchrun's report
                 click.echo(str(exc), err=True)  # (names each failed rank, its exit code or signal)
             raise SystemExit(1) from None
         except SignalException as exc:  # the ranks were stopped (Ctrl-C, SIGTERM)
             raise SystemExit(128 + int(exc.sigval)) from None
         finally:
-            agent_log.setLevel(level)
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
             os.environ.pop(RANK_ERRORS, None)
     raise SystemExit(0)
 
 
-def _rank_errors(folder: Path) -> dict[int, list[str]]:
-    """{rank: the error lines it left in `folder`}, by rank."""
+def _rank_errors(folder: Path, kind: str) -> dict[int, list[str]]:
+    """{rank: the error lines it left in `folder`}, by rank: `kind` "rank" for its own
+    errors, "lost" for another rank's leaving (see `say_error`)."""
     said = {}
-    for file in folder.glob("rank*"):
+    for file in folder.glob(f"{kind}*"):
         with contextlib.suppress(ValueError, OSError):
-            said[int(file.name[4:])] = file.read_text(encoding="utf-8", errors="replace").splitlines()
+            said[int(file.name[len(kind):])] = file.read_text(encoding="utf-8", errors="replace").splitlines()
     return dict(sorted(said.items()))
 
 
@@ -113,7 +122,7 @@ def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> N
         # leave at once: the process group's destructor would wait for the lost rank
         from . import say_error
 
-        say_error(str(exc))
+        say_error(str(exc), lost=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

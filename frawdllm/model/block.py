@@ -51,8 +51,11 @@ class TransformerBlock(nn.Module):
     ) -> tuple[Float[Tensor, "B Hkv S hd"], Float[Tensor, "B Hkv S hd"]]:
         """This (decoder) block's cross-attention keys and values of the encoder output. A
         method of the block, not of its `cross` child: FSDP shards per block and gathers a
-        block's weights around the methods registered on it (`distributed.wrap`)."""
-        return self.cross.memory_kv(memory)
+        block's weights around the methods registered on it (`distributed.wrap`); and the
+        tensors it returns are not views (FSDP warns that a view returned from a wrapped
+        method may break backward)."""
+        k, v = self.cross.memory_kv(memory)  # (views of one projection's output)
+        return k.contiguous(), v.contiguous()
 
     def forward(
         self, x: Float[Tensor, "B T D"],

@@ -36,7 +36,7 @@ import pickle
 import signal
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,15 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import FrawdError
+from ..errors import FrawdError, RankLost
 from ..orphans import signal_when_parent_dies
 from .config import PARALLEL_CHOICES
 
 SHARDED_OPTIMIZER_DIR = "optimizer"  # inside a checkpoint: FSDP's sharded AdamW moments (DCP)
-
-
-class RankLost(FrawdError):
-    """Another rank died or stopped answering: the collectives failed or timed out."""
 
 
 @dataclass
@@ -87,6 +83,14 @@ class Dist:
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return float(t) / self.world_size
+
+    def sums(self, values: list[int | float], device: torch.device) -> list[float]:
+        """Each number summed over ranks, in one all-reduce (float64: exact for counts)."""
+        if not self.active:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def from_main(self, obj: Any) -> Any:
         """Rank 0's value of `obj` on every rank (a decision only one rank may take)."""
@@ -480,7 +484,28 @@ def save_sharded(state: dict, path: Path) -> None:
     """Every rank writes its shards of `state` under `path` (torch.distributed.checkpoint)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(path))
+    with _checkpoint_failures(path, "write"):
+        dcp.save(state, checkpoint_id=str(path))
+
+
+@contextmanager
+def _checkpoint_failures(path: Path, doing: str):
+    """torch.distributed.checkpoint's failures as this project's: it wraps every rank's error
+    in a CheckpointException (a BaseException: a traceback per rank). The first rank's
+    OSError (a full disk) goes on as itself (one line, as any write's); anything else (a
+    truncated or missing shard) is a FrawdError naming the folder."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = [error for error, _ in exc.failures.values()] or [exc]
+        first = failures[0]
+        if isinstance(first, OSError):
+            raise first from None
+        detail = (str(first).strip().splitlines() or [""])[0][:200]
+        raise FrawdError(f"{path}: cannot {doing} the sharded checkpoint ({type(first).__name__}"
+                         f"{': ' + detail if detail else ''})") from None
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -553,7 +578,8 @@ def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, che
         read_sharded_metadata(sharded_dir)  # (a clear line on every rank for a bad index, before the collective)
         with warnings.catch_warnings():  # one process reading a sharded run is a supported resume, not news
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(template, storage_reader=_SafeReader(sharded_dir))
+            with _checkpoint_failures(sharded_dir, "read"):
+                dcp.load(template, storage_reader=_SafeReader(sharded_dir))
         set_optimizer_state_dict(step_module, optimizer, template["optimizer"])
         return
     if saved is None:

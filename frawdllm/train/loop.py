@@ -302,8 +302,8 @@ class Trainer:
         self.micro_batch, self.grad_accum = distributed.batch_layout(rows, cfg.grad_accum, self.dist.world_size)
         self.dtype, self.dtype_why = choose_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu" and matmul_dtype(self.dtype, self.device) != self.dtype:
-            warnings.warn(f"{self.dtype} is emulated on this CPU (no native {self.dtype} matmuls): "
-                          "training will be far slower than in fp32", stacklevel=2)
+            self._warn(f"{self.dtype} is emulated on this CPU (no native {self.dtype} matmuls): "
+                          "training will be far slower than in fp32")
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = model.to(self.device)
@@ -398,6 +398,12 @@ class Trainer:
             raise FrawdError(decision)
         return decision
 
+    def _warn(self, message: str) -> None:
+        """A warning, on rank 0 only: the ranks share every decision, loss and budget (each
+        of N ranks said it: N lines)."""
+        if self.dist.is_main:
+            warnings.warn(message, stacklevel=3)
+
     def _say(self, message: str) -> None:
         """A one-line message on stderr (above the progress bar, if one is shown)."""
         if self.cfg.progress:
@@ -409,7 +415,7 @@ class Trainer:
         """Compile now, never, or after timing the first steps (`AutoPlan`)."""
         blocker = compiling.known_failure(self.device) if cfg.compile != "false" else None
         if cfg.compile == "true" and blocker is not None and "before" not in blocker:
-            warnings.warn(f"compile: true, but {blocker}; training without torch.compile", stacklevel=3)
+            self._warn(f"compile: true, but {blocker}; training without torch.compile")
         if cfg.compile == "true" and (blocker is None or "before" in blocker):
             self._use_compiled(True)
             self.compile_why = "on (compile: true)"
@@ -505,9 +511,8 @@ class Trainer:
         self._eta_from = None
         late = bool(cfg.max_time_s and self.step == 0 and self.elapsed() >= cfg.max_time_s)
         if late:
-            warnings.warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole "
-                          f"--max-time {cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over",
-                          stacklevel=2)
+            self._warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole "
+                          f"--max-time {cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over")
         bar = _progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
         try:
@@ -540,9 +545,9 @@ class Trainer:
         achieved = self._top_rate * self.task.flops_per_token / self.dist.world_size  # FLOP/s of one device
         if achieved > PEAK_SLACK * peak:
             forget_peak(self.device, self.dtype)
-            warnings.warn(f"this run computed {achieved / 1e9:.1f} GFLOP/s, above the cached matmul peak of "
+            self._warn(f"this run computed {achieved / 1e9:.1f} GFLOP/s, above the cached matmul peak of "
                           f"{peak / 1e9:.1f} (measured while the machine was busy, so MFU showed n/a): the next "
-                          "run measures it again", stacklevel=3)
+                          "run measures it again")
 
     def _warn_overrun(self) -> None:
         """A run that ended over its --max-time (by more than 5%) says where the time went."""
@@ -554,10 +559,10 @@ class Trainer:
         steps = self.step - self._session_step
         training = time.perf_counter() - self._fit_start - self._evaluating_s
         earlier = f"earlier sessions {self.elapsed_before:.1f} s, " if self.elapsed_before else ""
-        warnings.warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: {earlier}start-up "
+        self._warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: {earlier}start-up "
                       f"{start_up:.1f} s, evaluations and checkpoints {self._evaluating_s:.1f} s "
                       f"({cfg.eval_batches} validation batches each: --eval-batches sets it), {steps} training "
-                      f"step{'s' * (steps != 1)} {training:.1f} s", stacklevel=3)
+                      f"step{'s' * (steps != 1)} {training:.1f} s")
 
     def _fit(self, bar) -> None:
         cfg = self.cfg
@@ -607,14 +612,17 @@ class Trainer:
                 batch = to_device(self.task.next_batch(), self.device)
             except StopIteration:  # (leaving a generator as StopIteration would be a RuntimeError)
                 raise _DataExhausted from None
-            step_tokens += self.task.batch_tokens(batch) * self.dist.world_size
+            step_tokens += self.task.batch_tokens(batch)  # (this rank's: summed over ranks below)
             with distributed.gradient_sync(self.step_module, micro == self.grad_accum - 1):
                 loss, metrics = self._forward_backward(batch)
             total += loss
             for key, value in metrics.items():
                 named[key] = named[key] + value if key in named else value
             self._cost_key(self.dtype, batch)
-        loss_value = self.dist.mean(float(total) / self.grad_accum, self.device)
+        # the loss's mean over ranks and the step's tokens, each rank's counted (rows of
+        # conversations or sentence pairs differ in length from rank to rank)
+        loss_sum, step_tokens = self.dist.sums([float(total) / self.grad_accum, step_tokens], self.device)
+        loss_value, step_tokens = loss_sum / self.dist.world_size, int(step_tokens)
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = distributed.clip_grad_norm(self.params, max_norm)
@@ -690,7 +698,7 @@ class Trainer:
                 self._use_compiled(True)
                 return self._forward_backward(batch)
             # e.g. no working C++ compiler on this machine: train without torch.compile
-            warnings.warn(f"torch.compile failed ({reason}); training without it", stacklevel=2)
+            self._warn(f"torch.compile failed ({reason}); training without it")
             if self._signal is None:  # Ctrl-C or SIGTERM reach inductor's compilers too: no fault of this machine
                 compiling.remember_failure(self.device, reason)
             self.compile_why = f"off: torch.compile failed ({reason})"
@@ -713,7 +721,7 @@ class Trainer:
     def _bad_step(self, loss_value: float, grad_norm: float) -> None:
         self.bad_steps += 1
         what = f"loss {loss_value}" if not math.isfinite(loss_value) else f"gradient norm {grad_norm}"
-        warnings.warn(f"step {self.step + 1}: {what}; update skipped ({self.bad_steps} in a row)", stacklevel=2)
+        self._warn(f"step {self.step + 1}: {what}; update skipped ({self.bad_steps} in a row)")
         if self.bad_steps >= self.cfg.max_bad_steps:
             last = ckpt.latest_checkpoint(self.run_dir)
             where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
@@ -875,7 +883,7 @@ class Trainer:
         inf (a diverging run) give none, and a sample that fails (a diverging run's logits
         were NaN) is a warning line, never the end of the run."""
         if not all(torch.isfinite(p).all() for p in whole.parameters()):
-            warnings.warn(f"step {self.step}: no sample (the weights hold NaN or inf)", stacklevel=3)
+            self._warn(f"step {self.step}: no sample (the weights hold NaN or inf)")
             return
         self.model.eval()
         try:
@@ -884,7 +892,7 @@ class Trainer:
         except Exception as error:  # noqa: BLE001 - said, and the run goes on
             first = (str(error).strip().splitlines() or [""])[0][:200]
             why = first if isinstance(error, FrawdError) else f"{type(error).__name__}: {first}"
-            warnings.warn(f"step {self.step}: no sample ({why})", stacklevel=3)
+            self._warn(f"step {self.step}: no sample ({why})")
             return
         finally:
             self.model.train()
