@@ -176,6 +176,22 @@ class Tokenizer:
         """The ids of the added (special) tokens: FrawdLLM's seven, or an imported tokenizer's."""
         return frozenset(t["id"] for t in json.loads(self.backend.to_str()).get("added_tokens", []))
 
+    @functools.cached_property
+    def fallback_byte_ids(self) -> frozenset[int]:
+        """The ids of a SentencePiece-style tokenizer's byte tokens ("<0x0A>"), where its
+        decoder has ByteFallback: a run of them decodes as one group, and a group that is
+        not valid UTF-8 becomes U+FFFD for every byte, an ASCII one before it too ("\\n"
+        then half a character). Empty for the others (byte-level BPE decodes per byte)."""
+        setup = json.loads(self.backend.to_str())
+        decoder = setup.get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
+        if "ByteFallback" not in kinds:
+            return frozenset()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for name, i in vocab.items()
+                         if len(name) == 6 and name.startswith("<0x") and name.endswith(">")
+                         and all(c in "0123456789ABCDEFabcdef" for c in name[3:5]))
+
     def has_frawd_specials(self) -> bool:
         """True when the seven special tokens sit at ids 0..6 (every tokenizer trained here)."""
         return not self.missing_frawd_specials()

@@ -1,6 +1,8 @@
 """Streaming text: never half a character, never a partial stop string, same text as a
 one-shot decode."""
 
+import json
+
 import pytest
 
 from frawdllm.infer.textstream import TextStream
@@ -97,3 +99,49 @@ def test_a_real_character_after_a_run_of_invalid_bytes_is_still_whole(byte_tok):
     continuation = byte_tok.encode("é")[1]
     ids = [continuation] * 40 + byte_tok.encode("😀 ok")
     assert "".join(push_all(TextStream(byte_tok), ids)) == "\ufffd" * 40 + "😀 ok"
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok():
+    """A Llama-2/Mistral-style tokenizer: '\u2581' for spaces, byte fallback ("<0x0A>")."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers, trainers
+
+    from frawdllm.tokenizer import Tokenizer
+
+    spm = Backend(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    spm.train_from_iterator(["all alpha along the lines of al and la"] * 20,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"]))
+    setup = json.loads(spm.to_str())  # + the 256 byte tokens, as SentencePiece's vocabularies have them
+    vocab = setup["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return Tokenizer(Backend.from_str(json.dumps(setup)))
+
+
+def test_a_byte_fallback_group_is_held_until_it_closes(sentencepiece_tok):
+    """Its decoder turns every byte of a group that is not valid UTF-8 into U+FFFD, the
+    newline before a broken character too: the stream had shown "\\n" that the whole decode
+    (generate --json, transformers) did not have."""
+    tok = sentencepiece_tok
+    ids = {name: tok.backend.token_to_id(name) for name in ("<0x0A>", "<0xE6>", "<0x97>", "<0xA5>", "<0x16>",
+                                                            "<0x80>")}
+    assert None not in ids.values() and set(ids.values()) <= tok.fallback_byte_ids
+    al = tok.encode("al")
+    for tail in (["<0x0A>", "<0xE6>", "<0x97>"],  # "\n" and half of "日": three U+FFFD when decoded whole
+                 ["<0x16>", "<0x80>"],  # a control byte and a stray continuation byte
+                 ["<0x0A>", "<0xE6>", "<0x97>", "<0xA5>"]):  # "\n日": valid, shown as it is
+        seq = al + [ids[name] for name in tail]
+        for more in ([], tok.encode(" la")):  # the group closed by the end, or by a piece after it
+            assert "".join(push_all(TextStream(tok), seq + more)) == tok.decode(seq + more), (tail, more)
+    seq = al + [ids["<0x0A>"]] * 3 + tok.encode("al")
+    assert "".join(push_all(TextStream(tok), seq)) == tok.decode(seq) == "al\n\n\n al"
+    chunks = push_all(TextStream(tok), tok.encode("all alpha along the lines"))
+    assert sum(1 for c in chunks if c) > 2  # (plain pieces still stream as they come)
+
+
+def test_only_a_byte_fallback_tokenizer_has_fallback_bytes(byte_tok):
+    assert byte_tok.fallback_byte_ids == frozenset()
+    assert train_tokenizer(["abc"], kind="char").fallback_byte_ids == frozenset()

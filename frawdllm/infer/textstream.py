@@ -1,6 +1,6 @@
 """Token ids in, printable text out, one token at a time.
 
-Two things make streaming text harder than decoding at the end:
+Three things make streaming text harder than decoding at the end:
 
 - A token can hold part of a character: with byte-level tokenizers "é" is two tokens,
   and the first one alone decodes to U+FFFD. Text ending in U+FFFD is held back until
@@ -8,6 +8,10 @@ Two things make streaming text harder than decoding at the end:
   bytes that never form a character: after HOLD_LIMIT ids the U+FFFD is real and goes
   out, so a run of invalid bytes neither stalls the stream nor makes each token re-decode
   the whole run.
+- A SentencePiece-style tokenizer's byte tokens ("<0x0A>", ByteFallback) decode as a group,
+  and a group that is not valid UTF-8 turns every byte into U+FFFD, an ASCII one before the
+  broken character too: text is held while the newest token is such a byte, until the
+  group closes (at most HOLD_LIMIT ids), so what was shown never changes afterwards.
 - A stop string can span several tokens ("\\n\\nUser:" = "\\n", "\\n", "User", ":"). Text
   that could be the start of a stop string is held back until it either becomes the stop
   string (the stream ends there and the stop string is never emitted) or cannot any more.
@@ -41,6 +45,7 @@ class TextStream:
         self._pending = ""  # decoded, not yet emitted (a partial stop string maybe)
         self.text = ""  # everything emitted so far
         self.stopped = False  # a stop string was found
+        self._fallback_bytes = getattr(tokenizer, "fallback_byte_ids", frozenset())
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -53,8 +58,10 @@ class TextStream:
         full_text = self._decode(self.ids[self._prefix:])
         if len(full_text) <= len(self._read_text):
             return ""
-        if full_text.endswith(REPLACEMENT_CHAR) and len(self.ids) - self._read < HOLD_LIMIT:
-            return ""  # an incomplete character: wait for the rest of its bytes
+        if len(self.ids) - self._read < HOLD_LIMIT and (
+                full_text.endswith(REPLACEMENT_CHAR)  # an incomplete character: wait for the rest of its bytes
+                or token_id in self._fallback_bytes):  # a byte group may still change ("\n" -> U+FFFD)
+            return ""
         self._pending += full_text[len(self._read_text):]
         end = len(self.ids)
         if end - self._prefix > WINDOW:  # the window starts again at the ids read before this push
