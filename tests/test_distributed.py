@@ -530,3 +530,30 @@ def test_the_settings_check_names_every_differing_rank_and_lets_progress_differ(
     monkeypatch.setattr(distributed, "_current", distributed.Dist())  # one process: nothing gathered
     monkeypatch.setattr(distributed.Dist, "gather", None)
     distributed.check_same_settings(base)
+
+
+def test_a_sharded_save_or_read_failure_is_one_line(monkeypatch, tmp_path):
+    """torch.distributed.checkpoint wraps every rank's error in a CheckpointException (a
+    BaseException): a full disk under FSDP printed a traceback per rank (~200 lines), not
+    the one "no space left" line a one-process or DDP save gives."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from frawdllm.errors import FrawdError
+    from frawdllm.train import distributed
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def failing_save(state, checkpoint_id):
+        raise CheckpointException("save failed", {0: (full, None), 1: (OSError(errno.ENOSPC, "again"), None)})
+
+    monkeypatch.setattr(dcp, "save", failing_save)
+    with pytest.raises(OSError) as info:
+        distributed.save_sharded({}, tmp_path / "ckpt")
+    assert info.value is full  # (the CLI says it as any full disk: one line)
+    with pytest.raises(FrawdError, match=re.escape(f"{tmp_path}: cannot read the sharded checkpoint (EOFError: "
+                                                   "Ran out of input)")):
+        with distributed._checkpoint_failures(tmp_path, "read"):
+            raise CheckpointException("load failed", {0: (EOFError("Ran out of input"), None)})
