@@ -221,10 +221,10 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(server, fie
 def test_chat_tools_are_refused_and_neutral_values_pass(server):
     chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    for extra in ({"tools": [tool]}, {"tool_choice": "required"}):
+    for extra in ({"tools": [tool]}, {"tool_choice": "required"}, {"function_call": {"name": "f"}}):
         status, error = post(server, "/v1/chat/completions", {**chat, **extra})
         assert status == 400 and "not supported" in error["message"], (extra, error)
-    neutral = {"tools": [], "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"},
+    neutral = {"tools": [], "tool_choice": "none", "function_call": "auto", "logit_bias": {}, "response_format": {"type": "text"},
                "top_logprobs": 0, "logprobs": False, "frequency_penalty": 0}
     assert post(server, "/v1/chat/completions", {**chat, **neutral})[0] == 200
     assert post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, "best_of": 1,

@@ -122,6 +122,7 @@ UNION_HELP = {
     "stop": "must be a string or a list of strings",
     "content": 'must be a string or a list of {"type": "text", "text": ...} parts (this server reads text only)',
     "tool_choice": 'must be a string or an object',
+    "function_call": 'must be a string or an object',
 }
 
 
@@ -786,7 +787,8 @@ def _refuse_unsupported(body: Any) -> None:
     if body.response_format not in (None, {}, {"type": "text"}):
         raise no("response_format", 'is not supported: only {"type": "text"} (this server has no JSON mode)')
     if getattr(body, "tools", None) or getattr(body, "functions", None) or \
-            getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+            getattr(body, "tool_choice", None) not in (None, "none", "auto") or \
+            getattr(body, "function_call", None) not in (None, "none", "auto"):  # (tool_choice's old name)
         raise no("tools", "are not supported: this server's models have no tool calls")
     if getattr(body, "best_of", None) not in (None, 1):
         raise no("best_of", "is not supported; n gives several completions")

@@ -93,6 +93,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict] | None = Field(None, description="Not supported: only null or [].")
     functions: list[dict] | None = Field(None, description="Not supported: only null or [].")
     tool_choice: str | dict | None = Field(None, description='Not supported: only null, "none" or "auto" (no tools to call).')
+    function_call: str | dict | None = Field(None, description='The deprecated tool_choice: only null, "none" or '
+                                                               '"auto".')
 
 
 class CompletionRequest(_Sampling):
