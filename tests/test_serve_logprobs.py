@@ -143,6 +143,17 @@ def test_text_offset_counts_characters_of_the_text():
     assert "".join(t for t, _, _ in events) == text
 
 
+def test_completions_top_logprobs_hold_the_chosen_token_too(char_tok):
+    """As OpenAI's and vLLM's completions do (up to k + 1 entries): a sampled token outside
+    the k likeliest was missing from its own position's top_logprobs."""
+    a, b, c = char_tok.encode("abc")
+    chunks = [StreamChunk(0, "a", a, None, TokenLogprob(a, -0.1, ((a, -0.1),))),  # the likeliest: once
+              StreamChunk(0, "b", b, None, TokenLogprob(b, -3.0, ((c, -0.2),))),  # sampled outside the top 1
+              StreamChunk(0, "c", c, "length", TokenLogprob(c, -0.5, ()))]  # logprobs 0: the chosen alone
+    tops = whole(char_tok, chunks)["logprobs"]["top_logprobs"]
+    assert tops == [{"a": -0.1}, {"c": -0.2, "b": -3.0}, {"c": -0.5}]
+
+
 def test_a_live_server_reports_the_text_it_sends():
     """End to end: a stop string that spans tokens, streamed and not, completions and chat:
     the reported tokens join to the text sent."""

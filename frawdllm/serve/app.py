@@ -864,11 +864,14 @@ def _prompt_scored(tokenizer: Any, ids: list[int], logprobs: list[TokenLogprob |
 def _completion_logprobs(tokenizer: Any, scored: list[tuple[int, TokenLogprob | None, int]]) -> dict:
     """The completions API's logprobs object (tokens, token_logprobs, top_logprobs,
     text_offset) for (token, logprob or None, where its text starts) triples."""
-    return {"tokens": [_piece(tokenizer, token)[0] for token, _, _ in scored],
-            "token_logprobs": [None if e is None else e.logprob for _, e, _ in scored],
-            "top_logprobs": [None if e is None else {_piece(tokenizer, token)[0]: lp for token, lp in e.top}
-                             for _, e, _ in scored],
-            "text_offset": [start for _, _, start in scored]}
+    tokens = [_piece(tokenizer, token)[0] for token, _, _ in scored]
+    # the k likeliest, and the sampled token's own where it is not among them (up to k + 1,
+    # as OpenAI's and vLLM's completions give them)
+    tops = [None if e is None else {_piece(tokenizer, t)[0]: lp for t, lp in e.top} | (
+        {} if any(t == token for t, _ in e.top) else {text: e.logprob})
+        for (token, e, _), text in zip(scored, tokens)]
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e, _ in scored],
+            "top_logprobs": tops, "text_offset": [start for _, _, start in scored]}
 
 
 def _json_by_choice(body: dict) -> Response:
