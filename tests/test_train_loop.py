@@ -236,6 +236,24 @@ def test_many_nan_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
     assert torch.isfinite(restored.weight).all()
 
 
+def test_a_stop_inside_a_nan_streak_resumes_the_streaks_count(tmp_path):
+    """The stop's checkpoint fell inside the streak and --resume started counting again: a
+    run that would have stopped at step 8 went on to step 10."""
+    def stop_at_two(trainer, record):
+        if trainer.bad_steps == 2:
+            trainer.request_stop()
+
+    cfg = generic_config(tmp_path, max_bad_steps=4, max_steps=20)
+    trainer = Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=range(5, 100)), cfg, callbacks=[stop_at_two])
+    with pytest.warns(UserWarning):
+        assert trainer.fit().stop_reason == "interrupted" and trainer.step == 6
+    resumed = Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=range(1, 100)),
+                      generic_config(tmp_path, max_bad_steps=4, max_steps=20, resume=True))
+    with pytest.warns(UserWarning, match="step 7: loss nan; update skipped .3 in a row."), \
+            pytest.raises(TrainingDiverged, match=r"4 steps in a row \(up to step 8\)"):
+        resumed.fit()
+
+
 @pytest.fixture
 def one_thread():
     threads = torch.get_num_threads()

@@ -13,18 +13,20 @@ server's requests arrive at any time. Here one thread runs a loop of steps:
 2. waiting requests join while rows are free: each prompt is prefilled alone, exactly as
    `Engine.generate` prefills one prompt (its first token comes from that), and its
    keys and values are written straight into a free row of the batch cache (`RowKVCache`,
-   one length per row; n samples share one prefill, copied to their rows). At most
-   `prefill_tokens` prompt tokens are prefilled per step, so a burst of long prompts does
-   not stall the decoding rows;
+   one length per row; n samples share one prefill, copied to their rows). Prompts are
+   prefilled until a step's `prefill_tokens` are spent (the prompt that crosses it
+   included: a prompt longer than the budget still gets its turn), so a burst of long
+   prompts does not stall the decoding rows;
 3. one decode step for every row: each row feeds its newest token at its own position,
    and gets its next token from `sampling.sample_next` with its own parameters, random
    generator and repetition history. A finished row leaves at once (the last row moves
    into its place, keeping the batch dense).
 
-A row's arithmetic does not depend on which other rows share the step: `native.c` sums
-each row of a product in the same order whatever the row count, and a row attends only
-its own slots. So greedy output equals `Engine.generate`'s token for token (when both run
-the native forward; PyTorch's batched products may round differently).
+A row's arithmetic barely depends on which other rows share the step: `native.c` sums
+each row of a product in the same order whatever the row count (but on AMX tiles, which a
+batch of enough rows takes: another order, the last bits of the logits differ), and a row
+attends only its own slots. So greedy output equals `Engine.generate`'s token for token
+(when both run the native forward; PyTorch's batched products may round differently).
 
 `submit` raises `QueueFull` when `max_queue` requests already wait for a row, `Closed` once
 `close()` was called; `close(drain=True)` finishes what was accepted first, `drain=False`

@@ -10,8 +10,8 @@ how to save the model. The `Trainer` owns everything else:
         grad_accum times: batch -> loss (autocast) -> backward
         NaN/inf loss: skip the update (too many in a row: stop, checkpoints intact)
         clip the gradients' global norm, AdamW step
-        every eval_interval steps (and at the end): evaluate, sample, checkpoint,
-        publish OUT/model if the validation loss is the best so far
+        every eval_interval steps (and at the end): evaluate, publish OUT/model if
+        the validation loss is the best so far, checkpoint, sample (last: optional)
 
 Resuming restores weights, optimizer moments, schedule, counters, RNG states and the
 task's data position, so an interrupted-and-resumed run computes exactly the losses of
@@ -925,6 +925,7 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "schedule_reserve_s": self._schedule_reserve_s,
             "warmup_end": self._warmup_end,
+            "bad_steps": self.bad_steps,  # (a stop's checkpoint can fall inside a NaN streak)
             "budget": self._budget(),
             "scaler": self.scaler.state_dict(),
             "task": self.task.state_dict(),
@@ -971,6 +972,7 @@ class Trainer:
         if self.dist.rank >= len(ranks):
             _own_dropout_seed(self.dist.rank)
         self.step, self.tokens = state["step"], state["tokens"]
+        self.bad_steps = int(state.get("bad_steps", 0))  # the streak goes on where it was stopped
         self.elapsed_before = state["elapsed_s"]
         self.best_val_loss = state["best_val_loss"]
         self.best_step = None if state["best_step"] < 0 else state["best_step"]
