@@ -24,6 +24,7 @@ retried once with a fresh cache folder.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
@@ -82,19 +83,44 @@ def use_persistent_cache() -> Path:
 
 
 def use_fresh_cache() -> Path:
-    """Point inductor at a new, empty cache folder (after a corrupt entry) and forget what
-    dynamo compiled so far."""
-    path = Path(tempfile.mkdtemp(prefix="frawd-inductor-"))
+    """Point inductor at an empty cache folder (after a corrupt entry) and forget what dynamo
+    and inductor compiled or loaded so far (inductor's in-memory code caches still named the
+    damaged file, and the retry read it again). The per-user cache is emptied and filled
+    again (else every later run met the damage and paid the retry); a folder the user chose
+    with TORCHINDUCTOR_CACHE_DIR is left alone for a temporary one, removed at exit."""
+    import torch._inductor.utils as inductor_utils
+
+    damaged = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+    ours = device_module.user_cache_dir() / "inductor"
+    if damaged.is_dir() and damaged.resolve() == ours.resolve():
+        aside = ours.with_name(f"inductor.damaged-{os.getpid()}")
+        try:
+            ours.rename(aside)  # (atomic: a run starting meanwhile sees no half-deleted folder)
+            shutil.rmtree(aside, ignore_errors=True)
+            ours.mkdir()
+            path = ours
+        except OSError:
+            path = Path(tempfile.mkdtemp(prefix="frawd-inductor-"))
+            atexit.register(shutil.rmtree, path, ignore_errors=True)
+    else:
+        path = Path(tempfile.mkdtemp(prefix="frawd-inductor-"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     torch._dynamo.reset()
+    inductor_utils.clear_caches()
     return path
 
 
 def is_cache_corruption(exc: BaseException) -> bool:
-    """A truncated or unreadable cached kernel (e.g. a run killed while writing it)."""
+    """A truncated or unreadable cached kernel (e.g. a run killed while writing it), or a C++
+    build of a source in the cache folder that failed (inductor rebuilds a kernel whose .so
+    it cannot load from the cached source: a damaged entry fails there): worth one retry
+    in a fresh folder before compiling counts as failed on this machine."""
     text = f"{type(exc).__name__}: {exc}"
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return isinstance(exc, (ImportError, EOFError)) or any(
-        s in text for s in ("file too short", "invalid ELF header", "cannot open shared object", "Unpickl"))
+        s in text for s in ("file too short", "invalid ELF header", "cannot open shared object", "Unpickl")) or (
+        "CppCompileError" in text and bool(cache) and cache in text)
 
 
 def failure_reason(exc: BaseException, limit: int = 200) -> str:
