@@ -67,6 +67,25 @@ def test_a_crash_before_the_first_checkpoint_is_named_and_resume_starts_over(cor
     assert result.steps == 4 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
 
 
+def test_resume_never_deletes_a_run_whose_checkpoint_lost_a_file(corpus, tmp_path, capsys):  # noqa: F811
+    """A finished run copied without its checkpoints' state.pt was taken for one killed
+    before its first checkpoint: --resume deleted its checkpoints and its best model and
+    trained a new one, exit 0."""
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=4, eval_interval=4, compile=False))
+    for path in list_checkpoints(run):
+        (path[1] / "state.pt").unlink()
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    rerun = ("pretrain", "--config", run / "config.yaml", "--out", run, "--no-progress", "--resume")
+    code, out, err = run_cli(capsys, *rerun, "--dry-run")
+    assert code == 0 and "step_00000004 lacks state.pt; --resume refuses it" in out, out
+    code, _, err = run_cli(capsys, *rerun)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{run}: no complete checkpoint to resume from: {run / 'checkpoints' / 'step_00000004'} lacks state.pt; " \
+           "the run is left as it is" in err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
 def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     kill_at_checkpoint(tiny_config(corpus, run, max_steps=12, eval_interval=4), nth=2)

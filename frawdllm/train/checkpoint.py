@@ -64,6 +64,21 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def damaged_checkpoint(run_dir: Path) -> str | None:
+    """What is missing from the newest checkpoint folder that is not complete ("step_N lacks
+    state.pt"), None when there is none. Checkpoints are written whole and renamed into
+    place, so such a folder was damaged afterwards (copied without its large state.pt)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    named = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name))) \
+        if root.is_dir() else []
+    for _, path in reversed(named):
+        missing = [name for name in (STATE_FILE, f"{MODEL_SUBDIR}/{WEIGHTS_FILE}", f"{MODEL_SUBDIR}/{CONFIG_FILE}")
+                   if not (path / name).is_file()]
+        if missing:
+            return f"{path} lacks {' and '.join(missing)}"
+    return None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None

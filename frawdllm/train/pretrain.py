@@ -47,7 +47,7 @@ from ..modeldir import (checked_weights, load_config, load_generation_config, lo
 from ..tokenizer import (KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check_bpe_vocab_size, short_bpe_note,
                          train_tokenizer)
 from . import distributed
-from .checkpoint import latest_checkpoint
+from .checkpoint import damaged_checkpoint, latest_checkpoint
 from .config import PretrainConfig, parse_duration
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
@@ -398,7 +398,9 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
                        ("max_tokens", cfg.max_tokens), ("max_time", cfg.max_time)) if v is not None)
     action = "resume" if cfg.resume else "overwrite" if has_run(run_dir) else "new run"
     if cfg.resume and latest_checkpoint(run_dir) is None:  # as `settle_run_dir` will do
-        action = "no complete checkpoint to resume from: --resume starts the run over"
+        damage = damaged_checkpoint(run_dir) if not cfg.overwrite else None
+        action = (f"no complete checkpoint to resume from: {damage}; --resume refuses it" if damage else
+                  "no complete checkpoint to resume from: --resume starts the run over")
     lines = ["dry run: nothing trained, nothing written",
              f"out:           {run_dir} ({action})",
              f"data:          {cfg.data} ({tokenizer})",

@@ -41,7 +41,7 @@ except ImportError:  # (Windows: runs are not locked)
 
 from ..errors import FrawdError
 from ..io import atomic_path, is_inside, write_text_atomic
-from .checkpoint import CHECKPOINTS_DIR, latest_checkpoint, list_checkpoints
+from .checkpoint import CHECKPOINTS_DIR, damaged_checkpoint, latest_checkpoint, list_checkpoints
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -247,6 +247,10 @@ def settle_run_dir(run_dir: Path, resume: bool, overwrite: bool,
         return resume
     if resume and latest_checkpoint(run_dir) is not None:
         return True
+    if resume and not overwrite and (damage := damaged_checkpoint(run_dir)) is not None:
+        # a run with checkpoints, one of them damaged: never deleted for a start over
+        raise FrawdError(f"{run_dir}: no complete checkpoint to resume from: {damage}; the run is left as it "
+                         "is (restore the file, or --overwrite starts the run over)")
     if resume:
         print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
     elif not overwrite:
