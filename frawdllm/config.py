@@ -20,7 +20,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 
 POS_ENCODINGS = ("learned", "sinusoidal", "rope", "none")
 NORM_PLACEMENTS = ("pre", "post")
@@ -258,7 +258,7 @@ def check_types(cls: type, values: dict[str, Any]) -> dict[str, Any]:
         options = typing.get_args(hints[name]) if _is_union(hints[name]) else (hints[name],)
         if not any(_fits(value, o) for o in options):
             wanted = "a number, not NaN" if value != value else _type_name(hints[name])
-            raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+            raise ConfigError(f"{name} must be {wanted}, got {short_repr(value)}")
     return values
 
 

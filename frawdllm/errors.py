@@ -5,6 +5,23 @@ model directory). The CLI prints its message as one line on stderr and exits non
 any other exception is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)` for an error message, bounded: a YAML alias bomb's list of 10^9 items
+    (shared references, cheap to load) took a repr of all of them, and hung the command."""
+    return _SHORT.repr(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 5
+_SHORT.maxlevel = 2
+
 
 class FrawdError(Exception):
     """Bad input: shown to the user as one line, never as a traceback."""

@@ -51,6 +51,13 @@ def env(tmp_path_factory):
     (root / "rope_list.yaml").write_text("model:\n  rope_theta: [1]\n")
     (root / "dropout_null.yaml").write_text("model:\n  dropout: null\n")
     (root / "a_file").write_text("not a folder\n")
+    deep = root / "deep_model"  # config.json nested 5,000 levels (a RecursionError traceback)
+    deep.mkdir()
+    (deep / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
+    # a YAML alias bomb: 9 levels of 9 references, 9^9 items to print (the error's repr hung)
+    bomb = [f"  - &l0 [{', '.join(['1'] * 9)}]"] + [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]"
+                                                       for i in range(1, 9)]
+    (root / "bomb.yaml").write_text("lr:\n" + "\n".join(bomb) + "\n")
     readonly = root / "readonly"
     readonly.mkdir()
     readonly.chmod(0o555)
@@ -135,6 +142,9 @@ CASES = [
     ("generate-context-huge", ["generate", "--model", "{root}/long_rope_model", "--prompt", "x"],
      "long_rope_model/config.json: context_length 100,000,000"),
     ("generate-max-new-tokens-0", gen("--max-new-tokens", "0"), "max_new_tokens"),
+    ("generate-config-nested-too-deep", ["generate", "--model", "{root}/deep_model", "--prompt", "x"],
+     "nests too deeply"),
+    ("pretrain-config-alias-bomb", pre("--config", "{root}/bomb.yaml"), "lr: expected a number"),
     ("generate-top-p-0", gen("--top-p", "0"), "top_p"),
     ("generate-prompt-file-missing", gen("--prompt-file", "{root}/nope.txt"), "nope.txt"),
     ("generate-model-missing", ["generate", "--model", "{root}/nope", "--prompt", "x"], "nope"),

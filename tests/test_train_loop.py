@@ -254,6 +254,37 @@ def test_a_stop_inside_a_nan_streak_resumes_the_streaks_count(tmp_path):
         resumed.fit()
 
 
+@pytest.mark.parametrize("damage, said", [
+    (lambda state: [1, 2], "not a training state (a list, not a dict)"),
+    (lambda state: {**state, "step": "abc"}, "not a training state this run can resume (step 'abc')"),
+    (lambda state: {**state, "step": -100}, "not a training state this run can resume (step -100)"),
+    (lambda state: {**state, "elapsed_s": float("nan")}, "(elapsed_s nan)"),
+    (lambda state: {k: v for k, v in state.items() if k != "schedule"}, "(KeyError: 'schedule')"),
+    (lambda state: {**state, "task": 5}, "resume (Type"),  # (TypeError; the tests' type checker's TypeCheckError)
+    (lambda state: {**state, "optimizer": {**state["optimizer"], "state": {
+        i: {**m, "exp_avg": torch.zeros(7)} for i, m in state["optimizer"]["state"].items()}}},
+     "the optimizer's exp_avg of parameter 0 has shape (7,), the parameter (1, 4)"),
+    (None, "cannot read the training state (not a file torch.save wrote)"),
+    (b"", "cannot read the training state (EOFError)")])
+def test_a_damaged_training_state_is_one_line(tmp_path, damage, said):
+    """A state.pt of another shape than the loop writes: tracebacks (IndexError inside the
+    error handler for an empty file, KeyError, TypeError), a run from step -99, and an AdamW
+    moment of the wrong shape a segmentation fault in the fused step."""
+    from frawdllm.errors import FrawdError
+    from frawdllm.train.checkpoint import load_state
+
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=4)).fit()
+    file = latest_checkpoint(tmp_path / "run") / "state.pt"
+    if damage is None:
+        file.write_bytes(b"hello world")
+    elif isinstance(damage, bytes):
+        file.write_bytes(damage)
+    else:
+        torch.save(damage(load_state(file.parent)), file)
+    with pytest.raises(FrawdError, match=re.escape(said)):
+        Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=8, resume=True))
+
+
 @pytest.fixture
 def one_thread():
     threads = torch.get_num_threads()

@@ -284,6 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except RecursionError:  # (a RuntimeError: before the bug-traceback rule below)
+        say_error("an input file nests too deeply to read (JSON or YAML of thousands of levels: "
+                  "Python's recursion limit); no FrawdLLM file does")
+        sys.exit(1)
     except (MemoryError, RuntimeError) as exc:
         message = _out_of_memory(exc)
         if message is None:  # any other RuntimeError is a bug: its traceback

@@ -29,7 +29,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..config import check_fields, check_types, is_integer, is_number, plain_number
-from ..errors import ConfigError
+from ..errors import ConfigError, short_repr
 
 
 # Bounds that keep logits / temperature and logits x penalty finite in float32 (logits
@@ -113,13 +113,13 @@ def _check(ok: bool, message: str) -> None:
 
 def _as_tuple(name: str, value: Any, kind: type) -> tuple:
     if isinstance(value, (bytes, bytearray)):  # (iterating would give ints)
-        raise ConfigError(f"{name} must be a list of {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{name} must be a list of {kind.__name__}, got {short_repr(value)}")
     if isinstance(value, (str, int)):
         value = (value,)
     try:
         items = tuple(value)
     except TypeError:
-        raise ConfigError(f"{name} must be a list of {kind.__name__}, got {value!r}") from None
+        raise ConfigError(f"{name} must be a list of {kind.__name__}, got {short_repr(value)}") from None
     items = tuple(plain_number(item) for item in items)
     for item in items:
         if not isinstance(item, kind) or isinstance(item, bool):

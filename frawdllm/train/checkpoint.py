@@ -104,12 +104,17 @@ def load_state(path: Path) -> dict:
     try:
         with warnings.catch_warnings():  # (a foreign pickle's protocol is warned about before it is refused)
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(file, map_location="cpu", weights_only=True)
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # refused by the weights-only reader (torch's own message suggests turning it off)
         raise FrawdError(f"{file}: cannot read the training state: it holds objects other than tensors and plain "
                          "values, which are not loaded (a damaged or tampered file)") from None
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise FrawdError(f"{file}: cannot read the training state ({str(exc).splitlines()[0]})") from None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError) as exc:
+        detail = "not a file torch.save wrote" if isinstance(exc, (KeyError, IndexError)) else \
+            (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]  # (an EOFError has no text)
+        raise FrawdError(f"{file}: cannot read the training state ({detail})") from None
+    if not isinstance(state, dict):
+        raise FrawdError(f"{file}: not a training state (a {type(state).__name__}, not a dict)")
+    return state
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from ..config import ModelConfig, check_fields, get_config, is_integer, positions_override
-from ..errors import ConfigError
+from ..errors import ConfigError, short_repr
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
 # How text files split into documents (data.sources reads them; defined here, where the CLI's
@@ -236,7 +236,7 @@ def _require(name: str, value: Any, ok, what: str) -> None:
     except TypeError:
         good = False
     if not good:
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
+        raise ConfigError(f"{name} must be {what}, got {short_repr(value)}")
 
 
 def _require_integers(cfg: Any, names: tuple[str, ...], ok, what: str) -> None:
@@ -266,7 +266,7 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping",
              type(None): "null"}
     wanted = " or ".join(dict.fromkeys(names.get(o, getattr(o, "__name__", str(o))) for o in options))
-    raise ConfigError(f"{name}: expected {wanted}, got {value!r}")
+    raise ConfigError(f"{name}: expected {wanted}, got {short_repr(value)}")
 
 
 def field_defaults(cls: type) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from ..errors import FrawdError, RankLost
 from ..orphans import signal_when_parent_dies
@@ -563,6 +563,22 @@ def _SafeReader(directory: Path) -> Any:
     return SafeReader(str(directory))
 
 
+def _check_moments(saved: Any, params: list[Tensor], checkpoint: Path) -> None:
+    """A whole optimizer state whose moments fit `params` (by index), or one FrawdError line:
+    load_state_dict checks the parameter count, not the shapes, and AdamW's fused step then
+    wrote past a moment of the wrong shape (a segmentation fault)."""
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(state, dict) or not isinstance(saved.get("param_groups"), list):
+        raise FrawdError(f"{checkpoint}: the optimizer state is not AdamW's (no state or param_groups)")
+    for index, moments in state.items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(moments, dict):
+            raise FrawdError(f"{checkpoint}: the optimizer state names parameter {index!r}, which this model lacks")
+        for name, value in moments.items():
+            if name != "step" and isinstance(value, Tensor) and value.shape != params[index].shape:
+                raise FrawdError(f"{checkpoint}: the optimizer's {name} of parameter {index} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(params[index].shape)}")
+
+
 def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
                    saved: dict | None, dist_info: Dist) -> None:
     """Restore AdamW's moments from a checkpoint written with any world size and parallelism:
@@ -584,6 +600,7 @@ def load_optimizer(step_module: nn.Module, optimizer: torch.optim.Optimizer, che
         return
     if saved is None:
         raise FrawdError(f"{checkpoint}: no optimizer state")
+    _check_moments(saved, [p for g in optimizer.param_groups for p in g["params"]], checkpoint)
     if not dist_info.sharded:
         optimizer.load_state_dict(saved)  # the same parameters in the same order
         return

@@ -954,9 +954,27 @@ class Trainer:
     def _resume(self) -> None:
         path = self._resume_from
         state = ckpt.load_state(path)
+        where = path / ckpt.STATE_FILE
         if state.get("version") != STATE_VERSION:
-            raise FrawdError(f"{path}: training state version {state.get('version')}; "
+            raise FrawdError(f"{path}: training state version {state.get('version')!r}; "
                              f"this FrawdLLM reads version {STATE_VERSION}")
+        counts = {name: state.get(name) for name in ("step", "tokens", "best_step")}
+        bad = [f"{name} {value!r}" for name, value in counts.items()
+               if not isinstance(value, int) or isinstance(value, bool) or value < (-1 if name == "best_step" else 0)]
+        elapsed = state.get("elapsed_s")
+        if not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) or elapsed < 0:
+            bad.append(f"elapsed_s {elapsed!r}")
+        if bad:
+            raise FrawdError(f"{where}: not a training state this run can resume ({', '.join(bad)})")
+        try:
+            self._restore(path, state)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a damaged or foreign state
+            detail = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise FrawdError(f"{where}: not a training state this run can resume ({type(exc).__name__}"
+                             f"{': ' + detail if detail else ''})") from None
+
+    def _restore(self, path: Path, state: dict) -> None:
+        """Everything a checkpoint's state holds, back in this trainer (see `_save_checkpoint`)."""
         distributed.load_optimizer(self.step_module, self.optimizer, path, state.get("optimizer"), self.dist)
         self.schedule.load_state_dict(state["schedule"])
         self._schedule_reserve_s = state.get("schedule_reserve_s")  # (None: taken at this session's first evaluation)
