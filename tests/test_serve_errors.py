@@ -434,3 +434,28 @@ def test_any_int64_seed_and_top_p_zero_are_taken(server):
     greedy = post(server, "/v1/completions", {**base, "temperature": 0})[1]["choices"][0]["text"]
     status, top_p_zero = post(server, "/v1/completions", {**base, "temperature": 1.0, "top_p": 0})
     assert status == 200 and top_p_zero["choices"][0]["text"] == greedy
+
+
+def test_a_generation_that_fails_mid_stream_says_so_in_the_stream():
+    """The 200 and the first tokens had gone out: the error became an "internal error"
+    traceback in the server's log, and the client got a stream that just stopped (no error,
+    no [DONE])."""
+    engine = test_engine(*varied_model(context_length=CONTEXT))
+    forward, calls = engine.forward, []
+
+    def failing_forward(*args):
+        calls.append(1)
+        if len(calls) > 3:  # the prefill and a few decode steps, then a failure
+            raise RuntimeError("the device went away")
+        return forward(*args)
+
+    engine.forward = failing_forward
+    with live_server({"m": engine}, ServeOptions()) as url:
+        reply = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "ab", "max_tokens": 20,
+                                                          "temperature": 0, "stream": True}, timeout=30)
+        events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert reply.status_code == 200 and events[-1] == "[DONE]", reply.text
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "the device went away" in error["message"], error
+        assert any("choices" in json.loads(e) for e in events[:-2]), events  # (tokens had gone out first)
+        assert httpx.get(url + "/health").status_code == 200

@@ -140,10 +140,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def body(self) -> dict:
         kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class _Metrics:
@@ -1048,6 +1050,10 @@ class _Reply:
                 yield event
                 if gone.done():
                     raise _ClientGone()
+        except ApiError as error:  # generation failed after the 200 went out: said in the stream, as OpenAI does
+            self.log["error"] = error.message
+            yield "data: " + json.dumps(error.body(), ensure_ascii=False) + "\n\n"
+            yield "data: [DONE]\n\n"
         except (_ClientGone, asyncio.CancelledError) as error:  # (Starlette cancels a stream that waits)
             # the client left, maybe after its reply was generated whole: nobody reads the rest
             self.log["cancelled"] = True  # (and finish() cancels the jobs)
@@ -1075,7 +1081,12 @@ class _Reply:
                 chunks.append(self.chunks.get_nowait())
             events = []
             for chunk in chunks:
-                chunk = self._take(chunk)  # (taken as its event is made: its logprobs go with it)
+                try:
+                    chunk = self._take(chunk)  # (taken as its event is made: its logprobs go with it)
+                except ApiError:  # generation failed: what came before it still goes out first
+                    if events:
+                        yield "".join(events)
+                    raise
                 if chunk.finish_reason is None:
                     if chunk.text and self.wants_logprobs:  # (a token's logprobs go with the next text)
                         field = {"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text}
