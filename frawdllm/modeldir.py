@@ -363,6 +363,12 @@ def _weights_path(directory: str | Path) -> Path:
     return model_file(directory, WEIGHTS_FILE)
 
 
+def first_non_finite(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter holding nan or inf values, None when all are finite
+    (a run that diverged published such weights: they generate nothing but token 0)."""
+    return next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+
+
 def load_model(directory: str | Path, device: str | torch.device = "cpu", config: ModelConfig | None = None,
                kind: str | None = None):
     """The model in `directory`, in eval mode (as transformers returns one; the training

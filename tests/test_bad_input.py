@@ -51,6 +51,9 @@ def env(tmp_path_factory):
     (root / "rope_list.yaml").write_text("model:\n  rope_theta: [1]\n")
     (root / "dropout_null.yaml").write_text("model:\n  dropout: null\n")
     (root / "a_file").write_text("not a folder\n")
+    with torch.no_grad():  # a diverged run's weights: sampling raised in torch.multinomial, greedy wrote token 0
+        model.blocks[0].mlp.up.weight[0, :4] = float("nan")
+    model.save_pretrained(root / "nan_model", tokenizer=tok)
     deep = root / "deep_model"  # config.json nested 5,000 levels (a RecursionError traceback)
     deep.mkdir()
     (deep / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
@@ -142,6 +145,9 @@ CASES = [
     ("generate-context-huge", ["generate", "--model", "{root}/long_rope_model", "--prompt", "x"],
      "long_rope_model/config.json: context_length 100,000,000"),
     ("generate-max-new-tokens-0", gen("--max-new-tokens", "0"), "max_new_tokens"),
+    ("generate-nan-weights", ["generate", "--model", "{root}/nan_model", "--prompt", "x"],
+     "weights hold nan or inf values (the first: blocks.0.mlp.up.weight)"),
+    ("chat-nan-weights", ["chat", "--model", "{root}/nan_model"], "weights hold nan or inf"),
     ("generate-config-nested-too-deep", ["generate", "--model", "{root}/deep_model", "--prompt", "x"],
      "nests too deeply"),
     ("pretrain-config-alias-bomb", pre("--config", "{root}/bomb.yaml"), "lr: expected a number"),

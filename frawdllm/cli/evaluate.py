@@ -109,9 +109,9 @@ def evaluate(model_dir: str, data: str, text_field: str, doc_split: str, split: 
 def _not_finite_cause(model, dtype: str) -> str:
     """Why a loss came out nan or inf: weights that hold such values, else the forward
     overflowing in its dtype."""
-    import torch
+    from ..modeldir import first_non_finite
 
-    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    bad = first_non_finite(model)
     if bad is not None:
         return f"the model's weights hold nan or inf values (the first: {bad})"
     return f"the forward overflowed in {dtype}" + ("; try --dtype fp32" if dtype != "fp32" else "")

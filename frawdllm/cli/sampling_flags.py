@@ -169,7 +169,7 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
     from ..cbuild import usable_cpus
     from ..infer import Engine
     from ..infer.quantize import quantize_int8
-    from ..modeldir import TOKENIZER_FILE, load_model, model_file
+    from ..modeldir import TOKENIZER_FILE, first_non_finite, load_model, model_file
     from ..tokenizer import Tokenizer
     from ..train.device import pick_device
 
@@ -186,6 +186,10 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
         raise FrawdError(f"--compile runs the decode step through torch.compile, not the native forward that "
                          f"--native {native} asks for: give one of them")
     model = load_model(model_dir, device=pick_device(device), kind="decoder")
+    bad = first_non_finite(model)
+    if bad is not None:  # (sampling raised inside torch.multinomial; greedy wrote token 0 over and over)
+        raise FrawdError(f"{model_dir}: the model's weights hold nan or inf values (the first: {bad}): a run that "
+                         "diverged? Use a checkpoint from before it")
     tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE)).check_fits(model.config.vocab_size, model_dir)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
