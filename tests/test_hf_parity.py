@@ -70,6 +70,20 @@ def test_mapping_there_and_back_is_bitwise(variant):
         assert torch.equal(back[key], tensor), key
 
 
+def test_integer_tensors_are_not_imported_as_weights():
+    """A float32 bias relabelled I32 in its safetensors header was imported exit 0, its bits
+    read as integers and cast: values like 9.4e8 where 3e-5 was."""
+    from frawdllm.errors import FrawdError
+
+    model = small_model("gpt2-tied")
+    hf_state = to_hf_state_dict(model.state_dict(), model.config)
+    name = next(n for n in sorted(hf_state) if n.endswith("attn.c_attn.bias"))
+    hf_state[name] = hf_state[name].view(torch.int32)
+    with pytest.raises(FrawdError, match=f"checkpoint tensor .*{name.split('.', 1)[-1]} holds int32, not "
+                                         "floating-point weights"):
+        from_hf_state_dict(hf_state, model.config)
+
+
 def test_bias_free_gpt2_exports_zero_biases_and_imports_as_biased():
     model = small_model("gpt2-nobias")
     hf_state = to_hf_state_dict(model.state_dict(), model.config)

@@ -305,6 +305,10 @@ def from_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, 
             f"checkpoint tensors do not match its config (missing: {', '.join(missing[:4]) or '-'}; "
             f"unexpected: {', '.join(unexpected[:4]) or '-'})"
         )
+    integer = next((name for name in sorted(state) if not state[name].is_floating_point()), None)
+    if integer is not None:  # (load_state_dict casts it: a float32 bias relabelled I32 read as 9.4e8)
+        raise FrawdError(f"checkpoint tensor {integer} holds {str(state[integer].dtype).removeprefix('torch.')}, "
+                         "not floating-point weights")
     out: dict[str, Tensor] = {}
     for m in layout:
         parts = [state[name].t() if m.transpose else state[name] for name in m.theirs]
