@@ -433,6 +433,25 @@ def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_u
     assert compiling.compile_cost(key).speedup == 2.0 and compiling.compile_cost(key).source == "measured here"
 
 
+def test_a_run_too_short_to_time_compiled_steps_still_keeps_its_warmup(tmp_path, monkeypatch, private_user_cache):
+    """The warm-up was kept only after 5 compiled steps: a short run's cold warm-up (29 s of a
+    30 s budget) was lost, and the next `auto` decided on a guess."""
+    def slow_compile(fn):
+        first = []
+
+        def compiled(*args):
+            if not first:
+                first.append(time.sleep(0.5))  # the warm-up
+            return fn(*args)
+        return compiled
+
+    monkeypatch.setattr(compiling, "compile_step", slow_compile)
+    trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="true", max_steps=3))
+    trainer.fit()
+    records = {k: v for k, v in device.read_cache(compiling.COMPILE_FILE).items() if isinstance(v, dict)}
+    assert len(records) == 1 and list(records.values())[0]["warmup_s"] >= 0.5, records
+
+
 STARTED = """
 import os, time
 from frawdllm.train.device import process_started_at

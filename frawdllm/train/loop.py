@@ -320,6 +320,7 @@ class Trainer:
         self._compiled_ok = False  # a compiled step has run (a failure after that is no compile problem)
         self._compile_retried = False
         self._warmup_s: float | None = None  # the first compiled step's duration
+        self._cost_remembered = False  # this session's compile cost went into the cache
         self._last_step_s: float | None = None
         self._eager_s: dict[str, float] = {}  # timed eager step per dtype (auto)
         self._cost_keys: dict[str, str] = {}
@@ -534,6 +535,10 @@ class Trainer:
             self.metrics.close()
             release_run_dir(self.run_dir)
         self._check_cached_peak()
+        if self._compiled and self._warmup_s is not None and not self._cost_remembered and self.dist.is_main:
+            # a short run (fewer than 5 compiled steps after the warm-up): its warm-up, the
+            # cold one a later `auto` must count on, is kept all the same
+            self._remember_compile_cost(step_known=bool(self._step_times))
         return self._result()
 
     def _check_cached_peak(self) -> None:
@@ -657,6 +662,7 @@ class Trainer:
                 self._eval_steps = [self._eval_s / self._costs_step_s] if self._eval_s and self._costs_step_s else []
             if self._compiled and len(self._step_times) == 5 and self._warmup_s is not None:
                 self._remember_compile_cost()
+                self._cost_remembered = True
         since, tokens_then = self._window
         self._rate = (self.tokens - tokens_then) / max(now - since, 1e-9)
         if self.step % cfg.log_interval == 0:
@@ -708,14 +714,15 @@ class Trainer:
             self._compiled_ok = True
         return loss.detach().float(), {key: value.detach().float() for key, value in metrics.items()}
 
-    def _remember_compile_cost(self) -> None:
-        """Cache this machine's warm-up and speedup for this model, for later `auto` decisions."""
-        compiled_s = self._step_s()
+    def _remember_compile_cost(self, step_known: bool = True) -> None:
+        """Cache this machine's warm-up and speedup for this model, for later `auto` decisions
+        (`step_known` False: no compiled step was timed after the warm-up, which is kept alone)."""
+        compiled_s = self._step_s() if step_known else None
         eager_s = self._eager_s.get(self.dtype)
         key = self._cost_keys.get(self.dtype)
         if key is not None:
-            compiling.record_cost(key, max(0.0, self._warmup_s - compiled_s),
-                                  eager_s / compiled_s if eager_s else None, compiled_s)
+            compiling.record_cost(key, max(0.0, self._warmup_s - (compiled_s or 0.0)),
+                                  eager_s / compiled_s if eager_s and compiled_s else None, compiled_s)
             compiling.forget_failure(self.device)
 
     def _bad_step(self, loss_value: float, grad_norm: float) -> None:
