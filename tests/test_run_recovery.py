@@ -2,11 +2,13 @@
 the first complete checkpoint, starts over), temporary folders are tidied, and resumed
 logs hold each step once."""
 
-import pytest
+import os
 import re
 import signal
 import subprocess
 import sys
+
+import pytest
 
 from frawdllm.io import clean_partial
 from frawdllm.train import run_pretraining
@@ -144,3 +146,15 @@ def test_the_summary_says_what_its_figures_cover(tmp_path):
     line = result.summary()
     assert "30 steps, 30.7k tokens in 18.0 s (the run so far)" in line
     assert "this session 3.7k tok/s (bf16, eager), MFU" in line
+
+
+def test_without_a_writable_home_matplotlib_keeps_its_files_in_frawdllms_cache(tmp_path):
+    """`docker run -u 12345` (no home): matplotlib warned at every run that it made a
+    temporary cache folder (two lines, even under --no-progress)."""
+    (tmp_path / "a_file").write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME")}
+    env.update(HOME=str(tmp_path / "a_file"), FRAWD_CACHE_DIR=str(tmp_path / "cache"))
+    code = "import os; from frawdllm.train.rundir import load_pyplot; load_pyplot(); print(os.environ['MPLCONFIGDIR'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.strip() == str(tmp_path / "cache" / "matplotlib")

@@ -29,6 +29,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -523,10 +524,35 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
     write_text_atomic(Path(run_dir) / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+def _home_config_writable() -> bool:
+    """Whether matplotlib's default config folder (~/.config/matplotlib) is, or can be made,
+    writable."""
+    try:
+        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    except (RuntimeError, KeyError):  # no home at all
+        return False
+    folder = base / "matplotlib"
+    if folder.is_dir():
+        return os.access(folder, os.W_OK)
+    existing = next((p for p in folder.parents if p.exists()), None)
+    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK)
+
+
 def load_pyplot():
     """matplotlib's pyplot on the file-only Agg backend, imported on first use (it takes
     about a second: the loop imports it before training, inside --max-time when the
-    budget started with the process, as under `frawd pretrain`)."""
+    budget started with the process, as under `frawd pretrain`). Without a writable home
+    (`docker run -u 12345`, a read-only home) its config and font cache go to FrawdLLM's
+    cache folder, rather than a temporary one with a warning at every run."""
+    if "MPLCONFIGDIR" not in os.environ and "matplotlib" not in sys.modules and not _home_config_writable():
+        from ..cbuild import cache_dir
+
+        folder = cache_dir().parent / "matplotlib"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            os.environ["MPLCONFIGDIR"] = str(folder)
+        except OSError:
+            pass  # (matplotlib's own fallback, and its warning)
     import matplotlib
 
     matplotlib.use("Agg")
