@@ -142,6 +142,34 @@ def test_the_hardware_report_counts_threads_and_names_only_the_candidates_it_tim
     assert dtype.endswith("keep the faster (compiled or not))")
 
 
+def test_the_hardware_report_says_what_a_remembered_failure_and_an_unwritable_cache_mean(monkeypatch,
+                                                                                         private_user_cache):
+    """With compiling known to fail here the dtype line still promised "(compiled or not)";
+    with a cache that cannot be written the peaks were said kept there ("measured now; PATH")."""
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda features=None: True)
+    monkeypatch.setattr(device, "choose_dtype", lambda dtype, dev: ("bf16", "auto: native bf16"))
+    monkeypatch.setattr(device, "measure_matmul_flops", lambda dev, dtype, **kw: 1e11)
+    monkeypatch.setattr(compiling, "cxx_compiler", lambda: "g++")
+    compiling.remember_failure(CPU, "CppCompileError: C++ compile error")
+    lines = device.hardware_report("cpu", "auto", "auto")
+    dtype = next(line for line in lines if line.startswith("dtype:"))
+    assert dtype.endswith("keep the faster)"), dtype
+    assert any(line.startswith("compile:       off: it failed here before") for line in lines), lines
+    assert all("(measured now; " in line or "(cached; " in line for line in lines if line.startswith("peak "))
+    monkeypatch.setattr(device, "update_cache", lambda *args: None)  # (a cache that cannot be written)
+    (private_user_cache / device.PEAKS_FILE).unlink()
+    peaks = [line for line in device.hardware_report("cpu", "auto", "auto") if line.startswith("peak ")]
+    assert peaks and all("(measured now, not kept: the cache cannot be written; " in line for line in peaks), peaks
+
+
+def test_a_remembered_compile_failure_is_said_when_auto_keeps_a_run_eager(tmp_path, monkeypatch, capsys):
+    """Every later `auto` run trained eager without a word (only --dry-run and info said why)."""
+    monkeypatch.setattr(compiling, "cxx_compiler", lambda: "g++")
+    compiling.remember_failure(CPU, "CppCompileError: C++ compile error")
+    Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="auto", max_steps=2, progress=True)).fit()
+    assert "compile off: it failed here before (CppCompileError: C++ compile error)" in capsys.readouterr().err
+
+
 def test_a_dry_run_names_the_peak_tflops_given_as_the_peak_of_its_mfu(monkeypatch, capsys, tmp_path):
     """--peak-tflops replaces the measured peak in MFU, but the dry run showed only the cached one."""
     from cli_helpers import run_cli

@@ -350,11 +350,11 @@ def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_sett
     lines = [f"device:        {device}" + (f" ({counted(torch.get_num_threads(), 'thread')})" if device.type == "cpu" else
                                            f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")]
     lines.append(f"cpu features:  {shown_features()}")
+    blocker = compiling.known_failure(device) if compile_setting != "false" else None
     if dtype == "auto" and device.type == "cpu" and cpu_has_bf16() and compile_setting != "true":
         why += "; the first steps time bf16 and fp32 and keep the faster" + (
-            "" if compile_setting == "false" else " (compiled or not)")
+            "" if compile_setting == "false" or blocker is not None else " (compiled or not)")
     lines.append(f"dtype:         {chosen} ({why})")
-    blocker = compiling.known_failure(device) if compile_setting != "false" else None
     if compile_setting == "false":
         decision = "off (compile: false)"
     elif blocker is not None and (compile_setting == "auto" or "before" not in blocker):
@@ -370,8 +370,9 @@ def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_sett
                                                                    device.type == "cuda" else [])]):
         cached = cached_peak(device, d)
         peak = cached if cached is not None else peak_flops(device, d, say=say)
-        lines.append(f"peak {d}:     {peak / 1e9:,.1f} GFLOP/s ({'cached' if cached else 'measured now'}; "
-                     f"{user_cache_dir() / PEAKS_FILE})")
+        kept = "cached" if cached else "measured now" if cached_peak(device, d) else \
+            "measured now, not kept: the cache cannot be written"
+        lines.append(f"peak {d}:     {peak / 1e9:,.1f} GFLOP/s ({kept}; {user_cache_dir() / PEAKS_FILE})")
     if device.type == "cpu" and not cpu_has_bf16():
         lines.append("peak bf16:     none native (emulated bf16 matmuls; MFU of bf16 training uses fp32's peak)")
     if peak_tflops is not None:

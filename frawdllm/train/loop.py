@@ -422,6 +422,8 @@ class Trainer:
             self.compile_why = "on (compile: true)"
         elif cfg.compile == "auto" and blocker is not None:
             self.compile_why = f"off: {blocker}"
+            if "before" in blocker:  # (a remembered failure: said, or later runs were eager without a word)
+                self._say(f"compile {self.compile_why}")
         candidates = [self.dtype]
         if cfg.dtype == "auto" and self.device.type == "cpu" and cpu_has_bf16() and cfg.compile != "true" \
                 and not self.dist.active:  # under FSDP the precision is fixed when sharding
