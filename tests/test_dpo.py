@@ -143,8 +143,7 @@ def test_dpo_cli_starts_at_ln2_logs_trl_metrics_and_learns_the_preference(tmp_pa
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_a_model_with_dropout_starts_at_ln2_too(style, tmp_path, capsys):
+def test_a_model_with_dropout_starts_at_ln2_too(tmp_path, capsys):
     """With --init's dropout on, the policy's log-probs had dropout noise against the eval-mode
     reference: step 1 logged 0.687 and accuracies 0.875 where policy == reference. DPO trains
     without dropout (TRL's disable_dropout); the saved model keeps its dropout setting."""
@@ -153,7 +152,7 @@ def test_a_model_with_dropout_starts_at_ln2_too(style, tmp_path, capsys):
 
     from frawdllm import FrawdLLM
 
-    model = FrawdLLM(dataclasses.replace(tiny_model(style).config, dropout=0.3))
+    model = FrawdLLM(dataclasses.replace(tiny_model("gpt2").config, dropout=0.3))  # (dropout on attention too)
     model.save_pretrained(tmp_path / "base", tokenizer=byte_tokenizer())
     data = write_jsonl(tmp_path / "prefs.jsonl", word_prefs(20))
     code, _, err = run_cli(capsys, *dpo_args(tmp_path / "base", data, "--max-steps", "1", "--out", tmp_path / "run"))
