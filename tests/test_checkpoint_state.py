@@ -40,3 +40,25 @@ def test_a_truncated_state_is_one_clear_line_and_a_good_one_loads(tmp_path):
     with pytest.raises(FrawdError, match="cannot read the training state") as info:
         load_state(tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_pruning_a_checkpoint_that_is_a_link_removes_the_link_only(tmp_path):
+    """A checkpoint folder linked in from another run: pruning raised "cannot call rmtree on
+    a symbolic link" (and had it followed the link, it would have deleted the other run's)."""
+    from frawdllm.train.checkpoint import CHECKPOINTS_DIR, prune
+
+    def checkpoint(folder):
+        (folder / "model").mkdir(parents=True)
+        for name in (STATE_FILE, "model/model.safetensors", "model/config.json"):
+            (folder / name).write_bytes(b"x")
+        return folder
+
+    elsewhere = checkpoint(tmp_path / "other" / "step_00000002")
+    root = tmp_path / "run" / CHECKPOINTS_DIR
+    root.mkdir(parents=True)
+    (root / "step_00000002").symlink_to(elsewhere, target_is_directory=True)
+    for step in (4, 6):
+        checkpoint(root / f"step_{step:08d}")
+    prune(tmp_path / "run", keep_last=2, keep_steps=set())
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
+    assert (elsewhere / STATE_FILE).is_file()  # the linked run's checkpoint untouched

@@ -259,7 +259,10 @@ def test_prepare_shards_takes_a_pathlib_path_as_the_source(tmp_path, bpe):
     ("", "not a folder of prepared shards (meta.json is not a JSON object)"),
     ("[1, 2]", "not a folder of prepared shards (meta.json is not a JSON object)"),
     ('{"train_shards": 5}', "meta.json: the shard lists are not lists of file names"),
-], ids=["missing", "empty", "list", "bad-list"])
+    # (a crafted meta.json made any file on the machine the training data)
+    ('{"train_shards": ["../other/train.bin"]}', "the shard list names '../other/train.bin', not a file of the folder"),
+    ('{"train_shards": ["/etc/passwd"]}', "the shard list names '/etc/passwd', not a file of the folder"),
+], ids=["missing", "empty", "list", "bad-list", "outside", "absolute"])
 def test_read_split_of_a_folder_without_a_usable_meta_json_is_one_line(tmp_path, meta, error):
     from frawdllm.data import read_split
 
@@ -269,7 +272,7 @@ def test_read_split_of_a_folder_without_a_usable_meta_json_is_one_line(tmp_path,
         (tmp_path / "meta.json").write_text(meta)
     with pytest.raises(FrawdError, match=re.escape(error)):
         read_split(tmp_path, "train")
-    if "lists" in error:  # our meta.json, damaged
+    if "list" in error:  # our meta.json, damaged
         with pytest.raises(FrawdError, match=re.escape(error)):
             is_shard_dir(tmp_path)
     else:  # none, or not ours: a folder of text

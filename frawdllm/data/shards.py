@@ -330,6 +330,10 @@ def split_files(shard_dir: str | Path, split: str, meta: dict | None = None) -> 
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         raise FrawdError(f"{shard_dir / META_FILE}: the shard lists are not lists of file names "
                          "(prepare the shards again with frawd data prepare)")
+    outside = next((name for name in names if Path(name).name != name or name in ("", ".", "..")), None)
+    if outside is not None:  # (a meta.json that names ../other/train.bin or /etc/passwd: read as tokens)
+        raise FrawdError(f"{shard_dir / META_FILE}: the shard list names {outside!r}, not a file of the folder "
+                         "(prepare the shards again with frawd data prepare)")
     return [shard_dir / name for name in names]
 
 

@@ -96,7 +96,10 @@ def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:
     found = list_checkpoints(run_dir)
     for step, path in found[:-keep_last] if keep_last else found:
         if step not in keep_steps:
-            shutil.rmtree(path)
+            if path.is_symlink():  # (a checkpoint linked in from elsewhere: the link goes, not what it names)
+                path.unlink()
+            else:
+                shutil.rmtree(path)
 
 
 def load_state(path: Path) -> dict:
