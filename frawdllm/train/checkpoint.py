@@ -58,10 +58,15 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     if root.is_dir():
         for path in root.iterdir():
             match = _NAME.fullmatch(path.name)
-            if match and (path / STATE_FILE).is_file() and (path / MODEL_SUBDIR / WEIGHTS_FILE).is_file() \
-                    and (path / MODEL_SUBDIR / CONFIG_FILE).is_file():
+            if match and not _missing_files(path):
                 found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def _missing_files(path: Path) -> list[str]:
+    """What a checkpoint folder lacks of a complete checkpoint's files."""
+    return [name for name in (STATE_FILE, f"{MODEL_SUBDIR}/{WEIGHTS_FILE}", f"{MODEL_SUBDIR}/{CONFIG_FILE}")
+            if not (path / name).is_file()]
 
 
 def damaged_checkpoint(run_dir: Path) -> str | None:
@@ -72,8 +77,7 @@ def damaged_checkpoint(run_dir: Path) -> str | None:
     named = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name))) \
         if root.is_dir() else []
     for _, path in reversed(named):
-        missing = [name for name in (STATE_FILE, f"{MODEL_SUBDIR}/{WEIGHTS_FILE}", f"{MODEL_SUBDIR}/{CONFIG_FILE}")
-                   if not (path / name).is_file()]
+        missing = _missing_files(path)
         if missing:
             return f"{path} lacks {' and '.join(missing)}"
     return None

@@ -92,6 +92,7 @@ def use_fresh_cache() -> Path:
 
     damaged = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
     ours = device_module.user_cache_dir() / "inductor"
+    path = None
     if damaged.is_dir() and damaged.resolve() == ours.resolve():
         aside = ours.with_name(f"inductor.damaged-{os.getpid()}")
         try:
@@ -100,9 +101,8 @@ def use_fresh_cache() -> Path:
             ours.mkdir()
             path = ours
         except OSError:
-            path = Path(tempfile.mkdtemp(prefix="frawd-inductor-"))
-            atexit.register(shutil.rmtree, path, ignore_errors=True)
-    else:
+            pass
+    if path is None:
         path = Path(tempfile.mkdtemp(prefix="frawd-inductor-"))
         atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
