@@ -549,3 +549,20 @@ def test_at_a_terminal_run_says_how_to_use_it_then_translates_each_line(trained)
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_translation_holding_a_line_break_stays_on_one_line(trained, capsys, monkeypatch, tmp_path):
+    """Byte-level BPE holds "\\n" as a token, so a model can write it: `run` and --hyp-out
+    must still give one line per source line (sacrebleu pairs hypotheses and references by line)."""
+    from frawdllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(trained / "run" / "model" / "tokenizer.json")
+    broken = tok.encode("a man\nruns\r\nthe dog\u2028sits")
+    monkeypatch.setattr("frawdllm.infer.translate.translate_ids", lambda model, ids, **_: [broken for _ in ids])
+    monkeypatch.setattr("sys.stdin", _stdin(b"ein mann\nein hund\n"))
+    code, out, _ = run_cli(capsys, "translate", "run", "--model", trained / "run" / "model")
+    assert code == 0 and out.split("\n") == ["a man runs the dog sits"] * 2 + [""]
+    hyp = tmp_path / "hyp.en"
+    code, _, _ = run_cli(capsys, "translate", "eval", "--model", trained / "run" / "model", "--src",
+                         trained / "val.de", "--ref", trained / "val.en", "--beam", "1", "--hyp-out", hyp)
+    assert code == 0 and hyp.read_text().split("\n") == ["a man runs the dog sits"] * 10 + [""]

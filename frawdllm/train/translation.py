@@ -271,12 +271,14 @@ def probe_times(start: float, step_ends: list[float]) -> tuple[float, float]:
 
 def translate_texts(model: nn.Module, tokenizer: Tokenizer, sources: list[list[int]] | list[str],
                     beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> list[str]:
-    """Detokenized translations of sentences (text or token ids)."""
+    """Detokenized translations of sentences (text or token ids), each on one line: a line
+    break the model wrote (byte-level BPE holds "\n" as a token) becomes a space, so that
+    outputs and hypothesis files keep one line per source line."""
     from ..infer.translate import translate_ids
 
     ids = [tokenizer.encode(s) if isinstance(s, str) else s for s in sources]
     out = translate_ids(model, ids, beam_size=beam_size, alpha=alpha, batch_size=batch_size)
-    return [tokenizer.decode(h, skip_special_tokens=True).strip() for h in out]
+    return [" ".join(tokenizer.decode(h, skip_special_tokens=True).strip().splitlines()) for h in out]
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str]):
