@@ -15,9 +15,10 @@ token. Only `render_chat` (the one chat template of the project) emits role toke
 
     <|bos|><|system|>...<|eos|><|user|>...<|eos|><|assistant|>...<|eos|><|assistant|>
 
-The kind is read back from the layout of tokenizer.json alone: a WordLevel model is
-`char`; a BPE model whose byte-level pre-tokenizer does not split on a regex and that
-has no merges is `byte`; any other model is `bpe`.
+The kind is read back from the layout of tokenizer.json alone: a WordLevel model that
+splits text into single characters is `char` (another one, imported, is `word`); a BPE
+model whose byte-level pre-tokenizer does not split on a regex and that has no merges is
+`byte`; any other model is `bpe` (byte-level or not: an imported SentencePiece-style one too).
 """
 
 from __future__ import annotations
@@ -164,12 +165,18 @@ class Tokenizer:
             token = None
         if token is None:
             return b""
-        if self.kind in ("bpe", "byte") and token_id not in self.special_ids and \
-                all(ch in _BYTE_OF_CHAR for ch in token):
+        if self._byte_level and token_id not in self.special_ids and all(ch in _BYTE_OF_CHAR for ch in token):
             return bytes(_BYTE_OF_CHAR[ch] for ch in token)
         if self.kind == "char" or token_id in self.special_ids:
             return token.encode()
         return self.backend.decode([token_id], skip_special_tokens=False).encode()  # (e.g. SentencePiece-style)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether tokens spell bytes as GPT-2's byte-to-character map does (its decoder is
+        ByteLevel). A SentencePiece-style token "é" is the character, not the byte 0xE9."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in decoder.get("decoders", [decoder]))
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
@@ -368,11 +375,13 @@ class Tokenizer:
 
 
 def _detect_kind(backend: _HFTokenizer) -> str:
-    if isinstance(backend.model, models.WordLevel):
-        return "char"
     setup = json.loads(backend.to_str())
     pre = setup.get("pre_tokenizer") or {}
     model = setup.get("model") or {}
+    if isinstance(backend.model, models.WordLevel):
+        # Only the layout `_build_char` writes is char-level: another word-level model's
+        # tokens are words, and a cut inside a document would split one.
+        return "char" if pre.get("type") == "Split" and pre.get("pattern") == {"Regex": r"[\s\S]"} else "word"
     if (model.get("type") == "BPE" and not model.get("merges")
             and pre.get("type") == "ByteLevel" and pre.get("use_regex") is False):
         return "byte"

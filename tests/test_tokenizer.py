@@ -425,6 +425,20 @@ def test_token_bytes_put_together_are_the_texts_bytes():
         assert tok.token_bytes(3) == b"<|eos|>" and tok.token_bytes(10**6) == b""
 
 
+def test_token_bytes_of_a_sentencepiece_style_token_are_its_characters_utf8():
+    """An imported BPE that is not byte-level (Llama-2/Mistral style): its token "é" is the
+    character, whose UTF-8 is two bytes, not GPT-2's byte 0xE9 that the same character spells."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    backend.train_from_iterator(["café résumé naïve é ü"] * 20, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    tok = Tokenizer(backend)
+    for char in "éü":
+        assert tok.token_bytes(backend.token_to_id(char)) == char.encode()
+
+
 def test_cli_refuses_to_write_the_tokenizer_inside_its_source_folder(tmp_path, capsys):
     # (corp/tokenizer.json was then read by the next run as corpus text)
     from cli_helpers import run_cli

@@ -428,7 +428,8 @@ def print_warnings(meta: dict) -> None:
 def _unk_warning(meta: dict) -> str | None:
     if not meta["unk_tokens"]:
         return None
-    return (f"{meta['unk_tokens']} character(s) are not in the {meta['tokenizer_kind']} tokenizer's "
+    what = "word" if meta["tokenizer_kind"] == "word" else "character"
+    return (f"{meta['unk_tokens']} {what}(s) are not in the {meta['tokenizer_kind']} tokenizer's "
             f"vocabulary and became <|unk|>")
 
 
