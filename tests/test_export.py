@@ -234,6 +234,23 @@ def test_stop_settings_samples_and_max_new_tokens_reach_transformers_generate_an
     assert (tmp_path / "again" / gen_file).read_bytes() == (hf_dir / gen_file).read_bytes()
 
 
+def test_import_without_a_generation_config_stops_at_each_of_config_jsons_end_ids(tmp_path, tokenizer):
+    """transformers' generate() reads config.json's eos_token_id list when the checkpoint has no
+    generation_config.json: the ids besides the model's eos become stop_token_ids (they were dropped)."""
+    from frawdllm.modeldir import load_generation_config
+
+    _, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    hf_dir = tmp_path / "hf"
+    export(model_dir, hf_dir)
+    (hf_dir / "generation_config.json").unlink()
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": [3, 5]}))
+    theirs = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(hf_dir))
+    assert theirs.eos_token_id == [3, 5]
+    main(["import", "--from-hf", str(hf_dir), "--out", str(tmp_path / "back")])
+    assert load_generation_config(tmp_path / "back") == {"stop_token_ids": [5]}
+
+
 def test_import_of_a_greedy_max_length_or_beam_config_stays_greedy_and_names_what_it_ignores(tmp_path, capsys):
     """transformers generates greedily without do_sample, and its max_length counts the prompt.
     A file setting only max_length or num_beams imported as nothing (our sampling defaults), so

@@ -537,10 +537,15 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         if not tokenizer.is_file():
             _note_no_tokenizer(directory)
         model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
-        sampling = sampling_from_hf(read_json_object(directory / GENERATION_CONFIG_FILE), model.config.eos_token_id,
-                                    model.config.context_length, directory / GENERATION_CONFIG_FILE)
+        source = directory / GENERATION_CONFIG_FILE
+        if not source.is_file():  # transformers' generate() then stops at each of config.json's end ids
+            source = directory / "config.json"
+            generation = {"eos_token_id": read_json_object(source).get("eos_token_id")}
+        else:
+            generation = read_json_object(source)
+        sampling = sampling_from_hf(generation, model.config.eos_token_id, model.config.context_length, source)
         if sampling:
-            checked_sampling(sampling, directory / GENERATION_CONFIG_FILE)
+            checked_sampling(sampling, source)
             write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)
     return model
 
