@@ -39,6 +39,7 @@ from .io import atomic_path, undo_on_error, write_json_atomic
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
+IMPORTABLE = ("gpt2", "llama")  # the transformers model_types `frawd import --from-hf` converts
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -186,8 +187,11 @@ def load_config(directory: str | Path) -> ModelConfig:
         raise FrawdError(f"{path}: expected a JSON object")
     version = data.pop("format_version", None)
     if version is None and ("model_type" in data or "architectures" in data):
-        raise FrawdError(f"{path}: a transformers config (model_type {data.get('model_type')!r}), not a FrawdLLM "
-                         f"model directory; convert it first: frawd import --from-hf {directory} --out NEW_DIR")
+        hf_type = data.get("model_type")
+        advice = (f"convert it first: frawd import --from-hf {directory} --out NEW_DIR" if hf_type in IMPORTABLE
+                  else f"frawd import reads model_type {' and '.join(IMPORTABLE)} only")
+        raise FrawdError(f"{path}: a transformers config (model_type {hf_type!r}), not a FrawdLLM model directory; "
+                         f"{advice}")
     if version is None:
         raise FrawdError(f"{path}: no format_version; not a FrawdLLM model directory")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:

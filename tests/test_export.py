@@ -657,10 +657,13 @@ def test_import_without_tokenizer_json_says_what_was_left_out_and_how_to_get_it(
 def test_export_of_a_transformers_folder_or_a_training_run_names_what_to_give_instead(tmp_path, capsys):
     from frawdllm.export.hf import to_hf_config
 
-    hf_dir, run = tmp_path / "hf", tmp_path / "run"
+    hf_dir, run, mistral = tmp_path / "hf", tmp_path / "run", tmp_path / "mistral"
     to_hf_config(get_config("tiny-llama", **SMALL)).save_pretrained(hf_dir)
+    transformers.MistralConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(mistral)
     small_model("gpt2-tied").save_pretrained(run / "model")
     for model_dir, says in ((hf_dir, f"convert it first: frawd import --from-hf {hf_dir} --out"),
+                            (mistral, "(model_type 'mistral'), not a FrawdLLM model directory; frawd import reads "
+                                      "model_type gpt2 and llama only"),  # (not advice that fails next)
                             (run, f"a training run keeps its model in model/: give {run / 'model'}")):
         with pytest.raises(SystemExit):
             export(model_dir, tmp_path / "out")

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..errors import ConfigError, FrawdError
-from ..modeldir import plain_state
+from ..modeldir import IMPORTABLE, plain_state
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
@@ -159,7 +159,7 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
             norm_eps=hf_config.rms_norm_eps,
         )
     else:
-        raise FrawdError(f"model_type={kind!r} cannot be imported; supported: gpt2, llama")
+        raise FrawdError(f"model_type={kind!r} cannot be imported; supported: {', '.join(IMPORTABLE)}")
     bad = [name for name, ok in checks.items() if not ok]
     if bad:
         shown = ", ".join(f"{name}=" + "/".join(repr(getattr(hf_config, part, "?")) for part in name.split("/"))
