@@ -237,7 +237,10 @@ def test_a_lora_model_saves_and_exports_merged(tmp_path, style):
     a folder no loader reads; to_hf_model and gguf_tensors raised KeyError."""
     from frawdllm import FrawdLLM
     from frawdllm.export.gguf import gguf_tensors
+    import transformers
+
     from frawdllm.export.hf import to_hf_model
+    from frawdllm.export.hf_dir import write_hf_dir
 
     model, merged = _adapted(style)
     x = torch.randint(0, 263, (1, 12))
@@ -248,6 +251,10 @@ def test_a_lora_model_saves_and_exports_merged(tmp_path, style):
     torch.testing.assert_close(to_hf_model(model)(x).logits, merged(x)[0], atol=1e-5, rtol=1e-5)
     ours = dict(gguf_tensors(model))
     assert all(torch.equal(ours[name], t) for name, t in gguf_tensors(merged))
+    (tmp_path / "hf").mkdir()  # (write_hf_dir fills an empty folder)
+    write_hf_dir(model, None, tmp_path / "hf")  # (the Python API: KeyError on the adapters' names)
+    torch.testing.assert_close(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(x).logits,
+                               merged(x)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_the_engine_runs_a_lora_model_in_pytorch():

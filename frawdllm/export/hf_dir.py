@@ -42,8 +42,8 @@ from ..infer.sampling import SamplingParams
 from ..io import atomic_dir, read_json_object, write_json_atomic
 from ..model import FrawdLLM
 from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_sampling, expected_shapes,
-                        load_config, load_generation_config, load_model, model_file, tables_too_large,
-                        weight_shapes)
+                        load_config, load_generation_config, load_model, model_file, plain_state,
+                        tables_too_large, weight_shapes)
 from ..tokenizer import Tokenizer
 from .hf import (first_id, from_hf_config, from_hf_state_dict, head_differs, hf_architecture,
                  normalise_hf_names, tensor_layout, to_hf_config, to_hf_state_dict)
@@ -196,7 +196,8 @@ def write_hf_dir(model: FrawdLLM, tokenizer: Tokenizer | None, directory: Path, 
     cfg = model.config
     hf_config = to_hf_config(cfg)
     hf_config.dtype = dtype
-    state = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(model.state_dict(), cfg).items()}
+    plain = plain_state(model, f"cannot export to {directory}")  # (LoRA adapters merged)
+    state = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(plain, cfg).items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     write_json_atomic(directory / "config.json", hf_config.to_dict())
     write_json_atomic(directory / "generation_config.json", generation_config(cfg, sampling or {}))
