@@ -235,10 +235,10 @@ def _adapted(style="llama"):
 def test_a_lora_model_saves_and_exports_merged(tmp_path, style):
     """save_pretrained wrote the adapters' names (blocks.0.attn.qkv.base.weight, lora_a...),
     a folder no loader reads; to_hf_model and gguf_tensors raised KeyError."""
-    from frawdllm import FrawdLLM
-    from frawdllm.export.gguf import gguf_tensors
     import transformers
 
+    from frawdllm import FrawdLLM
+    from frawdllm.export.gguf import gguf_tensors
     from frawdllm.export.hf import to_hf_model
     from frawdllm.export.hf_dir import write_hf_dir
 
