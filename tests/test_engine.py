@@ -425,6 +425,43 @@ def test_a_kv_cache_forward_that_begin_did_not_announce_is_one_line():
         model(step[0], positions=step[1], kv_cache=cache)
 
 
+@torch.no_grad()
+def test_every_cache_refuses_an_unannounced_forward_and_gives_positions_to_one_without():
+    """A static cache's one-token step and a RowKVCache took an unannounced forward (it
+    overwrote the last slot: logits ~0.02 off), and a forward given no positions put every new
+    token at position 0. Checked against the full forward without a cache."""
+    from frawdllm.infer.cache import RowKVCache
+
+    model = make_model(**CONFIGS["rope"])
+    ids = torch.tensor([prompt_ids(0, 10)])
+    full = model(ids)[0]
+    for static in (False, True):
+        cache = KVCache(model.config, 1, 16, static=static)
+        cache.begin(8)
+        model(ids[:, :8], kv_cache=cache)
+        for t in (8, 9):
+            cache.begin(1)
+            torch.testing.assert_close(model(ids[:, t:t + 1], kv_cache=cache)[0][:, -1], full[:, t])
+        with pytest.raises(FrawdError, match=r"^KVCache got a forward of 1 new token that no begin\(\) announced"):
+            model(ids[:, 9:10], kv_cache=cache)
+    padded = KVCache(model.config, 2, 16)  # row 0 left-padded by 3: its positions start at 0 all the same
+    row0 = torch.tensor([[0, 0, 0, *prompt_ids(0, 5)]])
+    padded.begin(8, valid=torch.tensor([[False] * 3 + [True] * 5, [True] * 8]))
+    logits = model(torch.cat([row0, ids[:, :8]]), kv_cache=padded)[0]
+    torch.testing.assert_close(logits[1], full[0, :8])
+    torch.testing.assert_close(logits[0, 3:], full[0, :5])
+    rows = RowKVCache(model.config, 1, 16)
+    view = rows.row_view(0)  # (the row prefilled in place, as the scheduler does)
+    view.begin(8)
+    model(ids[:, :8], kv_cache=view)
+    rows.set_length(0, 8)
+    rows.rows = 1
+    with pytest.raises(FrawdError, match=r"^RowKVCache got a forward that no begin\(\) announced"):
+        model(ids[:, 8:9], kv_cache=rows)
+    rows.begin(1)
+    torch.testing.assert_close(model(ids[:, 8:9], kv_cache=rows)[0][:, -1], full[:, 8])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_kv_caches_start_as_zeros_of_their_own_and_hold_what_is_written(dtype):
     from frawdllm.infer.cache import RowKVCache

@@ -132,21 +132,32 @@ class KVCache:
         """The first slot each row writes in the forward `begin(n_new)` announced (all the same here)."""
         return torch.full((rows,), self.length - n_new, dtype=torch.long)
 
+    def new_positions(self, n_new: int) -> Int[Tensor, "B T"] | None:
+        """Positions of the n_new tokens `begin` announced: the real tokens before each in its
+        row (a left-padded row's first real token is at 0; padding gets 0); None when no such
+        forward is announced (`update` then refuses it). For a forward given no positions."""
+        if not self._announced or self.length - self._start != n_new:
+            return None
+        before = self.valid[:, :self.length].long().cumsum(1)[:, self._start:]  # (B, n_new), counts itself
+        return (before - 1).clamp_(min=0)
+
     def update(
         self, layer_idx: int, k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"]
     ) -> tuple[Float[Tensor, "B H S hd"], Float[Tensor, "B H S hd"], Bool[Tensor, "B 1 T S"] | None]:
         """Store this forward's keys/values; return all to attend over (S slots) and the mask.
-        `begin(T)` announces each forward: a forward it did not announce is refused."""
+        `begin(T)` announces each forward: a forward it did not announce is refused (outside
+        torch.compile, whose static-cache decode step is the engine's own)."""
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            # A forward's first write: announced? (else an overwrite of the last slot, or a shape error)
+            if not self._announced or k.shape[2] != self.length - self._start:
+                self._refuse_unannounced(k.shape[2])
+            self._announced = False
         if self.static and k.shape[2] == 1:
             self.k[layer_idx].index_copy_(2, self._slot, k.to(self.k[layer_idx].dtype))
             self.v[layer_idx].index_copy_(2, self._slot, v.to(self.v[layer_idx].dtype))
             k_all, v_all = self.k[layer_idx], self.v[layer_idx]
         else:
             a, b = self._start, self.length
-            if layer_idx == 0:  # a forward's first write: announced? (else a shape error, or an overwrite)
-                if not self._announced or k.shape[2] != b - a:
-                    self._refuse_unannounced(k.shape[2])
-                self._announced = False
             self.k[layer_idx][:, :, a:b] = k
             self.v[layer_idx][:, :, a:b] = v
             k_all, v_all = self.k[layer_idx][:, :, :b], self.v[layer_idx][:, :, :b]
@@ -204,6 +215,7 @@ class RowKVCache:
         self._starts = self.lengths[:0]
         self._mask: Tensor | None = None
         self._span = 0  # slots a PyTorch forward attends over: the longest row
+        self._announced = False  # begin() announced a forward that has not yet written (PyTorch path)
 
     def row_view(self, row: int) -> KVCache:
         """A one-row, empty `KVCache` over row `row`'s storage: a prefill through it writes
@@ -233,16 +245,28 @@ class RowKVCache:
         lengths += n_new
         self._span = int(lengths.max()) if self.rows else 0
         self._mask = None  # made when the PyTorch path asks (`update`); the native forward reads lengths
+        self._announced = True
 
     def row_starts(self, rows: int, n_new: int) -> Int[Tensor, " B"]:
         return self._starts
 
+    def new_positions(self, n_new: int) -> Int[Tensor, "B 1"] | None:
+        """Positions of the tokens `begin` announced (a row's slot is its position); None when none is."""
+        return self._starts[:, None] if self._announced and n_new == 1 else None
+
     def update(
         self, layer_idx: int, k: Float[Tensor, "B H 1 hd"], v: Float[Tensor, "B H 1 hd"]
     ) -> tuple[Float[Tensor, "B H S hd"], Float[Tensor, "B H S hd"], Bool[Tensor, "B 1 1 S"]]:
-        """PyTorch path, one token per row: write each row's slot, attend over its own filled slots."""
+        """PyTorch path, one token per row: write each row's slot, attend over its own filled slots.
+        `begin()` announces each forward: one it did not announce is refused (it would
+        overwrite the last slots)."""
         if k.shape[2] != 1:
             raise ValueError("a RowKVCache takes one new token per row")
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            if not self._announced:
+                raise FrawdError("RowKVCache got a forward that no begin() announced: call cache.begin() before "
+                                 "each forward")
+            self._announced = False
         index = torch.arange(self.rows, device=k.device)
         starts = self._starts.to(k.device)
         self.k[layer_idx][index, :, starts] = k[:, :, 0].to(self.k[layer_idx].dtype)

@@ -196,14 +196,17 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
     ) -> Float[Tensor, "B T D"]:
         """The final normalised hidden states (before the LM head).
 
-        positions: absolute position of each token (default 0..T-1); with a KV cache the
-        engine passes where the new tokens sit. kv_cache: anything with `update(layer, k, v)
+        positions: absolute position of each token (default 0..T-1, or, with a KV cache that
+        has `new_positions(T)`, where its announced tokens sit; the engine passes them).
+        kv_cache: anything with `update(layer, k, v)
         -> (k_all, v_all, mask)` (`attention.KVCacheLike`): the engine's caches
         (`infer/cache.py`), or packed SFT's `DocumentMask` (`align/packing.py`), which
         stores nothing and masks attention to each row's own documents.
         """
         check_ids("token_ids", token_ids)
         T = token_ids.shape[1]
+        if positions is None and hasattr(kv_cache, "new_positions"):
+            positions = kv_cache.new_positions(T)  # (None when no forward is announced: `update` says so)
         if positions is None:
             check_length(T, self.config.context_length, "sequence")
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
