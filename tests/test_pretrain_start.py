@@ -574,13 +574,13 @@ def test_a_folder_held_by_a_child_of_a_run_that_ended_names_the_child(tmp_path):
     import sys
     from pathlib import Path
 
-    from frawdllm.train.rundir import _lock_holder
+    from frawdllm.train.rundir import lock_holder
 
     run = tmp_path / "busy"
     run.mkdir()
     taker = subprocess.Popen([sys.executable, "-c", HOLD_THEN_LEAVE_A_CHILD, str(run)])
     assert taker.wait() == 0
-    holder = _lock_holder(run)
+    holder = lock_holder(run)
     try:
         assert holder is not None and holder != taker.pid
         assert b"claim_run_dir" in Path(f"/proc/{holder}/cmdline").read_bytes()  # the child left behind

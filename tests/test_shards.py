@@ -884,7 +884,7 @@ def test_a_prepare_into_a_folder_another_process_writes_is_refused_and_touches_n
                                                                                        monkeypatch):
     # (a second prepare deleted the first's temporary shards, which then failed: "no such file or directory")
     from cli_helpers import run_cli
-    from frawdllm.train.rundir import _lock_holder
+    from frawdllm.train.rundir import lock_holder
 
     src = _write_corpus(tmp_path / "c.txt", _corpus(30))
     bpe.save(tmp_path / "tok.json")
@@ -893,7 +893,7 @@ def test_a_prepare_into_a_folder_another_process_writes_is_refused_and_touches_n
     real = shards_module.tokenize_documents
 
     def watched(*args, **kwargs):  # a prepare holds its folder while it writes
-        holders.append(_lock_holder(out))
+        holders.append(lock_holder(out))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(shards_module, "tokenize_documents", watched)

@@ -415,3 +415,25 @@ def test_a_split_given_for_a_saved_dataset_without_splits_is_refused(tmp_path, m
     assert list(iter_documents(f"hf:{named}@test")) == ["gamma"]  # its own split
     with pytest.raises(FrawdError, match=re.escape(f"{named} holds one saved dataset (the test split)")):
         iter_documents(f"hf:{named}@train")
+
+
+def test_a_folder_of_an_unfinished_prepare_says_so_not_hidden_files(tmp_path):
+    """A prepare running, or killed, leaves only .train.bin.*.tmp: "holds only hidden files"
+    hid that a prepare is writing the folder, or was stopped."""
+    from frawdllm.train.rundir import claim_run_dir, release_run_dir
+
+    out = tmp_path / "cc"
+    out.mkdir()
+    (out / ".train.bin.a1b2c3d4.tmp").write_bytes(b"\0" * 64)
+    (out / ".val.bin.e5f6g7h8.tmp").write_bytes(b"\0" * 64)
+    with pytest.raises(FrawdError, match=re.escape(f"{out} holds an unfinished `frawd data prepare` (temporary "
+                                                   f"shard files, no meta.json): run frawd data prepare --out {out} "
+                                                   "again")):
+        list(iter_documents(str(out)))
+    assert claim_run_dir(out)  # (as a prepare holds its --out)
+    try:
+        with pytest.raises(FrawdError, match=re.escape(f"{out} is being prepared by `frawd data prepare` (process "
+                                                       f"{os.getpid()}); wait for it to end")):
+            list(iter_documents(str(out)))
+    finally:
+        release_run_dir(out)

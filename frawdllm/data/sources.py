@@ -190,6 +190,7 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             if any(p.is_file() for p in path.rglob("*")):
+                _refuse_unfinished_shards(path)
                 raise FrawdError(f"folder {path} holds only hidden files (names starting with '.'), which are skipped")
             raise FrawdError(f"folder {path} holds no files")
         _refuse_shard_subdirs(path, files)
@@ -209,6 +210,22 @@ def refuse_shard_dir(path: Path) -> None:
         shard_files(path, meta)  # all there, else the error names the missing ones
         raise FrawdError(f"{path} holds prepared shards (meta.json), not text; give it to "
                          f"frawd pretrain --data {path} or frawd eval --data {path}")
+
+
+def _refuse_unfinished_shards(path: Path) -> None:
+    """A folder holding only a `frawd data prepare`'s temporary shard files (.train.bin.*.tmp):
+    one line saying that a prepare is writing it, or was stopped before it finished."""
+    from ..io import _PARTIAL
+    from ..train.rundir import lock_holder
+
+    if not any((m := _PARTIAL.fullmatch(p.name)) and m["kind"] == "tmp" and m["name"].endswith(".bin")
+               for p in path.iterdir()):
+        return
+    holder = lock_holder(path.resolve())
+    if holder:
+        raise FrawdError(f"{path} is being prepared by `frawd data prepare` (process {holder}); wait for it to end")
+    raise FrawdError(f"{path} holds an unfinished `frawd data prepare` (temporary shard files, no meta.json): "
+                     f"run frawd data prepare --out {path} again")
 
 
 def _refuse_shard_subdirs(root: Path, files: list[Path]) -> None:

@@ -76,7 +76,7 @@ def claim_run_dir(run_dir: Path) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        holder = _lock_holder(key)
+        holder = lock_holder(key)
         raise FrawdError(f"{run_dir} is in use by another run{f' (process {holder})' if holder else ''}: wait for "
                          "it to end or stop it, or give another --out") from None
     _claims[key] = fd
@@ -90,7 +90,7 @@ def release_run_dir(run_dir: Path) -> None:
         os.close(fd)
 
 
-def _lock_holder(folder: Path) -> int | None:
+def lock_holder(folder: Path) -> int | None:
     """The process holding a flock on `folder`, from /proc/locks (Linux), else None. The lock
     names the process that took it; a child it forked holds it too, after that process is
     gone (a helper process of some library that outlived a `kill -9`; datatrove's manager
