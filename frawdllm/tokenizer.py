@@ -28,7 +28,8 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -425,10 +426,31 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool) -> To
     )
     seen = _CountingIterator(texts)
     with _stdout_to_stderr() if show_progress else nullcontext():
-        backend.train_from_iterator(seen, trainer)
+        _interruptible(lambda: backend.train_from_iterator(seen, trainer))
     if seen.count == 0:
         raise FrawdError("cannot train a tokenizer on an empty corpus")
     return Tokenizer(backend, "bpe")
+
+
+def _interruptible(work: Callable[[], Any]) -> None:
+    """Run `work` in a thread the main thread waits on a tenth of a second at a time. Python
+    handles Ctrl-C (and the CLI's SIGTERM) only in the main thread between bytecodes, so in
+    `tokenizers`' Rust merge stage (which releases the GIL) an interrupt waited until training
+    ended (12 s on a 33 MB corpus). The abandoned thread dies with the process."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # (re-raised in the caller's thread)
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="frawd-bpe-trainer", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if failed:
+        raise failed[0]
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 naive pure-Python BPE encoder that reads the merges from tokenizer.json."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -452,3 +453,41 @@ def test_cli_refuses_to_write_the_tokenizer_inside_its_source_folder(tmp_path, c
         assert err == (f"frawd: error: the output folder {folder} is inside the source folder {corp}: the next run "
                        f"would read what is written there as corpus text; write it outside {corp}\n")
     assert sorted(p.name for p in corp.iterdir()) == ["a.txt"]
+
+
+_MERGING = """
+import random, sys
+from frawdllm.tokenizer import train_tokenizer
+
+def documents():  # ~300k distinct words: the merge stage (Rust, after the last document) takes seconds
+    rng = random.Random(0)
+    for _ in range(1500):
+        yield " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(200))
+    print("read", flush=True)
+
+try:
+    train_tokenizer(documents(), "bpe", 80000)
+except KeyboardInterrupt:
+    sys.exit(130)
+print("trained", flush=True)
+"""
+
+
+def test_ctrl_c_during_bpe_merges_ends_training_at_once():
+    """Python sees Ctrl-C only in the main thread between bytecodes: in the trainer's Rust
+    merge stage it waited for training to end (12 s on a 33 MB corpus)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _MERGING], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline() == "read\n"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        start = time.perf_counter()
+        assert proc.wait(timeout=60) == 130
+        waited = time.perf_counter() - start
+    finally:
+        proc.kill()
+    assert proc.stdout.read() == "" and waited < 1.5, waited  # (the merges alone take ~5 s)
