@@ -272,7 +272,7 @@ def probe_times(start: float, step_ends: list[float]) -> tuple[float, float]:
 def translate_texts(model: nn.Module, tokenizer: Tokenizer, sources: list[list[int]] | list[str],
                     beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> list[str]:
     """Detokenized translations of sentences (text or token ids), each on one line: a line
-    break the model wrote (byte-level BPE holds "\n" as a token) becomes a space, so that
+    break the model wrote (byte-level BPE holds the newline as a token) becomes a space, so that
     outputs and hypothesis files keep one line per source line."""
     from ..infer.translate import translate_ids
 
