@@ -210,3 +210,24 @@ def test_the_loaders_vocab_size_bounds_ids_of_any_array(tokens, tmp_path):
         list(SequentialLoader(read_shard(path), 8, 16, vocab_size=50))
     with pytest.raises(FrawdError, match="vocab_size must be a positive integer"):
         RandomWindowLoader(tokens, 8, 16, vocab_size=0)
+
+
+def test_a_shard_the_system_will_not_map_is_one_line_naming_it(tmp_path, monkeypatch):
+    """Past vm.max_map_count (a split of ~100k shards) numpy's memmap raised a bare
+    "[Errno 12] Cannot allocate memory" naming no file."""
+    import errno
+
+    from frawdllm.data import shard_format
+    from frawdllm.errors import FrawdError
+
+    write_shard(tmp_path / "s.bin", np.arange(10, dtype=np.uint16), vocab_size=100)
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(shard_format.np, "memmap", refused)
+    with pytest.raises(FrawdError, match=re.escape(f"{tmp_path / 's.bin'}: cannot map the shard (Cannot allocate "
+                                                   "memory; a process may map only so many files at once "
+                                                   "(vm.max_map_count): prepare the data into fewer, larger "
+                                                   "shards)")):
+        read_shard(tmp_path / "s.bin")

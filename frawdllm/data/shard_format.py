@@ -17,6 +17,7 @@ batch, so a damaged shard is one line naming the file and the position of the ba
 
 from __future__ import annotations
 
+import errno
 import struct
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,7 +76,14 @@ def read_shard(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     header = read_header(path)
     if header["n_tokens"] == 0:
         return np.zeros(0, dtype=header["dtype"])  # mmap cannot map zero bytes
-    tokens = np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+    try:
+        tokens = np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+    except OSError as exc:  # (ENOMEM: past vm.max_map_count, ~65,000 maps a process, e.g. a split of 100k shards)
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.ENOMEM:
+            why += ("; a process may map only so many files at once (vm.max_map_count): prepare the data into "
+                    "fewer, larger shards")
+        raise FrawdError(f"{path}: cannot map the shard ({why})") from None
     tokens.shard_path = Path(path)
     tokens.id_limit = min(header["vocab_size"], vocab_size) if vocab_size else header["vocab_size"]
     return tokens
