@@ -53,11 +53,12 @@ def asgi_post(body: bytes, spec_version: str = "2.3", path: str = "/v1/completio
 
 
 @contextmanager
-def live_server(engines: dict, options: ServeOptions, send_buffer: int | None = None):
+def live_server(engines: dict, options: ServeOptions, send_buffer: int | None = None, sampling: dict | None = None):
     """Yields the base URL ("http://127.0.0.1:PORT") while the server runs. `send_buffer`:
     the kernel's send buffer of each connection, in bytes (small: a client that does not
-    read fills it, and then the server's own buffer, after a few kilobytes)."""
-    app = create_app(engines, options)
+    read fills it, and then the server's own buffer, after a few kilobytes). `sampling`:
+    create_app's per-model generation_config defaults."""
+    app = create_app(engines, options, sampling)
     sock = socket.socket()
     if send_buffer is not None:  # (accepted connections inherit it)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)

@@ -508,6 +508,52 @@ def test_serve_command_bad_input(capsys, tmp_path):
     assert code != 0 and "--max-queue" in err
 
 
+def test_a_models_generation_config_gives_the_defaults_a_request_leaves_out():
+    """The server ignored generation_config.json, which generate and chat read: the same seed
+    served another text, and an imported model's extra end ids (stop_token_ids) never ended a
+    reply."""
+    model, tok = varied_model(n_layer=1)
+    engine = test_engine(model, tok)
+    greedy = expected_completion(engine, PROMPTS[2], max_new_tokens=24)
+    end = greedy.tokens[5]
+    cut = greedy.tokens[:greedy.tokens.index(end)]
+    defaults = {"temperature": 0, "stop_token_ids": [end]}
+    with live_server({"m": engine}, ServeOptions(), sampling={"m": defaults}) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=24)  # greedy, ending at `end`
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (tok.decode(cut), "stop")
+        sampled = c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=1.0, seed=5)
+        alone = engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=24, temperature=1.0, seed=5,
+                                                           stop_token_ids=[end]))[0]
+        assert sampled.choices[0].text == alone.text  # (the request's temperature wins; the file's end ids stay)
+        messages = [{"role": "user", "content": PROMPTS[2]}]
+        chat = c.chat.completions.create(model="m", messages=messages, max_tokens=24)
+        ids = tok.render_chat(messages, add_generation_prompt=True)
+        ends = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(end, *ROLE_TOKEN_IDS))
+        assert chat.choices[0].message.content == engine.generate([ids], ends)[0].text
+
+
+def test_serve_gives_each_model_its_generation_config(capsys, tmp_path, monkeypatch):
+    import uvicorn
+
+    import frawdllm.serve
+    from cli_helpers import run_cli
+    from frawdllm.modeldir import load_generation_config
+
+    model, tok = varied_model(n_layer=1)
+    model.save_pretrained(tmp_path / "m", tokenizer=tok)
+    (tmp_path / "m" / "generation_config.json").write_text('{"temperature": 0.5, "stop_token_ids": [9], "stop": ["x"]}')
+    model.save_pretrained(tmp_path / "plain", tokenizer=tok)
+    given = {}
+    real = frawdllm.serve.create_app
+    monkeypatch.setattr(frawdllm.serve, "create_app", lambda e, o, sampling=None: given.update(sampling) or real(e, o))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    code, _, err = run_cli(capsys, "serve", "--model", f"a={tmp_path / 'm'}", "--model", f"b={tmp_path / 'plain'}",
+                           "--port", free_port(), "--threads", "1")
+    assert code == 0, err
+    assert given == {"a": load_generation_config(tmp_path / "m"), "b": {}} and given["a"]["stop_token_ids"] == [9]
+
+
 def test_a_runs_model_folder_is_named_after_the_run(tmp_path, monkeypatch):
     from frawdllm.cli.serve import _named
 

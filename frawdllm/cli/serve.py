@@ -129,6 +129,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
     """
     import uvicorn
 
+    from ..modeldir import load_generation_config
     from ..serve import ServeOptions, create_app, server_config
 
     named = [_named(spec) for spec in models]
@@ -147,12 +148,13 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
                            max_tokens=max_tokens, default_max_tokens=default_max_tokens, max_n=max_n,
                            max_body_bytes=max_body, send_timeout=send_timeout)
     with _listen(host, port) as sock:
-        engines = {}
+        engines, sampling = {}, {}
         for name, directory in named:
             engine = load_engine(directory, quantize=quantize, threads=threads, native=native)
             engine.plan()  # measured (once per machine) before the first request, not during it
             engines[name] = engine
-        app = create_app(engines, options)
+            sampling[name] = load_generation_config(directory)  # (a request's fields override them)
+        app = create_app(engines, options, sampling)
         access = logging.getLogger("frawdllm.serve.access")
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -326,11 +326,15 @@ def yield_to_the_engine() -> bool:
 KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
 
-def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) -> FastAPI:
-    """The API over `engines` (model name -> Engine), one scheduler each."""
+def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
+               sampling: dict[str, dict[str, Any]] | None = None) -> FastAPI:
+    """The API over `engines` (model name -> Engine), one scheduler each. `sampling`: per
+    model, the sampling defaults of its generation_config.json (`load_generation_config`),
+    which a request's own fields override (see `_params`)."""
     options = options or ServeOptions()
     if not engines:
         raise FrawdError("give at least one model")
+    defaults = {name: (sampling or {}).get(name, {}) for name in engines}
     schedulers = {name: Scheduler(engine, max_batch=options.max_batch, max_queue=options.max_queue)
                   for name, engine in engines.items()}
     scorers = {name: _Scorer(engine, options.max_queue) for name, engine in engines.items()}
@@ -454,7 +458,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         # every stream and /health, for ~1 s; the tokenizer lets the loop in between turns)
         ids = await asyncio.to_thread(prompt)
         _check_fits(ids, engine, chat=True)
-        params = _params(body, max_new, options, stop_token_ids=ROLE_TOKEN_IDS)
+        params = _params(body, max_new, options, defaults[body.model], stop_token_ids=ROLE_TOKEN_IDS)
         return await _answer(request, scheduler, body, [ids], params, chat=True)
 
     @app.post("/v1/completions")
@@ -490,7 +494,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
                 echoes.append(prompt if whole else engine.tokenizer.decode(ids[len(prefix):]))
         if max_new == 0:  # score the prompts, generate nothing
             return await _score(request, body, engine, encoded, echoes)
-        params = _params(body, max_new, options)
+        params = _params(body, max_new, options, defaults[body.model])
         return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
 
     def _open() -> None:
@@ -510,7 +514,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None) 
         if not body.echo or body.stream:
             raise ApiError(400, "max_tokens 0 (scoring a prompt) needs echo: true, and is not streamed",
                            param="max_tokens")
-        _params(body, 1, options)  # (the other fields checked as for any request)
+        _params(body, 1, options, defaults[body.model])  # (the other fields checked as for any request)
         tokens = sum(len(ids) for ids in encoded)
         log = request.scope["state"]["log"]
         log.update(model=body.model, prompt_tokens=tokens, n=body.n, stream=False)
@@ -800,13 +804,22 @@ def _refuse_unsupported(body: Any) -> None:
         raise no("stream_options", "is only allowed when stream is true")
 
 
-def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+def _params(body: Any, max_new: int, options: ServeOptions, defaults: dict[str, Any] | None = None,
+            stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """A request's SamplingParams. `defaults`, the model's generation_config.json, fill what
+    the request leaves out: temperature (else OpenAI's 1), top_p, top_k, min_p,
+    repetition_penalty and the stop strings; its stop_token_ids always end a reply, as in
+    `frawd generate`. (Its seed, num_samples and max_new_tokens do not apply: a request's
+    own, `n` and --default-max-tokens do.)"""
+    defaults = defaults or {}
     if body.n > options.max_n:
         raise ApiError(400, f"n is {body.n}; this server allows at most {options.max_n}", param="n")
     if body.n > options.max_batch:
         raise ApiError(400, f"n is {body.n} but a batch holds {options.max_batch} rows", param="n")
     _refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if body.stop is None:
+        stop = list(defaults.get("stop", []))
     if len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop strings", param="stop")
     if any(s == "" for s in stop):
@@ -818,11 +831,14 @@ def _params(body: Any, max_new: int, options: ServeOptions, stop_token_ids: tupl
         logprobs = body.logprobs
     else:  # a switch, and a count beside it
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    values = dict(max_new_tokens=max_new, num_samples=body.n, stop=stop, stop_token_ids=stop_token_ids,
-                  seed=seed, temperature=1.0 if body.temperature is None else body.temperature, logprobs=logprobs)
+    ends = tuple(dict.fromkeys((*defaults.get("stop_token_ids", ()), *stop_token_ids)))
+    temperature = defaults.get("temperature", 1.0) if body.temperature is None else body.temperature
+    values = dict(max_new_tokens=max_new, num_samples=body.n, stop=stop, stop_token_ids=ends,
+                  seed=seed, temperature=temperature, logprobs=logprobs)
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
-        if getattr(body, name) is not None:
-            values[name] = getattr(body, name)
+        value = getattr(body, name)
+        if value is not None or defaults.get(name) is not None:
+            values[name] = value if value is not None else defaults[name]
     if 0 < values["temperature"] < MIN_TEMPERATURE or values.get("top_p") == 0:
         values["temperature"] = 0  # below the sampler's floor, or top_p 0 (the likeliest token): greedy
         values.pop("top_p", None)
