@@ -111,6 +111,20 @@ def test_filters_match_hugging_face_warpers_on_random_logits():
         torch.testing.assert_close(ours[finite], theirs[finite])
 
 
+def test_top_p_keeps_hugging_faces_tokens_with_ties_and_a_large_vocabulary():
+    """Summed from the top in float32, the mass drifted (at 200k tokens, p = 0.9999, 149k kept
+    against the rule's 152k), and tokens tied at the cut were taken in another order."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [(torch.randn(1, 200_000, generator=gen) * 3, 0.9999), (torch.randn(1, 200_000, generator=gen) * 3, 0.99),
+             (torch.zeros(1, 8), 0.3), (torch.zeros(1, 40), 0.3), (torch.tensor([[2.0, 1, 1, 1, 1, 0]]), 0.5),
+             (torch.randint(0, 4, (16, 30), generator=gen).float(), 0.6)]  # (many ties)
+    for logits, p in cases:
+        theirs = TopPLogitsWarper(p)(torch.zeros(logits.shape[0], 1, dtype=torch.long), logits.clone())
+        assert torch.equal(torch.isfinite(top_p_filter(logits, p)), torch.isfinite(theirs)), (logits.shape, p)
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0]])
     seen = torch.tensor([[True, True, False, False]])
