@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from frawdllm.errors import FrawdError
 from frawdllm.train import Trainer, TrainTask
 from frawdllm.train.checkpoint import latest_checkpoint
 from frawdllm.train.config import TrainConfig
@@ -214,3 +215,33 @@ def test_a_task_mistake_on_a_compiled_first_step_is_not_taken_for_a_compile_fail
         Trainer(torch.nn.Linear(4, 1), MisusedTask("no gradient"), config(tmp_path, compile="true")).fit()
     assert not [w for w in seen if "torch.compile failed" in str(w.message)]
     assert "failed" not in "".join(p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
+
+
+class OwnFilesTask(RegressionTask):
+    """Saves its model its own way (docs/training.md's save_model / load_model hooks)."""
+
+    def save_model(self, model, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(model.state_dict(), str(directory / "weights.safetensors"))
+
+    def load_model(self, model, directory):
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(directory / "weights.safetensors")))
+
+
+def test_a_task_saving_its_own_files_gets_pruned_checkpoints_and_resumes(tmp_path):
+    """Completeness was a model directory's two files: such a task's checkpoints were never
+    pruned, and --resume called its newest "damaged" ("lacks model/model.safetensors")."""
+    from frawdllm.train.checkpoint import list_checkpoints
+
+    cfg = dict(eval_interval=2, keep_last=2)
+    Trainer(torch.nn.Linear(4, 1), OwnFilesTask(), config(tmp_path, max_steps=10, **cfg)).fit()
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [8, 10]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000008", "step_00000010"]
+    result = Trainer(torch.nn.Linear(4, 1), OwnFilesTask(), config(tmp_path, max_steps=12, resume=True, **cfg)).fit()
+    assert result.steps == 12
+    for weights in (tmp_path / "run" / "checkpoints").glob("step_*/model/weights.safetensors"):
+        weights.unlink()  # (the files it wrote are what a complete checkpoint has)
+    with pytest.raises(FrawdError, match=r"step_00000012 lacks model/weights\.safetensors"):
+        Trainer(torch.nn.Linear(4, 1), OwnFilesTask(), config(tmp_path, max_steps=14, resume=True, **cfg)).fit()

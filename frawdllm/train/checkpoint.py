@@ -6,16 +6,20 @@
         state.pt    optimizer moments, schedule, step/token/time counters, RNG states,
                     data loader position: tensors and plain values only, read back with
                     `torch.load(weights_only=True)` (never unpickled code)
+        files.json  the files written (a task's own `save_model` may write others than
+                    a model directory's)
 
 A checkpoint is built in a hidden temporary folder and renamed into place when complete
 (`io.atomic_dir`), so a kill at any moment leaves the earlier checkpoints intact and at
 worst a stray temporary folder, which is ignored and cleaned up at the next start (as
 are the best model's and every other temporary file in OUT). Only
-folders named step_N holding both parts count as checkpoints.
+folders named step_N holding every file files.json lists count as checkpoints (a folder
+from before files.json: state.pt, model/config.json and model/model.safetensors).
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import shutil
@@ -35,6 +39,7 @@ from ..modeldir import CONFIG_FILE, WEIGHTS_FILE
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.pt"
 MODEL_SUBDIR = "model"
+FILES_FILE = "files.json"
 _NAME = re.compile(r"step_(\d+)")
 
 
@@ -48,6 +53,8 @@ def save_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], objec
     with atomic_dir(path, overwrite=True) as tmp:
         save_model(tmp / MODEL_SUBDIR)
         torch.save(state, tmp / STATE_FILE)
+        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        (tmp / FILES_FILE).write_text(json.dumps(written), encoding="utf-8")
     return path
 
 
@@ -64,9 +71,15 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _missing_files(path: Path) -> list[str]:
-    """What a checkpoint folder lacks of a complete checkpoint's files."""
-    return [name for name in (STATE_FILE, f"{MODEL_SUBDIR}/{WEIGHTS_FILE}", f"{MODEL_SUBDIR}/{CONFIG_FILE}")
-            if not (path / name).is_file()]
+    """What a checkpoint folder lacks of a complete checkpoint's files: those files.json lists
+    (without it, or where it is damaged: a model directory's two and state.pt)."""
+    try:
+        listed = json.loads((path / FILES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        listed = None
+    if not (isinstance(listed, list) and all(isinstance(name, str) for name in listed) and STATE_FILE in listed):
+        listed = [STATE_FILE, f"{MODEL_SUBDIR}/{WEIGHTS_FILE}", f"{MODEL_SUBDIR}/{CONFIG_FILE}"]
+    return [name for name in listed if not (path / name).is_file()]
 
 
 def damaged_checkpoint(run_dir: Path) -> str | None:
