@@ -103,7 +103,7 @@ class TrainConfig:
     schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant, "
                                               "noam (inverse square root of the step).", choices=SCHEDULES)
     warmup_steps: int = option(100, WARMUP_HELP)
-    decay_fraction: float = option(0.2, "wsd: the final fraction of the run spent decaying.")
+    decay_fraction: float = option(0.2, "wsd: the final fraction of the run after warmup spent decaying.")
     weight_decay: float = option(0.1, "AdamW weight decay, applied to matrices only.")
     decay_embeddings: bool = option(False, "Also apply weight decay to the embedding matrices.")
     beta1: float = option(0.9, "AdamW beta1.")
