@@ -280,6 +280,10 @@ def test_an_sft_run_or_config_given_to_dpo_is_named_as_such(tmp_path, capsys):
         assert code == 1 and err.count("\n") == 1, err
         assert f"--config {config} is a config of frawd sft, not of frawd dpo; give it to frawd sft" in err
     assert not (tmp_path / "new").exists()
+    stray = tmp_path / "stray.yaml"  # an sft config with one pretrain key: not pretrain's (it knows no init)
+    stray.write_text("init: base\nmax_steps: 2\nlora_rank: 4\npreset: tiny\n")
+    code, _, err = run_cli(capsys, "sft", "--config", stray, "--out", tmp_path / "new")
+    assert code == 1 and err.count("\n") == 1 and "is a config of frawd" not in err and "preset" in err, err
 
 
 def test_trl_preference_shapes_give_the_same_pair():

@@ -38,7 +38,9 @@ _RERUN = re.compile(r"# rerun: frawd (.+?)(?: --nproc \d+)? --config ")
 
 def _command_of(path: Path, data: dict, cls: type, command: str) -> str | None:
     """The command a config file is for, when it is not `command`: the one its rerun line
-    names (a run's config.yaml), else the one whose fields it holds that `cls` lacks."""
+    names (a run's config.yaml), else one that knows every field it holds, some of which
+    `cls` lacks (a file of this command with a stray key is this command's: its error names
+    the key)."""
     from ..train.config import PretrainConfig
 
     with open(path, "rb") as f:
@@ -47,7 +49,7 @@ def _command_of(path: Path, data: dict, cls: type, command: str) -> str | None:
         return match.group(1)
     unknown = set(data) - {f.name for f in fields(cls)}
     for other, other_cls in (("sft", SFTConfig), ("dpo", DPOConfig), ("pretrain", PretrainConfig)):
-        if unknown and other != command and unknown <= {f.name for f in fields(other_cls)}:
+        if unknown and other != command and set(data) <= {f.name for f in fields(other_cls)}:
             return other
     return None
 
