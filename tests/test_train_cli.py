@@ -169,6 +169,23 @@ def test_frawd_eval_notes_raw_source_flags_given_with_a_shard_folder(corpus, tmp
     assert both.stderr.startswith("note: --val-fraction and --doc-split apply to a raw source; ")
 
 
+def test_pretrain_notes_raw_source_settings_a_shard_folder_makes_moot(corpus, tmp_path):
+    """pretrain took --val-fraction/--doc-split/--text-field with a shard folder silently (and
+    wrote them into config.yaml as if they applied); eval said so in a note."""
+    from frawdllm.train.config import PretrainConfig
+    from frawdllm.train.pretrain import shard_source_note
+
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    meta = prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.2)
+    shards = str(tmp_path / "shards")
+    assert shard_source_note(PretrainConfig(data=shards, max_steps=1)) is None
+    assert shard_source_note(PretrainConfig(data=str(corpus), val_fraction=0.3, max_steps=1)) is None  # (raw: applies)
+    note = shard_source_note(PretrainConfig(data=shards, val_fraction=0.3, doc_split="line", text_field="foo",
+                                            max_steps=1))
+    assert note == (f"note: --val-fraction, --doc-split and --text-field apply to a raw source; {shards} holds "
+                    f"shards with their own validation split ({meta['val_tokens']:,} tokens)")
+
+
 FRAWD = [sys.executable, "-c", "from frawdllm.cli import main; main()"]
 
 

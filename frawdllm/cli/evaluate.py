@@ -118,6 +118,8 @@ def _not_finite_cause(model, dtype: str) -> str:
 
 
 def _raw_source_flags_note(data: str, meta: dict) -> str | None:
+    from ..data.shards import raw_source_flags_note
+
     """A note naming the raw-source flags the user gave (none at their defaults) that a
     shard folder makes moot: its split was fixed when it was prepared."""
     from click.core import ParameterSource
@@ -126,10 +128,4 @@ def _raw_source_flags_note(data: str, meta: dict) -> str | None:
     given = [flag for flag, name in (("--val-fraction", "val_fraction"), ("--doc-split", "doc_split"),
                                      ("--text-field", "text_field"))
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
-    if not given:
-        return None
-    flags = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
-    val_tokens = meta.get("val_tokens")
-    count = f" ({val_tokens:,} tokens)" if isinstance(val_tokens, int) else ""  # hand-made meta.json may lack it
-    return (f"note: {flags} appl{'ies' if len(given) == 1 else 'y'} to a raw source; {data} holds shards "
-            f"with their own validation split{count}")
+    return raw_source_flags_note(given, data, meta)

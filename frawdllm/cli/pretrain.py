@@ -45,15 +45,15 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
     from ..errors import FrawdError
     from ..train.config import build_config
     from . import command_started_at
-    from ..train.pretrain import dry_run_plan, run_pretraining, vocab_size_note
+    from ..train.pretrain import dry_run_plan, run_pretraining, shard_source_note, vocab_size_note
 
     started_at = command_started_at()  # --max-time counts the whole command
     cfg = build_config(PretrainConfig, config_file, flags, parse_overrides(ModelConfig, list(overrides)))
     if cfg.init_from is not None and flags.get("preset") is not None:
         raise FrawdError("--preset and --init-from both choose the model; give one")
-    note = vocab_size_note(cfg)
-    if note:
-        click.echo(note, err=True)
+    for note in (vocab_size_note(cfg), shard_source_note(cfg)):
+        if note:
+            click.echo(note, err=True)
     if dry_run:
         if nproc is not None:
             from ..train.distributed import check_ranks

@@ -419,6 +419,18 @@ def read_split(shard_dir: str | Path, split: str, meta: dict | None = None) -> T
     return ShardStream([read_shard(f, vocab) for f in files])
 
 
+def raw_source_flags_note(given: list[str], data: str, meta: dict) -> str | None:
+    """A note naming the raw-source flags given (`--val-fraction`, ...) that the shard folder
+    `data` makes moot: its split was fixed when it was prepared. None when none was given."""
+    if not given:
+        return None
+    flags = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+    val_tokens = meta.get("val_tokens")
+    count = f" ({val_tokens:,} tokens)" if isinstance(val_tokens, int) else ""  # hand-made meta.json may lack it
+    return (f"note: {flags} appl{'ies' if len(given) == 1 else 'y'} to a raw source; {data} holds shards "
+            f"with their own validation split{count}")
+
+
 def print_warnings(meta: dict) -> None:
     """What the corpus needed (replaced bytes, unknown characters) as `warning:` lines on stderr."""
     for warning in meta.get("warnings", []):

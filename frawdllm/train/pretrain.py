@@ -48,7 +48,7 @@ from ..tokenizer import (KINDS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, check
                          train_tokenizer)
 from . import distributed
 from .checkpoint import damaged_checkpoint, latest_checkpoint
-from .config import PretrainConfig, parse_duration
+from .config import PretrainConfig, field_defaults, parse_duration
 from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
@@ -346,6 +346,19 @@ def vocab_size_note(cfg: PretrainConfig) -> str | None:
     if cfg.tokenizer in ("char", "byte"):
         return f"note: --vocab-size applies to BPE only; a {cfg.tokenizer} tokenizer takes its size from the data"
     return "note: --vocab-size applies to a BPE tokenizer trained here, not to a given tokenizer.json"
+
+
+def shard_source_note(cfg: PretrainConfig) -> str | None:
+    """A note when --data is a shard folder and the raw-source settings (--val-fraction,
+    --doc-split, --text-field) are not at their defaults: the folder's split applies."""
+    from ..data.shards import raw_source_flags_note
+
+    if not is_shard_dir(cfg.data):
+        return None
+    defaults = field_defaults(PretrainConfig)
+    given = [f"--{name.replace('_', '-')}" for name in ("val_fraction", "doc_split", "text_field")
+             if getattr(cfg, name) != defaults[name]]
+    return raw_source_flags_note(given, cfg.data, read_shard_meta(cfg.data) or {})
 
 
 def _check_source(cfg: PretrainConfig) -> None:
