@@ -296,6 +296,8 @@ def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokeniz
 
         stored = load_file(tmp_path / "hf" / "model.safetensors")
         assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+        export(model_dir, tmp_path / "short", "--dtype", "bf16")  # (the other commands' spelling)
+        assert (tmp_path / "short" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
         ours = model.embed.tok.weight
         assert torch.equal(hf_model.model.embed_tokens.weight, ours.to(torch.bfloat16).float())
 

@@ -11,6 +11,7 @@ from ..errors import FrawdError
 
 FORMATS = ("hf", "gguf")
 DTYPES = ("float32", "float16", "bfloat16")  # export.hf_dir.DTYPES' names (that module imports torch)
+SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # the other commands' spelling
 
 
 def require(module: str) -> None:
@@ -26,8 +27,9 @@ def require(module: str) -> None:
                    "--out ending in .gguf, else hf]")
 @click.option("--out", required=True, metavar="PATH",
               help="New directory to create (gguf: model.gguf inside it), or a path ending in .gguf.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
-              help="Precision of the weights (GGUF keeps norms and biases in float32).")
+@click.option("--dtype", type=click.Choice((*DTYPES, *SHORT)), default="float32", show_default=True,
+              help="Precision of the weights (GGUF keeps norms and biases in float32); fp32, fp16 and bf16, as "
+                   "the other commands spell them, mean the same.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out, only once the new export is complete.")
 def export(model_dir: str, fmt: str | None, out: str, dtype: str, overwrite: bool) -> None:
@@ -48,6 +50,7 @@ def export(model_dir: str, fmt: str | None, out: str, dtype: str, overwrite: boo
 
     Nothing is written at --out unless the whole export succeeds.
     """
+    dtype = SHORT.get(dtype, dtype)
     if fmt is None:
         fmt = "gguf" if out.lower().endswith(".gguf") else "hf"
     if fmt == "hf" and out.lower().endswith(".gguf"):
