@@ -99,6 +99,6 @@ def test_a_checkpoint_without_a_fingerprint_still_resumes_with_a_note(tmp_path, 
         torch.save(state, path / ckpt.STATE_FILE)
     code, out, err = resume(capsys, "dpo", run)
     assert code == 0, err
-    assert f"{run}: its checkpoint records no fingerprint of --init's weights" in out
+    assert f"{run}: its checkpoint records no fingerprint of --init's weights" in err  # (a notice: stderr)
     assert steps_logged(run) == [1, 2, 3]
     assert "init_weights" in ckpt.load_state(ckpt.latest_checkpoint(run))["task"]  # recorded from here on

@@ -119,7 +119,7 @@ def test_a_second_run_reuses_the_shards_and_the_cli_reports_them(prepared, corpu
     assert again.get("reused") is True
     main(["data", "prepare", "--data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(multi_dir),
           "--val-fraction", "0.1", "--engine", "datatrove", "--workers", "2"])  # returns: success
-    assert "reusing them" in capsys.readouterr().out
+    assert "reusing them" in capsys.readouterr().err
 
 
 def test_loaders_read_the_multi_shard_split_as_the_single_file_one(prepared):

@@ -238,7 +238,7 @@ def test_the_pair_summary_prints_without_progress(tmp_path, capsys):
     code, out, err = run_cli(capsys, *dpo_args(base, data, "--max-steps", "1", "--skip-bad-lines", "--out",
                                                tmp_path / "run"))
     assert code == 0, err
-    assert "dpo data: 10 pairs" in out and "1 bad record skipped (first: " in out and "prefs.jsonl:11" in out
+    assert "dpo data: 10 pairs" in err and "1 bad record skipped (first: " in err and "prefs.jsonl:11" in err
 
 
 def test_pairs_whose_answers_are_the_same_once_cut_are_dropped_and_counted(tmp_path):

@@ -65,7 +65,7 @@ def test_a_crash_before_the_first_checkpoint_is_named_and_resume_starts_over(cor
     assert code == 0, err
     assert "no complete checkpoint to resume from: --resume starts the run over" in out and "(resume)" not in out
     result = run_pretraining(tiny_config(corpus, run, max_steps=4, eval_interval=4, compile=False, resume=True))
-    assert "no complete checkpoint to resume from; starting the run over" in capsys.readouterr().out
+    assert "no complete checkpoint to resume from; starting the run over" in capsys.readouterr().err
     assert result.steps == 4 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
 
 
@@ -100,10 +100,10 @@ def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_pat
     result = run_pretraining(tiny_config(corpus, run, max_steps=12, eval_interval=4, resume=True))
     assert result.steps == 12
     assert sample_steps(run) == [0, 4, 8, 12]  # step 8 once, from the resumed run
-    assert "differ" not in capsys.readouterr().out  # a larger budget is what --resume is for
+    assert "differ" not in capsys.readouterr().err  # a larger budget is what --resume is for
     # other settings are taken, and said
     run_pretraining(tiny_config(corpus, run, max_steps=14, eval_interval=4, lr=1e-3, resume=True))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # (notices go to stderr)
     assert "resuming with settings that differ from its config.yaml: lr=0.001 (was " in out
     # but not the model or tokenizer the checkpoint was trained as: refused, the run left as it was
     from frawdllm.errors import FrawdError

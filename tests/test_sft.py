@@ -397,7 +397,7 @@ def test_a_resume_that_changes_what_val_loss_measures_publishes_a_new_best(tmp_p
                              "--no-progress", flag, value)
     assert code == 0, err
     assert f"{tmp_path / 'run'}: val_loss now measures something else ({changed} changed): the best model is " \
-           "chosen afresh from step 2" in out
+           "chosen afresh from step 2" in err
     assert "best val_loss" in out and "at step 4" in out  # the summary
     published = load_model(tmp_path / "run" / "model").state_dict()
     for name, weight in load_model(tmp_path / "run" / "checkpoints" / "step_00000004" / "model").state_dict().items():
@@ -559,7 +559,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_resume(tmp
     assert code == 1 and "stopped before its first checkpoint; --resume or --overwrite starts it over" in err
     code, out, err = run_cli(capsys, "sft", "--out", run, "--resume", "--no-progress")
     assert code == 0, err
-    assert "starting the run over" in out
+    assert "starting the run over" in err
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
 
 
@@ -599,7 +599,7 @@ def test_the_data_summary_prints_without_progress_and_all_bad_records_name_the_f
               "--sample-tokens", "0", "--max-steps", "1", "--skip-bad-lines", "--no-progress"]
     code, out, err = run_cli(capsys, "sft", *common, "--data", data, "--out", tmp_path / "run")
     assert code == 0, err
-    assert "sft data: 20 examples" in out and "2 bad records skipped (first: " in out and "chats.jsonl:21" in out
+    assert "sft data: 20 examples" in err and "2 bad records skipped (first: " in err and "chats.jsonl:21" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n[1]\n" + '{"prompt": "a"}\n')
     code, _, err = run_cli(capsys, "sft", *common, "--data", bad, "--out", tmp_path / "run2")

@@ -505,9 +505,9 @@ def test_cli_prepare_refuses_to_replace_another_sources_shards_unless_overwrite(
                        "give another --out, or --overwrite to replace them\n")
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # the same source is reused, named any way, and rebuilt when an option changed
-    assert "reusing" in prepare(first)[1]
+    assert "reusing" in prepare(first)[2]  # (a notice: stderr)
     monkeypatch.chdir(tmp_path)
-    assert "reusing" in prepare("a.txt")[1]
+    assert "reusing" in prepare("a.txt")[2]
     code, stdout, _ = prepare(first, "--val-fraction", "0.3")
     assert code == 0 and "wrote" in stdout
     code, stdout, _ = prepare(second, "--overwrite")
@@ -910,8 +910,8 @@ def test_a_prepare_into_a_folder_another_process_writes_is_refused_and_touches_n
         assert (code, stdout) == (1, "")
         assert err == (f"frawd: error: {out} is in use by another run (process {holder.pid}): wait for it to end or "
                        "stop it, or give another --out\n")
-        code, stdout, _ = run_cli(capsys, *prepare)  # reusing needs no lock (the ranks of a training run do it at once)
-        assert code == 0 and "reusing" in stdout
+        code, _, err = run_cli(capsys, *prepare)  # reusing needs no lock (the ranks of a training run do it at once)
+        assert code == 0 and "reusing" in err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the other's files untouched
     finally:
         holder.kill()

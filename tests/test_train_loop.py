@@ -980,7 +980,7 @@ def test_a_resume_that_changes_what_val_loss_measures_chooses_the_best_afresh(tm
     assert first.best_step == 0  # (the evaluation before the first step)
     resumed_model = torch.nn.Linear(4, 1)
     resumed = Trainer(resumed_model, MeasuredTask(measure, 2.0), generic_config(tmp_path, max_steps=6, resume=True)).fit()
-    said = [line for line in capsys.readouterr().out.splitlines() if "measures" in line]
+    said = [line for line in capsys.readouterr().err.splitlines() if "measures" in line]
     assert resumed.best_step == best_step and resumed.best_val_loss == (2.0 if measure == "other" else 1.0)
     if measure == "other":
         assert said == [f"{tmp_path / 'run'}: val_loss now measures something else (measure changed): the best "
@@ -998,7 +998,7 @@ def test_resuming_on_another_validation_split_says_so_and_chooses_the_best_afres
     capsys.readouterr()
     result = run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=9, eval_interval=3, sample_tokens=0,
                                          val_fraction=0.2, resume=True))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert (f"{tmp_path / 'run'}: val_loss now measures something else (validation tokens changed): the best "
             "model is chosen afresh from step 6") in out
     assert result.best_step == 9
@@ -1024,7 +1024,7 @@ def test_a_resume_with_a_larger_budget_follows_the_schedule_of_a_run_started_wit
     was, now = ("6", "10") if budget == "max_steps" else ("384", "640")
     assert f"{tmp_path / 'split' / 'run'}: a new budget, {budget} {now} (was {was}): from step 7 the learning rate " \
            "follows the schedule of a run started with it (its cosine decay spans the new budget)" in \
-           capsys.readouterr().out
+           capsys.readouterr().err
 
 
 def test_a_terminal_that_reports_no_width_gets_whole_lines(monkeypatch):

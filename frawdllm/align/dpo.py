@@ -27,6 +27,7 @@ collective and no sharding (it costs one model's weights per rank, bf16/fp32 as 
 from __future__ import annotations
 
 import copy
+import sys
 
 import numpy as np
 import torch
@@ -278,7 +279,7 @@ def run_dpo(cfg: DPOConfig, callbacks: list | None = None, started_at: float | N
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> DPOTask:
         train, val, summary = load_pairs(cfg, tokenizer, length)
         if distributed.current().is_main:  # a result, not progress: printed with --no-progress too
-            print(f"dpo data: {summary.line('pairs')}", flush=True)
+            print(f"dpo data: {summary.line('pairs')}", file=sys.stderr, flush=True)
         return DPOTask(train, val, model, tokenizer, cfg, length)
 
     return run_finetune(cfg, "dpo", make_task, callbacks, started_at)

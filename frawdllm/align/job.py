@@ -17,6 +17,7 @@ refused, since it would continue against another reference or base.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -127,7 +128,7 @@ def check_init_weights(cfg: FinetuneConfig, run_dir: Path) -> str | None:
     recorded = state.get(INIT_WEIGHTS)
     if recorded is None:
         print(f"{run_dir}: its checkpoint records no fingerprint of --init's weights (an earlier FrawdLLM wrote it): "
-              f"not checked that --init {cfg.init} still holds the model the run started from", flush=True)
+              f"not checked that --init {cfg.init} still holds the model the run started from", file=sys.stderr, flush=True)
     elif recorded != now:
         raise FrawdError(f"--init {cfg.init}: its weights differ from those the run in {run_dir} started from (it "
                          f"takes {use} from them): put the original model back in {cfg.init}, or start a new run "

@@ -8,6 +8,8 @@ validation loss; samples.txt holds the model's greedy answers to held-out prompt
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
@@ -116,7 +118,7 @@ def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | N
     def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> SFTTask:
         train, val, summary = load_examples(cfg, tokenizer, length)
         if distributed.current().is_main:  # a result, not progress: printed with --no-progress too
-            print(f"sft data: {summary.line()}", flush=True)
+            print(f"sft data: {summary.line()}", file=sys.stderr, flush=True)
         return SFTTask(train, val, model, tokenizer, cfg, length)
 
     return run_finetune(cfg, "sft", make_task, callbacks, started_at)

@@ -104,7 +104,7 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
 
     print_warnings(meta)
     if meta.get("reused"):
-        click.echo(f"{out}: shards of these inputs already exist; reusing them (--force rebuilds)")
+        click.echo(f"{out}: shards of these inputs already exist; reusing them (--force rebuilds)", err=True)
     for key in ("train_tokens", "val_tokens", "train_documents", "val_documents", "dtype",
                 "bytes_per_token", "unk_tokens", "mb_per_s"):
         click.echo(f"{key}: {meta[key]}")

@@ -34,6 +34,7 @@ import importlib
 import os
 import pickle
 import signal
+import sys
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -283,7 +284,7 @@ def rank_config(cfg: Any) -> Any:
     if restart_count() and not cfg.resume:
         cfg = type(cfg).from_dict({**cfg.to_dict(), "resume": True, "overwrite": False})
         if place.is_main:
-            print(f"restart {restart_count()} by torchrun: resuming {cfg.out}", flush=True)
+            print(f"restart {restart_count()} by torchrun: resuming {cfg.out}", file=sys.stderr, flush=True)
     return cfg
 
 

@@ -1024,7 +1024,7 @@ class Trainer:
                  for name, old, new in zip(("max_steps", "max_tokens", "max_time"), before, now) if old != new]
         print(f"{self.run_dir}: a new budget, {', '.join(shown)}: from step {self.step + 1} the learning rate "
               f"follows the schedule of a run started with it (its {self.schedule.kind} decay spans the new budget)",
-              flush=True)
+              file=sys.stderr, flush=True)
 
     def _forget_a_best_measured_otherwise(self, before: dict | None) -> None:
         """Resumed with other held-out data or another measure (--data, --val-fraction,
@@ -1035,7 +1035,7 @@ class Trainer:
         changed = [name for name in {**before, **self.evaluates} if before.get(name) != self.evaluates.get(name)]
         if self.dist.is_main:
             print(f"{self.run_dir}: val_loss now measures something else ({', '.join(changed)} changed): the best "
-                  f"model is chosen afresh from step {self.step}", flush=True)
+                  f"model is chosen afresh from step {self.step}", file=sys.stderr, flush=True)
         self.best_val_loss, self.best_step = math.inf, None
 
     def _adopt(self, decided: dict) -> None:

@@ -253,7 +253,7 @@ def settle_run_dir(run_dir: Path, resume: bool, overwrite: bool,
         raise FrawdError(f"{run_dir}: no complete checkpoint to resume from: {damage}; the run is left as it "
                          "is (restore the file, or --overwrite starts the run over)")
     if resume:
-        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", flush=True)
+        print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", file=sys.stderr, flush=True)
     elif not overwrite:
         raise FrawdError(existing_run_message(run_dir))
     for name in RUN_FILES:
@@ -358,7 +358,7 @@ def _note_changed_settings(cfg: Any, run_dir: Path) -> None:
     changed = [f"{key}={new!r} (was {old!r})" for key, (old, new) in _changed_settings(cfg, run_dir).items()]
     if changed:
         print(f"{run_dir}: resuming with settings that differ from its {CONFIG_FILE}: {', '.join(changed)}",
-              flush=True)
+              file=sys.stderr, flush=True)
 
 
 START_BACKUP_DIR = ".start-backup"  # what a --resume's or --overwrite's start may replace, until it has succeeded
