@@ -319,7 +319,7 @@ def test_the_same_values_in_a_config_file_are_bad_input_exit_1(env, capsys, tmp_
                           ("doc_split: foo", "doc_split must be one of blank, line, file; got 'foo'")):
         config.write_text(setting + "\n")
         code, stdout, err = run(capsys, "pretrain", "--config", config, "--max-steps", "1", "--out", tmp_path / "r")
-        assert (code, stdout, err) == (1, "", f"frawd: error: {said}\n")
+        assert (code, stdout, err) == (1, "", f"frawd: error: {config}: {said}\n")  # (the file named)
 
 
 def test_a_bad_doc_split_is_refused_with_prepared_shards_too(env, capsys, tmp_path):
@@ -331,7 +331,8 @@ def test_a_bad_doc_split_is_refused_with_prepared_shards_too(env, capsys, tmp_pa
     config.write_text("doc_split: lines\n")
     code, stdout, err = run(capsys, "pretrain", "--data", shards, "--config", config, "--max-steps", "1",
                             "--dry-run", "--out", tmp_path / "r")
-    assert (code, err) == (1, "frawd: error: doc_split must be one of blank, line, file; got 'lines'\n"), stdout
+    assert (code, err) == (1, f"frawd: error: {config}: doc_split must be one of blank, line, file; got 'lines'\n"), \
+        stdout
 
 
 @pytest.mark.parametrize("argv, said", [

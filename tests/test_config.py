@@ -133,6 +133,13 @@ def test_a_config_file_may_be_yaml_or_toml_and_each_error_names_its_language(tmp
     yaml_file.write_text("preset: tiny\nbogus_key: 1\n")  # (said "unknown ... field(s): bogus_key", no file)
     with pytest.raises(ConfigError, match=r"^\S*run\.yaml: unknown PretrainConfig field\(s\): bogus_key; known: "):
         build_config(PretrainConfig, yaml_file)
+    yaml_file.write_text('max_steps: "abc"\nmodel:\n  n_head: 0\n')  # bad values name the file too
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: max_steps: expected an integer or null, got 'abc'$"):
+        build_config(PretrainConfig, yaml_file)
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: n_head must be an integer"):
+        build_config(PretrainConfig, yaml_file, {"max_steps": 3})
+    with pytest.raises(ConfigError, match=r"^max_steps: expected an integer or null, got 'x'$"):  # (a flag's own)
+        build_config(PretrainConfig, yaml_file, {"max_steps": "x"}, {"n_head": 2})
 
 
 def test_swiglu_hidden_defaults_to_eight_thirds_rounded():

@@ -352,7 +352,27 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
                 merged["model"].update({**layer, **positions_override(layer)})
     elif model_overrides:
         raise ConfigError(f"{cls.__name__} has no model fields to --set")
-    return cls.from_dict(merged)
+    try:
+        return cls.from_dict(merged)
+    except ConfigError as exc:  # a bad value: name the file it came from, when a file gave it
+        layers = ((flags, model_overrides, None), (from_file, from_file.get("model"), config_file),
+                  (saved, saved.get("model"), saved_path))
+        source = _source_of(str(exc), layers)
+        if source is None:
+            raise
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _source_of(message: str, layers: tuple) -> str | None:
+    """The file whose value a config error's message names (it starts with the field's name):
+    of `layers` ((fields, model fields, file), highest first), the first that sets it."""
+    match = re.match(r"[A-Za-z_]\w*", message)
+    if match is None:
+        return None
+    for values, model, source in layers:
+        if match.group(0) in values or (isinstance(model, dict) and match.group(0) in model):
+            return None if source is None else str(source)
+    return None
 
 
 def dump_yaml(cfg: TrainConfig, header: str = "") -> str:
