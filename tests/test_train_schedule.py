@@ -76,7 +76,7 @@ def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("bad", ["", "5 minutes", "m", "-3s", "0"])
+@pytest.mark.parametrize("bad", ["", "5 minutes", "m", "-3s", "0", "5m5m", "1m1h", "1h30", "30s1m"])
 def test_parse_duration_rejects_nonsense(bad):
     with pytest.raises(ConfigError):
         parse_duration(bad)

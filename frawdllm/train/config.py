@@ -57,13 +57,16 @@ def parse_duration(text: str | float | int) -> float:
         seconds = float(text)
     else:
         value = str(text).strip().replace(" ", "")
-        pos, seconds = 0, 0.0
+        pos, seconds, units = 0, 0.0, []
         for match in _DURATION.finditer(value):
             if match.start() != pos:
                 break
-            seconds += float(match.group(1)) * _SECONDS[(match.group(2) or "s").lower()]
+            units.append((match.group(2) or "").lower())
+            seconds += float(match.group(1)) * _SECONDS[units[-1] or "s"]
             pos = match.end()
-        if not value or pos != len(value):
+        # units once each, largest first, and a bare number alone ("5m5m", "1m1h" or "1h30" are typos)
+        in_order = [_SECONDS[u] for u in units if u] == sorted({_SECONDS[u] for u in units if u}, reverse=True)
+        if not value or pos != len(value) or not in_order or ("" in units and len(units) > 1):
             raise ConfigError(f"cannot read {text!r} as a duration; use e.g. 90, 100s, 5m, 1h30m")
     if not 0 < seconds < math.inf:  # (nan and inf too: YAML's .inf, or 400 digits)
         raise ConfigError(f"a duration must be positive and finite, got {text!r}")
