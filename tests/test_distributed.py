@@ -124,6 +124,9 @@ def test_two_ranks_give_the_losses_of_one_process_with_the_whole_batch(single, t
     assert (single / "config.yaml").read_text().startswith("# rerun: frawd pretrain --config ")
     sharded = (run / "checkpoints" / f"step_{STEPS:08d}" / "optimizer").is_dir()
     assert sharded == (parallel == "fsdp")
+    listed = json.loads((run / "checkpoints" / f"step_{STEPS:08d}" / "files.json").read_text())
+    assert {"state.pt", "model/model.safetensors"} <= set(listed)  # (with every rank's optimizer shard)
+    assert sum(name.startswith("optimizer/") and name.endswith(".distcp") for name in listed) == 2 * sharded
     # the published model is the trained one
     a, b = FrawdLLM.from_pretrained(run / "model"), FrawdLLM.from_pretrained(single / "model")
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):

@@ -53,9 +53,15 @@ def save_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], objec
     with atomic_dir(path, overwrite=True) as tmp:
         save_model(tmp / MODEL_SUBDIR)
         torch.save(state, tmp / STATE_FILE)
-        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        (tmp / FILES_FILE).write_text(json.dumps(written), encoding="utf-8")
+        list_files(tmp)
     return path
+
+
+def list_files(folder: Path) -> None:
+    """Write files.json: the files of a checkpoint being built in `folder`, the last step
+    before it is renamed into place (what `_missing_files` checks against)."""
+    written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    (folder / FILES_FILE).write_text(json.dumps(written), encoding="utf-8")
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

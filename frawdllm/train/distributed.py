@@ -631,6 +631,7 @@ def save_checkpoint(run_dir: Path, step: int, save_model, state: dict, sharded: 
                 save_sharded(sharded, tmp / SHARDED_OPTIMIZER_DIR)  # returns once every rank has written
             save_model(tmp / ckpt.MODEL_SUBDIR)
             torch.save(state, tmp / ckpt.STATE_FILE)
+            ckpt.list_files(tmp)  # (every rank's shards are written: save_sharded returned)
     else:
         tmp = Path(dist_info.from_main(None))
         if sharded is not None:
