@@ -286,6 +286,9 @@ def test_lora_twice_or_a_fractional_rank_is_refused():
     assert script_lines("from frawdllm import FrawdLLM, get_config\nfrom frawdllm.align.lora import add_lora\n"
                         "try:\n    add_lora(FrawdLLM(get_config('tiny', n_layer=1)), 2.5)\n"
                         "except ValueError as exc:\n    print(exc)") == ["LoRA rank must be a positive integer, got 2.5"]
+    for alpha in (float("inf"), float("nan"), 0.0, -4.0, True):  # (inf made every output NaN; the CLI refused them)
+        with pytest.raises(ValueError, match=r"^LoRA alpha must be a finite positive number, got "):
+            lora.add_lora(tiny_model(), 4, alpha)
 
 
 def test_lora_on_an_encoder_decoder_covers_cross_attention_and_saves_merged(tmp_path):

@@ -47,6 +47,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Modu
     """Freeze `model` and wrap its projections with adapters (in place); returns it."""
     if not is_integer(rank) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not 0 < alpha < math.inf):  # (inf: 0 x inf, every output NaN)
+        raise ValueError(f"LoRA alpha must be a finite positive number, got {alpha!r}")
     if has_lora(model):  # (else: "no linear layer named ...", the projections being LoRA layers now)
         raise ValueError(f"{type(model).__name__} already has LoRA adapters")
     targets = [(module, name, child) for module in model.modules() for name, child in module.named_children()
