@@ -218,7 +218,7 @@ def test_prompt_characters_a_char_tokenizer_does_not_know_are_named(capsys, tmp_
     # a stop string it can never write (it was taken without a word, and generation ran to the limit)
     code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "2",
                        "--stop", "é!", "--stop", "ca", "--json")
-    assert code == 0 and err.splitlines() == ["warning: --stop 'é!' can never match: the tokenizer has no '!é'"], err
+    assert code == 0 and err.splitlines() == ["warning: stop string 'é!' can never match: the tokenizer has no '!é'"], err
 
 
 def test_stream_asked_for_where_it_cannot_apply_says_so(capsys, model_dir):

@@ -533,6 +533,25 @@ def test_a_models_generation_config_gives_the_defaults_a_request_leaves_out():
         assert chat.choices[0].message.content == engine.generate([ids], ends)[0].text
 
 
+def test_a_models_own_stop_settings_in_any_form_the_file_takes():
+    """A file's lone stop string was split into characters (a stop at every newline), a lone
+    stop id was a 500, and a list of more stop strings than a request may send refused every
+    request that sent none."""
+    model, tok = varied_model(n_layer=1)
+    engine = test_engine(model, tok)
+    greedy = expected_completion(engine, PROMPTS[2], max_new_tokens=24)
+    end = greedy.tokens[5]
+    stops = ["zq1", "zq2", "zq3", "zq4", greedy.text[2:4]]
+    files = {"one": {"temperature": 0, "stop_token_ids": end}, "many": {"temperature": 0, "stop": stops},
+             "lone": {"temperature": 0, "stop": greedy.text[2:4]}}
+    with live_server({name: engine for name in files}, ServeOptions(), sampling=files) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for name in files:
+            got = c.completions.create(model=name, prompt=PROMPTS[2], max_tokens=24).choices[0]
+            alone = engine.generate(PROMPTS[2], SamplingParams.from_dict({**files[name], "max_new_tokens": 24}))[0]
+            assert (got.text, got.finish_reason) == (alone.text, "stop"), name
+
+
 def test_serve_gives_each_model_its_generation_config(capsys, tmp_path, monkeypatch):
     import uvicorn
 
@@ -548,10 +567,19 @@ def test_serve_gives_each_model_its_generation_config(capsys, tmp_path, monkeypa
     real = frawdllm.serve.create_app
     monkeypatch.setattr(frawdllm.serve, "create_app", lambda e, o, sampling=None: given.update(sampling) or real(e, o))
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    access = logging.getLogger("frawdllm.serve.access")  # (what the command sets up, put back after it)
+    monkeypatch.setattr(access, "handlers", list(access.handlers))
+    monkeypatch.setattr(access, "propagate", access.propagate)
+    monkeypatch.setattr(access, "level", access.level)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
     code, _, err = run_cli(capsys, "serve", "--model", f"a={tmp_path / 'm'}", "--model", f"b={tmp_path / 'plain'}",
                            "--port", free_port(), "--threads", "1")
     assert code == 0, err
     assert given == {"a": load_generation_config(tmp_path / "m"), "b": {}} and given["a"]["stop_token_ids"] == [9]
+    (tmp_path / "m" / "generation_config.json").write_text('{"stop_token_ids": [100000]}')  # (refused at start,
+    code, _, err = run_cli(capsys, "serve", "--model", tmp_path / "m", "--port", free_port())  # not per request)
+    assert code == 1 and err == (f"frawd: error: {tmp_path / 'm' / 'generation_config.json'}: stop token id 100000 is "
+                                 f"outside the vocabulary (size {model.config.vocab_size})\n")
 
 
 def test_a_runs_model_folder_is_named_after_the_run(tmp_path, monkeypatch):

@@ -105,11 +105,13 @@ def check_rows_fit(engine: Any, prompts: list[str], params: Any) -> None:
 def warn_unmatchable_stops(engine: Any, params: Any) -> None:
     """A warning on stderr for each stop string the model can never write: one with characters
     a char tokenizer lacks (it decodes them as nothing it can generate, so the stop never matches)."""
-    for stop in params.stop:
-        missing = sorted(engine.tokenizer.unknown_characters(stop))
-        if missing:
-            click.echo(f"warning: --stop {stop!r} can never match: the tokenizer has no {''.join(missing)!r}",
-                       err=True)
+    never = [(stop, sorted(engine.tokenizer.unknown_characters(stop))) for stop in params.stop]
+    never = [(stop, missing) for stop, missing in never if missing]
+    for stop, missing in never[:3]:  # (a file's list may be long: the first few, then a count)
+        click.echo(f"warning: stop string {stop!r} can never match: the tokenizer has no {''.join(missing)!r}",
+                   err=True)
+    if len(never) > 3:
+        click.echo(f"warning: {len(never) - 3} more stop strings can never match", err=True)
 
 
 def context_stop_note(engine: Any, params: Any, ends: list[tuple[str | None, int]], what: str) -> str | None:

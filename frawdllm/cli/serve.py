@@ -129,6 +129,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
     """
     import uvicorn
 
+    from ..infer import SamplingParams
     from ..modeldir import load_generation_config
     from ..serve import ServeOptions, create_app, server_config
 
@@ -154,6 +155,10 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
             engine.plan()  # measured (once per machine) before the first request, not during it
             engines[name] = engine
             sampling[name] = load_generation_config(directory)  # (a request's fields override them)
+            try:  # (its stop ids in this model's vocabulary: else every request is refused, not the file)
+                engine.checked_params(SamplingParams.from_dict(sampling[name]))
+            except FrawdError as error:
+                raise FrawdError(f"{Path(directory) / 'generation_config.json'}: {error}") from None
         app = create_app(engines, options, sampling)
         access = logging.getLogger("frawdllm.serve.access")
         handler = logging.StreamHandler(sys.stderr)

@@ -52,8 +52,8 @@ class SamplingParams:
     repetition_penalty: float | int = 1.0  # 1: off
     seed: int | None = None  # None: a fresh random seed per call
     num_samples: int = 1  # completions per prompt
-    stop: Sequence[str] = ()  # stop strings: generation ends before them, they are never emitted
-    stop_token_ids: Sequence[int] = ()  # extra stop tokens besides end-of-sequence
+    stop: Sequence[str] | str = ()  # stop strings (or one): generation ends before them, they are never emitted
+    stop_token_ids: Sequence[int] | int = ()  # extra stop tokens (or one) besides end-of-sequence
     ignore_eos: bool = False  # keep going past <|eos|> (benchmarks)
     logprobs: int | None = None  # None: off; k: each token's log-probability and the k likeliest (0-20)
 

@@ -334,7 +334,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
     options = options or ServeOptions()
     if not engines:
         raise FrawdError("give at least one model")
-    defaults = {name: (sampling or {}).get(name, {}) for name in engines}
+    defaults = {name: _settings((sampling or {}).get(name) or {}) for name in engines}
     schedulers = {name: Scheduler(engine, max_batch=options.max_batch, max_queue=options.max_queue)
                   for name, engine in engines.items()}
     scorers = {name: _Scorer(engine, options.max_queue) for name, engine in engines.items()}
@@ -804,6 +804,13 @@ def _refuse_unsupported(body: Any) -> None:
         raise no("stream_options", "is only allowed when stream is true")
 
 
+def _settings(values: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json's settings as SamplingParams holds them (one stop string a
+    tuple of one, one stop id a tuple): only the fields the file sets."""
+    params = SamplingParams.from_dict(values)
+    return {name: getattr(params, name) for name in values}
+
+
 def _params(body: Any, max_new: int, options: ServeOptions, defaults: dict[str, Any] | None = None,
             stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
     """A request's SamplingParams. `defaults`, the model's generation_config.json, fill what
@@ -818,14 +825,14 @@ def _params(body: Any, max_new: int, options: ServeOptions, defaults: dict[str, 
         raise ApiError(400, f"n is {body.n} but a batch holds {options.max_batch} rows", param="n")
     _refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if body.stop is None:
-        stop = list(defaults.get("stop", []))
     if len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop strings", param="stop")
     if any(s == "" for s in stop):
         raise ApiError(400, "stop strings must not be empty", param="stop")
     for i, text in enumerate(stop):
         _check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{i}]", param="stop")
+    if body.stop is None:  # the model's own (checked when the server started; the cap is the requests')
+        stop = list(defaults.get("stop", ()))
     seed = None if body.seed is None else body.seed % 2**63  # OpenAI's seeds are any int64 (-1 included)
     if isinstance(body, CompletionRequest):  # a count (0: the sampled token's alone)
         logprobs = body.logprobs
