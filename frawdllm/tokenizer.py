@@ -144,11 +144,14 @@ class Tokenizer:
 
     @functools.cached_property
     def longest_token_chars(self) -> int:
-        """Characters of the longest vocabulary entry (byte-level entries spell a byte a
-        character): a text's token count is at least its length over this, give or take
-        what normalization changes. The server refuses a hopeless prompt by its length,
-        without tokenizing a megabyte of it."""
-        return max([len(token) for token in self.backend.get_vocab(with_added_tokens=False)] or [1])
+        """Characters of the longest vocabulary entry text can encode to (byte-level entries
+        spell a byte a character; special tokens, never made from text, left out): a text's
+        token count is at least its length over this, give or take what normalization
+        changes. The server refuses a hopeless prompt by its length, without tokenizing a
+        megabyte of it."""
+        special = {t["content"] for t in json.loads(self.backend.to_str()).get("added_tokens", []) if t.get("special")}
+        return max([len(token) for token in self.backend.get_vocab(with_added_tokens=True) if token not in special]
+                   or [1])
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
@@ -217,7 +220,8 @@ class Tokenizer:
         return None
 
     def unknown_id(self) -> int | None:
-        """The id of the unknown token, None when the tokenizer has none (byte-level BPE)."""
+        """The id of the unknown token: <|unk|> (1) in every tokenizer FrawdLLM trains (byte-level
+        ones never produce it); an imported one's own, or None (GPT-2's has none)."""
         if self.has_frawd_specials():
             return UNK_ID
         name = getattr(self.backend.model, "unk_token", None)
@@ -276,7 +280,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable, skip_special_tokens: bool = False) -> str:
         """Ids (a list, numpy array or 1-D tensor) -> text. An id that is not a non-negative
-        integer is one line (104.9 decoded as 104, -1 overflowed); one past this tokenizer's
+        integer is refused in one line (104.9, -1); one past this tokenizer's
         vocabulary decodes to nothing (a model's vocabulary may be larger than its tokenizer's:
         an untrained model can sample such an id)."""
         given = ids

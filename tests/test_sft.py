@@ -88,6 +88,11 @@ def test_packed_rows_give_each_example_its_unpacked_loss(style):
     examples = [tokenize_chat(tok, chat_messages(r, "test")) for r in word_chats(7)]
     rows = pack_rows(examples, 64)
     assert all(len(row) >= 2 for row in rows[:-1]) and len(rows) < len(examples)  # rows are shared
+    assert pack_rows(examples, 64, pack=False) == [[i] for i in range(len(examples))]
+    longest = max(len(e.ids) for e in examples) - 1
+    for pack in (True, False):  # (unpacked, a too-long example failed later, inside collate's numpy)
+        with pytest.raises(ValueError, match=rf"has {longest} input tokens, more than the row length {longest - 1}$"):
+            pack_rows(examples, longest - 1, pack=pack)
     batch = collate(examples, rows, 64)
     with torch.no_grad():
         from frawdllm.align.sft import packed_hidden

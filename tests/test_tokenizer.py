@@ -491,3 +491,15 @@ def test_ctrl_c_during_bpe_merges_ends_training_at_once():
     finally:
         proc.kill()
     assert proc.stdout.read() == "" and waited < 1.5, waited  # (the merges alone take ~5 s)
+
+
+def test_longest_token_chars_leaves_out_the_special_tokens_text_never_makes():
+    """It was 13 (<|assistant|>) for every FrawdLLM tokenizer, so the server's refusal of a
+    hopeless prompt by its length was 13 times looser than meant for char and byte ones."""
+    text = "ROMEO: But soft, what light through yonder window breaks?\n" * 20
+    bpe = train_tokenizer([text], kind="bpe", vocab_size=300)
+    assert train_tokenizer([text], kind="char").longest_token_chars == 1
+    assert byte_tokenizer().longest_token_chars == 1
+    ordinary = [t for t, i in bpe.backend.get_vocab().items() if i not in bpe.special_ids]
+    assert bpe.longest_token_chars == max(map(len, ordinary)) > 1
+    assert len(text) / bpe.longest_token_chars <= len(bpe.encode(text))  # (the bound it is for)

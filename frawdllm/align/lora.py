@@ -43,7 +43,7 @@ class LoRALinear(nn.Module):
         return linear
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:
+def add_lora(model: nn.Module, rank: int, alpha: float | int | None = None) -> nn.Module:
     """Freeze `model` and wrap its projections with adapters (in place); returns it."""
     if not is_integer(rank) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")

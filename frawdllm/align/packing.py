@@ -35,8 +35,8 @@ class DocumentMask:
         self.mask = document_mask(documents)
 
     def update(
-        self, layer_idx: int, k: Float[Tensor, "B H T hd"], v: Float[Tensor, "B H T hd"]
-    ) -> tuple[Float[Tensor, "B H T hd"], Float[Tensor, "B H T hd"], Bool[Tensor, "B 1 T T"]]:
+        self, layer_idx: int, k: Float[Tensor, "B Hkv T hd"], v: Float[Tensor, "B Hkv T hd"]
+    ) -> tuple[Float[Tensor, "B Hkv T hd"], Float[Tensor, "B Hkv T hd"], Bool[Tensor, "B 1 T T"]]:
         return k, v, self.mask
 
 
@@ -51,14 +51,12 @@ def document_mask(documents: Int[Tensor, "B T"]) -> Bool[Tensor, "B 1 T T"]:
 def pack_rows(examples: list[Example], length: int, pack: bool = True) -> list[list[int]]:
     """Greedy rows: lists of example indices whose inputs (len(ids) - 1 tokens) fit in `length`
     (one example per row if not `pack`)."""
-    if not pack:
-        return [[i] for i in range(len(examples))]
     rows, row, used = [], [], 0
     for i, example in enumerate(examples):
         n = len(example.ids) - 1
         if n > length:
             raise ValueError(f"example {i} has {n} input tokens, more than the row length {length}")
-        if used + n > length and row:
+        if (used + n > length or not pack) and row:
             rows.append(row)
             row, used = [], 0
         row.append(i)

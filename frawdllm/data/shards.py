@@ -10,7 +10,7 @@ Three stages overlap, so the cores stay busy with tokenization:
                     the other cores waiting
     encode threads  `encode_batch_fast` of the `tokenizers` library on a few batches at
                     once (Rust threads on all cores, GIL released)
-    main thread     ids -> one numpy array per split (documents separated by <|eos|>),
+    main thread     ids -> one numpy array per split (each document followed by <|eos|>),
                     appended to the shard files; progress bar in MB/s
 
 The new shards are written under temporary names and renamed into place when complete,

@@ -52,8 +52,9 @@ from .translation_config import TranslateConfig
 
 def token_batches(pairs: list[tuple[list[int], list[int]]], tokens_per_batch: int, rng: random.Random
                   ) -> list[list[int]]:
-    """Pair indices grouped into batches of at most `tokens_per_batch` padded tokens
-    (rows x the widest side + 1 for BOS/EOS), similar lengths together, in random order."""
+    """Pair indices grouped into batches of at most `tokens_per_batch` padded tokens (rows x
+    max(source length, target length + 1): the target gets BOS or EOS), similar lengths
+    together, in random order. A pair wider than `tokens_per_batch` is a batch of its own."""
     order = list(range(len(pairs)))
     rng.shuffle(order)  # ties in length land in a new order each epoch
     order.sort(key=lambda i: (len(pairs[i][0]), len(pairs[i][1])))
