@@ -168,6 +168,8 @@ def _read_json(path: Path) -> Any:
         raise FrawdError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise FrawdError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:  # (thousands of nested [ or {: the command's own handler could not name the file)
+        raise FrawdError(f"{path}: nests too deeply to read") from None
     except OSError as exc:
         raise FrawdError(f"{path}: cannot read ({exc.strerror})") from None
 

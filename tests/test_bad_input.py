@@ -9,6 +9,7 @@ real `frawd` process to check what the user's terminal sees.
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def env(tmp_path_factory):
     deep = root / "deep_model"  # config.json nested 5,000 levels (a RecursionError traceback)
     deep.mkdir()
     (deep / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
+    shutil.copytree(root / "model", root / "deep_gen_model")  # (its generation_config.json, the same)
+    (root / "deep_gen_model" / "generation_config.json").write_text("[" * 100_000 + "]" * 100_000)
     # a YAML alias bomb: 9 levels of 9 references, 9^9 items to print (the error's repr hung)
     bomb = [f"  - &l0 [{', '.join(['1'] * 9)}]"] + [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]"
                                                        for i in range(1, 9)]
@@ -149,7 +152,9 @@ CASES = [
      "weights hold nan or inf values (the first: blocks.0.mlp.up.weight)"),
     ("chat-nan-weights", ["chat", "--model", "{root}/nan_model"], "weights hold nan or inf"),
     ("generate-config-nested-too-deep", ["generate", "--model", "{root}/deep_model", "--prompt", "x"],
-     "nests too deeply"),
+     "deep_model/config.json: nests too deeply"),  # (the file named: "an input file" before)
+    ("generate-generation-config-nested-too-deep", ["generate", "--model", "{root}/deep_gen_model", "--prompt", "x"],
+     "deep_gen_model/generation_config.json: nests too deeply"),
     ("pretrain-config-alias-bomb", pre("--config", "{root}/bomb.yaml"), "lr: expected a number"),
     ("generate-top-p-0", gen("--top-p", "0"), "top_p"),
     ("generate-prompt-file-missing", gen("--prompt-file", "{root}/nope.txt"), "nope.txt"),
