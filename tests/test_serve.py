@@ -68,7 +68,8 @@ def test_models_and_health(server):
     assert [m.id for m in models.data] == ["varied", "small", "org/small"]
     card = client(server).models.retrieve("org/small")
     assert card.id == "org/small"
-    assert card.model_extra == {"context_length": server["small"].config.context_length, "max_tokens": MAX_TOKENS}
+    assert card.model_extra == {"context_length": server["small"].config.context_length, "max_tokens": MAX_TOKENS,
+                                "sampling": {}}  # (no generation_config.json defaults)
     label = 'frawd_requests_total{path="/v1/models/{model}",status="200"}'  # (one label for every model's page)
     deadline = time.time() + 5  # (counted just after the reply is sent)
     while label not in httpx.get(server["url"] + "/metrics").text and time.time() < deadline:
@@ -519,6 +520,7 @@ def test_a_models_generation_config_gives_the_defaults_a_request_leaves_out():
     cut = greedy.tokens[:greedy.tokens.index(end)]
     defaults = {"temperature": 0, "stop_token_ids": [end]}
     with live_server({"m": engine}, ServeOptions(), sampling={"m": defaults}) as url:
+        assert httpx.get(url + "/v1/models/m").json()["sampling"] == {"temperature": 0, "stop_token_ids": [end]}
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         got = c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=24)  # greedy, ending at `end`
         assert (got.choices[0].text, got.choices[0].finish_reason) == (tok.decode(cut), "stop")

@@ -38,7 +38,8 @@ def page_server():
 def key_server():
     """A server that wants an API key, with a model whose context (64) is below the cap."""
     model, tok = varied_model(context_length=64)
-    with live_server({"small": test_engine(model, tok)}, ServeOptions(max_tokens=1000, api_key="s3cret")) as url:
+    with live_server({"small": test_engine(model, tok)}, ServeOptions(max_tokens=1000, api_key="s3cret"),
+                     sampling={"small": {"temperature": 0.3, "top_p": 0.5, "stop": "x"}}) as url:
         yield url
 
 
@@ -360,6 +361,9 @@ def test_chat_page_asks_for_the_api_key_and_its_panel_works_by_keyboard(key_serv
     wait_for(lambda: by_id("model").get_attribute("value") == "small", what="the model list")
     assert by_id("stats").text == "ready" and not by_id("enter-key").is_displayed()  # the key message goes
     assert by_id("max-tokens").get_attribute("max") == "64"  # the context (64) is below the server's cap (1000)
+    # the sliders start from the model's generation_config.json (they stayed at the page's 0.7 and 0.95)
+    assert [by_id(i).get_attribute("value") for i in ("temperature", "top-p")] == ["0.3", "0.5"]
+    assert [by_id(i + "-value").text for i in ("temperature", "top-p")] == ["0.3", "0.5"]
     ActionChains(d).send_keys(Keys.ESCAPE).perform()  # Escape folds the panel, back to its button
     assert not by_id("settings").is_displayed() and by_id("toggle").get_attribute("aria-expanded") == "false"
     assert js("return document.activeElement.id") == "toggle"

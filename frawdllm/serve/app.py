@@ -424,7 +424,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "frawdllm",
                 "context_length": schedulers[name].engine.config.context_length,
-                "max_tokens": options.max_tokens}  # (the cap on a request's max_tokens: the page's limit)
+                "max_tokens": options.max_tokens,  # (the cap on a request's max_tokens: the page's limit)
+                "sampling": {k: list(v) if isinstance(v, tuple) else v for k, v in defaults[name].items()}}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
