@@ -381,6 +381,12 @@ def read_json_object(path: str | os.PathLike) -> dict:
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.(?P<kind>tmp|old)")
 
 
+def partial_write(name: str) -> tuple[str, str] | None:
+    """(the name written, "tmp" or "old") of a temporary name above, else None."""
+    match = _PARTIAL.fullmatch(name)
+    return (match["name"], match["kind"]) if match else None
+
+
 def clean_partial(folder: str | os.PathLike, only: str | None = None) -> None:
     """Tidy what writes killed in `folder` left: a folder set aside for replacement whose
     replacement never arrived is put back; other temporary files and folders are removed.

@@ -149,7 +149,7 @@ class Tokenizer:
         token count is at least its length over this, give or take what normalization
         changes. The server refuses a hopeless prompt by its length, without tokenizing a
         megabyte of it."""
-        special = {t["content"] for t in json.loads(self.backend.to_str()).get("added_tokens", []) if t.get("special")}
+        special = {t["content"] for t in self._setup.get("added_tokens", []) if t.get("special")}
         return max([len(token) for token in self.backend.get_vocab(with_added_tokens=True) if token not in special]
                    or [1])
 
@@ -176,16 +176,21 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False).encode()  # (e.g. SentencePiece-style)
 
     @functools.cached_property
+    def _setup(self) -> dict:
+        """tokenizer.json's content (the backend is not changed after construction)."""
+        return json.loads(self.backend.to_str())
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
         """Whether tokens spell bytes as GPT-2's byte-to-character map does (its decoder is
         ByteLevel). A SentencePiece-style token "é" is the character, not the byte 0xE9."""
-        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        decoder = self._setup.get("decoder") or {}
         return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in decoder.get("decoders", [decoder]))
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids of the added (special) tokens: FrawdLLM's seven, or an imported tokenizer's."""
-        return frozenset(t["id"] for t in json.loads(self.backend.to_str()).get("added_tokens", []))
+        return frozenset(t["id"] for t in self._setup.get("added_tokens", []))
 
     @functools.cached_property
     def fallback_byte_ids(self) -> frozenset[int]:
@@ -193,7 +198,7 @@ class Tokenizer:
         decoder has ByteFallback: a run of them decodes as one group, and a group that is
         not valid UTF-8 becomes U+FFFD for every byte, an ASCII one before it too ("\\n"
         then half a character). Empty for the others (byte-level BPE decodes per byte)."""
-        setup = json.loads(self.backend.to_str())
+        setup = self._setup
         decoder = setup.get("decoder") or {}
         kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
         if "ByteFallback" not in kinds:

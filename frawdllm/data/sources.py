@@ -215,11 +215,10 @@ def refuse_shard_dir(path: Path) -> None:
 def _refuse_unfinished_shards(path: Path) -> None:
     """A folder holding only a `frawd data prepare`'s temporary shard files (.train.bin.*.tmp):
     one line saying that a prepare is writing it, or was stopped before it finished."""
-    from ..io import _PARTIAL
+    from ..io import partial_write
     from ..train.rundir import lock_holder
 
-    if not any((m := _PARTIAL.fullmatch(p.name)) and m["kind"] == "tmp" and m["name"].endswith(".bin")
-               for p in path.iterdir()):
+    if not any((w := partial_write(p.name)) and w[1] == "tmp" and w[0].endswith(".bin") for p in path.iterdir()):
         return
     holder = lock_holder(path.resolve())
     if holder:
