@@ -109,8 +109,9 @@ def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_pat
     from frawdllm.errors import FrawdError
 
     saved = (run / "config.yaml").read_text()
-    for change in ({"model": {**tiny_config(corpus, run).model, "n_layer": 1}}, {"tokenizer": "byte"}):
-        with pytest.raises(FrawdError, match="--resume continues the run's own model and tokenizer"):
+    for change in ({"model": {**tiny_config(corpus, run).model, "n_layer": 1}}, {"tokenizer": "byte"},
+                   {"seed": 5}):  # (the seed was "taken" and said, yet the data order kept the run's)
+        with pytest.raises(FrawdError, match="--resume continues the run's own model, tokenizer and data order"):
             run_pretraining(tiny_config(corpus, run, max_steps=16, eval_interval=4, resume=True, **change))
     assert (run / "config.yaml").read_text() == saved
     assert run_pretraining(tiny_config(corpus, run, max_steps=16, eval_interval=4, resume=True)).steps == 16

@@ -283,7 +283,10 @@ RESUME_FREE = {"resume", "overwrite", "max_steps", "max_tokens", "max_time", "pr
                "eval_interval", "log_interval", "keep_last", "device", "parallel", "wandb", "wandb_project",
                "tensorboard", "peak_tflops"}
 # Settings the checkpoint's weights (or the run's tokenizer and shards) are made for: fixed once trained.
-RESUME_FIXED = {"preset", "model", "vocab_size", "tokenizer", "init_from", "init", "lora_rank", "lora_alpha"}
+# And the seed: the data order of the epoch a run stopped in is drawn from it (SFT, DPO and
+# translation redraw it on resume, so another seed repeats and skips examples mid-epoch).
+RESUME_FIXED = {"preset", "model", "vocab_size", "tokenizer", "init_from", "init", "lora_rank", "lora_alpha",
+                "seed"}
 
 
 def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
@@ -317,7 +320,8 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
         listed.append(f"{key}={new!r} (the run has {old!r})")
     if listed:
         listed = ", ".join(listed)
-        raise FrawdError(f"{run_dir}: --resume continues the run's own model and tokenizer; these settings differ: "
+        raise FrawdError(f"{run_dir}: --resume continues the run's own model, tokenizer and data order; "
+                         f"these settings differ: "
                          f"{listed}; drop them, or {_new_run_advice(cfg, run_dir)}")
 
 
