@@ -7,18 +7,18 @@
     from frawdllm import Seq2SeqTransformer      # the encoder-decoder of the 2017 paper
     model = Seq2SeqTransformer(get_config("aiayn-base"))
 
-The model (and so torch) is imported on first use, so commands that only tokenize or
-prepare data start fast.
+The model (and so torch) is imported on first use, so `--help` and commands that only
+train a tokenizer start fast.
 """
 
 from typing import Any
 
-from .config import PRESETS, ModelConfig, Seq2SeqConfig, get_config
+from .config import PRESETS, SEQ2SEQ_PRESETS, ModelConfig, Seq2SeqConfig, get_config
 from .errors import ConfigError, FrawdError
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "Seq2SeqConfig", "get_config", "PRESETS", "FrawdLLM", "Seq2SeqTransformer", "FrawdError",
-           "ConfigError"]
+__all__ = ["ModelConfig", "Seq2SeqConfig", "get_config", "PRESETS", "SEQ2SEQ_PRESETS", "FrawdLLM",
+           "Seq2SeqTransformer", "FrawdError", "ConfigError"]
 
 
 def __getattr__(name: str) -> Any:

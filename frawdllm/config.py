@@ -28,6 +28,10 @@ NORM_PLACEMENTS = ("pre", "post")
 
 @dataclass
 class ModelConfig:
+    """Every architectural choice of the decoder-only model, checked when built (one
+    `ConfigError` line naming the field). `get_config(preset, **overrides)` starts from a
+    preset (`PRESETS`); `frawd info --preset NAME` prints a config's size and FLOPs."""
+
     vocab_size: int = 8192
     n_embd: int = 256
     n_layer: int = 6

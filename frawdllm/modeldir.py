@@ -381,6 +381,8 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     loop sets train mode itself); `config` builds it instead of config.json's (the weights'
     shapes must fit it, e.g. the same model with another dropout). `kind` ("decoder" or
     "seq2seq"): refuse, in one line, a directory holding the other kind."""
+    if kind is not None and kind not in KIND_HINT:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KIND_HINT))} or None, got {kind!r}")
     directory = Path(directory)
     cfg = load_config(directory) if config is None else config
     if kind is not None:

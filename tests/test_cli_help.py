@@ -65,3 +65,17 @@ def test_help_of_every_command_loads_no_torch():
     assert not loaded, (f"{loaded[0]} imported torch (commands after it in {loaded[1:]} were not told apart); "
                         "import the heavy modules inside the command's function, and keep what its "
                         "options need (its config dataclass) torch-free")
+
+
+def test_tokenizer_training_runs_without_torch(tmp_path):
+    """`frawd tokenizer train` never needs torch (frawdllm/__init__.py says such commands start
+    fast): run with torch made unimportable, it trains and writes its tokenizer."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 50)
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "from frawdllm.cli import main\n"
+              "main(sys.argv[1:])\n")
+    out = subprocess.run([sys.executable, "-c", script, "tokenizer", "train", "--data", str(corpus), "--kind", "char",
+                          "--out", str(tmp_path / "tok")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()

@@ -424,6 +424,11 @@ def test_a_kv_cache_forward_that_begin_did_not_announce_is_one_line():
     with pytest.raises(FrawdError, match=r"^KVCache got 1 new token but begin\(\) announced 2" + advice):
         model(step[0], positions=step[1], kv_cache=cache)
 
+    cache = KVCache(model.config, 1, 32)  # built for one row, given two
+    cache.begin(8)
+    with pytest.raises(FrawdError, match=r"^KVCache got a batch of 2 rows; it holds 1$"):
+        model(ids.repeat(2, 1), kv_cache=cache)  # ("The expanded size of the tensor (1) must match ...")
+
 
 @torch.no_grad()
 def test_every_cache_refuses_an_unannounced_forward_and_gives_positions_to_one_without():

@@ -172,3 +172,13 @@ def test_a_model_no_loader_would_build_is_not_saved(tmp_path):
     assert not (tmp_path / "m").exists()
     FrawdLLM(cfg.replace(context_length=500_000)).save_pretrained(tmp_path / "ok")  # 61 MiB: saved and read back
     assert FrawdLLM.from_pretrained(tmp_path / "ok").config.context_length == 500_000
+
+
+def test_load_model_refuses_an_unknown_kind_naming_the_choices(tmp_path):
+    """kind="bogus" was a bare KeyError: 'bogus'."""
+    from frawdllm.modeldir import load_model
+
+    tiny().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^kind must be one of 'decoder', 'seq2seq' or None, got 'bogus'$"):
+        load_model(tmp_path, kind="bogus")
+    assert isinstance(load_model(tmp_path, kind="decoder"), FrawdLLM)

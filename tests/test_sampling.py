@@ -272,3 +272,30 @@ def test_the_extreme_accepted_values_keep_probabilities_finite():
         assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
         assert int(sample_next(logits, params, make_generator(0), seen)) == int(probs.argmax())
     SamplingParams(seed=2**64 - 1)  # the largest seed torch takes
+
+
+
+SAMPLE_MISUSE = r"""
+import torch
+from frawdllm.infer.sampling import SamplingParams, sample_next
+for logits, params in [(torch.randn(10), SamplingParams(temperature=0)), (torch.randn(10), SamplingParams(top_k=3)),
+                       (torch.randn(1, 2, 10), SamplingParams(top_p=0.5)),
+                       (torch.randint(0, 5, (2, 10)), SamplingParams()), ([[0.5, 0.5]], SamplingParams())]:
+    try:
+        print("accepted", sample_next(logits, params))
+    except ValueError as exc:
+        print(exc)
+print(sample_next(torch.tensor([[0.0, 3.0]]), SamplingParams(temperature=0)).tolist())
+"""
+
+
+def test_sample_next_refuses_logits_that_are_not_a_float_batch_in_one_line():
+    """A 1-D row was "TypeError: expected np.ndarray (got numpy.int64)" (greedy) or an
+    IndexError (top-k); a 3-D tensor multinomial's "prob_dist must be 1 or 2 dim"; integer
+    logits were sampled. (Run as a user's script runs: without the tests' type checks.)"""
+    from cli_helpers import script_lines
+
+    must = "logits must be a (batch, vocabulary) floating-point tensor, got "
+    assert script_lines(SAMPLE_MISUSE) == [must + "a 1-D torch.float32 tensor", must + "a 1-D torch.float32 tensor",
+                                           must + "a 3-D torch.float32 tensor", must + "a 2-D torch.int64 tensor",
+                                           must + "list", "[1]"]

@@ -335,6 +335,36 @@ def test_greedy_and_beam_search_refuse_bad_arguments_naming_them():
             search(model, torch.zeros((0, 5), dtype=torch.long))
 
 
+def test_ids_past_the_vocabulary_are_one_line_in_every_forward():
+    """Source or target ids outside the vocabulary were PyTorch's bare "IndexError: index out
+    of range in self" (the decoder-only model already named them)."""
+    model = model_for("paper")
+    src, tgt = torch.randint(7, 40, (2, 6)), torch.randint(7, 40, (2, 4))
+    calls = [lambda: model(torch.full((2, 6), 99), tgt), lambda: model(src, torch.full((2, 4), -1)),
+             lambda: model.encode(torch.full((2, 6), 40))]
+    for call, bad in zip(calls, (99, -1, 40)):
+        with pytest.raises(ValueError, match=rf"^token id {bad} is outside the model's vocabulary \(vocab_size 40\)$"):
+            call()
+
+
+def test_a_loss_with_every_target_ignored_is_zero_as_in_training():
+    """F.cross_entropy's mean over no targets is NaN; the fused training loss gives 0 (and the
+    mean over the others when some remain)."""
+    from frawdllm.train.losses import linear_cross_entropy
+
+    torch.manual_seed(0)
+    decoder = FrawdLLM(get_config("tiny", vocab_size=64, n_layer=1, n_embd=32, n_head=4, context_length=16))
+    ids, ignored = torch.randint(0, 64, (2, 8)), torch.full((2, 8), -100)
+    for model, args in ((decoder, (ids,)), (model_for("paper"), (torch.randint(7, 40, (2, 6)), ids % 40))):
+        assert model(*args, ignored)[1].item() == 0.0
+        some = ignored.clone()
+        some[0, :3] = args[-1][0, :3]
+        logits, loss = model(*args, some)
+        assert torch.allclose(loss, F.cross_entropy(logits.view(-1, logits.size(-1)), some.view(-1)), atol=1e-6)
+    h, w = torch.randn(16, 32), torch.randn(64, 32)
+    assert linear_cross_entropy(h, w, torch.full((16,), -100)).item() == 0.0
+
+
 MISMATCHED_CALLS = r"""
 import torch
 from frawdllm import FrawdLLM, Seq2SeqTransformer, get_config

@@ -6,7 +6,8 @@
     x, y = loader.next_batch()   # (8, 256) int64 each; y is x shifted by one token
 """
 
-from .loader import RandomWindowLoader, SequentialLoader
+import importlib
+
 from .shard_format import ShardStream, read_header, read_shard, write_shard
 from .shards import META_FILE, TRAIN_FILE, VAL_FILE, prepare_shards, read_split, refuse_other_shards, split_files
 from .sources import SourceStats, iter_documents
@@ -14,3 +15,11 @@ from .sources import SourceStats, iter_documents
 __all__ = ["iter_documents", "SourceStats", "prepare_shards", "refuse_other_shards", "read_shard", "read_header", "write_shard",
            "ShardStream", "read_split", "split_files",
            "RandomWindowLoader", "SequentialLoader", "TRAIN_FILE", "VAL_FILE", "META_FILE"]
+
+
+def __getattr__(name: str):
+    # The loaders make torch tensors: imported on first use, so that `frawd tokenizer train`
+    # (which reads sources from here) starts without torch (~1 s).
+    if name in ("RandomWindowLoader", "SequentialLoader"):
+        return getattr(importlib.import_module(".loader", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

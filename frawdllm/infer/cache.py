@@ -52,6 +52,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 class KVCache:
+    """Keys and values of a batch that starts together (module docstring): call `begin(n)`
+    before each forward of n new tokens per row, then pass the cache to the model's forward
+    as `kv_cache`; `reset` reuses it for the next batch."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -151,6 +155,8 @@ class KVCache:
             # A forward's first write: announced? (else an overwrite of the last slot, or a shape error)
             if not self._announced or k.shape[2] != self.length - self._start:
                 self._refuse_unannounced(k.shape[2])
+            if k.shape[0] != self.batch_size:
+                raise FrawdError(f"KVCache got a batch of {k.shape[0]} rows; it holds {self.batch_size}")
             self._announced = False
         if self.static and k.shape[2] == 1:
             self.k[layer_idx].index_copy_(2, self._slot, k.to(self.k[layer_idx].dtype))

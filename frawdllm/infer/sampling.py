@@ -193,6 +193,9 @@ def sample_next(
     seen: Bool[Tensor, "B V"] | None = None,
 ) -> Int[Tensor, "B"]:
     """The next token of each row. `seen` marks the tokens already in each row's sequence."""
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
+        what = f"a {logits.dim()}-D {logits.dtype} tensor" if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a (batch, vocabulary) floating-point tensor, got {what}")
     logits = processed_logits(logits, params, seen)
     if params.greedy:
         return greedy_choice(logits)

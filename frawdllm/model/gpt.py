@@ -151,13 +151,16 @@ def check_targets(targets: Any, ids: Tensor, ids_name: str = "token_ids") -> Non
 
 def token_loss(logits: Float[Tensor, "B T V"], targets: Int[Tensor, "B T"],
                label_smoothing: float = 0.0) -> Float[Tensor, ""]:
-    """Mean cross-entropy over the targets that are not IGNORE_INDEX, in fp32. A target
+    """Mean cross-entropy over the targets that are not IGNORE_INDEX, in fp32; 0 when every
+    target is (F.cross_entropy's mean gives NaN there; the fused training loss, 0). A target
     outside the vocabulary is one line naming it (PyTorch's "IndexError: Target 64 is out
     of bounds" named neither targets nor the vocabulary; read only then, as token ids are)."""
     V = logits.size(-1)
+    targets = targets.reshape(-1).long()
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)  # (no read: a GPU does not wait)
     try:
-        return F.cross_entropy(logits.float().view(-1, V), targets.reshape(-1).long(),
-                               ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+        return F.cross_entropy(logits.float().view(-1, V), targets, ignore_index=IGNORE_INDEX,
+                               label_smoothing=label_smoothing, reduction="sum") / count
     except IndexError:
         bad = targets[((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= V)]
         if not bad.numel():
@@ -166,7 +169,29 @@ def token_loss(logits: Float[Tensor, "B T V"], targets: Int[Tensor, "B T"],
                          f"{IGNORE_INDEX} marks a target to ignore)") from None
 
 
+def embed_ids(embed: Embeddings, ids: Int[Tensor, "B T"], positions: Int[Tensor, "#B T"]) -> Float[Tensor, "B T D"]:
+    """`embed(ids, positions)`; an id outside the vocabulary is one line naming it (PyTorch
+    says "IndexError: index out of range in self"). Ids are read only then (eager on the CPU:
+    a GPU would wait; a GPU asserts on the device instead, and a compiled forward raises
+    inductor's own error)."""
+    try:
+        return embed(ids, positions)
+    except IndexError:
+        vocab_size = embed.tok.num_embeddings
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if not bad.numel():
+            raise
+        raise ValueError(f"token id {int(bad[0])} is outside the model's vocabulary "
+                         f"(vocab_size {vocab_size})") from None
+
+
 class FrawdLLM(ModelDirectoryMixin, nn.Module):
+    """The decoder-only language model (module docstring). Call it as
+    `logits, loss = model(token_ids, targets)`: token_ids (B, T) -> logits (B, T, V);
+    `loss` is the mean cross-entropy over the targets that are not -100 (IGNORE_INDEX), or
+    None without targets. Save and load it with `save_pretrained` / `from_pretrained`;
+    generate with `frawdllm.infer.Engine`."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = model_config(config, ModelConfig, "FrawdLLM")
@@ -212,15 +237,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
             positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
         else:
             check_positions(positions, token_ids, self.config.context_length)
-        try:
-            x = self.embed(token_ids, positions)  # (B, T, D)
-        except IndexError:  # (eager on the CPU; ids are read only then: a GPU would wait. A GPU
-            # asserts on the device instead, and a compiled forward raises inductor's own error)
-            bad = token_ids[(token_ids < 0) | (token_ids >= self.config.vocab_size)]
-            if not bad.numel():
-                raise
-            raise ValueError(f"token id {int(bad[0])} is outside the model's vocabulary "
-                             f"(vocab_size {self.config.vocab_size})") from None
+        x = embed_ids(self.embed, token_ids, positions)  # (B, T, D)
         rope = rope_at(self.rope_cos, self.rope_sin, positions) if self.config.pos_encoding == "rope" else None
         for block in self.blocks:
             x = block(x, rope, kv_cache)
@@ -233,6 +250,10 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         positions: Int[Tensor, "#B T"] | None = None,
         kv_cache: Any = None,
     ) -> tuple[Float[Tensor, "B T V"], Float[Tensor, ""] | None]:
+        """Logits for the token after each of `token_ids`'s, and with `targets` (already
+        shifted: targets[:, t] = token_ids[:, t + 1]) the mean cross-entropy over those that
+        are not -100 (0 when every target is -100). `positions` and `kv_cache`: see
+        `hidden_states`."""
         if targets is not None:
             check_targets(targets, token_ids)
         logits = self.lm_head(self.hidden_states(token_ids, positions, kv_cache))  # (B, T, V)

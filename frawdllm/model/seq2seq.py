@@ -33,8 +33,8 @@ from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_at, rope_tables
-from .gpt import (check_ids, check_length, check_positions, check_targets, init_weights, model_config,
-                  token_loss)
+from .gpt import (check_ids, check_length, check_positions, check_targets, embed_ids, init_weights,
+                  model_config, token_loss)
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -63,6 +63,10 @@ def check_pair(src: Any, tgt: Any) -> None:
 
 
 class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
+    """The encoder-decoder Transformer (module docstring). Train it teacher-forced with
+    `logits, loss = model(src, tgt, targets, src_mask)`; translate with `encode`, then
+    `decode` one step at a time (or `frawdllm.infer.translate`'s greedy and beam search)."""
+
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
         self.config = cfg = model_config(config, Seq2SeqConfig, "Seq2SeqTransformer")
@@ -116,7 +120,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         check_src_mask(src, src_mask)
         check_length(src.shape[1], self.config.context_length, "source")
         positions = torch.arange(src.shape[1], device=src.device).unsqueeze(0)  # (1, S)
-        x = self.source_embed(src, positions)  # (B, S, D)
+        x = embed_ids(self.source_embed, src, positions)  # (B, S, D)
         rope = self._rope(positions)
         if src_mask is None:
             src_mask = torch.ones_like(src, dtype=torch.bool)
@@ -158,7 +162,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
             positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
         else:
             check_positions(positions, tgt, self.config.context_length)
-        x = self.embed(tgt, positions)  # (B, T, D)
+        x = embed_ids(self.embed, tgt, positions)  # (B, T, D)
         rope = self._rope(positions)
         for block, kv in zip(self.decoder, memory_kv):
             x = block(x, rope, kv_cache, memory_kv=kv, memory_mask=src_mask)

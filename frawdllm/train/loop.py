@@ -280,6 +280,10 @@ class TrainResult:
 
 
 class Trainer:
+    """The one training loop (module docstring): `Trainer(model, task, cfg, run_dir).fit()`
+    trains `model` on what `task` (a `TrainTask`) gives, as `cfg` (a `TrainConfig`) says,
+    resuming from the checkpoints in `run_dir` when `cfg.resume` is set."""
+
     def __init__(self, model: nn.Module, task: TrainTask, cfg: TrainConfig, run_dir: str | Path | None = None,
                  callbacks: list[Callable[["Trainer", dict], None]] | None = None,
                  config_for_loggers: dict | None = None, started_at: float | None = None) -> None:
@@ -491,6 +495,8 @@ class Trainer:
         self._signal = reason
 
     def fit(self) -> TrainResult:
+        """Train until a stopping rule (--max-steps / --max-tokens / --max-time, a signal, too
+        many non-finite losses) holds; evaluates, checkpoints and samples on the way."""
         cfg = self.cfg
         spent = self._check_stop() if self.step > 0 else None  # a resumed run: nothing left to do?
         if spent is not None:
