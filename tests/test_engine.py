@@ -388,6 +388,26 @@ def test_prompt_logprobs_checks_its_prompt_as_generate_does_and_caps_k_as_sampli
             engine.prompt_logprobs([5] * (context + 1), 1)
 
 
+def test_a_reply_to_a_prompt_ending_inside_a_character_is_the_text_past_the_prompt():
+    """Prompt ids "hello " + 3 of the 4 bytes of 😀: a reply whose first byte continued the
+    character showed it as a U+FFFD of its own. The reply's text is what the prompt and reply
+    decode to together, past the prompt's text (whose last character is the broken one)."""
+    from frawdllm.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    model = make_model(vocab_size=tokenizer.vocab_size, std=0.3, **CONFIGS["learned"])
+    prompt = tokenizer.encode("hello 😀")[:-1]
+    prompt_text = tokenizer.decode(prompt)
+    engine, continued = Engine(model, tokenizer), 0
+    for seed in range(24):
+        params = SamplingParams(temperature=2.0, seed=seed, max_new_tokens=4, ignore_eos=True)
+        done = engine.generate([prompt], params)[0]
+        assert done.text == tokenizer.decode(prompt + done.tokens, skip_special_tokens=True)[len(prompt_text):], seed
+        assert "".join(c.text for c in engine.stream([prompt], params)) == done.text
+        continued += 0x80 <= done.tokens[0] - 7 < 0xC0  # (byte b is token 7 + b)
+    assert continued >= 2  # some replies did complete the character
+
+
 def test_streamed_bytes_equal_the_one_shot_decode_of_the_tokens():
     from frawdllm.tokenizer import byte_tokenizer
 

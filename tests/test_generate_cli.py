@@ -119,6 +119,12 @@ def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_
     write_json_atomic(directory / "generation_config.json", {"temperature": "hot"})
     code, _, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x")
     assert code == 1 and "temperature must be a number, got 'hot'" in err, err  # (not "a number or an integer")
+    # a stop string JSON can hold but no text can: taken silently (a stop that never matches),
+    # and frawd serve's /v1/models was a 500 serialising it
+    (directory / "generation_config.json").write_text('{"stop": ["ok", "\\ud800"]}')
+    code, _, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x")
+    assert code == 1 and err == (f"frawd: error: {directory / 'generation_config.json'}: stop string 1 is not "
+                                 "valid UTF-8 (a lone surrogate at character 0)\n"), err
 
 
 def test_logprobs_asked_by_generation_config_get_a_note_not_silence(capsys, model_dir, tmp_path):

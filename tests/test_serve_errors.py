@@ -297,7 +297,11 @@ def test_an_oversized_chunked_body_is_a_413(server):
 def test_body_and_method_errors_say_what_is_wrong(server):
     status, error = post(server, "/v1/completions", content=b'{"model": "m", prompt}')
     assert status == 400 and error["param"] is None
-    assert error["message"].startswith("the request body is not valid JSON: "), error
+    assert error["message"] == "the request body is not valid JSON: Expecting property name enclosed in double " \
+                               "quotes at character 15", error
+    # a raw control character: the message ended "Invalid control character at" (where, it did not say)
+    status, error = post(server, "/v1/completions", content=b'{"model":"m","prompt":"hi\x00","max_tokens":3}')
+    assert error["message"] == "the request body is not valid JSON: Invalid control character at character 25"
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # (curl -d without -H)
     status, error = post(server, "/v1/completions", content=b'{"model": "m", "prompt": "ab"}', headers=form)
     assert status == 400 and "Content-Type: application/json" in error["message"], error

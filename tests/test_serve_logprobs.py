@@ -24,10 +24,10 @@ from serve_helpers import live_server, test_engine
 from test_scheduler import varied_model
 
 
-def chunks_of(tokenizer, ids, stop=(), max_tokens=None):
+def chunks_of(tokenizer, ids, stop=(), max_tokens=None, prompt=()):
     """The StreamChunks a scheduler delivers for `ids` (each with a logprob entry): text as
     `TextStream` releases it; the last chunk finishes the reply ("stop" at a stop string)."""
-    stream, chunks = TextStream(tokenizer, stop), []
+    stream, chunks = TextStream(tokenizer, stop, prompt), []
     for i, token in enumerate(ids):
         text = stream.push(token)
         reason = "stop" if stream.stopped else "length" if i == len(ids) - 1 else None
@@ -39,12 +39,12 @@ def chunks_of(tokenizer, ids, stop=(), max_tokens=None):
     return chunks
 
 
-def reply(tokenizer, chunks, chat=False, echo=""):
+def reply(tokenizer, chunks, chat=False, echo="", prompt=(1,)):
     queue = asyncio.Queue()
     for chunk in chunks:
         queue.put_nowait(chunk)
     body = SimpleNamespace(model="m", stream_options=None)
-    job = Job([1], SamplingParams(logprobs=0), listener=lambda chunk: None)
+    job = Job(list(prompt), SamplingParams(logprobs=0), listener=lambda chunk: None)
     return _Reply(body, [job], queue, chat, prompt_tokens=1, created=0, echoes=[echo], tokenizer=tokenizer)
 
 
@@ -69,9 +69,9 @@ def streamed(tokenizer, chunks, chat=False):
     return [e for e in out if e[0] or e[1]]
 
 
-def whole(tokenizer, chunks, chat=False):
+def whole(tokenizer, chunks, chat=False, prompt=(1,)):
     async def run():
-        r = reply(tokenizer, chunks, chat)
+        r = reply(tokenizer, chunks, chat, prompt=prompt)
         while None in r.reasons:
             await r._next()
         return r._whole()["choices"][0]
@@ -152,6 +152,39 @@ def test_completions_top_logprobs_hold_the_chosen_token_too(char_tok):
               StreamChunk(0, "c", c, "length", TokenLogprob(c, -0.5, ()))]  # logprobs 0: the chosen alone
     tops = whole(char_tok, chunks)["logprobs"]["top_logprobs"]
     assert tops == [{"a": -0.1}, {"c": -0.2, "b": -3.0}, {"c": -0.5}]
+
+
+def test_completions_name_tokens_that_hold_part_of_a_character_by_their_bytes():
+    """Byte tokens of "日" (e6 97 a5): each was the key U+FFFD in top_logprobs, so a position's
+    partial tokens overwrote each other (fewer than k keys) and the chosen token's own value
+    was lost. They are "bytes:\\xe6" as OpenAI's completions name them; whole characters keep
+    their text."""
+    tok = byte_tokenizer()
+    e6, x97, xa5 = tok.encode("日")
+    x, y = tok.encode("xy")
+    chunks = [StreamChunk(0, "", e6, None, TokenLogprob(e6, -0.5, ((x97, -0.4), (e6, -0.5), (xa5, -0.9)))),
+              StreamChunk(0, "", x97, None, TokenLogprob(x97, -2.5, ((xa5, -0.1), (e6, -2.0), (x, -2.2)))),
+              StreamChunk(0, "日", xa5, None, TokenLogprob(xa5, -0.2, ((xa5, -0.2), (y, -3.0)))),
+              StreamChunk(0, "x", x, "length", TokenLogprob(x, -0.3, ((x, -0.3),)))]
+    logprobs = whole(tok, chunks)["logprobs"]
+    assert logprobs["tokens"] == ["bytes:\\xe6", "bytes:\\x97", "bytes:\\xa5", "x"]
+    assert logprobs["top_logprobs"] == [
+        {"bytes:\\x97": -0.4, "bytes:\\xe6": -0.5, "bytes:\\xa5": -0.9},
+        {"bytes:\\xa5": -0.1, "bytes:\\xe6": -2.0, "x": -2.2, "bytes:\\x97": -2.5},  # the chosen one, k + 1
+        {"bytes:\\xa5": -0.2, "y": -3.0}, {"x": -0.3}]
+    assert logprobs["text_offset"] == [0, 0, 0, 1]
+
+
+def test_text_offsets_after_a_prompt_that_ends_inside_a_character():
+    """Prompt ids "hello " + 2 bytes of 😀, reply its other 2 and " あ": the reply's text is
+    " あ" (the character is the prompt's), and the offsets counted the first reply byte's own
+    U+FFFD, so they ran one past it."""
+    tok = byte_tokenizer()
+    ids = tok.encode("hello 😀 あ")
+    prompt, rest = ids[:8], ids[8:]
+    choice = whole(tok, chunks_of(tok, rest, prompt=prompt), prompt=prompt)
+    assert choice["text"] == " あ"
+    assert choice["logprobs"]["text_offset"] == [0, 0, 0, 1, 1, 1]
 
 
 def test_a_live_server_reports_the_text_it_sends():

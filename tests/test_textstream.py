@@ -30,6 +30,19 @@ def test_stream_never_splits_a_multibyte_character(byte_tok):
     assert sum(len(c.encode("utf-8")) for c in chunks) == len(ids)
 
 
+def test_a_stream_after_a_prompt_that_ends_inside_a_character_completes_it(byte_tok):
+    """A prompt of ids can end inside a character ("hello " and 2 of the 4 bytes of 😀): the
+    reply's first bytes completed it, yet were decoded alone, a U+FFFD the full text lacks."""
+    ids = byte_tok.encode("hello 😀 あ")
+    prompt, reply = ids[:8], ids[8:]
+    assert byte_tok.decode(prompt).endswith("\ufffd")
+    assert "".join(push_all(TextStream(byte_tok, context=prompt), reply)) == " あ"
+    assert "".join(push_all(TextStream(byte_tok), reply)) == "\ufffd\ufffd あ"  # (without the prompt's ids)
+    # a reply that does not continue the character: its own text, the broken one stays the prompt's
+    assert "".join(push_all(TextStream(byte_tok, context=prompt), byte_tok.encode("ok"))) == "ok"
+    assert "".join(push_all(TextStream(byte_tok, context=ids[:6]), reply)) == "\ufffd\ufffd あ"  # (a whole prompt)
+
+
 def test_stream_over_bpe_equals_one_shot_decode():
     tok = train_tokenizer([TEXT * 20, "the quick brown fox jumps over the lazy dog"] * 5, kind="bpe", vocab_size=300)
     ids = tok.encode(TEXT + " the lazy fox")

@@ -76,7 +76,7 @@ from .cache import KVCache, RowKVCache
 from .quantize import is_int8
 from .sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, checked_params, greedy_index, make_generator,
                        sample_next, sample_seed, token_logprobs)
-from .textstream import TextStream
+from .textstream import TextStream, text_after
 
 OVERFLOW_MODES = ("stop", "slide")
 WEIGHT_MODES = ("auto", *native_forward.WEIGHT_DTYPES)
@@ -361,7 +361,7 @@ class Engine:
         out = []
         for i, ids in enumerate(tokens):
             if not params.stop:  # no stop strings: decode once at the end (a stop token is not text)
-                texts[i] = self.tokenizer.decode(ids[:-1] if reasons[i] == "stop" else ids, skip_special_tokens=True)
+                texts[i] = text_after(self.tokenizer, encoded[i // n], ids[:-1] if reasons[i] == "stop" else ids)
             out.append(Completion(texts[i], ids, reasons[i], len(encoded[i // n]), i // n, i % n))
         return out
 
@@ -399,7 +399,8 @@ class Engine:
     # ---- tokens -> text -----------------------------------------------------------------------
     def _chunks(self, encoded: list[list[int]], params: SamplingParams, need_text: bool) -> Iterator[StreamChunk]:
         run = _Run(self, encoded, params)
-        streams = [TextStream(self.tokenizer, params.stop) for _ in range(run.n_rows)] if need_text else None
+        streams = [TextStream(self.tokenizer, params.stop, encoded[row // params.num_samples])
+                   for row in range(run.n_rows)] if need_text else None
         for event in run.events():
             text, reason = "", event.finish_reason
             if streams is not None:

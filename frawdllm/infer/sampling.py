@@ -84,6 +84,12 @@ class SamplingParams:
         _check(self.logprobs is None or (is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(all(self.stop), "stop strings must not be empty")
+        for i, stop in enumerate(self.stop):  # (a lone surrogate can never match decoded text)
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ConfigError(f"stop string {i} is not valid UTF-8 (a lone surrogate at character "
+                                  f"{error.start})") from None
         _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
         # The rest (ignore_eos: "no" is not a bool) by declared type; the checks above say more.
         check_types(type(self), {f.name: getattr(self, f.name) for f in fields(self)})

@@ -310,7 +310,7 @@ class Scheduler:
             if params.repetition_penalty != 1.0:
                 seen = torch.zeros(engine.config.vocab_size, dtype=torch.bool, device=engine.device)
                 seen[ids] = True
-            row = _Row(request, sample, list(ids), TextStream(engine.tokenizer, params.stop),
+            row = _Row(request, sample, list(ids), TextStream(engine.tokenizer, params.stop, ids),
                        None if params.greedy else make_generator(seed, engine.device), seen)
             if sample:
                 self.cache.move(len(self.rows), first)  # n samples: copies of the prompt's row

@@ -12,6 +12,8 @@ Three things make streaming text harder than decoding at the end:
   and a group that is not valid UTF-8 turns every byte into U+FFFD, an ASCII one before the
   broken character too: text is held while the newest token is such a byte, until the
   group closes (at most HOLD_LIMIT ids), so what was shown never changes afterwards.
+- A prompt given as token ids can end inside a character: its last ids are read first
+  (`context`), so the token that completes the character adds no U+FFFD of its own.
 - A stop string can span several tokens ("\\n\\nUser:" = "\\n", "\\n", "User", ":"). Text
   that could be the start of a stop string is held back until it either becomes the stop
   string (the stream ends there and the stop string is never emitted) or cannot any more.
@@ -30,18 +32,24 @@ from typing import Any
 REPLACEMENT_CHAR = "\ufffd"
 WINDOW = 8  # ids re-decoded at most before the window's start moves up
 HOLD_LIMIT = 16  # ids held back for an incomplete character at most (a character is <= 4 bytes)
+CONTEXT_IDS = 4  # prompt ids read before a stream that starts inside a character
 
 
 class TextStream:
     """Feed token ids with `push`; it returns the text safe to show now."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), context: Sequence[int] = ()) -> None:
+        """context: the ids before the stream's (the prompt): where they end inside a
+        character, the stream starts inside it too (its text shows only what follows)."""
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] were decoded already, as _read_text
         self._read = 0
         self._read_text = ""
+        tail = open_character_tail(tokenizer, context)
+        if tail:
+            self.ids, self._read, self._read_text = tail, len(tail), self._decode(tail)
         self._pending = ""  # decoded, not yet emitted (a partial stop string maybe)
         self.text = ""  # everything emitted so far
         self.stopped = False  # a stop string was found
@@ -100,6 +108,22 @@ class TextStream:
         return out
 
 
+def open_character_tail(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """The last few of `ids` when their text ends inside a character (decodes to a final
+    U+FFFD), else []: what a stream after them reads first."""
+    tail = list(ids[-CONTEXT_IDS:])
+    return tail if tail and tokenizer.decode(tail, skip_special_tokens=True).endswith(REPLACEMENT_CHAR) else []
+
+
+def text_after(tokenizer: Any, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of `ids` after the prompt `context`, decoded at once: what a `TextStream`
+    with that context shows in all (a prompt that ends inside a character: its last ids
+    are decoded with `ids`, and their text cut off)."""
+    tail = open_character_tail(tokenizer, context)
+    text = tokenizer.decode(tail + list(ids), skip_special_tokens=True)
+    return text[len(tokenizer.decode(tail, skip_special_tokens=True)):] if tail else text
+
+
 def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
     best = 0
@@ -111,4 +135,4 @@ def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-__all__ = ["TextStream"]
+__all__ = ["TextStream", "open_character_tail", "text_after"]

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
@@ -52,6 +52,7 @@ from ..infer.chat import ROLE_TOKEN_IDS, fit_history, reply_reserve
 from ..infer.engine import Engine, StreamChunk
 from ..infer.sampling import MIN_TEMPERATURE, SamplingParams, TokenLogprob
 from ..infer.scheduler import Closed, QueueFull, Request as Job, Scheduler
+from ..infer.textstream import open_character_tail
 from .schemas import MAX_STOP, ChatCompletionRequest, CompletionRequest
 
 access_log = logging.getLogger("frawdllm.serve.access")
@@ -366,7 +367,10 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":  # (its "loc" is a character offset, not a field)
-            reason = first.get("ctx", {}).get("error", "")
+            reason = first.get("ctx", {}).get("error", "")  # (json's msg: "Invalid control character at")
+            where = [p for p in first.get("loc", ()) if isinstance(p, int)]
+            if where:
+                reason = f"{reason.removesuffix(' at')} at character {where[0]}"
             return ApiError(400, f"the request body is not valid JSON: {reason}").response()
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         if not where:  # the body as a whole: missing, not an object, or not sent as JSON
@@ -866,17 +870,25 @@ class _TextOffsets:
     """Where each token of a stream starts in its decoded text, in characters (what
     `text_offset` counts): its bytes run through one incremental UTF-8 decoder, so a token
     that ends or starts inside a character ("é" as two byte-level tokens) does not count
-    a U+FFFD of its own. A special token is no text (decoding skips it)."""
+    a U+FFFD of its own. A special token is no text (decoding skips it). `context`: the
+    prompt's ids; where they end inside a character, the reply's text (`TextStream`) starts
+    after it, and so do the offsets."""
 
-    def __init__(self, tokenizer: Any, start: int = 0) -> None:
+    def __init__(self, tokenizer: Any, start: int = 0, context: Sequence[int] = ()) -> None:
         self.tokenizer, self.chars = tokenizer, start
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        tail = open_character_tail(tokenizer, context)
+        self._decoder.decode(b"".join(tokenizer.token_bytes(t) for t in tail if t not in tokenizer.special_ids))
+        self._prompt_char = bool(self._decoder.getstate()[0])  # the next character decoded is the prompt's
 
     def span(self, token: int) -> tuple[int, int]:
         """(where the token's text starts, where the text decoded so far ends) after it."""
         start = self.chars  # (inside a character: where that character starts)
         if token not in self.tokenizer.special_ids:
-            self.chars += len(self._decoder.decode(self.tokenizer.token_bytes(token)))
+            text = self._decoder.decode(self.tokenizer.token_bytes(token))
+            if self._prompt_char and text:
+                text, self._prompt_char = text[1:], False
+            self.chars += len(text)
         return start, self.chars
 
 
@@ -887,15 +899,35 @@ def _prompt_scored(tokenizer: Any, ids: list[int], logprobs: list[TokenLogprob |
     return [(token, entry, offsets.span(token)[0]) for token, entry in zip(ids, logprobs)]
 
 
+def _completion_token(tokenizer: Any, token: int) -> str:
+    """A token's name in the completions API: its text, or, for bytes that are not whole
+    UTF-8 (part of a character), "bytes:\\xe6\\x97" as OpenAI's completions write them, so
+    that each key of a position's top_logprobs names one token (as U+FFFD, every partial
+    token had the same key: later ones overwrote the earlier, the chosen one's too)."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def _completion_logprobs(tokenizer: Any, scored: list[tuple[int, TokenLogprob | None, int]]) -> dict:
     """The completions API's logprobs object (tokens, token_logprobs, top_logprobs,
     text_offset) for (token, logprob or None, where its text starts) triples."""
-    tokens = [_piece(tokenizer, token)[0] for token, _, _ in scored]
-    # the k likeliest, and the sampled token's own where it is not among them (up to k + 1,
-    # as OpenAI's and vLLM's completions give them)
-    tops = [None if e is None else {_piece(tokenizer, t)[0]: lp for t, lp in e.top} | (
-        {} if any(t == token for t, _ in e.top) else {text: e.logprob})
-        for (token, e, _), text in zip(scored, tokens)]
+    tokens = [_completion_token(tokenizer, token) for token, _, _ in scored]
+    tops = []
+    for (token, entry, _), name in zip(scored, tokens):
+        if entry is None:
+            tops.append(None)
+            continue
+        # the k likeliest, and the sampled token's own where it is not among them (up to k + 1,
+        # as OpenAI's and vLLM's completions give them); two tokens of one name (an added
+        # token spelling a vocabulary token's bytes) keep the likelier's value, or the chosen one's
+        top = {}
+        for t, lp in entry.top:
+            top.setdefault(_completion_token(tokenizer, t), lp)
+        top[name] = entry.logprob
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e, _ in scored],
             "top_logprobs": tops, "text_offset": [start for _, _, start in scored]}
 
@@ -934,7 +966,8 @@ class _Reply:
         # ends (in the choice's text, echo included). An entry goes out with the event whose
         # text reaches its start; one whose text never comes (a stop string cut it) is dropped.
         self._unsent: list[list[tuple[TokenLogprob, int, int]]] = [[] for _ in range(total)]
-        self._offsets = [_TextOffsets(tokenizer, len(echo)) for echo in self.echoes] if self.wants_logprobs else []
+        self._offsets = [_TextOffsets(tokenizer, len(echo), jobs[i // self.n].prompt)
+                         for i, echo in enumerate(self.echoes)] if self.wants_logprobs else []
         # echo with logprobs: each prompt's (ids, logprobs), reported before its choices' tokens
         self.prompt_logprobs = prompt_logprobs
         self._prompt_sent = [prompt_logprobs is None] * total
