@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import warnings
@@ -298,15 +299,17 @@ def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
 @contextmanager
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
                keep: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
-    """Yield an empty temporary folder beside `path`; it becomes `path` only if the block
-    succeeds. An existing non-empty `path` is refused unless `overwrite`, and is then
-    replaced only after the new folder is complete; never when that would delete one of
-    `keep` (the input being converted) or the current folder."""
+    """Yield an empty temporary folder; it becomes `path` only if the block succeeds. An
+    existing non-empty `path` is refused unless `overwrite`, and is then replaced only after
+    the new folder is complete; never when that would delete one of `keep` (the input being
+    converted) or the current folder. An existing empty folder (one the user made, maybe
+    private, group-shared or a mount point) is kept and filled: the temporary folder is made
+    inside it and its entries moved up at the end."""
     path = Path(path)
     _refuse_dangling_link(path)
     if path.exists() and not path.is_dir():
         raise FrawdError(f"{path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
+    if path.is_dir() and _holds_output(path) and not overwrite:
         raise FrawdError(f"{path} exists and is not empty; choose a new directory (or --overwrite)")
     if path.is_dir():
         for source in keep:
@@ -315,30 +318,99 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
                                  "choose another output folder")
         if is_inside(Path.cwd(), path):
             raise FrawdError(f"{path} is the current folder or holds it; choose another output folder")
+    in_place = path.is_dir() and not _holds_output(path)
     with undo_on_error(path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(_temporary_in(tempfile.mkdtemp, path))
+        if in_place:
+            clean_partial(path)  # (what a killed write into it left)
+        tmp = Path(_temporary_in(tempfile.mkdtemp, path / path.name if in_place else path))
         try:
-            with _disk_full_as_one_line(path):
+            with _disk_full_as_one_line(path), _named_as(tmp, path):
                 yield tmp
                 if _fsync_wanted():
                     _sync_tree(tmp)
             for inner in tmp.rglob("*"):  # a library's own temp-and-rename leaves 0600 files
                 if not inner.is_symlink():
                     _publish_mode(inner, directory=inner.is_dir())
-            _publish_mode(tmp, directory=True)
-            old = None
-            if path.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-                os.replace(path, old)  # a directory onto an empty directory: allowed
-            os.replace(tmp, path)
+            if in_place:
+                _move_entries(tmp, path, overwrite)
+            else:
+                _swap_in(tmp, path, overwrite)
             if _fsync_wanted():
-                sync_path(path.parent)
-            if old is not None:  # the swap stands whatever happens here
-                remove_tree_or_warn(old, f"replaced {path}, but its old copy")
+                sync_path(path if in_place else path.parent)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+
+
+def _holds_output(folder: Path) -> bool:
+    """`folder` holds something besides what killed writes left (temporary names)."""
+    return any(_PARTIAL.fullmatch(entry.name) is None for entry in folder.iterdir())
+
+
+@contextmanager
+def _named_as(tmp: Path, path: Path) -> Iterator[None]:
+    """An error worded by an inner write names the file as it will be called (`OUT/model/
+    model.safetensors`), not inside the temporary folder (`OUT/.model.6w70wn7u.tmp/...`)."""
+    try:
+        yield
+    except FrawdError as exc:
+        if str(tmp) not in str(exc):
+            raise
+        raise FrawdError(str(exc).replace(str(tmp), str(path))) from None
+
+
+def _move_entries(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Fill the existing folder `path` with `tmp`'s entries (then remove `tmp`, inside it):
+    the folder keeps its owner, mode and filesystem. Another writer that filled it meanwhile
+    wins: refused, unless `overwrite`."""
+    if _holds_output(path) and not overwrite:
+        raise FrawdError(f"{path} exists and is not empty (written meanwhile by another process); choose a new "
+                         "directory (or --overwrite)")
+    for entry in sorted(tmp.iterdir()):
+        target = path / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)  # (--overwrite: a folder is not replaced by a rename)
+        os.replace(entry, target)
+    tmp.rmdir()
+
+
+def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Rename `tmp` onto `path`: a folder that does not exist, or with `overwrite` one whose
+    old copy is set aside and removed once the swap stands (its owner and mode are kept)."""
+    if not (overwrite and path.exists()):
+        _publish_mode(tmp, directory=True)
+        try:
+            os.replace(tmp, path)  # (onto a folder another writer filled meanwhile: refused by the OS)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise FrawdError(f"{path} exists and is not empty (written meanwhile by another process); choose a "
+                             "new directory (or --overwrite)") from None
+        return
+    _copy_owner_and_mode(path, tmp)
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+    try:
+        os.replace(path, old)  # a directory onto an empty directory: allowed
+    except OSError as exc:
+        old.rmdir()
+        if exc.errno != errno.EBUSY:
+            raise
+        raise FrawdError(f"{path} is a mount point: --overwrite cannot replace it; empty it first, or choose "
+                         "another folder") from None
+    os.replace(tmp, path)
+    remove_tree_or_warn(old, f"replaced {path}, but its old copy")  # (the swap stands whatever happens here)
+
+
+def _copy_owner_and_mode(source: Path, target: Path) -> None:
+    """`target` gets `source`'s permission bits (setgid included) and, where allowed, its
+    owner and group."""
+    info = source.stat()
+    try:
+        os.chown(target, info.st_uid, info.st_gid)
+    except OSError:
+        pass  # (not ours to give away: the new folder stays the writer's)
+    os.chmod(target, stat.S_IMODE(info.st_mode))
 
 
 def remove_tree_or_warn(folder: Path, what: str) -> bool:

@@ -431,3 +431,77 @@ def test_a_full_disk_names_the_file_being_written_not_another_one_open(tmp_path,
             sync_path(files["val.bin"])
     assert str(info.value) == f"no space left on {_mount_point(tmp_path)} while writing {tmp_path / failing}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_folder_the_user_made_is_filled_in_place_keeping_its_mode(tmp_path):
+    """An export into a private (700) or group-shared (2770) empty folder replaced it with a
+    new 755 one; into a mount point (a container's volume) the rename failed with EBUSY and
+    left a `.old` folder at each try. The folder itself is kept now (same inode) and filled."""
+    out = tmp_path / "private"
+    out.mkdir()
+    out.chmod(0o2700)
+    inode = out.stat().st_ino
+    with atomic_dir(out) as tmp:
+        assert tmp.parent == out  # (made inside it: same filesystem as the folder, mount point or not)
+        (tmp / "config.json").write_text("{}")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a").write_text("a")
+    assert out.stat().st_ino == inode and stat.S_IMODE(out.stat().st_mode) == 0o2700
+    assert sorted(os.listdir(out)) == ["config.json", "sub"] and (out / "sub" / "a").read_text() == "a"
+    assert sorted(os.listdir(tmp_path)) == ["private"]
+    # what a killed write into it left is tidied, and does not count as holding an output
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".other.abcd1234.tmp").mkdir()
+    with atomic_dir(other) as tmp:
+        (tmp / "f").write_text("x")
+    assert os.listdir(other) == ["f"]
+
+
+def test_overwrite_keeps_the_replaced_folders_mode_and_a_mount_point_is_one_line(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    out.chmod(0o700)
+    with atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert os.listdir(out) == ["new.txt"] and stat.S_IMODE(out.stat().st_mode) == 0o700
+    real_replace = os.replace
+
+    def busy(source, target):  # what renaming a mount point gives
+        if Path(source) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(source))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", busy)
+    with pytest.raises(FrawdError, match=rf"^{re.escape(str(out))} is a mount point: --overwrite cannot replace "
+                                         r"it; empty it first, or choose another folder$"):
+        with atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "newer.txt").write_text("newer")
+    assert os.listdir(out) == ["new.txt"] and sorted(os.listdir(tmp_path)) == ["out"]  # (no .old left)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_writer_that_finishes_second_does_not_replace_the_first_ones_output(tmp_path, existing):
+    """Two exports to one new --out: both said "exported", the second had silently replaced the
+    first (only --overwrite may); the checks ran at the start, the swap at the end regardless."""
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    with pytest.raises(FrawdError, match=rf"^{re.escape(str(out))} exists and is not empty \(written meanwhile by "
+                                         r"another process\); choose a new directory \(or --overwrite\)$"):
+        with atomic_dir(out) as first:
+            (first / "who").write_text("first")
+            with atomic_dir(out) as second:
+                (second / "who").write_text("second")
+    assert (out / "who").read_text() == "second" and sorted(os.listdir(tmp_path)) == ["out"]
+    assert os.listdir(out) == ["who"]
+
+
+def test_an_inner_writes_error_names_the_file_as_it_will_be_called(tmp_path):
+    """A full disk under an inner atomic write named `OUT/.model.6w70wn7u.tmp/model.safetensors`."""
+    out = tmp_path / "model"
+    named = re.escape(str(out / "model.safetensors"))
+    with pytest.raises(FrawdError, match=rf"^no space left on / while writing {named}$"):
+        with atomic_dir(out) as tmp:
+            raise FrawdError(f"no space left on / while writing {tmp / 'model.safetensors'}")

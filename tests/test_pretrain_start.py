@@ -542,7 +542,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_touches_nothing(corpus, 
         assert holder.stdout.readline() == "held\n"
         busy = f"frawd: error: {run} is in use by another run (process {holder.pid}): wait for it to end or stop " \
                "it, or give another --out\n"
-        for flags in (("--resume",), ("--overwrite",)):
+        for flags in (("--resume",), ("--overwrite",), ()):  # (with neither, "stopped before its first checkpoint")
             code, err, _ = frawd(capsys, "pretrain", "--data", str(corpus), "--tokenizer", "char", "--max-steps", "2",
                                  "--out", str(run), *flags)
             assert (code, err) == (1, busy)

@@ -504,6 +504,13 @@ def test_cli_prepare_refuses_to_replace_another_sources_shards_unless_overwrite(
         assert err == (f"frawd: error: {out} holds the shards of {first.resolve()}, not of {second}; "
                        "give another --out, or --overwrite to replace them\n")
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # checked again once the folder is held: two prepares of different sources started together
+    # into one new folder both passed the first check, and the second replaced the first's shards
+    from frawdllm.data.shards import prepare_shards
+
+    with pytest.raises(FrawdError, match=f"^{re.escape(str(out))} holds the shards of "):
+        prepare_shards(second, tmp_path / "tok.json", out, force=True, refuse_other=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # the same source is reused, named any way, and rebuilt when an option changed
     assert "reusing" in prepare(first)[2]  # (a notice: stderr)
     monkeypatch.chdir(tmp_path)

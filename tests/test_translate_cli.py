@@ -188,6 +188,17 @@ def test_no_pairs_left_is_one_line_and_leaves_no_run(tmp_path, capsys, case):
     assert not (tmp_path / "run").exists()
 
 
+def test_an_out_that_cannot_be_created_is_refused_before_the_tokenizer_is_trained(tmp_path, capsys):
+    """The joint BPE tokenizer was trained first (seconds on Multi30k), then OUT refused."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc: no folder the OS refuses to create")
+    _corpus(tmp_path, n=20)
+    code, _, err = run_cli(capsys, "translate", "train", "--src", tmp_path / "train.de.gz", "--tgt",
+                           tmp_path / "train.en", "--out", "/proc/frawd-translate", "--max-steps", "1", *TINY)
+    assert (code, err) == (1, "frawd: error: --out /proc/frawd-translate: cannot create the folder there "
+                              "(no such file or directory)\n")
+
+
 def test_a_tokenizer_without_frawd_special_tokens_is_refused(tmp_path, capsys):
     from tokenizers import ByteLevelBPETokenizer
 

@@ -99,7 +99,8 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
 
         # the bar only where someone watches it (stderr a terminal); a log gets the result lines alone
         meta = prepare_shards(data, tokenizer_path, out, val_fraction=val_fraction, text_field=text_field,
-                              doc_split=doc_split, workers=workers, force=force, progress=sys.stderr.isatty())
+                              doc_split=doc_split, workers=workers, force=force, progress=sys.stderr.isatty(),
+                              refuse_other=not overwrite)
     from ..data.shards import print_warnings
 
     print_warnings(meta)

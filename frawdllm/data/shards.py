@@ -94,11 +94,14 @@ WORKERS_PER_CPU = 4  # a cap on local --workers: 3000 spent 18 s starting thread
 
 def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str | Path, *,
                    val_fraction: float = 0.005, text_field: str = "text", doc_split: str = "blank",
-                   workers: int | None = None, force: bool = False, progress: bool = False) -> dict:
+                   workers: int | None = None, force: bool = False, progress: bool = False,
+                   refuse_other: bool = False) -> dict:
     """Tokenize the corpus `data` into `out/train.bin`, `out/val.bin` and `out/meta.json`.
 
     Returns the metadata (also written to meta.json): token counts, dtype, UTF-8 bytes of
-    text per token, the tokenizer's hash and what was replaced or unknown.
+    text per token, the tokenizer's hash and what was replaced or unknown. `refuse_other`:
+    shards of another source in `out` are refused (`refuse_other_shards`), checked again
+    once `out` is held (another prepare may have finished there since the caller's check).
     """
     data = source_spec(data)  # a Path, as the str meta.json records
     check_prepare_options(val_fraction, workers)
@@ -120,6 +123,8 @@ def prepare_shards(data: str | Path, tokenizer: Tokenizer | str | Path, out: str
     documents = iter_documents(data, text_field=text_field, doc_split=doc_split, stats=stats)
 
     with writing_into(out):  # a failed first run leaves no empty folder
+        if refuse_other:
+            refuse_other_shards(out, str(data))
         start = time.perf_counter()
         bar = _progress_bar(progress, _source_bytes(data))
         try:

@@ -209,7 +209,12 @@ def has_run(run_dir: Path, names: tuple[str, ...] = RUN_FILES + RUN_DIRS) -> boo
 
 
 def existing_run_message(run_dir: Path) -> str:
-    """Why a new run may not start in `run_dir`, which holds one, and what to do instead."""
+    """Why a new run may not start in `run_dir`, which holds one, and what to do instead (a
+    run still going there is not told apart by its files: it "stopped before its first
+    checkpoint" while it made it)."""
+    if (holder := lock_holder(run_dir)) is not None:
+        return (f"{run_dir} is in use by another run (process {holder}): wait for it to end or stop it, or give "
+                "another --out")
     if latest_checkpoint(run_dir) is None:
         return (f"{run_dir} holds a run that stopped before its first checkpoint; --resume or --overwrite starts "
                 "it over, or give another --out")

@@ -378,31 +378,31 @@ def run_translation_training(cfg: TranslateConfig, started_at: float | None = No
     (src, tgt), valid_text = data.train, data.valid
     run_dir = Path(cfg.out)
     tokenizer_file = run_dir / "tokenizer.json"
-    if place.is_main:
-        tokenizer = Tokenizer.load(tokenizer_file) if cfg.resume and tokenizer_file.is_file() \
-            else _tokenizer_for(cfg, src, tgt)
-    if place.active:  # every rank takes rank 0's tokenizer (one BPE training, not N)
-        text = place.after_main(tokenizer.to_json() if place.is_main else None, "the tokenizer")
-        tokenizer = Tokenizer.from_json(text)
-    train = encode_pairs(tokenizer, src, tgt, cfg.max_len)
-    _require_pairs(train, "training", f"--max-len {cfg.max_len} tokens", "--src/--tgt")
-    say = _report_skipped if place.is_main else (lambda *args: None)
-    say(train, "training data", cfg.max_len)
-    overrides = {**cfg.model, "vocab_size": tokenizer.vocab_size, "pad_token_id": PAD_ID, "bos_token_id": BOS_ID,
-                 "eos_token_id": EOS_ID}
-    model_cfg = get_config(cfg.preset, **overrides)
-    valid = None
-    if valid_text is not None:  # any length the model takes (a side and its BOS/EOS)
-        limit = model_cfg.context_length - 1
-        encoded = encode_pairs(tokenizer, *valid_text, limit)
-        _require_pairs(encoded, "validation", f"{limit} tokens (the model's context_length less BOS/EOS)",
-                       "--valid-src/--valid-tgt")
-        say(encoded, "validation data", limit)
-        valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
-                              [valid_text[1][i] for i in encoded.kept])
     with undo_failed_start(cfg, enabled=place.is_main):
-        if place.is_main:
+        if place.is_main:  # OUT first: one it cannot write is said before the tokenizer's training
             prepare_run_dir(cfg)
+            tokenizer = Tokenizer.load(tokenizer_file) if cfg.resume and tokenizer_file.is_file() \
+                else _tokenizer_for(cfg, src, tgt)
+        if place.active:  # every rank takes rank 0's tokenizer (one BPE training, not N)
+            text = place.after_main(tokenizer.to_json() if place.is_main else None, "the tokenizer")
+            tokenizer = Tokenizer.from_json(text)
+        train = encode_pairs(tokenizer, src, tgt, cfg.max_len)
+        _require_pairs(train, "training", f"--max-len {cfg.max_len} tokens", "--src/--tgt")
+        say = _report_skipped if place.is_main else (lambda *args: None)
+        say(train, "training data", cfg.max_len)
+        overrides = {**cfg.model, "vocab_size": tokenizer.vocab_size, "pad_token_id": PAD_ID, "bos_token_id": BOS_ID,
+                     "eos_token_id": EOS_ID}
+        model_cfg = get_config(cfg.preset, **overrides)
+        valid = None
+        if valid_text is not None:  # any length the model takes (a side and its BOS/EOS)
+            limit = model_cfg.context_length - 1
+            encoded = encode_pairs(tokenizer, *valid_text, limit)
+            _require_pairs(encoded, "validation", f"{limit} tokens (the model's context_length less BOS/EOS)",
+                           "--valid-src/--valid-tgt")
+            say(encoded, "validation data", limit)
+            valid = ValidationSet(encoded.pairs, [valid_text[0][i] for i in encoded.kept],
+                                  [valid_text[1][i] for i in encoded.kept])
+        if place.is_main:
             tokenizer.save(tokenizer_file)
         cfg.resume, cfg.overwrite = place.from_main((cfg.resume, cfg.overwrite))
         seed_everything(cfg.seed)
