@@ -216,9 +216,11 @@ def test_fitting_a_long_history_tokenizes_each_message_a_bounded_number_of_times
 def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat_model, capsys):
     import subprocess
 
-    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1"], input=b"/quit\n",
-                          capture_output=True, timeout=120)
+    # (piped from a file with a byte-order mark: "\ufeff/quit" was a message to the model, not /quit)
+    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1"],
+                          input="\ufeff/quit\n".encode(), capture_output=True, timeout=120)
     assert done.returncode == 0 and done.stdout.endswith(b"> \n"), done.stdout  # the shell prompt on its own line
+    assert done.stdout.count(b"> ") == 1, done.stdout  # no reply: it quit at the first line
     # (refused before it reads anything: in this process, without a fresh interpreter's `import torch`)
     code, out, err = run_cli(capsys, "chat", "--model", chat_model, "--threads", "1", "--max-new-tokens", "8",
                              "--system", "abc " * 39 + "abc")

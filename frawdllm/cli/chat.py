@@ -99,10 +99,14 @@ class _Repl:
         context = self.engine.config.context_length
         self.out(f"frawd chat: {self.model_dir} (context {context} tokens). /help for commands, Ctrl-D to leave.\n")
         self.note_unknown(self.system or "")
+        first = True
         while True:
             try:
                 line = input(PROMPT)
                 line.encode("utf-8")  # undecodable bytes come through as lone surrogates
+                if first and line.startswith("\ufeff"):  # piped from a file saved with a byte-order mark
+                    line = line[1:]
+                first = False
             except EOFError:
                 self.out("\n")
                 return
