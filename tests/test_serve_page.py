@@ -306,11 +306,14 @@ def test_chat_page_scrolls_only_the_messages_and_keeps_a_cut_reply(page_server, 
     assert "connection lost" in by_id("stats").text
     screenshot(d, tmp_path, "cut-reply.png")
     # nothing came back at all: the error, not kept, and the header says the request failed
-    js("window.fetch = (url, init) => String(url).includes('/chat/') ? "
-       "Promise.reject(new TypeError('Failed to fetch')) : window.realFetch(url, init)")
+    # (the server stopped: Chrome's "Failed to fetch" was all it said, and the model list's
+    # reload, failing too, put "models: Failed to fetch" in the header)
+    js("window.fetch = (url, init) => Promise.reject(new TypeError('Failed to fetch'))")
     by_id("input").send_keys("and again", Keys.ENTER)
-    wait_for(lambda: "Error: Failed to fetch" in reply(), what="the error")
-    assert by_id("stats").text == "request failed: Failed to fetch" and js("return turns.length") == turns + 2
+    unreachable = "could not reach the server (is frawd serve still running?)"
+    wait_for(lambda: f"Error: {unreachable}" in reply(), what="the error")
+    time.sleep(0.3)  # (the model list's reload has failed by now)
+    assert by_id("stats").text == f"request failed: {unreachable}" and js("return turns.length") == turns + 2
     # the server restarted with another model: a 404 for the chosen one makes the page read the list again
     js("window.fetch = (url, init) => String(url).includes('/chat/') ? Promise.resolve(new Response("
        "JSON.stringify({error: {message: 'the model does not exist'}}), {status: 404})) : "
@@ -333,6 +336,17 @@ def test_chat_page_scrolls_only_the_messages_and_keeps_a_cut_reply(page_server, 
     assert by_id("stats").text == "stopped before the first token" and js("return turns.length") == turns + 2
     assert reply() == "(stopped before a reply: not kept in the conversation)"
     js("window.fetch = window.realFetch")
+    # text: no empty line after a code block; the user's own ``` code in monospace too (escaped
+    # like the model's); right-to-left text laid out right to left
+    assert js("return render('Text:\\n```py\\ncode\\n```\\nMore text')") == \
+        "<p>Text:</p><pre><code>code\n</code></pre><p>More text</p>"
+    by_id("input").send_keys("see", Keys.SHIFT, Keys.ENTER, Keys.NULL, "```", Keys.SHIFT, Keys.ENTER, Keys.NULL,
+                             "<b>x</b>", Keys.SHIFT, Keys.ENTER, Keys.NULL, "```", Keys.ENTER)
+    mine = wait_for(lambda: d.find_elements(By.CSS_SELECTOR, ".msg.user")[-1], what="the message")
+    code = mine.find_element(By.CSS_SELECTOR, "pre code")
+    assert code.text == "<b>x</b>" and "monospace" in code.value_of_css_property("font-family")
+    assert mine.get_attribute("dir") == "auto" and by_id("input").get_attribute("dir") == "auto"
+    wait_for(lambda: by_id("send").is_enabled(), timeout=60, what="the reply")
 
 
 @pytest.mark.timeout(120)
