@@ -16,7 +16,8 @@
     after SFT on stdlib-instruct, and after DPO on stdlib-prefs.
 
 Every figure is a share of held-out prompts, printed as key=value lines (the headline,
-sft_acc_after, last). Run it under `flock /tmp/bench.lock` on a shared machine.
+sft_acc_after, last; with --skip-synthetic, which has no (a) figures, part (b)'s headline,
+stdlib_parse_after_dpo, last). Run it under `flock /tmp/bench.lock` on a shared machine.
 
     .venv/bin/python benchmarks/align_demo.py [--demo-model runs/demo/model] [--skip-stdlib]
 """
@@ -221,20 +222,29 @@ def part_b(work: Path, args) -> dict[str, float]:
 
 def main() -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo-model", default=None, help="a `make demo` model directory to reuse (copied)")
+    parser.add_argument("--demo-model", default=None,
+                        help="a `make demo` model directory to reuse (copied) [default: train one here]")
     parser.add_argument("--skip-stdlib", action="store_true", help="run part (a) only")
-    parser.add_argument("--skip-synthetic", action="store_true", help="run part (b) only")
+    parser.add_argument("--skip-synthetic", action="store_true",
+                        help="run part (b) only: its headline, stdlib_parse_after_dpo, is then the last line")
     parser.add_argument("--pretrain-steps", type=positive_int, default=400,
-                        help="base-model steps: enough for it to learn to copy from its context")
-    parser.add_argument("--min-letters", type=positive_int, default=3, help="shortest word of the synthetic task")
-    parser.add_argument("--max-letters", type=positive_int, default=3, help="longest word of the synthetic task")
-    parser.add_argument("--sft-examples", type=positive_int, default=6000)
-    parser.add_argument("--sft-steps", type=positive_int, default=600)
-    parser.add_argument("--dpo-examples", type=positive_int, default=1000)
-    parser.add_argument("--dpo-steps", type=positive_int, default=40)
-    parser.add_argument("--dpo-lr", type=positive_float, default=5e-4)
-    parser.add_argument("--stdlib-sft-time", type=duration, default="3m")
-    parser.add_argument("--stdlib-dpo-time", type=duration, default="90s")
+                        help="(a) base-model steps: enough for it to learn to copy from its context [default: 400]")
+    parser.add_argument("--min-letters", type=positive_int, default=3,
+                        help="(a) shortest word of the synthetic task [default: 3]")
+    parser.add_argument("--max-letters", type=positive_int, default=3,
+                        help="(a) longest word of the synthetic task [default: 3]")
+    parser.add_argument("--sft-examples", type=positive_int, default=6000,
+                        help="(a) SFT examples (reversals of other words than the test's) [default: 6000]")
+    parser.add_argument("--sft-steps", type=positive_int, default=600, help="(a) SFT steps [default: 600]")
+    parser.add_argument("--dpo-examples", type=positive_int, default=1000,
+                        help="(a) DPO preference pairs [default: 1000]")
+    parser.add_argument("--dpo-steps", type=positive_int, default=40, help="(a) DPO steps [default: 40]")
+    parser.add_argument("--dpo-lr", type=positive_float, default=5e-4,
+                        help="(a) DPO learning rate [default: 5e-4]")
+    parser.add_argument("--stdlib-sft-time", type=duration, default="3m",
+                        help="(b) SFT time on stdlib-instruct, e.g. 90s, 3m [default: 3m]")
+    parser.add_argument("--stdlib-dpo-time", type=duration, default="90s",
+                        help="(b) DPO time on stdlib-prefs [default: 90s]")
     parser.add_argument("--work", default=None, help="working folder (default: a temporary one, removed)")
     args = parser.parse_args()
     if args.skip_stdlib and args.skip_synthetic:
@@ -268,6 +278,7 @@ def main() -> None:
     print(cpu_features_line())
     print(f"torch_threads={torch.get_num_threads()}")
     print(f"total_seconds={time.perf_counter() - started:.0f}")
+    # the headline last: sft_acc_after, or part (b)'s stdlib_parse_after_dpo where (a) did not run
     order = ["stdlib_heldout_requests", "stdlib_parse_before", "stdlib_parse_after_sft", "stdlib_parse_after_dpo",
              "sft_seconds", "dpo_seconds", "dpo_kl", "dpo_rate_before", "dpo_rate_after", "dpo_pref_acc",
              "sft_acc_before", "sft_acc_after"]

@@ -1,7 +1,7 @@
 """What the benchmark scripts share: argument types that refuse nonsense at parse time, the
-`cpu_features=` line, and one-line errors for bad input.
+`cpu_features=` line, and one-line errors for bad input or a missing optional package.
 
-    from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
+    from bench_common import ArgumentParser, cpu_features_line, positive_int, require, run_main
 
 (the scripts run as `python benchmarks/X.py`, so this folder is on sys.path.)
 """
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -69,6 +70,14 @@ def cpu_features_line() -> str:
 
     found = [f for f in (*SHOWN_FEATURES, "fphp") if f in cpu_features()]
     return f"cpu_features={','.join(found) or 'none'}"
+
+
+def require(module: str, install: str) -> None:
+    """Stop with one line, `<script>: error: <module> is not installed; pip install '<install>'`
+    (exit status 1), where an optional package the benchmark needs is missing: called up
+    front, before any work, not after minutes of it."""
+    if importlib.util.find_spec(module) is None:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {module} is not installed; pip install '{install}'")
 
 
 def run_main(main) -> None:

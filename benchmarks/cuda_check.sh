@@ -5,7 +5,8 @@
 # `100m` presets against the card's bf16 dense peak (PEAK_TFLOPS, default 989 = H100/H200 SXM;
 # target: mfu_100m >= 0.45), decode tokens/s at batch 1 and 64 against transformers, and 300
 # steps of `frawd pretrain --nproc 1 --parallel fsdp`. Run from the repository root, with torch (CUDA) and the
-# package's dependencies importable; the package itself need not be installed.
+# package's dependencies importable; the package itself need not be installed. The last line
+# printed is the headline, mfu_100m= (step 5's figure, repeated).
 #   bash benchmarks/cuda_check.sh [path/to/tinyshakespeare.txt]
 # A failing step stops the script with a non-zero exit; its temporary folder is removed.
 set -euo pipefail
@@ -36,9 +37,11 @@ trap 'echo "cuda_check.sh: error: the step above failed (line $LINENO); stopping
 frawd() { python3 -c 'import sys; from frawdllm.cli import main; main(sys.argv[1:])' "$@"; }
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 echo "== 1. shakespeare recipe (device auto, bf16, compile), 60 s"
-frawd pretrain --config configs/shakespeare_char.yaml --data "$D" --max-time 60s --out $W/sh --no-progress 2>&1 | tail -1
+frawd pretrain --config configs/shakespeare_char.yaml --data "$D" --max-time 60s --out $W/sh --no-progress 2>&1 \
+    | tail -1
 echo "== 2. frawd eval and generate on cuda"
-frawd eval --model $W/sh/model --data "$D" --device cuda --max-batches 50 2>$W/eval.err || { cat $W/eval.err >&2; false; }
+frawd eval --model $W/sh/model --data "$D" --device cuda --max-batches 50 2>$W/eval.err \
+    || { cat $W/eval.err >&2; false; }
 frawd generate --model $W/sh/model --prompt "ROMEO:" --max-new-tokens 80 --device cuda --seed 1 --stats 2>&1 | tail -3
 echo "== 3. resume == uninterrupted, fp32 eager: 40 steps vs 20 + resume to 40"
 R="--config configs/shakespeare_char.yaml --data $D --dtype fp32 --no-compile --max-time 1h --schedule constant
@@ -67,7 +70,7 @@ for P in base 100m; do
   frawd pretrain --preset $P --data "$D" --tokenizer char --set vocab_size=$([ $P = 100m ] && echo 32000 || echo 8192) \
       --dtype bf16 --compile true --batch-size ${BATCH:-32} --max-steps 150 --eval-interval 0 --sample-tokens 0 \
       --log-interval 10 --peak-tflops $PEAK_TFLOPS --out $W/$P --no-progress 2>&1 | tail -1
-  python3 - $W/$P $P <<'PY'
+  python3 - $W/$P $P <<'PY' | tee $W/$P.figures
 import json, statistics, sys
 rows = [r for r in map(json.loads, open(f"{sys.argv[1]}/metrics.jsonl")) if "mfu" in r][-5:]
 name = sys.argv[2]
@@ -79,7 +82,10 @@ echo "== 6. decode tokens/s, batch 1 and 64, against transformers (base, bf16)"
 python3 benchmarks/cuda_decode.py --preset base
 echo "== 7. frawd pretrain --nproc 1 --parallel fsdp, 300 steps (bf16)"
 frawd pretrain --nproc 1 --parallel fsdp --preset tiny --data "$D" --tokenizer char --dtype bf16 --max-steps 300 \
-    --batch-size 64 --eval-interval 100 --out $W/fsdp --no-progress > $W/fsdp.log 2>&1 || { tail -3 $W/fsdp.log; false; }
+    --batch-size 64 --eval-interval 100 --out $W/fsdp --no-progress > $W/fsdp.log 2>&1 \
+    || { tail -3 $W/fsdp.log; false; }
 echo "fsdp_run_exit=0"
 echo "fsdp_last_line=$(tail -1 $W/fsdp.log)"
 echo "fsdp_checkpoints=$(ls $W/fsdp/checkpoints | tr '\n' ' ')"
+echo "== the headline (target: mfu_100m >= 0.45), from step 5"
+grep '^mfu_100m=' $W/100m.figures

@@ -6,6 +6,9 @@ dimensions and dtype. Runs alternate (ours, theirs) and each figure is the media
 
     python benchmarks/cuda_decode.py [--preset base]
 
+(--preset: tiny, small or base, the GPT-2 style presets: the reference is a GPT-2, which
+has their architecture, not that of a Llama-style or RoPE preset.)
+
 Prints decode_tokens_per_s_{ours,hf}_batch{1,64} and, last, speedup_vs_hf_batch64.
 """
 
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import ArgumentParser, run_main  # noqa: E402
+from bench_common import ArgumentParser, require, run_main  # noqa: E402
 from decode_speed import _IdTokenizer, hf_model  # noqa: E402
 
 from frawdllm import FrawdLLM, get_config  # noqa: E402
@@ -30,10 +33,12 @@ PROMPT_LEN, NEW_TOKENS = 32, 200
 
 def main() -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="base", help="the model (random weights) [default: base]")
+    parser.add_argument("--preset", default="base", choices=("tiny", "small", "base"),
+                        help="the model, random weights (GPT-2 style, like the reference) [default: base]")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(1, f"{parser.prog}: error: this benchmark needs a CUDA GPU (torch.cuda.is_available() is False)\n")
+    require("transformers", "frawdllm[hf]")  # the reference
     cfg = get_config(args.preset)
     device, dtype = torch.device("cuda"), torch.bfloat16
     model = FrawdLLM(cfg).to(device, dtype).eval()

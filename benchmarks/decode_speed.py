@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import ArgumentParser, cpu_features_line, non_negative_int, positive_int, run_main
+from bench_common import ArgumentParser, cpu_features_line, non_negative_int, positive_int, require, run_main
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cbuild import march
 from frawdllm.infer import Engine, SamplingParams
@@ -130,14 +130,25 @@ def timed(fn) -> float:
 
 
 def read_bandwidth(n_bytes: int, repeats: int = 30) -> float:
-    """Bytes/s that torch's threads read from an fp32 buffer of n_bytes (`sum`, best of the medians),
-    on 2 MB pages where the decoder's weights are (`hugepages`): the same kind of memory."""
+    """Bytes/s that torch's threads read from an fp32 buffer of n_bytes (`sum`, the lower quartile
+    of `repeats` timings), on 2 MB pages where the decoder's weights are (`hugepages`): the same
+    kind of memory."""
     block = huge_page_bytes(max(n_bytes // 4, 1024) * 4)
     buf = block.view(torch.float32) if block is not None else torch.empty(max(n_bytes // 4, 1024))
     buf.fill_(1.0)
     buf.sum()
     times = sorted(timed(buf.sum) for _ in range(repeats))
     return buf.numel() * 4 / times[len(times) // 4]  # lower quartile: the machine's rate when not disturbed
+
+
+def decode_weight_bytes(engine: Engine) -> int:
+    """The weight bytes one batch-1 decode step of `engine` streams, on the path its plan gives
+    that phase: the native forward's own copies (fp16 where it reads fp16), else PyTorch
+    reading the model's linears as they are (fp32 here: twice fp16's bytes)."""
+    if engine.plan()["decode"].kind == "native":
+        return engine.native_decoder().weight_bytes
+    return sum(m.weight.numel() * m.weight.element_size() for m in engine.model.modules()
+               if isinstance(m, torch.nn.Linear))
 
 
 def main() -> None:
@@ -152,6 +163,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", choices=("tiny", "small", "base"),
                         help="the model (GPT-2 style, like the reference) [default: tiny]")
     args = parser.parse_args()
+    require("transformers", "frawdllm[hf]")  # the reference
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -207,12 +219,9 @@ def main() -> None:
         print(f"warmup_s_{name}={seconds:.1f}")
     timed(theirs(prompt, 8))
     default_mode = default.describe()
-    if default.native:  # the bytes the default engine's batch-1 step streams (its own copies)
-        weight_bytes = default.native_decoder().weight_bytes
+    if default.native:
         default_mode += f" [{default.native_decoder().stream_forms}]"  # as timed on its weights
-    else:
-        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                           if isinstance(m, torch.nn.Linear))
+    weight_bytes = decode_weight_bytes(default)
 
     times: dict[str, list[float]] = {}
     bandwidths = []  # measured beside each default batch-1 run: the same phase of a shared machine
@@ -224,7 +233,7 @@ def main() -> None:
             times.setdefault(f"{name}_batch1", []).append(timed(ours(engine, prompt, params)))
             if name == "default":
                 bandwidths.append(read_bandwidth(weight_bytes))
-    for _ in range(max(2, args.repeats // 2)):
+    for _ in range(max(3, args.repeats // 2)):  # (at least 3: a median of 2 would be their mean)
         times.setdefault("hf_batch16", []).append(timed(theirs(batch, NEW_TOKENS)))
         for name, engine in engines.items():
             times.setdefault(f"{name}_batch16", []).append(timed(ours(engine, batch, params)))
@@ -263,7 +272,7 @@ def main() -> None:
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.2)
-        for _ in range(max(2, args.repeats // 2)):
+        for _ in range(max(3, args.repeats // 2)):
             for name in ("default", "torch"):
                 times.setdefault(f"{name}_under_load", []).append(timed(ours(engines[name], prompt, params)))
     finally:

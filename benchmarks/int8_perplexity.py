@@ -4,8 +4,9 @@ Trains a model on tiny shakespeare with `frawd pretrain` (a short budget) unless
 names one, then scores its validation split (the last 10% of the text, never trained on)
 with fp32 weights, fp16-rounded linear weights (what the engine's default native decoding
 reads), the same with keys and values rounded to fp16 as they are cached (fp16_kv: the
-engine's default KV cache where every phase runs natively), bf16 weights and int8 weights (as the native forward computes them: int8 x scale
-in fp32; int8_torch: PyTorch's int8 kernel, bf16 activations), and times greedy decoding
+engine's default KV cache where every phase runs natively), bf16 weights and int8
+weights (as the native forward computes them: int8 x scale in fp32; int8_torch:
+PyTorch's int8 kernel, bf16 activations), and times greedy decoding
 of each (fp32: native forward with weights="fp32"; fp16: the engine's default).
 Recipes: `char` (configs/shakespeare_char.yaml: 4 layers, width 128, characters) and
 `tiny-bpe` (the `tiny` preset: 6 layers, width 256, an 8192-token BPE vocabulary).

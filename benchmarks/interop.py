@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
+from bench_common import ArgumentParser, cpu_features_line, positive_int, require, run_main
 from frawdllm import FrawdLLM, get_config
 from frawdllm.export.gguf import export_gguf
 from frawdllm.export.hf_dir import export_hf
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--threads", type=positive_int, default=2,
                         help="torch threads, and llama.cpp's, for both sides [default: 2]")
     args = parser.parse_args()
+    require("transformers", "frawdllm[hf]")  # the reference
     torch.set_num_threads(args.threads)
     import transformers
 

@@ -56,16 +56,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import aiohttp
-import httpx
 import torch
 
-from bench_common import ArgumentParser, cpu_features_line, positive_int, run_main
+from bench_common import ArgumentParser, cpu_features_line, positive_int, require, run_main
 from frawdllm import FrawdLLM, get_config
 from frawdllm.cli.sampling_flags import load_engine
 from frawdllm.infer.scheduler import Scheduler
 from frawdllm.tokenizer import SPECIAL_TOKENS, train_tokenizer
+
+if TYPE_CHECKING:
+    import aiohttp  # (imported where used: main() first checks that it is installed)
 
 NEW_TOKENS = 128
 LEVELS = (1, 8, 32)
@@ -119,6 +121,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str,
     are the usage count where the server sends one (ours does), else NEW_TOKENS when it
     ends for "length" (max_tokens reached; llama-cpp-python sends no usage, and a text
     event may carry several tokens or none), else the text events."""
+    import aiohttp
+
     body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -162,6 +166,8 @@ async def level(url: str, model: str, clients: int, per_client: int, texts: list
                 server_pid: int) -> dict:
     # One client process, asyncio and aiohttp (its C parser): the load generator shares the
     # cores with the server, so it must cost little per event.
+    import aiohttp
+
     connector = aiohttp.TCPConnector(limit=clients + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
         results = []
@@ -298,6 +304,8 @@ def start_peer(gguf: Path, threads: int, name: str = "tiny") -> tuple[subprocess
 
 
 def wait_for(proc: subprocess.Popen, port: int, path: str, name: str, log=None) -> tuple[subprocess.Popen, str]:
+    import httpx
+
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -329,6 +337,8 @@ def main() -> None:
     name = args.preset
     if get_config(name).vocab_size != 8192 or get_config(name).context_length < 256:
         parser.error(f"--preset {name}: the workload needs a vocabulary of 8192 and a context of 256 or more")
+    for module in ("aiohttp", "httpx"):  # the load generator and the health check (in the `test` extra)
+        require(module, module)
     print(f"preset={name}")
     print(f"cpu_count={os.cpu_count()}")
     print(cpu_features_line())

@@ -41,7 +41,7 @@ import tempfile
 import time
 import warnings
 
-from bench_common import ArgumentParser, cpu_features_line, non_negative_int, positive_int, run_main
+from bench_common import ArgumentParser, cpu_features_line, non_negative_int, positive_int, require, run_main
 
 BATCH, SEQ = 8, 256
 DTYPE_CHOICES = ("auto", "fp32", "bf16")  # (HF's loop here autocasts to bf16 only)
@@ -123,7 +123,16 @@ def hf(cfg, dtype: str, compile: bool = False, fused: bool | None = None):
 
 def worker(conn, specs: list[tuple[str, str, str, dict]], warmup: int, keep_memory: bool) -> None:
     """Build the variants `specs` (name, kind, dtype, options), warm them up, then time
-    steps on request: ("run", name, n) -> list of seconds; ("stop",) ends."""
+    steps on request: ("run", name, n) -> list of seconds; ("stop",) ends. An exception is
+    sent back instead, as ("error", "<type>: <message>"), and ends the worker."""
+    try:
+        serve(conn, specs, warmup, keep_memory)
+    except Exception as error:
+        conn.send(("error", f"{type(error).__name__}: {' '.join(str(error).split())}"))
+        sys.exit(1)  # (quietly: the parent says what happened, in one line)
+
+
+def serve(conn, specs: list[tuple[str, str, str, dict]], warmup: int, keep_memory: bool) -> None:
     warnings.filterwarnings("ignore")
     from frawdllm import get_config
     from frawdllm.train.device import keep_freed_memory
@@ -131,49 +140,65 @@ def worker(conn, specs: list[tuple[str, str, str, dict]], warmup: int, keep_memo
     if keep_memory:
         keep_freed_memory()
     cfg = get_config("tiny")
-    workdir = tempfile.mkdtemp(prefix="frawd-throughput-")
-    steps, warm = {}, {}
-    for name, kind, dtype, options in specs:
-        steps[name] = ours(cfg, dtype, workdir=workdir, **options) if kind == "ours" else hf(cfg, dtype, **options)
-        start = time.perf_counter()
-        for _ in range(warmup):
-            steps[name]()
-        warm[name] = time.perf_counter() - start
-    conn.send(warm)
-    while True:
-        message = conn.recv()
-        if message[0] == "stop":
-            import shutil
-
-            shutil.rmtree(workdir, ignore_errors=True)
-            return
-        _, name, n = message
-        times = []
-        for _ in range(n):
+    with tempfile.TemporaryDirectory(prefix="frawd-throughput-", ignore_cleanup_errors=True) as workdir:
+        steps, warm = {}, {}
+        for name, kind, dtype, options in specs:
+            steps[name] = (ours(cfg, dtype, workdir=workdir, **options) if kind == "ours"
+                           else hf(cfg, dtype, **options))
             start = time.perf_counter()
-            steps[name]()
-            times.append(time.perf_counter() - start)
-        conn.send(times)
+            for _ in range(warmup):
+                steps[name]()
+            warm[name] = time.perf_counter() - start
+        conn.send(warm)
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            _, name, n = message
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                steps[name]()
+                times.append(time.perf_counter() - start)
+            conn.send(times)
+
+
+def receive(conn):
+    """A worker's answer. Its failure (an error it sent back, or its death: the pipe closes)
+    ends this script with one line and exit status 1, not a wait that never ends."""
+    from frawdllm.errors import FrawdError
+
+    try:
+        answer = conn.recv()
+    except EOFError:  # (the parent closed its copy of the worker's end: only the worker's death gets here)
+        raise FrawdError("a worker process died without answering (killed? out of memory?)") from None
+    if isinstance(answer, tuple) and answer[0] == "error":
+        raise FrawdError(f"a worker process failed: {answer[1]}")
+    return answer
 
 
 def main() -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=positive_int, default=8, help="timed steps per variant per round")
+    parser.add_argument("--steps", type=positive_int, default=8,
+                        help="timed steps per variant per round [default: 8]")
     parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of fresh workers [default: 5]")
     parser.add_argument("--warmup", type=non_negative_int, default=3,
-                        help="untimed steps first (compilation happens here)")
+                        help="untimed steps first (compilation happens here) [default: 3]")
     parser.add_argument("--no-compile", action="store_true", help="run our model eagerly")
     parser.add_argument("--dtypes", type=dtype_list, default="auto",
-                        help="comma-separated, of auto, fp32, bf16; auto = what dtype: auto picks here")
+                        help="comma-separated, of auto, fp32, bf16; auto = what dtype: auto picks here "
+                             "[default: auto]")
     parser.add_argument("--allow-emulated", action="store_true", help="also run bf16 where it is emulated")
     parser.add_argument("--same-workers", action="store_true",
                         help="keep one worker process per side for all rounds (default: fresh ones each round)")
     parser.add_argument("--detail", action="store_true",
                         help="also time HF with fused AdamW, with our allocator setting, and compiled (bf16)")
     args = parser.parse_args()
+    require("transformers", "frawdllm[hf]")  # the reference
     import torch
 
     from frawdllm import get_config
+    from frawdllm.errors import FrawdError
     from frawdllm.train.device import (PEAKS_FILE, cached_peak, choose_dtype, matmul_dtype, mfu, peak_flops,
                                        user_cache_dir)
 
@@ -181,9 +206,13 @@ def main() -> None:
     cfg = get_config("tiny")
     auto = choose_dtype("auto", cpu)[0]
     dtypes = list(dict.fromkeys(auto if d == "auto" else d for d in args.dtypes))
+    emulated = [d for d in dtypes if matmul_dtype(d, cpu) != d and not args.allow_emulated]
+    if emulated == dtypes:  # nothing left to time: say so before any work
+        raise FrawdError(f"{', '.join(emulated)} is emulated on this CPU, so nothing is left to run "
+                         "(--allow-emulated runs it anyway; --dtypes fp32 times fp32)")
     print(cpu_features_line())
     print(f"auto_dtype={auto}")
-    for d in [d for d in dtypes if matmul_dtype(d, cpu) != d and not args.allow_emulated]:
+    for d in emulated:
         print(f"skipped_{d}=emulated on this CPU (--allow-emulated runs it)")
         dtypes.remove(d)
     compile = not args.no_compile
@@ -215,7 +244,8 @@ def main() -> None:
             parent, child = ctx.Pipe()
             process = ctx.Process(target=worker, args=(child, specs, args.warmup, keep), daemon=True)
             process.start()
-            for warm_name, seconds in parent.recv().items():  # warm-ups run one worker at a time
+            child.close()  # (the worker holds its end now: if it dies, recv() here ends with EOFError)
+            for warm_name, seconds in receive(parent).items():  # warm-ups run one worker at a time
                 if report:
                     print(f"warmup_s_{warm_name}={seconds:.1f}", flush=True)
             workers.append((process, parent))
@@ -236,7 +266,7 @@ def main() -> None:
         tps = {}
         for name, conn in owner.items():
             conn.send(("run", name, args.steps))
-            tps[name] = BATCH * SEQ / statistics.median(conn.recv())
+            tps[name] = BATCH * SEQ / statistics.median(receive(conn))
         rounds.append(tps)
     stop_workers(workers)
 
