@@ -96,6 +96,36 @@ def test_phases_on_different_forwards_share_the_cache_correctly(prefill, decode)
     assert [engine.generate([p], GREEDY)[0].tokens for p in prompts(4, 97)] == [c.tokens for c in reference]
 
 
+@NATIVE
+def test_an_int8_rows_result_does_not_depend_on_its_batch_under_a_mixed_plan():
+    """PyTorch ran int8 layers with bf16 activations, the native forward with fp32 ones: a
+    prompt alone (prefilled natively) and beside a longer one (the batch prefilled by PyTorch)
+    got log-probabilities ~0.01 apart, and its greedy text changed with the batch. Both
+    compute in fp32 now, as the dequantized model."""
+    from frawdllm.infer.native import dequantized_copy
+
+    model = quantize_int8(make_model(**CONFIGS["learned"]))
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=0)
+    engine = Engine(model, IdTokenizer(), native=True)
+    engine._plan = {"prefill": paths.Path("native", 1), "long": paths.Path("torch"), "decode": paths.Path("native", 1),
+                    "batch": paths.Path("native", 1), "wide": paths.Path("torch")}
+    short, long = prompts(1, 97, seed=3)[0], (prompts(1, 97, seed=4)[0] * 9)[:34]  # (2 rows of 34: "long")
+    assert paths.phase(2, max(len(short), len(long))) == "long"
+
+    def scored(batch):  # the first row's (token, logprob) pairs
+        return [(c.token, c.logprob.logprob) for c in engine.stream(batch, params) if c.index == 0]
+
+    alone, beside = scored([short]), scored([short, long])
+    assert [t for t, _ in alone] == [t for t, _ in beside]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(alone, beside)) < 1e-4
+    # scoring a prompt (a PyTorch forward) gives the dequantized model's log-probabilities
+    ids = torch.tensor([long])
+    with torch.no_grad():
+        want = dequantized_copy(model)(ids)[0][0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+    got = torch.tensor([e.logprob for e in engine.prompt_logprobs(long, 0)[1:]])
+    assert (got - want).abs().max() < 1e-4
+
+
 def test_phases_by_shape():
     assert [paths.phase(*shape) for shape in [(1, 5), (3, 2), (1, 64), (2, 33), (1, 256), (1, 1), (2, 1), (7, 1),
                                               (8, 1), (64, 1)]] == [

@@ -58,6 +58,7 @@ import types
 from numbers import Number
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,7 @@ from ..train.compile import quiet_inductor
 from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
-from .quantize import is_int8
+from .quantize import fp32_activations, is_int8
 from .sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, checked_params, greedy_index, make_generator,
                        sample_next, sample_seed, token_logprobs)
 from .textstream import TextStream, text_after
@@ -381,7 +382,7 @@ class Engine:
         if not is_integer(k) or not 0 <= k <= MAX_LOGPROBS:
             raise FrawdError(f"k (alternatives per token) must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         ids = self.encode(ids, whole=True)
-        with eval_mode(self.model):
+        with eval_mode(self.model), self.torch_arithmetic():
             logits = self.model(torch.tensor([ids], device=self.device))[0][0]  # (T, V)
         return [None] + token_logprobs(logits[:-1], ids[1:], k) if len(ids) > 1 else [None]
 
@@ -456,7 +457,13 @@ class Engine:
         path = self.path(*tokens.shape)
         if path.kind == "native":
             return self.native_forward(decoder or self.native_decoder(), tokens, positions, cache, path)
-        return self.torch_forward(*tokens.shape, lambda: paths.torch_logits(self.model, tokens, positions, cache))
+        with self.torch_arithmetic():
+            return self.torch_forward(*tokens.shape, lambda: paths.torch_logits(self.model, tokens, positions, cache))
+
+    def torch_arithmetic(self) -> AbstractContextManager:
+        """How PyTorch phases compute: for an int8 model the native forward reads, as it does
+        (fp32 activations, `quantize.fp32_activations`), so no row depends on the path taken."""
+        return fp32_activations() if self.weights == "int8" else nullcontext()
 
 
 def _at_threads(threads: int | None, run: Callable[[], Tensor]) -> Tensor:

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ from ..io import read_json_object
 from ..model.gpt import eval_mode
 from . import native as native_forward
 from .cache import KVCache, RowKVCache
+from .quantize import fp32_activations
 
 PHASES = {"prefill": (1, 32), "long": (1, 256), "decode": (1, 1), "batch": (4, 1), "wide": (16, 1)}  # rows, tokens
 FILL = 32  # cached tokens before a timed decode step
@@ -248,7 +250,8 @@ def choose(model: nn.Module, decoder: Any, weights: str) -> dict[str, Path]:
         if sum(p.numel() for p in model.parameters()) > LOUD_PARAMS:  # (small models take a fraction of a second)
             print("measuring which forward is fastest on this CPU for this model (once)...", file=sys.stderr,
                   flush=True)
-        return {name: [p.kind, p.threads] for name, p in measure(model, decoder, threads).items()}
+        with fp32_activations() if weights == "int8" else nullcontext():  # (as its PyTorch phases will run)
+            return {name: [p.kind, p.threads] for name, p in measure(model, decoder, threads).items()}
 
     plan = remembered("plan", model, weights, measured)
     if not (isinstance(plan, dict) and set(plan) == set(PHASES)):  # (a file from elsewhere)

@@ -5,14 +5,21 @@
 
 Weights take a quarter of fp32's memory, and decoding (which streams every weight once
 per step) speeds up accordingly. Activations stay floating point: on CPU the product runs
-in PyTorch's int8-weight kernel with bf16 activations; elsewhere, or for widths it does not
-support, the weight is dequantized on the fly. Embeddings and norms stay as they are; a tied
+in PyTorch's int8-weight kernel with bf16 activations; elsewhere, for widths it does not
+support, or inside `fp32_activations()`, the weight is dequantized on the fly and the
+activations stay fp32. An engine whose native forward reads the int8 weights runs its
+PyTorch phases that way: both compute the same products in fp32, so a row's result does not
+depend on which path a phase took (bf16 activations moved log-probabilities by ~0.01-0.03). Embeddings and norms stay as they are; a tied
 LM head gets its own int8 copy while the embedding table stays exact.
 
 `benchmarks/int8_perplexity.py` measures what this costs in held-out perplexity.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,21 @@ def quantize_rows(weight: Float[Tensor, "N K"]) -> tuple[Int8[Tensor, "N K"], Fl
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (N,)
     q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+_FP32 = threading.local()  # per thread: a server's engine thread and a scoring thread differ
+
+
+@contextmanager
+def fp32_activations() -> Iterator[None]:
+    """Int8 layers run inside the block dequantize their weights and keep fp32 activations
+    (as the native forward computes), not PyTorch's bf16-activation kernel."""
+    before = getattr(_FP32, "on", False)
+    _FP32.on = True
+    try:
+        yield
+    finally:
+        _FP32.on = before
 
 
 class Int8Linear(nn.Module):
@@ -44,7 +66,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Float[Tensor, "*B K"]) -> Float[Tensor, "*B N"]:
         flat = x.reshape(-1, self.in_features)  # (M, K)
-        if self.use_kernel:
+        if self.use_kernel and not getattr(_FP32, "on", False):
             y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.scale_bf16).to(x.dtype)
         else:
             y = F.linear(flat, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
