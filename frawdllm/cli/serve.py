@@ -173,8 +173,27 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
         click.echo(f"serving {', '.join(engines)} on http://{address}:{sock.getsockname()[1]} "
                    "(OpenAI API at /v1, chat page at /)", err=True)
         # uvicorn drains open requests on SIGTERM or Ctrl-C, then raises the signal again under
-        # the handler it found: these, so that a drained shutdown exits 0.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+        # the handler it found: these note it (raising SystemExit there, under a forced quit,
+        # went off inside the event loop while requests still ran, one traceback each).
+        stops: list[int] = []
+        signal.signal(signal.SIGTERM, lambda sig, _: stops.append(sig))
+        signal.signal(signal.SIGINT, lambda sig, _: stops.append(sig))
         config = server_config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=120)
-        uvicorn.Server(config).run(sockets=[sock])
+
+        class DrainingServer(uvicorn.Server):
+            """uvicorn's server, counting the requests its shutdown left unfinished: cancelled at
+            the end of the graceful drain, or abandoned by a forced quit (a second Ctrl-C)."""
+
+            unfinished = 0
+
+            async def shutdown(self, sockets=None) -> None:
+                await super().shutdown(sockets)
+                self.unfinished = len(self.server_state.tasks)  # (a finished request's task is gone from it)
+
+        server = DrainingServer(config)
+        server.run(sockets=[sock])
+        if stops and server.unfinished:  # a drain that did not end every request is no clean exit
+            click.echo(f"frawd serve: stopped with {server.unfinished} request(s) unfinished "
+                       f"({'a second Ctrl-C' if server.force_exit else 'the 120 s drain ran out'})", err=True)
+            raise SystemExit(128 + stops[-1])  # (130 for SIGINT, 143 for SIGTERM, as a shell reports them)
+

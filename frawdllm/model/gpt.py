@@ -118,6 +118,20 @@ def check_length(n: int, context_length: int, what: str) -> None:
         raise ValueError(f"{what} length {n} exceeds the model's context_length {context_length}")
 
 
+def first_positions(ids: Int[Tensor, "B T"], context_length: int, what: str) -> Int[Tensor, "1 T"]:
+    """Positions 0..T-1 for a sequence of T tokens that starts the context (one line when it
+    is longer than the context)."""
+    check_length(ids.shape[1], context_length, what)
+    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # (1, T)
+
+
+def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
+    """RoPE's cos/sin tables as buffers of `module` (not saved: made from the config)."""
+    cos, sin = rope_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
+    module.register_buffer("rope_cos", cos, persistent=False)  # (C, hd/2)
+    module.register_buffer("rope_sin", sin, persistent=False)
+
+
 def check_positions(positions: Int[Tensor, "#B T"], ids: Tensor, context_length: int) -> None:
     """Positions given by the caller are a (1 or B, T) integer tensor for the (B, T) `ids`,
     in [0, context_length), else one line: a 1-D arange(T) rotated head h of every token by
@@ -199,9 +213,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
             cfg.vocab_size, cfg.n_embd, cfg.context_length, cfg.pos_encoding, cfg.scale_embeddings, cfg.dropout
         )
         if cfg.pos_encoding == "rope":
-            cos, sin = rope_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (C, hd/2)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            register_rope(self, cfg)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layer))
         self.norm = make_norm(cfg) if cfg.has_final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -233,8 +245,7 @@ class FrawdLLM(ModelDirectoryMixin, nn.Module):
         if positions is None and hasattr(kv_cache, "new_positions"):
             positions = kv_cache.new_positions(T)  # (None when no forward is announced: `update` says so)
         if positions is None:
-            check_length(T, self.config.context_length, "sequence")
-            positions = torch.arange(T, device=token_ids.device).unsqueeze(0)  # (1, T)
+            positions = first_positions(token_ids, self.config.context_length, "sequence")  # (1, T)
         else:
             check_positions(positions, token_ids, self.config.context_length)
         x = embed_ids(self.embed, token_ids, positions)  # (B, T, D)

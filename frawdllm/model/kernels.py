@@ -1,7 +1,8 @@
 """The fast attention kernels and the choice between them: the speed side of `attention.py`.
 
 `attend(q, k, v, mask, dropout_p, causal)` computes the same function as
-`attention.reference_attention`, with whichever kernel is fastest here:
+`attention.reference_attention` given the same `causal` (attend's default is causal, the
+reference's is not), with whichever kernel is fastest here:
 
 - PyTorch's `scaled_dot_product_attention` (flash / memory-efficient kernels where
   available): the default, and the one for masks and bidirectional attention except

@@ -15,7 +15,8 @@ decoder's self-attention keys/values across steps.
 
 The blocks, attention, MLP, norms and embeddings are the decoder-only model's
 (`TransformerBlock(causal=False)` for the encoder, `TransformerBlock(cross=True)` for the
-decoder). The paper's choices are `Seq2SeqConfig` settings: post-LN, sinusoidal
+decoder). The paper's choices are `Seq2SeqConfig` settings, which the `aiayn-*` presets
+choose (its defaults are GPT-2 style): post-LN, sinusoidal
 positions, token embeddings x sqrt(d_model), ReLU, dropout on every sub-layer output and
 on the embeddings (and, not in the paper, on the attention weights), and one embedding
 matrix shared by source, target and the output projection (a joint vocabulary).
@@ -32,9 +33,9 @@ from torch import Tensor, nn
 from ..config import Seq2SeqConfig
 from . import kernels
 from .block import TransformerBlock
-from .embeddings import Embeddings, rope_at, rope_tables
-from .gpt import (check_ids, check_length, check_positions, check_targets, embed_ids, init_weights,
-                  model_config, token_loss)
+from .embeddings import Embeddings, rope_at
+from .gpt import (check_ids, check_positions, check_targets, embed_ids, first_positions, init_weights,
+                  model_config, register_rope, token_loss)
 from .norm import make_norm
 from .saving import ModelDirectoryMixin
 
@@ -79,9 +80,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         if not cfg.tie_embeddings:
             self.src_embed = embeddings()
         if cfg.pos_encoding == "rope":
-            cos, sin = rope_tables(cfg.context_length, cfg.head_dim, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (C, hd/2)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            register_rope(self, cfg)
         self.encoder = nn.ModuleList(TransformerBlock(cfg, i, causal=False) for i in range(cfg.n_encoder_layer))
         self.encoder_norm = make_norm(cfg) if cfg.has_final_norm else nn.Identity()
         self.decoder = nn.ModuleList(TransformerBlock(cfg, i, cross=True) for i in range(cfg.n_layer))
@@ -118,8 +117,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         """The memory: the encoder's output for each source token. src_mask: True = a real token."""
         check_ids("src", src)
         check_src_mask(src, src_mask)
-        check_length(src.shape[1], self.config.context_length, "source")
-        positions = torch.arange(src.shape[1], device=src.device).unsqueeze(0)  # (1, S)
+        positions = first_positions(src, self.config.context_length, "source")  # (1, S)
         x = embed_ids(self.source_embed, src, positions)  # (B, S, D)
         rope = self._rope(positions)
         if src_mask is None:
@@ -158,8 +156,7 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     ) -> Float[Tensor, "B T D"]:
         """The decoder's final normalised hidden states: `decode` without the output projection."""
         if positions is None:
-            check_length(tgt.shape[1], self.config.context_length, "target")
-            positions = torch.arange(tgt.shape[1], device=tgt.device).unsqueeze(0)  # (1, T)
+            positions = first_positions(tgt, self.config.context_length, "target")  # (1, T)
         else:
             check_positions(positions, tgt, self.config.context_length)
         x = embed_ids(self.embed, tgt, positions)  # (B, T, D)

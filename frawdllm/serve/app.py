@@ -472,6 +472,17 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
         engine = scheduler.engine
         max_new = _max_new(body, options, engine)
         prompts = _prompts(body.prompt, min(options.max_batch, options.max_queue))
+        # tokenized on a worker thread, as chat's: 32 prompts of a megabyte's reach took the event
+        # loop, and every stream and /health, for over a second
+        encoded, echoes = await asyncio.to_thread(_encode_prompts, prompts, body, engine, max_new)
+        if max_new == 0:  # score the prompts, generate nothing
+            return await _score(request, body, engine, encoded, echoes)
+        params = _params(body, max_new, options, defaults[body.model])
+        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
+
+    def _encode_prompts(prompts: list, body: CompletionRequest, engine: Engine, max_new: int
+                        ) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's ids as the engine takes them (cut by "truncate"), and its echo."""
         encoded, echoes = [], []
         for i, prompt in enumerate(prompts):
             what = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -497,10 +508,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
             if body.echo:  # the prompt as sent (token ids: decoded); cut by "truncate", the part the model got
                 whole = isinstance(prompt, str) and not dropped
                 echoes.append(prompt if whole else engine.tokenizer.decode(ids[len(prefix):]))
-        if max_new == 0:  # score the prompts, generate nothing
-            return await _score(request, body, engine, encoded, echoes)
-        params = _params(body, max_new, options, defaults[body.model])
-        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
+        return encoded, echoes
 
     def _open() -> None:
         """Count a request as open (`finish` or `_close` ends it), or a 429 at the limit."""

@@ -5,7 +5,8 @@ falling back when it cannot run.
 torch 2.13's inductor miscompiles the backward of a compiled region that is called more
 than once (`torch.compiler.nested_compile_region`, which the transformer blocks share so
 that warm-up compiles one block instead of n_layer): with buffer reuse on, a saved
-activation is overwritten and gradients come out up to ~1000x too large while the loss
+activation is overwritten and gradients come out thousands of times too large (~3300-4000x
+measured) while the loss
 is right. With it off, the gradients equal eager's (tests/test_compile.py pins this for
 every block style) and the step is as fast. The blocks check the same switch, so a plain
 `torch.compile(model)` inlines every layer instead and is correct too.
@@ -15,7 +16,9 @@ Compiling costs a warm-up w (seconds, once) and makes a step take c instead of e
 R seconds left, eager training does R / e steps and compiled (R - w) / c, which must be
 20% more. e is timed on the run's first steps; w and c are measured by earlier runs on
 this machine and model shape and cached in `~/.cache/frawdllm/compile.json` (before
-any, predicted: w the slowest warm-up seen here or 60 s, c from the step's FLOPs). Kernels compiled once are reused across runs:
+any, guessed: w the slowest warm-up seen here or 60 s, c = e / 1.5; a record that measured
+the warm-up but no step predicts c from the step's FLOPs). Kernels compiled once are reused
+across runs:
 inductor's FX-graph and autotune caches live in `~/.cache/frawdllm/inductor` (unless
 TORCHINDUCTOR_CACHE_DIR says otherwise). A known failure (no C++ compiler; a compile
 that failed here before) decides against compiling at once; a corrupt cache entry is
@@ -235,7 +238,8 @@ class AutoPlan:
     (those the hardware computes natively), then `decide` compares, for the time left,
     how many steps each option gets done: eager R / e, compiled (R - w) / c, with the
     eager step e timed, and the compiled step c and warm-up w measured by earlier runs
-    (`compile_cost`) or predicted. Compiling must win by `MARGIN`.
+    (`compile_cost`), else guessed (c = e / GUESS_SPEEDUP) or predicted from the step's
+    FLOPs (`predicted_step_s`). Compiling must win by `MARGIN`.
     """
 
     timed = 2
@@ -277,7 +281,7 @@ class AutoPlan:
                     c = min(e, cost.step_s)
                 else:
                     c = predicted_step_s(self.step_flops, self.peaks.get(d), e)
-                    cost.source = "predicted" if cost.source == "guessed" else cost.source
+                    cost.source += "; the step predicted from its FLOPs"
                 steps = max(0.0, remaining_s - cost.warmup_s) / c / MARGIN
                 options.append((steps, d, True, f"{d} compiled ~{1e3 * c:.0f} ms/step after a "
                                                 f"~{cost.warmup_s:.0f} s warm-up ({cost.source})"))

@@ -7,9 +7,9 @@
               `decay_fraction` of the decay span (a run can be extended before then)
     constant  peak until the end
     noam      the inverse square root of "Attention Is All You Need": linear warmup, then
-              peak * sqrt(warmup_steps / step), by steps alone (no floor). The paper's
-              d^-0.5 * min(step^-0.5, step * warmup^-1.5) is this with peak = (d * warmup)^-0.5
-              (7e-4 for d 512 and 4000 warmup steps).
+              peak * sqrt(warmup_steps / (step + 1)) (steps counted from 0), by steps alone
+              (no floor). The paper's d^-0.5 * min(s^-0.5, s * warmup^-1.5), s = step + 1,
+              is this with peak = (d * warmup)^-0.5 (7e-4 for d 512 and 4000 warmup steps).
 
 The decay is driven by `progress` in [0, 1]: how much of the run's budget (steps,
 tokens or time, whichever is furthest along) is used. A step budget alone gives the
