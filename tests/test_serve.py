@@ -449,14 +449,16 @@ def test_schema_fuzzing_finds_no_server_error(server):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, "twice"], ids=["SIGTERM", "Ctrl-C", "Ctrl-C twice"])
 def test_sigterm_drains_open_requests(tmp_path, stop):
-    model, tok = varied_model()
+    """SIGTERM or Ctrl-C: open requests finish, then exit 0. A second Ctrl-C quits at once: the
+    cut requests are said in one line and the exit is 130 (it was 0, with a traceback a request)."""
+    model, tok = varied_model(context_length=8192 if stop == "twice" else 96)  # (twice: a reply that lasts)
     model.save_pretrained(tmp_path / "m", tokenizer=tok)
     env = {**os.environ, "FRAWD_API_KEY": KEY}
     frawd = str(Path(sys.executable).parent / "frawd")
-    proc = subprocess.Popen([frawd, "serve", "--model", str(tmp_path / "m"), "--port", "0", "--threads", "1"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([frawd, "serve", "--model", str(tmp_path / "m"), "--port", "0", "--threads", "1",
+                             "--max-tokens", "8000"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:  # --port 0: the line names the port the system chose
             if line.startswith("serving "):
@@ -478,9 +480,22 @@ def test_sigterm_drains_open_requests(tmp_path, stop):
             assert policies.pop(proc.pid) == os.SCHED_BATCH
             assert os.SCHED_OTHER in policies.values()  # the scheduler's thread, made before
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-        stream = c.completions.create(model="m", prompt="abc", max_tokens=80, temperature=0, stream=True)
+        stream = c.completions.create(model="m", prompt="abc", max_tokens=8000 if stop == "twice" else 80,
+                                      temperature=0, stream=True)
         chunks = iter(stream)
         text = next(chunks).choices[0].text
+        if stop == "twice":
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            with pytest.raises(Exception):  # (the stream is cut: the client sees the connection end)
+                for _ in chunks:
+                    pass
+            assert proc.wait(60) == 130
+            log = proc.stderr.read()
+            assert "frawd serve: stopped with 1 request(s) unfinished (a second Ctrl-C)" in log, log
+            assert "Traceback" not in log, log
+            return
         proc.send_signal(stop)
         reasons = []
         for chunk in chunks:

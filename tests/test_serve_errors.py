@@ -181,10 +181,12 @@ def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
     assert status == 400 and error["code"] == "context_length_exceeded" and "messages[2]" in error["message"]
 
 
-def test_a_conversation_is_tokenized_off_the_event_loop(server, monkeypatch):
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_prompts_are_tokenized_off_the_event_loop(server, monkeypatch, path):
     """A megabyte of chat turns, each short enough to pass the check on its length, was
-    tokenized on the event loop: every stream and /health stalled for 0.4-1 s. Now /health
-    answers while a conversation is being tokenized."""
+    tokenized on the event loop: every stream and /health stalled for 0.4-1 s; so were 32
+    completions prompts with "truncate" (1.35 s). Now /health answers while a request's
+    prompts are being tokenized."""
     tokenizer, inside, release, replies = server["tokenizer"], threading.Event(), threading.Event(), []
     encode = tokenizer.encode
 
@@ -194,9 +196,9 @@ def test_a_conversation_is_tokenized_off_the_event_loop(server, monkeypatch):
         return encode(text)
 
     monkeypatch.setattr(tokenizer, "encode", held)
-    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "abc"}]}
-    chat = threading.Thread(target=lambda: replies.append(httpx.post(server["url"] + "/v1/chat/completions",
-                                                                     json=body, timeout=30)))
+    body = {"model": "m", "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "abc"}]} if "chat" in path else {"prompt": "abc"})
+    chat = threading.Thread(target=lambda: replies.append(httpx.post(server["url"] + path, json=body, timeout=30)))
     chat.start()
     try:
         assert inside.wait(5)

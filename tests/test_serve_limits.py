@@ -237,7 +237,7 @@ def test_a_failed_write_cancels_the_request_and_frees_its_place(access_log, capl
 # ---- headers and bodies that never end ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_server():
-    with live_server({"m": test_engine(*varied_model())}, ServeOptions(body_timeout=0.3)) as url:
+    with live_server({"m": test_engine(*varied_model())}, ServeOptions(body_timeout=0.3, min_body_rate=64)) as url:
         host, port = url.removeprefix("http://").split(":")
         yield url, (host, int(port))
 
@@ -284,6 +284,22 @@ def test_a_stalled_body_is_a_408_and_a_slow_one_passes(small_server):
             sock.sendall(body[start:start + 16])
         reply = read_reply(sock)
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+    # a byte every 0.1 s: no gap reaches body_timeout, yet such a body held a SIGTERM drain for
+    # its full 120 s; past body_timeout it must average min_body_rate (64 bytes/s here)
+    with socket.create_connection(address) as sock:
+        sock.sendall(head)
+        start = time.time()
+        try:
+            for byte in body:
+                time.sleep(0.1)
+                sock.sendall(bytes([byte]))
+        except OSError:
+            pass  # (the server answered and closed)
+        reply = read_reply(sock)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert time.time() - start < 2.5
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "slower than 64 bytes/s" in error["message"], error
 
 
 # ---- large replies ----------------------------------------------------------------------------------------
@@ -297,13 +313,13 @@ def test_logprob_replies_are_built_off_the_event_loop(small_server, monkeypatch)
     from frawdllm.serve import app as serve_app
 
     threads = []
-    piece = serve_app._piece
+    name = serve_app._completion_token  # (each logprob entry's token, named)
 
     def recorded(tokenizer, token):
         threads.append(threading.current_thread().name)
-        return piece(tokenizer, token)
+        return name(tokenizer, token)
 
-    monkeypatch.setattr(serve_app, "_piece", recorded)
+    monkeypatch.setattr(serve_app, "_completion_token", recorded)
     base = {"model": "m", "prompt": ["abc", "cab"], "n": 2, "echo": True, "logprobs": 2, "temperature": 0}
     for body in ({**base, "max_tokens": 3}, {**base, "max_tokens": 0}, {**base, "max_tokens": 1, "stream": True}):
         threads.clear()

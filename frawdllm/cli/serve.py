@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -191,9 +192,25 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
                 self.unfinished = len(self.server_state.tasks)  # (a finished request's task is gone from it)
 
         server = DrainingServer(config)
+        logging.getLogger("uvicorn.error").addFilter(_QuietCancels(server))
         server.run(sockets=[sock])
         if stops and server.unfinished:  # a drain that did not end every request is no clean exit
             click.echo(f"frawd serve: stopped with {server.unfinished} request(s) unfinished "
                        f"({'a second Ctrl-C' if server.force_exit else 'the 120 s drain ran out'})", err=True)
             raise SystemExit(128 + stops[-1])  # (130 for SIGINT, 143 for SIGTERM, as a shell reports them)
 
+
+class _QuietCancels(logging.Filter):
+    """Once shutting down, the requests (and the lifespan task) that the shutdown cancels
+    each logged a traceback ("Exception in ASGI application ... CancelledError"): expected
+    there, and said in one line at the end instead (`frawd serve: stopped with N ...`)."""
+
+    def __init__(self, server) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.server.should_exit or record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, asyncio.CancelledError) or "CancelledError" in record.getMessage())

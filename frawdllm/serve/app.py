@@ -69,6 +69,7 @@ class ServeOptions:
     max_n: int = 8  # cap on n
     max_body_bytes: int = 1 << 20
     body_timeout: float = 10.0  # seconds a request body may go without a byte: then a 408
+    min_body_rate: int = 1024  # bytes/s a body must average once it has taken body_timeout seconds (else 408)
     send_timeout: float = 30.0  # seconds a client may take no bytes of a reply: then its connection is closed
 
 
@@ -187,9 +188,9 @@ class _Guard:
     without the key learns nothing about its body), the body-size cap (413), a body that
     stalls (408), a write to a client that left (a disconnect, 499), and the access log."""
 
-    def __init__(self, app: Any, max_body_bytes: int, body_timeout: float, metrics: _Metrics,
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout: float, min_body_rate: int, metrics: _Metrics,
                  api_key: str | None) -> None:
-        self.app, self.max_body, self.body_timeout = app, max_body_bytes, body_timeout
+        self.app, self.max_body, self.body_timeout, self.min_rate = app, max_body_bytes, body_timeout, min_body_rate
         self.metrics, self.api_key = metrics, api_key
 
     def _key_ok(self, scope: dict) -> bool:
@@ -206,19 +207,28 @@ class _Guard:
         scope.setdefault("state", {})["log"] = log = {}
         status = {"code": 0}
         received, body_done, body_cut, send_failed = 0, False, False, False
+        body_start = 0.0  # (when the body's first read began)
         too_large = f"the request body is larger than {self.max_body} bytes"
 
         async def limited_receive() -> dict:
-            nonlocal received, body_done, body_cut
+            nonlocal received, body_done, body_cut, body_start
             if body_done:  # (after the body, receive() waits for a disconnect: no time limit)
                 message = await receive()
             else:
-                try:  # a body that stops coming would hold its connection, and a SIGTERM drain, forever
-                    message = await asyncio.wait_for(receive(), self.body_timeout)
+                # A body that stops coming would hold its connection, and a SIGTERM drain, forever;
+                # one trickled a byte every few seconds too: past its first body_timeout seconds,
+                # it must keep up min_body_rate on average.
+                body_start = body_start or time.perf_counter()
+                deadline = body_start + self.body_timeout + received / self.min_rate
+                wait = min(self.body_timeout, deadline - time.perf_counter())
+                try:
+                    message = await asyncio.wait_for(receive(), max(wait, 0.0))
                 except asyncio.TimeoutError:
+                    why = (f"nothing came for {self.body_timeout:g} s" if wait >= self.body_timeout else
+                           f"{received:,} bytes in {time.perf_counter() - body_start:.0f} s, slower than "
+                           f"{self.min_rate:,} bytes/s")
                     raise StarletteHTTPException(  # (and close: the rest of the body may still come)
-                        408, f"the request body stalled: nothing came for {self.body_timeout:g} s",
-                        headers={"Connection": "close"}) from None
+                        408, f"the request body stalled: {why}", headers={"Connection": "close"}) from None
             if message["type"] == "http.disconnect" and not body_done:
                 body_cut = True  # the client left mid-body: 499, though FastAPI answers it as a 400
             if message["type"] == "http.request":
@@ -630,7 +640,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
             request_log["cancelled"] = True
 
     app.add_middleware(_Guard, max_body_bytes=options.max_body_bytes, body_timeout=options.body_timeout,
-                       metrics=metrics, api_key=options.api_key)
+                       min_body_rate=options.min_body_rate, metrics=metrics, api_key=options.api_key)
     return app
 
 
