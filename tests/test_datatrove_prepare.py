@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,31 @@ def test_two_datatrove_workers_write_exactly_the_single_process_tokens_in_order(
     # meta.json is what was returned, less the warnings (said, not stored)
     assert json.loads((multi_dir / "meta.json").read_text()) == {k: v for k, v in multi.items() if k != "warnings"}
     assert not list(multi_dir.glob("part-*.json"))  # the merge step folded the ranks' counts into meta.json
+
+
+@pytest.mark.timeout(120)
+def test_tasks_take_the_file_list_made_at_the_start(corpus, tokenizer, tmp_path):
+    """Each task listed the source again when it started (hours apart under Slurm): a file
+    that came meanwhile shifted the blocks, one file tokenized by two tasks, another by none."""
+    import shutil
+
+    from frawdllm.data.sources import source_files
+
+    src = tmp_path / "src"
+    shutil.copytree(corpus, src)
+    options = {"val_fraction": 0.3, "text_field": "text", "doc_split": "blank"}
+    step = TokenizeFiles(str(src), str(tokenizer), str(tmp_path / "out"),
+                         files=[str(p) for p in source_files(str(src))], **options)
+    (tmp_path / "out").mkdir()
+    step.run(rank=0, world_size=2)
+    (src / "0-late.txt").write_text("A file that came after the start.\n")  # sorts first
+    step.run(rank=1, world_size=2)
+    (src / "0-late.txt").unlink()
+    whole = prepare_shards(str(src), tokenizer, tmp_path / "single", **options)
+    parts = [json.loads((tmp_path / "out" / f"part-{r:05d}.json").read_text()) for r in (0, 1)]
+    assert sum(p["train_tokens"] for p in parts) == whole["train_tokens"]
+    assert sum(p["val_tokens"] for p in parts) == whole["val_tokens"]
+    assert sum(p["files"] for p in parts) == len(source_files(str(src)))
 
 
 def test_rank_r_of_n_takes_the_rth_contiguous_block_of_files():
@@ -285,6 +311,19 @@ def test_the_merge_refuses_an_empty_train_split(tmp_path, tokenizer, monkeypatch
     with pytest.raises(FrawdError, match=f"^every document of {str(tmp_path / 'c')!r} hashed into the val split"):
         prepare_shards_datatrove(str(tmp_path / "c"), tokenizer, tmp_path / "out", workers=1, val_fraction=0.5)
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_source_file_a_task_cannot_read_is_one_line(corpus, tokenizer, tmp_path, monkeypatch, capsys):
+    """An unreadable (or vanished) source file was a 117-line traceback from the task, where
+    the single-process prepare says "permission denied: FILE"."""
+    def unreadable(self, data=None, rank=0, world_size=1):
+        raise PermissionError(13, "Permission denied", str(corpus))
+
+    monkeypatch.setattr(TokenizeFiles, "run", unreadable)  # (1 worker: the task runs in this process)
+    with pytest.raises(FrawdError, match=f"^permission denied: {re.escape(str(corpus))}$"):
+        prepare_shards_datatrove(str(corpus), tokenizer, tmp_path / "out", workers=1, val_fraction=0.1)
+    assert "Traceback" not in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

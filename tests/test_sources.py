@@ -105,6 +105,48 @@ def test_glob_matches_sorted_files_and_a_glob_without_match_is_an_error(tmp_path
         iter_documents(str(tmp_path / "*.csv"))
 
 
+@pytest.mark.timeout(30)
+def test_a_glob_reads_the_files_the_folder_form_reads_through_links_and_loops(tmp_path):
+    """glob.glob's ** followed links to folders: `latest -> 2024-06` read every file twice, a
+    link to a folder above read one file 41 times, and two such links made a walk that did
+    not end. A glob now reads what the folder form reads (links to folders not followed,
+    hidden names skipped unless the pattern spells one)."""
+    (tmp_path / "2024-06").mkdir()
+    (tmp_path / "2024-06" / "a.txt").write_text("one\n\ntwo\n")
+    (tmp_path / "2024-06" / ".notes.txt").write_text("hidden\n")
+    (tmp_path / "latest").symlink_to("2024-06")
+    (tmp_path / "2024-06" / "up").symlink_to("..")
+    (tmp_path / "2024-06" / "around").symlink_to("../latest")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "2024-06" / "a.txt")  # (a link to a file is read)
+    folder = sources.resolve_files(str(tmp_path))
+    assert folder == [tmp_path / "2024-06" / "a.txt", tmp_path / "b.txt"]
+    assert sources.resolve_files(str(tmp_path / "**" / "*.txt")) == folder
+    assert sources.resolve_files(str(tmp_path / "*" / "a.txt")) == [tmp_path / "2024-06" / "a.txt"]
+    assert sources.resolve_files(str(tmp_path / "**" / ".*.txt")) == [tmp_path / "2024-06" / ".notes.txt"]
+
+
+def test_a_folder_that_cannot_be_read_is_an_error_not_left_out(tmp_path):
+    """Files in a folder the user cannot list were silently left out (folder and ** forms)."""
+    AS_OWNER = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+    if os.geteuid() == 0 and subprocess.run([*AS_OWNER, "true"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv cannot drop root's file-permission override here")
+    (tmp_path / "src" / "locked").mkdir(parents=True)
+    (tmp_path / "src" / "a.txt").write_text("readable\n")
+    (tmp_path / "src" / "locked" / "c.txt").write_text("behind a closed door\n")
+    (tmp_path / "src" / "locked").chmod(0o000)
+    script = ("import sys\nfrom frawdllm.data.sources import resolve_files\nfrom frawdllm.errors import FrawdError\n"
+              "for spec in sys.argv[1:]:\n    try:\n        print(resolve_files(spec))\n"
+              "    except FrawdError as error:\n        print(error)\n")
+    try:
+        out = subprocess.run([*(AS_OWNER if os.geteuid() == 0 else []), sys.executable, "-c", script,
+                              str(tmp_path / "src"), str(tmp_path / "src" / "**" / "*.txt")],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        (tmp_path / "src" / "locked").chmod(0o755)
+    refused = f"cannot read folder {tmp_path / 'src' / 'locked'} (permission denied): its files would be left out"
+    assert out.stdout.splitlines() == [refused, refused], out.stderr
+
+
 def test_missing_path_is_an_error_at_once(tmp_path):
     with pytest.raises(FrawdError, match="data source not found.*nope"):
         iter_documents(str(tmp_path / "nope"))

@@ -112,13 +112,19 @@ class FrawdStep(PipelineStep):
     datatrove's executor logs a task's exception with its full traceback, to the terminal
     and the task's log, before raising it again; the CLI then prints its one line. For a
     FrawdError that log is switched off as it passes (the log file gets a line of our own).
-    The next step, or the end of a local run, switches it on again. Other exceptions are
-    bugs and keep their traceback."""
+    The next step, or the end of a local run, switches it on again. An OSError (a source file
+    unreadable, or gone since it was listed) is bad input too, said as the single-process
+    prepare says it. Other exceptions are bugs and keep their traceback."""
 
     def __call__(self, data=None, rank: int = 0, world_size: int = 1):
+        from ..cli import describe_os_error
+
         logger.enable(EXECUTOR_LOG)
         try:
-            return self.run(data, rank, world_size)
+            try:
+                return self.run(data, rank, world_size)
+            except OSError as exc:
+                raise FrawdError(describe_os_error(exc)) from None
         except FrawdError as exc:
             logger.debug(f"stopped by bad input: {exc}")  # (a task prints INFO and up; its log file has all)
             logger.disable(EXECUTOR_LOG)
@@ -126,15 +132,19 @@ class FrawdStep(PipelineStep):
 
 
 class TokenizeFiles(FrawdStep):
-    """Tokenize this rank's block of the source files into its own train and val shards."""
+    """Tokenize this rank's block of the source files into its own train and val shards.
+    `files`: the source's files as listed once when the prepare started (each task listing
+    them again, maybe hours later under Slurm, shifted the blocks when a file came or went:
+    files tokenized twice or never)."""
 
     name = "frawd tokenize"
     type = "FrawdLLM"
 
-    def __init__(self, data: str, tokenizer: str, out: str, *, val_fraction: float, text_field: str,
-                 doc_split: str, threads: int | None = None):
+    def __init__(self, data: str, tokenizer: str, out: str, *, files: list[str], val_fraction: float,
+                 text_field: str, doc_split: str, threads: int | None = None):
         super().__init__()
         self.data, self.tokenizer, self.out, self.threads = data, tokenizer, out, threads
+        self.files = files
         self.val_fraction, self.text_field, self.doc_split = val_fraction, text_field, doc_split
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
@@ -142,7 +152,7 @@ class TokenizeFiles(FrawdStep):
             os.environ.setdefault("RAYON_NUM_THREADS", str(self.threads))
         tok = Tokenizer.load(self.tokenizer)
         out, names = Path(self.out), _names(rank)
-        files = rank_files(source_files(self.data), rank, world_size)
+        files = [Path(f) for f in rank_files(self.files, rank, world_size)]
         split = _doc_split(self.data, self.doc_split)
         stats = SourceStats()
         with open_shard_writer(out / names["train"], tok.vocab_size) as train, \
@@ -245,7 +255,8 @@ def prepare_shards_datatrove(data: str, tokenizer: str | Path, out: str | Path, 
         if force:
             shutil.rmtree(logs, ignore_errors=True)
         options = {"val_fraction": val_fraction, "text_field": text_field, "doc_split": doc_split}
-        tokenize = [TokenizeFiles(data, tokenizer, str(out), **options)]
+        listed = [str(path) for path in source_files(data)]
+        tokenize = [TokenizeFiles(data, tokenizer, str(out), files=listed, **options)]
         merge = [MergeShards(data, tokenizer, str(out), parts=workers, inputs_hash=inputs_hash, started=started,
                              **options)]
         if executor == "local":

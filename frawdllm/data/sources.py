@@ -27,7 +27,6 @@ import bz2
 import codecs
 import contextlib
 import functools
-import glob
 import gzip
 import io
 import json
@@ -175,7 +174,7 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
     """A file, a folder (all non-hidden files below it) or a glob, as a sorted list of files.
     `builtin` names the built-in corpus the caller also accepts, for the error message."""
     if is_glob(spec):
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        files = _glob_files(spec)
         if not files:
             raise FrawdError(f"no files match {spec!r}")
         refuse_shard_files(p for p in files if p.name.lower().endswith(".bin"))
@@ -186,6 +185,7 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
         return [path]
     if path.is_dir():
         refuse_shard_dir(path)
+        _refuse_unreadable_folders(path)
         files = sorted(p for p in path.rglob("*")
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
@@ -197,6 +197,39 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
         refuse_shard_files(p for p in files if p.name.lower().endswith(".bin"))
         return files
     raise FrawdError(f"data source not found: {spec!r} (expected {builtin}, hf:NAME, a file, a folder or a glob)")
+
+
+def _glob_files(spec: str) -> list[Path]:
+    """The files a glob matches, sorted, as the folder form reads them: a link to a folder is
+    not followed (glob.glob's `**` followed one, reading `data/latest -> data/2024-06` twice,
+    and a link to a folder above looped: the same file 41 times, or a walk that never ended),
+    names starting with '.' are skipped unless the pattern spells one, and a folder that
+    cannot be read is an error, not silently left out."""
+    parts = Path(spec).parts
+    first = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+    root, pattern = Path(*parts[:first]) if first else Path("."), Path(*parts[first:])
+    hidden_asked = any(part.startswith(".") for part in pattern.parts)
+    if "**" in pattern.parts and root.is_dir():  # (a pattern that walks the tree below root)
+        _refuse_unreadable_folders(root)
+    files = []
+    for path in root.glob(str(pattern)):  # (pathlib's `**` does not follow links to folders)
+        inside = path.relative_to(root).parts
+        folders = [root.joinpath(*inside[:i]) for i in range(1, len(inside))]
+        if path.is_file() and not any(folder.is_symlink() for folder in folders) \
+                and (hidden_asked or not any(part.startswith(".") for part in inside)):
+            files.append(path)
+    return sorted(files)
+
+
+def _refuse_unreadable_folders(root: Path) -> None:
+    """One line naming a folder below `root` (links to folders and hidden ones not followed)
+    that cannot be listed: its files would be left out without a word."""
+    def refuse(error: OSError) -> None:
+        reason = (error.strerror or str(error)).lower()
+        raise FrawdError(f"cannot read folder {error.filename} ({reason}): its files would be left out")
+
+    for _, folders, _ in os.walk(root, onerror=refuse):
+        folders[:] = [name for name in folders if not name.startswith(".")]
 
 
 def refuse_shard_dir(path: Path) -> None:
