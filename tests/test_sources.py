@@ -123,6 +123,7 @@ def test_a_glob_reads_the_files_the_folder_form_reads_through_links_and_loops(tm
     assert sources.resolve_files(str(tmp_path / "**" / "*.txt")) == folder
     assert sources.resolve_files(str(tmp_path / "*" / "a.txt")) == [tmp_path / "2024-06" / "a.txt"]
     assert sources.resolve_files(str(tmp_path / "**" / ".*.txt")) == [tmp_path / "2024-06" / ".notes.txt"]
+    assert sources.resolve_files(str(tmp_path / "2024-06" / "a**")) == [tmp_path / "2024-06" / "a.txt"]  # (in a name)
 
 
 def test_a_folder_that_cannot_be_read_is_an_error_not_left_out(tmp_path):

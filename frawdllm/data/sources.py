@@ -207,7 +207,9 @@ def _glob_files(spec: str) -> list[Path]:
     cannot be read is an error, not silently left out."""
     parts = Path(spec).parts
     first = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
-    root, pattern = Path(*parts[:first]) if first else Path("."), Path(*parts[first:])
+    # (`a**b`: glob.glob's `*`; pathlib takes `**` only as a whole component)
+    rest = [part if part == "**" else re.sub(r"\*\*+", "*", part) for part in parts[first:]]
+    root, pattern = Path(*parts[:first]) if first else Path("."), Path(*rest)
     hidden_asked = any(part.startswith(".") for part in pattern.parts)
     if "**" in pattern.parts and root.is_dir():  # (a pattern that walks the tree below root)
         _refuse_unreadable_folders(root)

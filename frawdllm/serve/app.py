@@ -29,6 +29,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -69,7 +70,7 @@ class ServeOptions:
     max_n: int = 8  # cap on n
     max_body_bytes: int = 1 << 20
     body_timeout: float = 10.0  # seconds a request body may go without a byte: then a 408
-    min_body_rate: int = 1024  # bytes/s a body must average once it has taken body_timeout seconds (else 408)
+    min_body_rate: int = 1024  # bytes/s a body must average once it has taken body_timeout seconds (0: any rate)
     send_timeout: float = 30.0  # seconds a client may take no bytes of a reply: then its connection is closed
 
 
@@ -219,7 +220,7 @@ class _Guard:
                 # one trickled a byte every few seconds too: past its first body_timeout seconds,
                 # it must keep up min_body_rate on average.
                 body_start = body_start or time.perf_counter()
-                deadline = body_start + self.body_timeout + received / self.min_rate
+                deadline = body_start + self.body_timeout + (received / self.min_rate if self.min_rate else math.inf)
                 wait = min(self.body_timeout, deadline - time.perf_counter())
                 try:
                     message = await asyncio.wait_for(receive(), max(wait, 0.0))

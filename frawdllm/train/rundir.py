@@ -212,7 +212,7 @@ def existing_run_message(run_dir: Path) -> str:
     """Why a new run may not start in `run_dir`, which holds one, and what to do instead (a
     run still going there is not told apart by its files: it "stopped before its first
     checkpoint" while it made it)."""
-    if (holder := lock_holder(run_dir)) is not None:
+    if (holder := lock_holder(run_dir)) not in (None, os.getpid()):  # (this process's own hold: its earlier run)
         return (f"{run_dir} is in use by another run (process {holder}): wait for it to end or stop it, or give "
                 "another --out")
     if latest_checkpoint(run_dir) is None:
