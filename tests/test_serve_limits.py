@@ -391,8 +391,8 @@ def test_a_stream_whose_client_closed_without_reading_is_logged_and_counted_canc
     all its jobs done. (A stream waiting for a write: the test above.)"""
     from frawdllm.serve import app as serve_app
 
-    release, piece = threading.Event(), serve_app._piece
-    monkeypatch.setattr(serve_app, "_piece", lambda *args: release.wait(5) and piece(*args))
+    release, name = threading.Event(), serve_app._completion_token  # (each logprob entry's token, named)
+    monkeypatch.setattr(serve_app, "_completion_token", lambda *args: release.wait(5) and name(*args))
     engine = test_engine(*varied_model(context_length=1024))
     try:
         with live_server({"m": engine}, ServeOptions()) as url:
