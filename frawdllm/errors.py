@@ -35,14 +35,20 @@ class ConfigError(FrawdError, ValueError):
     """An invalid configuration value; a ValueError so library users can catch it as one."""
 
 
-def check_unicode(text: str, what: str) -> None:
-    """Refuse text that cannot be UTF-8 encoded: a lone surrogate, which is how Python hands
-    over invalid UTF-8 from the command line (`surrogateescape`) or a JSON "\\ud800" escape."""
+def utf8_error_at(text: str) -> int | None:
+    """Where `text` stops being UTF-8 encodable (a lone surrogate), else None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise FrawdError(f"{what} is not valid UTF-8 (a lone surrogate or undecodable byte at "
-                         f"character {error.start})") from None
+        return error.start
+    return None
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text that cannot be UTF-8 encoded: a lone surrogate, which is how Python hands
+    over invalid UTF-8 from the command line (`surrogateescape`) or a JSON "\\ud800" escape."""
+    if (at := utf8_error_at(text)) is not None:
+        raise FrawdError(f"{what} is not valid UTF-8 (a lone surrogate or undecodable byte at character {at})")
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

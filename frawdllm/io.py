@@ -365,8 +365,7 @@ def _move_entries(tmp: Path, path: Path, overwrite: bool) -> None:
     the folder keeps its owner, mode and filesystem. Another writer that filled it meanwhile
     wins: refused, unless `overwrite`."""
     if _holds_output(path) and not overwrite:
-        raise FrawdError(f"{path} exists and is not empty (written meanwhile by another process); choose a new "
-                         "directory (or --overwrite)")
+        raise _written_meanwhile(path)
     for entry in sorted(tmp.iterdir()):
         target = path / entry.name
         if target.is_dir() and not target.is_symlink():
@@ -385,8 +384,7 @@ def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            raise FrawdError(f"{path} exists and is not empty (written meanwhile by another process); choose a "
-                             "new directory (or --overwrite)") from None
+            raise _written_meanwhile(path) from None
         return
     _copy_owner_and_mode(path, tmp)
     old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
@@ -400,6 +398,11 @@ def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
                          "another folder") from None
     os.replace(tmp, path)
     remove_tree_or_warn(old, f"replaced {path}, but its old copy")  # (the swap stands whatever happens here)
+
+
+def _written_meanwhile(path: Path) -> FrawdError:
+    return FrawdError(f"{path} exists and is not empty (written meanwhile by another process); choose a new "
+                      "directory (or --overwrite)")
 
 
 def _copy_owner_and_mode(source: Path, target: Path) -> None:

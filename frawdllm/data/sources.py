@@ -185,9 +185,7 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
         return [path]
     if path.is_dir():
         refuse_shard_dir(path)
-        _refuse_unreadable_folders(path)
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = _walk_files(path)
         if not files:
             if any(p.is_file() for p in path.rglob("*")):
                 _refuse_unfinished_shards(path)
@@ -212,7 +210,7 @@ def _glob_files(spec: str) -> list[Path]:
     root, pattern = Path(*parts[:first]) if first else Path("."), Path(*rest)
     hidden_asked = any(part.startswith(".") for part in pattern.parts)
     if "**" in pattern.parts and root.is_dir():  # (a pattern that walks the tree below root)
-        _refuse_unreadable_folders(root)
+        _walk_files(root)  # (the walk refuses a folder it cannot list; pathlib's glob skips it)
     files = []
     for path in root.glob(str(pattern)):  # (pathlib's `**` does not follow links to folders)
         inside = path.relative_to(root).parts
@@ -223,15 +221,19 @@ def _glob_files(spec: str) -> list[Path]:
     return sorted(files)
 
 
-def _refuse_unreadable_folders(root: Path) -> None:
-    """One line naming a folder below `root` (links to folders and hidden ones not followed)
-    that cannot be listed: its files would be left out without a word."""
+def _walk_files(root: Path) -> list[Path]:
+    """The non-hidden files below `root`, sorted (links to folders and hidden folders not
+    followed; a link to a file is a file); a folder that cannot be listed is one line naming
+    it: its files would be left out without a word."""
     def refuse(error: OSError) -> None:
         reason = (error.strerror or str(error)).lower()
         raise FrawdError(f"cannot read folder {error.filename} ({reason}): its files would be left out")
 
-    for _, folders, _ in os.walk(root, onerror=refuse):
+    files = []
+    for folder, folders, names in os.walk(root, onerror=refuse):
         folders[:] = [name for name in folders if not name.startswith(".")]
+        files += [Path(folder, name) for name in names if not name.startswith(".") and Path(folder, name).is_file()]
+    return sorted(files)
 
 
 def refuse_shard_dir(path: Path) -> None:

@@ -9,8 +9,9 @@ in PyTorch's int8-weight kernel with bf16 activations; elsewhere, for widths it 
 support, or inside `fp32_activations()`, the weight is dequantized on the fly and the
 activations stay fp32. An engine whose native forward reads the int8 weights runs its
 PyTorch phases that way: both compute the same products in fp32, so a row's result does not
-depend on which path a phase took (bf16 activations moved log-probabilities by ~0.01-0.03). Embeddings and norms stay as they are; a tied
-LM head gets its own int8 copy while the embedding table stays exact.
+depend on which path a phase took (bf16 activations moved log-probabilities by ~0.01-0.03).
+Embeddings and norms stay as they are; a tied LM head gets its own int8 copy while the
+embedding table stays exact.
 
 `benchmarks/int8_perplexity.py` measures what this costs in held-out perplexity.
 """

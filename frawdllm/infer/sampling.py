@@ -29,7 +29,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..config import check_fields, check_types, is_integer, is_number, plain_number
-from ..errors import ConfigError, short_repr
+from ..errors import ConfigError, short_repr, utf8_error_at
 
 
 # Bounds that keep logits / temperature and logits x penalty finite in float32 (logits
@@ -85,11 +85,8 @@ class SamplingParams:
                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(all(self.stop), "stop strings must not be empty")
         for i, stop in enumerate(self.stop):  # (a lone surrogate can never match decoded text)
-            try:
-                stop.encode("utf-8")
-            except UnicodeEncodeError as error:
-                raise ConfigError(f"stop string {i} is not valid UTF-8 (a lone surrogate at character "
-                                  f"{error.start})") from None
+            if (at := utf8_error_at(stop)) is not None:
+                raise ConfigError(f"stop string {i} is not valid UTF-8 (a lone surrogate at character {at})")
         _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
         # The rest (ignore_eos: "no" is not a bool) by declared type; the checks above say more.
         check_types(type(self), {f.name: getattr(self, f.name) for f in fields(self)})

@@ -14,9 +14,9 @@ self-attention and MLP, with its own norm `norm_cross`).
 Under torch.compile (training) the layers can share one compiled region, so warm-up costs
 one block, not n_layer of them. torch 2.13's inductor miscompiles the backward of a region
 that is called more than once when it reuses buffers (gradients off by thousands of times:
-~3300-4000x measured), so the region is shared only while `torch._inductor.config.allow_buffer_reuse` is off, as
-`frawdllm.train.compile.compile_step` sets it; a plain `torch.compile(model)` inlines every
-layer (correct, a longer warm-up).
+~3300-4000x measured), so the region is shared only while
+`torch._inductor.config.allow_buffer_reuse` is off, as `frawdllm.train.compile.compile_step`
+sets it; a plain `torch.compile(model)` inlines every layer (correct, a longer warm-up).
 """
 
 from __future__ import annotations
