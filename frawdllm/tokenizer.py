@@ -318,16 +318,23 @@ class Tokenizer:
         Equal to encoding `render_chat_text(...)` with special tokens parsed, except that
         message contents are always plain text (a literal "<|eos|>" typed by a user stays text).
         """
-        self.require_frawd_specials("this tokenizer", "so it cannot render chats")
         ids = [BOS_ID]
-        for i, message in enumerate(messages):
-            role, content = _role_and_content(message, i)
-            ids.append(SPECIAL_TOKENS.index(f"<|{role}|>"))
-            ids.extend(self.encode(content))
-            ids.append(EOS_ID)
+        for role_id, content in self.chat_turns(messages):
+            ids.append(role_id)
+            ids.extend(content)
         if add_generation_prompt:
             ids.append(ASSISTANT_ID)
         return ids
+
+    def chat_turns(self, messages: list[dict]) -> list[tuple[int, list[int]]]:
+        """Each message of the chat template as (its role's id, its content's ids + <|eos|>):
+        `render_chat` is <|bos|> and these, in order (SFT masks them turn by turn)."""
+        self.require_frawd_specials("this tokenizer", "so it cannot render chats")
+        turns = []
+        for i, message in enumerate(messages):
+            role, content = _role_and_content(message, i)
+            turns.append((SPECIAL_TOKENS.index(f"<|{role}|>"), self.encode(content) + [EOS_ID]))
+        return turns
 
     def require_frawd_specials(self, where: str, why: str) -> "Tokenizer":
         """This tokenizer, or a FrawdError naming `where` it came from, the special tokens it

@@ -60,6 +60,24 @@ def test_loss_is_on_assistant_tokens_and_their_eos_only():
     assert everything.trained == [False] + [True] * (len(everything.ids) - 1)  # all but the unpredicted <|bos|>
 
 
+def test_a_batch_trains_exactly_the_answer_tokens_each_at_the_position_before_it():
+    """The packed batch's targets: position i predicts token i + 1, scored only where that
+    token is trained (each answer from its first token through its <|eos|>; never the
+    <|user|> after it)."""
+    tok = byte_tokenizer()
+    example = tokenize_chat(tok, MULTI)
+    n = len(example.ids) - 1
+    batch = collate([example, example], [[0], [1, 0]], 2 * n + 3)
+    assert batch["tokens"][0, :n].tolist() == example.ids[:-1]
+    assert batch["targets"][0, :n].tolist() == [t if trained else -100
+                                               for t, trained in zip(example.ids[1:], example.trained[1:])]
+    assert (batch["targets"][0, n:] == -100).all()
+    answer = [t for t, trained in zip(example.ids, example.trained) if trained]
+    assert [t for t in batch["targets"][0].tolist() if t != -100] == answer == [*tok.encode("yo"), EOS_ID,
+                                                                              *tok.encode("ok"), EOS_ID]
+    assert batch["targets"][1, :n].tolist() == batch["targets"][1, n:2 * n].tolist() == batch["targets"][0, :n].tolist()
+
+
 def test_truncation_keeps_the_prompts_tail_and_the_responses_head():
     tok = byte_tokenizer()
     long_prompt = tokenize_chat(tok, [{"role": "user", "content": "abcdefghijklmnopqrstuvwxyz"},
@@ -234,6 +252,19 @@ def _adapted(style="llama"):
             if "lora_b" in n:
                 p.normal_(0, 0.05)
     return model, lora.merged_copy(model)
+
+def test_lora_adds_alpha_over_rank_times_b_a_to_the_frozen_layer():
+    """y = x W^T + b + (alpha / r) x A^T B^T (LoRA's scaling): the merge test only showed
+    that forward and merge agree, whatever the scale."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 6)
+    layer = lora.LoRALinear(base, rank=4, alpha=8.0)
+    with torch.no_grad():
+        layer.lora_b.normal_()  # (zero at the start: no update to see)
+    x = torch.randn(3, 8)
+    want = x @ base.weight.T + base.bias + 2.0 * (x @ layer.lora_a.T) @ layer.lora_b.T
+    torch.testing.assert_close(layer(x), want)
+    torch.testing.assert_close(layer.merged()(x), want)
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])

@@ -27,7 +27,6 @@ collective and no sharding (it costs one model's weights per rank, bf16/fp32 as 
 from __future__ import annotations
 
 import copy
-import sys
 
 import numpy as np
 import torch
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import Tokenizer
 from ..train import distributed
@@ -43,7 +41,8 @@ from ..train.device import pick_device
 from ..train.distributed import Share
 from ..train.loop import TrainResult, content_hash, to_device
 from .config import LOSSES, DPOConfig  # noqa: F401 (re-exported: they live in config.py, torch-free)
-from .examples import LoadSummary, NothingToLearn, Pair, collect, iter_source, preference, tokenize_pair
+from .dealer import StepDealer
+from .examples import LoadSummary, NothingToLearn, Pair, load_records, preference, tokenize_pair
 from .job import FinetuneTask, run_finetune
 
 
@@ -57,6 +56,7 @@ def dpo_loss(policy_chosen: Float[Tensor, "B"], policy_rejected: Float[Tensor, "
     (`lengths`: the answers' token counts, chosen and rejected; IPO needs them)."""
     chosen_rewards = beta * (policy_chosen - ref_chosen)
     rejected_rewards = beta * (policy_rejected - ref_rejected)
+    # the log-ratio gap, unscaled (the logged rewards/margins is beta times it)
     margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * margin)
@@ -100,13 +100,13 @@ def collate_pairs(pairs: list[Pair], indices: list[int], length: int) -> dict[st
     for r, (ids, start) in enumerate(zip(rows, starts)):
         n = len(ids) - 1
         tokens[r, :n] = ids[:-1]
-        targets[r, start - 1:n] = ids[start:]
+        targets[r, start - 1:n] = ids[start:]  # target i is ids[i+1]: the answer's first at start - 1
     return {"tokens": torch.from_numpy(tokens), "targets": torch.from_numpy(targets),
             "index": torch.tensor(indices, dtype=torch.int64),
             "lengths": torch.tensor([len(ids) - 1 for ids in rows], dtype=torch.int64)}
 
 
-class PairLoader:
+class PairLoader(StepDealer):
     """Batches of pair indices, reshuffled each epoch (seeded); resumable. Each optimizer
     step takes the next `share.step_rows` pairs of that order and this rank its part of
     them (`distributed.Share`; default: `batch_size` pairs a step, one process). The loss
@@ -114,36 +114,14 @@ class PairLoader:
     the one-process batch's mean."""
 
     def __init__(self, n: int, batch_size: int, seed: int, share: Share | None = None) -> None:
-        self.n, self.seed = n, seed
-        self.share = share or Share(batch_size, 1)
-        self.epoch, self.position = 0, 0
-        self._step: list[int] = []
-        self._micro = 0  # micro-batches of the current step already given
+        self.n = n
+        super().__init__(seed, share or Share(batch_size, 1))
 
-    def _draw(self, count: int) -> list[int]:
-        out = []
-        while len(out) < count:
-            if self.position >= self.n:
-                self.epoch, self.position = self.epoch + 1, 0
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-            take = min(count - len(out), self.n - self.position)
-            out.extend(int(i) for i in order[self.position:self.position + take])
-            self.position += take
-        return out
+    def epoch_units(self) -> list[int]:
+        return [int(i) for i in self.epoch_order(self.n)]
 
     def next_indices(self) -> list[int]:
-        if self._micro == 0:
-            self._step = self._draw(self.share.step_rows)
-        mine = self._step[self.share.rows(self._micro)]
-        self._micro = (self._micro + 1) % self.share.accum
-        return mine
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._micro = 0
+        return self.next_units()
 
 
 # ---- the task --------------------------------------------------------------------------------
@@ -161,6 +139,9 @@ def without_dropout(model: nn.Module) -> None:
 
 
 class DPOTask(FinetuneTask):
+    """DPO (or IPO) on preference pairs against a frozen copy of the starting model, live or
+    its log-probs precomputed (`--precompute-ref`)."""
+
     bar_metrics = ("rewards/accuracies", "rewards/margins")
     loss_unit = "mean over preference pairs"
 
@@ -184,7 +165,8 @@ class DPOTask(FinetuneTask):
                               "val": self._reference_logps(val, reference, device)}
             self.reference = None  # freed: the loop never sees it
 
-    def _reference_logps(self, pairs: list[Pair], reference: nn.Module, device: torch.device) -> Tensor:
+    def _reference_logps(self, pairs: list[Pair], reference: nn.Module,
+                         device: torch.device) -> Float[Tensor, "2 n"]:
         """(2, n) summed log-probs (chosen, rejected) of every pair under the reference, fp32
         (a bar: a forward of every pair before the first step, inside --max-time)."""
         from tqdm import tqdm
@@ -249,15 +231,9 @@ class DPOTask(FinetuneTask):
             count += len(indices)
         return {f"val_{key}": value / count for key, value in sums.items()} if count else {}
 
-    def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), **self.lora_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
-        self.load_lora_state(state)
-
 
 def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[Pair], list[Pair], LoadSummary]:
+    """The preference pairs of `cfg.data`, tokenized to fit rows of `length` inputs: train, val, counts."""
     def convert(record, where):
         # a row holds prompt + answer minus its last token: length + 1 ids
         pair, cut = tokenize_pair(tokenizer, *preference(record, where), max_len=length + 1)
@@ -267,19 +243,9 @@ def load_pairs(cfg: DPOConfig, tokenizer: Tokenizer, length: int) -> tuple[list[
             raise NothingToLearn(f"{where}: 'chosen' and 'rejected' {how}")
         return pair, cut
 
-    summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
-    train, val = collect(iter_source(cfg.data, cfg.KIND, summary.ignored), convert, cfg.val_fraction,
-                         cfg.skip_bad_lines, summary, source=cfg.data, what="pairs")
-    if not train:
-        raise FrawdError(f"--data {cfg.data}: every pair fell in the held-out split; lower --val-fraction")
-    return train, val, summary
+    return load_records(cfg, convert, "pairs")
 
 
 def run_dpo(cfg: DPOConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
-    def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> DPOTask:
-        train, val, summary = load_pairs(cfg, tokenizer, length)
-        if distributed.current().is_main:  # a result, not progress: printed with --no-progress too
-            print(f"dpo data: {summary.line('pairs')}", file=sys.stderr, flush=True)
-        return DPOTask(train, val, model, tokenizer, cfg, length)
-
-    return run_finetune(cfg, "dpo", make_task, callbacks, started_at)
+    """`frawd dpo`: a DPOTask on `load_pairs`'s pairs through the shared loop (`run_finetune`)."""
+    return run_finetune(cfg, "dpo", load_pairs, DPOTask, "pairs", callbacks, started_at)

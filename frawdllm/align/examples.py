@@ -29,10 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 from ..errors import FrawdError, counted
-from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, UNK_ID, Tokenizer, _role_and_content
+from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, UNK_ID, Tokenizer, _role_and_content
 
 TRAIN_ON = ("assistant", "last", "all")
 
@@ -57,7 +58,8 @@ class Example:
 
 @dataclass
 class Pair:
-    """A tokenized preference pair: one prompt, two completions (each ending in <|eos|>)."""
+    """A tokenized preference pair: one prompt, two completions (each ending in <|eos|>
+    unless truncated: a cut answer keeps its head)."""
 
     prompt: list[int]
     chosen: list[int]
@@ -66,6 +68,8 @@ class Pair:
 
 @dataclass
 class LoadSummary:
+    """What loading a data file gave, for the one line `frawd sft`/`dpo` print."""
+
     examples: int = 0
     train: int = 0
     val: int = 0
@@ -225,9 +229,7 @@ def tokenize_chat(tokenizer: Tokenizer, messages: list[dict], train_on: str = "a
     first = messages.prompt_turns if isinstance(messages, Chat) else 0
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     ids, trained = [BOS_ID], [False]
-    for i, message in enumerate(messages):
-        role_id = SPECIAL_TOKENS.index(f"<|{message['role']}|>")
-        content = tokenizer.encode(message["content"]) + [EOS_ID]
+    for i, (message, (role_id, content)) in enumerate(zip(messages, tokenizer.chat_turns(messages))):
         learn = train_on == "all" or (message["role"] == "assistant" and i >= first
                                       and (train_on == "assistant" or i == last))
         ids.append(role_id)
@@ -315,6 +317,17 @@ def iter_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[t
         return
     for where, record in records:
         yield where, record, record_key(record)
+
+
+def load_records(cfg: Any, convert, what: str) -> tuple[list, list, LoadSummary]:
+    """`cfg.data`'s records (an SFT or DPO config) converted by `convert(record, where)` (which
+    returns (example, truncated)) and split: (train, val, summary). `what` names them."""
+    summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
+    train, val = collect(iter_source(cfg.data, cfg.KIND, summary.ignored), convert, cfg.val_fraction,
+                         cfg.skip_bad_lines, summary, source=cfg.data, what=what)
+    if not train:
+        raise FrawdError(f"--data {cfg.data}: every {what[:-1]} fell in the held-out split; lower --val-fraction")
+    return train, val, summary
 
 
 def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: float, skip_bad: bool,

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -136,25 +137,23 @@ def check_init_weights(cfg: FinetuneConfig, run_dir: Path) -> str | None:
     return now
 
 
-def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                   ) -> list[str]:
-    """Greedy answers to chat prompts (ids ending in <|assistant|>)."""
+def sample_texts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                 ) -> list[str]:
+    """Each chat prompt (ids ending in <|assistant|>) and its greedy answer, as text."""
     from ..infer import Engine, SamplingParams
 
     if not prompts:
         return []
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
-    return [c.text for c in Engine(lora.plain(model), tokenizer).generate(prompts, params)]
-
-
-def sample_texts(model: nn.Module, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                 ) -> list[str]:
-    answers = answer_prompts(model, tokenizer, prompts, max_new_tokens)
+    answers = [c.text for c in Engine(lora.plain(model), tokenizer).generate(prompts, params)]
     return [tokenizer.decode(p) + a for p, a in zip(prompts, answers)]
 
 
 class FinetuneTask(TrainTask):
-    """Saving, LoRA-aware resume and samples, shared by the SFT and DPO tasks."""
+    """Saving, LoRA-aware resume and samples, shared by the SFT and DPO tasks (each sets
+    `loader`, whose position the checkpoints keep)."""
+
+    loader: Any
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, cfg: FinetuneConfig,
                  sample_prompts: list[list[int]]) -> None:
@@ -185,13 +184,16 @@ class FinetuneTask(TrainTask):
             super().load_model(model, directory)
         # with LoRA the base weights are --init's (frozen); the adapters come back in load_state_dict
 
-    def lora_state(self) -> dict:
-        """What the task state holds beside the data position: the LoRA adapters, and the
-        fingerprint of the --init weights the run depends on (`check_init_weights`)."""
-        state = {"lora": lora.adapter_state(self.model)} if lora.has_lora(self.model) else {}
+    def state_dict(self) -> dict:
+        """The data position (`self.loader`'s), the LoRA adapters, and the fingerprint of the
+        --init weights the run depends on (`check_init_weights`)."""
+        state = {"loader": self.loader.state_dict()}
+        if lora.has_lora(self.model):
+            state["lora"] = lora.adapter_state(self.model)
         return {**state, INIT_WEIGHTS: self.init_weights} if self.init_weights else state
 
-    def load_lora_state(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
         if lora.has_lora(self.model):
             if "lora" not in state:
                 raise FrawdError("this run's checkpoints hold no LoRA adapters; resume without --lora-rank")
@@ -200,17 +202,16 @@ class FinetuneTask(TrainTask):
             raise FrawdError("this run trained LoRA adapters; resume with its --lora-rank")
 
 
-def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Module, Tokenizer, int], FinetuneTask],
-                 callbacks: list | None = None, started_at: float | None = None,
-                 check: Callable[[], None] | None = None) -> TrainResult:
-    """The whole job: checks, OUT, the --init model (LoRA-wrapped if asked), the task
-    (`make_task(model, tokenizer, length)` loads the data), the loop."""
+def run_finetune(cfg: FinetuneConfig, command: str, load: Callable[[Any, Tokenizer, int], tuple[list, list, Any]],
+                 task_class: type[FinetuneTask], what: str, callbacks: list | None = None,
+                 started_at: float | None = None) -> TrainResult:
+    """The whole job: checks, OUT, the --init model (LoRA-wrapped if asked), the data
+    (`load(cfg, tokenizer, length)`: train, val and a summary of `what` it read), the task
+    (`task_class(train, val, model, tokenizer, cfg, length)`), the loop."""
     started_at = time.perf_counter() if started_at is None else started_at
     place = distributed.setup(cfg.parallel, cfg.device, parse_duration(cfg.dist_timeout))
     cfg = distributed.rank_config(cfg)
     check_init(cfg)
-    if check is not None:
-        check()
     run_dir = Path(cfg.out)
     with undo_failed_start(cfg, enabled=place.is_main):
         init_weights = None
@@ -220,7 +221,10 @@ def run_finetune(cfg: FinetuneConfig, command: str, make_task: Callable[[nn.Modu
         cfg.resume, cfg.overwrite, init_weights = place.after_main((cfg.resume, cfg.overwrite, init_weights),
                                                                    "the run's start")
         model, tokenizer, length = load_init(cfg)
-        task = make_task(model, tokenizer, length)
+        train, val, summary = load(cfg, tokenizer, length)
+        if place.is_main:  # a result, not progress: printed with --no-progress too
+            print(f"{command} data: {summary.line(what)}", file=sys.stderr, flush=True)
+        task = task_class(train, val, model, tokenizer, cfg, length)
         task.init_weights = init_weights
         if cfg.lora_rank:
             lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)

@@ -25,6 +25,9 @@ TARGETS = ("qkv", "q", "kv", "proj", "up", "down")
 
 
 class LoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus a trainable low-rank update, scale * B @ A with scale = alpha / rank;
+    B starts at zero, so the wrapped model first computes what it did. `merged()` folds it in."""
+
     def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
         super().__init__()
         self.base = base
@@ -64,6 +67,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | int | None = None) -> n
 
 
 def has_lora(model: nn.Module) -> bool:
+    """Whether `add_lora` wrapped any of the model's linears."""
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
@@ -84,10 +88,12 @@ def plain(model: nn.Module) -> nn.Module:
 
 
 def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters alone (every lora_a, lora_b), as a checkpoint saves them."""
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if "lora_" in name}
 
 
 def load_adapter_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Put `adapter_state`'s tensors back; refused unless they are exactly this model's adapters."""
     params = dict(model.named_parameters())
     if (set(state) != {name for name in params if "lora_" in name}
             or any(value.shape != params[name].shape for name, value in state.items())):

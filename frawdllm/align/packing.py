@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..model.gpt import IGNORE_INDEX
 from ..train.distributed import Share
+from .dealer import StepDealer
 from .examples import Example
 
 
@@ -88,7 +89,7 @@ def collate(examples: list[Example], rows: list[list[int]], length: int) -> dict
             "positions": torch.from_numpy(positions), "documents": torch.from_numpy(documents)}
 
 
-class PackedLoader:
+class PackedLoader(StepDealer):
     """Packed rows over the examples, reshuffled each epoch (seeded); resumable through
     `state_dict`. Each optimizer step takes the next `share.step_rows` rows of that order
     and this rank its part of them (`distributed.Share`; default: `batch_size` rows a
@@ -100,44 +101,24 @@ class PackedLoader:
 
     def __init__(self, examples: list[Example], batch_size: int, length: int, seed: int, pack: bool = True,
                  share: Share | None = None) -> None:
-        self.examples, self.length, self.seed, self.pack = examples, length, seed, pack
-        self.share = share or Share(batch_size, 1)
+        self.examples, self.length, self.pack = examples, length, pack
         self.trained = [int(sum(e.trained[1:])) for e in examples]  # the targets each example trains
-        self.epoch, self.position = 0, 0
-        self._step_rows: list[list[int]] = []
-        self._step_trained = 0  # the trained tokens of those rows
-        self._micro = 0  # micro-batches of the current step already given
-        self._rows_for_epoch()
+        self._step_trained = 0  # the trained tokens of the step's rows
+        super().__init__(seed, share or Share(batch_size, 1))
 
-    def _rows_for_epoch(self) -> None:
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.examples))
+    def epoch_units(self) -> list[list[int]]:
+        """This epoch's packed rows, each a list of example indices."""
+        order = self.epoch_order(len(self.examples))
         rows = pack_rows([self.examples[i] for i in order], self.length, self.pack)
-        self.rows = [[int(order[i]) for i in row] for row in rows]
+        return [[int(order[i]) for i in row] for row in rows]
 
-    def _next_row(self) -> list[int]:
-        if self.position >= len(self.rows):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._rows_for_epoch()
-        self.position += 1
-        return self.rows[self.position - 1]
+    def new_step(self) -> None:
+        self._step_trained = sum(self.trained[i] for row in self.step for i in row)
 
     def next_batch(self) -> dict[str, Tensor]:
-        if self._micro == 0:
-            self._step_rows = [self._next_row() for _ in range(self.share.step_rows)]
-            self._step_trained = sum(self.trained[i] for row in self._step_rows for i in row)
-        mine = self._step_rows[self.share.rows(self._micro)]
-        self._micro = (self._micro + 1) % self.share.accum
-        batch = collate(self.examples, mine, self.length)
+        batch = collate(self.examples, self.next_units(), self.length)
         batch["normalizer"] = torch.tensor(self._step_trained / self.share.grad_accum / self.share.scale)
         return batch
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._micro = 0
-        self._rows_for_epoch()
 
 
 def fixed_batches(examples: list[Example], batch_size: int, length: int, pack: bool = True,

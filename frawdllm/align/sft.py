@@ -8,21 +8,17 @@ validation loss; samples.txt holds the model's greedy answers to held-out prompt
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..errors import FrawdError
 from ..model.gpt import IGNORE_INDEX
 from ..tokenizer import ASSISTANT_ID, Tokenizer
-from ..train import distributed
 from ..train.distributed import Share
 from ..train.loop import TrainResult, content_hash
 from ..train.losses import linear_cross_entropy
 from .config import SFTConfig
-from .examples import Example, LoadSummary, chat_messages, collect, iter_source, tokenize_chat, truncate
+from .examples import Example, LoadSummary, chat_messages, load_records, tokenize_chat, truncate
 from .job import FinetuneTask, run_finetune
 from .packing import DocumentMask, PackedLoader, fixed_batches
 
@@ -53,19 +49,18 @@ def prompt_of(example: Example) -> list[int]:
 
 def load_examples(cfg: SFTConfig, tokenizer: Tokenizer, length: int) -> tuple[list[Example], list[Example],
                                                                              LoadSummary]:
+    """The chat examples of `cfg.data`, tokenized with their loss masks and cut to `length` + 1
+    ids: train, val, counts."""
     def convert(record, where):
         # length + 1 ids give `length` inputs (the last id is only a target)
         return truncate(tokenize_chat(tokenizer, chat_messages(record, where), cfg.train_on), length + 1)
 
-    summary = LoadSummary(limit=f"--max-length {cfg.max_length}" if cfg.max_length else "the context")
-    train, val = collect(iter_source(cfg.data, cfg.KIND, summary.ignored), convert, cfg.val_fraction,
-                         cfg.skip_bad_lines, summary, source=cfg.data)
-    if not train:
-        raise FrawdError(f"--data {cfg.data}: every example fell in the held-out split; lower --val-fraction")
-    return train, val, summary
+    return load_records(cfg, convert, "examples")
 
 
 class SFTTask(FinetuneTask):
+    """Next-token loss on the trained parts of chat examples (`--train-on`), packed into rows."""
+
     def __init__(self, train: list[Example], val: list[Example], model: nn.Module, tokenizer: Tokenizer,
                  cfg: SFTConfig, length: int) -> None:
         super().__init__(model, tokenizer, cfg, [prompt_of(e) for e in val])
@@ -106,19 +101,7 @@ class SFTTask(FinetuneTask):
         rows = [part for batch in self.val_batches for part in (batch["tokens"], batch["documents"])]
         return {"validation examples": content_hash(*rows), "train_on": self.cfg.train_on}
 
-    def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), **self.lora_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
-        self.load_lora_state(state)
-
 
 def run_sft(cfg: SFTConfig, callbacks: list | None = None, started_at: float | None = None) -> TrainResult:
-    def make_task(model: nn.Module, tokenizer: Tokenizer, length: int) -> SFTTask:
-        train, val, summary = load_examples(cfg, tokenizer, length)
-        if distributed.current().is_main:  # a result, not progress: printed with --no-progress too
-            print(f"sft data: {summary.line()}", file=sys.stderr, flush=True)
-        return SFTTask(train, val, model, tokenizer, cfg, length)
-
-    return run_finetune(cfg, "sft", make_task, callbacks, started_at)
+    """`frawd sft`: an SFTTask on `load_examples`'s examples through the shared loop (`run_finetune`)."""
+    return run_finetune(cfg, "sft", load_examples, SFTTask, "examples", callbacks, started_at)

@@ -47,7 +47,9 @@ _NEEDS: dict[str, dict[str, Any]] = {
 _COMPUTES = {GPT2: "learned positions, LayerNorm, GELU MLP", LLAMA: "RoPE, RMSNorm, SwiGLU MLP"}
 # GELU activations of transformers that are the tanh approximation we compute.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-_EMBEDDING = {GPT2: "transformer.wte.weight", LLAMA: "model.embed_tokens.weight"}
+# The token embedding's transformers name, per config.json model_type (and per architecture).
+HF_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+_EMBEDDING = {GPT2: HF_EMBEDDING["gpt2"], LLAMA: HF_EMBEDDING["llama"]}
 _IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 V = TypeVar("V")
 
@@ -201,7 +203,7 @@ class TensorMap:
 
 
 def _gpt2_layout(cfg: ModelConfig) -> list[TensorMap]:
-    maps = [TensorMap("embed.tok.weight", ("transformer.wte.weight",)),
+    maps = [TensorMap("embed.tok.weight", (_EMBEDDING[GPT2],)),
             TensorMap("embed.pos.weight", ("transformer.wpe.weight",))]
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
@@ -218,7 +220,7 @@ def _gpt2_layout(cfg: ModelConfig) -> list[TensorMap]:
 def _llama_layout(cfg: ModelConfig) -> list[TensorMap]:
     q, kv, h = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.ffn_dim
     params = ("weight", "bias") if cfg.bias else ("weight",)
-    maps = [TensorMap("embed.tok.weight", ("model.embed_tokens.weight",))]
+    maps = [TensorMap("embed.tok.weight", (_EMBEDDING[LLAMA],))]
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         maps += [TensorMap(ours + "norm1.weight", (theirs + "input_layernorm.weight",)),
@@ -272,7 +274,7 @@ def normalise_hf_names(state: dict[str, V], gpt2: bool) -> dict[str, V]:
     """Drop non-weight buffers; add the `transformer.` prefix that original GPT-2 files lack.
     (Values are tensors, or anything else kept under the same names: safetensors headers.)"""
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_HF_BUFFERS)}
-    if gpt2 and "transformer.wte.weight" not in state:
+    if gpt2 and _EMBEDDING[GPT2] not in state:
         state = {k if k.startswith("lm_head.") else "transformer." + k: v for k, v in state.items()}
     return state
 
@@ -295,11 +297,10 @@ def from_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, 
                          "convert with tie_embeddings=False")
     state = normalise_hf_names(state, hf_architecture(cfg) == GPT2)
     layout = tensor_layout(cfg)
-    expected = {name for m in layout for name in m.theirs}
-    if cfg.tie_embeddings:
-        expected.add("lm_head.weight")  # present when a tied model was saved with both names
-    missing = sorted({name for m in layout for name in m.theirs} - set(state))
-    unexpected = sorted(set(state) - expected)
+    needed = {name for m in layout for name in m.theirs}
+    # (a tied model saved with both names holds an lm_head.weight too)
+    expected = needed | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    missing, unexpected = sorted(needed - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise FrawdError(
             f"checkpoint tensors do not match its config (missing: {', '.join(missing[:4]) or '-'}; "

@@ -45,7 +45,7 @@ from ..modeldir import (GENERATION_CONFIG_FILE, TOKENIZER_FILE, _some, checked_s
                         load_config, load_generation_config, load_model, model_file, plain_state,
                         tables_too_large, weight_shapes)
 from ..tokenizer import Tokenizer
-from .hf import (first_id, from_hf_config, from_hf_state_dict, head_differs, hf_architecture,
+from .hf import (HF_EMBEDDING, first_id, from_hf_config, from_hf_state_dict, head_differs, hf_architecture,
                  normalise_hf_names, tensor_layout, to_hf_config, to_hf_state_dict)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -369,7 +369,6 @@ _HF_FIELDS = {
               "n_layer": "num_hidden_layers"},
 }
 _LAYERS = {"gpt2": "transformer.h.", "llama": "model.layers."}
-_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 # The config.json field that sizes a tensor the checks above do not cover.
 _SIZED_BY = {
     "gpt2": (("mlp.c_fc", "n_inner"), ("mlp.c_proj", "n_inner")),
@@ -423,7 +422,7 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
     layers = {name[len(_LAYERS[kind]):].split(".")[0] for name in stored if name.startswith(_LAYERS[kind])}
     if cfg.n_layer != len(layers):  # first: the layer count bounds the work below
         refuse("n_layer", cfg.n_layer, f"hold {len(layers):,} layer{'s' * (len(layers) != 1)}")
-    sized = [(_EMBEDDING[kind], "vocab_size", 0, cfg.vocab_size), (_EMBEDDING[kind], "n_embd", 1, cfg.n_embd)]
+    sized = [(HF_EMBEDDING[kind], "vocab_size", 0, cfg.vocab_size), (HF_EMBEDDING[kind], "n_embd", 1, cfg.n_embd)]
     if cfg.pos_encoding == "learned":  # GPT-2's position table is a weight; RoPE's is built (below)
         sized.append(("transformer.wpe.weight", "context_length", 0, cfg.context_length))
     for name, field, dim, value in sized:

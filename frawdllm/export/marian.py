@@ -51,6 +51,7 @@ def marian_mismatches(cfg: Seq2SeqConfig) -> list[str]:
 
 
 def to_marian_config(cfg: Seq2SeqConfig):
+    """The MarianConfig of `cfg`; a ConfigError names each option Marian cannot express."""
     from transformers import MarianConfig
 
     bad = marian_mismatches(cfg)
@@ -73,16 +74,19 @@ def sin_cos_permutation(dim: int) -> Int[Tensor, " dim"]:
 
 
 def to_marian_state_dict(state: dict[str, Tensor], cfg: Seq2SeqConfig) -> dict[str, Tensor]:
+    """Our weights under MarianMTModel's names. Marian's sinusoidal table puts every sine
+    before every cosine where ours interleaves them, so the model dimension is permuted
+    (`sin_cos_permutation`) wherever the residual stream is read or written."""
     perm = sin_cos_permutation(cfg.n_embd)
     q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     out: dict[str, Tensor] = {}
 
-    def reads(name: str, w: Tensor, b: Tensor | None) -> None:  # a linear layer reading the stream
+    def reads(name: str, w: Tensor, b: Tensor | None) -> None:  # a linear layer reading the stream: w (out, D)
         out[f"{name}.weight"] = w[:, perm]
         if b is not None:
             out[f"{name}.bias"] = b
 
-    def writes(name: str, w: Tensor, b: Tensor) -> None:  # a linear layer writing the stream
+    def writes(name: str, w: Tensor, b: Tensor) -> None:  # a linear layer writing the stream: w (D, in)
         out[f"{name}.weight"], out[f"{name}.bias"] = w[perm], b[perm]
 
     def norm(name: str, ours: str) -> None:
