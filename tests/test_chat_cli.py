@@ -190,6 +190,34 @@ def test_history_is_dropped_by_whole_exchanges_never_leaving_a_reply_without_its
         fit_history(tok, [{"role": "system", "content": "be brief" * 20}, *history], 64, reserve=4)
 
 
+def test_history_keeps_every_system_message_wherever_it_stands():
+    """Only a first system message was kept: one after some turns (which OpenAI's API
+    allows) was dropped with them, and a second one at the start too."""
+    from frawdllm.infer.chat import fit_history
+
+    tok = train_tokenizer([ALPHABET], kind="char")
+
+    def turn(role, content):
+        return {"role": role, "content": content}
+
+    old = [turn("user", "aaaa"), turn("assistant", "bbbb")]
+    newest = turn("user", "cc")
+    for messages, kept in [
+        ([*old, turn("system", "s"), turn("user", "d"), turn("assistant", "e"), newest], [2, 5]),
+        ([turn("system", "s"), turn("system", "h"), *old, newest], [0, 1, 4]),
+        ([*old, turn("system", "s"), turn("system", "h"), newest], [2, 3, 4]),
+    ]:
+        want = [messages[i] for i in kept]
+        budget = len(tok.render_chat(want))
+        ids, dropped = fit_history(tok, messages, budget + 4, reserve=4)
+        assert ids == tok.render_chat(want) and dropped == len(messages) - len(kept), (messages, tok.decode(ids))
+        assert fit_history(tok, messages, budget + 3, reserve=4)[0] == ids  # too short for more: the same
+    systems = [turn("system", "a" * 5), turn("system", "b" * 5)]
+    need = len(tok.render_chat([*systems, turn("user", "")]))
+    with pytest.raises(FrawdError, match=f"^the system messages need {need} tokens .*shorten them$"):
+        fit_history(tok, [systems[0], *old, systems[1], newest], need - 1, reserve=4)
+
+
 def test_fitting_a_long_history_tokenizes_each_message_a_bounded_number_of_times():
     """fit_history rendered the whole remaining chat again for each start it tried: 4000
     short messages took 18 s in the server's event loop. Now each message is tokenized a

@@ -89,6 +89,7 @@ def test_completion_greedy_equals_engine(server):
     assert got.choices[0].finish_reason == "length"
     assert got.usage.prompt_tokens == want.prompt_tokens
     assert got.usage.completion_tokens == len(want.tokens) == 20
+    assert got.usage.total_tokens == want.prompt_tokens + 20
     assert got.id.startswith("cmpl-") and got.object == "text_completion"
 
 
@@ -100,6 +101,8 @@ def test_chat_stream_and_not(server):
     assert whole.choices[0].message.content == want.text
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == len(want.tokens)
+    prompt_tokens = len(server["engine"].tokenizer.render_chat(messages))
+    assert whole.usage.prompt_tokens == prompt_tokens and whole.usage.total_tokens == prompt_tokens + len(want.tokens)
     pieces, reasons, usage = [], [], None
     stream = c.chat.completions.create(model="varied", messages=messages, max_completion_tokens=24, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
@@ -112,6 +115,7 @@ def test_chat_stream_and_not(server):
     assert "".join(pieces) == want.text
     assert len(pieces) > 10  # token by token, not one block
     assert reasons[-1] == "length" and usage.completion_tokens == 24
+    assert usage.prompt_tokens == prompt_tokens and usage.total_tokens == prompt_tokens + 24
 
 
 def reference_logprobs(engine, prompt_ids, tokens):
@@ -228,6 +232,7 @@ def test_openai_request_forms_beyond_the_basics(server):
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert all("usage" in e for e in events) and [e["usage"] is None for e in events[:-1]] == [True] * (len(events) - 1)
     assert events[-1]["usage"]["completion_tokens"] == 4
+    assert events[-1]["usage"]["total_tokens"] == events[-1]["usage"]["prompt_tokens"] + 4
 
 
 def test_a_list_of_prompts(server):
@@ -749,6 +754,9 @@ def test_truncate_drops_a_too_long_turn_with_its_answers_never_starting_at_a_rep
     assert _within_reach([system, long, reply, question], engine, True) == [system, question]
     assert _within_reach([long, reply, reply, question, reply], engine, True) == [question, reply]
     assert _within_reach([system, question, reply], engine, True) == [system, question, reply]  # nothing too long
+    # a system message stays wherever it stands (OpenAI's clients may send one after some turns)
+    late = {"role": "system", "content": "t"}
+    assert _within_reach([question, reply, late, long, reply, question], engine, True) == [late, question]
 
 
 def test_a_text_prompt_starts_with_the_bos_its_tokenizers_template_adds_truncated_or_not():
@@ -771,6 +779,16 @@ def test_a_text_prompt_starts_with_the_bos_its_tokenizers_template_adds_truncate
         assert got["usage"]["prompt_tokens"] == len(tok.encode("hello")) + 1
         assert got["choices"][0]["text"] == tok.decode(want.tokens)
         long = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x" * 100, "max_tokens": 4,
-                                                          "truncate": True, "echo": True, "logprobs": 1},
+                                                          "truncate": True, "echo": True, "logprobs": 1,
+                                                          "temperature": 0},
                           timeout=60).json()
         assert long["choices"][0]["logprobs"]["tokens"][0] == "<|bos|>"  # (first, after the cut)
+        # the same prompt as token ids (transformers' encoding, the BOS first) keeps it too: it lost it
+        ids = tok.encode("x" * 100) if tok.encode("x")[:1] == [BOS_ID] else [BOS_ID] + tok.encode("x" * 100)
+        as_ids = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 4,
+                                                            "truncate": True, "echo": True, "logprobs": 1,
+                                                            "temperature": 0},
+                            timeout=60).json()
+        for key in ("tokens", "token_logprobs", "top_logprobs"):  # (the echo differs: ids are echoed decoded)
+            assert as_ids["choices"][0]["logprobs"][key] == long["choices"][0]["logprobs"][key], key
+        assert as_ids["usage"] == long["usage"]

@@ -134,6 +134,20 @@ def test_truncate_leaves_room_for_the_reply(server):
                     (max_tokens, reply["usage"])
 
 
+def test_truncate_keeps_a_scored_prompt_that_fits_whole(server):
+    """Scoring (max_tokens 0 with echo) generates nothing, yet "truncate" kept a token of
+    room for a reply: a prompt of exactly the context lost its first token."""
+    ids = [7 + i % 20 for i in range(CONTEXT)]
+    scored = {}
+    for truncate in (False, True):
+        status, reply = post(server, "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 0, "echo": True,
+                                                         "logprobs": 0, "truncate": truncate})
+        assert status == 200, reply
+        scored[truncate] = reply
+    assert scored[True]["usage"]["prompt_tokens"] == scored[False]["usage"]["prompt_tokens"] == CONTEXT
+    assert scored[True]["choices"] == scored[False]["choices"]
+
+
 def test_truncate_answers_a_turn_that_fits_the_context_but_not_the_room_for_the_reply(server):
     """A conversation answered without "truncate" was refused with it (the chat page always
     asks for it) when its newest turn fitted the context but not with max_tokens of room:

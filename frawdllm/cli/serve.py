@@ -194,6 +194,11 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
         server = DrainingServer(config)
         logging.getLogger("uvicorn.error").addFilter(_QuietCancels(server))
         server.run(sockets=[sock])
+        # A forced quit skips the app's shutdown, which closes the schedulers: their (daemon)
+        # threads were still in a forward as Python finalised, and the process sometimes
+        # aborted (SIGABRT, not 130). Each stops at its next step (a no-op once closed).
+        for scheduler in app.state.schedulers.values():
+            scheduler.close(drain=False, timeout=30.0)
         if stops and server.unfinished:  # a drain that did not end every request is no clean exit
             click.echo(f"frawd serve: stopped with {server.unfinished} request(s) unfinished "
                        f"({'a second Ctrl-C' if server.force_exit else 'the 120 s drain ran out'})", err=True)

@@ -7,8 +7,8 @@ project):
 
 A model sees at most `context_length` tokens, and the reply needs room too. `fit_history`
 drops the oldest exchanges, a user turn with the replies after it, until the rendered
-prompt leaves `reserve` tokens for the reply. The system message and the newest user
-message always stay, and a shortened history starts with a user turn: a reply kept
+prompt leaves `reserve` tokens for the reply. The system messages (wherever they stand)
+and the newest user message always stay, and a shortened history starts with a user turn: a reply kept
 without its question would read as the model's own unprompted words and change the
 answers. When even they leave less than `reserve`, they are the prompt as long as they
 fit the context, and the reply gets the room left (it ends there). `frawd chat` and the
@@ -20,6 +20,7 @@ reply means the model is writing the next turn itself, so those stop a reply too
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from ..errors import FrawdError
@@ -37,9 +38,10 @@ def fit_history(
     tokenizer: Any, messages: list[dict], context_length: int, reserve: int
 ) -> tuple[list[int], int]:
     """(prompt ids, number of oldest messages dropped) for a prompt of at most context - reserve
-    tokens, dropping whole exchanges (the kept turns start at a user or system turn); or, if
-    the newest user turn (with the system message) leaves less, that turn and the replies
-    after it, up to the whole context (a FrawdError beyond it).
+    tokens, dropping whole exchanges (the kept turns start at a user turn) and never a system
+    message, wherever it stands (OpenAI's clients may send one after some turns: the kept ones
+    stay in their order); or, if the newest user turn (with the system messages) leaves less,
+    that turn and the replies after it, up to the whole context (a FrawdError beyond it).
 
     Each message is tokenized once (the template is <|bos|>, a part per message, then
     <|assistant|>): trying each start by rendering the rest again took time quadratic in
@@ -48,40 +50,51 @@ def fit_history(
     budget = context_length - reserve
     if len(ids) <= budget:
         return ids, 0
-    system = [m for m in messages[:1] if m.get("role") == "system"]
-    turns = messages[len(system):]
-    frame = len(tokenizer.render_chat(system, add_generation_prompt=True))  # <|bos|>, system, <|assistant|>
-    sizes = [len(tokenizer.render_chat([m], add_generation_prompt=False)) - 1 for m in turns]  # less <|bos|>
-    need = frame + sum(sizes)
-    # from a later user (or system) turn on: never from an answer on
-    for dropped in range(1, len(turns)):
-        need -= sizes[dropped - 1]
-        if turns[dropped].get("role") != "assistant" and need <= budget:
-            return tokenizer.render_chat(system + turns[dropped:], add_generation_prompt=True), dropped
-    last = max([0] + [i for i, m in enumerate(turns) if m.get("role") != "assistant"])
-    need = frame + sum(sizes[last:])
+    system = [m.get("role") == "system" for m in messages]
+    sizes = [1 + len(part) for _, part in tokenizer.chat_turns(messages)]  # role token, content, <|eos|>
+    frame = len(ids) - sum(sizes)  # <|bos|>, <|assistant|>
+
+    after = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # after[i]: sizes of messages[i:]
+    systems_before = list(itertools.accumulate((n if is_system else 0 for n, is_system in zip(sizes, system)),
+                                               initial=0))
+
+    def from_turn(start: int) -> tuple[list[int], int]:
+        """The prompt when the history restarts at `start` (the system messages before it kept), the count dropped."""
+        kept = [m for i, m in enumerate(messages) if i >= start or system[i]]
+        return tokenizer.render_chat(kept, add_generation_prompt=True), len(messages) - len(kept)
+
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    for start in users[1:]:  # from a later user turn on: never from an answer on
+        if frame + systems_before[start] + after[start] <= budget:
+            return from_turn(start)
+    start = users[-1] if users else 0
+    need = frame + systems_before[start] + after[start]
     if need <= context_length:  # less room for the reply than asked, as without dropping anything
-        return tokenizer.render_chat(system + turns[last:], add_generation_prompt=True), last
-    if system:
-        check_system_message(tokenizer, system[0]["content"], context_length, reserve=0)
+        return from_turn(start)
+    systems = [m["content"] for m, is_system in zip(messages, system) if is_system]
+    if systems:
+        check_system_message(tokenizer, systems, context_length, reserve=0,
+                             what="the system message" + ("s" if len(systems) > 1 else ""))
     raise FrawdError(
         f"the message needs {need} tokens with the template"
-        + (" and the system message" if system else "")
+        + (" and the system message" + ("s" if len(systems) > 1 else "") if systems else "")
         + f" but the model's context is {context_length}; shorten it"
     )
 
 
-def check_system_message(tokenizer: Any, system: str, context_length: int, reserve: int,
+def check_system_message(tokenizer: Any, system: str | list[str], context_length: int, reserve: int,
                          what: str = "the system message") -> None:
-    """Refuse a system message that leaves no room for any user message and the reply."""
-    need = len(tokenizer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": ""}],
-                                     add_generation_prompt=True))
+    """Refuse a system message (or several) that leaves no room for any user message and the reply."""
+    systems = [system] if isinstance(system, str) else system
+    need = len(tokenizer.render_chat([{"role": "system", "content": s} for s in systems]
+                                     + [{"role": "user", "content": ""}], add_generation_prompt=True))
     budget = context_length - reserve
     if need > budget:
         room = f"leaves {budget} (context {context_length} - {reserve} for the reply)" if reserve else \
             f"is {context_length}"
-        raise FrawdError(f"{what} needs {need} tokens with the template (an empty user message included) but "
-                         f"the model's context {room}; shorten it")
+        raise FrawdError(f"{what} need{'' if len(systems) > 1 else 's'} {need} tokens with the template (an empty "
+                         f"user message included) but the model's context {room}; shorten "
+                         + ("them" if len(systems) > 1 else "it"))
 
 
 __all__ = ["fit_history", "check_system_message", "reply_reserve", "ROLE_TOKEN_IDS"]

@@ -1,12 +1,13 @@
 """The HTTP layer: an OpenAI-compatible API over one `Scheduler` per model.
 
     app = create_app({"tiny": engine}, ServeOptions(api_key="..."))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    uvicorn.Server(server_config(app, host="127.0.0.1", port=8000)).run()
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events ending
 in `data: [DONE]` with "stream": true), GET /v1/models, /health, /metrics (Prometheus) and
 / (the chat page in `static/`). Everything about generation lives in
-`frawdllm.infer.scheduler`; this module turns requests into prompts and `SamplingParams`,
+`frawdllm.infer.scheduler` (prompt scoring, `echo` with `logprobs`, is one PyTorch forward
+per prompt on `_Scorer`'s thread, beside the scheduler); this module turns requests into prompts and `SamplingParams`,
 scheduler chunks into OpenAI's bodies, and enforces the limits:
 
 - an API key (`Authorization: Bearer KEY`, compared in constant time) on /v1/*;
@@ -61,6 +62,8 @@ access_log = logging.getLogger("frawdllm.serve.access")
 
 @dataclass
 class ServeOptions:
+    """The server's limits (`frawd serve`'s flags): per model, and for the whole process."""
+
     api_key: str | None = None
     max_batch: int = 32  # rows decoded together, per model
     max_queue: int = 256  # requests waiting for a row, per model
@@ -497,19 +500,26 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
         encoded, echoes = [], []
         for i, prompt in enumerate(prompts):
             what = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            prefix: list[int] = []  # the BOS a text's tokenizer template adds (an imported Llama's), kept first
+            # the BOS a text's tokenizer template adds (an imported Llama's), kept first; a
+            # token-id prompt that starts with it keeps it too (as the engine's "slide" does)
+            template = list(getattr(engine.tokenizer, "prompt_prefix", []))
+            prefix: list[int] = []
             if isinstance(prompt, str):
                 _check_text(prompt, what, param="prompt")
-                prefix = list(getattr(engine.tokenizer, "prompt_prefix", []))
+                prefix = template
                 ids = engine.tokenizer.encode(_text_within_reach(prompt, engine, body.truncate, what))
             else:
                 ids = list(prompt)
+                if template and ids[:len(template)] == template:
+                    prefix, ids = template, ids[len(template):]
             dropped = 0
             if body.truncate:  # the last tokens that leave room for the reply, as chat does
                 context = engine.config.context_length
-                keep = max(0, context - reply_reserve(context, max_new) - len(prefix))
+                reserve = reply_reserve(context, max_new) if max_new else 0  # (scoring generates nothing)
+                keep = max(0, context - reserve - len(prefix))
                 dropped = max(0, len(ids) - keep)
                 ids = ids[dropped:]  # (keep 0: empty, a prompt of <|eos|>)
+            echo = ids if isinstance(prompt, str) else prefix + ids  # (a text's template BOS was not in it)
             ids = prefix + ids
             _check_fits(ids, engine, chat=False, what=what)
             try:
@@ -518,7 +528,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
                 raise ApiError(400, f"{what}: {error}" if len(prompts) > 1 else str(error), param="prompt") from None
             if body.echo:  # the prompt as sent (token ids: decoded); cut by "truncate", the part the model got
                 whole = isinstance(prompt, str) and not dropped
-                echoes.append(prompt if whole else engine.tokenizer.decode(ids[len(prefix):]))
+                echoes.append(prompt if whole else engine.tokenizer.decode(echo))
         return encoded, echoes
 
     def _open() -> None:
@@ -753,14 +763,14 @@ def _within_reach(messages: list[dict], engine: Engine, truncate: bool) -> list[
     """The conversation without turns too long to ever fit the context: with "truncate"
     they, every turn before them and the answers right after them go (whole exchanges, as
     fit_history drops them: the rest never starts with an answer), else a 400; the system
-    message and the newest one must fit either way."""
+    messages and the newest one must fit either way."""
     reach = _reach(engine)
     long = [i for i, m in enumerate(messages) if len(m["content"]) > reach]
     if not long:
         return messages
-    system = 1 if messages[0]["role"] == "system" else 0
-    if not truncate or long[0] < system or long[-1] == len(messages) - 1:
-        i = long[-1]
+    system = [i for i in long if messages[i]["role"] == "system"]
+    if not truncate or system or long[-1] == len(messages) - 1:
+        i = system[0] if system and truncate else long[-1]
         raise ApiError(400, f"messages[{i}] has {len(messages[i]['content']):,} characters, more than the "
                             f"model's context of {engine.config.context_length} tokens can hold"
                             + ("" if truncate else '; "truncate": true drops old turns'),
@@ -768,7 +778,7 @@ def _within_reach(messages: list[dict], engine: Engine, truncate: bool) -> list[
     rest = long[-1] + 1
     while rest < len(messages) - 1 and messages[rest]["role"] == "assistant":  # its answers go with it
         rest += 1
-    return messages[:system] + messages[rest:]
+    return [m for m in messages[:rest] if m["role"] == "system"] + messages[rest:]
 
 
 def _shifted(listener, offset: int):
@@ -1059,8 +1069,9 @@ class _Reply:
         """choices[index].logprobs for the tokens not yet sent whose text has begun in the
         choice's text so far (all of them, unstreamed), in OpenAI's form: chat's `content`
         list (token, logprob, bytes, top_logprobs) or the completions' parallel lists (tokens,
-        token_logprobs, top_logprobs, text_offset). A token's text is its bytes decoded,
-        U+FFFD for part of a character. Once the choice has finished, the tokens whose text
+        token_logprobs, top_logprobs, text_offset). A token's text: in chat its bytes decoded
+        (U+FFFD for part of a character); in completions `_completion_token`'s name
+        (`bytes:\\xNN` for part of a character). Once the choice has finished, the tokens whose text
         never came (a stop string's: it is cut from the text) are dropped."""
         if not self.wants_logprobs:
             return None
