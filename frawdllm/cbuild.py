@@ -47,9 +47,20 @@ from .io import read_json_object, write_json_atomic
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 
+def _compiler_error(stderr: str) -> str:
+    """The compiler's first error line (a bad -march= is said there, then a long list of
+    the valid ones) and its last 200 characters (else its last 500), naming FRAWD_MARCH if set."""
+    lines = stderr.strip().splitlines()
+    first = next((line for line in lines if "error" in line), "")
+    tail = stderr.strip()[-200 if first else -500:]
+    told = f" (FRAWD_MARCH={os.environ['FRAWD_MARCH']})" if os.environ.get("FRAWD_MARCH") else ""
+    return (first[:240] + " ... " + tail if first and first not in tail else tail) + told
+
+
 def march() -> str:
-    """The -march= the libraries are built for: this CPU, unless FRAWD_MARCH says otherwise."""
-    return os.environ.get("FRAWD_MARCH", "native")
+    """The -march= the libraries are built for: this CPU, unless FRAWD_MARCH says otherwise
+    (empty, as a script's unset `FRAWD_MARCH=$MARCH` gives, is the default)."""
+    return os.environ.get("FRAWD_MARCH") or "native"
 
 
 def cache_dir() -> Path:
@@ -189,7 +200,7 @@ def build(source: Path, what: str = "") -> Path:
     try:
         result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {source.name} failed: {result.stderr.strip()[-500:]}")
+            raise RuntimeError(f"compiling {source.name} failed: {_compiler_error(result.stderr)}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

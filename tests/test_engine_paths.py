@@ -337,6 +337,24 @@ def test_the_avx2_and_avx_builds_equal_pytorch(name, march, tmp_path, monkeypatc
     check_against_full_forward(model, "fp16", threads=2, kv_dtype=torch.float16, atol=3e-2)
 
 
+def test_an_empty_frawd_march_is_the_default_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    """`FRAWD_MARCH=` (a script's unset variable) built with a bare `-march=`, which failed:
+    the C forward was lost; and a bad value's message began inside the compiler's list of
+    valid ones, the error line cut off."""
+    from frawdllm import cbuild
+
+    monkeypatch.setenv("FRAWD_MARCH", "")
+    assert cbuild.march() == "native"
+    monkeypatch.setenv("FRAWD_MARCH", "haswellx")
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native.LIBRARY, "_lib", None)
+    monkeypatch.setattr(native.LIBRARY, "_why_not", None)
+    assert not native.available()
+    why = native.unavailable_reason()
+    assert "error: bad value" in why and "haswellx" in why and why.endswith("(FRAWD_MARCH=haswellx)"), why
+    assert len(why) < 800, why
+
+
 def test_a_failed_build_falls_back_to_pytorch_and_says_so_once(tmp_path, monkeypatch, capsys):
     compiler = tmp_path / "cc"
     compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'fatal error: No space left on device' >&2\nexit 1\n")

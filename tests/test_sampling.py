@@ -299,3 +299,21 @@ def test_sample_next_refuses_logits_that_are_not_a_float_batch_in_one_line():
     assert script_lines(SAMPLE_MISUSE) == [must + "a 1-D torch.float32 tensor", must + "a 1-D torch.float32 tensor",
                                            must + "a 3-D torch.float32 tensor", must + "a 2-D torch.int64 tensor",
                                            must + "list", "[1]"]
+
+
+def test_seeds_2_to_the_32_apart_draw_differently():
+    """torch's CPU generator keeps a seed's low 32 bits: seeds k x 2^32 apart (and the
+    server's -1 beside 2^32 - 1) drew the same numbers, samples and initial weights alike."""
+    from frawdllm.seeds import torch_seed
+    from frawdllm.train.device import seed_everything
+
+    seeds = [5, 2**32 + 5, 2**33 + 5, 2**63 + 5, 2**32 - 1, 2**64 - 1]
+    draws = [tuple(torch.rand(4, generator=make_generator(s)).tolist()) for s in seeds]
+    assert len(set(draws)) == len(seeds)
+    assert draws[0] == tuple(torch.rand(4, generator=torch.Generator().manual_seed(5)).tolist())  # (below 2^32: as is)
+    weights = []
+    for s in (7, 2**32 + 7):
+        seed_everything(s)
+        weights.append(torch.randn(4).tolist())
+    assert weights[0] != weights[1]
+    assert all(0 <= torch_seed(s) < 2**32 for s in [*seeds, -1, -(2**63)]) and torch_seed(-1) != torch_seed(2**32 - 1)

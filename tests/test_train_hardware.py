@@ -49,6 +49,7 @@ def test_emulated_bf16_is_measured_and_reported_with_the_fp32_peak():
     ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, {"avx512_bf16", "amx_bf16"}, set()),
     # ATen's own kernels capped: its vector flags go, oneDNN's bf16 matmuls stay native
     ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx512_bf16", "amx_bf16"}, {"avx512f"}),
+    ({"ATEN_CPU_CAPABILITY": "AVX2"}, {"avx512f", "avx512_bf16"}, set()),  # ATen ignores it (as written only)
     ({"ONEDNN_MAX_CPU_ISA": "AVX512CORE_BF16"}, {"avx512_bf16", "amx_bf16"}, set()),  # unknown to oneDNN: no cap
     ({"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"}, {"avx512_bf16", "amx_bf16"}, set()),  # ONEDNN_ wins
 ])
@@ -118,7 +119,8 @@ def plan(remaining_s, eager_s=0.1, dtypes=("fp32",)):
 
 
 def test_compile_auto_says_no_for_a_short_budget_and_yes_for_a_long_one(private_user_cache):
-    compiling.record_cost("key-fp32", warmup_s=30.0, speedup=2.0)
+    compiling.record_cost("key-fp32", warmup_s=100.0, speedup=2.0)  # (cold: it put the kernels in the cache)
+    compiling.record_cost("key-fp32", warmup_s=30.0, speedup=2.0)  # with them there
     dtype, compiled, why = plan(remaining_s=20.0)
     assert (dtype, compiled) == ("fp32", False) and "30 s warm-up" in why
     assert plan(remaining_s=600.0)[1] is True
@@ -455,6 +457,21 @@ def test_the_machine_key_names_the_cpu_model_or_the_platform_without_cpuinfo(mon
     assert device.machine_key(CPU).startswith("cpu:riscv64 [")
 
 
+def test_after_a_cold_compile_the_next_warmup_is_predicted_from_the_cached_kernels(private_user_cache, tmp_path,
+                                                                                   monkeypatch):
+    """The cold warm-up (137.5 s) stood for every later run, whose kernels inductor's cache
+    held (28.4 s): `auto` then never compiled again, so never measured the warm one."""
+    (tmp_path / "inductor").mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    key = device.machine_key(CPU) + "|fp32|shape-a"
+    compiling.record_cost(key, warmup_s=137.5, speedup=2.0)
+    assert compiling.compile_cost(key).warmup_s == pytest.approx(137.5 * compiling.CACHED_WARMUP_FRACTION)
+    compiling.record_cost(key, warmup_s=28.4, speedup=2.0)  # measured with the kernels there
+    assert compiling.compile_cost(key).warmup_s == 28.4
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # the kernels gone: the cold figure again
+    assert compiling.compile_cost(key).warmup_s == 137.5
+
+
 def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_user_cache):
     key = device.machine_key(CPU) + "|fp32|shape-a"
     assert compiling.compile_cost(key).warmup_s == compiling.GUESS_WARMUP_S
@@ -479,7 +496,8 @@ def test_a_run_too_short_to_time_compiled_steps_still_keeps_its_warmup(tmp_path,
     monkeypatch.setattr(compiling, "compile_step", slow_compile)
     trainer = Trainer(torch.nn.Linear(4, 1), CountingTask(), config(tmp_path, compile="true", max_steps=3))
     trainer.fit()
-    records = {k: v for k, v in device.read_cache(compiling.COMPILE_FILE).items() if isinstance(v, dict)}
+    records = {k: v for k, v in device.read_cache(compiling.COMPILE_FILE).items()
+               if isinstance(v, dict) and "warmup_s" in v}
     assert len(records) == 1 and list(records.values())[0]["warmup_s"] >= 0.5, records
 
 

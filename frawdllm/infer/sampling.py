@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..config import check_fields, check_types, is_integer, is_number, plain_number
 from ..errors import ConfigError, short_repr, utf8_error_at
+from ..seeds import torch_seed
 
 
 # Bounds that keep logits / temperature and logits x penalty finite in float32 (logits
@@ -258,7 +259,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(torch_seed(seed))  # (the CPU generator keeps 32 bits: see seeds.py)
     return generator
 
 

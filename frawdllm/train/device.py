@@ -42,6 +42,7 @@ import torch
 from ..cbuild import cache_dir as _native_cache_dir
 from ..cbuild import cpuinfo_flags_line, cpuinfo_line, update_json_cache
 from ..io import read_json_object
+from ..seeds import torch_seed
 from ..errors import ConfigError, counted
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -125,8 +126,9 @@ def cpu_features() -> frozenset[str]:
 
 
 def aten_capped() -> bool:
-    """`ATEN_CPU_CAPABILITY` keeps ATen's kernels from AVX-512."""
-    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")
+    """`ATEN_CPU_CAPABILITY` keeps ATen's kernels from AVX-512. ATen reads it as written:
+    `AVX2` (upper case) is ignored, with a warning, and so not a cap."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "") in ("avx2", "default")
 
 
 def shown_features(features: frozenset[str] | None = None) -> str:
@@ -179,8 +181,8 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+    np.random.seed(torch_seed(seed))  # (numpy's legacy seed and torch's CPU generator keep 32 bits)
+    torch.manual_seed(torch_seed(seed))  # also seeds every CUDA device
 
 
 def rng_state() -> dict:

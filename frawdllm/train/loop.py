@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from ..errors import FrawdError, counted
 from ..io import atomic_dir
+from ..seeds import torch_seed
 from . import checkpoint as ckpt
 from . import compile as compiling
 from . import distributed
@@ -1190,7 +1191,7 @@ def _own_dropout_seed(rank: int) -> None:
     """Every rank was seeded alike (so that they build the same model); from here each draws
     its own dropout masks (alike, two ranks' rows would share them). Rank 0 keeps the
     single-process stream."""
-    torch.manual_seed((torch.initial_seed() + 1_000_003 * rank) % 2**63)
+    torch.manual_seed(torch_seed(torch.initial_seed() + 1_000_003 * rank))
 
 
 def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
