@@ -33,6 +33,30 @@ def free_memory(device: torch.device) -> int | None:
     return available
 
 
+def position_table_bytes(cfg) -> int:
+    """Bytes of the position tables a model builds at construction (computed in float64)."""
+    width = {"rope": cfg.head_dim, "sinusoidal": cfg.n_embd}.get(cfg.pos_encoding, 0)
+    return cfg.context_length * width * 8
+
+
+def check_model_fits(cfg, model: str) -> None:
+    """Refuse, in one line (a ConfigError), to build a `model` whose fp32 weights and position
+    tables cannot fit in the memory the default device has available: a context_length of
+    2e9 asked the allocator for 16 GB, and where the system overcommits, the kernel's OOM
+    killer ended the process as the weights were initialised. (Meta tensors allocate nothing.)"""
+    from .errors import ConfigError
+
+    device = torch.get_default_device()
+    if device.type == "meta":
+        return
+    free = free_memory(device)
+    need = 4 * cfg.num_parameters + position_table_bytes(cfg)
+    if free is not None and need > free:
+        raise ConfigError(f"{model}: this config needs {need / 2**30:,.1f} GiB for its weights and position tables "
+                          f"(context_length {cfg.context_length:,}), more than the {free / 2**30:,.1f} GiB of memory "
+                          "available")
+
+
 def training_floor_bytes(model_cfg, rows: int, tokens_per_row: int, activation_bytes: int,
                          frozen: bool = False) -> int:
     """A lower bound on the memory of a training micro-batch of `rows` x `tokens_per_row`

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig, Seq2SeqConfig
 from .errors import ConfigError, FrawdError
 from .io import atomic_path, undo_on_error, write_json_atomic
+from .memory import position_table_bytes
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -272,18 +273,12 @@ def expected_shapes(cfg: ModelConfig, model: torch.nn.Module | None = None) -> d
     return shapes
 
 
-def _table_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the position tables built at construction (computed in float64)."""
-    width = {"rope": cfg.head_dim, "sinusoidal": cfg.n_embd}.get(cfg.pos_encoding, 0)
-    return cfg.context_length * width * 8
-
-
 def tables_too_large(cfg: ModelConfig, weight_bytes: int, field: str = "context_length") -> str | None:
     """Why loaders refuse to build `cfg` over weights of `weight_bytes` bytes, or None: its
     position tables would be larger than the weights and than TABLE_ALLOWANCE (a config.json
     must not make a loader allocate far more than its weights). `field`: the context's name
     in the config file read."""
-    tables = _table_bytes(cfg)
+    tables = position_table_bytes(cfg)
     if tables <= max(weight_bytes, TABLE_ALLOWANCE):
         return None
     return (f"{field} {cfg.context_length:,} needs position tables of {tables / 2**20:,.0f} MiB as built, "

@@ -191,6 +191,28 @@ def test_a_config_of_another_kind_of_model_is_one_clear_error():
     assert isinstance(Seq2SeqTransformer(seq2seq).config, Seq2SeqConfig)
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope", "sinusoidal"])
+def test_a_model_too_large_for_the_memory_is_refused_before_allocating(pos, monkeypatch):
+    """A context_length of 2e9 asked the allocator for gigabytes of position tables and
+    embeddings (an allocator error, or the OOM killer where memory is overcommitted)."""
+    from frawdllm import Seq2SeqTransformer, get_config
+    from frawdllm import memory
+    from frawdllm.errors import ConfigError
+
+    monkeypatch.setattr(memory, "free_memory", lambda device: 2**30)  # 1 GiB available
+    huge = ModelConfig(vocab_size=300, n_embd=16, n_head=2, n_layer=1, context_length=2_000_000_000, pos_encoding=pos)
+    with pytest.raises(ConfigError, match=r"^FrawdLLM: this config needs \d{3}\.\d GiB .*context_length "
+                                          r"2,000,000,000\), more than the 1\.0 GiB of memory available$"):
+        FrawdLLM(huge)
+    seq2seq = get_config("aiayn-tiny", vocab_size=64, n_layer=1, n_encoder_layer=1, n_embd=32, n_head=4,
+                         context_length=2_000_000_000)
+    with pytest.raises(ConfigError, match="^Seq2SeqTransformer: this config needs"):
+        Seq2SeqTransformer(seq2seq)
+    with torch.device("meta"):  # (shapes only: nothing is allocated, nothing refused)
+        assert FrawdLLM(huge).embed.tok.weight.is_meta
+    assert len(FrawdLLM(small_cfg()).blocks) == 2  # a model that fits is built
+
+
 def test_from_pretrained_returns_the_model_in_eval_mode(tmp_path):
     FrawdLLM(small_cfg(dropout=0.5)).save_pretrained(tmp_path / "m")
     model = FrawdLLM.from_pretrained(tmp_path / "m")

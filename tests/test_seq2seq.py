@@ -190,6 +190,90 @@ def test_beam_search_finds_a_better_scoring_translation_than_greedy_or_the_same(
         assert logprob(row, beam[row]) >= logprob(row, greedy[row]) - 1e-4
 
 
+def reference_beam_search(model, src: list[int], beam_size: int, alpha: float, max_extra: int) -> list[int]:
+    """Beam search written plainly, for one sentence: every hypothesis's next-token
+    log-probabilities from a whole forward of its prefix (no cache, no batch). Each step
+    ranks every (beam, token) candidate; one ending in EOS is set aside with its score /
+    lp(its tokens, the EOS counted); the best beam_size others go on. The search ends when
+    beam_size have ended, or at the length limit (the live ones end there, lp(their
+    tokens)); the best set-aside one is the translation. PAD and BOS are never emitted:
+    their log-probabilities are -inf after the softmax (not renormalised, as transformers'
+    logits processors leave them)."""
+    from frawdllm.infer.translate import length_penalty, never_after_bos
+
+    cfg = model.config
+    limit = min(len(src) + max_extra, cfg.context_length - 1)
+    live, ended = [(0.0, [])], []
+    for step in range(limit):
+        candidates = []
+        for score, prefix in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([src]), torch.tensor([[cfg.bos_token_id, *prefix]]))[0][0, -1]
+            logprobs = torch.log_softmax(logits.double(), -1)
+            logprobs[never_after_bos(cfg)] = -math.inf
+            candidates += [(score + lp, prefix, t) for t, lp in enumerate(logprobs.tolist()) if lp > -math.inf]
+        candidates.sort(key=lambda c: -c[0])
+        keep = []
+        for score, prefix, token in candidates:
+            if token == cfg.eos_token_id:
+                ended.append((score / length_penalty(len(prefix) + 1, alpha), prefix))
+            else:
+                keep.append((score, prefix + [token]))
+            if len(keep) == beam_size:
+                break
+        if len(ended) >= beam_size:
+            break
+        if step + 1 >= limit:
+            ended += [(score / length_penalty(len(prefix), alpha), prefix) for score, prefix in keep]
+            break
+        live = keep
+    return max(ended, key=lambda e: e[0])[1]
+
+
+def test_beam_search_equals_a_plain_reference_search():
+    """Batched, cached beam search against `reference_beam_search`. (Taking only the top K
+    candidates a step, where K end in EOS, left fewer than K beams going: no other test
+    saw it.) EOS is made about as likely as the other tokens, so that ended and live
+    hypotheses mix, and short limits end some at the limit."""
+    model = model_for("paper")
+    with torch.no_grad():
+        model.embed.tok.weight[model.config.eos_token_id] *= 0.9
+    sources = _sources(6, seed=0)
+    src, mask = pad_batch(sources, 0)
+    for beam_size, alpha, max_extra in [(3, 0.6, 4), (4, 2.0, 3), (2, 1.0, 6)]:
+        got = beam_search(model, src, mask, beam_size=beam_size, alpha=alpha, max_extra=max_extra)
+        assert got == [reference_beam_search(model, row, beam_size, alpha, max_extra) for row in sources], \
+            (beam_size, alpha, max_extra)
+
+
+def test_an_ended_hypothesis_counts_its_eos_in_the_length_penalty(monkeypatch):
+    """lp = ((5 + length) / 6) ** alpha with length the tokens scored, EOS included (as a
+    hypothesis ended at the limit counts all of its). Decided here by the EOS: with
+    hand-set probabilities, X = [A] EOS scores -1.2 and Y = [B, C] EOS -1.385; with alpha 1,
+    X / lp(2) = -1.029 beats Y / lp(3) = -1.039, but without the EOS counted Y would win
+    (-1.187 against X / lp(1) = -1.2)."""
+    from frawdllm.infer import translate
+
+    model = model_for("paper")
+    V, eos = model.config.vocab_size, model.config.eos_token_id
+    A, B, C = 10, 11, 12
+    table = {(): {A: 0.45, B: 0.40}, (A,): {eos: math.exp(-1.2) / 0.45},
+             (B,): {C: math.exp(-0.4687 / 2)}, (B, C): {eos: math.exp(-0.4687 / 2)}}
+
+    def next_logits(self, tokens):
+        rows = []
+        for prefix in tokens[:, 1:].tolist():
+            chosen = table.get(tuple(prefix), {eos: 0.5})
+            rest = (1 - sum(chosen.values())) / (V - len(chosen))
+            rows.append([math.log(chosen.get(t, rest)) for t in range(V)])
+        return torch.tensor(rows)
+
+    monkeypatch.setattr(translate._Decoder, "next_logits", next_logits)
+    src, mask = pad_batch([[5, 6, 7, 8, 9]], 0)
+    assert beam_search(model, src, mask, beam_size=2, alpha=1.0)[0] == [A]
+    assert beam_search(model, src, mask, beam_size=2, alpha=0.0)[0] == [A]  # (the better sum, unnormalised)
+
+
 def test_length_limit_is_source_length_plus_max_extra():
     model = model_for("paper")
     src, mask = pad_batch([[5, 6, 7]], 0)
@@ -319,6 +403,21 @@ def test_translate_ids_refuses_bad_arguments_naming_them(kwargs, message):
     kwargs = {"sources": [[5, 6, 7], [8, 9]], "beam_size": 2, **kwargs}
     with pytest.raises(ValueError, match=f"^{message}$"):
         translate_ids(model_for("paper"), **kwargs)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_an_empty_source_translates_to_nothing_beside_the_others(beam_size):
+    """Decoded as a row of padding alone, an empty source made up a sentence (`frawd
+    translate run` leaves an empty line empty); the others are as translated alone."""
+    from frawdllm.infer.translate import translate_ids
+
+    model = model_for("paper")
+    sources = [[5, 6, 7], [], [8, 9]]
+    alone = [translate_ids(model, [row], beam_size=beam_size)[0] for row in sources if row]
+    assert translate_ids(model, sources, beam_size=beam_size) == [alone[0], [], alone[1]]
+    assert translate_ids(model, [[], []], beam_size=beam_size) == [[], []]
+    with pytest.raises(ValueError, match="^beam_size must be an integer >= 1, got 0$"):
+        translate_ids(model, [[]], beam_size=0)  # (checked all the same)
 
 
 def test_greedy_and_beam_search_refuse_bad_arguments_naming_them():

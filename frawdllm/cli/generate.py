@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import FrawdError, check_unicode
+from ..errors import FrawdError, check_unicode, counted
 from .sampling_flags import (check_rows_fit, context_stop_note, engine_flags, load_engine, params_from_flags,
                              sampling_flags, warn_unmatchable_stops)
 
@@ -149,5 +149,5 @@ def _report(stats: bool, n_tokens: int, seconds: float, engine: Any) -> None:
         from ..train.device import DTYPES  # (torch, so not at import: `frawd --help` stays quick)
 
         kv = {dtype: name for name, dtype in DTYPES.items()}.get(engine.kv_dtype, str(engine.kv_dtype))
-        click.echo(f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s; "
+        click.echo(f"[{counted(n_tokens, 'token')} in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s; "
                    f"forward: {forward}; KV cache {kv}]", err=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ..errors import FrawdError, check_unicode
+from ..errors import FrawdError, check_unicode, counted
 
 
 class SeedType(click.ParamType):
@@ -120,8 +120,9 @@ def context_stop_note(engine: Any, params: Any, ends: list[tuple[str | None, int
     short = [n for reason, n in ends if reason == "length" and n < params.max_new_tokens]
     if not short:
         return None
-    return (f"{what} stopped at the model's context of {engine.config.context_length} tokens after {min(short)} "
-            f"new tokens, short of --max-new-tokens {params.max_new_tokens}; --overflow slide keeps going")
+    return (f"{what} stopped at the model's context of {engine.config.context_length} tokens after "
+            f"{counted(min(short), 'new token')}, short of --max-new-tokens {params.max_new_tokens}; "
+            "--overflow slide keeps going")
 
 
 # (the modes of infer/quantize.py, named here so that --help does not import torch)

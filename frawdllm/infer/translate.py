@@ -13,7 +13,7 @@ model's context_length).
 Beam search keeps the `beam_size` best partial translations per sentence, ranked by the
 sum of their tokens' log-probabilities. A hypothesis that ends (EOS) is set aside with
 the score sum / lp, where lp = ((5 + length) / 6) ** alpha (GNMT's length penalty; alpha
-0.6 in the paper), so that longer translations are not ruled out just for having more
+0.6 in the paper; length: the tokens scored, its EOS included), so that longer translations are not ruled out just for having more
 terms. A sentence is done when it has `beam_size` ended hypotheses (or reaches its
 limit); the search stops when every sentence is done. With beam_size 1 it is greedy.
 
@@ -296,7 +296,9 @@ def translate_ids(
     max_extra: int = MAX_EXTRA, batch_size: int = 64,
 ) -> list[list[int]]:
     """Translations of token-id sources, batched by length (similar lengths together: less padding).
-    Every argument is checked, and the widest batch's memory, before the first is decoded."""
+    Every argument is checked, and the widest batch's memory, before the first is decoded. An
+    empty source translates to nothing (as `frawd translate run` leaves an empty line empty:
+    decoded, a source of padding alone made up a sentence)."""
     _require_int("batch_size", batch_size, 1)
     _check_model(model)
     if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
@@ -309,13 +311,15 @@ def translate_ids(
         if row and (min(row) < 0 or max(row) >= vocab):
             bad = min(row) if min(row) < 0 else max(row)
             raise ValueError(f"sources[{i}] holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
-    if not sources:
-        return []
-    widest = pad_batch(sorted(sources, key=len)[-batch_size:], model.config.pad_token_id)[0]  # the last batch
+    out: list[list[int]] = [[] for _ in sources]
+    order = sorted((i for i, row in enumerate(sources) if len(row)), key=lambda i: len(sources[i]))
+    if not order:
+        _check_search(model, pad_batch([[model.config.pad_token_id]], model.config.pad_token_id)[0], beam_size,
+                      alpha, max_extra)  # (the arguments are checked all the same)
+        return out
+    widest = pad_batch([sources[i] for i in order[-batch_size:]], model.config.pad_token_id)[0]  # the last batch
     _check_search(model, widest, beam_size, alpha, max_extra)
     device = next(model.parameters()).device
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out: list[list[int]] = [[] for _ in sources]
     for a in range(0, len(order), batch_size):
         chunk = order[a: a + batch_size]
         src, mask = pad_batch([sources[i] for i in chunk], model.config.pad_token_id, device)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, Seq2SeqConfig
 from ..errors import ConfigError
+from ..memory import check_model_fits
 from .block import TransformerBlock
 from .embeddings import Embeddings, rope_at, rope_tables
 from .norm import make_norm
@@ -95,7 +96,9 @@ def model_config(config: Any, cls: type[ModelConfig], model: str) -> ModelConfig
     if not isinstance(config, cls):
         hint = ": build a FrawdLLM from it" if wanted_seq2seq and isinstance(config, ModelConfig) else ""
         raise ConfigError(f"{model} needs a {cls.__name__}, got a {type(config).__name__}{hint}")
-    return dataclasses.replace(config)
+    cfg = dataclasses.replace(config)
+    check_model_fits(cfg, model)
+    return cfg
 
 
 def is_id_tensor(x: Any) -> bool:
