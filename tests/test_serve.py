@@ -658,7 +658,7 @@ def test_token_events_are_written_as_json_dumps_would(chat):
     from types import SimpleNamespace
 
     from frawdllm.infer.scheduler import Request
-    from frawdllm.serve.app import _Reply
+    from frawdllm.serve.replies import _Reply
 
     body = SimpleNamespace(model="m", stream_options=SimpleNamespace(include_usage=True))
     jobs = [Request([1], SamplingParams(num_samples=2), None)]
@@ -743,7 +743,7 @@ def test_truncate_drops_a_too_long_turn_with_its_answers_never_starting_at_a_rep
     first turn of the prompt: a reply without the message it answers."""
     from frawdllm import FrawdLLM, get_config
     from frawdllm.infer import Engine
-    from frawdllm.serve.app import _reach, _within_reach
+    from frawdllm.serve.prompts import _reach, _within_reach
     from frawdllm.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["sxrq"], kind="char")

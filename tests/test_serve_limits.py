@@ -310,16 +310,16 @@ def test_logprob_replies_are_built_off_the_event_loop(small_server, monkeypatch)
     logprob entries of a whole reply, a scoring reply and a stream's echoed prompt are now
     built on a worker thread."""
     url, _ = small_server
-    from frawdllm.serve import app as serve_app
+    from frawdllm.serve import replies
 
     threads = []
-    name = serve_app._completion_token  # (each logprob entry's token, named)
+    name = replies._completion_token  # (each logprob entry's token, named)
 
     def recorded(tokenizer, token):
         threads.append(threading.current_thread().name)
         return name(tokenizer, token)
 
-    monkeypatch.setattr(serve_app, "_completion_token", recorded)
+    monkeypatch.setattr(replies, "_completion_token", recorded)
     base = {"model": "m", "prompt": ["abc", "cab"], "n": 2, "echo": True, "logprobs": 2, "temperature": 0}
     for body in ({**base, "max_tokens": 3}, {**base, "max_tokens": 0}, {**base, "max_tokens": 1, "stream": True}):
         threads.clear()
@@ -389,10 +389,10 @@ def test_a_stream_whose_client_closed_without_reading_is_logged_and_counted_canc
     counted in /metrics as a 200 with every token and finish "stop": the stream, cancelled
     while it waited (here for its echoed prompt's logprobs, built on a worker thread), had
     all its jobs done. (A stream waiting for a write: the test above.)"""
-    from frawdllm.serve import app as serve_app
+    from frawdllm.serve import replies
 
-    release, name = threading.Event(), serve_app._completion_token  # (each logprob entry's token, named)
-    monkeypatch.setattr(serve_app, "_completion_token", lambda *args: release.wait(5) and name(*args))
+    release, name = threading.Event(), replies._completion_token  # (each logprob entry's token, named)
+    monkeypatch.setattr(replies, "_completion_token", lambda *args: release.wait(5) and name(*args))
     engine = test_engine(*varied_model(context_length=1024))
     try:
         with live_server({"m": engine}, ServeOptions()) as url:

@@ -17,7 +17,7 @@ from frawdllm.infer.sampling import SamplingParams, TokenLogprob
 from frawdllm.infer.scheduler import Request as Job
 from frawdllm.infer.textstream import TextStream
 from frawdllm.serve import ServeOptions
-from frawdllm.serve.app import _Reply
+from frawdllm.serve.replies import _Reply
 from frawdllm.tokenizer import byte_tokenizer, train_tokenizer
 from infer_helpers import one_thread  # noqa: F401  (autouse fixture)
 from serve_helpers import live_server, test_engine

@@ -4,7 +4,7 @@ They are the server's validation (a bad field is a 400 with OpenAI's error objec
 OpenAPI document (`/openapi.json`, which schema fuzzing reads). Types are strict, as
 OpenAI's are: `"n": "2"` or `"stream": "yes"` is a 400, not a guess. Fields the OpenAI API
 has and this server does not support are declared so that a value which would change the
-output is refused with a clear message (`serve/app.py: _refuse_unsupported`: penalties
+output is refused with a clear message (`serve/prompts.py: _refuse_unsupported`: penalties
 other than 0, logit_bias, tools, response_format...) rather than ignored; their
 neutral values (null, 0, 1, "text", "none") pass. Unknown fields are ignored, as
 OpenAI-compatible servers do, so that clients that always send extras (`user`...) work.
