@@ -206,6 +206,7 @@ def test_history_keeps_every_system_message_wherever_it_stands():
         ([*old, turn("system", "s"), turn("user", "d"), turn("assistant", "e"), newest], [2, 5]),
         ([turn("system", "s"), turn("system", "h"), *old, newest], [0, 1, 4]),
         ([*old, turn("system", "s"), turn("system", "h"), newest], [2, 3, 4]),
+        ([turn("assistant", "bbbb"), turn("user", "d"), turn("assistant", "e"), newest], [1, 2, 3]),  # (a greeting)
     ]:
         want = [messages[i] for i in kept]
         budget = len(tok.render_chat(want))

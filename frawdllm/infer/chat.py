@@ -8,9 +8,9 @@ project):
 A model sees at most `context_length` tokens, and the reply needs room too. `fit_history`
 drops the oldest exchanges, a user turn with the replies after it, until the rendered
 prompt leaves `reserve` tokens for the reply. The system messages (wherever they stand)
-and the newest user message always stay, and a shortened history starts with a user turn: a reply kept
-without its question would read as the model's own unprompted words and change the
-answers. When even they leave less than `reserve`, they are the prompt as long as they
+and the newest user message always stay, and a shortened history starts with a user
+turn: a reply kept without its question would read as the model's own unprompted words
+and change the answers. When even they leave less than `reserve`, they are the prompt as long as they
 fit the context, and the reply gets the room left (it ends there). `frawd chat` and the
 server's "truncate" go through it.
 
@@ -59,12 +59,13 @@ def fit_history(
                                                initial=0))
 
     def from_turn(start: int) -> tuple[list[int], int]:
-        """The prompt when the history restarts at `start` (the system messages before it kept), the count dropped."""
+        """The prompt when the history restarts at `start` (the system messages before it
+        kept), and the count of messages dropped."""
         kept = [m for i, m in enumerate(messages) if i >= start or system[i]]
         return tokenizer.render_chat(kept, add_generation_prompt=True), len(messages) - len(kept)
 
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-    for start in users[1:]:  # from a later user turn on: never from an answer on
+    for start in users:  # from a user turn on: never from an answer on
         if frame + systems_before[start] + after[start] <= budget:
             return from_turn(start)
     start = users[-1] if users else 0
