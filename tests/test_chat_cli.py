@@ -206,13 +206,15 @@ def test_history_keeps_every_system_message_wherever_it_stands():
         ([*old, turn("system", "s"), turn("user", "d"), turn("assistant", "e"), newest], [2, 5]),
         ([turn("system", "s"), turn("system", "h"), *old, newest], [0, 1, 4]),
         ([*old, turn("system", "s"), turn("system", "h"), newest], [2, 3, 4]),
-        ([turn("assistant", "bbbb"), turn("user", "d"), turn("assistant", "e"), newest], [1, 2, 3]),  # (a greeting)
     ]:
         want = [messages[i] for i in kept]
         budget = len(tok.render_chat(want))
         ids, dropped = fit_history(tok, messages, budget + 4, reserve=4)
         assert ids == tok.render_chat(want) and dropped == len(messages) - len(kept), (messages, tok.decode(ids))
         assert fit_history(tok, messages, budget + 3, reserve=4)[0] == ids  # too short for more: the same
+    greeted = [turn("assistant", "bbbb"), turn("user", "d"), turn("assistant", "e"), newest]  # (opens with an answer)
+    budget = len(tok.render_chat(greeted[1:]))
+    assert fit_history(tok, greeted, budget + 4, reserve=4) == (tok.render_chat(greeted[1:]), 1)
     systems = [turn("system", "a" * 5), turn("system", "b" * 5)]
     need = len(tok.render_chat([*systems, turn("user", "")]))
     with pytest.raises(FrawdError, match=f"^the system messages need {need} tokens .*shorten them$"):
