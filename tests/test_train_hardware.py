@@ -466,6 +466,7 @@ def test_after_a_cold_compile_the_next_warmup_is_predicted_from_the_cached_kerne
     key = device.machine_key(CPU) + "|fp32|shape-a"
     compiling.record_cost(key, warmup_s=137.5, speedup=2.0)
     assert compiling.compile_cost(key).warmup_s == pytest.approx(137.5 * compiling.CACHED_WARMUP_FRACTION)
+    assert compiling.compile_cost(key).source == "a quarter of the cold 138 s measured here: its kernels are cached"
     compiling.record_cost(key, warmup_s=28.4, speedup=2.0)  # measured with the kernels there
     assert compiling.compile_cost(key).warmup_s == 28.4
     shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # the kernels gone: the cold figure again
