@@ -479,7 +479,7 @@ def test_a_new_model_shape_guesses_the_warmup_measured_here_for_others(private_u
     compiling.record_cost(key, warmup_s=12.5, speedup=2.0)
     other = device.machine_key(CPU) + "|fp32|shape-b"
     assert compiling.compile_cost(other).warmup_s == 12.5 and compiling.compile_cost(other).source == "guessed"
-    assert compiling.compile_cost(key).speedup == 2.0 and compiling.compile_cost(key).source == "measured here"
+    assert compiling.compile_cost(key).speedup == 2.0 and "measured here" in compiling.compile_cost(key).source
 
 
 def test_a_run_too_short_to_time_compiled_steps_still_keeps_its_warmup(tmp_path, monkeypatch, private_user_cache):
