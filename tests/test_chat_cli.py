@@ -366,11 +366,21 @@ def test_with_a_seed_each_reply_draws_fresh_numbers_and_the_session_repeats(chat
     assert second == seeded_reply(chat_model, history, sample_seed(7, 1), 40)
     assert second != seeded_reply(chat_model, history, 7, 40)  # (what it drew before)
     assert "(conversation cleared)" in say(child, "/reset")
-    assert say(child, "a bad deed") == seeded_reply(chat_model, [{"role": "user", "content": "a bad deed"}], 7, 40)
-    assert "(conversation cleared)" in say(child, "/reset")
-    assert "seed=3" in say(child, "/params seed=3")
-    assert say(child, "he fed a badge") == seeded_reply(chat_model, [{"role": "user", "content": "he fed a badge"}],
-                                                        3, 40)
+    third = say(child, "a bad deed")
+    assert third == seeded_reply(chat_model, [{"role": "user", "content": "a bad deed"}], 7, 40)
+    history = [{"role": "user", "content": "a bad deed"}, {"role": "assistant", "content": third},
+               {"role": "user", "content": "he fed a badge"}]
+    assert "seed=3" in say(child, "/params seed=3")  # (no /reset: the count starts again all the same)
+    assert say(child, "he fed a badge") == seeded_reply(chat_model, history, 3, 40)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
+def test_system_alone_removes_the_system_message(chat_model):
+    child = spawn(chat_model, "--temperature", "0", "--max-new-tokens", "30", "--system", "be a bee")
+    assert "(system message removed)" in say(child, "/system")
+    assert say(child, "he fed a badge") == expected_reply(chat_model, [{"role": "user", "content": "he fed a badge"}],
+                                                          30)
     child.sendline("/quit")
     child.expect(pexpect.EOF)
 

@@ -42,6 +42,20 @@ def test_a_truncated_state_is_one_clear_line_and_a_good_one_loads(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_pruning_keeps_the_newest_and_the_best(tmp_path):
+    from frawdllm.train.checkpoint import CHECKPOINTS_DIR, prune
+
+    root = tmp_path / "run" / CHECKPOINTS_DIR
+    for step in (1, 2, 3, 4):
+        (root / f"step_{step:08d}" / "model").mkdir(parents=True)
+        for name in (STATE_FILE, "model/model.safetensors", "model/config.json"):
+            (root / f"step_{step:08d}" / name).write_bytes(b"x")
+    prune(tmp_path / "run", keep_last=1, keep_steps={2})  # step 2: the best so far
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    prune(tmp_path / "run", keep_last=1, keep_steps=set())
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
+
+
 def test_pruning_a_checkpoint_that_is_a_link_removes_the_link_only(tmp_path):
     """A checkpoint folder linked in from another run: pruning raised "cannot call rmtree on
     a symbolic link" (and had it followed the link, it would have deleted the other run's)."""

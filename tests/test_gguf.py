@@ -175,6 +175,7 @@ def test_gguf_embeds_the_tokenizer_and_chat_template(tmp_path, tokenizer):
     ids = {k: field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")}
     assert ids == {"bos": 2, "eos": 3, "padding": 0, "unknown": 1}
     assert field(reader, "tokenizer.ggml.add_bos_token") is False
+    assert field(reader, "tokenizer.ggml.add_eos_token") is False  # (llama.cpp would end every prompt with it)
     template = field(reader, "tokenizer.chat_template")
     assert template == CHAT_TEMPLATE
     jinja2 = pytest.importorskip("jinja2")

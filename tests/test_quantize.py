@@ -56,6 +56,8 @@ def test_quantized_model_replaces_every_linear_and_stays_close():
     assert torch.equal(model.embed.tok.weight, embedding)  # the (tied) embedding table stays exact
     stored, fp32 = int8_weight_bytes(model)
     assert before == (fp32, fp32) and stored < 0.27 * fp32
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert stored == sum(m.weight_int8.numel() + 4 * m.weight_int8.shape[0] for m in linears)  # a byte each, a scale a row
     assert ((out - reference).norm() / reference.norm()) < 0.05
     agree = (out.argmax(-1) == reference.argmax(-1)).float().mean()
     assert agree > 0.8

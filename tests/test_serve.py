@@ -278,6 +278,8 @@ def test_n_seed_and_stop(server):
     assert texts == [ch.text for ch in b.choices]
     assert texts != [ch.text for ch in other.choices]
     assert len(set(texts)) > 1  # the n samples differ from each other
+    capped = c.completions.create(model="varied", prompt=PROMPTS[1], max_tokens=4, n=4, seed=11)  # n at the cap
+    assert [ch.index for ch in capped.choices] == [0, 1, 2, 3]
     full = expected_completion(server["engine"], PROMPTS[4], max_new_tokens=30).text
     stop = full[12:15]
     got = c.completions.create(model="varied", prompt=PROMPTS[4], max_tokens=30, temperature=0, stop=[stop, "zzzz"])
@@ -415,6 +417,33 @@ def test_32_concurrent_streams_with_5_disconnecting(server):
     metrics = httpx.get(server["url"] + "/metrics").text
     assert 'frawd_time_to_first_token_seconds_count{model="varied"}' in metrics
     assert "frawd_queue_depth" in metrics and "frawd_tokens_per_second" in metrics
+
+
+def test_metrics_count_the_generated_tokens(server):
+    def generated() -> float:
+        text = httpx.get(server["url"] + "/metrics").text
+        found = re.search(r'^frawd_generated_tokens_total\{model="small"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0  # (a model's line appears with its first tokens)
+
+    before = generated()
+    got = client(server).completions.create(model="small", prompt=PROMPTS[2], max_tokens=9, temperature=0, n=2)
+    assert generated() == before + got.usage.completion_tokens and got.usage.completion_tokens > 2
+
+
+def test_the_tokens_per_second_gauge_is_the_rate_since_the_previous_read(monkeypatch):
+    from frawdllm.serve import metrics
+
+    from frawdllm.infer.scheduler import Scheduler
+
+    scheduler = Scheduler.__new__(Scheduler)  # (a count alone: no engine, no thread)
+    scheduler.generated_tokens = 1000
+    clock = iter([10.0, 10.5, 12.5])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    rate = metrics._Rate(scheduler)
+    scheduler.generated_tokens = 1010
+    assert rate() == 20.0  # 10 tokens in 0.5 s
+    scheduler.generated_tokens = 1110
+    assert rate() == 50.0  # 100 in the 2 s since
 
 
 @pytest.mark.timeout(200)

@@ -229,14 +229,21 @@ def test_header_records_magic_version_dtype_count_and_vocab(tmp_path, bpe):
     assert read_shard(tmp_path / "out" / "val.bin").shape == (0,)
 
 
+def test_ids_take_two_bytes_up_to_a_vocabulary_of_65536():
+    from frawdllm.data.shard_format import token_dtype
+
+    assert token_dtype(2**16) == np.uint16 and token_dtype(2**16 + 1) == np.uint32  # (ids 0..65,535 fit)
+
+
 def test_read_shard_rejects_bad_files(tmp_path):
     path = tmp_path / "s.bin"
     write_shard(path, np.arange(10), vocab_size=100)
     assert read_shard(path).tolist() == list(range(10))
     good = path.read_bytes()
-    path.write_bytes(good[:-3])
-    with pytest.raises(FrawdError, match="truncated or corrupt"):
-        read_shard(path)
+    for damaged in (good[:-3], good + b"\0\0\0\0"):  # cut short, or more bytes than the header promises
+        path.write_bytes(damaged)
+        with pytest.raises(FrawdError, match="truncated or corrupt"):
+            read_shard(path)
     path.write_bytes(b"NOTTOKEN" + good[8:])
     with pytest.raises(FrawdError, match="bad magic"):
         read_shard(path)

@@ -68,6 +68,16 @@ def test_capping_pytorch_hides_what_the_cap_excludes(monkeypatch, env, kept, hid
         device.cpu_features.cache_clear()
 
 
+def test_the_measured_peak_counts_two_flops_per_multiply_add(monkeypatch):
+    """A (size x size) @ (size x size) product is 2 size^3 FLOPs; the peak is that over the
+    fastest product's time (here each takes 0.25 s of a fake clock)."""
+    import itertools
+
+    clock = itertools.count(step=0.25)
+    monkeypatch.setattr(device.time, "perf_counter", lambda: next(clock))
+    assert device.measure_matmul_flops(CPU, "fp32", size=64, min_seconds=1.0) == 2 * 64**3 / 0.25
+
+
 def test_mfu_is_capped_and_na_without_a_peak():
     assert device.mfu(1000.0, 1e6, 1e10) == pytest.approx(0.1)
     assert device.mfu(1000.0, 1e6, None) is None

@@ -1107,3 +1107,12 @@ def test_a_peak_the_run_out_computes_is_dropped_from_the_cache_and_said(tmp_path
         Trainer(torch.nn.Linear(4, 1), Counted(8), generic_config(tmp_path / "given", max_steps=6, eval_interval=0,
                                                                   peak_tflops=1e-12)).fit()
     assert not [w for w in said if "matmul peak" in str(w.message)]
+
+
+def test_perplexity_is_e_to_the_loss_capped_where_a_float_overflows():
+    from frawdllm.train.evaluate import lm_metrics
+
+    assert lm_metrics(2.0, None) == {"loss": 2.0, "ppl": math.exp(2.0)}
+    assert lm_metrics(100.0, None)["ppl"] == math.exp(100.0)
+    assert lm_metrics(1e6, None, prefix="val_")["val_ppl"] == math.exp(700.0)  # (finite: exp(710) overflows)
+    assert lm_metrics(2.0, 4.0)["bpb"] == pytest.approx(2.0 / math.log(2) / 4.0)
