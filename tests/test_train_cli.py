@@ -148,6 +148,28 @@ def test_frawd_eval_with_a_too_small_split_of_a_shard_folder_says_to_prepare_it_
         "--context-length"), result.stderr
 
 
+def test_frawd_eval_of_a_split_exactly_one_window_long_gives_the_same_advice(tmp_path, capsys):
+    """A window of `context` inputs reads context + 1 tokens: a split of exactly `context`
+    tokens is too small too, and gets the advice, not the loader's generic message."""
+    text = "\n\n".join(f"document number {i} holds some words." for i in range(40))
+    (tmp_path / "c.txt").write_text(text)
+    tok = train_tokenizer([text], kind="char")
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_head=2, n_embd=32, context_length=256, vocab_size=tok.vocab_size))
+    model.save_pretrained(tmp_path / "model", tokenizer=tok)
+    n = prepare_shards(str(tmp_path / "c.txt"), tok, tmp_path / "shards", val_fraction=0.05)["val_tokens"]
+    assert 16 < n < 256
+    for context in (n, n - 1):
+        result = frawd_here(capsys, "eval", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "shards"),
+                            "--context-length", str(context))
+        if context == n:
+            assert result.returncode == 1 and result.stderr.strip() == (
+                f"frawd: error: the val split has {n} tokens, too few for one window of {n} (it takes {n + 1}: each "
+                f"position predicts the next token); prepare {tmp_path / 'shards'} again with a larger --val-fraction "
+                "or a shorter --context-length"), result.stderr
+        else:
+            assert result.returncode == 0, result.stderr  # one window fits
+
+
 def test_frawd_eval_notes_raw_source_flags_given_with_a_shard_folder(corpus, tmp_path):
     """A shard folder keeps the split it was prepared with; a --val-fraction given anyway
     gets a one-line note on stderr, not silence, and one left at its default gets nothing."""
