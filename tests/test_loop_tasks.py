@@ -203,6 +203,30 @@ def test_a_time_budget_decays_to_the_floor_by_the_last_step(tmp_path):
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # a cosine never rises (a reserve re-estimated each step moved it)
 
 
+class LoadArrivesTask(SlowEvaluationTask):
+    """Steps twice as slow from the third on (load arriving mid-run)."""
+
+    calls = 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        if self.calls > 2:
+            time.sleep(0.005)
+        return super().loss(model, batch)
+
+
+def test_a_time_budget_whose_steps_slow_down_still_decays_to_the_floor(tmp_path):
+    """The schedule's reserve was fixed at its first estimate while the stop rule's grew with
+    the slower steps: training stopped with the rate at 0.4-0.5 of its peak (floor 0)."""
+    cfg = config(tmp_path, max_steps=None, max_time="5s", eval_interval=0, lr=1.0, min_lr_ratio=0.0,
+                 schedule="cosine", log_interval=1)
+    result = Trainer(torch.nn.Linear(4, 1), LoadArrivesTask(), cfg).fit()
+    assert result.stop_reason == "max_time"
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
+    assert len(lrs) > 20 and lrs[-1] < 0.1, (len(lrs), lrs[-1])
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # (the reserve only grows: the rate never rises)
+
+
 def test_a_task_mistake_on_a_compiled_first_step_is_not_taken_for_a_compile_failure(tmp_path, monkeypatch):
     """The check ran inside the first compiled step's retry: "torch.compile failed (TypeError:
     the task's loss has no gradient); training without it", and the machine's compile cache

@@ -122,14 +122,15 @@ class Dist:
         return out
 
     def agree_stop(self, main_reason: str | None, interrupted: bool, reasons: tuple,
-                   device: torch.device) -> str | None:
-        """One stop decision for all ranks: rank 0's budget check, or a signal on any rank."""
+                   device: torch.device, seconds: float = 0.0) -> tuple[str | None, float]:
+        """One stop decision for all ranks: rank 0's budget check, or a signal on any rank; and,
+        in the same collective, the largest of the ranks' `seconds` (to the microsecond)."""
         if not self.active:
-            return "interrupted" if interrupted else main_reason
+            return ("interrupted" if interrupted else main_reason), seconds
         code = reasons.index(main_reason) if self.is_main else 0
-        t = torch.tensor([code, int(interrupted)], dtype=torch.int64, device=device)
+        t = torch.tensor([code, int(interrupted), round(seconds * 1e6)], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return "interrupted" if int(t[1]) else reasons[int(t[0])]
+        return ("interrupted" if int(t[1]) else reasons[int(t[0])]), int(t[2]) / 1e6
 
     def barrier(self) -> None:
         if self.active:

@@ -593,8 +593,14 @@ class Trainer:
             _bar_update(bar, self, record)
             for callback in self.callbacks:
                 callback(self, record)
-            self.stop_reason = self.dist.agree_stop(self._check_stop(), self._signal is not None,
-                                                    STOP_REASONS, self.device)
+            # A time budget's schedule keeps the largest reserve the stop rule has needed (agreed by
+            # every rank): fixed at its first estimate, a run whose steps slowed down stopped early
+            # with the rate far above its floor (0.4-0.5 of the peak where the floor was 0).
+            reserve = self._schedule_reserve() if self._schedule_reserve_s is not None else 0.0
+            self.stop_reason, reserve = self.dist.agree_stop(self._check_stop(), self._signal is not None,
+                                                             STOP_REASONS, self.device, reserve)
+            if self._schedule_reserve_s is not None:
+                self._schedule_reserve_s = max(self._schedule_reserve_s, reserve)
             # no checkpoint in the middle of a NaN streak: the last one stays the last good one
             if self.stop_reason is None and cfg.eval_interval and self.step % cfg.eval_interval == 0 \
                     and not self.bad_steps:
@@ -772,9 +778,11 @@ class Trainer:
     def _learning_rate(self) -> float:
         """This step's rate, at the progress the schedule follows: a time budget's training
         stops early by the final evaluation's reserve (else a short run's cosine ended at a
-        quarter to half of its peak). The reserve is estimated once, after the run's first
-        evaluation, on rank 0 for every rank, and kept in checkpoints: re-estimated each step,
-        it moved the rate back up, and differed between ranks.
+        quarter to half of its peak). The reserve is estimated after the run's first
+        evaluation, on rank 0 for every rank, then grows to the largest the stop rule has needed
+        since (agreed by every rank at each step's stop check; `_schedule_reserve`), and is kept
+        in checkpoints: it never shrinks (a reserve that did moved the rate back up), and a run
+        whose steps slowed down still reaches its floor where it stops.
 
         The step where warmup ends keeps its counters (`_warmup_end`): the decay starts at
         their progress, which a resume recomputes under its own budget, so that a run resumed
@@ -785,6 +793,11 @@ class Trainer:
         if ending and self.schedule.warmup_end_progress is not None:
             self._warmup_end = [*at, reserve]
         return lr
+
+    def _schedule_reserve(self) -> float:
+        """The time a budget's training must stop short of its end, as the stop rule now
+        sees it: the final evaluation's reserve and a step (`_check_stop`)."""
+        return self._final_eval_s() + self._step_s() if self.cfg.max_time_s else 0.0
 
     def _budget(self) -> list:
         return [self.cfg.max_steps, self.cfg.max_tokens, self.cfg.max_time_s]
