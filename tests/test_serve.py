@@ -420,14 +420,20 @@ def test_32_concurrent_streams_with_5_disconnecting(server):
 
 
 def test_metrics_count_the_generated_tokens(server):
-    def generated() -> float:
+    def read(name: str) -> float:
         text = httpx.get(server["url"] + "/metrics").text
-        found = re.search(r'^frawd_generated_tokens_total\{model="small"\} (\S+)$', text, re.M)
-        return float(found.group(1)) if found else 0.0  # (a model's line appears with its first tokens)
+        found = re.search(rf'^{name}\{{model="small"\}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0  # (a model's line appears with its first figures)
 
-    before = generated()
+    names = ("frawd_generated_tokens_total", "frawd_time_to_first_token_seconds_count",
+             "frawd_time_to_first_token_seconds_sum")
+    before = [read(name) for name in names]
+    start = time.perf_counter()
     got = client(server).completions.create(model="small", prompt=PROMPTS[2], max_tokens=9, temperature=0, n=2)
-    assert generated() == before + got.usage.completion_tokens and got.usage.completion_tokens > 2
+    took = time.perf_counter() - start
+    generated, ttfts, ttft_s = (read(name) - was for name, was in zip(names, before))
+    assert generated == got.usage.completion_tokens and got.usage.completion_tokens > 2
+    assert ttfts == 1 and 0 < ttft_s < took  # one request: its first token's wait, within the request's time
 
 
 def test_the_tokens_per_second_gauge_is_the_rate_since_the_previous_read(monkeypatch):
