@@ -27,6 +27,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -59,7 +60,7 @@ def short_bpe_note(tok: Tokenizer, asked: int) -> str | None:
     if tok.vocab_size >= asked:
         return None
     return (f"note: the corpus gave {tok.vocab_size:,} tokens, not the {asked:,} asked for "
-            "(BPE stops when no pair of tokens occurs twice)")
+            "(BPE stops once every word of the corpus is one token; a larger corpus gives more)")
 
 
 def check_bpe_vocab_size(vocab_size: int) -> int:
@@ -430,6 +431,28 @@ def _byte_level(backend: _HFTokenizer, use_regex: bool) -> None:
     backend.decoder = decoders.ByteLevel()
 
 
+_WORD_START = re.compile(r"(?<=\S)[ \t\r\n]")
+_TRAIN_PIECE_CHARS = 1 << 16
+
+
+def cut_at_word_starts(text: str, chars: int) -> list[str]:
+    """`text` cut into pieces of about `chars` characters (or more) where byte-level BPE's
+    GPT-2 regex starts a pre-token anyway: at a space, tab or newline right after a
+    non-space character (no pattern spans a non-space and a following whitespace character,
+    and none looks behind). Each piece then splits into the pre-tokens the whole would, so
+    training counts the same words and encoding gives the same ids; a text with no such
+    place after `chars` is one piece."""
+    pieces, start = [], 0
+    while len(text) - start > chars:
+        match = _WORD_START.search(text, start + chars)
+        if match is None:
+            break
+        pieces.append(text[start:match.start()])
+        start = match.start()
+    pieces.append(text[start:])
+    return pieces
+
+
 def _train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool) -> Tokenizer:
     check_bpe_vocab_size(vocab_size)
     backend = _HFTokenizer(models.BPE())
@@ -441,8 +464,11 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool) -> To
         show_progress=show_progress,
     )
     seen = _CountingIterator(texts)
+    # A long document goes in pieces: the trainer's pre-tokenizer holds ~90 bytes a character
+    # of the text it is given (a 40 MB one-line file took 3.7 GB; in pieces, 0.46 GB).
+    pieces = (piece for text in seen for piece in cut_at_word_starts(text, _TRAIN_PIECE_CHARS))
     with _stdout_to_stderr() if show_progress else nullcontext():
-        _interruptible(lambda: backend.train_from_iterator(seen, trainer))
+        _interruptible(lambda: backend.train_from_iterator(pieces, trainer))
     if seen.count == 0:
         raise FrawdError("cannot train a tokenizer on an empty corpus")
     return Tokenizer(backend, "bpe")

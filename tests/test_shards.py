@@ -1020,3 +1020,11 @@ def test_the_bar_has_a_total_only_where_it_counts_the_whole_file(tmp_path):
     assert _source_bytes(str(tmp_path / "a.txt")) == 16
     assert _source_bytes(str(tmp_path / "b.jsonl")) is None
     assert _source_bytes(str(tmp_path)) is None  # (a folder holding one)
+    # gzip known by its first bytes (the bar passed 100%: 7.9 MB of text out of 3.5 MB), UTF-16
+    # (twice its UTF-8: the bar jumped from 46% to 100%), and JSON Lines named .ndjson or .json
+    import gzip
+
+    for name, data in (("c.txt", gzip.compress(b"some text\n" * 50)), ("d.txt", "some text\n".encode("utf-16")),
+                       ("e.ndjson", b'{"text": "x"}\n'), ("f.json", b'{"text": "x"}\n')):
+        (tmp_path / name).write_bytes(data)
+        assert _source_bytes(str(tmp_path / name)) is None, name

@@ -444,6 +444,59 @@ def test_a_file_opening_with_a_utf16_or_utf32_byte_order_mark_is_decoded_as_such
     assert stats.replaced == 0
 
 
+@pytest.mark.parametrize("packing", ["gz", "bz2", "xz"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_compressed_utf16_or_utf32_text_is_decoded_as_the_plain_file_is(tmp_path, encoding, packing):
+    # (a gzipped UTF-16 file was read as UTF-8: "h\0e\0l\0l\0o", only its BOM counted as bad bytes)
+    import importlib
+
+    text = "First Citizen:\nBefore we proceed\n\nδέλτα 🙂\n"
+    plain, packed = tmp_path / "win.txt", tmp_path / f"win.txt.{packing}"
+    plain.write_bytes(text.encode(encoding))
+    packed.write_bytes(importlib.import_module({"xz": "lzma", "gz": "gzip"}.get(packing, packing)).compress(plain.read_bytes()))
+    stats = SourceStats()
+    assert list(iter_documents(str(packed), stats=stats)) == ["First Citizen:\nBefore we proceed", "δέλτα 🙂"]
+    assert stats.replaced == 0
+    (tmp_path / "w.jsonl").write_bytes(json.dumps({"text": "δέλτα"}, ensure_ascii=False).encode(encoding))
+    (tmp_path / "w.jsonl.gz").write_bytes(gzip.compress((tmp_path / "w.jsonl").read_bytes()))
+    assert list(iter_documents(str(tmp_path / "w.jsonl.gz"))) == ["δέλτα"]
+
+
+@pytest.mark.parametrize("packing", ["", ".gz"])
+def test_a_tar_archive_is_one_line_saying_to_unpack_it(tmp_path, packing):
+    # (a .tar or .tar.gz of text files was read as text: headers, NULs and modes in the vocabulary)
+    import tarfile
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("some text\n" * 50, encoding="utf-8")
+    archive = tmp_path / f"corpus.tar{packing}"
+    with tarfile.open(archive, "w:gz" if packing else "w") as tar:
+        tar.add(tmp_path / "src", arcname="src")
+    said = f"{archive} is a tar archive, which is not read here: unpack it (tar xf {archive}) and give the folder"
+    with pytest.raises(FrawdError, match=re.escape(said)):
+        list(iter_documents(str(archive)))
+    assert list(iter_documents(str(tmp_path / "src"))) == ["some text\n" * 49 + "some text"]  # (a text file is not)
+
+
+def test_ndjson_and_json_lines_named_json_are_records(tmp_path):
+    # (both were read as text: one document of braces and quotes, while hf:FOLDER read the records)
+    lines = "".join(json.dumps({"text": f"line {i}", "id": i}) + "\n" for i in range(3))
+    for name in ("a.ndjson", "b.json"):
+        (tmp_path / name).write_text(lines, encoding="utf-8")
+    (tmp_path / "c.json.gz").write_bytes(gzip.compress(lines.encode()))
+    for name in ("a.ndjson", "b.json", "c.json.gz"):
+        assert list(iter_documents(str(tmp_path / name))) == ["line 0", "line 1", "line 2"], name
+    # a JSON document that is not such records (a config among code, an array, another field) is text
+    config = '{\n  "name": "pkg",\n  "text": "x"\n}\n'
+    (tmp_path / "package.json").write_text(config, encoding="utf-8")
+    (tmp_path / "array.json").write_text('[{"text": "a"}]\n', encoding="utf-8")
+    (tmp_path / "other.json").write_text(json.dumps({"body": "a"}) + "\n", encoding="utf-8")
+    assert list(iter_documents(str(tmp_path / "package.json"))) == [config.strip("\n")]
+    assert list(iter_documents(str(tmp_path / "array.json"))) == ['[{"text": "a"}]']
+    assert list(iter_documents(str(tmp_path / "other.json"))) == ['{"body": "a"}']
+    assert list(iter_documents(str(tmp_path / "other.json"), text_field="body")) == ["a"]
+
+
 def test_a_split_given_for_a_saved_dataset_without_splits_is_refused(tmp_path, monkeypatch):
     # (hf:DIR@no_such_split read the rows of the one saved Dataset)
     datasets = pytest.importorskip("datasets")

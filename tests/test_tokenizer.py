@@ -2,6 +2,7 @@
 naive pure-Python BPE encoder that reads the merges from tokenizer.json."""
 
 import json
+import random
 import os
 import re
 import subprocess
@@ -404,8 +405,41 @@ def test_cli_notes_a_vocabulary_smaller_than_asked(tmp_path, capsys):
     size = Tokenizer.load(tmp_path / "t" / "tokenizer.json").vocab_size
     assert code == 0 and size < 1_000_000 and f"vocab_size: {size} " in out
     assert f"note: the corpus gave {size:,} tokens, not the 1,000,000 asked for" in err
+    assert err.endswith("(BPE stops once every word of the corpus is one token; a larger corpus gives more)\n")
     code, _, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--vocab-size", "300", "--out", tmp_path / "u")
     assert code == 0 and "note:" not in err
+    code, _, err = run_cli(capsys, "tokenizer", "train", "--data", corpus, "--out", tmp_path / "v")  # (the default)
+    size = Tokenizer.load(tmp_path / "v" / "tokenizer.json").vocab_size
+    assert code == 0 and f"note: the corpus gave {size:,} tokens, not the 8,192 asked for" in err
+
+
+def test_bpe_training_on_a_long_document_gives_the_whole_ones_tokenizer_in_bounded_memory(tmp_path):
+    """A long document goes to the trainer in pieces cut where a pre-token starts anyway:
+    the same merges as training on it whole (against the `tokenizers` trainer given the
+    whole document), and a 4 MB one-line file took ~400 MB where its pieces take ~100 MB
+    (~90 bytes a character of the longest text given to the trainer)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 9))) for _ in range(3000)]
+    doc = "".join(rng.choice(words) + rng.choice([" ", " ", "  ", "\n", "\t", ". ", ", "]) for _ in range(60_000))
+    ours = train_tokenizer([doc], vocab_size=1500)
+    whole = HFTokenizer(models.BPE())
+    whole.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    whole.decoder = decoders.ByteLevel()
+    whole.train_from_iterator([doc], trainers.BpeTrainer(vocab_size=1500, special_tokens=SPECIAL_TOKENS,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert len(doc) > 4 * 65536 and ours.backend.to_str() == whole.to_str()
+    # (VmHWM, this process's peak: ru_maxrss keeps the forking parent's, pytest's, across exec)
+    script = ("import re; from frawdllm.tokenizer import train_tokenizer; "
+              "peak = lambda: int(re.search(r'VmHWM:\\s*(\\d+) kB', open('/proc/self/status').read())[1]) * 1024; "
+              "line = ' '.join(f'w{i % 5000}' for i in range(600_000)); base = peak(); "  # (4.1 MB, one line)
+              "train_tokenizer([line], vocab_size=300); print((peak() - base) / len(line))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) < 40  # bytes of peak memory a character (~90 given whole)
 
 
 def test_token_bytes_put_together_are_the_texts_bytes():

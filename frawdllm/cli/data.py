@@ -16,8 +16,8 @@ def data_source_options(command):
                            help="Field (JSONL) or column (Parquet, hf:) holding the text.")(command)
     command = click.option(
         "--data", required=True, metavar="SRC",
-        help="stdlib (built in), a text file (.gz ok), a folder, a quoted glob, .jsonl[.gz], "
-             ".parquet, or hf:NAME[:CONFIG][@SPLIT].")(command)
+        help="stdlib (built in), a text file (.gz ok), a folder, a quoted glob, .jsonl[.gz] (or JSON Lines named "
+             ".ndjson or .json), .parquet, or hf:NAME[:CONFIG][@SPLIT].")(command)
     return command
 
 

@@ -74,7 +74,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     tok.save(path)
     if stats.warning():
         click.echo(f"warning: {stats.warning()}", err=True)
-    note = short_bpe_note(tok, vocab_size) if kind == "bpe" and vocab_size is not None else None
+    note = short_bpe_note(tok, size) if kind == "bpe" else None
     if note:
         click.echo(note, err=True)
     click.echo(f"kind: {tok.kind}")

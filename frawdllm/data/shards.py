@@ -59,7 +59,7 @@ from ..cbuild import usable_cpus
 from ..config import is_integer
 from ..errors import FrawdError
 from ..io import _fsync_wanted, atomic_path, clean_partial, new_folders, sync_path, undo_on_error, write_json_atomic
-from ..tokenizer import FOREIGN_DOCUMENT_ENDS, TOKENIZER_FILE, Tokenizer
+from ..tokenizer import FOREIGN_DOCUMENT_ENDS, TOKENIZER_FILE, Tokenizer, cut_at_word_starts
 from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
                            read_shard, token_dtype)
 from .sources import (BUILTIN_SOURCES, SourceStats, hf_local_path, is_glob, iter_documents, parse_hf_spec, source_files,
@@ -587,20 +587,7 @@ def _piece_splitter(tok: Tokenizer):
     if not (pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space")
             and normalizer is None and setup["model"].get("type") == "BPE"):
         return lambda text: [text]
-    boundary = re.compile(r"(?<=\S)[ \t\r\n]")  # (a one-line document of words is cut too)
-
-    def split(text: str) -> list[str]:
-        pieces, start = [], 0
-        while len(text) - start > PIECE_CHARS:
-            match = boundary.search(text, start + PIECE_CHARS)
-            if match is None:
-                break
-            pieces.append(text[start:match.start()])
-            start = match.start()
-        pieces.append(text[start:])
-        return pieces
-
-    return split
+    return lambda text: cut_at_word_starts(text, PIECE_CHARS)
 
 
 def _batches(documents: Iterable[str], val_fraction: float, splitter, batch_chars: int) -> Iterator[_Batch]:
@@ -778,13 +765,25 @@ def _text_bytes(ids: np.ndarray, tok: Tokenizer) -> int:
 # ---- progress --------------------------------------------------------------------------------------
 
 def _source_bytes(data: str) -> int | None:
-    """Total size of a plain-text source (the progress bar's 100%: the bar counts document
-    text), else None (compressed files, and JSONL or Parquet, whose documents are a part of
-    their bytes)."""
+    """Total size of a plain UTF-8 text source (the progress bar's 100%: the bar counts
+    document text), else None: compressed files (by suffix or first bytes), UTF-16 or UTF-32
+    text (twice or four times its UTF-8), and JSON or Parquet, whose documents are a part of
+    their bytes."""
     files = source_files(data)
-    if files is None or any(p.name.lower().endswith((".gz", ".bz2", ".xz", ".parquet", ".jsonl")) for p in files):
+    if files is None or any(p.name.lower().endswith((".gz", ".bz2", ".xz", ".parquet", ".jsonl", ".ndjson", ".json"))
+                            or not _plain_utf8(p) for p in files):
         return None
     return sum(p.stat().st_size for p in files)
+
+
+def _plain_utf8(path: Path) -> bool:
+    from .sources import plain_text_head
+
+    try:
+        with open(path, "rb") as f:
+            return plain_text_head(f.read(8))
+    except OSError:
+        return False  # (reading it says what is wrong)
 
 
 def _progress_bar(enabled: bool, total: int | None):

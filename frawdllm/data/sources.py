@@ -9,7 +9,9 @@
                                  and so is one holding such a folder, at any depth
     'data/*.txt', 'data/**/*.gz' a glob (quote it in the shell), sorted; a path that exists
                                  is that path, even if its name holds [ ] * ?
-    *.jsonl[.gz|.bz2|.xz]        one JSON object a line; its `text_field` is the document
+    *.jsonl, *.ndjson[.gz|...]   one JSON object a line; its `text_field` is the document
+    *.json[.gz|.bz2|.xz]         the same when its first line is such an object (Hugging Face
+                                 data files are JSON Lines named .json), else read as text
     *.parquet                    the `text_field` column, through pyarrow
     hf:NAME[:CONFIG][@SPLIT]     a Hugging Face dataset through `datasets` (split: train);
                                  NAME may be a local dataset directory
@@ -39,7 +41,7 @@ import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import urlparse
 
 from ..errors import FrawdError
@@ -65,6 +67,10 @@ _NOT_READ = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -d"), b"PK\x03\x04": ("zip", "u
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
          (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 _READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)  # what a corrupt compressed file raises
+_PACKED = ("", ".gz", ".bz2", ".xz")
+_JSONL_SUFFIXES = tuple(base + packed for base in (".jsonl", ".ndjson") for packed in _PACKED)
+_JSON_SUFFIXES = tuple(".json" + packed for packed in _PACKED)
+_HEAD_BYTES = 512  # enough for a tar header's "ustar" (at byte 257)
 
 
 def _count_and_replace(exc: UnicodeError) -> tuple[str, int]:
@@ -312,7 +318,7 @@ def file_documents(files: list[Path], text_field: str, doc_split: str, stats: So
     for path in files:
         stats.files += 1
         name = path.name.lower()
-        if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz")):
+        if name.endswith(_JSONL_SUFFIXES) or (name.endswith(_JSON_SUFFIXES) and _opens_a_record(path, text_field)):
             yield from _jsonl_documents(path, text_field, stats)
         elif name.endswith(".parquet"):
             yield from _parquet_documents(path, text_field)
@@ -322,22 +328,60 @@ def file_documents(files: list[Path], text_field: str, doc_split: str, stats: So
 
 def _open_text(path: Path, newline: str = "") -> io.TextIOBase:
     """Open as UTF-8 text, unpacking gzip, bzip2 and xz files (by suffix or first bytes) and
-    refusing in one line other compressed files; a file opening with a UTF-16 or UTF-32
-    byte-order mark is decoded as such. Bad bytes become U+FFFD and are counted.
-    newline="" keeps the text exactly as stored; "\n" also makes readline() end lines at
-    "\n" alone (JSON Lines: a lone "\r" is whitespace inside a record, not a line end)."""
+    refusing in one line other compressed files and tar archives; text opening with a UTF-16
+    or UTF-32 byte-order mark (compressed or not) is decoded as such. Bad bytes become U+FFFD
+    and are counted. newline="" keeps the text exactly as stored; "\n" also makes readline()
+    end lines at "\n" alone (JSON Lines: a lone "\r" is whitespace inside a record, not a
+    line end)."""
+    opener, head = _binary_opener(path)
+    encoding = next((codec for bom, codec in _BOMS if head.startswith(bom)), "utf-8")
+    if opener is open:
+        return open(path, encoding=encoding, errors=_ERRORS, newline=newline)
+    return opener(path, "rt", encoding=encoding, errors=_ERRORS, newline=newline)
+
+
+def _binary_opener(path: Path) -> tuple[Callable, bytes]:
+    """How to open a file's bytes (a decompressor or `open`), and the first bytes of what
+    it gives; a file of a kind that is not read here is one line saying how to unpack it."""
     with open(path, "rb") as f:
-        head = f.read(8)
-    name = path.name.lower()
-    for suffix, (magic, opener) in _DECOMPRESSORS.items():
-        if name.endswith(suffix) or head.startswith(magic):
-            return opener(path, "rt", encoding="utf-8", errors=_ERRORS, newline=newline)
+        head = f.read(_HEAD_BYTES)
+    opener = next((opener for suffix, (magic, opener) in _DECOMPRESSORS.items()
+                   if path.name.lower().endswith(suffix) or head.startswith(magic)), open)
+    if opener is not open:
+        try:
+            with opener(path, "rb") as f:
+                head = f.read(_HEAD_BYTES)  # (what the decompressed stream starts with)
+        except _READ_ERRORS as exc:  # a corrupt compressed file
+            raise FrawdError(f"{path}: cannot read ({exc})") from None
     for magic, (kind, command) in _NOT_READ.items():
         if head.startswith(magic):
             raise FrawdError(f"{path} is compressed with {kind}, which is not read here (gzip, bzip2 and xz are): "
                              f"decompress it first ({command} {path})")
-    encoding = next((codec for bom, codec in _BOMS if head.startswith(bom)), "utf-8")
-    return open(path, encoding=encoding, errors=_ERRORS, newline=newline)
+    if head[257:262] == b"ustar":  # (POSIX and GNU tar headers; its members' bytes would pass for text)
+        raise FrawdError(f"{path} is a tar archive, which is not read here: unpack it (tar xf {path}) and give "
+                         "the folder")
+    return opener, head
+
+
+def plain_text_head(head: bytes) -> bool:
+    """Whether a file starting with `head` is read as it is, UTF-8 (not compressed, not UTF-16/32)."""
+    return not any(head.startswith(magic) for magic, _ in _DECOMPRESSORS.values()) \
+        and not any(head.startswith(bom) for bom, _ in _BOMS)
+
+
+def _opens_a_record(path: Path, text_field: str) -> bool:
+    """Whether a .json file is JSON Lines: its first non-blank line a JSON object with the
+    text field (a pretty-printed or other JSON document, e.g. a config in a folder of code,
+    is text)."""
+    with _open_text(path, newline="\n") as f:
+        try:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line.removeprefix(BOM))
+                    return isinstance(record, dict) and text_field in record
+        except (ValueError, *_READ_ERRORS):  # (not JSON: text; a corrupt file is said when it is read)
+            return False
+    return False
 
 
 def _read(f: io.TextIOBase, size: int, path: Path, stats: SourceStats) -> str:
