@@ -1,6 +1,7 @@
 """Schedules, durations, config layering and optimizer groups: the loop's small parts."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -89,6 +90,41 @@ def test_config_file_is_overridden_by_flags_and_model_overrides_merge(tmp_path):
     assert cfg.lr == 3e-3 and isinstance(cfg.lr, float)  # YAML reads 3e-3 as a string; coerced
     assert cfg.batch_size == 9 and cfg.max_time_s == 100
     assert cfg.model == {"n_layer": 3, "n_embd": 32}
+
+
+@pytest.mark.parametrize("cls", ["TranslateConfig", "PretrainConfig"])
+def test_min_lr_ratio_given_with_a_schedule_without_a_floor_is_refused(tmp_path, cls):
+    # (noam, translate train's default, ignored --min-lr-ratio 0.5: the rate fell to 1% of the peak)
+    from frawdllm.train.translation_config import TranslateConfig
+
+    cls = {"TranslateConfig": TranslateConfig, "PretrainConfig": PretrainConfig}[cls]
+    for schedule, why in (("noam", "decays as 1/sqrt(step), with no floor"), ("constant", "does not decay")):
+        with pytest.raises(ConfigError, match=re.escape(f"--min-lr-ratio 0.5: the {schedule} schedule {why}; leave "
+                                                        "it out, or choose a schedule that decays to it")):
+            build_config(cls, None, {"min_lr_ratio": 0.5, "schedule": schedule})
+    assert build_config(cls, None, {"min_lr_ratio": 0.5, "schedule": "cosine"}).min_lr_ratio == 0.5
+    # a config file may hold both (a run's config.yaml, rerun, lists every field), and a
+    # --schedule over a file's cosine and floor is the user's choice
+    (tmp_path / "c.yaml").write_text("schedule: noam\nmin_lr_ratio: 0.5\n")
+    assert build_config(cls, tmp_path / "c.yaml", {}).schedule == "noam"
+    (tmp_path / "d.yaml").write_text("schedule: cosine\nmin_lr_ratio: 0.5\n")
+    assert build_config(cls, tmp_path / "d.yaml", {"schedule": "noam"}).schedule == "noam"
+
+
+def test_a_flag_for_one_of_two_alternatives_clears_the_config_files_other(tmp_path):
+    # (configs/multi30k.yaml's vocab_size: 8000 with --tokenizer was refused, blaming a
+    # --vocab-size never given, and nothing on the command line could clear it)
+    from frawdllm.train.translation_config import TranslateConfig
+
+    (tmp_path / "v.yaml").write_text("vocab_size: 8000\nlr: 0.002\n")
+    cfg = build_config(TranslateConfig, tmp_path / "v.yaml", {"tokenizer": "tok.json"})
+    assert (cfg.tokenizer, cfg.vocab_size, cfg.lr) == ("tok.json", None, 0.002)
+    (tmp_path / "t.yaml").write_text("tokenizer: tok.json\n")
+    cfg = build_config(TranslateConfig, tmp_path / "t.yaml", {"vocab_size": 500})
+    assert (cfg.tokenizer, cfg.vocab_size) == (None, 500)
+    both = build_config(TranslateConfig, tmp_path / "v.yaml", {"tokenizer": "tok.json", "vocab_size": 500})
+    assert (both.tokenizer, both.vocab_size) == ("tok.json", 500)  # (both given: refused by check_translation)
+    assert build_config(TranslateConfig, tmp_path / "v.yaml", {}).vocab_size == 8000
 
 
 def test_config_errors_name_the_field(tmp_path):

@@ -103,6 +103,23 @@ def _stdin(data: bytes):
     return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
 
 
+def test_whitespace_around_a_sentence_changes_nothing(trained, capsys):
+    # (a trailing space or tab became tokens the model had almost never seen: the same sentence
+    # got four translations); training reads each side the same way
+    from frawdllm.data.parallel import encode_pairs
+    from frawdllm.tokenizer import Tokenizer
+
+    model = trained / "run" / "model"
+    code, out, _ = run_cli(capsys, "translate", "run", "--model", model, "--beam", "2", "ein mann", "ein mann  ",
+                           "ein mann\t", "  ein mann", "ein hund", " ein hund \t")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 6 and len(set(lines[:4])) == 1 and lines[4] == lines[5]
+    tok = Tokenizer.load(model / "tokenizer.json")
+    assert tok.encode("ein mann ") != tok.encode("ein mann")
+    padded = encode_pairs(tok, [" ein mann\t", "ein hund"], ["a man ", "\ta dog"], None)
+    assert padded.pairs == encode_pairs(tok, ["ein mann", "ein hund"], ["a man", "a dog"], None).pairs
+
+
 def test_run_names_a_stdin_line_that_is_not_utf8(trained, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", _stdin(b"ein mann\n\xff\xfe bad\n"))
     code, out, err = run_cli(capsys, "translate", "run", "--model", trained / "run" / "model")

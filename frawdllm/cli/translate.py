@@ -126,7 +126,9 @@ class _Translator:
         """Their translations; `announce`: a line for stderr once they pass the checks."""
         from ..train.translation import translate_texts
 
-        ids = self.tokenizer.encode_batch(sentences)
+        from ..data.parallel import sentences as stripped
+
+        ids = self.tokenizer.encode_batch(stripped(sentences))
         usable = []
         for i, (text, row) in enumerate(zip(sentences, ids)):
             if not text.strip():

@@ -92,9 +92,17 @@ class EncodedPairs:
         return " and ".join(parts)
 
 
+def sentences(lines: list[str]) -> list[str]:
+    """Lines as the sentences a model reads and learns: without the spaces or tabs around
+    them, which are not part of a sentence (a trailing space became tokens the model had
+    almost never seen, and "Two men are playing football. " translated differently)."""
+    return [line.strip() for line in lines]
+
+
 def encode_pairs(tokenizer, src: list[str], tgt: list[str], max_tokens: int | None) -> EncodedPairs:
-    """Token ids of every usable pair; empty and over-long pairs skipped and counted."""
-    src_ids, tgt_ids = tokenizer.encode_batch(src), tokenizer.encode_batch(tgt)
+    """Token ids of every usable pair, each side without the whitespace around it (as
+    `frawd translate` reads a sentence); empty and over-long pairs skipped and counted."""
+    src_ids, tgt_ids = tokenizer.encode_batch(sentences(src)), tokenizer.encode_batch(sentences(tgt))
     pairs, kept, empty, too_long = [], [], 0, 0
     for i, (s_text, t_text, s, t) in enumerate(zip(src, tgt, src_ids, tgt_ids)):
         if not s_text.strip() or not t_text.strip():

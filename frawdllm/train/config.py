@@ -102,7 +102,8 @@ class TrainConfig:
                                         "none clears a config file's.")
     # optimizer
     lr: float = option(3e-4, "Peak learning rate.")
-    min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak.")
+    min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak (cosine, linear, wsd; "
+                                      "noam and constant have none).")
     schedule: str = option("cosine", "Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant, "
                                               "noam (inverse square root of the step).", choices=SCHEDULES)
     warmup_steps: int = option(100, WARMUP_HELP)
@@ -338,6 +339,9 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
             out = _coerce(cls, "out", out)
         except ConfigError as exc:
             raise ConfigError(f"{config_file}: {exc}" if "out" in from_file else str(exc)) from None
+    for pair in getattr(cls, "ALTERNATIVES", ()):  # a flag for one of two alternatives clears the file's other
+        if sum(name in flags for name in pair) == 1:
+            from_file = {k: v for k, v in from_file.items() if k in flags or k not in pair}
     resume = flags.get("resume", from_file.get("resume", False))
     from .rundir import CONFIG_FILE  # (the run's saved config)
 
@@ -356,7 +360,9 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
     elif model_overrides:
         raise ConfigError(f"{cls.__name__} has no model fields to --set")
     try:
-        return cls.from_dict(merged)
+        cfg = cls.from_dict(merged)
+        _refuse_an_unused_floor(cfg, flags)
+        return cfg
     except ConfigError as exc:  # a bad value: name the file it came from, when a file gave it
         layers = ((flags, model_overrides, None), (from_file, from_file.get("model"), config_file),
                   (saved, saved.get("model"), saved_path))
@@ -364,6 +370,16 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
         if source is None:
             raise
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _refuse_an_unused_floor(cfg: Any, flags: dict) -> None:
+    """--min-lr-ratio given with a schedule that has no floor (noam, constant), where it would
+    do nothing: refused. (A config file may hold both: a run's config.yaml, rerun, lists every
+    field.)"""
+    if "min_lr_ratio" in flags and getattr(cfg, "schedule", None) in ("noam", "constant"):
+        why = "decays as 1/sqrt(step), with no floor" if cfg.schedule == "noam" else "does not decay"
+        raise ConfigError(f"--min-lr-ratio {cfg.min_lr_ratio}: the {cfg.schedule} schedule {why}; leave it out, "
+                          "or choose a schedule that decays to it (--schedule cosine, linear or wsd)")
 
 
 def _source_of(message: str, layers: tuple) -> str | None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import Seq2SeqConfig, get_config
-from ..data.parallel import EncodedPairs, encode_pairs, read_parallel
+from ..data.parallel import EncodedPairs, encode_pairs, read_parallel, sentences
 from ..errors import ConfigError, FrawdError
 from ..model import IGNORE_INDEX
 from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, short_bpe_note, train_tokenizer
@@ -277,7 +277,7 @@ def translate_texts(model: nn.Module, tokenizer: Tokenizer, sources: list[list[i
     outputs and hypothesis files keep one line per source line."""
     from ..infer.translate import translate_ids
 
-    ids = [tokenizer.encode(s) if isinstance(s, str) else s for s in sources]
+    ids = [tokenizer.encode(s.strip()) if isinstance(s, str) else s for s in sources]  # (see parallel.sentences)
     out = translate_ids(model, ids, beam_size=beam_size, alpha=alpha, batch_size=batch_size)
     return [" ".join(tokenizer.decode(h, skip_special_tokens=True).strip().splitlines()) for h in out]
 
@@ -313,7 +313,7 @@ def _tokenizer_for(cfg: TranslateConfig, src: list[str], tgt: list[str]) -> Toke
         return given_tokenizer(cfg.tokenizer)
     vocab = cfg.vocab_size or get_config(cfg.preset, **cfg.model).vocab_size
     _say(f"training a joint BPE tokenizer ({vocab} tokens) on {len(src):,} + {len(tgt):,} sentences...")
-    tokenizer = train_tokenizer((line for side in (src, tgt) for line in side if line.strip()), "bpe", vocab)
+    tokenizer = train_tokenizer((line for side in (src, tgt) for line in sentences(side) if line), "bpe", vocab)
     note = short_bpe_note(tokenizer, vocab)
     if note is not None:
         _say(note)

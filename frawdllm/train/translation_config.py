@@ -9,6 +9,7 @@ flag's one-line error, must not wait for torch to load.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..config import SEQ2SEQ_PRESETS, get_config
 from ..errors import ConfigError, FrawdError
@@ -19,6 +20,9 @@ from .config import COMPILE_CHOICES, EVAL_INTERVAL_HELP, SCHEDULES, WARMUP_HELP,
 @dataclass
 class TranslateConfig(TrainConfig):
     """`frawd translate train`: an encoder-decoder model on parallel text."""
+
+    # a command-line flag for one of these clears a config file's other (--tokenizer over vocab_size: 8000)
+    ALTERNATIVES: ClassVar[tuple[tuple[str, str], ...]] = (("tokenizer", "vocab_size"),)
 
     out: str = option("runs/translate", "Run directory: config, metrics, checkpoints, the best model.")
     src: str | None = option(None, "Training source sentences, one a line (gzip read transparently).")
