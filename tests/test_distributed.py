@@ -277,9 +277,9 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def _start(args: list[str]) -> subprocess.Popen:
+def _start(args: list[str], **options) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(),
-                            start_new_session=True)
+                            start_new_session=True, **options)
 
 
 def _ranks_once_checkpointed(proc: subprocess.Popen, run: Path, step: int) -> tuple[int, int]:
@@ -369,6 +369,35 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_is_killed(work):
     assert not alive, "ranks still run 60 s after their launcher was killed"
     out = proc.stdout.read()  # (the ranks wrote into the launcher's pipe)
     assert load_state(latest_checkpoint(run))["step"] > 5, out[-3000:]  # (they stopped as at Ctrl-C: a checkpoint)
+
+
+def test_under_nohup_a_hangup_leaves_the_run_going_and_a_killed_launcher_still_stops_the_ranks(work):
+    """`nohup frawd pretrain --nproc 2`: torchrun's own SIGHUP handler replaced nohup's SIG_IGN
+    in the launcher, so a dropped ssh connection ended the run. The ranks ignore SIGHUP as
+    nohup set it, except the one the kernel sends when the launcher dies (their parent
+    changes): a launcher killed with SIGKILL still stops them, with a checkpoint."""
+    run = work / "nohup"
+    proc = _start([sys.executable, "-m", "frawdllm.cli",
+                   *train_args(work, run, "--nproc", "2", "--max-steps", "100000", "--eval-interval", "5")],
+                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    ranks = _ranks_once_checkpointed(proc, run, 5)
+    try:
+        for pid in (proc.pid, *ranks):  # the hangup of the terminal: the launcher and the ranks of its job
+            os.kill(pid, signal.SIGHUP)
+        _ranks_once_checkpointed(proc, run, 10)  # (still training: it asserts the launcher runs)
+        assert all(map(_alive, ranks))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        start = time.monotonic()
+        while any(map(_alive, ranks)) and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), "ranks still run 60 s after their launcher was killed"
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    out = proc.stdout.read()
+    assert load_state(latest_checkpoint(run))["step"] > 10, out[-3000:]
 
 
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(work, single):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -64,9 +65,13 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
         import torch
 
         os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // nproc))  # the cores, shared out
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+    # torchrun stops the ranks at SIGHUP too (its --signals-to-handle), which under `nohup` would
+    # replace nohup's SIG_IGN: a dropped ssh connection ended a `nohup frawd ... --nproc N` run
+    signals = [] if not _hangup_ignored() else ["--signals-to-handle=SIGTERM,SIGINT,SIGQUIT"]
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *signals,
                                          "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])])
-    click.echo(f"launching {nproc} processes: torchrun --standalone --nproc-per-node={nproc} ...", err=True)
+    click.echo(f"launching {nproc} process{'es' if nproc > 1 else ''}: torchrun --standalone "
+               f"--nproc-per-node={nproc} ...", err=True)
     with tempfile.TemporaryDirectory(prefix="frawd-rank-errors-") as errors:
         os.environ[RANK_ERRORS] = errors
         # torchrun's own log lines, said better below: "failed (exitcode: 1)" per rank, and
@@ -95,6 +100,10 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
                 logging.getLogger(name).setLevel(level)
             os.environ.pop(RANK_ERRORS, None)
     raise SystemExit(0)
+
+
+def _hangup_ignored() -> bool:
+    return hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 
 
 def _rank_errors(folder: Path, kind: str) -> dict[int, list[str]]:

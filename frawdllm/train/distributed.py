@@ -192,7 +192,18 @@ def _end_with_the_launcher() -> None:
     often it comes: the kernel sends it once per thread of the dying launcher (a SIGTERM's
     second coming would stop at once, without the checkpoint); before the loop it ends the
     rank."""
+    global _launcher
+    _launcher = os.getppid()
     signal_when_parent_dies(LAUNCHER_GONE)
+
+
+_launcher: int | None = None  # torchrun's pid, as this rank's parent when it joined
+
+
+def launcher_gone() -> bool:
+    """Whether torchrun, this rank's parent, has died (the rank has another parent now). Under
+    `nohup` a rank's SIGHUP may be a hangup the user asked to ignore: only this tells them apart."""
+    return _launcher is not None and os.getppid() != _launcher
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:

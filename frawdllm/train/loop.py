@@ -1215,15 +1215,24 @@ def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     gone = {distributed.LAUNCHER_GONE: signal.getsignal(distributed.LAUNCHER_GONE)} if trainer.dist.active else {}
 
+    # under `nohup` (the signal ignored) a hangup is not the launcher's death: only that stops
+    only_death = any(old is signal.SIG_IGN for old in gone.values())
+
     def handler(signum, frame) -> None:
         trainer.request_stop("interrupted")
         for sig, old in previous.items():  # a second signal acts at once
             signal.signal(sig, old)
 
+    def on_launcher_gone(signum, frame) -> None:
+        if not only_death or distributed.launcher_gone():
+            trainer.request_stop("interrupted")
+
     for sig in previous:
         signal.signal(sig, handler)
     for sig in gone:
-        signal.signal(sig, lambda signum, frame: trainer.request_stop("interrupted"))
+        signal.signal(sig, on_launcher_gone)
+    if only_death and distributed.launcher_gone():  # (it died before: its signal was ignored)
+        trainer.request_stop("interrupted")
 
     def restore() -> None:
         for sig, old in {**previous, **gone}.items():
