@@ -4,13 +4,14 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from frawdllm import FrawdLLM, Seq2SeqConfig, Seq2SeqTransformer, get_config
-from frawdllm.errors import ConfigError
+from frawdllm.errors import ConfigError, FrawdError
 from frawdllm.infer.translate import beam_search, greedy_decode, pad_batch
 from frawdllm.modeldir import load_model
 
@@ -191,6 +192,26 @@ def test_beam_search_finds_a_better_scoring_translation_than_greedy_or_the_same_
 
     for row in range(8):
         assert logprob(row, beam[row]) >= logprob(row, greedy[row]) - 1e-4
+
+
+def test_token_batches_too_small_to_deal_out_to_the_ranks_are_refused_at_the_start(monkeypatch):
+    # (a 2-rank run trained 153 steps, then stopped when the shuffled epoch reached a batch of
+    # one long pair; batches hold the same pairs every epoch, so the start can tell)
+    from frawdllm.train import distributed
+    from frawdllm.train.translation import TranslationTask
+
+    model = model_for("paper")
+    short = [([5, 6], [7, 8]) for _ in range(40)]
+    long = [([5] * 30, [6] * 30)]  # 31 padded tokens: alone in a batch of 40
+    monkeypatch.setattr(distributed, "_current", distributed.Dist(rank=0, world_size=2, parallel="ddp"))
+    with pytest.raises(FrawdError, match=re.escape("--tokens-per-batch 40 makes batches of as few as 1 sentence "
+                                                   "pair (the longest), which do not split over 2 ranks: raise "
+                                                   "--tokens-per-batch or make --grad-accum a multiple of 2")):
+        TranslationTask(model.config, None, short + long, None, tokens_per_batch=40)
+    TranslationTask(model.config, None, short + long, None, tokens_per_batch=40, grad_accum=2)  # whole batches
+    TranslationTask(model.config, None, short + long * 2, None, tokens_per_batch=62)  # the two long ones together
+    monkeypatch.setattr(distributed, "_current", distributed.Dist())
+    TranslationTask(model.config, None, short + long, None, tokens_per_batch=40)  # one process
 
 
 def reference_beam_search(model, src: list[int], beam_size: int, alpha: float, max_extra: int) -> list[int]:

@@ -136,6 +136,14 @@ class TranslationTask(TrainTask):
         self.rank, self.world_size, self.grad_accum = place.rank, place.world_size, grad_accum
         # under torchrun: whole token batches per rank when they divide, else each batch's rows
         self.whole = grad_accum % place.world_size == 0
+        # a batch's rows dealt out need a row for each rank; batches hold the same pairs every
+        # epoch (sorted by length; only their order changes), so epoch 0 tells, now, not hours in
+        fewest = min(len(batch) for batch in self.batches)
+        if not self.whole and fewest < place.world_size:
+            raise FrawdError(f"--tokens-per-batch {tokens_per_batch} makes batches of as few as {fewest} sentence "
+                             f"pair{'s' if fewest > 1 else ''} (the longest), which do not split over "
+                             f"{place.world_size} ranks: raise --tokens-per-batch or make --grad-accum a multiple "
+                             f"of {place.world_size}")
         self._step: list[list[int]] = []  # the token batches of the current optimizer step
         self._step_targets = 0  # their target tokens (each target sentence and its <|eos|>)
         self._micro = 0
@@ -167,11 +175,8 @@ class TranslationTask(TrainTask):
             self._micro = (self._micro + 1) % (self.grad_accum // self.world_size)
         else:
             unit = self._step[self._micro]
-            mine, parts = unit[self.rank::self.world_size], self.world_size
+            mine, parts = unit[self.rank::self.world_size], self.world_size  # (never empty: see __init__)
             self._micro = (self._micro + 1) % self.grad_accum
-            if not mine:
-                raise FrawdError(f"a batch of {len(unit)} sentence pairs does not split over {self.world_size} "
-                                 f"ranks: raise --tokens-per-batch or make --grad-accum a multiple of them")
         batch = collate([self.pairs[i] for i in mine])
         batch["normalizer"] = torch.tensor(self._step_targets / self.grad_accum / parts)
         return batch
