@@ -194,6 +194,27 @@ def test_beam_search_finds_a_better_scoring_translation_than_greedy_or_the_same_
         assert logprob(row, beam[row]) >= logprob(row, greedy[row]) - 1e-4
 
 
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_decode_with_a_kv_cache_and_no_positions_takes_the_caches_as_the_decoder_only_model_does(name):
+    # (each cached step sat at position 0: logits 0.74 away from the whole decode, as docs/model.md's
+    # cache example, written for FrawdLLM, reads)
+    from frawdllm.infer.cache import KVCache
+
+    model = model_for(name)
+    src, mask = pad_batch([[5, 6, 7, 8], [9, 10]], 0)
+    memory_kv = model.memory_kv(model.encode(src, mask))
+    tgt = torch.tensor([[1, 11, 12, 13, 14], [1, 15, 16, 17, 18]])
+    with torch.no_grad():
+        whole = model.decode(tgt, memory_kv, mask)
+        cache = KVCache(model.config, 2, 8)
+        cache.begin(2)
+        steps = [model.decode(tgt[:, :2], memory_kv, mask, kv_cache=cache)]
+        for t in range(2, 5):
+            cache.begin(1)
+            steps.append(model.decode(tgt[:, t:t + 1], memory_kv, mask, kv_cache=cache))
+    assert (torch.cat(steps, 1) - whole).abs().max() < 1e-4
+
+
 def test_token_batches_too_small_to_deal_out_to_the_ranks_are_refused_at_the_start(monkeypatch):
     # (a 2-rank run trained 153 steps, then stopped when the shuffled epoch reached a batch of
     # one long pair; batches hold the same pairs every epoch, so the start can tell)

@@ -14,7 +14,8 @@ Slots are shared by the batch: a forward of T tokens writes slots [length, lengt
 every row. Prompts of different lengths are left-padded so they end at the same slot;
 `valid` marks the slots that hold real tokens and the attention mask keeps the padding
 out. Each row's absolute positions (what learned, sinusoidal and rotary encodings see)
-are the engine's business: position = slot - padding of that row.
+are position = slot - padding of that row: `new_positions` gives them for the forward
+`begin` announced (a model given no positions takes them from there).
 
 Storage dtype: the model's, or fp16 (`Engine.kv_dtype`: where the native forward reads
 fp16 weights): keys and values are rounded once as they are stored, and `update` returns

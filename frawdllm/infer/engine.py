@@ -23,8 +23,8 @@ How a batch runs:
    reaches the context itself (the others are prefilled again with their own windows),
    so a row's text does not depend on the rows beside it.
 
-Who computes the forward: on CPU, by default, each phase (prefill, batch-1 decode,
-batched decode) runs whichever of the native C forward (`native.py`: one call per step,
+Who computes the forward: on CPU, by default, each phase (`paths.PHASES`: prefill of a
+short and of a long prompt, batch-1 decode, decode of 2-7 rows and of 8 or more) runs whichever of the native C forward (`native.py`: one call per step,
 on its own fp16 copies of the weights unless weights="fp32") and PyTorch eager measured
 fastest on this machine (`paths.py`, measured once and cached); where that is the C
 forward in every phase with fp16 (or int8) weights, the KV cache is fp16 too

@@ -3,8 +3,9 @@
 pre-LN  (GPT-2, Llama):  x = x + attn(norm1(x));   x = x + mlp(norm2(x))
 post-LN (the paper):     x = norm1(x + attn(x));   x = norm2(x + mlp(x))
 
-Pre-LN keeps an unnormalised residual stream and trains stably without warmup tricks;
-post-LN is the 2017 original.
+Pre-LN keeps an unnormalised residual stream, whose gradients stay well scaled at
+initialisation, so it trains stably with little or no warmup (Xiong et al., 2020, "On Layer
+Normalization in the Transformer Architecture"); post-LN is the 2017 original.
 
 The same block serves the three stacks: a decoder-only model's (causal self-attention),
 an encoder's (`causal=False`: bidirectional, padding masked) and an encoder-decoder's

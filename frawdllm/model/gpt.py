@@ -1,6 +1,6 @@
 """FrawdLLM: a decoder-only transformer language model.
 
-token ids (B, T) -> embeddings (B, T, D) -> n_layer blocks -> final norm -> LM head
+token ids (B, T) -> embeddings (B, T, D) -> n_layer blocks -> final norm (pre-LN) -> LM head
 -> logits (B, T, V). Trained to predict token t+1 from tokens <= t with cross-entropy:
 the caller passes targets already shifted (targets[:, t] = ids[:, t + 1]); targets equal
 to -100 are ignored (padding, or any token a job does not train on).

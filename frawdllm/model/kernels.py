@@ -9,7 +9,8 @@ reference's is not), with whichever kernel is fastest here:
   with dropout on a CPU (below);
 - training on a CPU, causal, without dropout: `cpu_attention` (a fused C kernel, forward and backward),
   because PyTorch's CPU backward is slow for short sequences: in bf16 on CPUs with
-  AVX512-BF16, in fp32 on any CPU in eager mode (T <= 512);
+  AVX512-BF16, in fp32 on any CPU in eager mode (T <= 512); head_dim a multiple of the
+  kernel's tile width (`cpu_attention.usable`), else PyTorch's;
 - training on a CPU under `torch.compile`, causal, where `cpu_attention` does not apply
   (fp32, or bf16 without AVX512-BF16; T <= 512): `blocked_causal_attention`,
   plain matmuls over a few query blocks (block i attends only the keys up to its end,

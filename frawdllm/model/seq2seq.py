@@ -16,10 +16,11 @@ decoder's self-attention keys/values across steps.
 The blocks, attention, MLP, norms and embeddings are the decoder-only model's
 (`TransformerBlock(causal=False)` for the encoder, `TransformerBlock(cross=True)` for the
 decoder). The paper's choices are `Seq2SeqConfig` settings, which the `aiayn-*` presets
-choose (its defaults are GPT-2 style): post-LN, sinusoidal
-positions, token embeddings x sqrt(d_model), ReLU, dropout on every sub-layer output and
-on the embeddings (and, not in the paper, on the attention weights), and one embedding
-matrix shared by source, target and the output projection (a joint vocabulary).
+choose: post-LN, sinusoidal positions, token embeddings x sqrt(d_model), ReLU, dropout on
+every sub-layer output and on the embeddings (and, not in the paper, on the attention
+weights), and one embedding matrix shared by source, target and the output projection (a
+joint vocabulary). `Seq2SeqConfig`'s own defaults are pre-LN, learned positions and
+unscaled embeddings; its ReLU and shared embedding are already the paper's.
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     ) -> Float[Tensor, "B T V"]:
         """Logits for the next target token after each of `tgt`'s.
 
-        positions: where the tokens sit (default 0..T-1); with a KV cache (`infer.cache.KVCache`
-        of the decoder's n_layer layers) the caller passes the new tokens' positions.
+        positions: where the tokens sit; by default 0..T-1, or with a KV cache
+        (`infer.cache.KVCache` of the decoder's n_layer layers) its `new_positions(T)`, as
+        `FrawdLLM` takes them.
         """
         return self.lm_head(self.decoder_states(tgt, memory_kv, src_mask, positions, kv_cache))  # (B, T, V)
 
@@ -155,6 +157,8 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
         kv_cache: Any = None,
     ) -> Float[Tensor, "B T D"]:
         """The decoder's final normalised hidden states: `decode` without the output projection."""
+        if positions is None and hasattr(kv_cache, "new_positions"):
+            positions = kv_cache.new_positions(tgt.shape[1])  # (None when no forward is announced)
         if positions is None:
             positions = first_positions(tgt, self.config.context_length, "target")  # (1, T)
         else:
