@@ -188,6 +188,12 @@ def test_history_is_dropped_by_whole_exchanges_never_leaving_a_reply_without_its
     assert kept([system, *history], 26 + 12 + 3) == ["e"]  # the system message stays; whole exchanges go
     with pytest.raises(FrawdError, match="the system message needs"):
         fit_history(tok, [{"role": "system", "content": "be brief" * 20}, *history], 64, reserve=4)
+    # a newest turn that leaves no room for the reserve may take the whole context, exactly
+    need = len(tok.render_chat([history[-1]], add_generation_prompt=True))
+    ids, dropped = fit_history(tok, history, need, reserve=4)
+    assert (len(ids), dropped) == (need, 4)
+    with pytest.raises(FrawdError):
+        fit_history(tok, history, need - 1, reserve=4)
 
 
 def test_history_keeps_every_system_message_wherever_it_stands():

@@ -71,11 +71,27 @@ def test_num_parameters_is_exact_for_any_option_combination(
         (dict(use_rope=True, pos_encoding="learned"), "use_rope"),
         (dict(dropout=1.5), "dropout"),
         (dict(vocab_size=0), "vocab_size"),
+        # the edges of the documented ranges
+        (dict(dropout=1.0), "dropout"),
+        (dict(vocab_size=50, eos_token_id=50), "eos_token_id"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(pos_encoding="rope", rope_theta=0.0), "rope_theta"),
+        (dict(vocab_size=2**31), "vocab_size"),
     ],
 )
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         get_config("tiny", **overrides)
+
+
+def test_the_edges_of_the_ranges_that_are_inside_them_are_accepted():
+    from frawdllm.config import MAX_DIM
+
+    assert get_config("tiny", vocab_size=MAX_DIM).vocab_size == 2**31 - 1  # (a config: nothing built)
+    assert get_config("tiny", dropout=0.0, vocab_size=51, eos_token_id=50).eos_token_id == 50
+    assert get_config("aiayn-tiny", n_encoder_layer=1).n_encoder_layer == 1
+    with pytest.raises(ConfigError, match="n_encoder_layer must be an integer in"):
+        get_config("aiayn-tiny", n_encoder_layer=0)
 
 
 def test_enum_errors_list_allowed_values():

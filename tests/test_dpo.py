@@ -110,6 +110,17 @@ def test_sequence_logps_sum_the_answers_tokens_only():
             assert got[row].item() == pytest.approx(by_hand.item(), abs=1e-4)
 
 
+def test_a_pair_that_exactly_fills_max_len_is_not_truncated():
+    from frawdllm.align.examples import tokenize_pair
+
+    tok, messages = byte_tokenizer(), [{"role": "user", "content": "hi"}]
+    prompt = tok.render_chat(messages, add_generation_prompt=True)
+    fits = len(prompt) + len("abcd") + 1  # the longer answer and its EOS
+    pair, truncated = tokenize_pair(tok, messages, "ABC", "abcd", fits)
+    assert not truncated and pair.prompt == prompt and len(pair.rejected) == 5
+    assert tokenize_pair(tok, messages, "ABC", "abcd", fits - 1)[1]
+
+
 def test_a_pairs_tokens_are_counted_whatever_their_ids():
     """Tokens were counted as ids != 0, but id 0 is a real token in GPT-2's vocabulary ("!")."""
     from frawdllm.align.dpo import DPOTask

@@ -303,3 +303,17 @@ def test_ids_past_the_vocabulary_and_negative_positions_are_one_line(pos):
     with pytest.raises(ValueError, match="^position -1 is negative$"):
         model(ids, positions=torch.tensor([[-1, 0, 1]]))
     model(ids, positions=torch.tensor([[0, 1, 2]]))  # (still fine)
+
+
+def test_free_memory_is_what_the_cgroup_leaves_when_below_the_machines(monkeypatch):
+    """Inside a container the limit less what the cgroup already uses, not the limit."""
+    from pathlib import Path
+
+    from frawdllm import memory
+
+    files = {"/proc/meminfo": "MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n",
+             "/sys/fs/cgroup/memory.max": "8000000000\n", "/sys/fs/cgroup/memory.current": "3000000000\n"}
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: files[str(self)])
+    assert memory.free_memory(torch.device("cpu")) == 5_000_000_000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert memory.free_memory(torch.device("cpu")) == 50_000_000_000 * 1024 // 1000

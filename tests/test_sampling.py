@@ -317,3 +317,4 @@ def test_seeds_2_to_the_32_apart_draw_differently():
         weights.append(torch.randn(4).tolist())
     assert weights[0] != weights[1]
     assert all(0 <= torch_seed(s) < 2**32 for s in [*seeds, -1, -(2**63)]) and torch_seed(-1) != torch_seed(2**32 - 1)
+    assert torch_seed(2**32) not in (0, 2**32) and torch_seed(2**32 - 1) == 2**32 - 1  # the range's edges

@@ -235,6 +235,32 @@ def test_token_batches_too_small_to_deal_out_to_the_ranks_are_refused_at_the_sta
     TranslationTask(model.config, None, short + long, None, tokens_per_batch=40)  # one process
 
 
+def test_validation_loss_and_tokens_count_real_target_tokens_and_bleu_is_sacrebleus_default():
+    """val_loss is the plain cross-entropy per real target token (each sentence's tokens and its
+    EOS; padding not counted), batch_tokens counts those tokens too, and the BLEU logged
+    during training is sacreBLEU's corpus BLEU with its defaults (cased, 13a), as eval's."""
+    import sacrebleu
+
+    from frawdllm.train.translation import TranslationTask, ValidationSet, collate, corpus_bleu
+
+    model = model_for("paper")
+    cfg = model.config
+    pairs = [([5, 6, 7], [8, 9]), ([5], [8, 9, 10, 11, 12, 13]), ([6, 7], [9])]  # ragged: labels padded
+    task = TranslationTask(cfg, None, pairs, ValidationSet(pairs, ["x"] * 3, ["x"] * 3), tokens_per_batch=1000,
+                           bleu_sentences=0)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        got = task.evaluate(model, torch.device("cpu"))["val_loss"]
+        for src, tgt in pairs:  # each sentence alone: no padding anywhere
+            logits = model(torch.tensor([src]), torch.tensor([[cfg.bos_token_id, *tgt]]))[0][0]
+            total += float(F.cross_entropy(logits, torch.tensor([*tgt, cfg.eos_token_id]), reduction="sum"))
+            count += len(tgt) + 1
+    assert got == pytest.approx(total / count, rel=1e-5)
+    assert task.batch_tokens(collate(pairs)) == count == 12
+    hyps, refs = ["The cat sat on the mat."], ["the cat sat on the mat ."]
+    assert corpus_bleu(hyps, refs).score == sacrebleu.corpus_bleu(hyps, [refs]).score < 100
+
+
 def reference_beam_search(model, src: list[int], beam_size: int, alpha: float, max_extra: int) -> list[int]:
     """Beam search written plainly, for one sentence: every hypothesis's next-token
     log-probabilities from a whole forward of its prefix (no cache, no batch). Each step

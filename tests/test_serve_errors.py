@@ -310,6 +310,24 @@ def test_an_oversized_chunked_body_is_a_413(server):
     assert status == 413 and error["type"] == "invalid_request_error" and "larger than" in error["message"]
 
 
+def test_a_body_of_exactly_the_size_cap_is_read_and_one_byte_more_is_a_413(server):
+    from frawdllm.serve.options import ServeOptions
+
+    cap = ServeOptions().max_body_bytes
+    body = json.dumps({"model": "m", "prompt": "ab", "max_tokens": 1}).encode()
+    body += b" " * (cap - len(body))  # (JSON allows trailing whitespace)
+
+    def chunked(data):  # no Content-Length: counted as it arrives
+        for start in range(0, len(data), 100_000):
+            yield data[start:start + 100_000]
+
+    for sent in (lambda data: data, chunked):
+        status, _ = post(server, "/v1/completions", content=sent(body))
+        assert status == 200
+        status, error = post(server, "/v1/completions", content=sent(body + b" "))
+        assert status == 413 and f"larger than {cap} bytes" in error["message"]
+
+
 def test_body_and_method_errors_say_what_is_wrong(server):
     status, error = post(server, "/v1/completions", content=b'{"model": "m", prompt}')
     assert status == 400 and error["param"] is None

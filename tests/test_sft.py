@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from frawdllm.align import lora
-from frawdllm.align.examples import BadExample, chat_messages, tokenize_chat, tokenize_pair, truncate
+from frawdllm.align.examples import BadExample, Example, chat_messages, tokenize_chat, tokenize_pair, truncate
 from frawdllm.align.packing import collate, document_mask, pack_rows
 from frawdllm.align.sft import SFTConfig, load_examples, prompt_of, sft_loss
 from frawdllm.modeldir import load_model
@@ -107,6 +107,8 @@ def test_packed_rows_give_each_example_its_unpacked_loss(style):
     rows = pack_rows(examples, 64)
     assert all(len(row) >= 2 for row in rows[:-1]) and len(rows) < len(examples)  # rows are shared
     assert pack_rows(examples, 64, pack=False) == [[i] for i in range(len(examples))]
+    four = Example([2, 5, 6, 7, 3], [False, False, True, True, True])  # 4 input tokens
+    assert pack_rows([four, four], 8) == [[0, 1]] and pack_rows([four, four], 7) == [[0], [1]]  # exactly full
     longest = max(len(e.ids) for e in examples) - 1
     for pack in (True, False):  # (unpacked, a too-long example failed later, inside collate's numpy)
         with pytest.raises(ValueError, match=rf"has {longest} input tokens, more than the row length {longest - 1}$"):
@@ -739,15 +741,19 @@ def test_invalid_utf8_and_lone_surrogates_are_bad_records_named_by_line(tmp_path
     data = tmp_path / "chats.jsonl"
     data.write_bytes(good + b'\xff{"prompt": "a", "response": "b"}\n'  # line 7: a bad byte first
                      + b'{"prompt": "a\xfe", "response": "b"}\n'  # 8: inside a string
-                     + b'{"prompt": "a\\ud800", "response": "b"}\r\n' + good)  # 9: a lone surrogate
+                     + b'{"prompt": "a\\ud800", "response": "b"}\r\n'  # 9: a lone (high) surrogate
+                     + b'{"prompt": "a\\udc00", "response": "b"}\n' + good)  # 10: a lone low one
     cfg = SFTConfig(init=None, data=str(data), progress=False, max_steps=1, val_fraction=0.0)
     with pytest.raises(BadExample, match=r"chats.jsonl:7: not valid UTF-8 \(byte 0xff at byte 1 of the line\)"):
         load_examples(cfg, byte_tokenizer(), 64)
     cfg.skip_bad_lines = True
     train, _, summary = load_examples(cfg, byte_tokenizer(), 64)
-    assert (summary.skipped, len(train)) == (3, 12)
+    assert (summary.skipped, len(train)) == (4, 12)
     assert "chats.jsonl:8: not valid UTF-8 (byte 0xfe at byte 14 of the line)" in summary.first_skipped[1]
     assert "chats.jsonl:9: holds a lone surrogate \\ud800" in summary.first_skipped[2]
+    from frawdllm.data.records import BadRecord, _parse
+
+    assert _parse(b'{"prompt": "a\\udc00"}') == BadRecord("holds a lone surrogate \\udc00 (a JSON escape that is not text)")
     assert not any("\ufffd" in byte_tokenizer().decode(e.ids) for e in train)  # nothing replaced was learned
     # a pair whose answers differ only in bad bytes is named for them, not as "the same text"
     from frawdllm.align.dpo import DPOConfig, load_pairs

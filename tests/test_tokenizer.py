@@ -271,6 +271,13 @@ def test_cli_refuses_a_bpe_vocab_size_outside_263_to_2_pow_20_zero_included(tmp_
                    f"got {int(size):,}\n")
 
 
+def test_the_ends_of_the_bpe_vocab_size_range_are_accepted():
+    from frawdllm.tokenizer import check_bpe_vocab_size
+
+    assert check_bpe_vocab_size(263) == 263 and check_bpe_vocab_size(2**20) == 2**20
+    assert train_tokenizer(CORPUS, vocab_size=263).vocab_size == 263
+
+
 def test_vocab_size_outside_bpe_gets_a_note_and_a_byte_tokenizer_says_it_read_nothing(tmp_path, capsys):
     from cli_helpers import run_cli
 
