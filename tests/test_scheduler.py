@@ -522,3 +522,36 @@ def test_logprobs_are_the_same_alone_in_a_batch_and_served(model_tok, native):
     assert stopped[-1].token == third and stopped[-1].finish_reason == "stop"
     assert stopped[-1].logprob is None  # the stop token is no text
     assert all(c.logprob is not None for c in stopped[:-1])
+
+
+LEFT_OPEN = r"""
+import sys, torch
+from frawdllm import FrawdLLM, get_config
+from frawdllm.infer import Engine, SamplingParams
+from frawdllm.infer.scheduler import Scheduler
+from frawdllm.tokenizer import train_tokenizer
+
+tok = train_tokenizer(["the quick brown fox"], kind="char")
+model = FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=2, context_length=512))
+scheduler = Scheduler(Engine(model, tok), max_batch=4)
+for chunk in scheduler.submit("the", SamplingParams(max_new_tokens=5)):
+    pass
+if sys.argv[1] == "running":  # a long request still decoding when the script ends
+    running = scheduler.submit("fox", SamplingParams(max_new_tokens=500, ignore_eos=True))
+    next(iter(running))
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("left", ["idle", "running"])
+def test_a_scheduler_left_open_at_exit_is_closed_not_aborted(left):
+    """docs/serving.md's example without its `scheduler.close()`: the interpreter aborted as it
+    exited ("terminate called without an active exception", status 134), its scheduler's
+    thread still alive. Exit closes what is left open, cancelling a request still running."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN, left], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert (done.returncode, done.stdout) == (0, "done\n"), done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -40,6 +40,7 @@ The HTTP server (`frawdllm.serve`) is a thin layer over this.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import queue
@@ -64,6 +65,7 @@ from .textstream import TextStream
 # The longest an idle scheduler thread sleeps before it looks again whether its scheduler was
 # dropped (the scheduler's finalizer wakes it at once; see `_run` for when it cannot).
 _IDLE_RECHECK_S = 1.0
+_EXIT_JOIN_S = 10.0  # how long exit waits for a scheduler thread to leave its step
 
 
 class QueueFull(FrawdError):
@@ -182,6 +184,7 @@ class Scheduler:
         self._thread = threading.Thread(target=_run, args=(self._pin, self._cond), name="frawd-scheduler",
                                         daemon=True)
         self._thread.start()
+        _open.add(self)
 
     # ---- the outside ---------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -235,6 +238,7 @@ class Scheduler:
             self._pin.scheduler = self
             self._cond.notify()
         self._thread.join(timeout)
+        _open.discard(self)
 
     # ---- the loop (run by `_run` on the scheduler's thread) -------------------------------------
     def _step(self) -> None:
@@ -398,6 +402,18 @@ def _run(pin: _Pin, cond: threading.Condition) -> None:
                 del scheduler  # (when that was the last reference, `dropped` is set now)
                 continue
         scheduler._step()
+
+
+_open: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()  # schedulers not closed yet
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At interpreter exit, close the schedulers their users left open (cancelling what they
+    still run): a scheduler's thread, left running while Python finalised, aborted the
+    process ("terminate called without an active exception", exit status 134)."""
+    for scheduler in list(_open):
+        scheduler.close(drain=False, timeout=_EXIT_JOIN_S)
 
 
 def _dropped(pin: _Pin, cond: threading.Condition) -> None:
