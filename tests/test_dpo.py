@@ -6,6 +6,7 @@ import re
 from collections import defaultdict
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,18 @@ def test_sequence_logps_sum_the_answers_tokens_only():
             logp = F.log_softmax(model(ids)[0][0].float(), dim=-1)
             by_hand = sum(logp[len(pair.prompt) - 1 + k, t] for k, t in enumerate(answer))
             assert got[row].item() == pytest.approx(by_hand.item(), abs=1e-4)
+
+
+def test_each_epoch_draws_a_new_order_of_the_same_pairs_and_a_resume_draws_it_again():
+    from frawdllm.align.dpo import PairLoader
+
+    loader = PairLoader(10, batch_size=5, seed=3)
+    epochs = [[i for _ in range(2) for i in loader.next_units()] for _ in range(2)]  # 2 steps an epoch
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(10)) and epochs[0] != epochs[1]
+    assert epochs[0] == [int(i) for i in np.random.default_rng([3, 0]).permutation(10)]
+    resumed = PairLoader(10, batch_size=5, seed=3)
+    resumed.load_state_dict({"epoch": 1, "position": 0})
+    assert [i for _ in range(2) for i in resumed.next_units()] == epochs[1]
 
 
 def test_a_pair_that_exactly_fills_max_len_is_not_truncated():

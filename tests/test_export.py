@@ -137,6 +137,8 @@ def test_exported_tokenizer_encodes_and_decodes_like_ours(tmp_path, tokenizer, k
         assert tokenizer.decode(ids) == SAMPLE
     assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token, hf_tok.unk_token) == (
         "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>")
+    context = json.loads((model_dir / "config.json").read_text())["context_length"]
+    assert hf_tok.model_max_length == context  # (truncation=True cuts at the context, not at 1e30)
     assert hf_tok.convert_tokens_to_ids(["<|bos|>", "<|eos|>", "<|pad|>"]) == [2, 3, 0]
 
 
@@ -300,6 +302,9 @@ def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokeniz
         assert (tmp_path / "short" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
         ours = model.embed.tok.weight
         assert torch.equal(hf_model.model.embed_tokens.weight, ours.to(torch.bfloat16).float())
+    # config.json says so (transformers' dtype="auto" reads it first), and so loads bf16
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto").dtype == torch.bfloat16
 
 
 # ---- errors and atomicity -------------------------------------------------------------------

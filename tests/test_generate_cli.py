@@ -292,7 +292,8 @@ def test_the_memory_check_sizes_the_cache_as_the_engine_does(capsys, model_dir, 
         assert code == 1 and "2,000 sequences at once (prompts x --num-samples) need about" in err, err
 
 
-def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch):
+@pytest.mark.parametrize("n_kv_head", [4, 1], ids=["mha", "gqa"])  # (a GQA cache holds n_kv_head heads)
+def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch, n_kv_head):
     from types import SimpleNamespace
 
     import frawdllm.memory
@@ -300,7 +301,7 @@ def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch):
     from frawdllm.errors import FrawdError
     from frawdllm.infer import SamplingParams
 
-    cfg = get_config("tiny", vocab_size=256, n_layer=2, n_embd=32, n_head=4, context_length=64)
+    cfg = get_config("tiny", vocab_size=256, n_layer=2, n_embd=32, n_head=4, n_kv_head=n_kv_head, context_length=64)
 
     def engine(kv_dtype):
         return SimpleNamespace(config=cfg, kv_dtype=kv_dtype, compile=False, encode=lambda text: [0] * len(text))
@@ -318,6 +319,22 @@ def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch):
     monkeypatch.setattr(frawdllm.memory, "free_memory", lambda device: 2 * (slot * 49 * 2 + 4 * 256) - 1)
     with pytest.raises(FrawdError, match="2 sequences at once"):
         check_rows_fit(engine(torch.float16), ["x" * 10, "x" * 30], params)
+
+
+def test_threads_up_to_eight_a_cpu_are_taken(model_dir, monkeypatch):
+    import frawdllm.cbuild
+    import frawdllm.cli.sampling_flags as flags
+    from frawdllm.errors import FrawdError
+
+    monkeypatch.setattr(frawdllm.cbuild, "usable_cpus", lambda: 1)
+    before = torch.get_num_threads()
+    try:
+        flags.load_engine(str(model_dir), threads=8)  # the most: 8x the CPUs
+        assert torch.get_num_threads() == 8
+        with pytest.raises(FrawdError, match="--threads 9 is more than 8x the 1 CPUs"):
+            flags.load_engine(str(model_dir), threads=9)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_flags_can_undo_what_generation_config_sets(capsys, model_dir, tmp_path):

@@ -173,6 +173,18 @@ def test_frawd_fsync_0_renames_without_flushing(tmp_path, disk_events, monkeypat
     with atomic_dir(tmp_path / "d") as tmp:
         (tmp / "f").write_text("x")
     assert [e[0] for e in disk_events] == ["replace", "replace"]
+    monkeypatch.setenv("FRAWD_FSYNC", "yes")  # (only 0 skips the flushes)
+    write_text_atomic(tmp_path / "b.txt", "data")
+    assert [e[0] for e in disk_events[2:]].count("fsync") >= 1
+
+
+def test_a_json_file_that_is_not_an_object_reads_as_empty(tmp_path):
+    from frawdllm.io import read_json_object
+
+    for text, expected in (("[1]", {}), ('"x"', {}), ("3", {}), ("{bad", {}), ('{"a": 1}', {"a": 1})):
+        (tmp_path / "f.json").write_text(text)
+        assert read_json_object(tmp_path / "f.json") == expected, text
+    assert read_json_object(tmp_path / "missing.json") == {}
 
 
 def test_a_disk_that_fills_while_flushing_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):

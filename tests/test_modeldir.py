@@ -182,3 +182,29 @@ def test_load_model_refuses_an_unknown_kind_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"^kind must be one of 'decoder', 'seq2seq' or None, got 'bogus'$"):
         load_model(tmp_path, kind="bogus")
     assert isinstance(load_model(tmp_path, kind="decoder"), FrawdLLM)
+
+
+def test_loaded_models_are_in_eval_mode_and_a_tied_head_stored_twice_loads(tmp_path):
+    """load_model promises eval mode (a model saved with dropout ran it in every caller that
+    did not call .eval()); some writers store a tied head beside the embedding it equals."""
+    from safetensors.torch import load_file, save_file
+
+    from frawdllm.modeldir import load_model
+
+    tiny(dropout=0.1).save_pretrained(tmp_path / "m")
+    assert not load_model(tmp_path / "m").training
+    state = load_file(tmp_path / "m" / WEIGHTS_FILE)
+    assert "lm_head.weight" not in state
+    save_file({**state, "lm_head.weight": state["embed.tok.weight"].clone()}, tmp_path / "m" / WEIGHTS_FILE)
+    loaded = load_model(tmp_path / "m")
+    assert torch.equal(loaded.lm_head.weight, state["embed.tok.weight"])
+
+
+def test_float64_weights_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny().save_pretrained(tmp_path)
+    state = load_file(tmp_path / WEIGHTS_FILE)
+    save_file({k: v.double() for k, v in state.items()}, tmp_path / WEIGHTS_FILE)
+    with pytest.raises(FrawdError, match=r"is F64; weights must be F32, F16, BF16$"):
+        FrawdLLM.from_pretrained(tmp_path)

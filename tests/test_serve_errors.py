@@ -497,3 +497,27 @@ def test_a_generation_that_fails_mid_stream_says_so_in_the_stream():
         assert error["type"] == "server_error" and "the device went away" in error["message"], error
         assert any("choices" in json.loads(e) for e in events[:-2]), events  # (tokens had gone out first)
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_max_completion_tokens_wins_over_max_tokens_and_the_default_fits_the_context(server):
+    """The newer name wins (a request holding both got max_tokens' count under a swap), a
+    max_tokens over the cap beside a valid max_completion_tokens is not read, and without
+    either a reply is at most the context long (not the server's default of more)."""
+    from frawdllm.serve.errors import ApiError
+    from frawdllm.serve.options import ServeOptions
+    from frawdllm.serve.prompts import _max_new
+    from frawdllm.serve.schemas import ChatCompletionRequest, CompletionRequest
+
+    engine = test_engine(*varied_model(context_length=CONTEXT))
+    options = ServeOptions(max_tokens=100, default_max_tokens=256)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert _max_new(ChatCompletionRequest(**chat, max_tokens=8, max_completion_tokens=3), options, engine) == 3
+    assert _max_new(ChatCompletionRequest(**chat, max_tokens=5000, max_completion_tokens=3), options, engine) == 3
+    assert _max_new(ChatCompletionRequest(**chat, max_tokens=8), options, engine) == 8
+    with pytest.raises(ApiError, match="max_completion_tokens is 101; this server allows at most 100"):
+        _max_new(ChatCompletionRequest(**chat, max_completion_tokens=101), options, engine)
+    assert _max_new(CompletionRequest(model="m", prompt="hi"), options, engine) == CONTEXT
+    assert _max_new(CompletionRequest(model="m", prompt="hi"), ServeOptions(default_max_tokens=16), engine) == 16
+    status, body = post(server, "/v1/chat/completions", {**chat, "max_tokens": 8, "max_completion_tokens": 3,
+                                                          "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3
