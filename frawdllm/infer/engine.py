@@ -24,9 +24,10 @@ How a batch runs:
    so a row's text does not depend on the rows beside it.
 
 Who computes the forward: on CPU, by default, each phase (`paths.PHASES`: prefill of a
-short and of a long prompt, batch-1 decode, decode of 2-7 rows and of 8 or more) runs whichever of the native C forward (`native.py`: one call per step,
-on its own fp16 copies of the weights unless weights="fp32") and PyTorch eager measured
-fastest on this machine (`paths.py`, measured once and cached); where that is the C
+short and of a long prompt, batch-1 decode, decode of 2-7 rows and of 8 or more) runs
+whichever of the native C forward (`native.py`: one call per step, on its own fp16
+copies of the weights unless weights="fp32") and PyTorch eager measured fastest on this
+machine (`paths.py`, measured once and cached); where that is the C
 forward in every phase with fp16 (or int8) weights, the KV cache is fp16 too
 (`Engine.kv_dtype`). `native=True` forces the C forward everywhere, `native=False`
 PyTorch; `compile=True` runs decode steps under
