@@ -33,6 +33,19 @@ def test_auto_dtype_is_fp32_without_native_bf16():
     assert device.choose_dtype("bf16", CPU, AVX2_ONLY) == ("bf16", "asked for")  # the user's choice stands
 
 
+def test_dtype_auto_on_a_gpu_that_only_emulates_bf16_is_fp32(monkeypatch):
+    # torch.cuda.is_bf16_supported() counts emulation by default: True on a T4 or V100
+    # (compute capability 7), where bf16 matmuls are emulated; only Ampere (8) and later compute it
+    def supported(major):
+        return lambda including_emulation=True: major >= 8 or including_emulation
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported(7))
+    assert device.choose_dtype("auto", cuda) == ("fp32", "auto: this GPU does not compute bf16")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported(8))
+    assert device.choose_dtype("auto", cuda) == ("bf16", "auto: this GPU computes bf16")
+
+
 def test_emulated_bf16_is_measured_and_reported_with_the_fp32_peak():
     assert device.matmul_dtype("bf16", CPU, AVX2_ONLY) == "fp32"
     assert device.matmul_dtype("bf16", CPU, AVX512_BF16) == "bf16"

@@ -154,7 +154,8 @@ def choose_dtype(name: str, device: torch.device, features: frozenset[str] | Non
             raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
         return name, "asked for"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        # (not counting emulation: torch's default says yes on a T4 or V100, which only emulate it)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16", "auto: this GPU computes bf16"
         return "fp32", "auto: this GPU does not compute bf16"
     if device.type == "cpu":
