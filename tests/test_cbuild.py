@@ -66,3 +66,41 @@ def test_a_json_cache_that_cannot_be_written_is_skipped(tmp_path):
     blocker.write_text("")
     update_json_cache(blocker / "cache.json", "key", 1.0)  # (its folder is a file: no error)
     assert read_json_cache(blocker / "cache.json") == {}
+
+
+def test_a_build_is_a_working_library_named_by_everything_that_makes_it(tmp_path, monkeypatch):
+    """The cache key holds the C source and the headers it includes, the flags (-march), the
+    compiler's version and the CPU: a change in any of them builds anew (a stale library
+    loaded instead, built for another CPU or from other code, could be wrong or crash). The
+    compile goes to a temporary file renamed over the target: the library is whole."""
+    import os
+    import stat
+
+    from frawdllm import cbuild
+
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FRAWD_MARCH", raising=False)
+    (tmp_path / "k.h").write_text("#define K 3\n")
+    source = tmp_path / "lib.c"
+    source.write_text('#include "k.h"\nint frawd_k(void) { return K; }\n')
+    first = cbuild.build(source)
+    assert first.stat().st_size > 0 and ctypes.CDLL(str(first)).frawd_k() == 3
+    assert cbuild.build(source) == first  # (cached)
+    names = {first.name}
+    (tmp_path / "k.h").write_text("#define K 4\n")  # a header changed
+    header = cbuild.build(source)
+    assert ctypes.CDLL(str(header)).frawd_k() == 4
+    names.add(header.name)
+    monkeypatch.setenv("FRAWD_MARCH", "x86-64" if cbuild.cpu_signature() != "aarch64" else "armv8-a")
+    names.add(cbuild.build(source).name)
+    monkeypatch.delenv("FRAWD_MARCH")
+    monkeypatch.setattr(cbuild, "cpu_signature", lambda: "another cpu")
+    names.add(cbuild.build(source).name)
+    monkeypatch.undo()
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
+    wrapper = tmp_path / "cc"  # another compiler version
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo "cc 99.0" && exit 0\nexec {os.environ.get("CC", "cc")} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(wrapper))
+    names.add(cbuild.build(source).name)
+    assert len(names) == 5, names

@@ -379,3 +379,20 @@ def test_the_native_forward_compiles_for_aarch64(tmp_path):
                              str(native.LIBRARY.source), "-o", str(tmp_path / "native.so"), "-lm"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_plan_is_kept_for_its_weights_threads_and_build_alone(monkeypatch):
+    """engine_paths.json's key: a plan measured for fp32 weights, at 2 threads or for one C
+    build (-march) must not serve int8 or fp16 weights, another thread count or build."""
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.infer import paths
+
+    model = FrawdLLM(get_config("tiny", vocab_size=64, n_layer=1, n_embd=32, n_head=2, context_length=16))
+    monkeypatch.delenv("FRAWD_MARCH", raising=False)
+    keys = {paths._key(model, "fp32", 2), paths._key(model, "int8", 2), paths._key(model, "fp16", 2),
+            paths._key(model, "fp32", 1)}
+    monkeypatch.setenv("FRAWD_MARCH", "x86-64")
+    keys.add(paths._key(model, "fp32", 2))
+    assert len(keys) == 5
+    monkeypatch.delenv("FRAWD_MARCH")
+    assert paths._key(model, "fp32", 2) in keys  # (the same inputs: the same key)

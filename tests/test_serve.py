@@ -251,6 +251,11 @@ def test_a_list_of_prompts(server):
     assert [ch.text for ch in got.choices] == want[:2]
     echoed = c.completions.create(model="varied", prompt=texts[:2], max_tokens=8, temperature=0, echo=True)
     assert [ch.text for ch in echoed.choices] == [p + w for p, w in zip(texts[:2], want)]
+    # with n > 1 each choice echoes its own prompt (choice i: prompt i // n), its log-probabilities too
+    echoed = c.completions.create(model="varied", prompt=texts[:2], max_tokens=8, temperature=0, echo=True, n=2,
+                                  logprobs=0)
+    assert [ch.text for ch in echoed.choices] == [p + w for p, w in zip(texts[:2], want) for _ in range(2)]
+    assert ["".join(ch.logprobs.tokens) for ch in echoed.choices] == [ch.text for ch in echoed.choices]
     pieces = ["", "", ""]
     for chunk in c.completions.create(model="varied", prompt=texts, max_tokens=8, temperature=0, stream=True):
         for choice in chunk.choices:

@@ -2,6 +2,7 @@
 the time budget, gradient accumulation and the run directory."""
 
 import collections
+import json
 import math
 import re
 import shutil
@@ -1116,3 +1117,19 @@ def test_perplexity_is_e_to_the_loss_capped_where_a_float_overflows():
     assert lm_metrics(100.0, None)["ppl"] == math.exp(100.0)
     assert lm_metrics(1e6, None, prefix="val_")["val_ppl"] == math.exp(700.0)  # (finite: exp(710) overflows)
     assert lm_metrics(2.0, 4.0)["bpb"] == pytest.approx(2.0 / math.log(2) / 4.0)
+
+
+def test_metrics_lines_are_strict_json_with_nan_and_inf_as_null(tmp_path):
+    """JSON has no NaN or Infinity: Python's json writes and reads them, jq, pandas' strict
+    readers and JavaScript do not. A non-finite figure (an overflowed grad_norm) is null."""
+    from frawdllm.train.rundir import METRICS_FILE, MetricsLog
+
+    log = MetricsLog(tmp_path)
+    log.log({"step": 1, "loss": float("inf"), "grad_norm": float("-inf"), "lr": float("nan"), "tokens": 8})
+    log.close()
+
+    def refuse(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+
+    line = json.loads((tmp_path / METRICS_FILE).read_text(), parse_constant=refuse)
+    assert line == {"step": 1, "loss": None, "grad_norm": None, "lr": None, "tokens": 8}
