@@ -587,3 +587,15 @@ def test_a_folder_held_by_a_child_of_a_run_that_ended_names_the_child(tmp_path):
     finally:
         if holder is not None and holder != taker.pid:
             os.kill(holder, signal.SIGKILL)
+
+
+def test_a_run_folder_this_process_holds_is_not_called_in_use_by_another_run(tmp_path):
+    """A Trainer run earlier in the same process keeps its folder's lock: the refusal of a new
+    run there says what the folder holds, not "in use by another run (process <its own pid>)"."""
+    from frawdllm.train.rundir import claim_run_dir, existing_run_message
+
+    run = tmp_path / "mine"
+    claim_run_dir(run)
+    message = existing_run_message(run)
+    assert "in use by another run" not in message and str(os.getpid()) not in message
+    assert message.startswith(f"{run} holds a run that stopped before its first checkpoint")
