@@ -509,16 +509,19 @@ def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
 _OTHER_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "spiece.model")
 
 
+_IDS_ONLY = ("prompts must be token ids, which only the Python Engine takes (frawd generate, chat and serve need "
+             "the tokenizer)")
+
+
 def _note_no_tokenizer(directory: Path) -> None:
     """Warn that the checkpoint has no tokenizer.json (naming the files FrawdLLM does not read, if any)."""
     others = [name for name in _OTHER_TOKENIZER_FILES if (directory / name).is_file()]
     if not others:
         warnings.warn(f"{directory} has no {TOKENIZER_FILE} (nor any other tokenizer file): imported without a "
-                      "tokenizer, so prompts must be token ids; copy the tokenizer.json of the model it came from "
-                      "into the import")
+                      f"tokenizer, so {_IDS_ONLY}; copy the tokenizer.json of the model it came from into the import")
     else:
         warnings.warn(f"{directory} has no {TOKENIZER_FILE} (only {', '.join(others)}, which FrawdLLM does not "
-                      "read): imported without a tokenizer, so prompts must be token ids; "
+                      f"read): imported without a tokenizer, so {_IDS_ONLY}; "
                       f"AutoTokenizer.from_pretrained({str(directory)!r}).save_pretrained({str(directory)!r}) "
                       "writes it, then import again")
 
