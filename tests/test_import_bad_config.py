@@ -131,10 +131,10 @@ def test_the_unedited_checkpoints_still_import(checkpoints, tmp_path, capsys):
         code, stdout, err = run_cli(capsys, "import", "--from-hf", source, "--out", tmp_path / kind)
         # (these checkpoints have no tokenizer: the one warning saying so, nothing else)
         assert code == 0 and err.splitlines() == [f"warning: {source} has no tokenizer.json (nor any other tokenizer "
-                                                  "file): imported without a tokenizer, so prompts must be token ids, "
-                                                  "which only the Python Engine takes (frawd generate, chat and serve "
-                                                  "need the tokenizer); copy the tokenizer.json of the model it came "
-                                                  "from into the import"]
+                                                  "file): imported without a tokenizer, so it runs on token ids from "
+                                                  "Python alone (FrawdLLM.from_pretrained: frawd generate, chat, serve "
+                                                  "and the Engine need a tokenizer) and exports; copy the "
+                                                  "tokenizer.json of the model it came from into the import"]
         assert "imported" in stdout, err
         FrawdLLM.from_pretrained(tmp_path / kind)
 

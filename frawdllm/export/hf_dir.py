@@ -509,8 +509,8 @@ def read_hf_dir(hf_dir: str | Path) -> FrawdLLM:
 _OTHER_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "spiece.model")
 
 
-_IDS_ONLY = ("prompts must be token ids, which only the Python Engine takes (frawd generate, chat and serve need "
-             "the tokenizer)")
+_IDS_ONLY = ("it runs on token ids from Python alone (FrawdLLM.from_pretrained: frawd generate, chat, serve and "
+             "the Engine need a tokenizer) and exports")
 
 
 def _note_no_tokenizer(directory: Path) -> None:
