@@ -62,8 +62,8 @@ from ..io import _fsync_wanted, atomic_path, clean_partial, new_folders, sync_pa
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, TOKENIZER_FILE, Tokenizer, cut_at_word_starts
 from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
                            read_shard, token_dtype)
-from .sources import (BUILTIN_SOURCES, SourceStats, hf_local_path, is_glob, iter_documents, parse_hf_spec, source_files,
-                      source_spec)
+from .sources import (BUILTIN_SOURCES, SourceStats, hf_local_path, is_glob, iter_documents, parse_hf_spec,
+                      plain_text_head, source_files, source_spec)
 
 TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
 LOGS_DIR = ".datatrove"  # datatrove's logs and completion marks, inside the output folder
@@ -777,8 +777,6 @@ def _source_bytes(data: str) -> int | None:
 
 
 def _plain_utf8(path: Path) -> bool:
-    from .sources import plain_text_head
-
     try:
         with open(path, "rb") as f:
             return plain_text_head(f.read(8))

@@ -10,8 +10,8 @@ drops the oldest exchanges, a user turn with the replies after it, until the ren
 prompt leaves `reserve` tokens for the reply. The system messages (wherever they stand)
 and the newest user message always stay, and a shortened history starts with a user
 turn: a reply kept without its question would read as the model's own unprompted words
-and change the answers. When even they leave less than `reserve`, they are the prompt as long as they
-fit the context, and the reply gets the room left (it ends there). `frawd chat` and the
+and change the answers. When even they leave less than `reserve`, they are the prompt as
+long as they fit the context, and the reply gets the room left (it ends there). `frawd chat` and the
 server's "truncate" go through it.
 
 Chat replies end at <|eos|>; a role token (<|user|>, <|system|>, <|assistant|>) inside a
