@@ -545,7 +545,8 @@ def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one
                           eval_batches=20)
         return run_pretraining(cfg)
 
-    result, wall = on_a_free_core(run)
+    # (one thread: a run that was off the core for half the tolerance is run again)
+    result, wall = on_a_free_core(run, max_lost_s=budget * 0.05 / 2)
     assert result.stop_reason == "max_time"
     assert result.elapsed_s <= budget * 1.05
     assert wall <= budget * 1.05 + 0.3
