@@ -123,10 +123,10 @@ CASES = [
     ("pretrain-yaml-not-utf8", pre("--config", "{root}/bad_utf8.yaml"), "UTF-8"),
     ("pretrain-set-nan", pre("--set", "norm_eps=nan"), "norm_eps"),
     # inf passed `lr > 0` (lr null in metrics.jsonl, then a late failure with --out half written)
-    ("pretrain-lr-inf", pre("--lr", "inf"), "lr must be a finite positive number, got inf"),
-    ("pretrain-weight-decay-inf", pre("--weight-decay", "inf"), "weight_decay must be a finite number"),
-    ("pretrain-grad-clip-inf", pre("--grad-clip", "inf"), "grad_clip must be a finite number"),
-    ("pretrain-peak-tflops-inf", pre("--peak-tflops", "inf"), "peak_tflops must be a finite positive number"),
+    ("pretrain-lr-inf", pre("--lr", "inf"), "--lr must be a finite positive number, got inf"),
+    ("pretrain-weight-decay-inf", pre("--weight-decay", "inf"), "--weight-decay must be a finite number"),
+    ("pretrain-grad-clip-inf", pre("--grad-clip", "inf"), "--grad-clip must be a finite number"),
+    ("pretrain-peak-tflops-inf", pre("--peak-tflops", "inf"), "--peak-tflops must be a finite positive number"),
     ("sft-lr-inf", ["sft", "--init", "{root}/model", "--max-steps", "1", "--out", "{out}", "--lr", "inf"],
      "lr must be a finite positive number"),
     # item 10

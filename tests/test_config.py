@@ -154,8 +154,30 @@ def test_a_config_file_may_be_yaml_or_toml_and_each_error_names_its_language(tmp
         build_config(PretrainConfig, yaml_file)
     with pytest.raises(ConfigError, match=r"^\S*run\.yaml: n_head must be an integer"):
         build_config(PretrainConfig, yaml_file, {"max_steps": 3})
-    with pytest.raises(ConfigError, match=r"^max_steps: expected an integer or null, got 'x'$"):  # (a flag's own)
+    with pytest.raises(ConfigError, match=r"^--max-steps: expected an integer or null, got 'x'$"):  # (a flag's own)
         build_config(PretrainConfig, yaml_file, {"max_steps": "x"}, {"n_head": 2})
+
+
+def test_a_bad_value_is_named_as_the_user_gave_it_the_flag_or_the_file(tmp_path):
+    # a flag's value is named by the flag typed (it was `batch_size must be ...` after
+    # `--batch-size 0`), a file's by the file; a duration's error names its field too
+    from frawdllm.train.config import PretrainConfig, build_config
+
+    with pytest.raises(ConfigError, match=r"^--batch-size must be a positive integer, got 0$"):
+        build_config(PretrainConfig, None, {"batch_size": 0})
+    with pytest.raises(ConfigError, match=r"^--max-time: cannot read 'abc' as a duration"):
+        build_config(PretrainConfig, None, {"max_time": "abc"})
+    with pytest.raises(ConfigError, match=r"^--dist-timeout: a duration must be positive"):
+        build_config(PretrainConfig, None, {"dist_timeout": "0s"})
+    config = tmp_path / "run.yaml"
+    config.write_text("max_time: abc\nbatch_size: 0\n")
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: batch_size must be a positive integer, got 0$"):
+        build_config(PretrainConfig, config)
+    config.write_text("max_time: abc\n")  # (was "cannot read 'abc' ...", the file not named)
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: max_time: cannot read 'abc' as a duration"):
+        build_config(PretrainConfig, config)
+    with pytest.raises(ConfigError, match=r"^max_time: cannot read"):  # (the Python API: the field's name)
+        PretrainConfig(max_time="abc")
 
 
 def test_swiglu_hidden_defaults_to_eight_thirds_rounded():

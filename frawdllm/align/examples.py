@@ -359,10 +359,12 @@ def collect(items: Iterable[tuple[str, object, str]], convert, val_fraction: flo
     summary.examples, summary.train, summary.val = len(train) + len(val), len(train), len(val)
     if not summary.examples:
         why = []
+        first = "" if summary.skipped + summary.dropped == 1 else "first: "
         if summary.skipped:
-            why.append(f"{summary.skipped} records were bad and skipped (first: {summary.first_skipped[0]})")
+            why.append(f"{counted(summary.skipped, 'record')} {'was' if summary.skipped == 1 else 'were'} bad and "
+                       f"skipped ({first}{summary.first_skipped[0]})")
         if summary.dropped:
-            why.append(f"{summary.dropped} had nothing to learn (first: {summary.first_dropped})")
-        all_ = "all " if len(why) == 1 else ""
+            why.append(f"{summary.dropped:,} had nothing to learn ({first}{summary.first_dropped})")
+        all_ = "all " if len(why) == 1 and summary.skipped + summary.dropped > 1 else ""
         raise FrawdError(f"--data {source} holds no usable {what}" + (f": {all_}{'; '.join(why)}" if why else ""))
     return train, val

@@ -73,6 +73,15 @@ def parse_duration(text: str | float | int) -> float:
     return seconds
 
 
+def _check_duration(name: str, text: str) -> None:
+    """`text` read as a duration, or a ConfigError that names the field (and so the flag or
+    the file that gave it: see `build_config`)."""
+    try:
+        parse_duration(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
 WARMUP_HELP = "Steps of linear warmup to the peak (from peak/warmup at the first step)."
 EVAL_INTERVAL_HELP = ("Evaluate (and checkpoint) every this many steps; 0 = only at the end (and at the start "
                       "under --max-time, to time it).")
@@ -156,11 +165,11 @@ class TrainConfig:
             self.max_time = None
         if self.max_time is not None:
             self.max_time = str(self.max_time)
-            parse_duration(self.max_time)
+            _check_duration("max_time", self.max_time)
         if self.parallel not in PARALLEL_CHOICES:
             raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}; got {self.parallel!r}")
         self.dist_timeout = str(self.dist_timeout)
-        parse_duration(self.dist_timeout)
+        _check_duration("dist_timeout", self.dist_timeout)
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues a run and --overwrite deletes it; choose one")
 
@@ -368,7 +377,7 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
                   (saved, saved.get("model"), saved_path))
         source = _source_of(str(exc), layers)
         if source is None:
-            raise
+            raise ConfigError(_named_as_typed(str(exc), flags)) from None
         raise ConfigError(f"{source}: {exc}") from None
 
 
@@ -380,6 +389,16 @@ def _refuse_an_unused_floor(cfg: Any, flags: dict) -> None:
         why = "decays as 1/sqrt(step), with no floor" if cfg.schedule == "noam" else "does not decay"
         raise ConfigError(f"--min-lr-ratio {cfg.min_lr_ratio}: the {cfg.schedule} schedule {why}; leave it out, "
                           "or choose a schedule that decays to it (--schedule cosine, linear or wsd)")
+
+
+def _named_as_typed(message: str, flags: dict) -> str:
+    """A config error's message (it starts with the field's name) with the field named as the
+    flag that gave it, where a flag did: `--batch-size must be ...`, not `batch_size must be ...`
+    (`cli.flags` makes every field's flag `--` + its name with dashes)."""
+    match = re.match(r"[A-Za-z_]\w*", message)
+    if match is None or match.group(0) not in flags:
+        return message
+    return "--" + match.group(0).replace("_", "-") + message[match.end():]
 
 
 def _source_of(message: str, layers: tuple) -> str | None:
