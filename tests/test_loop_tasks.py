@@ -1,8 +1,6 @@
 """The loop's seam for tasks other than pretraining: named metrics beside the loss, and
 frozen modules (a DPO reference) that the loop moves to the device but never trains."""
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +11,8 @@ from frawdllm.train import Trainer, TrainTask
 from frawdllm.train.checkpoint import latest_checkpoint
 from frawdllm.train.config import TrainConfig
 from frawdllm.train.rundir import read_metrics, task_metric_names
+
+from timing_helpers import FakeTime
 
 
 class RegressionTask(TrainTask):
@@ -180,23 +180,37 @@ def test_a_scalar_tensor_from_evaluate_is_logged_as_its_number(tmp_path):
 
 
 class SlowEvaluationTask(RegressionTask):
-    """Steps of ~5 ms, evaluations of 1 s: a reserve the loop can measure."""
+    """Steps of 5 ms, evaluations of 1 s, on a fake clock (the loop reads it, the task moves
+    it: the step counts below do not depend on the machine's load)."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
 
     def loss(self, model, batch):
-        time.sleep(0.005)
+        self.clock.now += 0.005
         return super().loss(model, batch)
 
     def evaluate(self, model, device):
-        time.sleep(1.0)
+        self.clock.now += 1.0
         return {"val_loss": 1.0}
 
 
-def test_a_time_budget_decays_to_the_floor_by_the_last_step(tmp_path):
+@pytest.fixture
+def clock(monkeypatch):
+    from frawdllm.train import loop
+
+    fake = FakeTime()
+    monkeypatch.setattr(loop, "time", fake)
+    return fake
+
+
+def test_a_time_budget_decays_to_the_floor_by_the_last_step(tmp_path, clock):
     """Progress was elapsed / budget, but training stops early by the final evaluation's
     reserve: a short run's cosine ended far above its floor (about half the peak here)."""
     cfg = config(tmp_path, max_steps=None, max_time="5s", eval_interval=0, lr=1.0, min_lr_ratio=0.0,
                  schedule="cosine", log_interval=1)
-    result = Trainer(torch.nn.Linear(4, 1), SlowEvaluationTask(), cfg).fit()
+    result = Trainer(torch.nn.Linear(4, 1), SlowEvaluationTask(clock), cfg).fit()
     assert result.stop_reason == "max_time"
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
     assert len(lrs) > 50 and lrs[-1] < 0.1  # (1.0 at the peak; before, ~0.3 here)
@@ -211,16 +225,16 @@ class LoadArrivesTask(SlowEvaluationTask):
     def loss(self, model, batch):
         self.calls += 1
         if self.calls > 2:
-            time.sleep(0.005)
+            self.clock.now += 0.005
         return super().loss(model, batch)
 
 
-def test_a_time_budget_whose_steps_slow_down_still_decays_to_the_floor(tmp_path):
+def test_a_time_budget_whose_steps_slow_down_still_decays_to_the_floor(tmp_path, clock):
     """The schedule's reserve was fixed at its first estimate while the stop rule's grew with
     the slower steps: training stopped with the rate at 0.4-0.5 of its peak (floor 0)."""
     cfg = config(tmp_path, max_steps=None, max_time="5s", eval_interval=0, lr=1.0, min_lr_ratio=0.0,
                  schedule="cosine", log_interval=1)
-    result = Trainer(torch.nn.Linear(4, 1), LoadArrivesTask(), cfg).fit()
+    result = Trainer(torch.nn.Linear(4, 1), LoadArrivesTask(clock), cfg).fit()
     assert result.stop_reason == "max_time"
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
     assert len(lrs) > 20 and lrs[-1] < 0.1, (len(lrs), lrs[-1])

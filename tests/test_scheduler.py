@@ -432,6 +432,46 @@ def test_a_failing_listener_fails_its_request_alone(model_tok):
     assert len(received) == 4 and isinstance(received[3], RuntimeError)  # 3 chunks, then its error
 
 
+def test_a_request_cancelled_by_its_listener_mid_step_hears_nothing_more(model_tok):
+    """Two samples share a step: the first one's chunk makes the listener cancel (its client
+    went away), and the second sample's chunk of that same step is not delivered."""
+    model, tok = model_tok
+    scheduler = Scheduler(Engine(model, tok))
+    received, request = [], None
+
+    def listener(item):
+        received.append(item)
+        request.cancel()
+
+    params = SamplingParams(temperature=0, max_new_tokens=20, num_samples=2, ignore_eos=True)
+    try:
+        with scheduler._cond:  # (re-entrant: the loop cannot admit the request before `request` is set)
+            request = scheduler.submit(PROMPTS[2], params, listener=listener)
+        assert wait_idle(scheduler)
+    finally:
+        scheduler.close()
+    assert len(received) == 1, received
+
+
+def test_greedy_rows_with_a_repetition_penalty_are_penalised(model_tok):
+    """A greedy request with a repetition penalty is not a plain argmax row: the scheduler gives
+    Engine.generate's tokens (it served them without the penalty when such rows shared the
+    plain argmax)."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=20, repetition_penalty=3.0, ignore_eos=True)
+    expected = engine.generate(PROMPTS[2], params)[0].tokens
+    assert expected != engine.generate(PROMPTS[2], params.replace(repetition_penalty=1.0))[0].tokens
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        plain = scheduler.submit(PROMPTS[3], params.replace(repetition_penalty=1.0))  # (a plain row beside it)
+        penalised = [c.token for c in scheduler.submit(PROMPTS[2], params)]
+        list(plain)
+    finally:
+        scheduler.close()
+    assert penalised == expected
+
+
 def test_a_dropped_scheduler_ends_its_thread(model_tok):
     """A scheduler nobody holds still finishes what it accepted, then is collected and its
     thread ends (the thread used to hold it, so both lived forever)."""

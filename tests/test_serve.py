@@ -327,6 +327,9 @@ def test_errors_are_openai_errors(server):
                          headers={"Content-Type": "application/json"})
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
     assert keyless.headers["www-authenticate"] == "Bearer"  # (HTTP requires a challenge with a 401)
+    for header in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"):  # (the scheme is case-blind, RFC 7235)
+        assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": header}).status_code == 200, header
+    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
 
 
 def test_too_many_requests():

@@ -499,6 +499,23 @@ def test_a_generation_that_fails_mid_stream_says_so_in_the_stream():
         assert httpx.get(url + "/health").status_code == 200
 
 
+def test_a_requests_own_sampling_values_win_over_the_models_file():
+    """generation_config.json fills only what a request leaves out: an explicit `stop: []`
+    (no stop strings) and an explicit top_k keep their values; negative int64 seeds stay
+    distinct from positive ones."""
+    from frawdllm.serve.options import ServeOptions
+    from frawdllm.serve.prompts import _params
+    from frawdllm.serve.schemas import CompletionRequest
+
+    options, file = ServeOptions(), {"stop": ("\n",), "top_k": 40, "temperature": 0.5}
+    left_out = _params(CompletionRequest(model="m", prompt="hi"), 8, options, file)
+    assert (left_out.stop, left_out.top_k, left_out.temperature) == (("\n",), 40, 0.5)
+    given = _params(CompletionRequest(model="m", prompt="hi", stop=[], top_k=5, temperature=0.7), 8, options, file)
+    assert (given.stop, given.top_k, given.temperature) == ((), 5, 0.7)
+    seeds = [_params(CompletionRequest(model="m", prompt="hi", seed=seed), 8, options).seed for seed in (-1, -5, 5)]
+    assert seeds == [2**63 - 1, 2**63 - 5, 5]
+
+
 def test_max_completion_tokens_wins_over_max_tokens_and_the_default_fits_the_context(server):
     """The newer name wins (a request holding both got max_tokens' count under a swap), a
     max_tokens over the cap beside a valid max_completion_tokens is not read, and without

@@ -56,6 +56,21 @@ def test_special_tokens_sit_at_ids_0_to_6_in_every_kind(all_kinds, kind):
     assert tok.decode([BOS_ID, EOS_ID], skip_special_tokens=True) == ""
 
 
+def test_special_tokens_at_other_ids_are_not_frawds(char):
+    """A tokenizer whose <|bos|> and <|eos|> swapped ids has the tokens but not at the ids the
+    chat template and the sampler use (EOS_ID would end replies at every <|bos|>)."""
+    data = json.loads(char.to_json())
+    vocab = data["model"]["vocab"]
+    vocab["<|bos|>"], vocab["<|eos|>"] = vocab["<|eos|>"], vocab["<|bos|>"]
+    for token in data["added_tokens"]:
+        token["id"] = {"<|bos|>": EOS_ID, "<|eos|>": BOS_ID}.get(token["content"], token["id"])
+    swapped = Tokenizer.from_json(json.dumps(data))
+    assert swapped.token_to_id("<|eos|>") == BOS_ID
+    assert not swapped.has_frawd_specials()
+    assert swapped.missing_frawd_specials() == [f"<|bos|> (id {EOS_ID}, not {BOS_ID})",
+                                                f"<|eos|> (id {BOS_ID}, not {EOS_ID})"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(max_size=200))
 def test_bpe_round_trips_any_unicode_string(bpe, text):

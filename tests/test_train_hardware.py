@@ -210,6 +210,13 @@ def test_a_dry_run_names_the_peak_tflops_given_as_the_peak_of_its_mfu(monkeypatc
     assert code == 0 and "peak for MFU" not in out, err
 
 
+def test_a_dtypes_first_step_warms_up_and_is_not_timed():
+    p = compiling.AutoPlan(["fp32"], "false", {"fp32": "key"})
+    for seconds in (5.0, 0.1, 0.1):
+        p.record("fp32", seconds)
+    assert p.times["fp32"] == [0.1, 0.1] and p.eager_step_s("fp32") == 0.1
+
+
 def test_auto_dtype_keeps_the_faster_of_the_native_dtypes():
     p = compiling.AutoPlan(["bf16", "fp32"], "false", {})
     for seconds in (5.0, 0.6, 0.6):

@@ -76,6 +76,8 @@ STOP_REASONS = (None, "max_steps", "max_tokens", "max_time", "interrupted", "dat
 # A run whose fastest logged window computed more than this times the cached peak had it
 # measured on a busy machine (a quiet measurement is not beaten: the demo runs at ~90% MFU).
 PEAK_SLACK = 1.05
+# Steady steps in the median before the evaluation's cost in steps is trusted (see _rebase_costs).
+_STEADY_STEPS = 5
 
 
 class _DataExhausted(Exception):
@@ -358,6 +360,8 @@ class Trainer:
         self._publish_s: float | None = None  # the last publish of the best model (its weights)
         self._save_s: float | None = None  # how long the last checkpoint took
         self._costs_step_s: float | None = None  # the typical step when those were measured
+        self._costs_steps = 0  # how many of this session's steady steps that typical step had seen
+        self._steady_steps = 0  # this session's steps in _step_times (not its first, nor timing steps)
         self._eval_steps: list[float] = []  # recent evaluations' durations, in typical steps
         self._evaluating_s = 0.0  # this session's evaluations, publishes and checkpoints
         self._step_times: list[float] = []  # recent step durations, the session's first excluded
@@ -672,9 +676,9 @@ class Trainer:
             self._warmup_s = now - started
         elif self.step > self._session_step + 1:  # the first step of a session warms up (compiles)
             self._step_times = self._step_times[-8:] + [now - started]
-            if self._costs_step_s is None:  # the evaluation before the first step
-                self._costs_step_s = self._step_s()
-                self._eval_steps = [self._eval_s / self._costs_step_s] if self._eval_s and self._costs_step_s else []
+            self._steady_steps += 1
+            if self._costs_step_s is None or self._costs_steps < _STEADY_STEPS <= self._steady_steps:
+                self._rebase_costs()
             if self._compiled and len(self._step_times) == 5 and self._warmup_s is not None:
                 self._remember_compile_cost()
                 self._cost_remembered = True
@@ -825,6 +829,22 @@ class Trainer:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
+    def _rebase_costs(self) -> None:
+        """Measure the evaluation's cost again in typical steps, against today's typical step:
+        at the first steady step (the evaluation before the first step had none), and once
+        _STEADY_STEPS of them are in the median. Before that the typical step leans on the timing
+        steps' estimate or one step, and one stall there (a step of 0.1 s among 6 ms ones) made
+        an evaluation a tenth of the steps it is, a reserve a tenth too short for the rest of a
+        run that evaluates only at its end."""
+        step_s = self._step_s()
+        if not step_s:
+            return
+        if self._costs_step_s is None:
+            self._eval_steps = [self._eval_s / step_s] if self._eval_s else []
+        else:
+            self._eval_steps = [steps * self._costs_step_s / step_s for steps in self._eval_steps]
+        self._costs_step_s, self._costs_steps = step_s, self._steady_steps
+
     def _step_s(self) -> float:
         """A typical step's duration: the median of the recent ones (or of the timing steps;
         before any, the last step, a warm-up that overestimates)."""
@@ -899,6 +919,7 @@ class Trainer:
             self._write_samples(whole)
         self._eval_s = evaluating_s + time.perf_counter() - sampling
         self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
+        self._costs_steps = self._steady_steps
         if self._step_times and self._costs_step_s:  # (not against a session's first step: a warm-up)
             self._eval_steps = self._eval_steps[-2:] + [self._eval_s / self._costs_step_s]
         if self.cfg.max_time_s and self._schedule_reserve_s is None:  # (all ranks evaluate together)
