@@ -512,8 +512,10 @@ def test_cli_refuses_to_write_the_tokenizer_inside_its_source_folder(tmp_path, c
 
 
 _MERGING = """
-import random, sys
+import random, signal, sys
 from frawdllm.tokenizer import train_tokenizer
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a terminal's Ctrl-C, whatever this process inherited)
 
 def documents():  # ~300k distinct words: the merge stage (Rust, after the last document) takes seconds
     rng = random.Random(0)
