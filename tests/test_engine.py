@@ -372,6 +372,9 @@ def test_prompt_logprobs_checks_its_prompt_as_generate_does_and_caps_k_as_sampli
     outside = rf"^prompt token id {VOCAB + 3} is outside the vocabulary \(size {VOCAB}\)$"
     with pytest.raises(FrawdError, match=outside):
         engine.prompt_logprobs([5, VOCAB + 3], 2)
+    with pytest.raises(FrawdError, match=rf"^prompt token id {VOCAB} is outside"):  # (the first id past it)
+        engine.prompt_logprobs([5, VOCAB], 2)
+    assert engine.prompt_logprobs([5, VOCAB - 1], 0)[1] is not None  # (the last id in it)
     for k in (-1, MAX_LOGPROBS + 1):
         with pytest.raises(FrawdError, match=rf"^k \(alternatives per token\) must be an integer in "
                                              rf"\[0, {MAX_LOGPROBS}\], got {k}$"):

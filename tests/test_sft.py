@@ -702,6 +702,12 @@ def test_a_lora_rank_above_n_embd_is_one_line_before_any_work(command, tmp_path,
     assert code == 1 and err.count("\n") == 1, err
     assert f"--lora-rank {n_embd + 1} exceeds the model's n_embd {n_embd}" in err
     assert not (tmp_path / "run").exists()
+    if command == "sft":  # at the bounds: a rank of n_embd and a --max-length of the whole context are taken
+        context = json.loads((base / "config.json").read_text())["context_length"]
+        code, _, err = run_cli(capsys, command, "--init", base, "--data", data, "--max-steps", "1", "--out",
+                               tmp_path / "run", "--no-progress", "--lora-rank", str(n_embd),
+                               "--max-length", str(context), "--sample-tokens", "0")
+        assert code == 0, err
 
 
 @pytest.mark.parametrize("command", ["sft", "dpo"])
