@@ -839,10 +839,10 @@ class Trainer:
         step_s = self._step_s()
         if not step_s:
             return
-        if self._costs_step_s is None:
-            self._eval_steps = [self._eval_s / step_s] if self._eval_s else []
-        else:
+        if self._eval_steps and self._costs_step_s:
             self._eval_steps = [steps * self._costs_step_s / step_s for steps in self._eval_steps]
+        else:  # (an evaluation measured before any step was timed)
+            self._eval_steps = [self._eval_s / step_s] if self._eval_s else []
         self._costs_step_s, self._costs_steps = step_s, self._steady_steps
 
     def _step_s(self) -> float:
