@@ -220,6 +220,35 @@ def test_the_task_keeps_its_reference_frozen_outside_the_optimizer(tmp_path):
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_precompute_that_cannot_end_within_max_time_is_refused_at_once(tmp_path, monkeypatch):
+    """--precompute-ref scored 767 pairs in 63 s of a 30 s budget, then made a step; now the
+    first second (or two batches) projects the whole scoring against the budget."""
+    import time
+
+    from frawdllm.align import dpo as dpo_module
+    from frawdllm.errors import FrawdError
+
+    tok = byte_tokenizer()
+    cfg = DPOConfig(data=str(write_jsonl(tmp_path / "p.jsonl", word_prefs(40))), out=str(tmp_path / "run"),
+                    progress=False, max_time="10s", device="cpu", dtype="fp32", compile="false", sample_tokens=0,
+                    batch_size=4, precompute_ref=True)
+    train, val, _ = load_pairs(cfg, tok, 64)
+    clock = [100.0]  # each perf_counter reading is 0.5 s later: a batch of 4 pairs takes ~0.5 s
+
+    def ticking():
+        clock[0] += 0.5
+        return clock[0]
+
+    monkeypatch.setattr(dpo_module.time, "perf_counter", ticking)
+    with pytest.raises(FrawdError, match=r"^--precompute-ref: scoring the 40 pairs under the reference takes ~\d+ s "
+                                         r"here, past --max-time 10 s \(\d s were left\): give a larger --max-time, "
+                                         r"or leave --precompute-ref out"):
+        DPOTask(train, val, tiny_model(), tok, cfg, 64, started_at=clock[0] - 8.0)  # (2 s left)
+    monkeypatch.setattr(dpo_module.time, "perf_counter", time.perf_counter)
+    task = DPOTask(train, val, tiny_model(), tok, cfg, 64, started_at=time.perf_counter())  # (10 s: enough)
+    assert task.ref_logps["train"].shape == (2, len(train))
+
+
 def test_pairs_with_no_preference_or_an_answered_prompt_are_bad_records(tmp_path):
     from frawdllm.errors import FrawdError
 

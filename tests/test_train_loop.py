@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from frawdllm import FrawdLLM
+from frawdllm.errors import FrawdError
 from frawdllm.tokenizer import Tokenizer
 from frawdllm.train import PretrainConfig, Trainer, TrainingDiverged, TrainTask, run_pretraining
 from frawdllm.train.checkpoint import latest_checkpoint, list_checkpoints, load_state, load_weights
@@ -290,7 +291,6 @@ def test_a_damaged_training_state_is_one_line(tmp_path, damage, said):
     """A state.pt of another shape than the loop writes: tracebacks (IndexError inside the
     error handler for an empty file, KeyError, TypeError), a run from step -99, and an AdamW
     moment of the wrong shape a segmentation fault in the fused step."""
-    from frawdllm.errors import FrawdError
     from frawdllm.train.checkpoint import load_state
 
     Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=4)).fit()
@@ -444,6 +444,87 @@ def test_one_stalled_early_step_does_not_shrink_the_final_evaluations_reserve(tm
     spent = clock.now - task.start
     assert result.stop_reason == "max_time" and task.evals == 2
     assert 10.0 - 1.5 * (0.5 + 3 * 0.01) - 2 * 0.0064 <= spent <= 10.0
+
+
+class SkipsWorkAtFirstTask(TimedTask):
+    """The first evaluation skips most of its work (translation's BLEU on an untrained model)
+    and says what it skipped; the later ones do it all."""
+
+    def __init__(self, clock, whole_eval_s, **costs):
+        super().__init__(clock, **costs)
+        self.whole_eval_s, self.skipped_s = whole_eval_s, 0.0
+
+    def evaluate(self, model, device):
+        if self.evals:
+            self.spend(self.whole_eval_s - self.costs[1])
+        self.skipped_s = 0.0 if self.evals else self.whole_eval_s - self.costs[1]
+        return super().evaluate(model, device)
+
+    def evaluation_extra_s(self):
+        return self.skipped_s
+
+
+def test_an_evaluation_that_skipped_work_counts_whole_in_the_reserve(tmp_path, monkeypatch):
+    # translation with --eval-interval 10 and a 60 s budget ended after 72 s: the step-0
+    # evaluation (no BLEU, 1 s) and a whole one (11 s) gave a median of the cheap one
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    task = SkipsWorkAtFirstTask(clock, 11.0, step_s=1.4, eval_s=1.0, save_s=0.2)
+    cfg = generic_config(tmp_path, max_steps=None, max_time="60s", eval_interval=10)
+    result = Trainer(torch.nn.Linear(4, 1), task, cfg).fit()
+    spent = clock.now - task.start
+    assert result.stop_reason == "max_time" and task.evals >= 3
+    assert spent <= 60.0
+
+
+def test_a_resumed_session_reserves_by_the_costs_measured_before(tmp_path, monkeypatch):
+    # the evaluation's, publish's and checkpoint's costs are in the checkpoint: a resumed session
+    # (which evaluates at once only where one was owed) guessed 50 batches' worth, 2.5 s for an
+    # evaluation of 0.05 s, and a 20 s budget stopped more than 2 s early
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    costs = dict(step_s=0.1, eval_s=0.05, save_s=0.01)
+    first = TimedTask(clock, **costs)
+    Trainer(torch.nn.Linear(4, 1), first, generic_config(tmp_path, max_steps=None, max_time="10s", eval_interval=0,
+                                                         eval_batches=50)).fit()
+    second = TimedTask(clock, **costs)
+    result = Trainer(torch.nn.Linear(4, 1), second, generic_config(tmp_path, max_steps=None, max_time="20s",
+                                                                   eval_interval=0, eval_batches=50,
+                                                                   resume=True)).fit()
+    ran = clock.now - first.start  # (both sessions: the budget counts the whole run)
+    assert result.stop_reason == "max_time"
+    assert 20.0 - 1.5 * (0.05 + 0.01 + 0.01) - 2 * 0.1 - 0.2 <= ran <= 20.0, (ran, result.elapsed_s)
+
+
+def test_a_resume_with_too_little_budget_left_is_refused_before_any_work(tmp_path, monkeypatch):
+    # 19 s of a 20 s run used, the resume's own start-up 1 s more: it trained a step and ran
+    # the final evaluation, 21% over; a step and the final phase need 0.1 + 1.5 x 0.07 s here
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    costs = dict(step_s=0.1, eval_s=0.05, save_s=0.01)
+    first = TimedTask(clock, **costs)
+    Trainer(torch.nn.Linear(4, 1), first, generic_config(tmp_path, max_steps=None, max_time="10s",
+                                                         eval_interval=0)).fit()
+    state = load_state(latest_checkpoint(tmp_path / "run"))
+    started = clock.now
+    clock.now += 10.0 - state["elapsed_s"] - 0.12  # the resume's start-up leaves 0.12 s
+    with pytest.raises(FrawdError, match=r"budget is already spent \(9\.9 s of --max-time 10 s, and a step with "
+                                         r"the final evaluation and checkpoint takes 0\.\d s\)"):
+        Trainer(torch.nn.Linear(4, 1), TimedTask(clock, **costs),
+                generic_config(tmp_path, max_steps=None, max_time="10s", eval_interval=0, resume=True),
+                started_at=started).fit()
+    assert load_state(latest_checkpoint(tmp_path / "run"))["step"] == state["step"]  # (nothing trained)
+    # with room for it, the resume trains
+    result = Trainer(torch.nn.Linear(4, 1), TimedTask(clock, **costs),
+                     generic_config(tmp_path, max_steps=None, max_time="12s", eval_interval=0, resume=True),
+                     started_at=clock.now).fit()
+    assert result.steps > state["step"]
 
 
 class SlowFirstStepTask(TimedTask):

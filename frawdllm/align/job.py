@@ -203,7 +203,7 @@ class FinetuneTask(TrainTask):
 
 
 def run_finetune(cfg: FinetuneConfig, command: str, load: Callable[[Any, Tokenizer, int], tuple[list, list, Any]],
-                 task_class: type[FinetuneTask], what: str, callbacks: list | None = None,
+                 task_class: Callable[..., FinetuneTask], what: str, callbacks: list | None = None,
                  started_at: float | None = None) -> TrainResult:
     """The whole job: checks, OUT, the --init model (LoRA-wrapped if asked), the data
     (`load(cfg, tokenizer, length)`: train, val and a summary of `what` it read), the task

@@ -191,9 +191,9 @@ class TrainTask:
         every evaluation costs, and a time budget kept it in reserve (runs ended 9-18% early)."""
 
     def evaluation_extra_s(self) -> float:
-        """Seconds a later evaluation will take beyond the last `evaluate` + `samples`: work
-        they skipped (translation's BLEU on an untrained model), which a time budget must
-        keep in reserve for the final evaluation."""
+        """Seconds a whole evaluation takes beyond the last `evaluate` + `samples` (asked right
+        after them): work they skipped (translation's BLEU on an untrained model), which a
+        time budget must keep in reserve for the final evaluation."""
         return 0.0
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
@@ -356,7 +356,7 @@ class Trainer:
         self._eta_from: tuple[float, int, int] | None = None  # (time, step, tokens) of the session's first bar update
         self._schedule_reserve_s: float | None = None  # (see _learning_rate)
         self._warmup_end: list | None = None  # step, tokens, time and reserve where warmup ended (see _learning_rate)
-        self._eval_s: float | None = None  # how long the last evaluation took
+        self._eval_s: float | None = None  # what the last evaluation cost (with the work it skipped)
         self._publish_s: float | None = None  # the last publish of the best model (its weights)
         self._save_s: float | None = None  # how long the last checkpoint took
         self._costs_step_s: float | None = None  # the typical step when those were measured
@@ -503,19 +503,24 @@ class Trainer:
         """Train until a stopping rule (--max-steps / --max-tokens / --max-time, a signal, too
         many non-finite losses) holds; evaluates, checkpoints and samples on the way."""
         cfg = self.cfg
+        # (this session's start-up counts: a resume with a second left of 20 s used 2.9 s more)
+        self._start = self.started_at if self.started_at is not None else time.perf_counter()
         spent = self._check_stop() if self.step > 0 else None  # a resumed run: nothing left to do?
+        if spent is None and self.step > 0 and self._too_late_to_resume():
+            spent = "max_time"
         if spent is not None:
             if spent == "max_steps":
                 done = f"{self.step} steps of --max-steps {cfg.max_steps}"
             elif spent == "max_tokens":
                 done = f"{_si(self.tokens)} tokens of --max-tokens {_si(cfg.max_tokens)}"
             else:
-                done = f"{self.elapsed():.0f} s of --max-time {cfg.max_time_s:.0f} s"
+                done = f"{self.elapsed():.1f} s of --max-time {cfg.max_time_s:g} s"
+                if self.elapsed() < cfg.max_time_s:
+                    done += f", and a step with the final evaluation and checkpoint takes {self._resume_need_s():.1f} s"
             release_run_dir(self.run_dir)
             raise FrawdError(budget_spent(self.run_dir, done))
         self.model.train()
         load_pyplot()
-        self._start = self.started_at if self.started_at is not None else time.perf_counter()
         if cfg.sample_tokens and self.dist.is_main:  # (start-up: inside the budget; sharded, samples run on the CPU)
             self.task.prepare_samples(torch.device("cpu") if self.dist.sharded else self.device)
         self._fit_start = time.perf_counter()
@@ -829,6 +834,17 @@ class Trainer:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
+    def _resume_need_s(self) -> float:
+        """What a resumed session needs at least: a step (the typical one when the costs were
+        measured) and the final evaluation, publish and checkpoint (by those costs)."""
+        return (self._costs_step_s or 0.0) + self._final_eval_s()
+
+    def _too_late_to_resume(self) -> bool:
+        """A resumed --max-time run whose budget cannot hold one more step and the final
+        evaluation (known from the checkpoint's costs; an older checkpoint's: not judged)."""
+        return bool(self.cfg.max_time_s and self._eval_s is not None and
+                    self.elapsed() + self._resume_need_s() >= self.cfg.max_time_s)
+
     def _rebase_costs(self) -> None:
         """Measure the evaluation's cost again in typical steps, against today's typical step:
         at the first steady step (the evaluation before the first step had none), and once
@@ -847,12 +863,13 @@ class Trainer:
 
     def _step_s(self) -> float:
         """A typical step's duration: the median of the recent ones (or of the timing steps;
-        before any, the last step, a warm-up that overestimates)."""
+        before any, a resumed run's typical step when its costs were measured, else the last
+        step, a warm-up that overestimates: 2 s for 0.1 s steps made a 3 s evaluation 60 s)."""
         if self._step_times:
             return statistics.median(self._step_times)
         if self.plan is not None and self.plan.times.get(self.dtype):
             return self.plan.eager_step_s(self.dtype)
-        return self._last_step_s or 0.0
+        return self._costs_step_s or self._last_step_s or 0.0
 
     def _final_eval_s(self) -> float:
         """What the final evaluation, model publish and checkpoint will take, with a 50% margin.
@@ -860,8 +877,8 @@ class Trainer:
         today's typical step (a shared machine slows down and speeds up; one evaluation that met
         a burst of load must not idle the rest of the run); before any, a forward pass per
         validation batch (a third of an eager step; evaluation is not compiled, so a whole
-        compiled step); plus what the task says its next evaluation adds
-        (`TrainTask.evaluation_extra_s`). Publish and
+        compiled step). Each evaluation counts with the work it skipped
+        (`TrainTask.evaluation_extra_s`: translation's BLEU on an untrained model). Publish and
         checkpoint: as long as the last ones, times how much slower steps have become since;
         before any, the weights at 100 MB/s and a checkpoint three times the weights (with two
         AdamW moments)."""
@@ -871,8 +888,8 @@ class Trainer:
         elif self._eval_s is not None:
             eval_s = self._eval_s
         else:
-            eval_s = self.cfg.eval_batches * step_s / self.grad_accum / (1 if self._compiled else 3)
-        eval_s += self.task.evaluation_extra_s()
+            eval_s = self.cfg.eval_batches * step_s / self.grad_accum / (1 if self._compiled else 3) + \
+                self.task.evaluation_extra_s()
         publish_s = self._publish_s
         if publish_s is None:
             publish_s = 4 * sum(p.numel() for p in self.params) / 100e6
@@ -917,7 +934,9 @@ class Trainer:
         sampling = time.perf_counter()
         if self.cfg.sample_tokens and main:
             self._write_samples(whole)
-        self._eval_s = evaluating_s + time.perf_counter() - sampling
+        # what a whole evaluation costs: this one's time and the work it skipped (translation's
+        # BLEU on an untrained model), so a cheap one cannot halve the median of the last three
+        self._eval_s = evaluating_s + time.perf_counter() - sampling + self.task.evaluation_extra_s()
         self._costs_step_s = self._step_s() or None  # (None before the first step: it sets it)
         self._costs_steps = self._steady_steps
         if self._step_times and self._costs_step_s:  # (not against a session's first step: a warm-up)
@@ -974,6 +993,11 @@ class Trainer:
             **({} if sharded else {"optimizer": self.optimizer.state_dict()}),
             "schedule": self.schedule.state_dict(),
             "schedule_reserve_s": self._schedule_reserve_s,
+            # what evaluations, publishes and checkpoints cost: a resumed session reserves by them
+            # (it evaluates at once only where one was owed; without them it guessed 20 batches' worth)
+            "costs": {"eval_s": self._eval_s, "eval_steps": self._eval_steps, "costs_step_s": self._costs_step_s,
+                      "publish_s": self._publish_s, "save_s": self._save_s,
+                      "steady_steps": min(self._costs_steps, _STEADY_STEPS)},
             "warmup_end": self._warmup_end,
             "bad_steps": self.bad_steps,  # (a stop's checkpoint can fall inside a NaN streak)
             "budget": self._budget(),
@@ -1028,6 +1052,10 @@ class Trainer:
         distributed.load_optimizer(self.step_module, self.optimizer, path, state.get("optimizer"), self.dist)
         self.schedule.load_state_dict(state["schedule"])
         self._schedule_reserve_s = state.get("schedule_reserve_s")  # (None: taken at this session's first evaluation)
+        costs = state.get("costs") or {}  # (none in an older checkpoint)
+        self._eval_s, self._publish_s, self._save_s = costs.get("eval_s"), costs.get("publish_s"), costs.get("save_s")
+        self._eval_steps, self._costs_step_s = list(costs.get("eval_steps") or []), costs.get("costs_step_s")
+        self._costs_steps = int(costs.get("steady_steps", 0))  # (fewer than _STEADY_STEPS: rebased in this session)
         self._warmup_end = state.get("warmup_end")  # (None: warmup not over, or an older checkpoint)
         if self._warmup_end is not None:  # the end of warmup's progress under this budget (as saved, if the same)
             *at, reserve = self._warmup_end
