@@ -385,6 +385,19 @@ def test_a_run_over_its_budget_says_where_the_time_went(tmp_path, monkeypatch, r
     assert not [w for w in recwarn if "the run took" in str(w.message)]
 
 
+def test_a_step_longer_than_the_budget_left_is_named_in_the_warning(tmp_path, monkeypatch):
+    # the first step is always taken: a 12 s step in a 10 s budget overruns, and says why
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    task = TimedTask(clock, step_s=12.0, eval_s=0.5, save_s=0.1)
+    cfg = generic_config(tmp_path, max_steps=None, max_time="10s", eval_interval=0)
+    with pytest.warns(UserWarning, match=r"1 training step 12\.\d s \(a step outlasts what the budget left: a "
+                                         r"smaller --batch-size or model fits\)$"):
+        assert Trainer(torch.nn.Linear(4, 1), task, cfg).fit().steps == 1
+
+
 class BurstDuringOneEvaluationTask(TimedTask):
     """Another process takes the cores during one evaluation only: it lasts `burst_s` longer."""
 

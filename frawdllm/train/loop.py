@@ -585,7 +585,9 @@ class Trainer:
         self._warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: {earlier}start-up "
                       f"{start_up:.1f} s, evaluations and checkpoints {self._evaluating_s:.1f} s "
                       f"({cfg.eval_batches} validation batches each: --eval-batches sets it), {steps} training "
-                      f"step{'s' * (steps != 1)} {training:.1f} s")
+                      f"step{'s' * (steps != 1)} {training:.1f} s" +
+                      (" (a step outlasts what the budget left: a smaller --batch-size or model fits)"
+                       if steps == 1 and training > 0.1 * cfg.max_time_s else ""))
 
     def _fit(self, bar) -> None:
         cfg = self.cfg
