@@ -28,8 +28,9 @@ def _cpu_seconds() -> float:
 
 def _waited_seconds() -> float:
     """Seconds this process's threads have been runnable without a core (their run-queue
-    delay), plus this CPU's share of the machine's steal time; wall time less CPU time where
-    the kernel keeps no scheduler statistics."""
+    delay; a thread that ended takes its share along), plus one CPU's share of the
+    machine's steal time. (`on_a_free_core` takes wall time less CPU time where the kernel
+    keeps no scheduler statistics.)"""
     waited = 0.0
     for task in Path("/proc/self/task").iterdir():
         try:
