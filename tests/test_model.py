@@ -18,6 +18,34 @@ def small_cfg(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def test_init_is_gpt2s_with_residual_projections_scaled_by_depth():
+    torch.manual_seed(0)
+    model = FrawdLLM(small_cfg(n_embd=256, n_layer=8, n_head=4, bias=True))
+    residual = 0.02 / math.sqrt(2 * 8)
+    for block in model.blocks:
+        assert block.attn.proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+        assert block.mlp.down.weight.std().item() == pytest.approx(residual, rel=0.05)
+        assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias") and "norm" not in n]
+    assert biases and all(torch.count_nonzero(b) == 0 for b in biases)
+
+
+def test_dropout_sits_on_each_branch_and_after_the_embeddings():
+    # (a branch's dropout on the whole residual stream, or none after the embeddings, trains
+    # another model than GPT-2's)
+    torch.manual_seed(0)
+    model = FrawdLLM(small_cfg(dropout=0.5, n_layer=1)).train()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        for linear in (model.blocks[0].attn.proj, model.blocks[0].mlp.down):
+            linear.weight.zero_()
+            if linear.bias is not None:
+                linear.bias.zero_()
+        assert torch.equal(model.blocks[0].residual_stream(x), x)  # branches of zero leave the stream alone
+        embedded = model.embed(torch.randint(3, 64, (2, 8)), torch.arange(8)[None])
+    assert 0.3 < (embedded == 0).float().mean().item() < 0.7
+
+
 @pytest.mark.parametrize("pos", POS)
 @pytest.mark.parametrize("placement", ["pre", "post"])
 def test_changing_token_t_never_changes_earlier_logits(pos, placement):

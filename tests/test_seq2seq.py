@@ -119,6 +119,20 @@ def test_every_source_token_reaches_the_decoder():
         assert not torch.allclose(model(src, tgt)[0][:, 0], model(changed, tgt)[0][:, 0])
 
 
+@pytest.mark.parametrize("name", ["paper", "pre_ln_rope_gqa"])
+def test_every_norm_of_a_decoder_block_takes_part(name):
+    # each block's norms (its cross-attention's own, norm_cross, too): scaling one moves the output
+    model = model_for(name)
+    src, tgt = torch.randint(4, 40, (1, 9)), torch.randint(4, 40, (1, 4))
+    with torch.no_grad():
+        before = model(src, tgt)[0]
+        for norm in ("norm1", "norm_cross", "norm2"):
+            weight = getattr(model.decoder[0], norm).weight
+            weight.mul_(1.5)
+            assert not torch.allclose(model(src, tgt)[0], before), norm
+            weight.div_(1.5)
+
+
 def _sources(n=5, seed=1):
     rng = random.Random(seed)
     return [[rng.randrange(4, 40) for _ in range(rng.randint(2, 9))] for _ in range(n)]
@@ -213,6 +227,62 @@ def test_decode_with_a_kv_cache_and_no_positions_takes_the_caches_as_the_decoder
             cache.begin(1)
             steps.append(model.decode(tgt[:, t:t + 1], memory_kv, mask, kv_cache=cache))
     assert (torch.cat(steps, 1) - whole).abs().max() < 1e-4
+
+
+def test_pairs_longer_than_max_len_on_either_side_are_skipped_and_at_it_kept():
+    from frawdllm.data.parallel import encode_pairs
+    from frawdllm.tokenizer import byte_tokenizer
+
+    got = encode_pairs(byte_tokenizer(), ["abcd", "ab", "abcde", "ab"], ["ab", "abcd", "a", "abcde"], 4)
+    assert (got.kept, got.too_long) == ([0, 1], 2)  # 4 tokens a side kept; 5 skipped, source or target
+
+
+def test_token_batches_hold_at_most_their_tokens_and_no_more_batches_than_needed():
+    # rows x max(source, target + 1) <= the budget, unless a pair alone is wider; similar
+    # lengths together, so a budget that holds every pair of one width takes them in one batch
+    from frawdllm.train.translation import token_batches
+
+    rng = random.Random(0)
+    pairs = [([1] * rng.randint(1, 12), [1] * rng.randint(1, 12)) for _ in range(300)]
+    batches = token_batches(pairs, 40, random.Random(1))
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    width = lambda i: max(len(pairs[i][0]), len(pairs[i][1]) + 1)  # noqa: E731
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(map(width, batch)) <= 40
+    narrow = [([1] * 3, [1] * 4)] * 8 + [([1] * 9, [1] * 9)]  # (width 5: eight fill 40 tokens)
+    assert sorted(map(len, token_batches(narrow, 40, random.Random(2)))) == [1, 8]
+    # sorted by source length, a short source with a long target (width 10) comes first: the
+    # next batch starts at its own pairs' width (2), not that one's
+    wide_first = [([1], [1] * 9)] + [([1] * 2, [1])] * 5
+    assert sorted(map(len, token_batches(wide_first, 10, random.Random(3)))) == [1, 5]
+
+
+def test_translate_texts_hands_alpha_and_batch_size_to_the_search(monkeypatch):
+    from frawdllm.infer import translate as translate_module
+    from frawdllm.tokenizer import byte_tokenizer
+    from frawdllm.train.translation import translate_texts
+
+    seen = {}
+
+    def spy(model, ids, **options):
+        seen.update(options)
+        return [[] for _ in ids]
+
+    monkeypatch.setattr(translate_module, "translate_ids", spy)
+    translate_texts(torch.nn.Identity(), byte_tokenizer(), ["ab"], beam_size=3, alpha=1.5, batch_size=7)
+    assert seen == {"beam_size": 3, "alpha": 1.5, "batch_size": 7}
+
+
+def test_the_memory_check_is_of_the_widest_batch(monkeypatch):
+    from frawdllm.infer import translate as translate_module
+
+    widths = []
+    check = translate_module._check_search
+    monkeypatch.setattr(translate_module, "_check_search",
+                        lambda model, src, *rest: (widths.append(src.shape[1]), check(model, src, *rest))[1])
+    model = model_for("paper")
+    translate_module.translate_ids(model, [[5], [5, 6], [5, 6, 7, 8, 9]], beam_size=1, batch_size=1)
+    assert widths[0] == 5
 
 
 def test_token_batches_too_small_to_deal_out_to_the_ranks_are_refused_at_the_start(monkeypatch):

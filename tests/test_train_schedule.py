@@ -155,3 +155,10 @@ def test_weight_decay_applies_to_matrices_and_embeddings_only_on_request():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert isinstance(opt, torch.optim.AdamW)
+    # the optimizer takes the config's groups, betas and CPU's fused kernel
+    assert {names[id(p)] for p in opt.param_groups[0]["params"]} == {names[id(p)] for p in decay}
+    assert opt.defaults["betas"] == (TrainConfig().beta1, TrainConfig().beta2) != (TrainConfig().beta2,
+                                                                                     TrainConfig().beta1)
+    assert opt.defaults["fused"] is True
+    embeddings = build_optimizer(model, TrainConfig(decay_embeddings=True)).param_groups[0]["params"]
+    assert "embed.tok.weight" in {names[id(p)] for p in embeddings}
