@@ -395,20 +395,26 @@ def _named_as_typed(message: str, flags: dict) -> str:
     """A config error's message (it starts with the field's name) with the field named as the
     flag that gave it, where a flag did: `--batch-size must be ...`, not `batch_size must be ...`
     (`cli.flags` makes every field's flag `--` + its name with dashes)."""
-    match = re.match(r"[A-Za-z_]\w*", message)
-    if match is None or match.group(0) not in flags:
+    field = _leading_field(message)
+    if field is None or field not in flags:
         return message
-    return "--" + match.group(0).replace("_", "-") + message[match.end():]
+    return "--" + field.replace("_", "-") + message[len(field):]
+
+
+def _leading_field(message: str) -> str | None:
+    """The field a config error's message starts with (its first identifier), if any."""
+    match = re.match(r"[A-Za-z_]\w*", message)
+    return match.group(0) if match else None
 
 
 def _source_of(message: str, layers: tuple) -> str | None:
     """The file whose value a config error's message names (it starts with the field's name):
     of `layers` ((fields, model fields, file), highest first), the first that sets it."""
-    match = re.match(r"[A-Za-z_]\w*", message)
-    if match is None:
+    field = _leading_field(message)
+    if field is None:
         return None
     for values, model, source in layers:
-        if match.group(0) in values or (isinstance(model, dict) and match.group(0) in model):
+        if field in values or (isinstance(model, dict) and field in model):
             return None if source is None else str(source)
     return None
 

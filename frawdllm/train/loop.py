@@ -516,7 +516,7 @@ class Trainer:
             else:
                 done = f"{self.elapsed():.1f} s of --max-time {cfg.max_time_s:g} s"
                 if self.elapsed() < cfg.max_time_s:
-                    done += f", and a step with the final evaluation and checkpoint takes {self._resume_need_s():.1f} s"
+                    done += f", and a step with the final evaluation and checkpoint takes {self._schedule_reserve():.1f} s"
             release_run_dir(self.run_dir)
             raise FrawdError(budget_spent(self.run_dir, done))
         self.model.train()
@@ -836,16 +836,12 @@ class Trainer:
                 return "max_time"  # the next step would not leave time for the final evaluation
         return None
 
-    def _resume_need_s(self) -> float:
-        """What a resumed session needs at least: a step (the typical one when the costs were
-        measured) and the final evaluation, publish and checkpoint (by those costs)."""
-        return (self._costs_step_s or 0.0) + self._final_eval_s()
-
     def _too_late_to_resume(self) -> bool:
         """A resumed --max-time run whose budget cannot hold one more step and the final
-        evaluation (known from the checkpoint's costs; an older checkpoint's: not judged)."""
+        evaluation, by the checkpoint's costs (`_schedule_reserve`: the typical step then; an
+        older checkpoint has none and is not judged)."""
         return bool(self.cfg.max_time_s and self._eval_s is not None and
-                    self.elapsed() + self._resume_need_s() >= self.cfg.max_time_s)
+                    self.elapsed() + self._schedule_reserve() >= self.cfg.max_time_s)
 
     def _rebase_costs(self) -> None:
         """Measure the evaluation's cost again in typical steps, against today's typical step:
