@@ -954,7 +954,7 @@ def test_a_compile_cut_short_by_a_signal_is_not_remembered_as_a_failure(tmp_path
 
 def test_progress_in_a_log_is_whole_lines_at_an_interval(tmp_path, capsys, monkeypatch):
     # stderr here is pytest's capture, not a terminal: no bar and no carriage returns
-    import frawdllm.train.loop as loop
+    import frawdllm.train.progress as progress
 
     def lines(run: str) -> list[str]:
         Trainer(torch.nn.Linear(4, 1), LinearTask(8),
@@ -965,7 +965,7 @@ def test_progress_in_a_log_is_whole_lines_at_an_interval(tmp_path, capsys, monke
 
     first = lines("default")  # a run shorter than the interval: its first step only
     assert len(first) == 1 and first[0].startswith("training  20% | step 1 | loss "), first
-    monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_LINE_INTERVAL_S", 0.0)
     every = lines("every-step")
     assert [line.split(" | ")[:2] for line in every] == [[f"training {20 * k:3d}%", f"step {k}"] for k in range(1, 6)]
     # (the first step's pace is not the run's: a step budget's ETA is known from the second update)
@@ -976,7 +976,7 @@ def test_the_first_steps_do_not_make_the_eta_of_a_step_budget(tmp_path, capsys, 
     """The ETA was the session's time so far stretched over what is left: after a 1 s
     evaluation before step 1 (and the first step's one-time costs), a 2-minute run showed
     20 minutes. It is the pace since the first update, times the steps left."""
-    import frawdllm.train.loop as loop
+    import frawdllm.train.progress as progress
 
     class SlowFirstEvaluation(LinearTask):
         evaluations = 0
@@ -987,7 +987,7 @@ def test_the_first_steps_do_not_make_the_eta_of_a_step_budget(tmp_path, capsys, 
                 time.sleep(1.0)
             return super().evaluate(model, device)
 
-    monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_LINE_INTERVAL_S", 0.0)
     start = time.perf_counter()
     Trainer(torch.nn.Linear(4, 1), SlowFirstEvaluation(8),
             generic_config(tmp_path, max_steps=200, eval_interval=1000, progress=True)).fit()
@@ -1002,9 +1002,9 @@ def test_the_eta_of_a_time_budget_is_the_time_left_after_start_up(tmp_path, caps
     """Start-up (tokenizer, data) counts in --max-time before the loop starts; the ETA is
     the budget left, not start-up's seconds stretched over the loop's share (it said 12:55
     for 165 s left after 11 s of tokenizer training, and 2:56 for 139 s)."""
-    import frawdllm.train.loop as loop
+    import frawdllm.train.progress as progress
 
-    monkeypatch.setattr(loop, "LOG_LINE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_LINE_INTERVAL_S", 0.0)
     started = time.perf_counter() - 95.0  # 95 s of start-up of a 100 s budget
     trainer = Trainer(torch.nn.Linear(4, 1), LinearTask(8),
                       generic_config(tmp_path, max_steps=None, max_time="100s", eval_interval=0, progress=True),
@@ -1182,15 +1182,15 @@ def test_a_terminal_that_reports_no_width_gets_whole_lines(monkeypatch):
 
     from tqdm import tqdm
 
-    import frawdllm.train.loop as loop
+    import frawdllm.train.progress as progress
 
     controller, terminal = pty.openpty()
     try:
         with open(terminal, "w", closefd=False) as stderr, monkeypatch.context() as patch:
             patch.setattr(sys, "stderr", stderr)
-            for rows, columns, shown in [(0, 0, loop.LogLines), (24, 80, tqdm)]:
+            for rows, columns, shown in [(0, 0, progress.LogLines), (24, 80, tqdm)]:
                 fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
-                bar = loop._progress_bar(True, 0.0)
+                bar = progress.progress_bar(True, 0.0)
                 assert type(bar) is shown, (rows, columns)
                 bar.close()
     finally:

@@ -41,7 +41,6 @@ import hashlib
 import json
 import math
 import numbers
-import os
 import signal
 import statistics
 import sys
@@ -69,6 +68,7 @@ from .device import (autocast, choose_dtype, cpu_has_bf16, forget_peak, format_m
 from .optim import build_optimizer
 from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, budget_spent, claim_run_dir,
                      load_pyplot, plot_losses, release_run_dir, settle_run_dir, truncate_metrics, truncate_samples)
+from .progress import bar_update, budget_value, progress_bar, si
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -260,10 +260,10 @@ class TrainResult:
     def summary(self) -> str:
         # steps, tokens and time count the whole run (earlier sessions of a resumed run too);
         # the speed is this session's average, so each is labelled with what it covers
-        speed = f"this session {_si(self.tokens_per_s)} tok/s" + (f" ({self.ran_as})" if self.ran_as else "")
+        speed = f"this session {si(self.tokens_per_s)} tok/s" + (f" ({self.ran_as})" if self.ran_as else "")
         if self.flops_known:
             speed += f", MFU {format_mfu(self.mfu)}"
-        parts = [f"{self.stop_reason}: {counted(self.steps, 'step')}, {_si(self.tokens)} tokens in {self.elapsed_s:.1f} s "
+        parts = [f"{self.stop_reason}: {counted(self.steps, 'step')}, {si(self.tokens)} tokens in {self.elapsed_s:.1f} s "
                  "(the run so far)", speed]
         if self.last_loss is not None:
             parts.append(f"loss {self.last_loss:.4f}")
@@ -512,7 +512,7 @@ class Trainer:
             if spent == "max_steps":
                 done = f"{self.step} steps of --max-steps {cfg.max_steps}"
             elif spent == "max_tokens":
-                done = f"{_si(self.tokens)} tokens of --max-tokens {_si(cfg.max_tokens)}"
+                done = f"{si(self.tokens)} tokens of --max-tokens {si(cfg.max_tokens)}"
             else:
                 done = f"{self.elapsed():.1f} s of --max-time {cfg.max_time_s:g} s"
                 if self.elapsed() < cfg.max_time_s:
@@ -532,7 +532,7 @@ class Trainer:
         if late:
             self._warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole "
                           f"--max-time {cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over")
-        bar = _progress_bar(cfg.progress, self._session_progress)
+        bar = progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
         try:
             self._fit(bar)
@@ -601,7 +601,7 @@ class Trainer:
             except _DataExhausted:
                 self._data_exhausted()
                 break
-            _bar_update(bar, self, record)
+            bar_update(bar, self, record, time.perf_counter())
             for callback in self.callbacks:
                 callback(self, record)
             # A time budget's schedule keeps the largest reserve the stop rule has needed (agreed by
@@ -1087,7 +1087,7 @@ class Trainer:
         if before is None or list(before) == now or self.schedule.kind in ("constant", "noam") \
                 or not self.dist.is_main:
             return
-        shown = [f"{name} {_budget_value(new)} (was {_budget_value(old)})"
+        shown = [f"{name} {budget_value(new)} (was {budget_value(old)})"
                  for name, old, new in zip(("max_steps", "max_tokens", "max_time"), before, now) if old != new]
         print(f"{self.run_dir}: a new budget, {', '.join(shown)}: from step {self.step + 1} the learning rate "
               f"follows the schedule of a run started with it (its {self.schedule.kind} decay spans the new budget)",
@@ -1146,106 +1146,7 @@ class _NoMetrics:
         pass
 
 
-# ---- progress bar and signals ---------------------------------------------------------------
-
-def _budget_value(value: int | float | None) -> str:
-    return "none" if value is None else f"{value:g} s" if isinstance(value, float) else str(value)
-
-
-def _si(n: int | float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n:.0f}"
-
-
-LOG_LINE_INTERVAL_S = 30.0
-
-
-def _progress_bar(enabled: bool, progress: float):
-    """A bar on a terminal; elsewhere (a log file, a pipe) `LogLines`, and on a terminal that
-    says it has 0 columns (some `docker exec -t` and CI ptys), where tqdm draws nothing."""
-    if not enabled:
-        return None
-    if not sys.stderr.isatty() or _columns(sys.stderr) == 0:
-        return LogLines(progress, LOG_LINE_INTERVAL_S)
-    from tqdm import tqdm
-
-    bar = tqdm(total=1000, bar_format="training {percentage:3.0f}%|{bar}| {desc}", dynamic_ncols=True)
-    bar.n = int(1000 * progress)
-    return bar
-
-
-def _columns(terminal) -> int:
-    """The width the terminal `terminal` reports (0 where it reports none)."""
-    try:
-        return os.get_terminal_size(terminal.fileno()).columns
-    except (OSError, ValueError):
-        return 0
-
-
-class LogLines:
-    """What the bar shows, as one whole line on stderr at the first step and then every
-    `interval` seconds: a bar redrawn with carriage returns would fill a log with partial
-    lines (~10 a second). Takes the part of tqdm's interface that `_bar_update` uses."""
-
-    def __init__(self, progress: float, interval: float) -> None:
-        self.n, self.desc, self.interval = int(1000 * progress), "", interval
-        self._last = -math.inf
-
-    def set_description_str(self, desc: str, refresh: bool = False) -> None:
-        self.desc = desc
-
-    def update(self, n: int) -> None:
-        self.n += n
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            self._last = now
-            print(f"training {self.n / 10:3.0f}% | {self.desc}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def _bar_update(bar, trainer: Trainer, record: dict) -> None:
-    if bar is None:
-        return
-    progress = trainer.progress()
-    speed = trainer._speed(trainer._rate)
-    postfix = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
-    postfix += [f"{key} {record[key]:.3g}" for key in trainer.task.bar_metrics if key in record]
-    postfix.append(f"{_si(speed['tokens_per_s'])} tok/s")
-    if trainer.task.flops_per_token:
-        postfix.append(f"MFU {format_mfu(speed.get('mfu'))}")
-    postfix.append(f"ETA {_clock(_eta(trainer))}")
-    bar.set_description_str(" | ".join(postfix), refresh=False)
-    bar.update(int(1000 * progress) - bar.n)  # redraws at most every bar.mininterval
-
-
-def _eta(trainer: Trainer) -> float:
-    """Seconds until the first budget runs out: a time budget's is what is left of it; a step
-    or token budget's, what is left at the pace since this session's first bar update (the
-    first step's pace would count the evaluation before it and one-time start-up: 20 minutes
-    shown for a 2-minute run). inf (shown "?") where a step or token budget's pace is not
-    known yet."""
-    cfg, now = trainer.cfg, time.perf_counter()
-    if trainer._eta_from is None:
-        trainer._eta_from = (now, trainer.step, trainer.tokens)
-    since, step, tokens = trainer._eta_from
-    left = [max(cfg.max_time_s - trainer.elapsed(), 0.0)] if cfg.max_time_s else []
-    for budget, done, first in ((cfg.max_steps, trainer.step, step), (cfg.max_tokens, trainer.tokens, tokens)):
-        if budget:
-            left.append((now - since) / (done - first) * max(budget - done, 0) if done > first else math.inf)
-    return min(left) if left else math.inf
-
-
-def _clock(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 \
-        else f"{seconds // 60}:{seconds % 60:02d}"
-
+# ---- signals ---------------------------------------------------------------------------
 
 def _own_dropout_seed(rank: int) -> None:
     """Every rank was seeded alike (so that they build the same model); from here each draws
