@@ -195,7 +195,7 @@ def positions_override(layer: dict[str, Any]) -> dict[str, Any]:
     earlier `use_rope=true` instead of conflicting with it, and the other way round."""
     if "use_rope" in layer and "pos_encoding" not in layer:
         return {"pos_encoding": None}  # (from use_rope)
-    if "pos_encoding" in layer and "use_rope" not in layer:
+    if layer.get("pos_encoding") is not None and "use_rope" not in layer:  # (null: from use_rope, kept)
         return {"use_rope": layer["pos_encoding"] == "rope"}
     return {}
 
@@ -410,9 +410,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     for key in overrides:
         if key not in known:
             raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sorted(known))}")
-    if "pos_encoding" in overrides and "use_rope" not in overrides:
-        data.pop("use_rope", None)
     data.update(overrides)
+    data.update(positions_override(overrides))
     return cls.from_dict(data)
 
 

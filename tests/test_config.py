@@ -204,6 +204,26 @@ def test_pos_encoding_none_means_no_positions_and_null_means_from_use_rope():
     assert cfg.pos_encoding == "none" and not cfg.use_rope
 
 
+def test_pos_encoding_null_keeps_a_rope_presets_positions(tmp_path):
+    """`pos_encoding: null` leaves the positions to `use_rope`: a Llama-style preset (or an
+    earlier layer saying `use_rope: true`) keeps RoPE; it gave learned positions, a model
+    that the HF export then refused."""
+    from frawdllm.train.config import PretrainConfig, build_config
+
+    for preset in ("tiny-llama", "small-llama", "100m"):
+        assert get_config(preset, pos_encoding=None).pos_encoding == "rope", preset
+    assert get_config("tiny", pos_encoding=None).pos_encoding == "learned"
+    assert get_config("tiny-llama").replace(pos_encoding=None).pos_encoding == "rope"
+    assert get_config("tiny-llama", pos_encoding="learned").pos_encoding == "learned"
+    config = tmp_path / "run.yaml"
+    config.write_text("preset: tiny-llama\nmodel:\n  pos_encoding: null\n")
+    built = build_config(PretrainConfig, config)
+    assert get_config(built.preset, **built.model).pos_encoding == "rope"
+    config.write_text("model:\n  use_rope: true\n")
+    built = build_config(PretrainConfig, config, model_overrides={"pos_encoding": None})
+    assert get_config(built.preset, **built.model).pos_encoding == "rope"
+
+
 def test_overrides_are_parsed_by_field_type():
     values = parse_overrides(ModelConfig, ["n_layer=2", "use_rope=true", "dropout=0.1", "n_kv_head=none"])
     assert values == {"n_layer": 2, "use_rope": True, "dropout": 0.1, "n_kv_head": None}

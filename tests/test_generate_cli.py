@@ -127,6 +127,24 @@ def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_
                                  "valid UTF-8 (a lone surrogate at character 0)\n"), err
 
 
+def test_help_gives_each_sampling_flags_fallback_as_the_sampler_has_it(capsys):
+    """The sampling flags default to generation_config.json's values: --help says so, and
+    the value it names without one is SamplingParams' own (it showed plain defaults, not
+    those that ran for a model with the file)."""
+    import re
+
+    from frawdllm.infer import SamplingParams
+
+    code, out, _ = run(capsys, "generate", "--help")
+    text = " ".join(out.split())  # (click wraps the lines)
+    for flag, field in [("--max-new-tokens", "max_new_tokens"), ("--temperature", "temperature"),
+                        ("--top-k", "top_k"), ("--top-p", "top_p"), ("--min-p", "min_p"),
+                        ("--repetition-penalty", "repetition_penalty")]:
+        shown = re.search(re.escape(flag) + r" \w+ [^\[]*\[default: the file's, else ([0-9.]+)\]", text)
+        assert code == 0 and shown, flag
+        assert float(shown.group(1)) == getattr(SamplingParams(), field), flag
+
+
 def test_logprobs_asked_by_generation_config_get_a_note_not_silence(capsys, model_dir, tmp_path):
     """The file may set any SamplingParams field; generate prints no log-probabilities, and
     dropped them without a word."""

@@ -29,13 +29,17 @@ class SeedType(click.ParamType):
         return click.INT.convert(value, param, ctx)
 
 
+def _default(value: str) -> str:
+    return f"  [default: the file's, else {value}]"  # (generation_config.json's, where the model has one)
+
+
 _SAMPLING = [
-    ("--max-new-tokens", "max_new_tokens", int, "Most tokens to generate per completion.  [default: 128]"),
-    ("--temperature", "temperature", float, "Sampling temperature; 0 = greedy.  [default: 1.0]"),
-    ("--top-k", "top_k", int, "Keep the k most likely tokens (0 = off).  [default: 0]"),
-    ("--top-p", "top_p", float, "Nucleus sampling: keep the most likely tokens up to this mass.  [default: 1.0]"),
-    ("--min-p", "min_p", float, "Drop tokens below min_p x the top probability.  [default: 0]"),
-    ("--repetition-penalty", "repetition_penalty", float, "Penalise tokens already present (>1).  [default: 1.0]"),
+    ("--max-new-tokens", "max_new_tokens", int, "Most tokens to generate per completion." + _default("128")),
+    ("--temperature", "temperature", float, "Sampling temperature; 0 = greedy." + _default("1.0")),
+    ("--top-k", "top_k", int, "Keep the k most likely tokens (0 = off)." + _default("0")),
+    ("--top-p", "top_p", float, "Nucleus sampling: keep the most likely tokens up to this mass." + _default("1.0")),
+    ("--min-p", "min_p", float, "Drop tokens below min_p x the top probability." + _default("0")),
+    ("--repetition-penalty", "repetition_penalty", float, "Penalise tokens already present (>1)." + _default("1.0")),
     ("--seed", "seed", SeedType(), "Random seed: a prompt's samples get the same text with the same seed and "
                                    "settings, alone, beside other prompts or served; 'none' = fresh entropy "
                                    "(overrides the model's generation_config.json).  [default: the file's, else "
