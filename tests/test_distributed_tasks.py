@@ -45,9 +45,9 @@ def work(tmp_path_factory) -> Path:
     return root
 
 
-def frawd(command: str, work: Path, out: Path, *extra: str) -> dict[int, tuple[float, int]]:
+def frawd(command: str, work: Path, out: Path, *extra: str) -> dict[int, tuple[float, int, dict]]:
     """Run `frawd COMMAND` on a tiny model for STEPS steps (under --nproc: a torchrun subprocess,
-    else in this process); its (loss, tokens so far) by step."""
+    else in this process); its (loss, tokens so far, the task's own metrics) by step."""
     common = ["--max-steps", str(STEPS), "--dtype", "fp32", "--compile", "false", "--device", "cpu",
               "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1", "--no-progress",
               "--dist-timeout", "30s", "--out", str(out)]
@@ -74,16 +74,19 @@ def frawd(command: str, work: Path, out: Path, *extra: str) -> dict[int, tuple[f
         except SystemExit as exc:
             assert exc.code in (0, None), f"frawd {command} exited {exc.code}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: (r["loss"], r["tokens"]) for r in records if "loss" in r}
+    loop_keys = {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s"}
+    return {r["step"]: (r["loss"], r["tokens"], {k: v for k, v in r.items() if k not in loop_keys})
+            for r in records if "loss" in r}
 
 
-def assert_same(got: dict[int, tuple[float, int]], want: dict[int, tuple[float, int]]) -> None:
-    """The same losses (to TOL) and the same token counts: each rank's tokens are summed
-    (rank 0's count times N was 5-10% off where rows differ in length)."""
+def assert_same(got: dict[int, tuple[float, int, dict]], want: dict[int, tuple[float, int, dict]]) -> None:
+    """The same losses and task metrics (to TOL: the ranks' mean) and the same token counts:
+    each rank's tokens are summed (rank 0's count times N was 5-10% off where rows differ in length)."""
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step in want:
         assert got[step][0] == pytest.approx(want[step][0], rel=TOL, abs=TOL), f"step {step}: {got[step]} vs {want[step]}"
         assert got[step][1] == want[step][1], f"step {step}: tokens {got[step][1]} vs {want[step][1]}"
+        assert got[step][2] == pytest.approx(want[step][2], rel=TOL, abs=TOL), f"step {step}: {got[step]} vs {want[step]}"
 
 
 @pytest.mark.timeout(290)
@@ -91,7 +94,7 @@ def test_sft_on_two_ranks_gives_the_losses_of_one_process(work):
     one = frawd("sft", work, work / "sft-one")
     two = frawd("sft", work, work / "sft-two", "--nproc", "2")
     assert_same(two, one)
-    assert len({loss for loss, _ in one.values()}) == STEPS  # it trains: not a constant
+    assert len({loss for loss, _, _ in one.values()}) == STEPS  # it trains: not a constant
     assert (work / "sft-two" / "config.yaml").read_text().startswith("# rerun: frawd sft --nproc 2 --config ")
 
 

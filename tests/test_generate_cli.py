@@ -101,6 +101,13 @@ def test_prompt_file_and_several_prompts_and_samples(capsys, model_dir, tmp_path
     code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", str(other),
                          "--max-new-tokens", "2", "--temperature", "0", "--json")
     assert code == 0 and json.loads(out)["prompt_tokens"] == 16, (out, err)
+    # --echo-prompt: each record with its own prompt
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "one", "--prompt", "two",
+                         "--prompt-file", str(prompt), "--max-new-tokens", "1", "--json", "--echo-prompt")
+    assert [json.loads(line)["prompt"] for line in out.strip().splitlines()] == ["one", "two", "from a file"], err
+    # standard input holds one prompt: a second `-` would read it empty
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", "-", "--prompt-file", "-")
+    assert code == 1 and err == "frawd: error: --prompt-file - (standard input) can be given once\n", err
 
 
 def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_dir, tmp_path):

@@ -61,6 +61,11 @@ def test_resume_from_state_dict_equals_an_uninterrupted_run(tokens):
         assert torch.equal(x, x_exp) and torch.equal(y, y_exp)
     with pytest.raises(FrawdError, match="keys seed and step"):
         resumed.load_state_dict({"step": 1})
+    # a state loaded in the middle of a step starts that step's micro-batches over
+    accumulating = RandomWindowLoader(tokens, 2, 8, seed=7, grad_accum=2)
+    start, first = accumulating.state_dict(), accumulating.next_batch()
+    accumulating.load_state_dict(start)
+    assert torch.equal(accumulating.next_batch()[0], first[0])
 
 
 def test_ranks_together_see_the_single_process_global_batch(tokens):
@@ -83,7 +88,8 @@ def test_a_step_trains_on_the_same_windows_whatever_the_ranks_and_accumulation(t
     for step in range(3):
         x_all, _ = single.next_batch()
         parts = [loader.next_batch()[0] for _ in range(accum) for loader in ranks]
-        assert sorted(map(tuple, torch.cat(parts).tolist())) == sorted(map(tuple, x_all.tolist()))
+        # (micro-batch m of rank r is slice m x world + r of the step's draw: in that order, the whole)
+        assert torch.equal(torch.cat(parts), x_all)
     assert all(loader.state_dict() == {"seed": 5, "step": 3} for loader in ranks)
 
 
@@ -157,6 +163,9 @@ def test_loader_sizes_and_state_must_be_integers(tokens):
     loader = RandomWindowLoader(tokens, 2, 8)
     with pytest.raises(FrawdError, match="seed and step must be integers >= 0, got {'seed': 'x', 'step': 1}"):
         loader.load_state_dict({"seed": "x", "step": 1})
+    for bad in ({"seed": 0, "step": -1}, {"seed": -1, "step": 0}):
+        with pytest.raises(FrawdError, match=f"seed and step must be integers >= 0, got {bad}"):
+            loader.load_state_dict(bad)
     with pytest.raises(FrawdError, match="keys seed and step, got {'seed': 1}"):
         loader.load_state_dict({"seed": 1})
     assert loader.state_dict() == {"seed": 0, "step": 0}  # a refused state changes nothing

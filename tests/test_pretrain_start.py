@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,6 +275,62 @@ def test_init_from_errors_are_one_line_before_any_work(case, corpus, trained, tm
                                "--max-steps", "2", "--out", str(out), *args)
     assert code == 1 and message in err and err.count("\n") == 1, err
     assert not out.exists() and seconds < 1.0
+
+
+def test_the_vocabulary_and_context_checks_hold_at_their_bounds(corpus, trained, tmp_path, capsys, no_work):
+    """Each start check at its bound, before any work: a vocab_size equal to the tokenizer's
+    is taken, one below refused (the byte tokenizer's 256 bytes and 7 specials counted); a
+    tokenizer one id past an --init-from model's vocabulary is refused, as is a context one
+    past the model's, and the model's own context is taken."""
+    from frawdllm.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+    def start(*args):
+        try:
+            main(["pretrain", "--data", str(corpus), "--max-steps", "2", "--dry-run", "--out", str(tmp_path / "run"),
+                  *args])
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        return code, capsys.readouterr()
+
+    def refused(*args):
+        code, seen = start(*args)
+        assert code == 1 and seen.err.count("\n") == 1, seen
+        return seen.err
+
+    def taken(*args):
+        code, seen = start(*args)
+        assert code == 0, seen
+        return seen.out
+
+    byte = 256 + len(SPECIAL_TOKENS)
+    assert f"(vocabulary {byte})" in taken("--tokenizer", "byte")
+    assert f"(vocabulary {byte})" in taken("--tokenizer", "byte", "--set", f"vocab_size={byte}")
+    assert f"smaller than the tokenizer's {byte}" in refused("--tokenizer", "byte", "--set", f"vocab_size={byte - 1}")
+    model = FrawdLLM.from_pretrained(trained).config
+    one_more = tmp_path / "one_more.json"  # the corpus's characters and one it lacks
+    train_tokenizer([corpus.read_text(encoding="utf-8") + "Q"], kind="char").save(one_more)
+    assert Tokenizer.load(one_more).vocab_size == model.vocab_size + 1
+    assert "use the model's tokenizer" in refused("--init-from", str(trained), "--tokenizer", str(one_more))
+    longer = model.context_length + 1
+    assert f"context_length {longer} exceeds" in refused("--init-from", str(trained), "--set", f"context_length={longer}")
+    assert f"context {model.context_length}" in taken("--init-from", str(trained), "--set",
+                                                      f"context_length={model.context_length}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_validation_split_evaluates_from_one_window_and_its_target():
+    """A window of T tokens needs T+1 (its targets shifted by one): a split of exactly T
+    tokens cannot be evaluated (the run says so) and one of T+1 can."""
+    from frawdllm.tokenizer import byte_tokenizer
+    from frawdllm.train.pretrain import PreparedData, PretrainTask
+
+    model = get_config("tiny", **TINY_MODEL, vocab_size=300)
+    cfg = PretrainConfig(max_steps=1, batch_size=2)
+    train = np.arange(200, dtype=np.uint16) % 256
+    for extra, evaluable in ((0, False), (1, True)):
+        data = PreparedData(train, train[:model.context_length + extra], byte_tokenizer(), {}, Path("."))
+        assert PretrainTask(data, model, cfg).can_evaluate is evaluable, extra
 
 
 def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tmp_path, capsys):
@@ -572,7 +629,6 @@ def test_a_folder_held_by_a_child_of_a_run_that_ended_names_the_child(tmp_path):
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
     from frawdllm.train.rundir import lock_holder
 

@@ -305,6 +305,26 @@ def test_token_batches_too_small_to_deal_out_to_the_ranks_are_refused_at_the_sta
     TranslationTask(model.config, None, short + long, None, tokens_per_batch=40)  # one process
 
 
+def test_each_epoch_deals_the_same_batches_in_a_new_order():
+    """The token batches are shuffled each epoch (module docstring): epoch 1 deals every pair
+    once, in batches of epoch 0's shapes (pairs of one length trade places), in another
+    order; the order is the seed's."""
+    from frawdllm.train.translation import TranslationTask
+
+    model = model_for("paper")
+    rng = random.Random(0)
+    pairs = [([5] * rng.randint(1, 9), [6] * rng.randint(1, 9)) for _ in range(200)]
+    task = TranslationTask(model.config, None, pairs, None, tokens_per_batch=60)
+    first, second = task._epoch_batches(0), task._epoch_batches(1)
+    def shapes(batches):
+        return sorted((len(b), max(max(len(pairs[i][0]), len(pairs[i][1]) + 1) for i in b)) for b in batches)
+
+    assert len(first) > 10 and [shapes([b]) for b in first] != [shapes([b]) for b in second]
+    assert sorted(i for b in second for i in b) == list(range(len(pairs))) and shapes(first) == shapes(second)
+    again = TranslationTask(model.config, None, pairs, None, tokens_per_batch=60)
+    assert again._epoch_batches(1) == second
+
+
 def test_validation_loss_and_tokens_count_real_target_tokens_and_bleu_is_sacrebleus_default():
     """val_loss is the plain cross-entropy per real target token (each sentence's tokens and its
     EOS; padding not counted), batch_tokens counts those tokens too, and the BLEU logged
