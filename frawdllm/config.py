@@ -172,6 +172,11 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def settings(self) -> dict[str, Any]:
+        """Every field as the model has it (`mlp_hidden`: the MLP's width, given or derived):
+        two configs whose settings are equal build the same model."""
+        return {**asdict(self), "mlp_hidden": self.ffn_dim}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
         return cls(**check_types(cls, check_fields(cls, data, "config field")))
@@ -183,19 +188,22 @@ class ModelConfig:
             if key not in data:
                 raise ConfigError(f"unknown config field {key!r}; known: {', '.join(data)}")
             data[key] = value
-        data.update(positions_override(overrides))
+        data.update(positions_override(overrides, self.pos_encoding))
         if "n_head" in overrides and "n_kv_head" not in overrides and self.n_kv_head == self.n_head:
             data["n_kv_head"] = None
         return type(self).from_dict(data)
 
 
-def positions_override(layer: dict[str, Any]) -> dict[str, Any]:
+def positions_override(layer: dict[str, Any], before: str | None = None) -> dict[str, Any]:
     """What a mapping of overrides that sets only one of `use_rope` and `pos_encoding` implies
-    for the other (the two say the same thing): a later `pos_encoding=learned` replaces an
-    earlier `use_rope=true` instead of conflicting with it, and the other way round."""
+    for the other (the two say the same thing), given the `pos_encoding` in force before it
+    (None: not known here, the preset's): a later `pos_encoding=learned` replaces an earlier
+    `use_rope=true` instead of conflicting with it, and the other way round; `use_rope=false`
+    undoes only RoPE (sinusoidal or no positions stay), `pos_encoding=null` leaves `use_rope` be."""
     if "use_rope" in layer and "pos_encoding" not in layer:
-        return {"pos_encoding": None}  # (from use_rope)
-    if layer.get("pos_encoding") is not None and "use_rope" not in layer:  # (null: from use_rope, kept)
+        # (None: from use_rope, so RoPE, or learned positions where RoPE is undone)
+        return {"pos_encoding": None} if layer["use_rope"] or before == "rope" else {}
+    if layer.get("pos_encoding") is not None and "use_rope" not in layer:
         return {"use_rope": layer["pos_encoding"] == "rope"}
     return {}
 
@@ -383,12 +391,12 @@ _AIAYN = dict(pos_encoding="sinusoidal", scale_embeddings=True, norm_placement="
               tie_embeddings=True, activation="relu")
 
 SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
-    "aiayn-base": dict(vocab_size=37000, n_embd=512, n_layer=6, n_encoder_layer=6, n_head=8, mlp_hidden=2048,
+    "aiayn-base": dict(vocab_size=37000, n_embd=512, n_layer=6, n_encoder_layer=6, n_head=8,
                        dropout=0.1, context_length=1024, **_AIAYN),
-    "aiayn-big": dict(vocab_size=37000, n_embd=1024, n_layer=6, n_encoder_layer=6, n_head=16, mlp_hidden=4096,
+    "aiayn-big": dict(vocab_size=37000, n_embd=1024, n_layer=6, n_encoder_layer=6, n_head=16,
                       dropout=0.3, context_length=1024, **_AIAYN),
     # trains on 2 CPU cores: Multi30k-sized data in under an hour
-    "aiayn-tiny": dict(vocab_size=8000, n_embd=256, n_layer=3, n_encoder_layer=3, n_head=4, mlp_hidden=1024,
+    "aiayn-tiny": dict(vocab_size=8000, n_embd=256, n_layer=3, n_encoder_layer=3, n_head=4,
                        dropout=0.1, context_length=256, **_AIAYN),
 }
 
@@ -410,8 +418,9 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     for key in overrides:
         if key not in known:
             raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sorted(known))}")
+    before = data.get("pos_encoding")
     data.update(overrides)
-    data.update(positions_override(overrides))
+    data.update(positions_override(overrides, before))
     return cls.from_dict(data)
 
 

@@ -130,6 +130,17 @@ def test_a_later_position_setting_replaces_an_earlier_one(tmp_path):
     assert get_config(built.preset, **built.model).pos_encoding == "rope"
     with pytest.raises(ConfigError, match="use_rope"):  # (one layer saying both, differently: still refused)
         build_config(PretrainConfig, config, model_overrides={"use_rope": True, "pos_encoding": "learned"})
+    # use_rope=false undoes RoPE only: sinusoidal or no positions agree with it and stay (they became learned)
+    assert get_config("aiayn-tiny", use_rope=False).pos_encoding == "sinusoidal"
+    assert get_config("tiny", pos_encoding="none").replace(use_rope=False).pos_encoding == "none"
+    assert get_config("tiny-llama", use_rope=False).pos_encoding == "learned"
+    assert ModelConfig(use_rope=True).replace(use_rope=False).pos_encoding == "learned"
+    config.write_text("model:\n  pos_encoding: sinusoidal\n")
+    built = build_config(PretrainConfig, config, model_overrides={"use_rope": False})
+    assert get_config(built.preset, **built.model).pos_encoding == "sinusoidal"
+    config.write_text("model:\n  use_rope: true\n")
+    built = build_config(PretrainConfig, config, model_overrides={"use_rope": False})
+    assert get_config(built.preset, **built.model).pos_encoding == "learned"
 
 
 def test_a_config_file_may_be_yaml_or_toml_and_each_error_names_its_language(tmp_path):
@@ -222,6 +233,46 @@ def test_pos_encoding_null_keeps_a_rope_presets_positions(tmp_path):
     config.write_text("model:\n  use_rope: true\n")
     built = build_config(PretrainConfig, config, model_overrides={"pos_encoding": None})
     assert get_config(built.preset, **built.model).pos_encoding == "rope"
+
+
+def test_a_resume_compares_the_model_settings_give_not_how_they_are_written():
+    """A resume's model check compares the models the settings build: the width a model
+    derives, given by hand, or an encoder-decoder preset's own activation repeated, is no
+    change (both were refused, the second with the raw mappings); a real change is named."""
+    from frawdllm.train.rundir import _model_values
+
+    tiny = get_config("tiny")
+    assert _model_values("tiny", {}, "tiny", {"mlp_hidden": tiny.ffn_dim}) == {}
+    assert _model_values("aiayn-tiny", {}, "aiayn-tiny", {"activation": "relu", "mlp_hidden": "1024"}) == {}
+    assert _model_values("aiayn-tiny", {}, "aiayn-tiny", {"activation": "gelu"}) == {"activation": ("relu", "gelu")}
+    assert _model_values("tiny", {}, "tiny", {"mlp_hidden": 100}) == {"mlp_hidden": (tiny.ffn_dim, 100)}
+
+
+def test_a_config_files_model_numbers_in_exponent_form_are_numbers(tmp_path):
+    """YAML 1.1 reads `1e-6` (no dot) as text: the `model:` mapping's values are parsed as
+    the fields' types, as the top level's are (norm_eps: 1e-6 was refused as not a number)."""
+    from frawdllm.train.config import PretrainConfig, build_config
+    from frawdllm.train.translation_config import TranslateConfig
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  norm_eps: 1e-6\n  rope_theta: 5e5\n")
+    assert build_config(PretrainConfig, config).model == {"norm_eps": 1e-6, "rope_theta": 500000.0}
+    config.write_text("model:\n  norm_eps: 1e-6\n")
+    assert build_config(TranslateConfig, config).model == {"norm_eps": 1e-6}
+
+
+def test_a_translation_models_vocabulary_and_special_ids_are_its_tokenizers():
+    """translate train sizes the model by its tokenizer and fixes the special ids: a model
+    vocab_size or other ids set by hand are refused (they were dropped without a word, and
+    config.yaml kept them); the tokenizer's own ids may be repeated."""
+    from frawdllm.tokenizer import EOS_ID
+    from frawdllm.train.translation_config import TranslateConfig
+
+    with pytest.raises(ConfigError, match="model vocab_size: a translation model's vocabulary is its tokenizer's"):
+        TranslateConfig(max_steps=1, model={"vocab_size": 1000})
+    with pytest.raises(ConfigError, match="model pad_token_id 5: the tokenizer's is 0; leave pad_token_id unset"):
+        TranslateConfig(max_steps=1, model={"pad_token_id": 5})
+    assert TranslateConfig(max_steps=1, model={"eos_token_id": EOS_ID}).model == {"eos_token_id": EOS_ID}
 
 
 def test_overrides_are_parsed_by_field_type():

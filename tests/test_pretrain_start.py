@@ -316,6 +316,10 @@ def test_the_vocabulary_and_context_checks_hold_at_their_bounds(corpus, trained,
     assert f"context_length {longer} exceeds" in refused("--init-from", str(trained), "--set", f"context_length={longer}")
     assert f"context {model.context_length}" in taken("--init-from", str(trained), "--set",
                                                       f"context_length={model.context_length}")
+    taken("--init-from", str(trained), "--set", f"mlp_hidden={model.ffn_dim}")  # (the width it derives, written out)
+    code, seen = start("--init-from", str(trained), "--vocab-size", "500")  # (the model's tokenizer: no BPE to size)
+    assert code == 0 and "note: --vocab-size applies to a BPE tokenizer trained here, not to the --init-from " \
+        "model's" in seen.err, seen
     assert not (tmp_path / "run").exists()
 
 
@@ -331,6 +335,24 @@ def test_a_validation_split_evaluates_from_one_window_and_its_target():
     for extra, evaluable in ((0, False), (1, True)):
         data = PreparedData(train, train[:model.context_length + extra], byte_tokenizer(), {}, Path("."))
         assert PretrainTask(data, model, cfg).can_evaluate is evaluable, extra
+
+
+def test_another_projects_tokenizer_gives_the_model_its_end_of_text_id(tmp_path):
+    """The shards end each document with a foreign tokenizer's end-of-text token, so the
+    model's eos (and bos, pad: one id for all three, as an imported GPT-2's) is that token,
+    not FrawdLLM's id 3, an ordinary token there (generation never stopped). Ids set by
+    hand stay."""
+    from frawdllm.tokenizer import Tokenizer
+    from frawdllm.train.pretrain import model_config_for
+    from test_shards import _plain_bpe
+
+    tok = Tokenizer.load(_plain_bpe(tmp_path, ["<s>", "<|endoftext|>"]))
+    end = tok.document_end_id()
+    assert end == tok.token_to_id("<|endoftext|>") == 1 and not tok.has_frawd_specials()
+    model = model_config_for(PretrainConfig(max_steps=1), tok.vocab_size, tok)
+    assert (model.eos_token_id, model.bos_token_id, model.pad_token_id) == (end, end, end)
+    model = model_config_for(PretrainConfig(max_steps=1, model={"bos_token_id": 0}), tok.vocab_size, tok)
+    assert (model.eos_token_id, model.bos_token_id, model.pad_token_id) == (end, 0, end)
 
 
 def test_an_imported_transformers_gpt2_trains_further(corpus, char_tokenizer, tmp_path, capsys):

@@ -303,6 +303,12 @@ def test_vocab_size_outside_bpe_gets_a_note_and_a_byte_tokenizer_says_it_read_no
     code, _, err = run_cli(capsys, "pretrain", "--data", corpus, "--tokenizer", "char", "--vocab-size", "500",
                            "--max-steps", "1", "--dry-run", "--out", tmp_path / "run")
     assert code == 0 and err.count("note: --vocab-size applies to BPE only; a char tokenizer") == 1, err
+    # a config file's vocab_size, with --tokenizer char typed: the flag replaces the file's BPE (no note)
+    config = tmp_path / "run.yaml"
+    config.write_text("tokenizer: bpe\nvocab_size: 500\n")
+    code, out, err = run_cli(capsys, "pretrain", "--config", config, "--data", corpus, "--tokenizer", "char",
+                             "--max-steps", "1", "--dry-run", "--out", tmp_path / "run")
+    assert code == 0 and "note:" not in err and "a char tokenizer trained on it" in out, (out, err)
 
 
 def test_decode_accepts_numpy_arrays_and_tensors(bpe):

@@ -22,11 +22,12 @@ import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
-from ..config import ModelConfig, check_fields, get_config, is_integer, positions_override
+from ..config import (ModelConfig, check_fields, config_class, get_config, is_integer, positions_override,
+                      typed_overrides)
 from ..errors import ConfigError, short_repr
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant", "noam")
@@ -199,6 +200,9 @@ class TrainConfig:
 class PretrainConfig(TrainConfig):
     """`frawd pretrain`: a model (preset + overrides, or an existing model directory) on a corpus."""
 
+    # a command-line flag for one of these clears a config file's other (--tokenizer char over vocab_size: 2048)
+    ALTERNATIVES: ClassVar[tuple[tuple[str, str], ...]] = (("tokenizer", "vocab_size"),)
+
     preset: str = option("tiny", "Model preset: tiny, small, base, 100m, tiny-llama, small-llama.")
     model: dict = option({}, "ModelConfig field overrides (YAML mapping; on the command line --set F=V).")
     data: str = option("stdlib", "Corpus (stdlib, file, folder, glob, .jsonl, .parquet, hf:NAME) "
@@ -219,6 +223,7 @@ class PretrainConfig(TrainConfig):
         super().__post_init__()
         if not isinstance(self.model, dict):
             raise ConfigError(f"model must be a mapping of ModelConfig fields, got {self.model!r}")
+        self.model = typed_overrides(config_class(self.preset), self.model)  # (YAML reads 1e-6 as text)
         # an unknown preset or a bad field is named before any work
         if get_config(self.preset, **self.model).__class__ is not ModelConfig:
             raise ConfigError(f"{self.preset} is an encoder-decoder preset: train it with `frawd translate train`")
@@ -365,7 +370,7 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
         merged["model"] = {}
         for layer in layers:
             if layer:
-                merged["model"].update({**layer, **positions_override(layer)})
+                merged["model"].update({**layer, **positions_override(layer, merged["model"].get("pos_encoding"))})
     elif model_overrides:
         raise ConfigError(f"{cls.__name__} has no model fields to --set")
     try:

@@ -28,7 +28,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -265,7 +265,8 @@ def _model_overrides(cfg: PretrainConfig) -> dict:
 def model_config_for(cfg: PretrainConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> ModelConfig:
     """The preset with its overrides; the vocabulary fits the tokenizer (a larger one is kept).
     Special ids set by hand must be the tokenizer's where it has FrawdLLM's fixed specials
-    (every tokenizer trained here: `tokenizer` None)."""
+    (every tokenizer trained here: `tokenizer` None); another project's tokenizer gives its
+    end-of-text token for the ids not set."""
     overrides = _model_overrides(cfg)
     wanted = overrides.get("vocab_size")
     if wanted is not None and wanted < vocab_size:
@@ -276,6 +277,10 @@ def model_config_for(cfg: PretrainConfig, vocab_size: int, tokenizer: Tokenizer 
             if overrides.get(name, fixed) != fixed:
                 raise FrawdError(f"{name} {overrides[name]} is not the tokenizer's {token} id ({fixed}); "
                                  f"FrawdLLM's tokenizers fix their special ids: leave {name} unset")
+    elif (end := tokenizer.document_end_id()) is not None:
+        # another project's tokenizer (no <|eos|> at 3): its end-of-text token ends the shards'
+        # documents, so the model stops generating there (as an imported model's ids: one for all three)
+        overrides = {"pad_token_id": end, "bos_token_id": end, "eos_token_id": end, **overrides}
     model_cfg = get_config(cfg.preset, **{**overrides, "vocab_size": wanted or vocab_size})
     problem = tables_too_large(model_cfg, 4 * model_cfg.num_parameters)
     if problem:
@@ -303,8 +308,9 @@ def init_model_config(cfg: PretrainConfig) -> tuple[ModelConfig, int]:
         wanted = base.replace(**_model_overrides(cfg))
     except ConfigError as exc:
         raise FrawdError(f"--init-from {cfg.init_from}: {exc}") from None
-    changed = {f.name: (getattr(base, f.name), getattr(wanted, f.name)) for f in fields(ModelConfig)
-               if getattr(base, f.name) != getattr(wanted, f.name) and f.name not in ("dropout", "context_length")}
+    old, new = base.settings(), wanted.settings()
+    changed = {name: (old[name], new[name]) for name in new
+               if old[name] != new[name] and name not in ("dropout", "context_length")}
     if changed:
         listed = ", ".join(f"{name}={new!r} (the model has {old!r})" for name, (old, new) in changed.items())
         raise FrawdError(f"--init-from {cfg.init_from} fixes the model; these model settings differ from its "
@@ -340,7 +346,9 @@ def check_pretrain(cfg: PretrainConfig) -> None:
 
 
 def vocab_size_note(cfg: PretrainConfig) -> str | None:
-    """A note when --vocab-size cannot apply: the tokenizer is given, or is not BPE."""
+    """A note when --vocab-size cannot apply: the tokenizer is given (or --init-from's), or is not BPE."""
+    if cfg.vocab_size and cfg.init_from and not cfg.tokenizer:
+        return "note: --vocab-size applies to a BPE tokenizer trained here, not to the --init-from model's"
     if not cfg.vocab_size or (cfg.tokenizer or "bpe") == "bpe":
         return None
     if cfg.tokenizer in ("char", "byte"):

@@ -333,13 +333,10 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
 def _model_values(preset_then: Any, then: Any, preset_now: Any, now: Any) -> dict[str, tuple[Any, Any]] | None:
     """{field: (the run's value, the value now)} for the model fields whose effective values
     (the preset with its overrides) differ; None where they cannot be worked out."""
-    from dataclasses import fields as dataclass_fields
-
-    from ..config import ModelConfig, get_config, typed_overrides
+    from ..config import config_class, get_config, typed_overrides
 
     def effective(preset: Any, overrides: Any) -> dict[str, Any]:
-        config = get_config(preset, **typed_overrides(ModelConfig, overrides))
-        return {f.name: getattr(config, f.name) for f in dataclass_fields(config)}
+        return get_config(preset, **typed_overrides(config_class(preset), overrides)).settings()
 
     if not (isinstance(then, dict) and isinstance(now, dict) and isinstance(preset_then, str)
             and isinstance(preset_now, str)):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import SEQ2SEQ_PRESETS, get_config
+from ..config import SEQ2SEQ_PRESETS, Seq2SeqConfig, get_config, typed_overrides
 from ..errors import ConfigError, FrawdError
-from ..tokenizer import check_bpe_vocab_size
+from ..tokenizer import BOS_ID, EOS_ID, PAD_ID, check_bpe_vocab_size
 from .config import COMPILE_CHOICES, EVAL_INTERVAL_HELP, SCHEDULES, WARMUP_HELP, TrainConfig, _require, option
 
 
@@ -59,7 +59,15 @@ class TranslateConfig(TrainConfig):
             raise ConfigError(f"model must be a mapping of Seq2SeqConfig fields, got {self.model!r}")
         if self.preset not in SEQ2SEQ_PRESETS:
             raise ConfigError(f"preset must be one of {', '.join(SEQ2SEQ_PRESETS)}, got {self.preset!r}")
+        self.model = typed_overrides(Seq2SeqConfig, self.model)  # (YAML reads 1e-6 as text)
         get_config(self.preset, **self.model)  # a bad field is named before any work
+        # the model's vocabulary and special ids are its tokenizer's (set here, they were ignored)
+        if "vocab_size" in self.model:
+            raise ConfigError("model vocab_size: a translation model's vocabulary is its tokenizer's; "
+                              "--vocab-size sets the size of the BPE tokenizer trained")
+        for name, fixed in (("pad_token_id", PAD_ID), ("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID)):
+            if self.model.get(name, fixed) != fixed:
+                raise ConfigError(f"model {name} {self.model[name]}: the tokenizer's is {fixed}; leave {name} unset")
         for name in ("tokens_per_batch", "max_len"):
             _require(name, getattr(self, name), lambda v: v >= 1, "a positive integer")
         _require("bleu_sentences", self.bleu_sentences, lambda v: v >= 0, "an integer >= 0")
