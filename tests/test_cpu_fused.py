@@ -79,6 +79,23 @@ def test_swiglu_and_its_gradient_equal_float64(shape):
     assert_close_to_reference(torch.autograd.grad(out, h32, gy.float())[0], ref_grad)
 
 
+def test_strided_inputs_and_expanded_gradients_equal_float64():
+    """Called on a transposed tensor, or backpropagated from `.sum()` (a stride-0 gradient),
+    the kernels read what the tensors hold, not their storage in order."""
+    x, w = fp64(16, 8), fp64(16, seed=1)
+    ref = F.rms_norm(x.t(), (16,), w, 1e-5)
+    ref_grad = torch.autograd.grad(ref.sum(), x)[0]
+    xf, wf = as_fp32(x, w)
+    out = cpu_fused.rms_norm(xf.t(), wf, 1e-5)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(torch.autograd.grad(out.sum(), xf)[0], ref_grad)
+    base = fp64(2, 3, 8, 10)  # rope on a (B, H, T, hd) view whose last dimension is not contiguous
+    cos, sin = rope_tables(10, 8, 10000.0)
+    ref = reference_rope(base.transpose(-1, -2), cos.double(), sin.double())
+    (base32,) = as_fp32(base)
+    assert_close_to_reference(cpu_fused.rope(base32.transpose(-1, -2), cos, sin), ref)
+
+
 def test_one_thread_and_two_give_the_same_bits():
     x, w = as_fp32(fp64(300, 96), fp64(96, seed=1))  # 300 rows: RMSNorm's weight gradient sums 5 chunks
     h = as_fp32(fp64(300, 2 * 44, seed=2))[0]
@@ -105,6 +122,7 @@ def test_the_kernels_are_used_only_for_fp32_training_outside_compile_and_autocas
     with torch.no_grad():  # inference keeps PyTorch's ops (the engine has its own forward)
         assert not cpu_fused.usable(x, w)
     assert not cpu_fused.usable(x.bfloat16(), w)
+    assert not cpu_fused.usable(x.double(), w.double())  # (the kernels read fp32 only)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not cpu_fused.usable(x, w)
     cos, sin = rope_tables(8, 2, 10000.0)

@@ -186,6 +186,23 @@ def test_rows_finish_independently_and_the_rest_continue_unchanged(mode):
     assert len(batch[0].tokens) <= 6
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_a_padded_row_goes_on_alone_after_the_longest_prompt_finishes_at_once(mode):
+    """The longest prompt (no padding) ends on its first token: the cache keeps the short
+    prompt's row, whose padding stays masked and whose new slots stay seen (a stale copy
+    of the mask after the rows were selected masked each new token out of its own attention)."""
+    model = make_model(**CONFIGS["learned"])
+    engine = Engine(model, IdTokenizer(), **mode)
+    long, short = prompt_ids(30, 7), prompt_ids(31, 2)
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    first = engine.generate([long], params.replace(max_new_tokens=1))[0].tokens[0]
+    params = params.replace(stop_token_ids=[first])
+    alone = engine.generate([short], params)[0]
+    assert len(alone.tokens) >= 5  # (it runs on after the long one ends)
+    batch = engine.generate([long, short], params)
+    assert batch[0].tokens == [first] and batch[1].tokens == alone.tokens
+
+
 def test_end_of_sequence_ends_a_completion_and_is_not_text():
     model = make_model(**CONFIGS["learned"])
     with torch.no_grad():  # make <|eos|> the only possible greedy choice after one token
@@ -502,6 +519,50 @@ def test_kv_caches_start_as_zeros_of_their_own_and_hold_what_is_written(dtype):
         assert len({t.data_ptr() for t in tensors}) == len(tensors)  # no two layers share storage
         cache.k[0][0, 1, 5] = 2.5
         assert cache.k[0][0, 1, 5].eq(2.5).all() and torch.count_nonzero(cache.v[0]) == 0
+
+
+def test_kv_cache_masks_and_counts_through_padding_reuse_row_selection_and_a_full_cache():
+    """The mask `update` returns, at each turn a batch takes: a padded start keeps masking
+    its padding through later all-real forwards; `reset` forgets every slot (a static
+    decode attended the last batch's keys); selected rows get a mask of their own; the
+    last slot can be filled, one past it cannot, and `free` counts what is left."""
+    from frawdllm.infer.cache import RowKVCache
+
+    cfg = get_config("tiny", n_layer=1, n_embd=32, n_head=4, vocab_size=300, context_length=16)
+
+    def forward(cache, rows, n):  # (one layer: its update is the forward's write)
+        kv = torch.zeros(rows, 4, n, 8)
+        return cache.update(0, kv, kv)[2]
+
+    cache = KVCache(cfg, 2, 8)
+    cache.begin(3, valid=torch.tensor([[False, True, True], [True, True, True]]))
+    forward(cache, 2, 3)
+    cache.begin(2, valid=torch.ones(2, 2, dtype=torch.bool))
+    forward(cache, 2, 2)
+    cache.begin(1)
+    assert forward(cache, 2, 1)[:, 0, 0].tolist() == [[False] + [True] * 5, [True] * 6]
+    assert cache.free == 2
+    cache.begin(2)  # the last two slots
+    forward(cache, 2, 2)
+    assert cache.free == 0
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.begin(1)
+    static = KVCache(cfg, 2, 6, static=True)
+    for n in (3, 1):  # a batch, then the cache reused for a shorter one
+        static.reset()
+        static.begin(n)
+        forward(static, 2, n)
+        static.begin(1)
+        assert forward(static, 2, 1)[:, 0, 0].tolist() == [[True] * (n + 1) + [False] * (5 - n)] * 2
+    static.select_rows(torch.tensor([1]))
+    static.begin(1)
+    assert forward(static, 1, 1)[:, 0, 0].tolist() == [[True] * 3 + [False] * 3]
+    rows = RowKVCache(cfg, 1, 4)
+    rows.set_length(0, 3)
+    rows.rows = 1
+    rows.begin(1)  # (its last slot)
+    with pytest.raises(ValueError, match="KV cache full: a row would pass max_len 4"):
+        rows.begin(1)
 
 
 def test_a_model_in_train_mode_decodes_as_in_eval_mode_and_keeps_its_modes():
