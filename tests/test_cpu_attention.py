@@ -279,4 +279,6 @@ def test_attend_uses_the_fp32_kernel_only_when_training_eagerly(kernel_calls):
     attend(q, k, v, dropout_p=0.1)  # the kernel has no dropout
     long = torch.randn(1, 1, cpu_attention.MAX_T_F32 + 1, 32)
     attend(long, long, long)  # past MAX_T_F32 PyTorch's flash kernel is faster
+    narrow = q[..., :cpu_attention.f32_columns() // 2].contiguous()
+    attend(narrow, narrow, narrow)  # a head narrower than the kernel's tile (it wrote past its buffers)
     assert len(calls) == 1

@@ -1,6 +1,7 @@
 """The native decoder's weights on 2 MB pages: placed exactly, really on huge pages where
 the kernel offers them, and the same logits as from ordinary memory."""
 
+import mmap
 import re
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def test_less_than_a_huge_page_is_ordinary_memory():
     arena = Arena(PAGE - 64)
     t = torch.randn(100)
     assert not arena.huge and arena.place(t) is t
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # one whole page is a huge page's worth
+        assert Arena(PAGE).huge
 
 
 @pytest.mark.skipif(not native.available(), reason="no native forward")

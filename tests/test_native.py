@@ -440,6 +440,39 @@ def test_amx_products_equal_the_full_forward(name):
         check_against_full_forward(model, "fp16", lengths=lengths, steps=2, amx_rows=2, threads=2)
 
 
+def test_positions_of_another_shape_and_a_cache_with_too_few_rows_are_refused():
+    model = make_model(**CONFIGS["learned"])
+    decoder = native.NativeDecoder(model)
+    cache = KVCache(model.config, 1, 8)
+    cache.begin(3)
+    with pytest.raises(TypeError, match="same shape"):  # (it read past the positions; `forward`'s
+        decoder._forward(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1]]), cache, None)  # annotations are checked in tests only)
+    cache = KVCache(model.config, 1, 8)
+    cache.begin(1)
+    decoder.forward(torch.tensor([[5]]), torch.tensor([[0]]), cache)  # the decoder now points at this cache
+    with pytest.raises(ValueError, match="at least batch 2"):  # (it wrote past the cache's one row)
+        decoder.forward(torch.tensor([[5], [6]]), torch.tensor([[1], [1]]), cache)
+
+
+def test_a_data_write_at_a_probed_entry_is_seen(monkeypatch):
+    """The probes read 16 entries spread over each tensor (not its first 16): a `.data`
+    write in the middle of a weight, at a probed entry, makes the copies stale."""
+    model = make_model(**CONFIGS["learned"])
+    decoder = native.NativeDecoder(model)
+    flat = model.blocks[0].mlp.up.weight.data.view(-1)
+    assert decoder.is_current(model)
+    flat[flat.numel() // 16 * 8] += 1.0
+    assert not decoder.is_current(model)
+
+
+def test_a_model_with_a_short_context_times_its_forms_within_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))  # (no forms remembered: timed now)
+    monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
+    model = make_model(context_length=8, **CONFIGS["learned"])
+    decoder = native.NativeDecoder(model)
+    check_against_full_forward(model, decoder.weights, lengths=(3, 1), steps=4)
+
+
 def test_stream_forms_are_timed_once_per_model_shape_and_say_what_they_are(tmp_path, monkeypatch):
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(paths, "machine_busy", lambda window=None: False)
