@@ -275,6 +275,25 @@ def test_a_translation_models_vocabulary_and_special_ids_are_its_tokenizers():
     assert TranslateConfig(max_steps=1, model={"eos_token_id": EOS_ID}).model == {"eos_token_id": EOS_ID}
 
 
+def test_none_clears_a_step_or_token_budget_a_file_or_a_resumed_run_gave(tmp_path, capsys):
+    """A resume could not drop its run's --max-steps for a time budget (`none` was not an
+    integer; only --max-time took it): `--max-steps none` and `--max-tokens none` clear it."""
+    from frawdllm.cli import main
+    from frawdllm.train.config import PretrainConfig, build_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("max_steps: 3\nmax_tokens: 1000\n")
+    cfg = build_config(PretrainConfig, None, {"out": str(run), "resume": True, "max_steps": "none", "max_time": "60s"})
+    assert cfg.max_steps is None and cfg.max_tokens == 1000 and cfg.max_time_s == 60
+    main(["pretrain", "--config", str(run / "config.yaml"), "--max-steps", "none", "--max-tokens", "500", "--dry-run",
+          "--out", str(tmp_path / "new")])
+    assert "budget:        max-tokens 500\n" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--max-steps", "nonex", "--dry-run", "--out", str(tmp_path / "new")])
+    assert "'--max-steps': 'nonex' is not a valid integer" in capsys.readouterr().err
+
+
 def test_overrides_are_parsed_by_field_type():
     values = parse_overrides(ModelConfig, ["n_layer=2", "use_rope=true", "dropout=0.1", "n_kv_head=none"])
     assert values == {"n_layer": 2, "use_rope": True, "dropout": 0.1, "n_kv_head": None}

@@ -103,6 +103,12 @@ def test_min_lr_ratio_given_with_a_schedule_without_a_floor_is_refused(tmp_path,
                                                         "it out, or choose a schedule that decays to it")):
             build_config(cls, None, {"min_lr_ratio": 0.5, "schedule": schedule})
     assert build_config(cls, None, {"min_lr_ratio": 0.5, "schedule": "cosine"}).min_lr_ratio == 0.5
+    # so is --decay-fraction with a schedule that has no decay phase of its own (all but wsd)
+    for schedule in ("cosine", "linear", "noam", "constant"):
+        with pytest.raises(ConfigError, match=re.escape(f"--decay-fraction 0.5: only the wsd schedule has a decay "
+                                                        f"phase (the {schedule} schedule's shape spans the whole run)")):
+            build_config(cls, None, {"decay_fraction": 0.5, "schedule": schedule})
+    assert build_config(cls, None, {"decay_fraction": 0.5, "schedule": "wsd"}).decay_fraction == 0.5
     # a config file may hold both (a run's config.yaml, rerun, lists every field), and a
     # --schedule over a file's cosine and floor is the user's choice
     (tmp_path / "c.yaml").write_text("schedule: noam\nmin_lr_ratio: 0.5\n")

@@ -59,11 +59,26 @@ def dataclass_options(cls: type, skip: tuple[str, ...] = ()):
                 command = click.option(decl, f.name, default=None, help=help_text + (
                     "  [default: on]" if default else "  [default: off]"))(command)
             else:
-                click_type = {int: int, float: float}.get(kind, str)
+                click_type = {int: click.INT, float: click.FLOAT}.get(kind, click.STRING)
+                if f.metadata.get("none_clears"):
+                    click_type = _OrNone(click_type)
                 command = click.option(flag, f.name, type=click_type, default=None, help=help_text)(command)
         return command
 
     return decorate
+
+
+class _OrNone(click.ParamType):
+    """A value of `kind`, or `none` (kept as the word: None means "not given", and the word
+    clears a config file's value, `train.config._coerce`)."""
+
+    def __init__(self, kind: click.ParamType) -> None:
+        self.kind, self.name = kind, f"{kind.name}|none"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.lower() == "none":
+            return "none"
+        return self.kind.convert(value, param, ctx)
 
 
 def _merge_negatives(command, negatives: dict[str, str]):

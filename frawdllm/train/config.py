@@ -106,10 +106,12 @@ class TrainConfig:
     # batch and budget
     batch_size: int = option(16, "Sequences per micro-batch.")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
-    max_steps: int | None = option(None, "Stop after this many optimizer steps.")
-    max_tokens: int | None = option(None, "Stop after this many training tokens.")
+    max_steps: int | None = option(None, "Stop after this many optimizer steps; none clears a config file's "
+                                         "(or a resumed run's).", none_clears=True)
+    max_tokens: int | None = option(None, "Stop after this many training tokens; none clears a config file's.",
+                                    none_clears=True)
     max_time: str | None = option(None, "Stop after this much time, e.g. 100s, 5m, 1h30m (evals included); "
-                                        "none clears a config file's.")
+                                        "none clears a config file's (or a resumed run's).")
     # optimizer
     lr: float = option(3e-4, "Peak learning rate.")
     min_lr_ratio: float = option(0.1, "Floor of the decay, as a fraction of the peak (cosine, linear, wsd; "
@@ -270,6 +272,8 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     """YAML reads `3e-4` as a string and `1` where a float is meant: fix such values."""
     hint = typing.get_type_hints(cls)[name]
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if type(None) in options and str not in options and isinstance(value, str) and value.lower() in ("none", "null"):
+        return None  # (--max-steps none: a flag clearing a config file's value)
     if value is None or any(isinstance(value, o) and not (o is int and isinstance(value, bool))
                             for o in options if isinstance(o, type)):
         return value
@@ -375,7 +379,7 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
         raise ConfigError(f"{cls.__name__} has no model fields to --set")
     try:
         cfg = cls.from_dict(merged)
-        _refuse_an_unused_floor(cfg, flags)
+        _refuse_unused_schedule_flags(cfg, flags)
         return cfg
     except ConfigError as exc:  # a bad value: name the file it came from, when a file gave it
         layers = ((flags, model_overrides, None), (from_file, from_file.get("model"), config_file),
@@ -386,14 +390,19 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def _refuse_an_unused_floor(cfg: Any, flags: dict) -> None:
-    """--min-lr-ratio given with a schedule that has no floor (noam, constant), where it would
-    do nothing: refused. (A config file may hold both: a run's config.yaml, rerun, lists every
-    field.)"""
-    if "min_lr_ratio" in flags and getattr(cfg, "schedule", None) in ("noam", "constant"):
-        why = "decays as 1/sqrt(step), with no floor" if cfg.schedule == "noam" else "does not decay"
-        raise ConfigError(f"--min-lr-ratio {cfg.min_lr_ratio}: the {cfg.schedule} schedule {why}; leave it out, "
+def _refuse_unused_schedule_flags(cfg: Any, flags: dict) -> None:
+    """--min-lr-ratio given with a schedule that has no floor (noam, constant), or
+    --decay-fraction with one that has no separate decay phase (all but wsd), where they would
+    do nothing: refused. (A config file may hold them all: a run's config.yaml, rerun, lists
+    every field.)"""
+    schedule = getattr(cfg, "schedule", None)
+    if "min_lr_ratio" in flags and schedule in ("noam", "constant"):
+        why = "decays as 1/sqrt(step), with no floor" if schedule == "noam" else "does not decay"
+        raise ConfigError(f"--min-lr-ratio {cfg.min_lr_ratio}: the {schedule} schedule {why}; leave it out, "
                           "or choose a schedule that decays to it (--schedule cosine, linear or wsd)")
+    if "decay_fraction" in flags and schedule is not None and schedule != "wsd":
+        raise ConfigError(f"--decay-fraction {cfg.decay_fraction}: only the wsd schedule has a decay phase (the "
+                          f"{schedule} schedule's shape spans the whole run); leave it out, or give --schedule wsd")
 
 
 def _named_as_typed(message: str, flags: dict) -> str:
