@@ -418,6 +418,10 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     for key in overrides:
         if key not in known:
             raise ConfigError(f"unknown config field {key!r}; known: {', '.join(sorted(known))}")
+    kv, heads = data.get("n_kv_head"), overrides.get("n_head")
+    if kv and "n_kv_head" not in overrides and is_integer(heads) and heads > 0 and heads % kv:
+        raise ConfigError(f"n_head ({heads}) must be divisible by n_kv_head ({kv}, the {name} preset's): set "
+                          f"n_kv_head as well (a divisor of {heads}; null = n_head, no grouping)")
     before = data.get("pos_encoding")
     data.update(overrides)
     data.update(positions_override(overrides, before))

@@ -1,6 +1,7 @@
 """ModelConfig: presets, validation, and the exact parameter count."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -292,6 +293,14 @@ def test_none_clears_a_step_or_token_budget_a_file_or_a_resumed_run_gave(tmp_pat
     with pytest.raises(SystemExit):
         main(["pretrain", "--max-steps", "nonex", "--dry-run", "--out", str(tmp_path / "new")])
     assert "'--max-steps': 'nonex' is not a valid integer" in capsys.readouterr().err
+
+
+def test_a_head_count_the_presets_kv_heads_do_not_divide_names_the_preset():
+    """--set n_head=2 on tiny-llama (4 kv heads, which the user never typed) says where the 4 is from."""
+    with pytest.raises(ConfigError, match=re.escape("n_head (2) must be divisible by n_kv_head (4, the tiny-llama "
+                                                    "preset's): set n_kv_head as well")):
+        get_config("tiny-llama", n_head=2)
+    assert get_config("tiny-llama", n_head=2, n_kv_head=None).n_kv_head == 2
 
 
 def test_overrides_are_parsed_by_field_type():

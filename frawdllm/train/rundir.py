@@ -313,21 +313,28 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
     """A --resume that changes what the checkpoint was trained as (the model, its tokenizer)
     cannot load it: refused before anything is written, so the run stays resumable."""
     fixed = {k: v for k, v in _changed_settings(cfg, run_dir).items() if k in RESUME_FIXED}
-    listed = []
-    for key, (old, new) in fixed.items():
-        if key == "model":  # overrides of the preset: compared and shown as the values they give
-            preset_now = getattr(cfg, "preset", None)
-            preset_then = fixed["preset"][0] if "preset" in fixed else preset_now
-            values = _model_values(preset_then, old, preset_now, new)
-            if values is not None:
-                listed += [f"{name}={now!r} (the run has {then!r})" for name, (then, now) in values.items()]
-                continue
-        listed.append(f"{key}={new!r} (the run has {old!r})")
+    listed = [f"{key}={new!r} (the run has {old!r})" for key, old, new in _each_change(cfg, fixed)]
     if listed:
         listed = ", ".join(listed)
         raise FrawdError(f"{run_dir}: --resume continues the run's own model, tokenizer and data order; "
                          f"these settings differ: "
                          f"{listed}; drop them, or {_new_run_advice(cfg, run_dir)}")
+
+
+def _each_change(cfg: Any, settings: dict[str, tuple[Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """(setting, value then, value now) for each of `settings`; the model's overrides of the
+    preset compared as the values they give (another way to write the same model is no change)."""
+    changes = []
+    for key, (old, new) in settings.items():
+        if key == "model":
+            preset_now = getattr(cfg, "preset", None)
+            preset_then = settings["preset"][0] if "preset" in settings else preset_now
+            values = _model_values(preset_then, old, preset_now, new)
+            if values is not None:
+                changes += [(name, then, now) for name, (then, now) in values.items()]
+                continue
+        changes.append((key, old, new))
+    return changes
 
 
 def _model_values(preset_then: Any, then: Any, preset_now: Any, now: Any) -> dict[str, tuple[Any, Any]] | None:
@@ -361,7 +368,7 @@ def _note_changed_settings(cfg: Any, run_dir: Path) -> None:
     """Say which settings of a resumed run differ from those it was started with (its
     config.yaml): flags override the saved config, so other data or another learning rate
     take effect from here on, which should not go unnoticed."""
-    changed = [f"{key}={new!r} (was {old!r})" for key, (old, new) in _changed_settings(cfg, run_dir).items()]
+    changed = [f"{key}={new!r} (was {old!r})" for key, old, new in _each_change(cfg, _changed_settings(cfg, run_dir))]
     if changed:
         print(f"{run_dir}: resuming with settings that differ from its {CONFIG_FILE}: {', '.join(changed)}",
               file=sys.stderr, flush=True)
