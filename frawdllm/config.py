@@ -391,12 +391,12 @@ _AIAYN = dict(pos_encoding="sinusoidal", scale_embeddings=True, norm_placement="
               tie_embeddings=True, activation="relu")
 
 SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
-    "aiayn-base": dict(vocab_size=37000, n_embd=512, n_layer=6, n_encoder_layer=6, n_head=8,
+    "aiayn-base": dict(vocab_size=37000, n_embd=512, n_layer=6, n_encoder_layer=6, n_head=8, mlp_hidden=2048,
                        dropout=0.1, context_length=1024, **_AIAYN),
-    "aiayn-big": dict(vocab_size=37000, n_embd=1024, n_layer=6, n_encoder_layer=6, n_head=16,
+    "aiayn-big": dict(vocab_size=37000, n_embd=1024, n_layer=6, n_encoder_layer=6, n_head=16, mlp_hidden=4096,
                       dropout=0.3, context_length=1024, **_AIAYN),
     # trains on 2 CPU cores: Multi30k-sized data in under an hour
-    "aiayn-tiny": dict(vocab_size=8000, n_embd=256, n_layer=3, n_encoder_layer=3, n_head=4,
+    "aiayn-tiny": dict(vocab_size=8000, n_embd=256, n_layer=3, n_encoder_layer=3, n_head=4, mlp_hidden=1024,
                        dropout=0.1, context_length=256, **_AIAYN),
 }
 
@@ -473,7 +473,8 @@ def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, 
 def typed_overrides(cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
     """A config file's `model:` mapping with its text values parsed as `cls`'s field types
     (YAML gives `n_layer: 2` as an int, a --set or an older file may give "2")."""
-    return {k: parse_value(cls, k, v) if isinstance(v, str) else v for k, v in overrides.items()}
+    return {k: parse_value(cls, k, v) if isinstance(v, str) and k not in NONE_IS_A_VALUE else v
+            for k, v in overrides.items()}  # (a file's `pos_encoding: None`, Python's null, is refused: not "none")
 
 
 __all__ = ["ModelConfig", "Seq2SeqConfig", "PRESETS", "SEQ2SEQ_PRESETS", "config_class", "get_config", "parse_overrides",

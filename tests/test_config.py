@@ -260,18 +260,23 @@ def test_a_config_files_model_numbers_in_exponent_form_are_numbers(tmp_path):
     assert build_config(PretrainConfig, config).model == {"norm_eps": 1e-6, "rope_theta": 500000.0}
     config.write_text("model:\n  norm_eps: 1e-6\n")
     assert build_config(TranslateConfig, config).model == {"norm_eps": 1e-6}
+    config.write_text("preset: tiny-llama\nmodel:\n  pos_encoding: None\n")  # (YAML's null is null, not None)
+    with pytest.raises(ConfigError, match="pos_encoding must be one of .*; got 'None'"):
+        build_config(PretrainConfig, config)
 
 
 def test_a_translation_models_vocabulary_and_special_ids_are_its_tokenizers():
     """translate train sizes the model by its tokenizer and fixes the special ids: a model
     vocab_size or other ids set by hand are refused (they were dropped without a word, and
-    config.yaml kept them); the tokenizer's own ids may be repeated."""
+    config.yaml kept them: a run that has them is told to remove them); the tokenizer's own
+    ids may be repeated."""
     from frawdllm.tokenizer import EOS_ID
     from frawdllm.train.translation_config import TranslateConfig
 
     with pytest.raises(ConfigError, match="model vocab_size: a translation model's vocabulary is its tokenizer's"):
         TranslateConfig(max_steps=1, model={"vocab_size": 1000})
-    with pytest.raises(ConfigError, match="model pad_token_id 5: the tokenizer's is 0; leave pad_token_id unset"):
+    with pytest.raises(ConfigError, match=re.escape("model pad_token_id 5: the tokenizer's is 0 (it was ignored): "
+                                                    "remove pad_token_id")):
         TranslateConfig(max_steps=1, model={"pad_token_id": 5})
     assert TranslateConfig(max_steps=1, model={"eos_token_id": EOS_ID}).model == {"eos_token_id": EOS_ID}
 

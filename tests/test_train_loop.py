@@ -839,8 +839,12 @@ def test_resuming_a_run_whose_budget_is_spent_is_one_line_and_writes_nothing(cor
             run_pretraining(tiny_config(corpus, run, eval_interval=0, resume=True, **budget))
     assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*")} == before
     tokens = [r["tokens"] for r in read_metrics(run) if "tokens" in r][-1]
+    saved = (run / "config.yaml").read_text()
     with pytest.raises(FrawdError, match=r"budget is already spent \(.* tokens of --max-tokens"):
-        run_pretraining(tiny_config(corpus, run, eval_interval=0, resume=True, max_steps=None, max_tokens=tokens))
+        run_pretraining(tiny_config(corpus, run, eval_interval=0, resume=True, max_steps=None, max_tokens=tokens,
+                                    lr=1e-3))
+    # (a refused resume's settings stayed in config.yaml, and the next resume took them without a word)
+    assert (run / "config.yaml").read_text() == saved
     result = run_pretraining(tiny_config(corpus, run, max_steps=3, eval_interval=0, resume=True))
     assert result.steps == 3
 

@@ -51,6 +51,14 @@ class FinetuneConfig(TrainConfig):
     seed: int = option(1337, "Seed of the data order, dropout and LoRA's initialisation (the weights "
                              "come from --init).")
 
+    @staticmethod
+    def effective(values: dict) -> dict:
+        """A config's values (a saved config.yaml's too) as the run uses them: LoRA's alpha
+        unset is 2 x rank (a resume typing the default is no change)."""
+        if values.get("lora_rank") and values.get("lora_alpha") is None:
+            return {**values, "lora_alpha": 2 * values["lora_rank"]}
+        return values
+
     def __post_init__(self) -> None:
         super().__post_init__()
         _require("val_fraction", self.val_fraction, lambda v: 0 <= v < 1, "in [0, 1)")

@@ -108,7 +108,8 @@ class TrainConfig:
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
     max_steps: int | None = option(None, "Stop after this many optimizer steps; none clears a config file's "
                                          "(or a resumed run's).", none_clears=True)
-    max_tokens: int | None = option(None, "Stop after this many training tokens; none clears a config file's.",
+    max_tokens: int | None = option(None, "Stop after this many training tokens; none clears a config file's "
+                                           "(or a resumed run's).",
                                     none_clears=True)
     max_time: str | None = option(None, "Stop after this much time, e.g. 100s, 5m, 1h30m (evals included); "
                                         "none clears a config file's (or a resumed run's).")

@@ -387,6 +387,7 @@ class Trainer:
             self.plan.peaks = self._peaks
         if self.resumes:
             self._resume()
+            self._refuse_a_spent_budget()
         elif self.dist.rank > 0:
             _own_dropout_seed(self.dist.rank)
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
@@ -503,22 +504,7 @@ class Trainer:
         """Train until a stopping rule (--max-steps / --max-tokens / --max-time, a signal, too
         many non-finite losses) holds; evaluates, checkpoints and samples on the way."""
         cfg = self.cfg
-        # (this session's start-up counts: a resume with a second left of 20 s used 2.9 s more)
-        self._start = self.started_at if self.started_at is not None else time.perf_counter()
-        spent = self._check_stop() if self.step > 0 else None  # a resumed run: nothing left to do?
-        if spent is None and self.step > 0 and self._too_late_to_resume():
-            spent = "max_time"
-        if spent is not None:
-            if spent == "max_steps":
-                done = f"{self.step} steps of --max-steps {cfg.max_steps}"
-            elif spent == "max_tokens":
-                done = f"{si(self.tokens)} tokens of --max-tokens {si(cfg.max_tokens)}"
-            else:
-                done = f"{self.elapsed():.1f} s of --max-time {cfg.max_time_s:g} s"
-                if self.elapsed() < cfg.max_time_s:
-                    done += f", and a step with the final evaluation and checkpoint takes {self._schedule_reserve():.1f} s"
-            release_run_dir(self.run_dir)
-            raise FrawdError(budget_spent(self.run_dir, done))
+        self._refuse_a_spent_budget()
         self.model.train()
         load_pyplot()
         if cfg.sample_tokens and self.dist.is_main:  # (start-up: inside the budget; sharded, samples run on the CPU)
@@ -558,6 +544,29 @@ class Trainer:
             # cold one a later `auto` must count on, is kept all the same
             self._remember_compile_cost(step_known=bool(self._step_times))
         return self._result()
+
+    def _refuse_a_spent_budget(self) -> None:
+        """A resumed run with nothing left to do is refused in one line. The constructor asks
+        first, inside a job's start (`undo_failed_start`): a refused resume leaves the run's
+        config.yaml as it was (the file had the refused budget, and the next resume took it)."""
+        cfg = self.cfg
+        # (this session's start-up counts: a resume with a second left of 20 s used 2.9 s more)
+        self._start = self.started_at if self.started_at is not None else time.perf_counter()
+        spent = self._check_stop() if self.step > 0 else None
+        if spent is None and self.step > 0 and self._too_late_to_resume():
+            spent = "max_time"
+        if spent is None:
+            return
+        if spent == "max_steps":
+            done = f"{self.step} steps of --max-steps {cfg.max_steps}"
+        elif spent == "max_tokens":
+            done = f"{si(self.tokens)} tokens of --max-tokens {si(cfg.max_tokens)}"
+        else:
+            done = f"{self.elapsed():.1f} s of --max-time {cfg.max_time_s:g} s"
+            if self.elapsed() < cfg.max_time_s:
+                done += f", and a step with the final evaluation and checkpoint takes {self._schedule_reserve():.1f} s"
+        release_run_dir(self.run_dir)
+        raise FrawdError(budget_spent(self.run_dir, done))
 
     def _check_cached_peak(self) -> None:
         """A measured peak that this run out-computed (by more than the timing's noise) was

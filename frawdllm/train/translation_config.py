@@ -63,11 +63,12 @@ class TranslateConfig(TrainConfig):
         get_config(self.preset, **self.model)  # a bad field is named before any work
         # the model's vocabulary and special ids are its tokenizer's (set here, they were ignored)
         if "vocab_size" in self.model:
-            raise ConfigError("model vocab_size: a translation model's vocabulary is its tokenizer's; "
-                              "--vocab-size sets the size of the BPE tokenizer trained")
+            raise ConfigError("model vocab_size: a translation model's vocabulary is its tokenizer's (it was "
+                              "ignored): remove it; --vocab-size sets the size of the BPE tokenizer trained")
         for name, fixed in (("pad_token_id", PAD_ID), ("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID)):
             if self.model.get(name, fixed) != fixed:
-                raise ConfigError(f"model {name} {self.model[name]}: the tokenizer's is {fixed}; leave {name} unset")
+                raise ConfigError(f"model {name} {self.model[name]}: the tokenizer's is {fixed} (it was ignored): "
+                                  f"remove {name}")
         for name in ("tokens_per_batch", "max_len"):
             _require(name, getattr(self, name), lambda v: v >= 1, "a positive integer")
         _require("bleu_sentences", self.bleu_sentences, lambda v: v >= 0, "an integer >= 0")
