@@ -472,8 +472,10 @@ def parse_overrides(cls: type, pairs: list[str] | tuple[str, ...]) -> dict[str, 
 
 def typed_overrides(cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
     """A config file's `model:` mapping with its text values parsed as `cls`'s field types
-    (YAML gives `n_layer: 2` as an int, a --set or an older file may give "2")."""
-    return {k: parse_value(cls, k, v) if isinstance(v, str) and k not in NONE_IS_A_VALUE else v
+    (YAML gives `n_layer: 2` as an int, a --set or an older file may give "2"). An unknown
+    field is left for `get_config` to name, as it names one given any other way."""
+    known = {f.name for f in fields(cls)}
+    return {k: parse_value(cls, k, v) if isinstance(v, str) and k in known and k not in NONE_IS_A_VALUE else v
             for k, v in overrides.items()}  # (a file's `pos_encoding: None`, Python's null, is refused: not "none")
 
 

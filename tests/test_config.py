@@ -260,6 +260,10 @@ def test_a_config_files_model_numbers_in_exponent_form_are_numbers(tmp_path):
     assert build_config(PretrainConfig, config).model == {"norm_eps": 1e-6, "rope_theta": 500000.0}
     config.write_text("model:\n  norm_eps: 1e-6\n")
     assert build_config(TranslateConfig, config).model == {"norm_eps": 1e-6}
+    for value in ("2", "'2'"):  # an unknown field, whatever its value, is named with the file that has it
+        config.write_text(f"model:\n  n_layr: {value}\n")
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(config))}: unknown config field 'n_layr'; known: "):
+            build_config(PretrainConfig, config)
     config.write_text("preset: tiny-llama\nmodel:\n  pos_encoding: None\n")  # (YAML's null is null, not None)
     with pytest.raises(ConfigError, match="pos_encoding must be one of .*; got 'None'"):
         build_config(PretrainConfig, config)

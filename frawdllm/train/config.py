@@ -417,9 +417,10 @@ def _named_as_typed(message: str, flags: dict) -> str:
 
 
 def _leading_field(message: str) -> str | None:
-    """The field a config error's message starts with (its first identifier), if any."""
-    match = re.match(r"[A-Za-z_]\w*", message)
-    return match.group(0) if match else None
+    """The field a config error's message starts with (its first identifier, or the unknown
+    field it names), if any."""
+    match = re.match(r"unknown (?:config )?field '(\w+)'|([A-Za-z_]\w*)", message)
+    return (match.group(1) or match.group(2)) if match else None
 
 
 def _source_of(message: str, layers: tuple) -> str | None:
