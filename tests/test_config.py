@@ -312,6 +312,20 @@ def test_a_head_count_the_presets_kv_heads_do_not_divide_names_the_preset():
     assert get_config("tiny-llama", n_head=2, n_kv_head=None).n_kv_head == 2
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(bleu_sentences=-1), "bleu_sentences must be an integer >= 0"),
+    (dict(label_smoothing=1.0), "label_smoothing must be in [0, 1)"),
+    (dict(valid_src="v.de"), "give both --valid-src and --valid-tgt, or neither"),
+    (dict(valid_tgt="v.en"), "give both --valid-src and --valid-tgt, or neither"),
+])
+def test_translate_configs_ranges_are_checked_at_their_ends(fields, message):
+    from frawdllm.train.translation_config import TranslateConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TranslateConfig(max_steps=1, **fields)
+    TranslateConfig(max_steps=1, bleu_sentences=0, label_smoothing=0.0)
+
+
 def test_overrides_are_parsed_by_field_type():
     values = parse_overrides(ModelConfig, ["n_layer=2", "use_rope=true", "dropout=0.1", "n_kv_head=none"])
     assert values == {"n_layer": 2, "use_rope": True, "dropout": 0.1, "n_kv_head": None}

@@ -325,6 +325,38 @@ def test_each_epoch_deals_the_same_batches_in_a_new_order():
     assert again._epoch_batches(1) == second
 
 
+def test_bleu_and_samples_during_training_decode_greedily(monkeypatch):
+    """Training's val_bleu and samples translate with beam 1 (greedy, as `_bleu_cost` times
+    it), not translate_texts' default beam of 4: slower, and other scores."""
+    from frawdllm.train import translation
+    from frawdllm.train.translation import TranslationTask, ValidationSet
+
+    beams = []
+
+    def recording(model, tokenizer, sources, **options):
+        beams.append(options.get("beam_size"))
+        return ["x"] * len(sources)
+
+    monkeypatch.setattr(translation, "translate_texts", recording)
+    pairs = [([5, 6, 7], [8, 9]), ([6, 7], [9])]
+    task = TranslationTask(model_for("paper").config, None, pairs, ValidationSet(pairs, ["a", "b"], ["x", "y"]),
+                           tokens_per_batch=1000, bleu_sentences=2, samples=2)
+    task.cursor = 1  # (trained: an untrained model's evaluation skips BLEU)
+    with torch.no_grad():
+        assert "val_bleu" in task.evaluate(model_for("paper"), torch.device("cpu"))
+        assert len(task.samples(model_for("paper"), torch.device("cpu"))) == 2
+    assert beams == [1, 1]
+
+
+def test_parallel_text_keeps_a_last_line_without_a_newline_and_drops_carriage_returns(tmp_path):
+    from frawdllm.data.parallel import read_lines
+
+    path = tmp_path / "t.txt"
+    for raw, lines in ((b"a\nb", ["a", "b"]), (b"a\nb\n", ["a", "b"]), (b"a\r\nb\r\n", ["a", "b"])):
+        path.write_bytes(raw)
+        assert read_lines(path) == lines, raw
+
+
 def test_validation_loss_and_tokens_count_real_target_tokens_and_bleu_is_sacrebleus_default():
     """val_loss is the plain cross-entropy per real target token (each sentence's tokens and its
     EOS; padding not counted), batch_tokens counts those tokens too, and the BLEU logged

@@ -215,6 +215,11 @@ def test_more_local_workers_than_four_per_cpu_are_refused(tmp_path, bpe, monkeyp
         prepare_shards(str(src), bpe, tmp_path / "out", workers=9)
     assert not (tmp_path / "out").exists()
     shards_module.check_prepare_options(0.1, 9, local=False)  # (Slurm or Ray tasks run elsewhere)
+    shards_module.check_prepare_options(0.1, 8)  # (the bound itself, and the ends of the ranges, before any work)
+    with pytest.raises(FrawdError, match=re.escape("workers must be an integer of at least 1, got 0")):
+        shards_module.check_prepare_options(0.1, 0)
+    with pytest.raises(FrawdError, match=re.escape("val_fraction must be a number in [0, 1), got 1.0")):
+        shards_module.check_prepare_options(1.0, None)
 
 
 def test_header_records_magic_version_dtype_count_and_vocab(tmp_path, bpe):
@@ -421,6 +426,15 @@ def test_rerun_reuses_matching_shards_and_rebuilds_on_change_or_force(tmp_path, 
     changed = prepare_shards(str(src), bpe, out, val_fraction=0.3)
     assert not changed.get("reused")
     assert changed["train_documents"] + changed["val_documents"] == 31
+    # each input counts: the document split alone, an edit that keeps the size, a damaged val.bin
+    assert not prepare_shards(str(src), bpe, out, val_fraction=0.3, doc_split="line").get("reused")
+    assert prepare_shards(str(src), bpe, out, val_fraction=0.3, doc_split="line").get("reused")
+    text = src.read_text(encoding="utf-8")
+    src.write_text(text.replace("a", "b", 1), encoding="utf-8")
+    os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 10**9))
+    assert not prepare_shards(str(src), bpe, out, val_fraction=0.3, doc_split="line").get("reused")
+    write_shard(out / "val.bin", np.array([5]), vocab_size=bpe.vocab_size)
+    assert not prepare_shards(str(src), bpe, out, val_fraction=0.3, doc_split="line").get("reused")
 
 
 def test_the_same_source_written_another_way_reuses_the_shards(tmp_path, bpe, monkeypatch):
