@@ -137,6 +137,8 @@ def test_rank_r_of_n_takes_the_rth_contiguous_block_of_files():
     blocks = [rank_files(files, r, 3) for r in range(3)]
     assert blocks == [[0, 1], [2, 3], [4, 5, 6]]
     assert [rank_files([0], r, 2) for r in range(2)] == [[], [0]]
+    for n, world in ((5, 3), (10, 4), (3, 5)):  # blocks that do not divide evenly still cover each file once
+        assert [f for r in range(world) for f in rank_files(list(range(n)), r, world)] == list(range(n)), (n, world)
 
 
 def test_a_second_run_reuses_the_shards_and_the_cli_reports_them(prepared, corpus, tokenizer, capsys):
@@ -341,12 +343,14 @@ def test_an_unexpected_error_in_a_task_keeps_its_traceback(corpus, tokenizer, tm
 
 @pytest.mark.timeout(120)
 def test_meta_seconds_is_the_wall_time_of_the_whole_prepare(corpus, tokenizer, tmp_path, capsys):
-    """It was the slowest task's tokenizing alone (0.155 s of a 9.5 s run), so mb_per_s looked 3x too fast."""
+    """It was the slowest task's tokenizing alone (0.155 s of a 9.5 s run), so mb_per_s looked 3x too fast.
+    (Also: --workers defaults to 2, as --help says, and --val-fraction 0 is no empty-split error.)"""
     start = time.perf_counter()
     main(["data", "prepare", "--data", str(corpus), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"),
-          "--val-fraction", "0.1", "--engine", "datatrove", "--workers", "2"])
+          "--val-fraction", "0", "--engine", "datatrove"])
     wall = time.perf_counter() - start
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["engine"] == {"name": "datatrove", "workers": 2} and meta["val_tokens"] == 0
     assert wall - 0.5 <= meta["seconds"] <= wall + 0.01, (meta["seconds"], wall)
     text_mb = (meta["train_text_bytes"] + meta["val_text_bytes"]) / 1e6
     assert meta["mb_per_s"] == pytest.approx(text_mb / meta["seconds"], rel=0.01, abs=0.002)

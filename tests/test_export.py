@@ -341,6 +341,20 @@ def test_hf_export_to_a_gguf_file_name_is_refused(tmp_path, tokenizer, capsys):
     assert entries(tmp_path) == before
 
 
+def test_generation_config_maps_min_p_and_a_max_length_at_the_context_both_ways():
+    """min_p reaches transformers' file (and comes back); one sample writes no
+    num_return_sequences (settings at their off value are left out); a max_length that
+    reaches the context, at its bound, maps to max_new_tokens."""
+    from frawdllm.export.hf_dir import generation_config, sampling_from_hf
+
+    cfg = get_config("tiny")
+    out = generation_config(cfg, {"temperature": 0.8, "top_p": 0.9, "min_p": 0.1})
+    assert out["min_p"] == 0.1 and out["top_p"] == 0.9 and "num_return_sequences" not in out
+    back = sampling_from_hf(out, cfg.eos_token_id, cfg.context_length)
+    assert (back["temperature"], back["top_p"], back["min_p"]) == (0.8, 0.9, 0.1)
+    assert sampling_from_hf({"max_length": 64}, 3, 64) == {"max_new_tokens": 64, "temperature": 0}
+
+
 def test_format_defaults_to_gguf_for_a_gguf_out_and_hf_otherwise(tmp_path, tokenizer):
     pytest.importorskip("gguf")
     _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")

@@ -93,6 +93,7 @@ CASES = [
     ("llama", {"attention_bias": True, "mlp_bias": False},
      ["config.json", "llama config with attention_bias/mlp_bias=True/False has no FrawdLLM equivalent"]),
     ("llama", {"attention_bias": False, "mlp_bias": True}, ["attention_bias/mlp_bias=False/True"]),
+    ("gpt2", {"add_cross_attention": True}, ["config.json", "add_cross_attention", "no FrawdLLM equivalent"]),
 ]
 
 
