@@ -564,6 +564,46 @@ def test_the_settings_check_names_every_differing_rank_and_lets_progress_differ(
     distributed.check_same_settings(base)
 
 
+def test_ranks_agree_on_the_stop_and_the_largest_reserve(monkeypatch):
+    """agree_stop: rank 0's budget reason, or a signal any rank got, and the largest of the
+    ranks' seconds (a sum grew the schedule's reserve N-fold). The collective is faked: it
+    combines this rank's tensor with rank 1's by the operation it is asked for."""
+    import torch
+    import torch.distributed as dist
+
+    from frawdllm.train import distributed
+
+    other = torch.tensor([0, 1, 2_000_000])  # rank 1: no reason of its own (only rank 0's counts), a signal, 2 s
+
+    def all_reduce(t, op=dist.ReduceOp.SUM):
+        t.copy_(torch.maximum(t, other) if op == dist.ReduceOp.MAX else t + other)
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    main, cpu, reasons = distributed.Dist(0, 2, 0, "ddp"), torch.device("cpu"), (None, "max_steps", "max_time")
+    assert main.agree_stop("max_time", False, reasons, cpu, 1.0) == ("interrupted", 2.0)
+    other.copy_(torch.tensor([0, 0, 500_000]))
+    assert main.agree_stop("max_time", False, reasons, cpu, 1.0) == ("max_time", 1.0)
+    assert main.agree_stop(None, False, reasons, cpu, 0.25) == (None, 0.5)
+
+
+def test_each_rank_follows_the_run_config_and_a_restart_resumes(monkeypatch):
+    """rank_config: progress on rank 0 only; after a torchrun restart every rank resumes, and
+    a run started with --overwrite does not delete what it resumes ("choose one" on every rank)."""
+    from frawdllm.train import distributed
+    from frawdllm.train.config import PretrainConfig
+
+    monkeypatch.setattr(distributed, "check_same_settings", lambda cfg: None)
+    cfg = PretrainConfig(max_steps=2, progress=True, overwrite=True)
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "_current", distributed.Dist(rank, 2, rank, "ddp"))
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        first = distributed.rank_config(cfg)
+        assert first.progress is (rank == 0) and first.overwrite and not first.resume
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        again = distributed.rank_config(cfg)
+        assert again.resume and not again.overwrite and again.progress is (rank == 0)
+
+
 def test_a_sharded_save_or_read_failure_is_one_line(monkeypatch, tmp_path):
     """torch.distributed.checkpoint wraps every rank's error in a CheckpointException (a
     BaseException): a full disk under FSDP printed a traceback per rank (~200 lines), not
