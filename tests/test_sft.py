@@ -650,7 +650,7 @@ def test_the_data_summary_prints_without_progress_and_all_bad_records_name_the_f
     assert "bad.jsonl:1: not valid JSON" in err and not (tmp_path / "run2").exists()
     bad.write_text("{not json\n")  # one record: said in the singular (was "all 1 records were")
     code, _, err = run_cli(capsys, "sft", *common, "--data", bad, "--out", tmp_path / "run2")
-    assert code == 1 and f"holds no usable examples: 1 record was bad and skipped (bad.jsonl:1: not valid JSON" \
+    assert code == 1 and "holds no usable examples: 1 record was bad and skipped (bad.jsonl:1: not valid JSON" \
         in err.replace(str(tmp_path) + "/", ""), err
 
 
