@@ -84,6 +84,12 @@ def test_causal_attend_equals_the_reference_in_inference_and_training(Hkv):
                                torch.autograd.grad(ref, (q, k, v), dout), atol=1e-5, rtol=1e-5)
 
 
+def test_more_queries_than_keys_without_a_mask_is_refused():
+    q, k, v = _qkv(T=5, S=3)  # (no cache gives more queries than keys: a bug upstream, named)
+    with pytest.raises(ValueError, match="a KV cache must give a mask when 5 queries attend 3 keys"):
+        kernels.attend(q, k, v)
+
+
 def test_one_query_over_a_cache_equals_the_reference():
     q, k, v = _qkv(T=1, S=12)
     torch.testing.assert_close(kernels.attend(q, k, v), reference_attention(q, k, v, causal=True),
@@ -115,6 +121,8 @@ def test_cpu_bf16_kernel_equals_the_reference_within_bf16_rounding():
     q, k, v = _qkv(T=50, S=50, dtype=torch.bfloat16)
     ref = reference_attention(q.float(), k.float(), v.float(), causal=True)
     torch.testing.assert_close(cpu_attention.causal_attention(q, k, v).float(), ref, atol=2e-2, rtol=2e-2)
+    # fp32 queries beside bf16 keys and values: all rounded to bf16 (the fp32 kernel read bf16 as fp32: NaN)
+    torch.testing.assert_close(cpu_attention.causal_attention(q.float(), k, v).float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_padding_keys_change_nothing_in_bidirectional_self_attention():
