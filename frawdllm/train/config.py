@@ -193,6 +193,12 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @staticmethod
+    def effective(values: dict) -> dict:
+        """A config's values (a saved config.yaml's too) as the run uses them, defaults that
+        depend on other settings resolved (none here; `FinetuneConfig`'s LoRA alpha)."""
+        return values
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
         check_fields(cls, data, f"{cls.__name__} field")

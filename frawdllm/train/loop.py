@@ -66,9 +66,9 @@ from .config import TrainConfig, parse_duration
 from .device import (autocast, choose_dtype, cpu_has_bf16, forget_peak, format_mfu, keep_freed_memory, matmul_dtype,
                      mfu, peak_flops, pick_device, rng_state, set_rng_state)
 from .optim import build_optimizer
+from .progress import bar_update, budget_value, progress_bar, si
 from .rundir import (BEST_MODEL_DIR, LOOP_OUTPUTS, MetricsLog, append_samples, budget_spent, claim_run_dir,
                      load_pyplot, plot_losses, release_run_dir, settle_run_dir, truncate_metrics, truncate_samples)
-from .progress import bar_update, budget_value, progress_bar, si
 from .schedule import LRSchedule
 
 STATE_VERSION = 1
@@ -546,9 +546,10 @@ class Trainer:
         return self._result()
 
     def _refuse_a_spent_budget(self) -> None:
-        """A resumed run with nothing left to do is refused in one line. The constructor asks
-        first, inside a job's start (`undo_failed_start`): a refused resume leaves the run's
-        config.yaml as it was (the file had the refused budget, and the next resume took it)."""
+        """A resumed run with nothing left to do is refused in one line, this session's time
+        counted from `started_at` (set here). The constructor asks first, inside a job's start
+        (`undo_failed_start`): a refused resume leaves the run's config.yaml as it was (the file
+        had the refused budget, and the next resume took it); `fit` asks again."""
         cfg = self.cfg
         # (this session's start-up counts: a resume with a second left of 20 s used 2.9 s more)
         self._start = self.started_at if self.started_at is not None else time.perf_counter()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import PRESETS, ModelConfig, get_config, typed_overrides
+from ..config import PRESETS, ModelConfig, get_config
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
 from ..data.shards import print_warnings, read_shard_meta, resolved_source, shard_files, split_bytes_per_token
 from ..data.shard_format import TokenArray
@@ -228,7 +228,7 @@ def prepare_data(cfg: PretrainConfig, run_dir: Path) -> PreparedData:
 
 
 def _bpe_vocab_size(cfg: PretrainConfig) -> int:
-    return cfg.vocab_size or _model_overrides(cfg).get("vocab_size") or PRESETS[cfg.preset]["vocab_size"]
+    return cfg.vocab_size or cfg.model.get("vocab_size") or PRESETS[cfg.preset]["vocab_size"]
 
 
 def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
@@ -258,16 +258,12 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
 
 # ---- model and run ---------------------------------------------------------------------------------
 
-def _model_overrides(cfg: PretrainConfig) -> dict:
-    return typed_overrides(ModelConfig, cfg.model)
-
-
 def model_config_for(cfg: PretrainConfig, vocab_size: int, tokenizer: Tokenizer | None = None) -> ModelConfig:
     """The preset with its overrides; the vocabulary fits the tokenizer (a larger one is kept).
     Special ids set by hand must be the tokenizer's where it has FrawdLLM's fixed specials
     (every tokenizer trained here: `tokenizer` None); another project's tokenizer gives its
     end-of-text token for the ids not set."""
-    overrides = _model_overrides(cfg)
+    overrides = cfg.model  # (its values typed by PretrainConfig)
     wanted = overrides.get("vocab_size")
     if wanted is not None and wanted < vocab_size:
         raise FrawdError(f"model vocab_size {wanted} is smaller than the tokenizer's {vocab_size}")
@@ -305,7 +301,7 @@ def init_model_config(cfg: PretrainConfig) -> tuple[ModelConfig, int]:
     require_kind(cfg.init_from, base, "decoder")
     checked_weights(cfg.init_from, base)  # a bad weights file is found now, not after tokenizing
     try:
-        wanted = base.replace(**_model_overrides(cfg))
+        wanted = base.replace(**cfg.model)
     except ConfigError as exc:
         raise FrawdError(f"--init-from {cfg.init_from}: {exc}") from None
     old, new = base.settings(), wanted.settings()
@@ -405,10 +401,10 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
         window = model_cfg.context_length
         if vocab is not None:
             at_most = " at most: BPE stops early on a small corpus" if tok is None and kind == "bpe" and \
-                "vocab_size" not in _model_overrides(cfg) else ""
+                "vocab_size" not in cfg.model else ""
             model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary "
                      f"{model_cfg.vocab_size:,}{at_most})")
-        elif "vocab_size" in _model_overrides(cfg):  # char, the vocabulary given
+        elif "vocab_size" in cfg.model:  # char, the vocabulary given
             model = (f"{cfg.preset}, {model_cfg.num_parameters:,} parameters (vocabulary {model_cfg.vocab_size:,}: "
                      f"the data's characters and {len(SPECIAL_TOKENS)} special tokens must fit in it)")
         else:  # char: the vocabulary is the data's characters, known once the tokenizer is trained

@@ -57,7 +57,7 @@ def _columns(terminal) -> int:
 class LogLines:
     """What the bar shows, as one whole line on stderr at the first step and then every
     `interval` seconds: a bar redrawn with carriage returns would fill a log with partial
-    lines (~10 a second). Takes the part of tqdm's interface that `_bar_update` uses."""
+    lines (~10 a second). Takes the part of tqdm's interface that `bar_update` uses."""
 
     def __init__(self, progress: float, interval: float) -> None:
         self.n, self.desc, self.interval = int(1000 * progress), "", interval

@@ -302,10 +302,7 @@ def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
         saved = load_config_file(run_dir / CONFIG_FILE)
     except FrawdError:
         return {}
-    now = cfg.to_dict()
-    effective = getattr(type(cfg), "effective", None)  # (defaults that depend on other settings, resolved)
-    if effective is not None:
-        now, saved = effective(now), effective(saved)
+    now, saved = cfg.effective(cfg.to_dict()), cfg.effective(saved)  # (defaults that depend on others, resolved)
     # (paths compared as resolved: written another way then, or given from elsewhere now, the same file)
     resolved_now, resolved_saved = absolute_paths(now), absolute_paths(saved)
     return {key: (saved[key], now[key]) for key in now
