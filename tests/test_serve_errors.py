@@ -501,8 +501,8 @@ def test_a_generation_that_fails_mid_stream_says_so_in_the_stream():
 
 def test_a_requests_own_sampling_values_win_over_the_models_file():
     """generation_config.json fills only what a request leaves out: an explicit `stop: []`
-    (no stop strings) and an explicit top_k keep their values; negative int64 seeds stay
-    distinct from positive ones."""
+    (no stop strings) and an explicit top_k keep their values; every int64 seed is a seed
+    of its own (negative ones distinct from every positive one)."""
     from frawdllm.serve.options import ServeOptions
     from frawdllm.serve.prompts import _params
     from frawdllm.serve.schemas import CompletionRequest
@@ -512,8 +512,9 @@ def test_a_requests_own_sampling_values_win_over_the_models_file():
     assert (left_out.stop, left_out.top_k, left_out.temperature) == (("\n",), 40, 0.5)
     given = _params(CompletionRequest(model="m", prompt="hi", stop=[], top_k=5, temperature=0.7), 8, options, file)
     assert (given.stop, given.top_k, given.temperature) == ((), 5, 0.7)
-    seeds = [_params(CompletionRequest(model="m", prompt="hi", seed=seed), 8, options).seed for seed in (-1, -5, 5)]
-    assert seeds == [2**63 - 1, 2**63 - 5, 5]
+    given = (-1, -5, 5, 2**63 - 1, -(2**63))  # (mod 2**63, -1 and 2**63 - 1 drew the same text)
+    seeds = [_params(CompletionRequest(model="m", prompt="hi", seed=seed), 8, options).seed for seed in given]
+    assert seeds == [2**64 - 1, 2**64 - 5, 5, 2**63 - 1, 2**63]
 
 
 def test_max_completion_tokens_wins_over_max_tokens_and_the_default_fits_the_context(server):

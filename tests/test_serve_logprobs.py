@@ -187,6 +187,26 @@ def test_text_offsets_after_a_prompt_that_ends_inside_a_character():
     assert choice["logprobs"]["text_offset"] == [0, 0, 0, 1, 1, 1]
 
 
+def test_an_echoed_prompts_special_tokens_are_text_of_the_echo():
+    """A token-id prompt's echo is its decoding, special tokens' names included, and its
+    offsets counted each special token as no text: [<|bos|>, "v", "e"] got [0, 0, 1]. A
+    text prompt's template BOS is not in its echo: it stays at 0, and the text starts there."""
+    from frawdllm.serve.replies import _prompt_scored
+
+    tok = byte_tokenizer()
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
+    h, e_head = tok.encode("hé")[:2]  # "h" and the first byte of "é": a character cut short
+    ids = [bos, h, e_head, eos, *tok.encode("x")]
+    text = tok.decode(ids)
+    assert text == "<|bos|>h\ufffd<|eos|>x"  # (the echo the server sends)
+    offsets = [start for _, _, start in _prompt_scored(tok, ids, [None] * len(ids))]
+    assert offsets == [0, 7, 8, 9, 16]
+    shown = [text[start:] for start in offsets]
+    assert shown[0].startswith("<|bos|>") and shown[3].startswith("<|eos|>") and shown[4] == "x"
+    hidden = [start for _, _, start in _prompt_scored(tok, [bos, *tok.encode("ab")], [None] * 3, hidden=1)]
+    assert hidden == [0, 0, 1]  # the echo is "ab"
+
+
 def test_a_live_server_reports_the_text_it_sends():
     """End to end: a stop string that spans tokens, streamed and not, completions and chat:
     the reported tokens join to the text sent."""
@@ -221,3 +241,13 @@ def test_a_live_server_reports_the_text_it_sends():
         assert scored["usage"]["prompt_tokens"] == len(tok.encode("the cat"))
         after = (metric("frawd_prompt_tokens_total"), metric("frawd_request_seconds_count"))
         assert after == (before[0] + len(tok.encode("the cat")), before[1] + 1)
+        # an echoed token-id prompt holding special tokens: each offset points at its token's text
+        ids = [tok.token_to_id("<|bos|>"), *tok.encode("the"), tok.token_to_id("<|user|>"), *tok.encode("c")]
+        for max_tokens in (0, 3):
+            body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "echo": True, "logprobs": 0,
+                    "temperature": 0}
+            choice = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+            logprobs = choice["logprobs"]
+            assert choice["text"].startswith("<|bos|>the<|user|>c") and len(logprobs["tokens"]) == 6 + max_tokens
+            for token, start in zip(logprobs["tokens"], logprobs["text_offset"]):
+                assert choice["text"][start:].startswith(token), (token, start, choice["text"])

@@ -316,16 +316,18 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
         prompts = _prompts(body.prompt, min(options.max_batch, options.max_queue))
         # tokenized on a worker thread, as chat's: 32 prompts of a megabyte's reach took the event
         # loop, and every stream and /health, for over a second
-        encoded, echoes = await asyncio.to_thread(_encode_prompts, prompts, body, engine, max_new)
+        encoded, echoes, hidden = await asyncio.to_thread(_encode_prompts, prompts, body, engine, max_new)
         if max_new == 0:  # score the prompts, generate nothing
-            return await _score(request, body, engine, encoded, echoes)
+            return await _score(request, body, engine, encoded, echoes, hidden)
         params = _params(body, max_new, options, defaults[body.model])
-        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None)
+        return await _answer(request, scheduler, body, encoded, params, chat=False, echoes=echoes or None,
+                             hidden=hidden)
 
     def _encode_prompts(prompts: list, body: CompletionRequest, engine: Engine, max_new: int
-                        ) -> tuple[list[list[int]], list[str]]:
-        """Each prompt's ids as the engine takes them (cut by "truncate"), and its echo."""
-        encoded, echoes = [], []
+                        ) -> tuple[list[list[int]], list[str], list[int]]:
+        """Each prompt's ids as the engine takes them (cut by "truncate"), its echo, and how
+        many of its first ids the echo does not show (a text's template BOS)."""
+        encoded, echoes, hidden = [], [], []
         for i, prompt in enumerate(prompts):
             what = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
             # the BOS a text's tokenizer template adds (an imported Llama's), kept first; a
@@ -357,7 +359,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
             if body.echo:  # the prompt as sent (token ids: decoded); cut by "truncate", the part the model got
                 whole = isinstance(prompt, str) and not dropped
                 echoes.append(prompt if whole else engine.tokenizer.decode(echo))
-        return encoded, echoes
+                hidden.append(max(0, len(encoded[-1]) - len(echo)))  # (an empty prompt's <|eos|> too)
+        return encoded, echoes, hidden
 
     def _open() -> None:
         """Count a request as open (`finish` or `_close` ends it), or a 429 at the limit."""
@@ -370,7 +373,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
         state["in_flight"] -= 1
 
     async def _score(request: Request, body: CompletionRequest, engine: Engine, encoded: list[list[int]],
-                     echoes: list[str]) -> Response:
+                     echoes: list[str], hidden: list[int]) -> Response:
         """`max_tokens: 0` with `echo`: each prompt back with its tokens' logprobs (if asked),
         as scoring clients ask (no generation: nothing joins the batch)."""
         if not body.echo or body.stream:
@@ -386,7 +389,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
             choices = []
             for i, ids in enumerate(encoded):
                 logprobs = None if scored is None else \
-                    _completion_logprobs(engine.tokenizer, _prompt_scored(engine.tokenizer, ids, scored[i]))
+                    _completion_logprobs(engine.tokenizer, _prompt_scored(engine.tokenizer, ids, scored[i], hidden[i]))
                 choices += [{"index": i * body.n + j, "text": echoes[i], "logprobs": logprobs,
                              "finish_reason": "length"} for j in range(body.n)]
             return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
@@ -409,7 +412,8 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
             metrics.latency.labels(body.model).observe(time.perf_counter() - started)
 
     async def _answer(request: Request, scheduler: Scheduler, body: Any, prompts: list[list[int]],
-                      params: SamplingParams, chat: bool, echoes: list[str] | None = None):
+                      params: SamplingParams, chat: bool, echoes: list[str] | None = None,
+                      hidden: list[int] | None = None):
         """Submit each prompt (one job each) and answer with all their completions; with echo
         and logprobs, the prompts are scored first."""
         prompt_tokens = sum(len(ids) for ids in prompts)
@@ -426,7 +430,7 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
         try:
             if echoes and params.logprobs is not None:  # the prompts' own logprobs, reported first
                 scored = await scorers[body.model].score(request, prompts, params.logprobs)
-                prompt_logprobs = list(zip(prompts, scored))
+                prompt_logprobs = list(zip(prompts, scored, hidden or [0] * len(prompts)))
             for i, ids in enumerate(prompts):  # prompt i's completions are choices i * n ... i * n + n - 1
                 jobs.append(scheduler.submit(ids, params, _shifted(delivery.listener(chunks), i * params.num_samples)))
         except BaseException as error:

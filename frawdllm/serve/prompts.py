@@ -153,7 +153,7 @@ def _params(body: Any, max_new: int, options: ServeOptions, defaults: dict[str, 
         _check_text(text, "stop" if isinstance(body.stop, str) else f"stop[{i}]", param="stop")
     if body.stop is None:  # the model's own (checked when the server started; the cap is the requests')
         stop = list(defaults.get("stop", ()))
-    seed = None if body.seed is None else body.seed % 2**63  # OpenAI's seeds are any int64 (-1 included)
+    seed = None if body.seed is None else body.seed % 2**64  # OpenAI's seeds are any int64 (-1 included): one each
     if isinstance(body, CompletionRequest):  # a count (0: the sampled token's alone)
         logprobs = body.logprobs
     else:  # a switch, and a count beside it

@@ -32,12 +32,14 @@ class _TextOffsets:
     """Where each token of a stream starts in its decoded text, in characters (what
     `text_offset` counts): its bytes run through one incremental UTF-8 decoder, so a token
     that ends or starts inside a character ("é" as two byte-level tokens) does not count
-    a U+FFFD of its own. A special token is no text (decoding skips it). `context`: the
-    prompt's ids; where they end inside a character, the reply's text (`TextStream`) starts
-    after it, and so do the offsets."""
+    a U+FFFD of its own. A special token is no text (a reply's decoding skips it), or, with
+    `specials_shown` (an echoed prompt's decoding), its name, which ends a character cut
+    short. `context`: the prompt's ids; where they end inside a character, the reply's text
+    (`TextStream`) starts after it, and so do the offsets."""
 
-    def __init__(self, tokenizer: Any, start: int = 0, context: Sequence[int] = ()) -> None:
-        self.tokenizer, self.chars = tokenizer, start
+    def __init__(self, tokenizer: Any, start: int = 0, context: Sequence[int] = (),
+                 specials_shown: bool = False) -> None:
+        self.tokenizer, self.chars, self.specials_shown = tokenizer, start, specials_shown
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         tail = open_character_tail(tokenizer, context)
         self._decoder.decode(b"".join(tokenizer.token_bytes(t) for t in tail if t not in tokenizer.special_ids))
@@ -51,14 +53,23 @@ class _TextOffsets:
             if self._prompt_char and text:
                 text, self._prompt_char = text[1:], False
             self.chars += len(text)
+        elif self.specials_shown:
+            self.chars += len(self._decoder.decode(b"", final=True))  # a character cut short: U+FFFD
+            self._decoder.reset()
+            start = self.chars
+            self.chars += len(self.tokenizer.token_bytes(token).decode("utf-8", errors="replace"))
         return start, self.chars
 
 
-def _prompt_scored(tokenizer: Any, ids: list[int], logprobs: list[TokenLogprob | None]
+def _prompt_scored(tokenizer: Any, ids: list[int], logprobs: list[TokenLogprob | None], hidden: int = 0
                    ) -> list[tuple[int, TokenLogprob | None, int]]:
-    """An echoed prompt's (token, logprob, where its text starts) triples."""
-    offsets = _TextOffsets(tokenizer)
-    return [(token, entry, offsets.span(token)[0]) for token, entry in zip(ids, logprobs)]
+    """An echoed prompt's (token, logprob, where its text starts) triples. The echo of
+    token ids is their decoding, special tokens' names included, so a special token counts
+    its name's characters here; `hidden`: the leading ids the echo does not show (the BOS a
+    text prompt's template adds), each at 0."""
+    offsets = _TextOffsets(tokenizer, specials_shown=True)
+    return [(token, entry, 0 if i < hidden else offsets.span(token)[0])
+            for i, (token, entry) in enumerate(zip(ids, logprobs))]
 
 
 def _completion_token(tokenizer: Any, token: int) -> str:
@@ -110,7 +121,7 @@ class _Reply:
 
     def __init__(self, body: Any, jobs: list[Job], chunks: asyncio.Queue, chat: bool, prompt_tokens: int,
                  created: int, echoes: list[str], tokenizer: Any = None,
-                 prompt_logprobs: list[tuple[list[int], list[TokenLogprob | None]]] | None = None) -> None:
+                 prompt_logprobs: list[tuple[list[int], list[TokenLogprob | None], int]] | None = None) -> None:
         self.body, self.jobs, self.chunks, self.chat = body, jobs, chunks, chat
         self.prompt_tokens, self.created = prompt_tokens, created
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -224,8 +235,8 @@ class _Reply:
         scored = [(entry.token, entry, start) for entry, start in zip(entries, starts)]
         if not self._prompt_sent[index]:  # echo: the prompt's tokens first (the first has no logprob)
             self._prompt_sent[index] = True
-            ids, prompt = self.prompt_logprobs[index // self.n]
-            scored = _prompt_scored(self.tokenizer, ids, prompt) + scored
+            ids, prompt, hidden = self.prompt_logprobs[index // self.n]
+            scored = _prompt_scored(self.tokenizer, ids, prompt, hidden) + scored
         return _completion_logprobs(self.tokenizer, scored)
 
     def _token_choices(self, index: int, text: str) -> str:
