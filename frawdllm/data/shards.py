@@ -728,10 +728,10 @@ def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals
     train.file.seek(0, os.SEEK_END)
     train.n_tokens = keep
     unk = tok.unknown_id()
-    if tok.kind == "char" and unk is not None and np.any(tail == unk):  # (its bytes are gone from the tokens)
-        moved = totals["bytes"][0] - _head_text_bytes(source(), keep)
-    else:
-        moved = _text_bytes(tail, tok)
+    if tok._byte_level or (tok.kind == "char" and not (unk is not None and np.any(tail == unk))):
+        moved = _text_bytes(tail, tok)  # (each token's bytes are exactly its text's)
+    else:  # <|unk|> hides its character; a SentencePiece "▁the" or a word-level "the" its space
+        moved = totals["bytes"][0] - _head_text_bytes(source(), keep, tok)
     totals["bytes"][0] -= moved
     totals["bytes"][1] += moved
     ends = int(np.count_nonzero(tail == tok.document_end_id()))
@@ -739,16 +739,25 @@ def _move_tail(train: ShardWriter, val: ShardWriter, val_fraction: float, totals
     totals["docs"][1] += ends
 
 
-def _head_text_bytes(documents: Iterable[str], keep: int) -> int:
-    """UTF-8 bytes of the text of a char tokenizer's first `keep` tokens, read from the
-    documents (all on the train side): one token per character, then the document's end.
-    (`_move_tail` needs it when its tail holds <|unk|>: which character of 1 to 4 bytes an
-    <|unk|> stood for, the tokens no longer say.)"""
+def _head_text_bytes(documents: Iterable[str], keep: int, tok: Tokenizer) -> int:
+    """UTF-8 bytes of the source text of the first `keep` tokens, read from the documents
+    (all on the train side; each is its tokens, then its end). `_move_tail` needs it where a
+    token's own bytes are not its text's: an <|unk|> (which character of 1 to 4 bytes it
+    stood for, the tokens no longer say), a SentencePiece-style "▁the" (decoded alone, its
+    space is gone), a word-level token (no spaces at all). A char tokenizer's tokens are
+    its characters; any other's are found by encoding each document again, whole, as
+    `prepare_shards` did (`_piece_splitter` cuts only char, byte and byte-level BPE
+    documents), and a document cut by the split counts its text up to the end of its last
+    train token (the tokenizer's offsets: a space between two words goes with the next)."""
     done = head = 0  # tokens and bytes of the documents before this one
     for doc in documents:
-        if done + len(doc) + 1 > keep:
-            return head + len(doc[:keep - done].encode())
-        done, head = done + len(doc) + 1, head + len(doc.encode())
+        encoding = None if tok.kind == "char" else tok._plain.encode(doc, add_special_tokens=False)
+        n = len(doc) if encoding is None else len(encoding.ids)
+        if done + n + 1 > keep:
+            cut = keep - done  # this document's tokens on the train side (all but its end, at most)
+            chars = cut if encoding is None else len(doc) if cut == n else encoding.offsets[cut - 1][1] if cut else 0
+            return head + len(doc[:chars].encode())
+        done, head = done + n + 1, head + len(doc.encode())
     return head
 
 
