@@ -159,7 +159,9 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for: a byte-level BPE token's bytes (possibly part of a
-        character), a char token's UTF-8, a special token's own text; b"" past the vocabulary.
+        character), a char token's UTF-8, a special token's own text, a byte-fallback token's
+        byte ("<0xE6>"), another token's text as it reads after a token (a SentencePiece-style
+        "▁the" is " the"); b"" past the vocabulary.
         An id that is not a non-negative integer is one line, as in `decode`.
         (For logprobs: a token's text alone may be half a character.)"""
         try:
@@ -174,7 +176,27 @@ class Tokenizer:
             return bytes(_BYTE_OF_CHAR[ch] for ch in token)
         if self.kind == "char" or token_id in self.special_ids:
             return token.encode()
-        return self.backend.decode([token_id], skip_special_tokens=False).encode()  # (e.g. SentencePiece-style)
+        if token_id in self.fallback_byte_ids:  # "<0xE6>": the byte (alone it decodes to U+FFFD)
+            return bytes([int(token[3:5], 16)])
+        # SentencePiece-style: decoded alone, "▁the" loses its space (a text's first token
+        # does); after another token it keeps it
+        anchor = self._anchor_id
+        if anchor is not None:
+            before = self.backend.decode([anchor], skip_special_tokens=False)
+            both = self.backend.decode([anchor, token_id], skip_special_tokens=False)
+            if both.startswith(before):
+                return both[len(before):].encode()
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _anchor_id(self) -> int | None:
+        """A plain token that `token_bytes` decodes a token after (the first of the vocabulary
+        that decodes to some text alone), or None."""
+        skip = self.special_ids | self.fallback_byte_ids
+        for token_id in range(min(self.vocab_size, 1024)):
+            if token_id not in skip and self.backend.decode([token_id], skip_special_tokens=False):
+                return token_id
+        return None
 
     @functools.cached_property
     def _setup(self) -> dict:

@@ -155,6 +155,62 @@ def test_a_byte_fallback_group_is_held_until_it_closes(sentencepiece_tok):
     assert sum(1 for c in chunks if c) > 2  # (plain pieces still stream as they come)
 
 
+@pytest.fixture(scope="module", params=["llama", "metaspace"])
+def word_pieces_tok(request):
+    """SentencePiece-style tokenizers whose pieces never span a space, as Llama-2's (its
+    decoder strips the text's first space) and `tokenizers`' own Metaspace decoder."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from frawdllm.tokenizer import Tokenizer
+
+    spm = Backend(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    if request.param == "llama":
+        spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        spm.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spm.train_from_iterator(["all alpha along the lines of al and la"] * 20,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"]))
+    setup = json.loads(spm.to_str())
+    vocab = setup["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return Tokenizer(Backend.from_str(json.dumps(setup)))
+
+
+def test_a_sentencepiece_reply_keeps_the_space_before_its_first_word(word_pieces_tok):
+    """Its decoder drops the space a text's first token starts with ("\u2581alpha" alone is
+    "alpha"), and the stream decoded the reply alone: prompt "all" + reply "alpha" read
+    "allalpha" where transformers (prompt and reply decoded together) reads "all alpha".
+    A reply after the prompt's start of text (only <s>) still starts with its word."""
+    from frawdllm.infer.textstream import text_after
+
+    tok = word_pieces_tok
+    ids = tok.encode("all alpha along the lines")
+    assert len(ids) == 5  # (a piece a word)
+    for cut in range(1, len(ids)):
+        prompt, reply = ids[:cut], ids[cut:]
+        want = tok.decode(ids)[len(tok.decode(prompt)):]  # (independent: the whole decode)
+        assert "".join(push_all(TextStream(tok, (), prompt), reply)) == want, cut
+        assert text_after(tok, prompt, reply) == want
+    bos = tok.backend.token_to_id("<s>")
+    assert "".join(push_all(TextStream(tok, (), [bos]), ids)) == text_after(tok, [bos], ids) == "all alpha along the lines"
+
+
+def test_a_sentencepiece_tokens_bytes_are_its_text_after_another(word_pieces_tok):
+    """Logprobs name a token by `token_bytes`: a "\u2581" token's space was lost (decoded
+    alone), so a reply's tokens did not join to its text; a byte token was U+FFFD."""
+    tok = word_pieces_tok
+    ids = tok.encode("all alpha along the lines")
+    assert b"".join(tok.token_bytes(i) for i in ids[1:]).decode() == tok.decode(ids)[len(tok.decode(ids[:1])):]
+    assert tok.token_bytes(ids[1]).startswith(b" ")
+    if tok.fallback_byte_ids:  # (llama's decoder has ByteFallback)
+        assert tok.token_bytes(tok.backend.token_to_id("<0xE6>")) == b"\xe6"
+        assert tok.token_bytes(tok.backend.token_to_id("<0x0A>")) == b"\n"
+
+
 def test_only_a_byte_fallback_tokenizer_has_fallback_bytes(byte_tok):
     assert byte_tok.fallback_byte_ids == frozenset()
     assert train_tokenizer(["abc"], kind="char").fallback_byte_ids == frozenset()

@@ -14,6 +14,9 @@ Three things make streaming text harder than decoding at the end:
   group closes (at most HOLD_LIMIT ids), so what was shown never changes afterwards.
 - A prompt given as token ids can end inside a character: its last ids are read first
   (`context`), so the token that completes the character adds no U+FFFD of its own.
+  Otherwise its last id is read first all the same: a SentencePiece-style decoder drops
+  the space that a text's first token starts with ("▁Hello" alone is "Hello"), which
+  would glue a reply's first word to the prompt.
 - A stop string can span several tokens ("\\n\\nUser:" = "\\n", "\\n", "User", ":"). Text
   that could be the start of a stop string is held back until it either becomes the stop
   string (the stream ends there and the stop string is never emitted) or cannot any more.
@@ -47,7 +50,7 @@ class TextStream:
         self._prefix = 0  # ids[_prefix:_read] were decoded already, as _read_text
         self._read = 0
         self._read_text = ""
-        tail = open_character_tail(tokenizer, context)
+        tail = lead_in(tokenizer, context)
         if tail:
             self.ids, self._read, self._read_text = tail, len(tail), self._decode(tail)
         self._pending = ""  # decoded, not yet emitted (a partial stop string maybe)
@@ -115,11 +118,22 @@ def open_character_tail(tokenizer: Any, ids: Sequence[int]) -> list[int]:
     return tail if tail and tokenizer.decode(tail, skip_special_tokens=True).endswith(REPLACEMENT_CHAR) else []
 
 
+def lead_in(tokenizer: Any, context: Sequence[int]) -> list[int]:
+    """The ids of `context` a stream after it decodes first (their text is cut off): the
+    open character's (`open_character_tail`), else the last id, so that a SentencePiece-style
+    reply's first word keeps its space ("all" + " alpha", not "allalpha"). Not a byte token
+    of a byte-fallback group, whose decoding would then change with the reply's bytes."""
+    tail = open_character_tail(tokenizer, context)
+    if tail or not context or context[-1] in getattr(tokenizer, "fallback_byte_ids", ()):
+        return tail
+    return [context[-1]]
+
+
 def text_after(tokenizer: Any, context: Sequence[int], ids: Sequence[int]) -> str:
     """The text of `ids` after the prompt `context`, decoded at once: what a `TextStream`
-    with that context shows in all (a prompt that ends inside a character: its last ids
-    are decoded with `ids`, and their text cut off)."""
-    tail = open_character_tail(tokenizer, context)
+    with that context shows in all (the prompt's `lead_in` is decoded with `ids`, and its
+    text cut off)."""
+    tail = lead_in(tokenizer, context)
     text = tokenizer.decode(tail + list(ids), skip_special_tokens=True)
     return text[len(tokenizer.decode(tail, skip_special_tokens=True)):] if tail else text
 
