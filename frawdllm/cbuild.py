@@ -34,6 +34,7 @@ import platform
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import FrawdError
-from .io import read_json_object, write_json_atomic
+from .io import current_umask, read_json_object, write_json_atomic
 
 CFLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
@@ -186,7 +187,14 @@ def build(source: Path, what: str = "") -> Path:
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}_{key}.so"
     if target.exists():
-        return target
+        damage = _damage(target)
+        if damage is None:
+            return target
+        print(f"the cached {target} is damaged ({damage}); removing it", file=sys.stderr, flush=True)
+        try:
+            target.unlink()
+        except OSError:  # (a read-only cache: built for this process below)
+            pass
     when = "once"
     try:  # the folder first: a compile announced must have somewhere to go
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -201,11 +209,43 @@ def build(source: Path, what: str = "") -> Path:
         result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed: {_compiler_error(result.stderr)}")
+        os.chmod(tmp, 0o777 & ~current_umask())  # (mkstemp's 0600, +x: unreadable to a shared cache's group)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _damage(library: Path) -> str | None:
+    """Why a cached library cannot be loaded as it is, or None. A file cut short (a full disk,
+    a copy that stopped) can keep a valid ELF header: loading maps segments past its end,
+    and the first touch of one kills the process with SIGBUS, which no exception catches.
+    So an ELF file must hold every segment and section table its header names. (Other
+    formats, a Mach-O on macOS, are left to the loader.)"""
+    if sys.platform == "darwin":
+        return None
+    try:
+        size = library.stat().st_size
+        with open(library, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF":
+                return "not an ELF library"
+            if head[4] != 2 or head[5] != 1:  # (64-bit, little-endian: what this package builds)
+                return None
+            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+            if shoff + shnum * shentsize > size or phoff + phnum * phentsize > size:
+                return f"cut short at {size:,} bytes"
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+    except OSError as e:
+        return e.strerror or str(e)
+    for i in range(phnum):  # each segment: p_offset at 0x08, p_filesz at 0x20
+        (offset,), (filesz,) = (struct.unpack_from("<Q", table, i * phentsize + at) for at in (0x08, 0x20))
+        if offset + filesz > size:
+            return f"cut short at {size:,} bytes"
+    return None
 
 
 F = TypeVar("F", bound=Callable[..., object])

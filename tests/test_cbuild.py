@@ -2,6 +2,11 @@
 (tests/test_startup.py checks the import it saves), and the user cache's JSON files."""
 
 import ctypes
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,9 +78,6 @@ def test_a_build_is_a_working_library_named_by_everything_that_makes_it(tmp_path
     compiler's version and the CPU: a change in any of them builds anew (a stale library
     loaded instead, built for another CPU or from other code, could be wrong or crash). The
     compile goes to a temporary file renamed over the target: the library is whole."""
-    import os
-    import stat
-
     from frawdllm import cbuild
 
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path / "cache"))
@@ -104,3 +106,34 @@ def test_a_build_is_a_working_library_named_by_everything_that_makes_it(tmp_path
     monkeypatch.setenv("CC", str(wrapper))
     names.add(cbuild.build(source).name)
     assert len(names) == 5, names
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="ELF libraries only")
+def test_a_damaged_cached_library_is_built_again_and_the_build_follows_the_umask(tmp_path):
+    """A library cut short (a full disk, a copy that stopped) kept its ELF header: loading
+    it mapped segments past its end and the process died of SIGBUS, every run; a file that
+    was not a library at all left every later run on PyTorch. And a build was 0711 (mkstemp's
+    0600 plus gcc's x bits) whatever the umask, so a group sharing the cache could not load it.
+    (In child processes: the unfixed load kills its process.)"""
+    source = tmp_path / "lib.c"
+    source.write_text("int frawd_k(void) { return 3; }\n")
+    load = ("import ctypes, sys; from pathlib import Path; from frawdllm import cbuild; "
+            "p = cbuild.build(Path(sys.argv[1])); print(p); print(ctypes.CDLL(str(p)).frawd_k())")
+    env = {**os.environ, "FRAWD_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", load, str(source)], capture_output=True, text=True, env=env,
+                              preexec_fn=lambda: os.umask(0o002), timeout=120)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        path, value = done.stdout.split()
+        return Path(path), value, done.stderr
+
+    library, value, _ = run()
+    assert value == "3" and stat.S_IMODE(library.stat().st_mode) == 0o775
+    size = library.stat().st_size
+    for damage, says in ((lambda: os.truncate(library, 1000), "cut short at 1,000 bytes"),
+                         (lambda: library.write_bytes(b"not a library"), "not an ELF library")):
+        damage()
+        again, value, err = run()
+        assert again == library and value == "3" and library.stat().st_size == size
+        assert f"the cached {library} is damaged ({says}); removing it" in err, err

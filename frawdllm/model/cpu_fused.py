@@ -38,7 +38,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = argtypes
 
 
-LIBRARY = CLibrary(Path(__file__).with_name("cpu_fused.c"), "the fused CPU training kernels", _declare)
+LIBRARY = CLibrary(Path(__file__).with_name("cpu_fused.c"), "the library of fused CPU training kernels", _declare)
 
 
 @constant_under_compile  # decided once, outside any compiled graph
