@@ -190,6 +190,14 @@ def test_a_bad_value_is_named_as_the_user_gave_it_the_flag_or_the_file(tmp_path)
         build_config(PretrainConfig, config)
     with pytest.raises(ConfigError, match=r"^max_time: cannot read"):  # (the Python API: the field's name)
         PretrainConfig(max_time="abc")
+    # a message that names two fields: the layer that set either, highest first (`--set n_head=3`
+    # against a file's n_embd was blamed on the file)
+    config.write_text("preset: tiny\nmodel:\n  n_embd: 128\n")
+    with pytest.raises(ConfigError, match=r"^n_embd \(128\) must be divisible by n_head \(3\)$"):
+        build_config(PretrainConfig, config, {}, {"n_head": 3})
+    config.write_text("preset: tiny\nmodel:\n  n_head: 3\n")
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: n_embd \(256\) must be divisible by n_head \(3\)$"):
+        build_config(PretrainConfig, config)
 
 
 def test_swiglu_hidden_defaults_to_eight_thirds_rounded():

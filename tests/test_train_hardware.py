@@ -81,6 +81,25 @@ def test_capping_pytorch_hides_what_the_cap_excludes(monkeypatch, env, kept, hid
         device.cpu_features.cache_clear()
 
 
+def test_the_hardware_report_says_an_asked_for_dtype_is_emulated(private_user_cache, monkeypatch):
+    """`--dtype bf16 --dry-run` on an AVX2 CPU said "bf16 (asked for)"; only the run itself
+    then warned that bf16 is emulated there (about 100x slower than fp32)."""
+    monkeypatch.setattr(device, "measure_matmul_flops", lambda *args, **kwargs: 5e10)
+    monkeypatch.setattr(device, "_cpuinfo_flags", lambda: AVX2_ONLY)
+    device.cpu_features.cache_clear()
+    try:
+        line = next(x for x in device.hardware_report("cpu", "bf16", "false") if x.startswith("dtype:"))
+        assert line.endswith("bf16 (asked for; emulated on this CPU (no native bf16 matmuls): far slower than fp32)")
+        line = next(x for x in device.hardware_report("cpu", "fp32", "false") if x.startswith("dtype:"))
+        assert line.endswith("fp32 (asked for)")
+        monkeypatch.setattr(device, "_cpuinfo_flags", lambda: AVX512_BF16)
+        device.cpu_features.cache_clear()
+        line = next(x for x in device.hardware_report("cpu", "bf16", "false") if x.startswith("dtype:"))
+        assert line.endswith("bf16 (asked for)")
+    finally:
+        device.cpu_features.cache_clear()
+
+
 def test_the_measured_peak_counts_two_flops_per_multiply_add(monkeypatch):
     """A (size x size) @ (size x size) product is 2 size^3 FLOPs; the peak is that over the
     fastest product's time (here each takes 0.25 s of a fake clock)."""

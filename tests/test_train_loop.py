@@ -371,6 +371,7 @@ def test_a_run_over_its_budget_says_where_the_time_went(tmp_path, monkeypatch, r
 
     clock = FakeTime()
     monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "_load_average", lambda: 0.5)  # a quiet machine
     task = TimedTask(clock, step_s=0.1, eval_s=10.0, save_s=0.2)
     cfg = generic_config(tmp_path, max_steps=None, max_time="5s", eval_interval=0)
     with pytest.warns(UserWarning, match=r"^the run took 20\.\d s of --max-time 5 s: start-up 0\.0 s, evaluations and "
@@ -391,11 +392,50 @@ def test_a_step_longer_than_the_budget_left_is_named_in_the_warning(tmp_path, mo
 
     clock = FakeTime()
     monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "_load_average", lambda: 0.5)  # a quiet machine
     task = TimedTask(clock, step_s=12.0, eval_s=0.5, save_s=0.1)
     cfg = generic_config(tmp_path, max_steps=None, max_time="10s", eval_interval=0)
     with pytest.warns(UserWarning, match=r"1 training step 12\.\d s \(a step outlasts what the budget left: a "
                                          r"smaller --batch-size or model fits\)$"):
         assert Trainer(torch.nn.Linear(4, 1), task, cfg).fit().steps == 1
+
+
+def test_an_overrun_by_a_compile_warm_up_or_a_busy_machine_says_so(tmp_path, monkeypatch):
+    """A 129 s compiled first step in a 30 s budget was "a step outlasts what the budget left:
+    a smaller --batch-size or model fits", which does not help: it was torch.compile's
+    warm-up. And a run slowed by other processes (load 4.5 on 2 cores) got advice about
+    batches, not the threads docs/training.md "A busy core" names."""
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(loop, "_load_average", lambda: torch.get_num_threads() + 2.5)
+    task = TimedTask(clock, step_s=12.0, eval_s=0.5, save_s=0.1)
+    trainer = Trainer(torch.nn.Linear(4, 1), task, generic_config(tmp_path, max_steps=None, max_time="10s",
+                                                                 eval_interval=0))
+    trainer._warmup_s = 11.5  # (as a compiled first step records it)
+    with pytest.warns(UserWarning) as caught:
+        assert trainer.fit().steps == 1
+    message = next(str(w.message) for w in caught if "the run took" in str(w.message))
+    assert "(torch.compile's warm-up took 11.5 s of the first step" in message, message
+    assert "smaller --batch-size" not in message
+    assert message.endswith(f"; the machine was busy (load average {torch.get_num_threads() + 2.5:.1f}, "
+                            f"{torch.get_num_threads()} torch threads here), which slows every step: on a shared "
+                            "machine start with OMP_NUM_THREADS=1"), message
+
+
+def test_a_signal_during_the_first_evaluation_stops_before_any_step(tmp_path):
+    """SIGTERM during the evaluation before step 1 (a long one: 16 s there) still trained a
+    step, which can take as long again, before the run stopped."""
+    class SignalledDuringEvaluation(ScriptedTask):
+        def evaluate(self, model, device):
+            trainer.request_stop("interrupted")  # what the signal handler does
+            return {"val_loss": 1.0}
+
+    cfg = generic_config(tmp_path, max_steps=5, eval_interval=2)
+    trainer = Trainer(torch.nn.Linear(4, 1), SignalledDuringEvaluation(nan_steps=()), cfg)
+    result = trainer.fit()
+    assert (result.stop_reason, result.steps) == ("interrupted", 0)
 
 
 class BurstDuringOneEvaluationTask(TimedTask):

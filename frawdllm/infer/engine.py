@@ -53,6 +53,7 @@ cache and run state, and the native forward serves one call at a time.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import types
@@ -71,7 +72,7 @@ from ..config import Seq2SeqConfig, is_integer
 from ..errors import FrawdError
 from ..model.gpt import eval_mode, is_id_tensor
 from ..tokenizer import Tokenizer
-from ..train.compile import quiet_inductor
+from ..train.compile import quiet_inductor, use_persistent_cache
 from . import native as native_forward
 from . import paths
 from .cache import KVCache, RowKVCache
@@ -188,6 +189,8 @@ class Engine:
         self._plan_lock = threading.Lock()
         if compile:
             quiet_inductor()
+            use_persistent_cache()  # (training's: a later run reuses the kernels, $FRAWD_CACHE_DIR holds them)
+        self._warmed_shapes: set[tuple[int, int]] = set()  # compiled decode steps' (rows, cache slots)
         # the compiled decode step (the "compiled" path, which only a compile=True engine plans)
         self._decode = (torch.compile(_own_decode_step(), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
                         if compile else None)
@@ -654,6 +657,11 @@ class _Run:
         else:
             # Freezing is read while dynamo traces (weights become constants of the graph),
             # so it is set around the call rather than passed in torch.compile's options.
+            shape = (len(self.rows), self.cache.max_len)
+            if shape not in self.engine._warmed_shapes:  # (a new shape compiles: seconds to minutes, said)
+                self.engine._warmed_shapes.add(shape)
+                print(f"torch.compile warm-up of the decode step ({shape[0]} row{'s' * (shape[0] != 1)}, "
+                      f"{shape[1]} cache slots)...", file=sys.stderr, flush=True)
             with torch._inductor.config.patch(freezing=True), eval_mode(self.model):
                 logits = self.engine._decode(self.model, tokens, self.positions, self.cache)
             self.warm = True

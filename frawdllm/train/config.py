@@ -430,13 +430,16 @@ def _leading_field(message: str) -> str | None:
 
 
 def _source_of(message: str, layers: tuple) -> str | None:
-    """The file whose value a config error's message names (it starts with the field's name):
-    of `layers` ((fields, model fields, file), highest first), the first that sets it."""
+    """The file whose value a config error's message names (it starts with the field's name,
+    and may name others with their values: "n_embd (128) must be divisible by n_head (3)"):
+    of `layers` ((fields, model fields, file), highest first), the first that sets one of
+    them; None where that is the command line (the --set n_head=3 that broke a file's n_embd)."""
     field = _leading_field(message)
     if field is None:
         return None
+    named = {field, *re.findall(r"\b([a-z_][a-z0-9_]*) \(", message)}
     for values, model, source in layers:
-        if field in values or (isinstance(model, dict) and field in model):
+        if any(name in values or (isinstance(model, dict) and name in model) for name in named):
             return None if source is None else str(source)
     return None
 

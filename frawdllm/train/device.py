@@ -357,6 +357,8 @@ def hardware_report(device_name: str = "auto", dtype: str = "auto", compile_sett
     if dtype == "auto" and device.type == "cpu" and cpu_has_bf16() and compile_setting != "true":
         why += "; the first steps time bf16 and fp32 and keep the faster" + (
             "" if compile_setting == "false" or blocker is not None else " (compiled or not)")
+    if device.type == "cpu" and matmul_dtype(chosen, device) != chosen:  # (as training warns)
+        why += f"; emulated on this CPU (no native {chosen} matmuls): far slower than fp32"
     lines.append(f"dtype:         {chosen} ({why})")
     if compile_setting == "false":
         decision = "off (compile: false)"

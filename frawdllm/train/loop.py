@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import numbers
+import os
 import signal
 import statistics
 import sys
@@ -381,7 +382,7 @@ class Trainer:
         self._peaks: dict[str, float | None] = {}
         if task.flops_per_token and self.peak_flops is None:  # measured (once per machine) before any
             for d in (self.plan.dtypes if self.plan else [self.dtype]):  # RNG state is restored
-                self._peaks[d] = peak_flops(self.device, d, say=self._say if cfg.progress else None)
+                self._peaks[d] = peak_flops(self.device, d, say=self._say)
             self.peak_flops = self._peaks.get(self.dtype)
         if self.plan is not None:
             self.plan.peaks = self._peaks
@@ -416,11 +417,17 @@ class Trainer:
             warnings.warn(message, stacklevel=3)
 
     def _say(self, message: str) -> None:
-        """A one-line message on stderr (above the progress bar, if one is shown)."""
+        """A one-line message on stderr (above the progress bar, if one is shown), on rank 0.
+        Also without the bar: `--no-progress` is for logs, and a log should say what the
+        next silent minute is (a compile's warm-up, a peak measured)."""
+        if not self.dist.is_main:
+            return
         if self.cfg.progress:
             from tqdm import tqdm
 
             tqdm.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     def _plan_compile(self, cfg: TrainConfig) -> None:
         """Compile now, never, or after timing the first steps (`AutoPlan`)."""
@@ -592,12 +599,20 @@ class Trainer:
         steps = self.step - self._session_step
         training = time.perf_counter() - self._fit_start - self._evaluating_s
         earlier = f"earlier sessions {self.elapsed_before:.1f} s, " if self.elapsed_before else ""
+        why = ""
+        if self._warmup_s is not None and self._warmup_s > 0.1 * cfg.max_time_s:
+            why = (f" (torch.compile's warm-up took {self._warmup_s:.1f} s of the first step: a budget this short "
+                   "trains more without compile; compile: auto decides by the budget)")
+        elif steps == 1 and training > 0.1 * cfg.max_time_s:
+            why = " (a step outlasts what the budget left: a smaller --batch-size or model fits)"
+        threads, load = torch.get_num_threads(), _load_average() if self.device.type == "cpu" else None
+        if load is not None and load > threads + 1:  # other processes' threads beside this run's own
+            why += (f"; the machine was busy (load average {load:.1f}, {threads} torch threads here), which "
+                    "slows every step: on a shared machine start with OMP_NUM_THREADS=1")
         self._warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: {earlier}start-up "
                       f"{start_up:.1f} s, evaluations and checkpoints {self._evaluating_s:.1f} s "
                       f"({cfg.eval_batches} validation batches each: --eval-batches sets it), {steps} training "
-                      f"step{'s' * (steps != 1)} {training:.1f} s" +
-                      (" (a step outlasts what the budget left: a smaller --batch-size or model fits)"
-                       if steps == 1 and training > 0.1 * cfg.max_time_s else ""))
+                      f"step{'s' * (steps != 1)} {training:.1f} s" + why)
 
     def _fit(self, bar) -> None:
         cfg = self.cfg
@@ -605,6 +620,8 @@ class Trainer:
         # reserve); or, resumed where a stop cut off a due evaluation, that one (as uninterrupted)
         if (self.step == 0 and (cfg.eval_interval or cfg.max_time_s)) or self._owed_eval:
             self._evaluate(save=False)
+            # a signal during it: no step after it (agreed, as every stop is)
+            self.stop_reason, _ = self.dist.agree_stop(None, self._signal is not None, STOP_REASONS, self.device)
         while self.stop_reason is None:
             try:
                 record = self.train_step()
@@ -1157,6 +1174,15 @@ class _NoMetrics:
 
 
 # ---- signals ---------------------------------------------------------------------------
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (runnable threads, this run's own among them), or
+    None where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
 
 def _own_dropout_seed(rank: int) -> None:
     """Every rank was seeded alike (so that they build the same model); from here each draws
