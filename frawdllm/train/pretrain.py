@@ -24,6 +24,7 @@ others wait, then every rank trains its share of each batch (`distributed`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -242,8 +243,7 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
         return Tokenizer.load(saved)
     from ..data.sources import iter_documents
 
-    if cfg.progress:
-        print(f"training a {kind} tokenizer on {cfg.data} ...", file=sys.stderr, flush=True)
+    print(f"training a {kind} tokenizer on {cfg.data} ...", file=sys.stderr, flush=True)  # (bar or not)
     documents = iter_documents(cfg.data, text_field=cfg.text_field, doc_split=cfg.doc_split)
     # the trainer's bars only where someone watches them (in a log they are blank lines)
     tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size,
@@ -425,7 +425,7 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
              f"batch:         {cfg.batch_size} x {cfg.grad_accum} x {window} tokens per step",
              f"budget:        {budget}" + (" (--max-time: the whole command, tokenizer, data, warm-up, "
                                                "evaluations and save included)" if cfg.max_time else "")]
-    say = print if cfg.progress else None
+    say = functools.partial(print, file=sys.stderr, flush=True)  # (a peak measured: said, bar or not)
     return lines + hardware_report(cfg.device, cfg.dtype, cfg.compile, say=say, peak_tflops=cfg.peak_tflops)
 
 
