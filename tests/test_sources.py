@@ -533,3 +533,40 @@ def test_a_folder_of_an_unfinished_prepare_says_so_not_hidden_files(tmp_path):
             list(iter_documents(str(out)))
     finally:
         release_run_dir(out)
+
+
+def test_binary_files_in_a_folder_or_glob_are_skipped_and_named(tmp_path):
+    """An executable and a .pyc in a data folder were read as text: ~15k tokens of U+FFFD and
+    control bytes went into train.bin (a file of NULs without even a warning). Text stays:
+    UTF-16 with its byte-order mark (NULs between ASCII letters), gzip'd text; a file named
+    alone is read as given."""
+    import gzip
+    import warnings
+
+    from frawdllm.data import sources
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text\n", encoding="utf-8")
+    (folder / "b.txt").write_text("utf sixteen\n", encoding="utf-16")  # (a BOM, then NULs)
+    (folder / "c.txt.gz").write_bytes(gzip.compress(b"packed text\n"))
+    (folder / "mod.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0" + b"x" * 100)
+    (folder / "nuls.dat").write_bytes(b"text\0\0\0\x01\x02more\0")
+    (folder / "late.bin.txt").write_bytes(b"t" * 9000 + b"\0")  # (a NUL past the first 8,000 bytes: text)
+    for spec, where in ((folder, f"folder {folder}"), (f"{folder}/*", f"files matching '{folder}/*'")):
+        sources._SAID.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            files = sources.resolve_files(str(spec))
+            sources.resolve_files(str(spec))  # (listed again: said once)
+        assert [p.name for p in files] == ["a.txt", "b.txt", "c.txt.gz", "late.bin.txt"]
+        assert [str(w.message) for w in caught] == [
+            f"skipped 2 binary file(s) in {where} (a NUL byte near the start, not text): {folder / 'mod.pyc'}, "
+            f"{folder / 'nuls.dat'}"]
+    assert sources.resolve_files(str(folder / "nuls.dat")) == [folder / "nuls.dat"]
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "x.bin2").write_bytes(b"\0" * 10)
+    with pytest.raises(FrawdError, match=r"^folder \S+only: no text files, only binary ones \(a NUL byte near the "
+                                         r"start\): \S+x\.bin2$"):
+        sources.resolve_files(str(only))

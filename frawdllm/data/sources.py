@@ -38,6 +38,7 @@ import re
 import socket
 import sysconfig
 import threading
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,7 +185,7 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
         if not files:
             raise FrawdError(f"no files match {spec!r}")
         refuse_shard_files(p for p in files if p.name.lower().endswith(".bin"))
-        return files
+        return _without_binaries(files, f"files matching {spec!r}")
     path = Path(spec)
     if path.is_file():
         refuse_shard_files([path])
@@ -199,8 +200,52 @@ def resolve_files(spec: str, builtin: str = "stdlib") -> list[Path]:
             raise FrawdError(f"folder {path} holds no files")
         _refuse_shard_subdirs(path, files)
         refuse_shard_files(p for p in files if p.name.lower().endswith(".bin"))
-        return files
+        return _without_binaries(files, f"folder {path}")
     raise FrawdError(f"data source not found: {spec!r} (expected {builtin}, hf:NAME, a file, a folder or a glob)")
+
+
+_BINARY_PROBE = 8000  # bytes read for a NUL, as git tells binary files from text
+
+
+def _without_binaries(files: list[Path], where: str) -> list[Path]:
+    """`files` less those that are not text (a NUL byte in their first 8,000 bytes, as git
+    tells them: an executable, a .pyc, an image found in a folder or by a glob), with a
+    warning naming them: read as text, they were thousands of tokens of U+FFFD and control
+    bytes in the training data. A file named alone is read as given; Parquet is read by
+    its suffix; UTF-16 and UTF-32 text (with a byte-order mark) are text."""
+    kept, skipped = [], []
+    for path in files:
+        (skipped if _is_binary(path) else kept).append(path)
+    if skipped:
+        if not kept:
+            raise FrawdError(f"{where}: no text files, only binary ones (a NUL byte near the start): "
+                             + ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else ""))
+        shown = ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        message = f"skipped {len(skipped)} binary file(s) in {where} (a NUL byte near the start, not text): {shown}"
+        if message not in _SAID:  # (a command lists its source more than once: said once)
+            _SAID.add(message)
+            warnings.warn(message, stacklevel=3)
+    return kept
+
+
+_SAID: set[str] = set()
+
+
+def _is_binary(path: Path) -> bool:
+    if path.name.lower().endswith(".parquet"):
+        return False
+    try:
+        opener, head = _binary_opener(path)
+        if opener is open:
+            with open(path, "rb") as f:
+                head = f.read(_BINARY_PROBE)
+    except (FrawdError, OSError):  # (reading it says what is wrong)
+        return False
+    from .shard_format import MAGIC
+
+    if head.startswith(MAGIC):  # a token shard: refused where it is read, saying where it goes
+        return False
+    return not any(head.startswith(bom) for bom, _ in _BOMS) and b"\0" in head
 
 
 def _glob_files(spec: str) -> list[Path]:
