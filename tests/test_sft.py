@@ -84,7 +84,9 @@ def test_truncation_keeps_the_prompts_tail_and_the_responses_head():
                                       {"role": "assistant", "content": "OK"}])
     cut, was_cut = truncate(long_prompt, 12)
     assert was_cut and len(cut.ids) == 12
-    assert show(tok, cut) == "<2>uvwxyz<3><5>O*K*<3>*"  # <|bos|> + the prompt's tail, the whole answer
+    # <|bos|>, the role of the turn the tail is inside (it had been dropped: "<2>uvwxyz<3><5>..."
+    # is outside the chat template), the prompt's tail, the whole answer
+    assert show(tok, cut) == "<2><4>vwxyz<3><5>O*K*<3>*"
     long_answer = tokenize_chat(tok, [{"role": "user", "content": "q"},
                                       {"role": "assistant", "content": "abcdefghijklmnopqrstuvwxyz"}])
     cut, _ = truncate(long_answer, 12)
@@ -92,10 +94,16 @@ def test_truncation_keeps_the_prompts_tail_and_the_responses_head():
     both = tokenize_chat(tok, [{"role": "user", "content": "0123456789" * 3},
                                {"role": "assistant", "content": "abcdefghijklmnopqrstuvwxyz"}])
     cut, _ = truncate(both, 12)
-    assert show(tok, cut) == "<2>789<3><5>a*b*c*d*e*f*"  # the prompt gets half the context
+    assert show(tok, cut) == "<2><4>89<3><5>a*b*c*d*e*f*"  # the prompt gets half the context
     assert truncate(both, 100) == (both, False)
     pair, was_cut = tokenize_pair(tok, [{"role": "user", "content": "0123456789" * 3}], "abcdefghij", "xyz", 12)
-    assert was_cut and pair.prompt == [BOS_ID, *tok.encode("789"), EOS_ID, ASSISTANT_ID]
+    assert was_cut and pair.prompt == [BOS_ID, USER_ID, *tok.encode("89"), EOS_ID, ASSISTANT_ID]
+    # a role that would head an empty turn right before the next is left out (a token fewer)
+    turns = tokenize_chat(tok, [{"role": "system", "content": "s" * 9}, {"role": "user", "content": "u"},
+                                {"role": "assistant", "content": "a"}])  # <2><6>sssssssss<3><4>u<3><5>a<3>
+    assert show(tok, truncate(turns, 8)[0]) == "<2><4>u<3><5>a*<3>*"
+    assert show(tok, truncate(turns, 9)[0]) == "<2><6><3><4>u<3><5>a*<3>*"  # (an empty system turn)
+    assert show(tok, truncate(turns, 10)[0]) == "<2><6>s<3><4>u<3><5>a*<3>*"
     assert tok.decode(pair.chosen) == "abcdef" and tok.decode(pair.rejected) == "xyz<|eos|>"
 
 

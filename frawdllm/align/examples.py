@@ -19,7 +19,8 @@ assistant turn (`train_on="assistant"`), only the last one (`"last"`), or on eve
 (`"all"`); the role token <|assistant|> is part of the prompt, as at chat time.
 
 Truncation (an example longer than the context): the prompt keeps its tail (the text
-nearest the answer; <|bos|> stays first) and the response keeps its head, the prompt
+nearest the answer; <|bos|> stays first, then the role token of the turn the tail starts
+inside, so that it is still the chat template) and the response keeps its head, the prompt
 getting at most half the context when the response needs the rest. The "prompt" is
 everything before the first trained token. Truncated examples are counted and reported.
 """
@@ -33,7 +34,7 @@ from typing import Any
 from dataclasses import dataclass, field
 
 from ..errors import FrawdError, counted
-from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, UNK_ID, Tokenizer, _role_and_content
+from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SYSTEM_ID, UNK_ID, USER_ID, Tokenizer, _role_and_content
 
 TRAIN_ON = ("assistant", "last", "all")
 
@@ -246,9 +247,28 @@ def truncate(example: Example, max_len: int) -> tuple[Example, bool]:
         return example, False
     start = example.trained.index(True) if any(example.trained) else n
     prompt_keep, response_keep = _budget(start, n - start, max_len)
-    keep = ([0] + list(range(start - prompt_keep + 1, start))) if prompt_keep else []  # <|bos|> + the tail
-    keep += list(range(start, start + response_keep))
+    keep = _prompt_kept(example.ids[:start], prompt_keep) + list(range(start, start + response_keep))
     return Example([example.ids[i] for i in keep], [example.trained[i] for i in keep]), True
+
+
+def _prompt_kept(prompt: list[int], keep: int) -> list[int]:
+    """The indices of the `keep` prompt tokens a truncated example keeps: <|bos|>, then the
+    role token of the turn the tail starts inside (so the tail is still a turn of the chat
+    template: "<|bos|>qqq<|eos|><|assistant|>" had lost its <|user|>), then the tail."""
+    if keep <= 1:
+        return list(range(keep))  # (<|bos|> alone, or nothing)
+    tail = len(prompt) - keep + 1  # the first index of a tail after <|bos|> alone
+    if prompt[tail] in _ROLE_IDS or keep == 2:  # (it starts a turn; or no room for a role)
+        return [0] + list(range(tail, len(prompt)))
+    role = next((i for i in range(tail - 1, 0, -1) if prompt[i] in _ROLE_IDS), None)
+    if role is None:
+        return [0] + list(range(tail, len(prompt)))
+    if prompt[tail + 1] in _ROLE_IDS:  # (the role would head an empty turn: a token fewer)
+        return [0] + list(range(tail + 1, len(prompt)))
+    return [0, role] + list(range(tail + 1, len(prompt)))
+
+
+_ROLE_IDS = frozenset((USER_ID, ASSISTANT_ID, SYSTEM_ID))
 
 
 def _budget(prompt_len: int, response_len: int, max_len: int) -> tuple[int, int]:
@@ -267,7 +287,7 @@ def tokenize_pair(tokenizer: Tokenizer, messages: list[dict], chosen: str, rejec
     if len(prompt) + longest <= max_len:
         return Pair(prompt, *answers), False
     prompt_keep, answer_keep = _budget(len(prompt), longest, max_len)
-    prompt = prompt[:1] + prompt[len(prompt) - prompt_keep + 1:] if prompt_keep > 1 else prompt[:prompt_keep]
+    prompt = [prompt[i] for i in _prompt_kept(prompt, prompt_keep)]
     return Pair(prompt, answers[0][:answer_keep], answers[1][:answer_keep]), True
 
 
