@@ -211,8 +211,8 @@ def _without_binaries(files: list[Path], where: str) -> list[Path]:
     """`files` less those that are not text (a NUL byte in their first 8,000 bytes, as git
     tells them: an executable, a .pyc, an image found in a folder or by a glob), with a
     warning naming them: read as text, they were thousands of tokens of U+FFFD and control
-    bytes in the training data. A file named alone is read as given; Parquet is read by
-    its suffix; UTF-16 and UTF-32 text (with a byte-order mark) are text."""
+    bytes in the training data. A file named alone is read as given; Parquet and JSON (Lines)
+    files by their suffix; UTF-16 and UTF-32 text (with a byte-order mark) are text."""
     kept, skipped = [], []
     for path in files:
         (skipped if _is_binary(path) else kept).append(path)
@@ -232,7 +232,7 @@ _SAID: set[str] = set()
 
 
 def _is_binary(path: Path) -> bool:
-    if path.name.lower().endswith(".parquet"):
+    if path.name.lower().endswith((".parquet", *_JSONL_SUFFIXES, *_JSON_SUFFIXES)):  # (their readers check them)
         return False
     try:
         opener, head = _binary_opener(path)
