@@ -243,7 +243,8 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
         return Tokenizer.load(saved)
     from ..data.sources import iter_documents
 
-    print(f"training a {kind} tokenizer on {cfg.data} ...", file=sys.stderr, flush=True)  # (bar or not)
+    if cfg.progress:
+        print(f"training a {kind} tokenizer on {cfg.data} ...", file=sys.stderr, flush=True)
     documents = iter_documents(cfg.data, text_field=cfg.text_field, doc_split=cfg.doc_split)
     # the trainer's bars only where someone watches them (in a log they are blank lines)
     tok = train_tokenizer(documents, kind=kind, vocab_size=vocab_size,
