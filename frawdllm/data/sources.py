@@ -217,10 +217,9 @@ def _without_binaries(files: list[Path], where: str) -> list[Path]:
     for path in files:
         (skipped if _is_binary(path) else kept).append(path)
     if skipped:
-        if not kept:
-            raise FrawdError(f"{where}: no text files, only binary ones (a NUL byte near the start): "
-                             + ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else ""))
         shown = ", ".join(str(p) for p in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+        if not kept:
+            raise FrawdError(f"{where}: no text files, only binary ones (a NUL byte near the start): {shown}")
         message = f"skipped {len(skipped)} binary file(s) in {where} (a NUL byte near the start, not text): {shown}"
         if message not in _SAID:  # (a command lists its source more than once: said once)
             _SAID.add(message)
