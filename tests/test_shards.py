@@ -105,22 +105,21 @@ def test_an_imported_word_level_tokenizer_is_not_char_level_and_its_documents_ar
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers, trainers
 
-    from frawdllm.tokenizer import SPECIAL_TOKENS
-
-    backend = HFTokenizer(models.WordLevel(unk_token="<|unk|>"))
+    backend = HFTokenizer(models.WordLevel(unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.train_from_iterator(_corpus(50), trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
+    backend.train_from_iterator(_corpus(50), trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
     tok = Tokenizer(backend)
     assert tok.kind == "word" and train_tokenizer(_corpus(5), "char").kind == "char"
     doc = " ".join(_corpus(60, seed=3)).replace("\n", " ") + " omega"  # one long line, one unknown word
     (tmp_path / "long.txt").write_text(doc, encoding="utf-8")
     monkeypatch.setattr(shards_module, "PIECE_CHARS", 37)
     meta = prepare_shards(str(tmp_path / "long.txt"), tok, tmp_path / "out", val_fraction=0.0, doc_split="file")
-    assert read_shard(tmp_path / "out" / "train.bin").tolist() == backend.encode(doc).ids + [EOS_ID]
-    unknown = backend.encode(doc).ids.count(UNK_ID)  # (omega, and doc numbers past 49)
+    assert read_shard(tmp_path / "out" / "train.bin").tolist() == backend.encode(doc).ids + [1]  # </s>
+    unknown = backend.encode(doc).ids.count(0)  # [UNK] (omega, and doc numbers past 49)
     assert meta["tokenizer_kind"] == "word" and meta["unk_tokens"] == unknown > 0
+    # Named as the tokenizer names it: this one's has no <|unk|> at all.
     assert shards_module._unk_warning(meta) == f"{unknown} word(s) are not in the word tokenizer's vocabulary and " \
-                                               "became <|unk|>"
+                                               "became [UNK]"
 
 
 def test_cuts_at_whitespace_after_a_non_space_never_change_the_bpe_tokens(bpe, monkeypatch):

@@ -305,6 +305,7 @@ def shard_meta(data: str, tok: Tokenizer, totals: dict, *, val_fraction: float, 
         "bytes_per_token": round(sum(totals["bytes"]) / max(1, n_train + n_val), 6),
         "val_bytes_per_token": round(totals["bytes"][1] / n_val, 6) if n_val else None,
         "unk_tokens": totals["unk"],
+        "unk_token": None if tok.unknown_id() is None else tok.id_to_token(tok.unknown_id()),
         "replaced_utf8_sequences": totals["replaced"],
         "replaced_in_files": totals.get("replaced_in", []),
         "seconds": round(seconds, 3),
@@ -446,8 +447,9 @@ def _unk_warning(meta: dict) -> str | None:
     if not meta["unk_tokens"]:
         return None
     what = "word" if meta["tokenizer_kind"] == "word" else "character"
+    name = meta.get("unk_token") or "<|unk|>"  # (shards prepared before the name was recorded)
     return (f"{meta['unk_tokens']} {what}(s) are not in the {meta['tokenizer_kind']} tokenizer's "
-            f"vocabulary and became <|unk|>")
+            f"vocabulary and became {name}")
 
 
 def _empty_val_warning(meta: dict) -> str | None:
