@@ -437,6 +437,20 @@ def test_a_signal_during_the_first_evaluation_stops_before_any_step(tmp_path):
     result = trainer.fit()
     assert (result.stop_reason, result.steps) == ("interrupted", 0)
 
+    # Its resume does not evaluate step 0 again: the checkpoint holds that evaluation (it was
+    # logged twice, and a long evaluation ran twice).
+    class CountingTask(ScriptedTask):
+        evaluations = 0
+
+        def evaluate(self, model, device):
+            CountingTask.evaluations += 1
+            return {"val_loss": 1.0}
+
+    resumed = Trainer(torch.nn.Linear(4, 1), CountingTask(nan_steps=()), generic_config(tmp_path, max_steps=5,
+                                                                                         eval_interval=2, resume=True))
+    assert resumed.fit().steps == 5 and CountingTask.evaluations == 3  # steps 2, 4 and 5
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "val_loss" in r] == [0, 2, 4, 5]
+
 
 class BurstDuringOneEvaluationTask(TimedTask):
     """Another process takes the cores during one evaluation only: it lasts `burst_s` longer."""

@@ -371,6 +371,7 @@ class Trainer:
         self._top_rate = 0.0  # the fastest logged window of this session (checked against the peak)
         self._last_eval_step: int | None = None
         self._owed_eval = False  # resumed from a checkpoint whose step's evaluation a signal cut off
+        self._evaluated_before = False  # resumed from a step-0 checkpoint whose evaluation is logged
         self._last_checkpoint_step: int | None = None
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
@@ -618,7 +619,8 @@ class Trainer:
         cfg = self.cfg
         # the starting point, and what an evaluation costs (a time budget keeps the final one in
         # reserve); or, resumed where a stop cut off a due evaluation, that one (as uninterrupted)
-        if (self.step == 0 and (cfg.eval_interval or cfg.max_time_s)) or self._owed_eval:
+        if (self.step == 0 and (cfg.eval_interval or cfg.max_time_s) and not self._evaluated_before) \
+                or self._owed_eval:
             self._evaluate(save=False)
             # a signal during it: no step after it (agreed, as every stop is)
             self.stop_reason, _ = self.dist.agree_stop(None, self._signal is not None, STOP_REASONS, self.device)
@@ -1101,6 +1103,7 @@ class Trainer:
         self._note_new_budget(state.get("budget"))
         interval = self.cfg.eval_interval
         self._owed_eval = not state.get("evaluated", True) and bool(interval) and self.step % interval == 0
+        self._evaluated_before = self.step == 0 and state.get("evaluated", True)  # (its costs came with it)
         self._adopt(state.get("decided") or {})
         self.last_checkpoint = path
         if self.dist.is_main:
