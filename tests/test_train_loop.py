@@ -400,16 +400,19 @@ def test_a_step_longer_than_the_budget_left_is_named_in_the_warning(tmp_path, mo
         assert Trainer(torch.nn.Linear(4, 1), task, cfg).fit().steps == 1
 
 
-def test_an_overrun_by_a_compile_warm_up_or_a_busy_machine_says_so(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [2, 1])
+def test_an_overrun_by_a_compile_warm_up_or_a_busy_machine_says_so(tmp_path, monkeypatch, threads):
     """A 129 s compiled first step in a 30 s budget was "a step outlasts what the budget left:
     a smaller --batch-size or model fits", which does not help: it was torch.compile's
     warm-up. And a run slowed by other processes (load 4.5 on 2 cores) got advice about
-    batches, not the threads docs/training.md "A busy core" names."""
+    batches, not the threads docs/training.md "A busy core" names (advice a run already on
+    one thread was given too)."""
     from frawdllm.train import loop
 
     clock = FakeTime()
     monkeypatch.setattr(loop, "time", clock)
-    monkeypatch.setattr(loop, "_load_average", lambda: torch.get_num_threads() + 2.5)
+    monkeypatch.setattr(loop, "_load_average", lambda: threads + 2.5)
+    monkeypatch.setattr(loop.torch, "get_num_threads", lambda: threads)
     task = TimedTask(clock, step_s=12.0, eval_s=0.5, save_s=0.1)
     trainer = Trainer(torch.nn.Linear(4, 1), task, generic_config(tmp_path, max_steps=None, max_time="10s",
                                                                  eval_interval=0))
@@ -419,9 +422,10 @@ def test_an_overrun_by_a_compile_warm_up_or_a_busy_machine_says_so(tmp_path, mon
     message = next(str(w.message) for w in caught if "the run took" in str(w.message))
     assert "(torch.compile's warm-up took 11.5 s of the first step" in message, message
     assert "smaller --batch-size" not in message
-    assert message.endswith(f"; the machine was busy (load average {torch.get_num_threads() + 2.5:.1f}, "
-                            f"{torch.get_num_threads()} torch threads here), which slows every step: on a shared "
-                            "machine start with OMP_NUM_THREADS=1"), message
+    busy = {2: "; the machine was busy (load average 4.5, 2 torch threads here), which slows every step: on a "
+               "shared machine start with OMP_NUM_THREADS=1",
+            1: "; the machine was busy (load average 3.5, 1 torch thread here), which slows every step"}[threads]
+    assert message.endswith(busy), message
 
 
 def test_a_signal_during_the_first_evaluation_stops_before_any_step(tmp_path):

@@ -608,8 +608,9 @@ class Trainer:
             why = " (a step outlasts what the budget left: a smaller --batch-size or model fits)"
         threads, load = torch.get_num_threads(), _load_average() if self.device.type == "cpu" else None
         if load is not None and load > threads + 1:  # other processes' threads beside this run's own
-            why += (f"; the machine was busy (load average {load:.1f}, {threads} torch threads here), which "
-                    "slows every step: on a shared machine start with OMP_NUM_THREADS=1")
+            why += (f"; the machine was busy (load average {load:.1f}, {counted(threads, 'torch thread')} here), "
+                    "which slows every step" + (": on a shared machine start with OMP_NUM_THREADS=1"
+                                                if threads > 1 else ""))
         self._warn(f"the run took {elapsed:.1f} s of --max-time {cfg.max_time_s:g} s: {earlier}start-up "
                       f"{start_up:.1f} s, evaluations and checkpoints {self._evaluating_s:.1f} s "
                       f"({cfg.eval_batches} validation batches each: --eval-batches sets it), {steps} training "
