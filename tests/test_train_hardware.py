@@ -152,12 +152,12 @@ def test_inductor_caches_go_to_the_user_cache_folder(private_user_cache, monkeyp
     assert str(compiling.use_persistent_cache()) == "/somewhere/else"
 
 
-def plan(remaining_s, eager_s=0.1, dtypes=("fp32",)):
+def plan(remaining_s, eager_s=0.1, dtypes=("fp32",), steps_left=None):
     p = compiling.AutoPlan(list(dtypes), "auto", {d: f"key-{d}" for d in dtypes})
     for d in dtypes:
         for _ in range(3):
             p.record(d, eager_s)
-    return p.decide(remaining_s)
+    return p.decide(remaining_s, steps_left)
 
 
 def test_compile_auto_says_no_for_a_short_budget_and_yes_for_a_long_one(private_user_cache):
@@ -171,6 +171,11 @@ def test_compile_auto_says_no_for_a_short_budget_and_yes_for_a_long_one(private_
     assert "the most steps in the ~3600 s left" in plan(remaining_s=3600.0)[2]
     assert "in the ~0.4 s left" in plan(remaining_s=0.42)[2]  # (a budget of a few steps: was "~0 s left")
     assert "in the <0.1 s left" in plan(remaining_s=0.01)[2]
+    # A step budget is named as one: --max-steps 3 said "the most steps in the <0.1 s left".
+    assert plan(remaining_s=0.0, steps_left=0)[2].endswith("fp32 eager 100 ms/step: no steps left after the "
+                                                            "timing steps (vs fp32 compiled ~95 ms/step after a ~30 s "
+                                                            "warm-up (measured here))")
+    assert ": the fastest for the 1,200 steps left (~120 s eager) (vs" in plan(remaining_s=120.0, steps_left=1200)[2]
 
 
 def test_the_hardware_report_counts_threads_and_names_only_the_candidates_it_times(monkeypatch):

@@ -279,8 +279,9 @@ class AutoPlan:
     def eager_step_s(self, dtype: str) -> float:
         return sorted(self.times[dtype])[len(self.times[dtype]) // 2]
 
-    def decide(self, remaining_s: float) -> tuple[str, bool, str]:
-        """(dtype, compile, why) for the `remaining_s` seconds of training left."""
+    def decide(self, remaining_s: float, steps_left: int | float | None = None) -> tuple[str, bool, str]:
+        """(dtype, compile, why) for the `remaining_s` seconds of training left; `steps_left`
+        when a step or token budget bounds them (then named: a time would be a guess of it)."""
         options = []  # (steps done in remaining_s, dtype, compiled, description)
         for d in self.dtypes:
             e = self.eager_step_s(d)
@@ -300,7 +301,14 @@ class AutoPlan:
         steps, dtype, compiled, what = max(options, key=lambda o: o[0])
         others = "; ".join(o[3] for o in options if o[1:3] != (dtype, compiled))
         left = f"~{remaining_s:.0f} s" if remaining_s >= 10 else f"~{remaining_s:.1f} s" if remaining_s >= 0.1 else "<0.1 s"
-        why = f"{what}: the most steps in the {left} left" + (f" (vs {others})" if others else "")
+        if steps_left is None:
+            why = f"{what}: the most steps in the {left} left"
+        elif steps_left < 1:
+            why = f"{what}: no steps left after the timing steps"
+        else:
+            steps = round(steps_left)
+            why = f"{what}: the fastest for the {steps:,} step{'s' * (steps != 1)} left ({left} eager)"
+        why += f" (vs {others})" if others else ""
         return dtype, compiled, why
 
 

@@ -478,12 +478,15 @@ class Trainer:
             steps_left.append(cfg.max_steps - self.step)
         if cfg.max_tokens and self.step:
             steps_left.append((cfg.max_tokens - self.tokens) / (self.tokens / self.step))
+        counted_steps = None  # the steps left, where they bound the run (not its time)
         if steps_left:
-            remaining = min(remaining, min(steps_left) * min(plan.eager_step_s(d) for d in plan.dtypes))
+            by_steps = min(steps_left) * min(plan.eager_step_s(d) for d in plan.dtypes)
+            if by_steps < remaining:
+                remaining, counted_steps = by_steps, max(min(steps_left), 0)
         if self.task.flops_per_token and self.step > self._session_step:
             plan.step_flops = self.task.flops_per_token * (self.tokens - self._session_tokens) / (
                 self.step - self._session_step)
-        dtype, compiled, why = self.dist.from_main(plan.decide(max(remaining, 0.0)))
+        dtype, compiled, why = self.dist.from_main(plan.decide(max(remaining, 0.0), counted_steps))
         if len(plan.dtypes) > 1:
             self.dtype_why = f"auto: {dtype} ran faster here" if not compiled else f"auto: {dtype}"
         self.dtype = dtype
