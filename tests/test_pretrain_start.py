@@ -434,6 +434,10 @@ def test_a_resume_on_data_changed_since_the_checkpoint_says_so(corpus, tmp_path,
     run_pretraining(tiny_config(data, run, resume=True, max_steps=5))
     err = capsys.readouterr().err
     assert f"warning: the training data ({data}) changed since the checkpoint" in err, err
+    # Another --val-fraction moves the split: said as that, not as data edited in place.
+    run_pretraining(tiny_config(data, run, resume=True, max_steps=6, val_fraction=0.3))
+    err = capsys.readouterr().err
+    assert "warning: the training split moved (val_fraction 0.1 -> 0.3) (" in err and "changed since" not in err, err
 
 
 def test_a_run_started_with_relative_paths_resumes_and_reruns_from_anywhere(corpus, tmp_path, monkeypatch, capsys):

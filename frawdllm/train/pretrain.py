@@ -131,15 +131,25 @@ class PretrainTask(TrainTask):
                        generation_config=self.generation_config or None)
 
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), "data": self._data_identity()}
+        return {"loader": self.loader.state_dict(), "data": self._data_identity(), "split": self._split()}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         before = state.get("data")
         if before is not None and before != self._data_identity() and distributed.current().is_main:
-            print(f"warning: the training data ({self.cfg.data}) changed since the checkpoint "
-                  f"({before['train_tokens']:,} -> {len(self.data.train):,} training tokens): the run goes on "
-                  "with the new data, from a position that was drawn in the old", file=sys.stderr)
+            split, now = state.get("split"), self._split()
+            moved = [f"{name} {split[name]!r} -> {now[name]!r}" for name in now if split and split.get(name) != now[name]]
+            what = (f"the training split moved ({', '.join(moved)})" if moved else
+                    f"the training data ({self.cfg.data}) changed since the checkpoint")
+            print(f"warning: {what} ({before['train_tokens']:,} -> {len(self.data.train):,} training tokens): the "
+                  "run goes on with the new data, from a position that was drawn in the old", file=sys.stderr)
+
+    def _split(self) -> dict:
+        """The settings that split a raw source into train and validation (a shard folder's are fixed)."""
+        if is_shard_dir(self.cfg.data):
+            return {}
+        return {"val_fraction": self.cfg.val_fraction, "doc_split": self.cfg.doc_split,
+                "text_field": self.cfg.text_field}
 
     def _data_identity(self) -> dict:
         """What says the training tokens are those a checkpoint's loader position was drawn
