@@ -505,6 +505,9 @@ def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corp
     with pytest.raises(FrawdError) as info:
         run_pretraining(tiny_config(corpus, run, resume=True, model={**TINY_MODEL, "n_layer": 3}, max_steps=3))
     assert "n_layer=3 (the run has 2)" in str(info.value) and "{" not in str(info.value)
+    with pytest.raises(FrawdError) as info:  # (a char run has no vocab_size: "the run has None")
+        run_pretraining(tiny_config(corpus, run, resume=True, vocab_size=100, max_steps=3))
+    assert "these settings differ: vocab_size=100 (not set in the run);" in str(info.value)
     # the preset's own value, given as an override, changes nothing: not refused
     same = {**TINY_MODEL, "tie_embeddings": pretrain_module.model_config_for(
         tiny_config(corpus, run), 20).tie_embeddings}

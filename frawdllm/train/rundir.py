@@ -313,7 +313,8 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
     """A --resume that changes what the checkpoint was trained as (the model, its tokenizer)
     cannot load it: refused before anything is written, so the run stays resumable."""
     fixed = {k: v for k, v in _changed_settings(cfg, run_dir).items() if k in RESUME_FIXED}
-    listed = [f"{key}={new!r} (the run has {old!r})" for key, old, new in _each_change(cfg, fixed)]
+    listed = [f"{key}={new!r} ({'not set in the run' if old is None else f'the run has {old!r}'})"
+              for key, old, new in _each_change(cfg, fixed)]
     if listed:
         listed = ", ".join(listed)
         raise FrawdError(f"{run_dir}: --resume continues the run's own model, tokenizer and data order; "
