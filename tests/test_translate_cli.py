@@ -279,6 +279,26 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_one_line(tmp_path, cap
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_a_model_directory_whose_tokenizer_lacks_the_special_tokens_is_refused(tmp_path, capsys, command):
+    """Another tokenizer copied into the folder translated into garbage with exit 0 (BLEU 0.00 as
+    if scored): decoding pads with id 0, starts with 2 and stops at 3, which it gives other meanings."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from frawdllm import Seq2SeqTransformer, get_config
+
+    plain = ByteLevelBPETokenizer()  # no special tokens: ids 0.. are bytes such as "!"
+    plain.train_from_iterator(["ein mann", "a man"], vocab_size=300, show_progress=False)
+    Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=300, n_embd=32, n_head=2, n_layer=1,
+                                  n_encoder_layer=1)).save_pretrained(tmp_path / "mt")
+    plain.save(str(tmp_path / "mt" / "tokenizer.json"))
+    (tmp_path / "one.de").write_text("hallo welt\n")
+    files = ["--src", tmp_path / "one.de", "--ref", tmp_path / "one.de"] if command == "eval" else ["hallo welt"]
+    code, out, err = run_cli(capsys, "translate", command, "--model", tmp_path / "mt", *files)
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    assert f"{tmp_path / 'mt' / 'tokenizer.json'}: lacks FrawdLLM's special tokens" in err and "<|eos|>" in err
+
+
 def test_resume_continues_the_uninterrupted_trajectory(tmp_path, capsys):
     # dropout 0.1 (the preset's) makes the torch RNG matter; 200 pairs in batches of 256 tokens
     # are about 7 batches, so the 10 steps cross an epoch (a reshuffle) after the split at 5.

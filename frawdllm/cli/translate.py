@@ -97,7 +97,10 @@ def _load(model_dir: str):
 
     model = load_model(model_dir, kind="seq2seq")
     assert isinstance(model, Seq2SeqTransformer)
-    tokenizer = Tokenizer.load(model_file(model_dir, TOKENIZER_FILE)).check_fits(model.config.vocab_size, model_dir)
+    path = model_file(model_dir, TOKENIZER_FILE)
+    tokenizer = Tokenizer.load(path).check_fits(model.config.vocab_size, model_dir)
+    # (one of another model's, copied in, decoded garbage: ids 0, 2 and 3 meant other tokens)
+    tokenizer.require_frawd_specials(str(path), "which translation pads, starts and ends sentences with")
     return model.eval(), tokenizer
 
 
