@@ -117,7 +117,7 @@ def test_resume_keeps_the_dtype_auto_chose(corpus, tmp_path, monkeypatch):
 
     decisions = []
 
-    def decide(plan, remaining_s):
+    def decide(plan, remaining_s, steps_left=None):
         decisions.append(plan.dtypes)
         return "fp32", False, "fixed by the test"
 
@@ -612,10 +612,10 @@ class SlowFirstStepTask(TimedTask):
         return super().loss(model, batch)
 
 
-def test_an_evaluation_due_near_the_budgets_end_is_the_final_one(tmp_path, monkeypatch):
+def test_an_evaluation_due_near_the_budgets_end_is_left_to_the_final_one(tmp_path, monkeypatch):
     # resumed at step 99, evaluations (3 s) every 100 steps, a 2 s warm-up as the session's
     # first step: at step 300 an evaluation was due, and the loop ran it, one more step and
-    # the final evaluation: 51.7 s of 50. Now it stops there and that evaluation is the last.
+    # the final evaluation: 51.7 s of 50. Now it is left to the final evaluation.
     from frawdllm.train import loop
 
     clock = FakeTime()
@@ -630,6 +630,25 @@ def test_an_evaluation_due_near_the_budgets_end_is_the_final_one(tmp_path, monke
     result = resumed.fit()
     assert result.stop_reason == "max_time" and task.evals >= 3
     assert spent_before + (clock.now - task.start) <= 50.0
+
+
+@pytest.mark.parametrize("eval_interval", [5, 0])
+def test_costly_periodic_evaluations_still_end_a_time_budget_at_the_floor(tmp_path, monkeypatch, eval_interval):
+    """Evaluations (5 s) every 5 steps of 1.5 s in a 40 s budget: the stop rule stopped before
+    one due that would not leave the final one room, an evaluation earlier than the schedule
+    reserves for, and the rate ended 0.11 of its range above the floor (0.79 of the peak on a
+    real run). That evaluation is left to the final one now, a few steps on."""
+    from frawdllm.train import loop
+
+    clock = FakeTime()
+    monkeypatch.setattr(loop, "time", clock)
+    task = TimedTask(clock, step_s=1.5, eval_s=5.0, save_s=0.1)
+    cfg = generic_config(tmp_path, max_steps=None, max_time="40s", eval_interval=eval_interval, lr=0.01)
+    result = Trainer(torch.nn.Linear(4, 1), task, cfg).fit()
+    records = [r for r in read_metrics(tmp_path / "run") if "lr" in r]
+    floor = cfg.lr * cfg.min_lr_ratio
+    assert result.stop_reason == "max_time" and clock.now - task.start <= 40.0
+    assert records[-1]["lr"] - floor <= 0.05 * (cfg.lr - floor), [r["lr"] for r in records]
 
 
 def test_lora_training_is_not_refused_for_state_it_does_not_keep(monkeypatch):
