@@ -331,6 +331,34 @@ def test_unexportable_variant_is_one_clear_error_and_writes_nothing(
     assert entries(tmp_path) == before  # no --out, no temporary folder left behind
 
 
+@pytest.mark.parametrize("fmt", ["hf", "gguf", "marian"])
+def test_a_weight_beyond_float16s_range_is_refused_not_written_as_inf(tmp_path, tokenizer, capsys, fmt):
+    """A weight of 1e6 was written as inf (transformers' logits all NaN; GGUF with only numpy's
+    overflow warning): one line naming the tensor, nothing written, bfloat16 still exports."""
+    from frawdllm import Seq2SeqTransformer
+
+    if fmt == "marian":
+        model = Seq2SeqTransformer(get_config("aiayn-tiny", vocab_size=VOCAB, n_embd=32, n_head=2, n_layer=1,
+                                              n_encoder_layer=1))
+        model_dir, fmt = tmp_path / "mt", "hf"
+        model.save_pretrained(model_dir, tokenizer=tokenizer)
+    else:
+        model, model_dir = make_model_dir(tmp_path, tokenizer, "llama-gqa")
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n)[0, 0] = -1e6
+    model.save_pretrained(model_dir, tokenizer=tokenizer)
+    before = entries(tmp_path)
+    out = tmp_path / ("out.gguf" if fmt == "gguf" else "out")
+    with pytest.raises(SystemExit) as info:
+        export(model_dir, out, "--format", fmt, "--dtype", "fp16")
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 1 and err.startswith("frawd: error:") and "\n" not in err, err
+    assert "holds 1e+06, beyond float16's range (at most 65504); it would be written as inf" in err, err
+    assert entries(tmp_path) == before
+    export(model_dir, out, "--format", fmt, "--dtype", "bf16")
+    assert out.exists()
+
+
 def test_hf_export_to_a_gguf_file_name_is_refused(tmp_path, tokenizer, capsys):
     _, model_dir = make_model_dir(tmp_path, tokenizer, "gpt2-tied")
     before = entries(tmp_path)

@@ -37,7 +37,7 @@ from ..model import FrawdLLM
 from ..modeldir import load_config, plain_state
 from ..tokenizer import Tokenizer
 from .hf import GPT2, hf_architecture, hf_parts
-from .hf_dir import CHAT_TEMPLATE, DTYPES, load_for_export, special_token
+from .hf_dir import CHAT_TEMPLATE, DTYPES, cast_within_range, load_for_export, special_token
 
 GGUF_FILE = "model.gguf"
 _TEMPLATE_BOS = "{{ '<|bos|>' }}"  # how CHAT_TEMPLATE starts
@@ -200,6 +200,8 @@ def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, d
     for tensor_name, tensor in bar:
         data = tensor.detach().float().cpu().numpy()
         kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if kind != gguf.GGMLQuantizationType.F32:
+            cast_within_range(tensor_name, tensor.detach().float().cpu(), dtype)
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, np.ascontiguousarray(data))
             continue

@@ -190,6 +190,18 @@ def sampling_from_hf(config: dict[str, Any], eos_token_id: int, context_length: 
     return out
 
 
+def cast_within_range(name: str, tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`tensor` as `dtype`, or one line naming it where a finite value of it would become inf
+    (float16 holds at most 65504: a larger weight was written as inf, and the model's logits NaN)."""
+    cast = tensor.to(DTYPES[dtype])
+    if cast.dtype != tensor.dtype and cast.is_floating_point() and bool((cast.isinf() & tensor.isfinite()).any()):
+        largest = float(tensor[tensor.isfinite()].abs().max())
+        raise FrawdError(f"{name} holds {largest:.6g}, beyond {dtype}'s range (at most "
+                         f"{torch.finfo(cast.dtype).max:g}); it would be written as inf: export as bfloat16 or "
+                         "float32")
+    return cast
+
+
 def write_hf_dir(model: FrawdLLM, tokenizer: Tokenizer | None, directory: Path, dtype: str = "float32",
                  sampling: dict[str, Any] | None = None) -> None:
     """Write the transformers files into `directory` (an empty folder; see `export_hf`)."""
@@ -197,7 +209,7 @@ def write_hf_dir(model: FrawdLLM, tokenizer: Tokenizer | None, directory: Path, 
     hf_config = to_hf_config(cfg)
     hf_config.dtype = dtype
     plain = plain_state(model, f"cannot export to {directory}")  # (LoRA adapters merged)
-    state = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state_dict(plain, cfg).items()}
+    state = {k: cast_within_range(k, v, dtype) for k, v in to_hf_state_dict(plain, cfg).items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     write_json_atomic(directory / "config.json", hf_config.to_dict())
     write_json_atomic(directory / "generation_config.json", generation_config(cfg, sampling or {}))
@@ -227,8 +239,11 @@ def _export_marian(model_dir: str | Path, out: str | Path, cfg: Seq2SeqConfig, d
     to_marian_config(cfg)  # refuse (naming what does not map) before touching --out
     with atomic_dir(out, overwrite=overwrite, keep=(model_dir,)) as tmp:
         model, tokenizer, _ = load_for_export(model_dir)
+        marian = to_marian_model(model)
+        for name, tensor in marian.state_dict().items():
+            cast_within_range(name, tensor, dtype)
         with _no_progress_bars():  # transformers' "Writing model shards" bar stays off
-            to_marian_model(model).to(DTYPES[dtype]).save_pretrained(tmp)
+            marian.to(DTYPES[dtype]).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_FILE)
             config = tokenizer_config(tokenizer, cfg)
