@@ -69,6 +69,10 @@ def peak_rss_mb() -> float:
 CASES = [
     # transformers' own validation (huggingface_hub strict dataclasses) refuses these
     ("llama", {"num_attention_heads": 3}, ["config.json", "attention heads (3)"]),
+    # counts below 1: named (0 was "integer modulo by zero", -4 "head_dim=16 has no equivalent")
+    ("llama", {"num_attention_heads": 0}, ["config.json: num_attention_heads=0 must be at least 1"]),
+    ("llama", {"num_attention_heads": -4}, ["config.json: num_attention_heads=-4 must be at least 1"]),
+    ("gpt2", {"n_layer": 0}, ["config.json: n_layer=0 must be at least 1"]),
     ("llama", {"hidden_size": "64"}, ["config.json", "hidden_size", "expected int"]),
     ("gpt2", {"n_embd": "64"}, ["config.json", "n_embd"]),
     # sizes that asked for tens to hundreds of GB before the weights were compared

@@ -317,6 +317,12 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+# config.json's sizes and counts (GPT-2's and Llama's names): each at least 1 where given.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads",
+                "n_head", "num_key_value_heads", "head_dim", "intermediate_size", "n_inner",
+                "max_position_embeddings", "n_positions")
+
+
 def _read_hf_config(directory: Path) -> tuple[str, ModelConfig]:
     """config.json's model_type and its ModelConfig. transformers parses and validates the
     file; whatever it raises on this untrusted input (a string for an int, heads that do not
@@ -325,6 +331,11 @@ def _read_hf_config(directory: Path) -> tuple[str, ModelConfig]:
     from transformers.utils import logging as hf_logging
 
     path = directory / "config.json"
+    raw = read_json_object(path)
+    for field in _SIZE_FIELDS:  # (0 heads was transformers' "integer modulo by zero"; -4 blamed head_dim)
+        value = raw.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise FrawdError(f"{path}: {field}={value} must be at least 1")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # (its warnings about values are ours to name, in one line)
     try:
