@@ -440,6 +440,30 @@ def test_a_resume_on_data_changed_since_the_checkpoint_says_so(corpus, tmp_path,
     assert "warning: the training split moved (val_fraction 0.1 -> 0.3) (" in err and "changed since" not in err, err
 
 
+def test_a_resume_on_other_data_keeps_the_runs_tokenizer(corpus, tmp_path, capsys):
+    """--resume --data OTHER trained the tokenizer again on OTHER: a BPE of the same size went on
+    silently in another vocabulary (the model's ids meant other text), a char one failed on the
+    embedding's shape. The checkpoint's model reads the run's tokenizer: OTHER is tokenized with it."""
+    import codecs
+
+    from cli_helpers import run_cli
+
+    other = tmp_path / "other.txt"
+    other.write_text(codecs.encode(Path(corpus).read_text(encoding="utf-8"), "rot13"), encoding="utf-8")
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, tokenizer="bpe", vocab_size=300, max_steps=2))
+    before = (run / "tokenizer.json").read_bytes()
+    code, out, _ = run_cli(capsys, "pretrain", "--out", run, "--resume", "--data", other, "--max-steps", "3",
+                           "--dry-run")
+    assert code == 0 and f"data:          {other} (the run's bpe tokenizer, " in out, out
+    assert run_pretraining(tiny_config(other, run, tokenizer="bpe", vocab_size=300, max_steps=3,
+                                       resume=True)).steps == 3
+    assert (run / "tokenizer.json").read_bytes() == before == (run / "model" / "tokenizer.json").read_bytes()
+    char = tmp_path / "char"
+    run_pretraining(tiny_config(corpus, char, max_steps=2))
+    assert run_pretraining(tiny_config(other, char, max_steps=3, resume=True)).steps == 3  # (was a shape error)
+
+
 def test_a_run_started_with_relative_paths_resumes_and_reruns_from_anywhere(corpus, tmp_path, monkeypatch, capsys):
     """config.yaml kept --data as typed, so a --resume (or the rerun its header suggests)
     from another folder failed with "data source not found"; given again, the same file

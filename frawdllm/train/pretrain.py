@@ -249,6 +249,8 @@ def _source_tokenizer(cfg: PretrainConfig, run_dir: Path) -> Tokenizer:
     source = {"data": resolved_source(cfg.data), "kind": kind, "vocab_size": vocab_size if kind == "bpe" else None,
               "text_field": cfg.text_field, "doc_split": cfg.doc_split}
     saved, record = run_dir / TOKENIZER_FILE, run_dir / DATA_DIR / TOKENIZER_SOURCE_FILE
+    if saved.is_file() and cfg.resume:  # the checkpoint's model reads its ids: other --data is tokenized with it
+        return Tokenizer.load(saved)  # (it was trained again on that data: the run went on in another vocabulary)
     if saved.is_file() and record.is_file() and json.loads(record.read_text(encoding="utf-8")) == source:
         return Tokenizer.load(saved)
     from ..data.sources import iter_documents
@@ -397,9 +399,13 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
     check_pretrain(cfg)
     run_dir = Path(cfg.out)
     tok = given_tokenizer(cfg)
+    resumed = cfg.resume and latest_checkpoint(run_dir) is not None and (run_dir / TOKENIZER_FILE).is_file()
+    if tok is None and resumed:  # (as `_source_tokenizer` will: the run's own)
+        tok = Tokenizer.load(run_dir / TOKENIZER_FILE)
     kind = cfg.tokenizer if cfg.tokenizer in KINDS else (cfg.tokenizer or "bpe") if tok is None else None
-    if tok is not None:  # a tokenizer.json: given, the --init-from model's, or the shards'
-        whose = "the --init-from model's " if cfg.init_from is not None and cfg.tokenizer is None else ""
+    if tok is not None:  # a tokenizer.json: given, the --init-from model's, the shards' or the run's
+        whose = "the --init-from model's " if cfg.init_from is not None and cfg.tokenizer is None else \
+            "the run's " if resumed and cfg.tokenizer in (None, *KINDS) else ""
         tokenizer = f"{whose}{tok.kind or ''} tokenizer, {tok.vocab_size:,} tokens".replace("  ", " ")
     else:
         tokenizer = f"a {kind} tokenizer trained on it"
