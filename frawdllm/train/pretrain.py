@@ -137,18 +137,21 @@ class PretrainTask(TrainTask):
         self.loader.load_state_dict(state["loader"])
         before = state.get("data")
         if before is not None and before != self._data_identity() and distributed.current().is_main:
-            split, now = state.get("split"), self._split()
-            moved = [f"{name} {split[name]!r} -> {now[name]!r}" for name in now if split and split.get(name) != now[name]]
-            what = (f"the training split moved ({', '.join(moved)})" if moved else
-                    f"the training data ({self.cfg.data}) changed since the checkpoint")
+            split, now = state.get("split") or {}, self._split()
+            moved = [f"{name} {split[name]!r} -> {value!r}" for name, value in now.items()
+                     if name != "data" and name in split and split[name] != value]
+            what = (f"the training split moved ({', '.join(moved)})" if moved and split.get("data") == now["data"]
+                    else f"the training data ({self.cfg.data}) changed since the checkpoint")
             print(f"warning: {what} ({before['train_tokens']:,} -> {len(self.data.train):,} training tokens): the "
                   "run goes on with the new data, from a position that was drawn in the old", file=sys.stderr)
 
     def _split(self) -> dict:
-        """The settings that split a raw source into train and validation (a shard folder's are fixed)."""
+        """The source and the settings that split it into train and validation (a shard
+        folder's split is fixed)."""
+        source = {"data": resolved_source(self.cfg.data)}
         if is_shard_dir(self.cfg.data):
-            return {}
-        return {"val_fraction": self.cfg.val_fraction, "doc_split": self.cfg.doc_split,
+            return source
+        return {**source, "val_fraction": self.cfg.val_fraction, "doc_split": self.cfg.doc_split,
                 "text_field": self.cfg.text_field}
 
     def _data_identity(self) -> dict:
