@@ -76,6 +76,11 @@ def test_models_and_health(server):
         time.sleep(0.01)
     assert label in httpx.get(server["url"] + "/metrics").text
     assert httpx.head(server["url"] + "/health").status_code == 200  # (load balancers' probes)
+    for path in ("/", "/metrics", "/v1/models", "/v1/models/org/small"):  # (HEAD wherever GET is: were 405s)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        head, get = httpx.head(server["url"] + path, headers=auth), httpx.get(server["url"] + path, headers=auth)
+        assert (head.status_code, head.content) == (200, b"") and get.status_code == 200, path
+        assert head.headers["content-type"] == get.headers["content-type"], path
     health = httpx.get(server["url"] + "/health").json()
     assert health["status"] == "ok"
     page = httpx.get(server["url"] + "/")

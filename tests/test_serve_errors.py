@@ -237,9 +237,12 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(server, fie
 def test_chat_tools_are_refused_and_neutral_values_pass(server):
     chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    for extra in ({"tools": [tool]}, {"tool_choice": "required"}, {"function_call": {"name": "f"}}):
+    for extra in ({"tools": [tool]}, {"functions": [tool["function"]]}, {"tool_choice": "required"},
+                  {"function_call": {"name": "f"}}):
         status, error = post(server, "/v1/chat/completions", {**chat, **extra})
-        assert status == 400 and "not supported" in error["message"], (extra, error)
+        (name,) = extra  # the field refused is the one named ("tools" was named for a tool_choice alone)
+        assert status == 400 and error["param"] == name and error["message"].startswith(f"{name} ") \
+            and "not supported" in error["message"], (extra, error)
     neutral = {"tools": [], "tool_choice": "none", "function_call": "auto", "logit_bias": {}, "response_format": {"type": "text"},
                "top_logprobs": 0, "logprobs": False, "frequency_penalty": 0}
     assert post(server, "/v1/chat/completions", {**chat, **neutral})[0] == 200
@@ -461,6 +464,9 @@ def test_nulls_openai_allows_mean_the_defaults(server):
     assert (status, status_null) == (200, 200) and null["choices"][0]["text"] == empty["choices"][0]["text"]
     chat = {**base, "messages": [{"role": "user", "content": "hi"}]}
     assert post(server, "/v1/chat/completions", {**chat, "n": None, "stream": None})[0] == 200
+    # our "truncate" too, as its neighbours top_k, min_p... ("Input should be a valid boolean")
+    assert post(server, "/v1/completions", {**base, "prompt": "ab", "truncate": None})[0] == 200
+    assert post(server, "/v1/chat/completions", {**chat, "truncate": None})[0] == 200
 
 
 def test_any_int64_seed_and_top_p_zero_are_taken(server):

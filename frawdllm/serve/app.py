@@ -261,7 +261,6 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
                 "waiting": sum(s.queue_depth for s in schedulers.values())  # (scoring requests too)
                 + sum(s.waiting for s in scorers.values())}
 
-    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # (load-balancer probes)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
@@ -281,6 +280,11 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
     async def retrieve_model(model: str) -> dict:
         scheduler_for(model)  # (a 404 naming the models there are)
         return model_card(model)
+
+    # HEAD wherever GET is (RFC 9110; load balancers and monitors probe with it): headers only
+    for path, endpoint in (("/", page), ("/health", health), ("/metrics", prometheus), ("/v1/models", list_models),
+                           ("/v1/models/{model:path}", retrieve_model)):
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

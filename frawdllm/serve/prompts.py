@@ -112,10 +112,12 @@ def _refuse_unsupported(body: Any) -> None:
         raise no("logit_bias", "is not supported by this server")
     if body.response_format not in (None, {}, {"type": "text"}):
         raise no("response_format", 'is not supported: only {"type": "text"} (this server has no JSON mode)')
-    if getattr(body, "tools", None) or getattr(body, "functions", None) or \
-            getattr(body, "tool_choice", None) not in (None, "none", "auto") or \
-            getattr(body, "function_call", None) not in (None, "none", "auto"):  # (tool_choice's old name)
-        raise no("tools", "are not supported: this server's models have no tool calls")
+    for name in ("tools", "functions"):  # (functions: tools' old name)
+        if getattr(body, name, None):
+            raise no(name, "are not supported: this server's models have no tool calls")
+    for name in ("tool_choice", "function_call"):  # (function_call: tool_choice's old name)
+        if getattr(body, name, None) not in (None, "none", "auto"):
+            raise no(name, 'is not supported: only "none" or "auto" (this server\'s models have no tool calls)')
     if getattr(body, "best_of", None) not in (None, 1):
         raise no("best_of", "is not supported; n gives several completions")
     if getattr(body, "suffix", None):

@@ -55,11 +55,11 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null or {}.")
     response_format: dict | None = Field(None, description='Not supported: only null, {} or {"type": "text"}.')
 
-    @field_validator("n", "stream", "echo", "prompt", mode="before", check_fields=False)
+    @field_validator("n", "stream", "echo", "prompt", "truncate", mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value, info):
         """OpenAI's API declares these nullable, null meaning the default (generated clients
-        send explicit nulls); a null prompt is the empty one."""
+        send explicit nulls); a null prompt is the empty one. Our "truncate" likewise."""
         if value is not None:
             return value
         return "" if info.field_name == "prompt" else cls.model_fields[info.field_name].default
