@@ -378,6 +378,24 @@ def test_int8_models_and_changed_configs_are_not_saved_or_exported(tmp_path):
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_the_split_of_a_record_does_not_depend_on_its_file_format(tmp_path):
+    """Parquet (and `datasets`) fill every column, with nulls where a record has none: hashed
+    with them, the same records fell on other sides of the split than from JSON Lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from frawdllm.align.examples import iter_source
+
+    records = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+               if i % 2 else {"prompt": f"p{i}", "response": f"r{i}"} for i in range(40)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    columns = {name: [r.get(name) for r in records] for name in ("prompt", "response", "messages")}
+    pq.write_table(pa.table(columns), tmp_path / "r.parquet")  # (null-filled columns)
+    from_parquet = list(iter_source(str(tmp_path / "r.parquet"), "sft"))
+    assert any(None in r.values() for _, r, _ in from_parquet)  # (what the case is about)
+    assert [key for _, _, key in iter_source(str(tmp_path / "r.jsonl"), "sft")] == [k for _, _, k in from_parquet]
+
+
 def test_stdlib_instruct_is_built_in_and_split_by_function():
     from frawdllm.align import stdlib_corpus
     from frawdllm.align.examples import is_held_out

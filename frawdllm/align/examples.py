@@ -300,7 +300,18 @@ def is_held_out(key: str, val_fraction: float) -> bool:
 
 
 def record_key(record: object) -> str:
-    return json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
+    """The split key of a record: its JSON without null fields, which count as absent (a
+    record of a JSONL file and the same record from Parquet or `datasets`, which fill every
+    column, with nulls where it has none, fell on different sides of the split)."""
+    return json.dumps(_without_nulls(record), sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _without_nulls(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def check_source(spec: str, kind: str, ignored: list | None = None) -> Iterator[tuple[str, object]] | None:
