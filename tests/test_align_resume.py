@@ -102,3 +102,16 @@ def test_a_checkpoint_without_a_fingerprint_still_resumes_with_a_note(tmp_path, 
     assert f"{run}: its checkpoint records no fingerprint of --init's weights" in err  # (a notice: stderr)
     assert steps_logged(run) == [1, 2, 3]
     assert "init_weights" in ckpt.load_state(ckpt.latest_checkpoint(run))["task"]  # recorded from here on
+
+
+@pytest.mark.parametrize("alpha", [["--lora-alpha", "16"], []], ids=["alpha-given", "alpha-default"])
+def test_a_resume_that_turns_lora_off_names_the_rank(tmp_path, capsys, alpha):
+    """--resume --lora-rank 0 on a LoRA run blamed the run's config.yaml ("lora_alpha scales LoRA
+    adapters: give --lora-rank R too"), or listed an alpha never typed ("lora_alpha=None (the run
+    has 8)"): the rank, which the user changed, is what is named."""
+    _, run = start(tmp_path, capsys, "sft", "--lora-rank", "4", *alpha)
+    code, _, err = run_cli(capsys, "sft", "--out", run, "--resume", "--max-steps", "3", "--lora-rank", "0",
+                           "--no-progress")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "--resume continues the run's own model" in err and "these settings differ: lora_rank=0 (the run has " \
+        "4); drop them" in err, err

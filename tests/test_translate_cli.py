@@ -540,8 +540,8 @@ def test_a_refused_resume_gives_advice_translate_train_has(trained, capsys, tmp_
     code, _, err = run_cli(capsys, "translate", "train", "--out", tmp_path / "run", "--resume", "--max-steps", "9",
                            "--tokenizer", tmp_path / "run" / "tokenizer.json")
     line = _one_line_error(err)
-    assert code == 1 and f"these settings differ: tokenizer='{tmp_path / 'run' / 'tokenizer.json'}' (the run has " \
-        "None)" in line, line
+    assert code == 1 and f"these settings differ: tokenizer='{tmp_path / 'run' / 'tokenizer.json'}' (not set in " \
+        "the run)" in line, line
 
 
 def test_resume_of_a_run_that_is_not_there_says_so(capsys, tmp_path):
