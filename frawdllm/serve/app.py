@@ -261,7 +261,6 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
                 "waiting": sum(s.queue_depth for s in schedulers.values())  # (scoring requests too)
                 + sum(s.waiting for s in scorers.values())}
 
-
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

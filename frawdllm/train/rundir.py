@@ -302,15 +302,15 @@ def _changed_settings(cfg: Any, run_dir: Path) -> dict[str, tuple[Any, Any]]:
         saved = load_config_file(run_dir / CONFIG_FILE)
     except FrawdError:
         return {}
-    raw_now, raw_saved = cfg.to_dict(), saved
-    now, saved = cfg.effective(raw_now), cfg.effective(raw_saved)  # (defaults that depend on others, resolved)
+    typed_now, typed_saved = absolute_paths(cfg.to_dict()), absolute_paths(saved)
+    now, saved = cfg.effective(cfg.to_dict()), cfg.effective(saved)  # (defaults that depend on others, resolved)
     # (paths compared as resolved: written another way then, or given from elsewhere now, the same file)
     resolved_now, resolved_saved = absolute_paths(now), absolute_paths(saved)
     # A change as typed and as used: the default typed is none, nor is a default that moved with
     # another setting (lora_alpha unset, with --lora-rank 0: "lora_alpha=None (the run has 8)").
     return {key: (saved[key], now[key]) for key in now
             if key in saved and key not in RESUME_FREE and resolved_now[key] != resolved_saved[key]
-            and absolute_paths(raw_now).get(key) != absolute_paths(raw_saved).get(key)}
+            and typed_now.get(key) != typed_saved.get(key)}
 
 
 def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
