@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from jaxtyping import Float
+import torch
 from torch import Tensor
 
 from ..config import ModelConfig, Seq2SeqConfig
@@ -201,7 +202,7 @@ def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, d
         data = tensor.detach().float().cpu().numpy()
         kind = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
         if kind != gguf.GGMLQuantizationType.F32:
-            cast_within_range(tensor_name, tensor.detach().float().cpu(), dtype)
+            cast_within_range(tensor_name, torch.from_numpy(data), dtype)
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor_name, np.ascontiguousarray(data))
             continue

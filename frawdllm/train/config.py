@@ -390,13 +390,10 @@ def build_config(cls: type, config_file: str | Path | None = None, flags: dict[s
         return cfg
     except ConfigError as exc:  # a bad value: name the file it came from, when a file gave it
         if saved:  # a resume's flag that changes what the run was trained as: that is what is wrong
-            from .rundir import RESUME_FIXED  # (--lora-rank 0 over the run's alpha blamed its config.yaml)
+            from .rundir import RESUME_FIXED, refuse_fixed  # (--lora-rank 0 over the run's alpha blamed config.yaml)
 
-            fixed = [f"{k}={v!r} (the run has {saved[k]!r})" for k, v in flags.items()
-                     if k in RESUME_FIXED and k in saved and saved[k] != v]
-            if fixed:
-                raise ConfigError(f"{saved_path.parent}: --resume continues the run's own model, tokenizer and "
-                                  f"data order; these settings differ: {', '.join(fixed)}; drop them") from None
+            refuse_fixed(cls, saved_path.parent, [(k, saved[k], v) for k, v in flags.items()
+                                                  if k in RESUME_FIXED and k in saved and saved[k] != v])
         layers = ((flags, model_overrides, None), (from_file, from_file.get("model"), config_file),
                   (saved, saved.get("model"), saved_path))
         source = _source_of(str(exc), layers)

@@ -317,13 +317,17 @@ def _refuse_fixed_changes(cfg: Any, run_dir: Path) -> None:
     """A --resume that changes what the checkpoint was trained as (the model, its tokenizer)
     cannot load it: refused before anything is written, so the run stays resumable."""
     fixed = {k: v for k, v in _changed_settings(cfg, run_dir).items() if k in RESUME_FIXED}
-    listed = [f"{key}={new!r} ({'not set in the run' if old is None else f'the run has {old!r}'})"
-              for key, old, new in _each_change(cfg, fixed)]
-    if listed:
-        listed = ", ".join(listed)
+    refuse_fixed(cfg, run_dir, _each_change(cfg, fixed))
+
+
+def refuse_fixed(cfg: Any, run_dir: Path, changes: list[tuple[str, Any, Any]]) -> None:
+    """One line for a --resume whose `changes` ((setting, value then, value now)) are to what
+    the run was trained as; `cfg` a config, or its class, for the advice."""
+    if changes:
+        listed = ", ".join(f"{key}={new!r} ({'not set in the run' if old is None else f'the run has {old!r}'})"
+                           for key, old, new in changes)
         raise FrawdError(f"{run_dir}: --resume continues the run's own model, tokenizer and data order; "
-                         f"these settings differ: "
-                         f"{listed}; drop them, or {_new_run_advice(cfg, run_dir)}")
+                         f"these settings differ: {listed}; drop them, or {_new_run_advice(cfg, run_dir)}")
 
 
 def _each_change(cfg: Any, settings: dict[str, tuple[Any, Any]]) -> list[tuple[str, Any, Any]]:
