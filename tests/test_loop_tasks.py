@@ -10,7 +10,7 @@ from frawdllm.errors import FrawdError
 from frawdllm.train import Trainer, TrainTask
 from frawdllm.train.checkpoint import latest_checkpoint
 from frawdllm.train.config import TrainConfig
-from frawdllm.train.rundir import read_metrics, task_metric_names
+from frawdllm.train.rundir import metric_panels, plot_losses, read_metrics, task_metric_names
 
 from timing_helpers import FakeTime
 
@@ -71,6 +71,27 @@ def test_named_metrics_are_averaged_over_micro_batches_and_logged(tmp_path):
 
     # loss.png gains a second panel (taller) when the task logs metrics
     assert Image.open(tmp_path / "run" / "loss.png").height > 450
+
+
+def test_metrics_of_other_scales_get_their_own_panels(tmp_path):
+    # DPO logs rewards (about 1) and log-probabilities (tens of nats): one axis would flatten the rewards
+    names = ["rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected", "kl"]
+    assert metric_panels(names) == [("rewards", ["rewards/chosen", "rewards/margins"]),
+                                    ("logps", ["logps/chosen", "logps/rejected"]), ("task metrics", ["kl"])]
+    import json
+
+    from PIL import Image
+
+    heights = []
+    for n, keys in enumerate((["rewards/chosen"], names)):
+        run = tmp_path / f"run{n}"
+        run.mkdir()
+        rows = [{"step": s, "loss": 1.0 / s, **{k: -40.0 if k.startswith("logps") else 0.5 for k in keys}}
+                for s in (1, 2, 3)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        plot_losses(run)
+        heights.append(Image.open(run / "loss.png").height)
+    assert heights[1] >= heights[0] + 500  # three metric panels against one
 
 
 def test_named_metrics_appear_on_the_progress_bar(tmp_path, capsys):

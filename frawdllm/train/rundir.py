@@ -596,17 +596,27 @@ def task_metric_names(records: list[dict[str, Any]]) -> list[str]:
     return list(names)
 
 
+def metric_panels(names: list[str]) -> list[tuple[str, list[str]]]:
+    """The task metrics grouped by their prefix (`rewards/margins` -> `rewards`), one panel a
+    group: log-probabilities (tens of nats) and rewards (about 1) share no useful scale."""
+    panels: dict[str, list[str]] = {}
+    for name in names:
+        prefix, sep, _ = name.partition("/")
+        panels.setdefault(prefix if sep else "task metrics", []).append(name)
+    return list(panels.items())
+
+
 def plot_losses(run_dir: Path, unit: str = "nats/token") -> None:
     """Draw loss.png from metrics.jsonl: the training loss (in `unit`) and the validation
-    points; below them, if the task logs named metrics, those metrics (their `val_` values
-    as points)."""
+    points; below them, if the task logs named metrics, one panel per group of them
+    (their `val_` values as points)."""
     plt = load_pyplot()
 
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    names = task_metric_names(records)
-    fig, axes = plt.subplots(2 if names else 1, 1, figsize=(7, 7 if names else 4), squeeze=False)
+    panels = metric_panels(task_metric_names(records))
+    fig, axes = plt.subplots(1 + len(panels), 1, figsize=(7, 4 + 3 * len(panels)), squeeze=False)
     ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1)
@@ -618,8 +628,8 @@ def plot_losses(run_dir: Path, unit: str = "nats/token") -> None:
     ax.grid(alpha=0.3)
     if train or val:
         ax.legend()
-    if names:
-        ax = axes[1][0]
+    for row, (title, names) in enumerate(panels, start=1):
+        ax = axes[row][0]
         for i, name in enumerate(names):
             color = f"C{i % 10}"
             points = [(r["step"], r[name]) for r in records if r.get(name) is not None and "loss" in r]
@@ -629,7 +639,7 @@ def plot_losses(run_dir: Path, unit: str = "nats/token") -> None:
             if points:
                 ax.plot(*zip(*points), "o", color=color, markersize=4)
         ax.set_xlabel("step")
-        ax.set_ylabel("task metrics (points: validation)")
+        ax.set_ylabel(f"{title} (points: validation)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
