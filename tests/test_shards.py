@@ -206,6 +206,39 @@ def test_shards_or_a_tokenizer_where_the_source_glob_finds_files_are_refused(tmp
         assert code == 0, err
 
 
+def test_an_output_inside_an_hf_folder_or_a_tokenizer_file_a_glob_finds_is_refused(tmp_path, bpe, capsys):
+    """`--data hf:DIR --out DIR/shards` was accepted: `datasets` then read val.bin as a split and
+    the next run failed; `--data 'src/my*' --out src/mytok.json` wrote the tokenizer where the
+    glob reads it as text (the next tokenizer had 62 symbols instead of 18)."""
+    import json
+
+    from cli_helpers import run_cli
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "data.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(20)))
+    bpe.save(tmp_path / "tok.json")
+    data = f"hf:{tmp_path / 'hf'}"
+    for command, out in ((["data", "prepare", "--tokenizer", tmp_path / "tok.json"], tmp_path / "hf" / "shards"),
+                         (["tokenizer", "train", "--kind", "char"], tmp_path / "hf" / "tok")):
+        code, stdout, err = run_cli(capsys, *command, "--data", data, "--out", out)
+        assert (code, stdout) == (1, ""), err
+        assert err == (f"frawd: error: the output folder {out} is inside the source folder {data}: the next run "
+                       f"would read what is written there as corpus text; write it outside {tmp_path / 'hf'}\n")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["data.jsonl"]
+
+    (tmp_path / "src").mkdir()
+    _write_corpus(tmp_path / "src" / "mydata.txt", _corpus(5))
+    pattern, out = str(tmp_path / "src" / "my*"), tmp_path / "src" / "mytok.json"
+    code, stdout, err = run_cli(capsys, "tokenizer", "train", "--kind", "char", "--data", pattern, "--out", out)
+    assert (code, stdout) == (1, ""), err
+    assert err == (f"frawd: error: the output {out} is where the glob {pattern!r} finds files: the next run would "
+                   "read what is written there as corpus text; write it elsewhere\n")
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == ["mydata.txt"]
+    code, _, err = run_cli(capsys, "tokenizer", "train", "--kind", "char", "--data", pattern,
+                           "--out", tmp_path / "src" / "tok.json")  # (a name the glob does not find)
+    assert code == 0, err
+
+
 def test_more_local_workers_than_four_per_cpu_are_refused(tmp_path, bpe, monkeypatch):
     src = _write_corpus(tmp_path / "c.txt", _corpus(5))
     monkeypatch.setattr(shards_module, "usable_cpus", lambda: 2)

@@ -123,6 +123,8 @@ def test_a_glob_reads_the_files_the_folder_form_reads_through_links_and_loops(tm
     assert sources.resolve_files(str(tmp_path / "**" / "*.txt")) == folder
     assert sources.resolve_files(str(tmp_path / "*" / "a.txt")) == [tmp_path / "2024-06" / "a.txt"]
     assert sources.resolve_files(str(tmp_path / "**" / ".*.txt")) == [tmp_path / "2024-06" / ".notes.txt"]
+    # `DIR/**` is every file below DIR, as glob.glob and the folder form read (pathlib's: folders only)
+    assert sources.resolve_files(str(tmp_path / "**")) == folder
     assert sources.resolve_files(str(tmp_path / "2024-06" / "a**")) == [tmp_path / "2024-06" / "a.txt"]  # (in a name)
 
 
@@ -201,6 +203,9 @@ def test_jsonl_bad_line_is_an_error_naming_file_and_line(tmp_path):
     path.write_text('{"text": 5}\n', encoding="utf-8")
     with pytest.raises(FrawdError, match=r"d\.jsonl:1: field 'text' is int"):
         list(iter_documents(str(path)))
+    path.write_text('{"text": null}\n', encoding="utf-8")  # (JSON's name, not Python's NoneType)
+    with pytest.raises(FrawdError, match=r"d\.jsonl:1: field 'text' is null, expected a string"):
+        list(iter_documents(str(path)))
 
 
 def test_invalid_utf8_is_replaced_and_counted_like_pythons_replace_decoder(tmp_path):
@@ -241,7 +246,7 @@ def test_parquet_reads_the_text_column(tmp_path):
     with pytest.raises(FrawdError, match=r"d\.parquet: no column 'body' \(columns: text, n\)"):
         iter_documents(str(path), text_field="body").__next__()
     pq.write_table(pa.table({"text": ["a", None]}), path)
-    with pytest.raises(FrawdError, match="row 2"):
+    with pytest.raises(FrawdError, match="row 2: column 'text' is null, expected a string"):
         list(iter_documents(str(path)))
 
 

@@ -308,6 +308,24 @@ def test_a_shard_folder_with_a_corrupt_meta_json_is_an_error_not_text(corpus, tm
     assert read_shard_meta(text) is None and not is_shard_dir(text)
 
 
+def test_pretrain_counts_the_tokens_of_shards_whose_meta_json_lacks_them(corpus, tmp_path):
+    """A hand-made meta.json without train_tokens/val_tokens ended pretrain in a TypeError
+    (formatting None): the counts are the shards' own."""
+    import json
+
+    tok = train_tokenizer([corpus.read_text(encoding="utf-8")], kind="char")
+    meta = prepare_shards(str(corpus), tok, tmp_path / "shards", val_fraction=0.2)
+    tok.save(tmp_path / "tok.json")
+    pruned = {k: v for k, v in meta.items() if k not in ("train_tokens", "val_tokens")}
+    (tmp_path / "shards" / "meta.json").write_text(json.dumps(pruned))
+    config = write_config(tmp_path, corpus)
+    result = run_cli("pretrain", "--config", str(config), "--data", str(tmp_path / "shards"), "--tokenizer",
+                     str(tmp_path / "tok.json"), "--max-steps", "1", "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    header = (tmp_path / "run" / "config.yaml").read_text().splitlines()[1]  # (the run's model and data)
+    assert header.endswith(f"data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"), header
+
+
 def test_a_command_called_from_a_running_program_gets_its_whole_max_time(corpus, tmp_path, capsys, monkeypatch):
     """main(ARGS) in a program that started long before (a notebook, this test session)
     counted the program's age as the command's start-up: `--max-time 5m` ended after one step

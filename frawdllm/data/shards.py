@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -176,22 +176,25 @@ def check_prepare_options(val_fraction: Any, workers: Any, local: bool = True) -
                          f"this process may use {cpus}), got {workers}: more only wait for a core")
 
 
-def refuse_out_in_source(data: str, out: Path) -> None:
+def refuse_out_in_source(data: str, out: Path, written: Sequence[Path] = ()) -> None:
     """Shards (or a tokenizer) written into the source folder would be read back as part of
     the corpus by the next run (with everything a run writes beside them): one line, before
-    anything is written."""
+    anything is written. `written`: the files a glob must not find (default: what `data
+    prepare` writes into `out`)."""
     if is_glob(data):
-        written = [out / name for name in (TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, META_FILE)]
+        what = f"{written[0]}" if written else f"folder {out}"
+        written = written or [out / name for name in (TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, META_FILE)]
         if any(_glob_matches(Path(os.path.abspath(data)).parts, Path(os.path.abspath(p)).parts) for p in written):
-            raise FrawdError(f"the output folder {out} is where the glob {data!r} finds files: the next run would "
+            raise FrawdError(f"the output {what} is where the glob {data!r} finds files: the next run would "
                              f"read what is written there as corpus text; write it elsewhere")
         return
-    if data == "stdlib" or data.startswith("hf:") or not Path(data).is_dir():
+    folder = hf_local_path(data) if data.startswith("hf:") else None if data == "stdlib" else Path(data)
+    if folder is None or not folder.is_dir():  # (a Hub dataset, or a file: nothing is written into it)
         return
-    source, dest = Path(data).resolve(), out.resolve()
+    source, dest = folder.resolve(), out.resolve()
     if dest == source or source in dest.parents:
         raise FrawdError(f"the output folder {out} is inside the source folder {data}: the next run would read "
-                         f"what is written there as corpus text; write it outside {data}")
+                         f"what is written there as corpus text; write it outside {folder}")
 
 
 def _glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:

@@ -258,6 +258,8 @@ def _glob_files(spec: str) -> list[Path]:
     # (`a**b`: glob.glob's `*`; pathlib takes `**` only as a whole component)
     rest = [part if part == "**" else re.sub(r"\*\*+", "*", part) for part in parts[first:]]
     root, pattern = Path(*parts[:first]) if first else Path("."), Path(*rest)
+    if pattern.parts[-1] == "**":  # (glob.glob's `DIR/**` lists every file below; pathlib's, folders only)
+        pattern = pattern / "*"
     hidden_asked = any(part.startswith(".") for part in pattern.parts)
     if "**" in pattern.parts and root.is_dir():  # (a pattern that walks the tree below root)
         _walk_files(root)  # (the walk refuses a folder it cannot list; pathlib's glob skips it)
@@ -492,6 +494,11 @@ def _clean(text: str, where: str, stats: SourceStats) -> str:
     return cleaned
 
 
+def _kind(value: object) -> str:
+    """A value's type as the file spells it (JSON's and Parquet's null, not Python's NoneType)."""
+    return "null" if value is None else type(value).__name__
+
+
 def _record_text(record: object, text_field: str, where: str) -> str:
     if not isinstance(record, dict):
         raise FrawdError(f"{where}: expected a JSON object with a {text_field!r} field")
@@ -500,7 +507,7 @@ def _record_text(record: object, text_field: str, where: str) -> str:
         raise FrawdError(f"{where}: no field {text_field!r} (fields: {fields}); choose one with --text-field")
     text = record[text_field]
     if not isinstance(text, str):
-        raise FrawdError(f"{where}: field {text_field!r} is {type(text).__name__}, expected a string")
+        raise FrawdError(f"{where}: field {text_field!r} is {_kind(text)}, expected a string")
     return text
 
 
@@ -557,7 +564,7 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
             row += 1
             if not isinstance(text, str):
                 raise FrawdError(f"{path}: row {row}: column {text_field!r} is "
-                                 f"{type(text).__name__}, expected a string")
+                                 f"{_kind(text)}, expected a string")
             if text.strip():
                 yield text
 
@@ -668,7 +675,7 @@ def _hf_rows(dataset, spec: str, text_field: str, stats: SourceStats) -> Iterato
             row += 1
             if not isinstance(text, str):
                 raise FrawdError(f"{spec}: row {row}: column {text_field!r} is "
-                                 f"{type(text).__name__}, expected a string")
+                                 f"{_kind(text)}, expected a string")
             text = _clean(text, spec, stats)
             if text.strip():
                 yield text

@@ -483,8 +483,7 @@ def run_pretraining(cfg: PretrainConfig, callbacks: list | None = None,
         model_cfg = model.config
         start = f"--init-from {cfg.init_from}; " if cfg.init_from else ""
         about = (f"{start}model: {model_cfg.num_parameters:,} parameters, vocab {model_cfg.vocab_size}, context "
-                 f"{model_cfg.context_length}; data: {data.meta.get('train_tokens'):,} train / "
-                 f"{data.meta.get('val_tokens'):,} val tokens")
+                 f"{model_cfg.context_length}; data: {len(data.train):,} train / {len(data.val):,} val tokens")
         task = PretrainTask(data, model_cfg, cfg, context_length=window)  # data too short: refused here
         if not task.can_evaluate and place.is_main:  # (was silent: no val_loss line, nothing said why)
             print(f"warning: the validation split has {len(data.val):,} tokens, fewer than one window of "
