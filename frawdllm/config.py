@@ -86,7 +86,8 @@ class ModelConfig:
             )
         if self.pos_encoding == "rope" and self.head_dim % 2 != 0:  # (RoPE rotates pairs within a head)
             raise ConfigError(
-                f"head_dim = n_embd/n_head = {self.head_dim} must be even for pos_encoding='rope'"
+                f"n_embd ({self.n_embd}) / n_head ({self.n_head}), the head size {self.head_dim}, must be even "
+                "for pos_encoding='rope'"
             )
         if self.pos_encoding == "sinusoidal" and self.n_embd % 2 != 0:
             raise ConfigError(f"n_embd ({self.n_embd}) must be even for sinusoidal positions")

@@ -302,7 +302,7 @@ def check_weights(cfg: ModelConfig, path: Path,
     command that loads a model)."""
     stored = weight_shapes(path)
     if cfg.tie_embeddings and TIED_KEY in stored:
-        stored.pop(TIED_KEY)  # some writers store the tied head twice; the shape is checked below
+        stored.pop(TIED_KEY)  # some writers store the tied head twice; load_model checks it equals the embedding
     held = sum(math.prod(shape) for _, shape in stored.values())
     # Python integers: no overflow whatever config.json says. Close counts go on to the
     # shape comparison below (a better message), which builds the model on the meta device.
@@ -390,6 +390,9 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu", config
     except (SafetensorError, OSError, ValueError) as exc:
         raise FrawdError(f"{path}: not a readable safetensors file ({exc})") from None
     if cfg.tie_embeddings:
+        if TIED_KEY in state and not torch.equal(state[TIED_KEY], state["embed.tok.weight"]):
+            raise FrawdError(f"{path}: holds an {TIED_KEY} that differs from embed.tok.weight, but config.json "
+                             "ties them (tie_embeddings: true): set it to false to load the stored head")
         state[TIED_KEY] = state["embed.tok.weight"]
     model.load_state_dict(state)
     return model.to(device).eval()

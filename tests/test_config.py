@@ -66,7 +66,7 @@ def test_num_parameters_is_exact_for_any_option_combination(
     [
         (dict(n_embd=250, n_head=8), "n_embd"),
         (dict(n_head=8, n_kv_head=3), "n_kv_head"),
-        (dict(n_embd=24, n_head=8, pos_encoding="rope"), "head_dim"),
+        (dict(n_embd=24, n_head=8, pos_encoding="rope"), "head size"),
         (dict(pos_encoding="alibi"), "pos_encoding"),
         (dict(norm_placement="sandwich"), "norm_placement"),
         (dict(use_rope=True, pos_encoding="learned"), "use_rope"),
@@ -197,6 +197,10 @@ def test_a_bad_value_is_named_as_the_user_gave_it_the_flag_or_the_file(tmp_path)
         build_config(PretrainConfig, config, {}, {"n_head": 3})
     config.write_text("preset: tiny\nmodel:\n  n_head: 3\n")
     with pytest.raises(ConfigError, match=r"^\S*run\.yaml: n_embd \(256\) must be divisible by n_head \(3\)$"):
+        build_config(PretrainConfig, config)
+    config.write_text("preset: tiny\nmodel:\n  n_embd: 27\n  n_head: 3\n  use_rope: true\n")  # (was unnamed)
+    with pytest.raises(ConfigError, match=r"^\S*run\.yaml: n_embd \(27\) / n_head \(3\), the head size 9, must be "
+                                          r"even for pos_encoding='rope'$"):
         build_config(PretrainConfig, config)
 
 

@@ -198,6 +198,12 @@ def test_loaded_models_are_in_eval_mode_and_a_tied_head_stored_twice_loads(tmp_p
     save_file({**state, "lm_head.weight": state["embed.tok.weight"].clone()}, tmp_path / "m" / WEIGHTS_FILE)
     loaded = load_model(tmp_path / "m")
     assert torch.equal(loaded.lm_head.weight, state["embed.tok.weight"])
+    # a stored head that differs (an untied model's config.json edited to tied) is not dropped silently
+    other = {**state, "lm_head.weight": state["embed.tok.weight"] + 0.5}
+    save_file(other, tmp_path / "m" / WEIGHTS_FILE)
+    with pytest.raises(FrawdError, match=r"holds an lm_head.weight that differs from embed.tok.weight, but "
+                                         r"config.json ties them \(tie_embeddings: true\): set it to false"):
+        load_model(tmp_path / "m")
 
 
 def test_float64_weights_are_refused(tmp_path):
