@@ -27,6 +27,7 @@ engine's paths) and the reading of /proc/cpuinfo (`cpuinfo_line`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -38,7 +39,7 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -186,15 +187,52 @@ def build(source: Path, what: str = "") -> Path:
         b"\0".join(s.encode() for s in (source_digest(source), " ".join(flags), version, cpu_signature()))
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}_{key}.so"
-    if target.exists():
-        damage = _damage(target)
-        if damage is None:
+    if _cached(target):
+        return target
+    # Processes that need the same library at once (the ranks of `--nproc N`) compile it
+    # once: the others wait here, then find it built.
+    with contextlib.suppress(OSError):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    with _held(target.with_suffix(".lock")):
+        if _cached(target):
             return target
-        print(f"the cached {target} is damaged ({damage}); removing it", file=sys.stderr, flush=True)
-        try:
-            target.unlink()
-        except OSError:  # (a read-only cache: built for this process below)
-            pass
+        return _compile(compiler, flags, source, target, what)
+
+
+def _cached(target: Path) -> bool:
+    """Whether `target` is a whole library; a damaged one is removed (and said)."""
+    if not target.exists():
+        return False
+    damage = _damage(target)
+    if damage is None:
+        return True
+    print(f"the cached {target} is damaged ({damage}); removing it", file=sys.stderr, flush=True)
+    try:
+        target.unlink()
+    except OSError:  # (a read-only cache: built for this process by _compile)
+        pass
+    return False
+
+
+@contextlib.contextmanager
+def _held(lock: Path) -> Iterator[None]:
+    """An exclusive lock on the file `lock` for the block (released when the process ends,
+    however it ends); without one (a read-only cache, no fcntl) the block runs unlocked."""
+    try:
+        import fcntl
+
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
+
+
+def _compile(compiler: str, flags: list[str], source: Path, target: Path, what: str) -> Path:
     when = "once"
     try:  # the folder first: a compile announced must have somewhere to go
         target.parent.mkdir(parents=True, exist_ok=True)

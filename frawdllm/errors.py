@@ -7,6 +7,7 @@ any other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Any
 
@@ -15,6 +16,15 @@ def short_repr(value: Any) -> str:
     """`repr(value)` for an error message, bounded: a YAML alias bomb's list of 10^9 items
     (shared references, cheap to load) took a repr of all of them, and hung the command."""
     return _SHORT.repr(value)
+
+
+def first_line(exc: BaseException, default: str = "", limit: int = 200) -> str:
+    """An exception's first line for a message: without a leading C++ source location (gloo's
+    "[/__w/pytorch/.../pair.cc:553] Connection closed by peer"), cut at a word with "..." past
+    `limit` characters; `default` where it has no text."""
+    text = (str(exc).strip().splitlines() or [default])[0]
+    text = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", text)
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + "..."
 
 
 _SHORT = reprlib.Repr()

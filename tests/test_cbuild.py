@@ -108,6 +108,27 @@ def test_a_build_is_a_working_library_named_by_everything_that_makes_it(tmp_path
     assert len(names) == 5, names
 
 
+def test_processes_that_need_the_same_library_at_once_compile_it_once(tmp_path):
+    """The ranks of `--nproc 2` each compiled the same kernels (25-30 s each on a 2-core AVX2
+    machine, both printing "compiling ... (once)"); one compiles now, the other waits for it.
+    (The compiler here sleeps 2 s first, so that the two builds overlap.)"""
+    source = tmp_path / "lib.c"
+    source.write_text("int frawd_k(void) { return 5; }\n")
+    slow = tmp_path / "cc"
+    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {os.environ.get("CC", "cc")} --version\n'
+                    f'sleep 2\nexec {os.environ.get("CC", "cc")} "$@"\n')
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    load = ("import ctypes, sys; from pathlib import Path; from frawdllm import cbuild; "
+            "p = cbuild.build(Path(sys.argv[1])); print(ctypes.CDLL(str(p)).frawd_k())")
+    env = {**os.environ, "FRAWD_CACHE_DIR": str(tmp_path / "cache"), "CC": str(slow)}
+    procs = [subprocess.Popen([sys.executable, "-c", load, str(source)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert [out for out, _ in results] == ["5\n", "5\n"]
+    assert sum(err.count("compiling lib.c for this CPU (once)...") for _, err in results) == 1, results
+
+
 @pytest.mark.skipif(sys.platform == "darwin", reason="ELF libraries only")
 def test_a_damaged_cached_library_is_built_again_and_the_build_follows_the_umask(tmp_path):
     """A library cut short (a full disk, a copy that stopped) kept its ELF header: loading

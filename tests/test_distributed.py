@@ -371,6 +371,21 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_is_killed(work):
     assert load_state(latest_checkpoint(run))["step"] > 5, out[-3000:]  # (they stopped as at Ctrl-C: a checkpoint)
 
 
+def test_a_sigterm_to_one_rank_stops_the_run_as_one_process_stops(work):
+    """SIGTERM to rank 1 alone: every rank stops at the same step with a checkpoint, and the
+    command exits 130 with the one "interrupted" line (it printed torchrun's failure table
+    naming rank 0, and exited 1)."""
+    run = work / "sigterm-rank"
+    proc = _start([sys.executable, "-m", "frawdllm.cli",
+                   *train_args(work, run, "--nproc", "2", "--max-steps", "100000", "--eval-interval", "5")])
+    ranks = _ranks_once_checkpointed(proc, run, 5)
+    os.kill(ranks[1], signal.SIGTERM)
+    out = _finish(proc, 60, ranks)
+    assert proc.returncode == 130, out[-3000:]
+    assert out.count("interrupted: checkpoint ") == 1 and "Root Cause" not in out, out[-3000:]
+    _assert_loadable(run)
+
+
 def test_under_nohup_a_hangup_leaves_the_run_going_and_a_killed_launcher_still_stops_the_ranks(work):
     """`nohup frawd pretrain --nproc 2`: torchrun's own SIGHUP handler replaced nohup's SIG_IGN
     in the launcher, so a dropped ssh connection ended the run. The ranks ignore SIGHUP as
@@ -455,6 +470,32 @@ def test_what_every_rank_would_refuse_is_one_line_before_torchrun(tmp_path, caps
         assert not (tmp_path / "run").exists()
 
 
+def test_a_lost_ranks_reason_is_gloos_sentence_cut_at_a_word():
+    """gloo's text came with its C++ source location and was cut mid-word at 200 characters
+    ("... Check the logs of the remote wo)")."""
+    from frawdllm.errors import first_line
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:3511. This is typically caused by a remote worker crashing. " + "Check " * 40
+                        + "\nsecond line")
+    line = first_line(gloo)
+    assert line.startswith("Connection closed by peer [127.0.0.1]:3511. This is typically caused")
+    assert line.endswith(" Check...") and len(line) <= 203
+    assert first_line(EOFError(), "EOFError") == "EOFError" and first_line(ValueError("short")) == "short"
+
+
+def test_a_dry_run_with_nproc_shows_each_ranks_share(tmp_path, capsys, monkeypatch):
+    """--dry-run --nproc 2 showed the one-process plan (the whole batch, every thread)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    proc = frawd_here(capsys, ["pretrain", "--nproc", "2", "--max-steps", "3", "--batch-size", "8", "--grad-accum",
+                               "3", "--out", str(tmp_path / "run"), "--dry-run"])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("batch:"))
+    assert lines[at + 1] == "processes:     2 (torchrun, --parallel ddp), each 4 x 3 rows a step and 3 torch threads"
+    assert not (tmp_path / "run").exists()
+
+
 def test_nproc_runs_torchruns_launcher_and_passes_on_how_it_ended(monkeypatch, capsys):
     """`--nproc` calls torch.distributed.run in the frawd process: the ranks get the command
     without --nproc and a share of the cores; a failed rank exits 1 with torchrun's table, a
@@ -500,6 +541,38 @@ def test_nproc_runs_torchruns_launcher_and_passes_on_how_it_ended(monkeypatch, c
     assert args.training_script_args == ["pretrain", "--max-steps", "3"]
     err = capsys.readouterr().err
     assert "rank      : 1" in err and "SIGKILL" in err and "4321" in err
+
+
+def test_ranks_stopped_by_a_signal_or_by_torchrun_are_not_reported_as_failures(monkeypatch, capsys):
+    """A SIGTERM to the ranks (not the launcher) stopped them with a checkpoint, and then the
+    launcher printed torchrun's failure table naming rank 0 (exit code 130) and exited 1; a
+    rank's error at the start came with rank 0's "aborted" and the same table."""
+    from types import SimpleNamespace
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from frawdllm.cli.launch import RANK_ERRORS, relaunch_under_torchrun
+
+    cfg = SimpleNamespace(batch_size=4, grad_accum=1, parallel="ddp", dtype="fp32")
+    monkeypatch.setattr(sys, "argv", ["frawd", "pretrain", "--nproc", "2"])
+    interrupted = "interrupted: checkpoint runs/x/checkpoints/step_00000012; continue with frawd pretrain --out " \
+                  "runs/x --resume"
+    cases = [  # (files the ranks leave, their exit codes, the launcher's status, its stderr)
+        ({"stopped0": interrupted + "\n", "stopped1": ""}, {0: 130, 1: 130}, 130, interrupted + "\n"),
+        ({"rank1": "rank 1: bad data\n", "stopped0": "aborted\n"}, {0: 130, 1: 1}, 1, "frawd: error: rank 1: bad data\n"),
+    ]
+    for files, codes, status, err in cases:
+        def fake_run(args, files=files, codes=codes):
+            for name, text in files.items():
+                Path(os.environ[RANK_ERRORS], name).write_text(text)
+            raise ChildFailedError("frawdllm.cli", {r: ProcessFailure(r, 4000 + r, c, "<N/A>") for r, c in codes.items()})
+
+        monkeypatch.setattr(torchrun, "run", fake_run)
+        with pytest.raises(SystemExit) as stop:
+            relaunch_under_torchrun(2, cfg)
+        assert stop.value.code == status
+        assert capsys.readouterr().err.split("\n", 1)[1] == err  # (after "launching 2 processes")
 
 
 def _torchrun_with_extra_args_on_rank_1(tmp_path: Path, args: list[str], extra: list[str]) -> tuple[int, list, float]:

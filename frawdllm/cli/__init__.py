@@ -266,7 +266,11 @@ def main(argv: list[str] | None = None) -> None:
         say_error(_one_line(describe_os_error(exc)))
         sys.exit(1)
     except click.exceptions.Abort:
-        if os.environ.get("RANK", "0") == "0":  # (under torchrun every rank gets the Ctrl-C: one line)
+        from .launch import rank_stopped
+
+        # (under --nproc the launcher says it, after any rank's error; under torchrun every rank
+        # gets the Ctrl-C: one line)
+        if not rank_stopped("aborted") and os.environ.get("RANK", "0") == "0":
             click.echo("aborted", err=True)
         sys.exit(130)
     except click.UsageError as exc:  # a bad flag or value: one line, like every other error
@@ -282,7 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        from .launch import rank_stopped
+
+        if not rank_stopped("interrupted"):
+            click.echo("interrupted", err=True)
         sys.exit(130)
     except RecursionError:  # (a RuntimeError: before the bug-traceback rule below)
         say_error("an input file nests too deeply to read (JSON or YAML of thousands of levels: "

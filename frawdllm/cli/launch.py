@@ -61,10 +61,7 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would give every rank 1 thread (and warn)
-        import torch
-
-        os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // nproc))  # the cores, shared out
+    os.environ["OMP_NUM_THREADS"] = str(rank_threads(nproc))  # (torchrun would give every rank 1, and warn)
     # torchrun stops the ranks at SIGHUP too (its --signals-to-handle), which under `nohup` would
     # replace nohup's SIG_IGN: a dropped ssh connection ended a `nohup frawd ... --nproc N` run
     signals = [] if not _hangup_ignored() else ["--signals-to-handle=SIGTERM,SIGINT,SIGQUIT"]
@@ -85,21 +82,68 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
             run(args)
         except ChildFailedError as exc:
             said, lost = _rank_errors(Path(errors), "rank"), _rank_errors(Path(errors), "lost")
+            stopped = _rank_errors(Path(errors), "stopped")  # by a signal: torchrun's, or a user's
+            if not said and not lost and set(exc.failures) <= set(stopped):
+                # the ranks themselves were signalled (not this launcher): stopped as one process
+                # stops, rank 0 having said where the checkpoint is (or "aborted")
+                _say_once(stopped)
+                raise SystemExit(130) from None
             # a rank that saw another leave ("rank 0 did not finish the run's start", "lost the
             # other ranks") is said only where the one that left said nothing
-            shown = said or lost
-            for line in dict.fromkeys(line for lines in shown.values() for line in lines):  # each once, rank order
-                click.echo(f"frawd: error: {line}", err=True)
-            if not set(exc.failures) <= set(said) | set(lost):  # a rank that ended without saying why: torchrun's report
-                click.echo(str(exc), err=True)  # (names each failed rank, its exit code or signal)
+            _say_once(said or lost, "frawd: error: ")
+            if not set(exc.failures) <= set(said) | set(lost) | set(stopped):
+                click.echo(str(exc), err=True)  # a rank that ended without saying why: torchrun's report
             raise SystemExit(1) from None
-        except SignalException as exc:  # the ranks were stopped (Ctrl-C, SIGTERM)
+        except SignalException as exc:  # this launcher was stopped (Ctrl-C, SIGTERM), and the ranks with it
+            _say_once(_rank_errors(Path(errors), "stopped"))
             raise SystemExit(128 + int(exc.sigval)) from None
         finally:
             for name, level in levels.items():
                 logging.getLogger(name).setLevel(level)
             os.environ.pop(RANK_ERRORS, None)
     raise SystemExit(0)
+
+
+def rank_threads(nproc: int) -> int:
+    """The torch threads each of `nproc` ranks gets: OMP_NUM_THREADS where the user set it,
+    else this process's cores shared out."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    import torch
+
+    return max(1, torch.get_num_threads() // nproc)
+
+
+def ranks_plan(cfg: Any, nproc: int) -> str:
+    """`--dry-run --nproc N`'s line: the ranks, each one's share of the batch and its threads."""
+    from ..train.distributed import batch_layout
+
+    micro, accum = batch_layout(cfg.batch_size, cfg.grad_accum, nproc)
+    threads = rank_threads(nproc)
+    return (f"processes:     {nproc} (torchrun, --parallel {cfg.parallel}), each {micro} x {accum} rows a step "
+            f"and {threads} torch thread{'s' if threads != 1 else ''}")
+
+
+def _say_once(lines_by_rank: dict[int, list[str]], prefix: str = "") -> None:
+    """Each different line once, in rank order."""
+    for line in dict.fromkeys(line for lines in lines_by_rank.values() for line in lines):
+        click.echo(f"{prefix}{line}", err=True)
+
+
+def rank_stopped(line: str | None = None) -> bool:
+    """On a rank `--nproc` started: note for the launcher that this rank stops at a signal,
+    with `line` to say for it once (None: nothing; rank 0 said it); True if noted. Elsewhere
+    (one process, or the user's own torchrun) False: the caller says it itself."""
+    folder = os.environ.get(RANK_ERRORS)
+    if not (folder and os.path.isdir(folder) and "RANK" in os.environ):
+        return False
+    try:
+        with open(os.path.join(folder, f"stopped{int(os.environ['RANK'])}"), "a", encoding="utf-8") as f:
+            f.write("" if line is None else line + "\n")
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _hangup_ignored() -> bool:
@@ -137,10 +181,15 @@ def train_on_this_rank(train: Callable[[], object], command: str, cfg: Any) -> N
         os._exit(1)
     finally:
         distributed.teardown()
+    interrupted = result.stop_reason == "interrupted"
     if rank != 0:  # rank 0 reports for all
+        if interrupted:  # every rank stopped at the signal: each exits as rank 0 does
+            rank_stopped()
+            raise SystemExit(130)
         return
     click.echo(result.summary())
-    if result.stop_reason == "interrupted":
-        click.echo(f"interrupted: checkpoint {result.checkpoint}; continue with "
-                   f"frawd {command} --out {cfg.out} --resume", err=True)
+    if interrupted:
+        line = f"interrupted: checkpoint {result.checkpoint}; continue with frawd {command} --out {cfg.out} --resume"
+        if not rank_stopped(line):  # (under --nproc the launcher says it, once)
+            click.echo(line, err=True)
         raise SystemExit(130)

@@ -58,8 +58,14 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
         if nproc is not None:
             from ..train.distributed import check_ranks
 
-            check_ranks(cfg, nproc)
-        for line in dry_run_plan(cfg):
+            check_ranks(cfg, nproc)  # (before the plan, which may measure the machine)
+        lines = dry_run_plan(cfg)
+        if nproc is not None:
+            from .launch import ranks_plan
+
+            at = next(i for i, line in enumerate(lines) if line.startswith("batch:")) + 1
+            lines.insert(at, ranks_plan(cfg, nproc))
+        for line in lines:
             click.echo(line)
         return
     if nproc is not None:

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import FrawdError
+from ..errors import FrawdError, first_line
 from ..io import atomic_dir, clean_partial
 from ..modeldir import CONFIG_FILE, WEIGHTS_FILE
 
@@ -136,7 +136,7 @@ def load_state(path: Path) -> dict:
                          "values, which are not loaded (a damaged or tampered file)") from None
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError) as exc:
         detail = "not a file torch.save wrote" if isinstance(exc, (KeyError, IndexError)) else \
-            (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]  # (an EOFError has no text)
+            first_line(exc, type(exc).__name__)  # (an EOFError has no text)
         raise FrawdError(f"{file}: cannot read the training state ({detail})") from None
     if not isinstance(state, dict):
         raise FrawdError(f"{file}: not a training state (a {type(state).__name__}, not a dict)")

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..errors import FrawdError, RankLost
+from ..errors import FrawdError, RankLost, first_line
 from ..orphans import signal_when_parent_dies
 from .config import PARALLEL_CHOICES
 
@@ -516,7 +516,7 @@ def _checkpoint_failures(path: Path, doing: str):
         first = failures[0]
         if isinstance(first, OSError):
             raise first from None
-        detail = (str(first).strip().splitlines() or [""])[0][:200]
+        detail = first_line(first)
         raise FrawdError(f"{path}: cannot {doing} the sharded checkpoint ({type(first).__name__}"
                          f"{': ' + detail if detail else ''})") from None
 

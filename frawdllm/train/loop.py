@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..errors import FrawdError, counted
+from ..errors import FrawdError, counted, first_line
 from ..io import atomic_dir
 from ..seeds import torch_seed
 from . import checkpoint as ckpt
@@ -539,7 +539,7 @@ class Trainer:
             if not (self.dist.active and distributed.is_rank_failure(exc)):
                 raise
             last = ckpt.latest_checkpoint(self.run_dir)
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            first = first_line(exc, type(exc).__name__)
             raise distributed.RankLost(
                 f"rank {self.dist.rank}: lost the other ranks at step {self.step + 1} ({first}); "
                 + (f"the last checkpoint is {last}: continue with --resume" if last else "no checkpoint yet")) from None
@@ -1000,7 +1000,7 @@ class Trainer:
             with torch.no_grad(), autocast(self.device, self.dtype):
                 samples = self.task.samples(whole, next(whole.parameters()).device)
         except Exception as error:  # noqa: BLE001 - said, and the run goes on
-            first = (str(error).strip().splitlines() or [""])[0][:200]
+            first = first_line(error)
             why = first if isinstance(error, FrawdError) else f"{type(error).__name__}: {first}"
             self._warn(f"step {self.step}: no sample ({why})")
             return
@@ -1084,7 +1084,7 @@ class Trainer:
         try:
             self._restore(path, state)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a damaged or foreign state
-            detail = (str(exc).strip().splitlines() or [""])[0][:200]
+            detail = first_line(exc)
             raise FrawdError(f"{where}: not a training state this run can resume ({type(exc).__name__}"
                              f"{': ' + detail if detail else ''})") from None
 
