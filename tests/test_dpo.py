@@ -48,6 +48,7 @@ def test_policy_equal_to_reference_gives_ln2_and_zero_rewards():
     loss, metrics = dpo_loss(pc, pr, pc.clone(), pr.clone(), beta=0.1)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
     assert metrics["rewards/chosen"].item() == 0 and metrics["rewards/margins"].item() == 0
+    assert metrics["rewards/accuracies"].item() == 0  # a tie is not a preference (TRL: chosen > rejected)
 
 
 class FakeHFModel:
@@ -218,6 +219,30 @@ def test_the_task_keeps_its_reference_frozen_outside_the_optimizer(tmp_path):
     trainer.fit()
     assert all(torch.equal(before[k], v) for k, v in task.reference.state_dict().items())
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_tasks_ipo_loss_normalises_by_each_answers_trained_tokens(tmp_path):
+    """IPO divides each log-ratio by its answer's length: the tokens that carry loss, not
+    the whole row (the prompt's tokens too)."""
+    tok = byte_tokenizer()
+    model = tiny_model()
+    cfg = DPOConfig(data=str(write_jsonl(tmp_path / "p.jsonl", word_prefs(20))), out=str(tmp_path / "run"),
+                    progress=False, max_steps=2, device="cpu", dtype="fp32", compile="false", sample_tokens=0,
+                    val_fraction=0.0, loss_type="ipo")
+    train, val, _ = load_pairs(cfg, tok, 64)
+    task = DPOTask(train, val, model, tok, cfg, 64)
+    with torch.no_grad():  # the policy moves away from its reference
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    batch = task._batch(train, [0, 1, 2, 3], "train")
+    pc, pr = sequence_logps(model, batch["tokens"], batch["targets"]).chunk(2)
+    with torch.no_grad():
+        rc, rr = sequence_logps(task.reference, batch["tokens"], batch["targets"]).chunk(2)
+    answers = [len(p.chosen) for p in train[:4]], [len(p.rejected) for p in train[:4]]
+    by_hand = sum(((pc[i] - rc[i]) / answers[0][i] - (pr[i] - rr[i]) / answers[1][i] - 1 / (2 * cfg.beta)) ** 2
+                  for i in range(4)) / 4
+    loss, _ = task.loss(model, batch)
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
 
 
 def test_a_precompute_that_cannot_end_within_max_time_is_refused_at_once(tmp_path, monkeypatch):

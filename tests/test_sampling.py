@@ -65,6 +65,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p, expected):
     (0.29, {1, 2, 3}),  # threshold 0.145 < 0.15
     (0.31, {1, 3}),
     (0.61, {1}),  # threshold 0.305 > 0.3
+    (1.0, {1}),  # the top token's own probability: it alone stays (none, with <=: sampling then failed)
 ])
 def test_min_p_keeps_tokens_above_a_fraction_of_the_top_probability(min_p, expected):
     assert kept(min_p_filter(logits_of(PROBS), min_p)) == expected
@@ -272,6 +273,9 @@ def test_the_extreme_accepted_values_keep_probabilities_finite():
         assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
         assert int(sample_next(logits, params, make_generator(0), seen)) == int(probs.argmax())
     SamplingParams(seed=2**64 - 1)  # the largest seed torch takes
+    SamplingParams(temperature=1e-4)  # the documented bound, as a number: 1e-4 in, below it out
+    with pytest.raises(ConfigError, match=r"temperature must be 0 \(greedy\) or a finite number >= 0.0001"):
+        SamplingParams(temperature=9e-5)
 
 
 

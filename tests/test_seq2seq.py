@@ -467,6 +467,25 @@ def test_an_ended_hypothesis_counts_its_eos_in_the_length_penalty(monkeypatch):
     assert beam_search(model, src, mask, beam_size=2, alpha=0.0)[0] == [A]  # (the better sum, unnormalised)
 
 
+def test_val_bleu_scores_each_translation_against_its_own_reference(monkeypatch):
+    """Translations equal to their references score 100: the n translated sentences are
+    scored against the same n references, in order (a shifted list scores near 0)."""
+    from frawdllm.train import translation
+    from frawdllm.train.translation import TranslationTask, ValidationSet
+
+    refs = ["the cat sat on the mat today", "a dog ran far away from home", "two birds sing in the old tree",
+            "my friend reads a long book"]
+    pairs = [([5 + i, 6, 7], [8, 9]) for i in range(4)]
+    by_source = {tuple(src): ref for (src, _), ref in zip(pairs, refs)}
+    monkeypatch.setattr(translation, "translate_texts",
+                        lambda model, tokenizer, sources, **options: [by_source[tuple(s)] for s in sources])
+    task = TranslationTask(model_for("paper").config, None, pairs, ValidationSet(pairs, ["s"] * 4, refs),
+                           tokens_per_batch=1000, bleu_sentences=3)
+    task.cursor = 1  # (trained: an untrained model's evaluation skips BLEU)
+    with torch.no_grad():
+        assert task.evaluate(model_for("paper"), torch.device("cpu"))["val_bleu"] == 100.0
+
+
 def test_length_limit_is_source_length_plus_max_extra():
     model = model_for("paper")
     src, mask = pad_batch([[5, 6, 7]], 0)

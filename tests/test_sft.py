@@ -497,6 +497,36 @@ def test_a_step_is_one_batch_however_it_is_cut_into_micro_batches(tmp_path, caps
             assert (p - q).abs().max() < 1e-5, (batch, name)
 
 
+def test_a_steps_loss_and_val_loss_are_the_mean_over_trained_tokens(tmp_path):
+    """Against plain cross-entropy over the answer tokens (unpacked rows: the model's own
+    forward): the training loss divides by the trained tokens, not all of a row's; val_loss
+    weighs every trained token alike, not each batch's mean."""
+    from frawdllm.align.sft import SFTTask
+
+    tok = byte_tokenizer()
+    model = tiny_model().eval()
+    chats = [{"prompt": f"say {i}", "response": "x" if i % 2 else "long answer " * 3} for i in range(80)]
+    cfg = SFTConfig(data=str(write_jsonl(tmp_path / "c.jsonl", chats)), out=str(tmp_path / "run"), batch_size=3,
+                    pack=False, val_fraction=0.2, eval_batches=4, progress=False, device="cpu", dtype="fp32",
+                    compile="false", sample_tokens=0)
+    train, val, _ = load_examples(cfg, tok, 64)
+    task = SFTTask(train, val, model, tok, cfg, 64)
+
+    def plain(batches):
+        with torch.no_grad():
+            logits = torch.cat([model(b["tokens"])[0].flatten(0, 1) for b in batches])
+        return F.cross_entropy(logits, torch.cat([b["targets"].flatten() for b in batches]), ignore_index=-100)
+
+    batch = task.next_batch()
+    with torch.no_grad():
+        assert task.loss(model, batch).item() == pytest.approx(plain([batch]).item(), rel=1e-5)
+    counts = {int((b["targets"] != -100).sum()) for b in task.val_batches}
+    assert len(task.val_batches) >= 2 and len(counts) >= 2  # (the test can tell the two means apart)
+    with torch.no_grad():  # (as the loop evaluates)
+        val_loss = task.evaluate(model, torch.device("cpu"))["val_loss"]
+    assert val_loss == pytest.approx(plain(task.val_batches).item(), rel=1e-5)
+
+
 def test_sft_and_dpo_keep_the_init_models_sampling_defaults(tmp_path, capsys):
     """`--init`'s generation_config.json (an imported model's temperature and top-p) was
     not in the fine-tuned model: chat and generate fell back to temperature 1."""

@@ -76,6 +76,21 @@ def test_the_first_stop_string_to_complete_ends_the_text(byte_tok):
     assert "".join(push_all(stream, byte_tok.encode("abcdef"))) == "ab"
 
 
+def test_of_two_stop_strings_in_one_token_the_earlier_ends_the_text():
+    """One token can bring several stop strings at once (BPE merges text with punctuation):
+    the text ends at the earliest, whichever stop string is listed first."""
+
+    class Pieces:
+        pieces = ["x", "A.b\nc"]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.pieces[i] for i in ids)
+
+    for stop in (["\n", "."], [".", "\n"]):
+        stream = TextStream(Pieces(), stop=stop)
+        assert "".join(push_all(stream, [0, 1])) == "xA" and stream.stopped
+
+
 def test_held_back_text_is_flushed_at_the_end(byte_tok):
     stream = TextStream(byte_tok, stop=["STOP"])
     assert "".join(push_all(stream, byte_tok.encode("ends with ST"))) == "ends with ST"
