@@ -266,8 +266,10 @@ def _temporary_in(make: Any, path: Path) -> str:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it onto `path` if the block succeeds."""
+def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` if the block succeeds.
+    `replace` False: a `path` that appeared meanwhile (another process writing it, checked
+    for before the work began) is refused, not replaced: one of the two outputs was lost."""
     path = Path(path)
     _refuse_dangling_link(path)
     with undo_on_error(path.parent):
@@ -279,12 +281,34 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
                 if _fsync_wanted():
                     sync_path(tmp_path)
             _publish_mode(tmp_path, directory=False)
-            os.replace(tmp_path, path)
+            if replace:
+                os.replace(tmp_path, path)
+            else:
+                _publish_new(tmp_path, path)
             if _fsync_wanted():
                 sync_path(path.parent)
         finally:
             if tmp_path.exists():
                 tmp_path.unlink()
+
+
+def _publish_new(tmp_path: Path, path: Path) -> None:
+    """Give `tmp_path` the name `path` only if nothing has it: a hard link fails on an
+    existing name, where a rename would replace it (where links are not supported, a check
+    then a rename)."""
+    try:
+        os.link(tmp_path, path)
+    except FileExistsError:
+        raise FrawdError(f"{path} exists (written meanwhile by another process); choose a new path "
+                         "(or --overwrite)") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(path):
+            raise FrawdError(f"{path} exists (written meanwhile by another process); choose a new path "
+                             "(or --overwrite)") from None
+        os.replace(tmp_path, path)
+    # (the caller's cleanup unlinks tmp_path, the second name of the published file)
 
 
 def is_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
@@ -434,8 +458,8 @@ def remove_tree_or_warn(folder: Path, what: str) -> bool:
     return False
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
+def write_text_atomic(path: str | os.PathLike, text: str, replace: bool = True) -> None:
+    with atomic_path(path, replace=replace) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 

@@ -361,7 +361,18 @@ def _weights_path(directory: str | Path) -> Path:
     path = Path(directory) / WEIGHTS_FILE
     if not path.exists() and not path.is_symlink():
         raise FrawdError(f"{path}: missing weights file")
-    return model_file(directory, WEIGHTS_FILE)
+    return readable(model_file(directory, WEIGHTS_FILE))
+
+
+def readable(path: Path) -> Path:
+    """`path`, once opened for reading: safetensors calls a file it may not read "No such file
+    or directory"."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise FrawdError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return path
 
 
 def first_non_finite(model: torch.nn.Module) -> str | None:

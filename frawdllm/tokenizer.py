@@ -369,12 +369,13 @@ class Tokenizer:
         return self
 
     # ---- files ------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Write tokenizer.json atomically (`path` is the file, or a directory to hold it)."""
+    def save(self, path: str | Path, replace: bool = True) -> None:
+        """Write tokenizer.json atomically (`path` is the file, or a directory to hold it);
+        `replace` False: refuse a file that another process wrote there meanwhile."""
         path = Path(path)
         if path.is_dir():
             path = path / TOKENIZER_FILE
-        write_text_atomic(path, self.to_json())
+        write_text_atomic(path, self.to_json(), replace=replace)
 
     def to_json(self) -> str:
         """The tokenizer.json text (what `save` writes)."""
@@ -392,14 +393,18 @@ class Tokenizer:
             path = path / TOKENIZER_FILE
         if not path.is_file():
             raise FrawdError(f"tokenizer not found: {path}")
+        try:  # (read here: the tokenizers library called an unreadable file "not valid JSON", and
+            raw = path.read_bytes()  # takes no path that is not UTF-8)
+        except OSError as exc:
+            raise FrawdError(f"{path}: cannot read ({exc.strerror or exc})") from None
         try:
-            backend = _HFTokenizer.from_file(str(path))
+            backend = _HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             try:  # its message reads as a JSON syntax error even for JSON that is not a tokenizer
-                json.loads(path.read_bytes())
+                json.loads(raw)
                 what = f"JSON, but not a tokenizer (the tokenizers library: {first_line})"
-            except (ValueError, OSError):
+            except ValueError:
                 what = f"not valid JSON ({first_line})"
             raise FrawdError(f"{path}: not a valid tokenizer.json: {what}") from None
         return cls(backend)

@@ -48,6 +48,19 @@ def test_a_reader_that_leaves_ends_the_command_quietly_as_sigpipe_does(model_dir
     assert err == ""
 
 
+@pytest.mark.parametrize("args, closed", [(["info", "--preset", "tiny"], ">&-"), (["generate"], ">&-"),
+                                          (["chat"], "<&-")], ids=lambda v: v if isinstance(v, str) else v[0])
+def test_a_closed_stdout_or_stdin_is_no_traceback(model_dir, args, closed):
+    """`frawd info >&-` ended in AttributeError tracebacks (Python's sys.stdout is None for a
+    closed descriptor), after an export or a tokenizer had been written; `chat <&-` too."""
+    if args[0] != "info":
+        args = [*args, "--model", str(model_dir), *(["--prompt", "Hello", "--max-new-tokens", "5"]
+                                                    if args[0] == "generate" else [])]
+    proc = subprocess.run(["sh", "-c", f'"$@" {closed}', "sh", *FRAWD, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, stdin=None if closed == "<&-" else subprocess.DEVNULL)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 # `frawd data prepare` whose first write of a shard waits 3 s: the test's signal comes then.
 SLOW_PREPARE = """
 import sys, time

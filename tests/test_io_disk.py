@@ -510,6 +510,26 @@ def test_a_writer_that_finishes_second_does_not_replace_the_first_ones_output(tm
     assert os.listdir(out) == ["who"]
 
 
+@pytest.mark.parametrize("links", [True, False])
+def test_a_file_writer_that_finishes_second_without_overwrite_is_refused(tmp_path, monkeypatch, links):
+    """Two `tokenizer train` (or GGUF exports) to one new --out: both said "wrote", and the
+    second file silently replaced the first. Without --overwrite (replace=False) the second
+    is refused; with it, it replaces. (Where hard links are not supported: checked, then renamed.)"""
+    if not links:
+        def no_links(src, dst):
+            raise OSError(errno.EPERM, "links not supported")
+        monkeypatch.setattr(os, "link", no_links)
+    out = tmp_path / "tokenizer.json"
+    with pytest.raises(FrawdError, match=rf"^{re.escape(str(out))} exists \(written meanwhile by another process\); "
+                                         r"choose a new path \(or --overwrite\)$"):
+        with atomic_path(out, replace=False) as first:
+            first.write_text("first")
+            write_text_atomic(out, "second", replace=False)
+    assert out.read_text() == "second" and os.listdir(tmp_path) == ["tokenizer.json"]
+    write_text_atomic(out, "third")  # (replace=True: --overwrite)
+    assert out.read_text() == "third" and os.listdir(tmp_path) == ["tokenizer.json"]
+
+
 def test_an_inner_writes_error_names_the_file_as_it_will_be_called(tmp_path):
     """A full disk under an inner atomic write named `OUT/.model.6w70wn7u.tmp/model.safetensors`."""
     out = tmp_path / "model"

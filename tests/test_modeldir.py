@@ -206,6 +206,24 @@ def test_loaded_models_are_in_eval_mode_and_a_tied_head_stored_twice_loads(tmp_p
         load_model(tmp_path / "m")
 
 
+def test_unreadable_weights_are_said_so_not_called_missing(tmp_path, monkeypatch):
+    """safetensors calls a file it may not read "No such file or directory"."""
+    from frawdllm import modeldir
+    from frawdllm.modeldir import load_model
+
+    tiny().save_pretrained(tmp_path / "m")
+    real_open = open
+
+    def denied(file, *args, **kwargs):  # (the tests run as root: chmod 000 still reads)
+        if str(file).endswith(WEIGHTS_FILE):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(modeldir, "open", denied, raising=False)
+    with pytest.raises(FrawdError, match=rf"{WEIGHTS_FILE}: cannot read \(Permission denied\)$"):
+        load_model(tmp_path / "m")
+
+
 def test_float64_weights_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

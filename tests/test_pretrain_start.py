@@ -515,6 +515,24 @@ def test_a_relative_out_is_saved_absolute_and_resumes_from_anywhere(corpus, tmp_
     assert not (elsewhere / "runs").exists()
 
 
+def test_config_yaml_keeps_non_ascii_paths_and_quotes_its_rerun_line(tmp_path):
+    """A run folder with a space broke the rerun line once copied; non-ASCII paths were written
+    as "donn\\xE9es" escapes."""
+    import shlex
+
+    import yaml
+
+    from frawdllm.train.config import PretrainConfig, dump_yaml
+    from frawdllm.train.rundir import rerun_line
+
+    run = tmp_path / "run ä"
+    line = rerun_line("pretrain", run)
+    assert shlex.split(line[2:])[4] == str(run / "config.yaml")  # (# rerun: frawd pretrain --config PATH ...)
+    text = dump_yaml(PretrainConfig(data=str(tmp_path / "données.txt"), out=str(run), max_steps=1), line)
+    assert "données.txt" in text and "run ä" in text
+    assert yaml.safe_load(text)["data"] == str(tmp_path / "données.txt")
+
+
 def test_tokenizer_training_is_said_on_stderr(corpus, tmp_path, capsys):
     """Like every other note before the bar moves (it went to stdout)."""
     run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=1, progress=True))

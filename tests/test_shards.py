@@ -239,6 +239,36 @@ def test_an_output_inside_an_hf_folder_or_a_tokenizer_file_a_glob_finds_is_refus
     assert code == 0, err
 
 
+def test_a_link_loop_or_a_name_that_is_not_utf8_is_one_line_or_read(tmp_path, bpe, capsys):
+    """A loop of symbolic links as --data ended `data prepare` in a RuntimeError traceback; a
+    file named in Latin-1 inside a source folder in a UnicodeEncodeError (its path hashed as
+    UTF-8); such a name given as an argument is refused in one line (files written with it
+    would fail later: config.yaml, meta.json)."""
+    import os
+
+    from cli_helpers import run_cli
+
+    (tmp_path / "loopA").symlink_to("loopB")
+    (tmp_path / "loopB").symlink_to("loopA")
+    bpe.save(tmp_path / "tok.json")
+    code, stdout, err = run_cli(capsys, "data", "prepare", "--data", tmp_path / "loopA", "--tokenizer",
+                                tmp_path / "tok.json", "--out", tmp_path / "out")
+    assert (code, stdout) == (1, "")
+    assert err == f"frawd: error: data source {str(tmp_path / 'loopA')!r} is a loop of symbolic links\n"
+    (tmp_path / "src").mkdir()
+    _write_corpus(tmp_path / "src" / os.fsdecode(b"lat\xe9.txt"), _corpus(20))
+    code, _, err = run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer",
+                           tmp_path / "tok.json", "--out", tmp_path / "out")
+    assert code == 0, err
+    latin = os.fsdecode(os.fsencode(tmp_path) + b"/out\xe9")
+    code, stdout, err = run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer",
+                                tmp_path / "tok.json", "--out", latin)
+    assert (code, stdout) == (1, "")
+    assert err == (f"frawd: error: the argument {ascii(latin)} is not valid UTF-8 (a name in another encoding?): "
+                   "rename the file or folder\n")
+    assert not os.path.exists(latin)
+
+
 def test_more_local_workers_than_four_per_cpu_are_refused(tmp_path, bpe, monkeypatch):
     src = _write_corpus(tmp_path / "c.txt", _corpus(5))
     monkeypatch.setattr(shards_module, "usable_cpus", lambda: 2)

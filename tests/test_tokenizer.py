@@ -195,6 +195,26 @@ def test_load_names_the_missing_or_corrupt_file(tmp_path):
         Tokenizer.load(bad)
 
 
+
+def test_an_unreadable_tokenizer_is_said_so_and_a_path_in_another_encoding_loads(tmp_path, monkeypatch):
+    """An unreadable tokenizer.json was "not valid JSON (Permission denied)"; one in a folder
+    named in Latin-1 was "JSON, but not a tokenizer" (the library takes no such path)."""
+    import os
+    import pathlib
+
+    folder = tmp_path / os.fsdecode(b"tok\xe9")
+    folder.mkdir()
+    byte_tokenizer().save(folder)
+    assert Tokenizer.load(folder).vocab_size == byte_tokenizer().vocab_size
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", denied)  # (the tests run as root: chmod 000 reads)
+    with pytest.raises(FrawdError, match=r"tokenizer.json: cannot read \(Permission denied\)$"):
+        Tokenizer.load(folder)
+
+
 def test_training_rejects_bad_inputs():
     with pytest.raises(FrawdError, match="not one str: pass \\[text\\]"):  # (trained by character: no merges)
         train_tokenizer("one long text " * 50, "bpe", vocab_size=300)

@@ -201,6 +201,9 @@ PATH_OPTIONS = frozenset({"--data", "--out", "--model", "--tokenizer", "--src", 
                           "--from-hf"})
 
 
+_UNDECODED = re.compile("[\udc80-\udcff]")  # the bytes of an argument that were not UTF-8 (surrogateescape)
+
+
 def empty_path_option(args: list[str]) -> str | None:
     """The first of PATH_OPTIONS given an empty value in `args`, if any."""
     for i, arg in enumerate(args):
@@ -237,6 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     global _called_at
     _called_at = None if argv is None else time.perf_counter()
 
+    # A closed descriptor (`frawd info >&-`, `frawd chat <&-`) is None in sys: tracebacks in
+    # every command that prints or reads. It reads as empty and writes go nowhere instead.
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115 (for the process)
     # Output that the terminal's encoding cannot show (PYTHONIOENCODING=latin-1, a C locale)
     # is written as \u65e5 escapes instead of crashing the command.
     for stream in (sys.stdout, sys.stderr):
@@ -253,9 +261,14 @@ def main(argv: list[str] | None = None) -> None:
 
     one_line_warnings()
     try:
-        empty = empty_path_option(sys.argv[1:] if argv is None else list(argv))
+        args = sys.argv[1:] if argv is None else list(argv)
+        empty = empty_path_option(args)
         if empty is not None:
             raise click.UsageError(f"{empty} is empty: give a path (an unset shell variable?)")
+        undecodable = next((arg for arg in args if isinstance(arg, str) and _UNDECODED.search(arg)), None)
+        if undecodable is not None:  # (Python keeps such bytes as lone surrogates: files written with them fail)
+            raise FrawdError(f"the argument {ascii(undecodable)} is not valid UTF-8 (a name in another encoding?): "
+                             "rename the file or folder")
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
         say_error(_one_line(exc), lost=isinstance(exc, RankLost))

@@ -71,7 +71,7 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     # Progress bars only where someone watches them; they go to stderr, never stdout.
     tok = train_tokenizer(documents, kind=kind, vocab_size=size, show_progress=sys.stderr.isatty())
     seconds = time.perf_counter() - start
-    tok.save(path)
+    tok.save(path, replace=overwrite)  # (another process's tokenizer written there meanwhile: refused)
     if stats.warning():
         click.echo(f"warning: {stats.warning()}", err=True)
     note = short_bpe_note(tok, size) if kind == "bpe" else None

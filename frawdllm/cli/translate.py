@@ -192,16 +192,17 @@ def _check_output_file(path: str, flag: str, overwrite: bool, inputs: dict[str, 
         raise FrawdError(f"{flag} {path}: cannot write there ({(error.strerror or str(error)).lower()})") from None
 
 
-def _write_output(path: Path, text: str) -> None:
+def _write_output(path: Path, text: str, overwrite: bool) -> None:
     """A file written whole or not at all (its missing folders made now); a device or pipe
-    that exists (/dev/stdout, a FIFO) is written into, not replaced."""
+    that exists (/dev/stdout, a FIFO) is written into, not replaced; without `overwrite` a
+    file another process wrote there meanwhile is refused."""
     from ..io import write_text_atomic
 
     if path.exists() and not path.is_file():
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     else:
-        write_text_atomic(path, text)
+        write_text_atomic(path, text, replace=overwrite)
 
 
 def _stdin_lines() -> Iterator[str]:
@@ -238,7 +239,7 @@ def evaluate(model_dir: str, beam: int, alpha: float, batch_size: int, src_path:
     hyps = translator(sources, announce=f"translating {len(sources):,} sentences (beam {beam})...")
     translator.report()
     if hyp_out is not None:
-        _write_output(Path(hyp_out), "".join(h + "\n" for h in hyps))
+        _write_output(Path(hyp_out), "".join(h + "\n" for h in hyps), overwrite)
     bleu, chrf = BLEU(), CHRF()
     click.echo(str(bleu.corpus_score(hyps, [references])))
     click.echo(f"signature: {bleu.get_signature()}")

@@ -505,7 +505,7 @@ def _inputs_hash(data: str, tok: Tokenizer, val_fraction: float, text_field: str
         files = [] if local is None else sorted(p for p in (local, *local.rglob("*")) if p.is_file())
     for path in files:
         st = path.stat()
-        h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(os.fsencode(path.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())  # (any file name)
     return h.hexdigest()
 
 
@@ -520,10 +520,17 @@ def resolved_source(spec: str) -> str:
         if local is None:
             return spec
         name = parse_hf_spec(spec)[0]  # as written, then :CONFIG@SPLIT as given
-        return f"hf:{local.resolve()}{spec[len('hf:') + len(name):]}"
+        return f"hf:{_resolved(local, spec)}{spec[len('hf:') + len(name):]}"
     if is_glob(spec):
         return os.path.abspath(spec)
-    return str(Path(spec).resolve())
+    return str(_resolved(Path(spec), spec))
+
+
+def _resolved(path: Path, spec: str) -> Path:
+    try:
+        return path.resolve()
+    except RuntimeError:  # (Python 3.11's symbolic-link loop; later versions raise OSError)
+        raise FrawdError(f"data source {spec!r} is a loop of symbolic links") from None
 
 
 def refuse_other_shards(out: str | Path, data: str) -> None:

@@ -230,7 +230,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32", 
         if out.exists() and not overwrite:
             raise FrawdError(f"{out} exists; choose a new path (or --overwrite)")
         model, tokenizer, _ = load_for_export(model_dir)
-        with atomic_path(out) as tmp:
+        with atomic_path(out, replace=overwrite) as tmp:  # (another export to `out` meanwhile: refused)
             write_gguf(model, tokenizer, tmp, dtype, model_dir.resolve().name, progress)
         return out
     with atomic_dir(out, overwrite=overwrite, keep=(model_dir,)) as tmp:

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import FrawdError, first_line
 from ..io import atomic_dir, clean_partial
-from ..modeldir import CONFIG_FILE, WEIGHTS_FILE
+from ..modeldir import CONFIG_FILE, WEIGHTS_FILE, readable
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.pt"
@@ -147,7 +147,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Load a model directory's weights into `model` in place (its config must match)."""
     file = Path(model_dir) / WEIGHTS_FILE
     try:
-        state = load_file(str(file))
+        state = load_file(str(readable(file)))
     except (SafetensorError, OSError) as exc:
         raise FrawdError(f"{file}: not a readable safetensors file ({exc})") from None
     expected = model.state_dict()

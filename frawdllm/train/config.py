@@ -450,7 +450,7 @@ def _source_of(message: str, layers: tuple) -> str | None:
 
 
 def dump_yaml(cfg: TrainConfig, header: str = "") -> str:
-    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True)
     return header + body
 
 

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shlex
 import secrets
 import shutil
 import stat
@@ -144,7 +145,7 @@ def check_run_dir(cfg: Any) -> None:
 def rerun_line(command: str, run_dir: Path, world_size: int = 1) -> str:
     """config.yaml's first line: the command that runs the run again (on as many ranks)."""
     ranks = f" --nproc {world_size}" if world_size > 1 else ""
-    return f"# rerun: frawd {command}{ranks} --config {run_dir / CONFIG_FILE} --out NEW_DIR\n"
+    return f"# rerun: frawd {command}{ranks} --config {shlex.quote(str(run_dir / CONFIG_FILE))} --out NEW_DIR\n"
 
 
 def save_run_config(cfg: Any, command: str, world_size: int, about: str, is_main: bool) -> None:
