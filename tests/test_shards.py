@@ -264,7 +264,7 @@ def test_a_link_loop_or_a_name_that_is_not_utf8_is_one_line_or_read(tmp_path, bp
     code, stdout, err = run_cli(capsys, "data", "prepare", "--data", tmp_path / "src", "--tokenizer",
                                 tmp_path / "tok.json", "--out", latin)
     assert (code, stdout) == (1, "")
-    assert err == (f"frawd: error: the argument {ascii(latin)} is not valid UTF-8 (a name in another encoding?): "
+    assert err == (f"frawd: error: --out {ascii(latin)} is not valid UTF-8 (a name in another encoding?): "
                    "rename the file or folder\n")
     assert not os.path.exists(latin)
 

@@ -204,6 +204,18 @@ PATH_OPTIONS = frozenset({"--data", "--out", "--model", "--tokenizer", "--src", 
 _UNDECODED = re.compile("[\udc80-\udcff]")  # the bytes of an argument that were not UTF-8 (surrogateescape)
 
 
+def undecoded_path_option(args: list[str]) -> tuple[str, str] | None:
+    """(option, value) of the first of PATH_OPTIONS whose value is not valid UTF-8, if any."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return None
+        name, eq, value = arg.partition("=")
+        value = value if eq else args[i + 1] if i + 1 < len(args) else ""
+        if name in PATH_OPTIONS and _UNDECODED.search(value):
+            return name, value
+    return None
+
+
 def empty_path_option(args: list[str]) -> str | None:
     """The first of PATH_OPTIONS given an empty value in `args`, if any."""
     for i, arg in enumerate(args):
@@ -265,10 +277,10 @@ def main(argv: list[str] | None = None) -> None:
         empty = empty_path_option(args)
         if empty is not None:
             raise click.UsageError(f"{empty} is empty: give a path (an unset shell variable?)")
-        undecodable = next((arg for arg in args if isinstance(arg, str) and _UNDECODED.search(arg)), None)
-        if undecodable is not None:  # (Python keeps such bytes as lone surrogates: files written with them fail)
-            raise FrawdError(f"the argument {ascii(undecodable)} is not valid UTF-8 (a name in another encoding?): "
-                             "rename the file or folder")
+        undecoded = undecoded_path_option(args)
+        if undecoded is not None:  # (Python keeps such bytes as lone surrogates: files written with them fail)
+            raise FrawdError(f"{undecoded[0]} {ascii(undecoded[1])} is not valid UTF-8 (a name in another "
+                             "encoding?): rename the file or folder")
         cli.main(args=argv, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
         say_error(_one_line(exc), lost=isinstance(exc, RankLost))
