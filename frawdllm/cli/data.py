@@ -61,7 +61,7 @@ def prepare(data: str, text_field: str, doc_split: str, tokenizer_path: str, out
     of another source is refused unless --overwrite is given.
 
     With --engine datatrove, task r of N tokenizes files[r*F//N:(r+1)*F//N] of the sorted
-    file list into OUT/train-0000r.bin and OUT/val-0000r.bin (train-00000.bin, ...); meta.json
+    file list into OUT/train-NNNNN.bin and OUT/val-NNNNN.bin, NNNNN = r (train-00000.bin, ...); meta.json
     lists them in task order.
     See docs/data.md.
 

@@ -36,7 +36,7 @@ def _per_rank_memory(n: int, ranks: int) -> None:
 def info(preset: str, overrides: tuple[str, ...], seq_len: int | None, ranks: int | None) -> None:
     """Print a config, its exact parameter count, training FLOPs per token and memory,
     and this machine: device, CPU features, the dtype and compile `auto` picks and why,
-    and the matmul peaks (measured once, cached in ~/.cache/frawdllm).
+    and the matmul peaks (measured once, cached in ~/.cache/frawdllm or $FRAWD_CACHE_DIR).
 
     The parameter count is computed from the config and equals the number of unique
     parameters of the built model (tied embeddings counted once).
