@@ -272,6 +272,8 @@ def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[Path]
     for before the work began) is refused, not replaced: one of the two outputs was lost."""
     path = Path(path)
     _refuse_dangling_link(path)
+    if path.is_symlink():  # written through, as open() writes through a link (a rename would replace the link)
+        path = path.resolve()
     with undo_on_error(path.parent):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp_path = Path(_temporary_in(tempfile.mkstemp, path))
@@ -331,6 +333,8 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
     inside it and its entries moved up at the end."""
     path = Path(path)
     _refuse_dangling_link(path)
+    if path.is_symlink():  # written through, as open() writes through a link (the swap renamed the link itself)
+        path = path.resolve()
     if path.exists() and not path.is_dir():
         raise FrawdError(f"{path} exists and is not a directory")
     if path.is_dir() and _holds_output(path) and not overwrite:

@@ -530,6 +530,25 @@ def test_a_file_writer_that_finishes_second_without_overwrite_is_refused(tmp_pat
     assert out.read_text() == "third" and os.listdir(tmp_path) == ["tokenizer.json"]
 
 
+def test_a_symbolic_link_as_the_output_is_written_through(tmp_path):
+    """--overwrite onto a link to a folder failed with "is a directory: lk -> .lk.9rrmwir4.old"
+    (the swap renamed the link); onto a link to a file it replaced the link by a file and
+    left the target as it was. Both now write through the link, as open() does."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "real").mkdir()
+    (tmp_path / "store" / "real" / "old.txt").write_text("old")
+    (tmp_path / "lk").symlink_to(tmp_path / "store" / "real")
+    with atomic_dir(tmp_path / "lk", overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert (tmp_path / "lk").is_symlink() and os.listdir(tmp_path / "store" / "real") == ["new.txt"]
+    assert sorted(os.listdir(tmp_path / "store")) == ["real"]  # (nothing left beside it)
+    (tmp_path / "store" / "f.gguf").write_text("old")
+    (tmp_path / "f.gguf").symlink_to(tmp_path / "store" / "f.gguf")
+    write_text_atomic(tmp_path / "f.gguf", "new")
+    assert (tmp_path / "f.gguf").is_symlink() and (tmp_path / "store" / "f.gguf").read_text() == "new"
+    assert sorted(os.listdir(tmp_path / "store")) == ["f.gguf", "real"]
+
+
 def test_an_inner_writes_error_names_the_file_as_it_will_be_called(tmp_path):
     """A full disk under an inner atomic write named `OUT/.model.6w70wn7u.tmp/model.safetensors`."""
     out = tmp_path / "model"
