@@ -282,6 +282,17 @@ def test_an_empty_path_is_a_usage_error_not_the_current_folder(env, capsys, argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["private.txt"]
 
 
+def test_a_tilde_after_an_equals_sign_is_the_home_folder(env, capsys, monkeypatch, tmp_path):
+    """`--out=~/tk` (which the shell leaves alone) made a folder named `~` in the working folder."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    code, _, err = run(capsys, "tokenizer", "train", f"--data={env / 'corpus.txt'}", "--kind", "char", "--out=~/tk")
+    assert code == 0, err
+    assert (home / "tk" / "tokenizer.json").is_file() and list(work.iterdir()) == []
+
+
 def test_an_out_in_a_config_file_that_is_no_path_is_one_line(env, capsys, tmp_path):
     """`out: [a]` (or any list or mapping) in a config file was a TypeError traceback: `out`
     is read before the fields are checked (to find a resumed run's config)."""

@@ -216,6 +216,19 @@ def undecoded_path_option(args: list[str]) -> tuple[str, str] | None:
     return None
 
 
+def home_expanded(args: list[str]) -> list[str]:
+    """`--out=~/x` with ~ expanded, as the shell expands `--out ~/x` (it leaves a `~` after
+    `=` alone: a folder named `~` in the working directory)."""
+    out = []
+    for arg in args:
+        if arg == "--":
+            return out + args[len(out):]
+        name, eq, value = arg.partition("=")
+        out.append(f"{name}={os.path.expanduser(value)}" if eq and name in PATH_OPTIONS and value.startswith("~")
+                   else arg)
+    return out
+
+
 def empty_path_option(args: list[str]) -> str | None:
     """The first of PATH_OPTIONS given an empty value in `args`, if any."""
     for i, arg in enumerate(args):
@@ -273,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
 
     one_line_warnings()
     try:
-        args = sys.argv[1:] if argv is None else list(argv)
+        args = home_expanded(sys.argv[1:] if argv is None else list(argv))
         empty = empty_path_option(args)
         if empty is not None:
             raise click.UsageError(f"{empty} is empty: give a path (an unset shell variable?)")
@@ -281,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         if undecoded is not None:  # (Python keeps such bytes as lone surrogates: files written with them fail)
             raise FrawdError(f"{undecoded[0]} {ascii(undecoded[1])} is not valid UTF-8 (a name in another "
                              "encoding?): rename the file or folder")
-        cli.main(args=argv, prog_name="frawd", standalone_mode=False)
+        cli.main(args=args, prog_name="frawd", standalone_mode=False)
     except FrawdError as exc:
         say_error(_one_line(exc), lost=isinstance(exc, RankLost))
         sys.exit(1)
