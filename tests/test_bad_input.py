@@ -282,6 +282,20 @@ def test_an_empty_path_is_a_usage_error_not_the_current_folder(env, capsys, argv
     assert sorted(p.name for p in tmp_path.iterdir()) == ["private.txt"]
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["pretrain", "--config", "{root}", "--max-steps", "1", "--out", "{root}/x"],
+     "--config {root} is a folder; give a YAML or .toml file (a run's is RUN/config.yaml)"),
+    (["translate", "run", "--model", "{root}/corpus.txt", "hallo"], "{root}/corpus.txt is a file, not a model directory"),
+    (["translate", "eval", "--model", "{root}/model", "--src", "{root}", "--ref", "{root}/corpus.txt"],
+     "{root} is a folder; give a text file of one sentence a line"),
+])
+def test_a_file_for_a_folder_or_the_reverse_is_bad_input_exit_1(env, capsys, argv, said):
+    """click's own path checks made these usage errors (exit 2, "Invalid value for '--config':
+    File ... is a directory"); bad input exits 1 (README)."""
+    code, stdout, err = run(capsys, *[a.format(root=env) for a in argv])
+    assert (code, stdout, err) == (1, "", f"frawd: error: {said.format(root=env)}\n")
+
+
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(env, capsys, monkeypatch, tmp_path):
     """`--out=~/tk` (which the shell leaves alone) made a folder named `~` in the working folder."""
     home, work = tmp_path / "home", tmp_path / "work"

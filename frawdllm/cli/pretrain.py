@@ -11,7 +11,7 @@ from .options import set_option
 
 
 @click.command(context_settings={"max_content_width": 110})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+@click.option("--config", "config_file", type=str, metavar="FILE", default=None,
               help="A YAML (or .toml) file of the options below (flags given here override it).")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Check the settings and print the plan (device, CPU features, dtype, compile, peaks); "

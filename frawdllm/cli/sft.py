@@ -78,7 +78,7 @@ def _refuse_another_commands_config(cls: type, command: str, config_file: str | 
 # TrainConfig's pretraining-only field: the samples answer held-out prompts of --data
 FINETUNE_SKIPS = ("sample_prompt",)
 
-_CONFIG = click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+_CONFIG = click.option("--config", "config_file", type=str, metavar="FILE", default=None,
                        help="A YAML (or .toml) file of the options below (flags given here override it).")
 
 

@@ -28,7 +28,7 @@ def translate() -> None:
 
 
 @translate.command(context_settings={"max_content_width": 110})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+@click.option("--config", "config_file", type=str, metavar="FILE", default=None,
               help="A YAML (or .toml) file of the options below (flags given here override it).")
 @nproc_option()
 @set_option()
@@ -85,7 +85,7 @@ def _decoding_options(batch_help: str):
                                help="Length penalty exponent of beam search (the paper's 0.6).")(command)
         command = click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
                                help="Beam size (1 = greedy; at most the model's vocabulary size).")(command)
-        return click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+        return click.option("--model", "model_dir", required=True, metavar="DIR",
                             help="A model directory (frawd translate train's OUT/model).")(command)
     return add
 
@@ -217,8 +217,8 @@ def _stdin_lines() -> Iterator[str]:
 
 @translate.command(name="eval")
 @_decoding_options("Sentences of --src translated together.")
-@click.option("--src", "src_path", required=True, type=click.Path(dir_okay=False), help="Source sentences.")
-@click.option("--ref", "ref_path", required=True, type=click.Path(dir_okay=False),
+@click.option("--src", "src_path", required=True, metavar="FILE", help="Source sentences.")
+@click.option("--ref", "ref_path", required=True, metavar="FILE",
               help="Raw reference translations, line i for line i of --src.")
 @click.option("--hyp-out", default=None, metavar="FILE",
               help="Also write the translations here (a new file; never --src or --ref).")

@@ -309,6 +309,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """A config file as a mapping: YAML, or TOML for a `.toml` file (FrawdError on a missing
     or malformed file), its paths with `~` expanded (see expand_home)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a folder; give a YAML or .toml file (a run's is RUN/config.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     parse = _toml().loads if path.suffix.lower() == ".toml" else yaml.safe_load
