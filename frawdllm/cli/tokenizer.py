@@ -55,7 +55,8 @@ def train(data: str, text_field: str, doc_split: str, kind: str, vocab_size: int
     above = next((folder for folder in path.parents if folder.exists()), None)
     if above is not None and not above.is_dir():  # (was the OS's "file exists: ABOVE")
         raise FrawdError(f"--out {out}: {above} is a file, not a folder")
-    refuse_out_in_source(data, path.parent, [path] if what == "path" else ())  # the next run would read tokenizer.json as text
+    # the next run would read tokenizer.json as text
+    refuse_out_in_source(data, path.parent, [path] if what == "path" else ())
     # Checked before training: shards prepared with the old tokenizer would no longer match it.
     if path.exists() and not overwrite:
         raise FrawdError(f"{path} exists; choose a new {what} (or --overwrite)")
