@@ -315,8 +315,9 @@ def test_the_compiled_library_is_cached_and_built_atomically(tmp_path, monkeypat
     monkeypatch.setattr(native.LIBRARY, "_why_not", None)
     monkeypatch.setenv("FRAWD_CACHE_DIR", str(tmp_path))
     assert native.available()
-    built = list((tmp_path / "native").iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    built = sorted((tmp_path / "native").iterdir(), key=lambda p: p.suffix != ".so")
+    # the library and its build lock (cbuild: concurrent builds compile once); no temporary file left behind
+    assert [p.suffix for p in built] == [".so", ".lock"] and built[1].stem == built[0].stem
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native.LIBRARY, "_lib", None)
     assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
