@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -204,16 +205,20 @@ PATH_OPTIONS = frozenset({"--data", "--out", "--model", "--tokenizer", "--src", 
 _UNDECODED = re.compile("[\udc80-\udcff]")  # the bytes of an argument that were not UTF-8 (surrogateescape)
 
 
-def undecoded_path_option(args: list[str]) -> tuple[str, str] | None:
-    """(option, value) of the first of PATH_OPTIONS whose value is not valid UTF-8, if any."""
+def _path_option_values(args: list[str], missing: str) -> Iterator[tuple[str, str]]:
+    """(option, value) of each of PATH_OPTIONS in `args` (`--opt=V` or `--opt V`; `missing`
+    where the value is absent), up to `--`."""
     for i, arg in enumerate(args):
         if arg == "--":
-            return None
+            return
         name, eq, value = arg.partition("=")
-        value = value if eq else args[i + 1] if i + 1 < len(args) else ""
-        if name in PATH_OPTIONS and _UNDECODED.search(value):
-            return name, value
-    return None
+        if name in PATH_OPTIONS:
+            yield name, value if eq else args[i + 1] if i + 1 < len(args) else missing
+
+
+def undecoded_path_option(args: list[str]) -> tuple[str, str] | None:
+    """(option, value) of the first of PATH_OPTIONS whose value is not valid UTF-8, if any."""
+    return next(((name, value) for name, value in _path_option_values(args, "") if _UNDECODED.search(value)), None)
 
 
 def home_expanded(args: list[str]) -> list[str]:
@@ -231,13 +236,7 @@ def home_expanded(args: list[str]) -> list[str]:
 
 def empty_path_option(args: list[str]) -> str | None:
     """The first of PATH_OPTIONS given an empty value in `args`, if any."""
-    for i, arg in enumerate(args):
-        if arg == "--":
-            return None
-        name, eq, value = arg.partition("=")
-        if name in PATH_OPTIONS and not (value if eq else args[i + 1] if i + 1 < len(args) else "x").strip():
-            return name
-    return None
+    return next((name for name, value in _path_option_values(args, "x") if not value.strip()), None)
 
 
 def say_error(message: str, lost: bool = False) -> None:
