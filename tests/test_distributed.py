@@ -358,6 +358,8 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_is_killed(work):
     proc = _start([sys.executable, "-m", "frawdllm.cli",
                    *train_args(work, run, "--nproc", "2", "--max-steps", "100000", "--eval-interval", "5")])
     ranks = _ranks_once_checkpointed(proc, run, 5)
+    errors = next(line.split(b"=", 1)[1].decode() for line in Path(f"/proc/{ranks[0]}/environ").read_bytes().split(b"\0")
+                  if line.startswith(b"FRAWD_RANK_ERRORS="))
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     start = time.monotonic()
@@ -369,6 +371,10 @@ def test_ranks_stop_with_a_checkpoint_when_their_launcher_is_killed(work):
     assert not alive, "ranks still run 60 s after their launcher was killed"
     out = proc.stdout.read()  # (the ranks wrote into the launcher's pipe)
     assert load_state(latest_checkpoint(run))["step"] > 5, out[-3000:]  # (they stopped as at Ctrl-C: a checkpoint)
+    # with no launcher to say it, rank 0 says where the checkpoint is (it was left in a file
+    # nobody read), and the launcher's folder for such lines does not stay behind in /tmp
+    assert out.count("interrupted: checkpoint ") == 1, out[-3000:]
+    assert not Path(errors).exists()
 
 
 def test_a_sigterm_to_one_rank_stops_the_run_as_one_process_stops(work):

@@ -244,17 +244,10 @@ def say_error(message: str, lost: bool = False) -> None:
     launcher instead, which says each different error once (N ranks refusing the same data
     printed it N times, then torchrun's report of the failed ranks). `lost`: the error is
     another rank's leaving (`RankLost`), said only when no rank said why it left."""
-    from .launch import RANK_ERRORS
+    from .launch import leave_for_launcher
 
-    folder = os.environ.get(RANK_ERRORS)
-    if folder and os.path.isdir(folder) and "RANK" in os.environ:
-        try:
-            name = f"{'lost' if lost else 'rank'}{int(os.environ['RANK'])}"
-            with open(os.path.join(folder, name), "a", encoding="utf-8") as f:
-                f.write(message + "\n")
-            return
-        except (OSError, ValueError):
-            pass
+    if leave_for_launcher("lost" if lost else "rank", message):
+        return
     click.echo(f"frawd: error: {message}", err=True)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from ..errors import FrawdError
 # The environment variable naming the folder where ranks started by --nproc leave their
 # one-line errors (`say_error`), for the launcher to say once.
 RANK_ERRORS = "FRAWD_RANK_ERRORS"
+RANK_LAUNCHER = "FRAWD_RANK_LAUNCHER"  # the launcher's pid: the ranks' parent while it lives
 
 
 def nproc_option():
@@ -70,7 +72,7 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     click.echo(f"launching {nproc} process{'es' if nproc > 1 else ''}: torchrun --standalone "
                f"--nproc-per-node={nproc} ...", err=True)
     with tempfile.TemporaryDirectory(prefix="frawd-rank-errors-") as errors:
-        os.environ[RANK_ERRORS] = errors
+        os.environ[RANK_ERRORS], os.environ[RANK_LAUNCHER] = errors, str(os.getpid())
         # torchrun's own log lines, said better below: "failed (exitcode: 1)" per rank, and
         # "Received 15 death signal, shutting down workers" at Ctrl-C or SIGTERM
         quieted = {"torch.distributed.elastic.multiprocessing.api": logging.CRITICAL,
@@ -101,6 +103,7 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
             for name, level in levels.items():
                 logging.getLogger(name).setLevel(level)
             os.environ.pop(RANK_ERRORS, None)
+            os.environ.pop(RANK_LAUNCHER, None)
     raise SystemExit(0)
 
 
@@ -134,12 +137,23 @@ def _say_once(lines_by_rank: dict[int, list[str]], prefix: str = "") -> None:
 def rank_stopped(line: str | None = None) -> bool:
     """On a rank `--nproc` started: note for the launcher that this rank stops at a signal,
     with `line` to say for it once (None: nothing; rank 0 said it); True if noted. Elsewhere
-    (one process, or the user's own torchrun) False: the caller says it itself."""
+    (one process, the user's own torchrun, a launcher killed) False: the caller says it itself."""
+    return leave_for_launcher("stopped", line)
+
+
+def leave_for_launcher(kind: str, line: str | None) -> bool:
+    """On a rank `--nproc` started, add `line` to this rank's `kind` file in the launcher's
+    folder, for the launcher to say once; True if left. False where there is no launcher to
+    read it: one process, the user's own torchrun, or a launcher that was killed (kill -9:
+    its ranks stop on their own), whose folder, which it can no longer remove, goes."""
     folder = os.environ.get(RANK_ERRORS)
     if not (folder and os.path.isdir(folder) and "RANK" in os.environ):
         return False
+    if os.environ.get(RANK_LAUNCHER) != str(os.getppid()):
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
     try:
-        with open(os.path.join(folder, f"stopped{int(os.environ['RANK'])}"), "a", encoding="utf-8") as f:
+        with open(os.path.join(folder, f"{kind}{int(os.environ['RANK'])}"), "a", encoding="utf-8") as f:
             f.write("" if line is None else line + "\n")
     except (OSError, ValueError):
         return False
