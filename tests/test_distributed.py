@@ -220,16 +220,20 @@ def test_a_start_that_rank_0_refuses_is_said_in_one_line(tmp_path):
 def test_the_loops_warnings_are_said_once_not_once_per_rank(tmp_path):
     """Every rank warned of each skipped step (the same loss on every rank): N lines each."""
     (tmp_path / "c.txt").write_text("hello world this is a tiny corpus\n\nanother document here\n\nand a third\n")
+    (tmp_path / "tmp").mkdir()
     proc = subprocess.run([sys.executable, "-m", "frawdllm.cli", "pretrain", "--preset", "tiny", "--set", "n_layer=1",
                            "--set", "n_embd=32", "--set", "n_head=2", "--set", "context_length=16", "--tokenizer",
                            "char", "--data", str(tmp_path / "c.txt"), "--val-fraction", "0.3", "--batch-size", "2",
                            "--max-steps", "3", "--lr", "1e30", "--grad-clip", "0", "--max-bad-steps", "5", "--dtype",
                            "fp32", "--compile", "false", "--nproc", "2", "--no-progress", "--eval-interval", "0",
                            "--warmup-steps", "0", "--sample-tokens", "0", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")})
     warned = [line for line in proc.stderr.splitlines() if line.startswith("warning: step")]
     assert proc.returncode == 0 and warned == [f"warning: step {step}: loss nan; update skipped ({step - 1} in a row)"
                                                for step in (2, 3)], proc.stderr
+    # nothing stays in the temporary folder: torchrun left a torchelastic_* folder per run
+    assert not list((tmp_path / "tmp").iterdir())
 
 
 def test_a_rank_that_waits_past_the_timeout_for_rank_0s_start_says_so_in_one_line(monkeypatch):

@@ -67,11 +67,14 @@ def relaunch_under_torchrun(nproc: int, cfg: Any, token_batches: bool = False) -
     # torchrun stops the ranks at SIGHUP too (its --signals-to-handle), which under `nohup` would
     # replace nohup's SIG_IGN: a dropped ssh connection ended a `nohup frawd ... --nproc N` run
     signals = [] if not _hangup_ignored() else ["--signals-to-handle=SIGTERM,SIGINT,SIGQUIT"]
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *signals,
-                                         "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])])
     click.echo(f"launching {nproc} process{'es' if nproc > 1 else ''}: torchrun --standalone "
                f"--nproc-per-node={nproc} ...", err=True)
     with tempfile.TemporaryDirectory(prefix="frawd-rank-errors-") as errors:
+        # torchrun's log folder goes inside ours: left to itself, it made a /tmp/torchelastic_*
+        # folder per run and never removed it
+        args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", *signals,
+                                             f"--log-dir={os.path.join(errors, 'torchelastic')}",
+                                             "-m", "frawdllm.cli", *without_nproc(sys.argv[1:])])
         os.environ[RANK_ERRORS], os.environ[RANK_LAUNCHER] = errors, str(os.getpid())
         # torchrun's own log lines, said better below: "failed (exitcode: 1)" per rank, and
         # "Received 15 death signal, shutting down workers" at Ctrl-C or SIGTERM
