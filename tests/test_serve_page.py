@@ -386,3 +386,110 @@ def test_chat_page_asks_for_the_api_key_and_its_panel_works_by_keyboard(key_serv
     by_id("close-settings").click()
     assert not by_id("settings").is_displayed() and js("return document.activeElement.id") == "toggle"
     js("localStorage.clear()")
+
+
+@pytest.fixture(scope="module")
+def models_server():
+    """Two models: "own" with its own temperature and top-p off the sliders' steps, "plain" without."""
+    model, tok = varied_model(context_length=64)
+    engines = {"own": test_engine(model, tok), "plain": test_engine(model, tok)}
+    with live_server(engines, ServeOptions(max_tokens=1000),
+                     sampling={"own": {"temperature": 0.33, "top_p": 0.01}}) as url:
+        yield url
+
+
+# Records each chat request's body in window.sent, and answers with window.answer(body) where
+# that is set: {status, events} (events: the SSE data lines), else the real server does.
+RECORD_FETCH = """
+window.realFetch = window.realFetch || window.fetch;
+window.sent = [];
+window.fetch = async (url, init) => {
+  if (!String(url).includes('/chat/')) return window.realFetch(url, init);
+  const body = JSON.parse(init.body);
+  window.sent.push(body);
+  if (!window.answer) return window.realFetch(url, init);
+  const {status, events} = window.answer(body);
+  if (status !== 200) return new Response(JSON.stringify({error: {message: 'refused ' + status}}), {status});
+  return new Response(events.map((e) => 'data: ' + e + '\\n\\n').join(''), {status: 200});
+};"""
+
+
+def sse_reply(text: str, tokens: int) -> str:
+    """window.answer's events for a reply of `text` in `tokens` pieces."""
+    return (f"({{status: 200, events: Array({tokens}).fill(JSON.stringify({{choices: [{{index: 0, delta: {{content: "
+            f"{text!r}}}}}]}})).concat([JSON.stringify({{choices: [{{index: 0, delta: {{}}, finish_reason: 'stop'}}]}}), "
+            f"'[DONE]'])}})")
+
+
+@pytest.mark.timeout(120)
+def test_chat_page_sends_the_models_own_sampling_and_keeps_long_chats_going(models_server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    d = browser
+    by_id = open_page(d, models_server)
+    js = d.execute_script
+    wait_for(lambda: by_id("model").get_attribute("value") == "own", what="the model list")
+    js("localStorage.clear()")
+    js(RECORD_FETCH)
+    reply = lambda: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].text  # noqa: E731
+
+    def ask(text):
+        count = js("return window.sent.length")
+        by_id("input").send_keys(text, Keys.ENTER)
+        wait_for(lambda: js("return window.sent.length") > count and by_id("send").is_enabled(), what="the reply")
+        return js("return window.sent[window.sent.length - 1]")
+
+    # the model's own 0.33 and 0.01 are shown as they are and left to the server, which applies
+    # them exactly: the sliders' steps and range made them 0.35 and 0.05, and those were sent
+    assert [by_id(i + "-value").text for i in ("temperature", "top-p")] == ["0.33", "0.01"]
+    sent = ask("hello")
+    assert "temperature" not in sent and "top_p" not in sent and sent["max_tokens"] == 64
+    js("const t = document.getElementById('temperature'); t.value = 1.2; t.dispatchEvent(new Event('input'))")
+    sent = ask("again")
+    assert sent["temperature"] == 1.2 and "top_p" not in sent and by_id("temperature-value").text == "1.2"
+    # a model without its own: the page's, not the last model's (temperature 1.2 went on)
+    js("const m = document.getElementById('model'); m.value = 'plain'; m.dispatchEvent(new Event('change'))")
+    assert [by_id(i + "-value").text for i in ("temperature", "top-p")] == ["0.7", "0.95"]
+    sent = ask("plain now")
+    assert (sent["temperature"], sent["top_p"]) == (0.7, 0.95)
+
+    by_id("new-chat").click()
+    # an empty reply says so, and the header does not wait for a first token that never comes
+    js("window.answer = () => ({status: 200, events: [JSON.stringify({choices: [{index: 0, delta: {content: ''}, "
+       "finish_reason: 'stop'}], usage: {prompt_tokens: 3, completion_tokens: 1, total_tokens: 4}}), '[DONE]']})")
+    ask("say nothing")
+    assert reply() == "(an empty reply)" and not by_id("stats").text.endswith("…"), by_id("stats").text
+    # a conversation grown past the server's --max-body (413): the oldest exchanges are left out
+    # and the note says so (every later message failed with 413); a message too large alone
+    # fails without dropping any
+    js(f"window.answer = (body) => body.messages.length > 3 ? {{status: 413}} : {sse_reply('fine', 2)}")
+    ask("second")
+    assert js("return turns.length") == 4
+    sent = ask("third")
+    assert [m["content"] for m in sent["messages"]] == ["second", "finefine", "third"]
+    assert reply() == "finefine\n(the 2 oldest messages were left out: the conversation was larger than the server accepts)"
+    js("window.answer = () => ({status: 413})")
+    ask("far too long")
+    assert reply() == "Error: refused 413 (shorten the message)" and js("return turns.length") == 4
+
+    # the reply is drawn once per frame, not once per token: 2,000 tokens in one read drew 2,000
+    # times, the cost growing as the square of the reply's length
+    by_id("new-chat").click()
+    js("window.draws = 0; const real = render; render = (...a) => { window.draws += 1; return real(...a); }")
+    js(f"window.answer = () => {sse_reply('word ', 2000)}")
+    ask("go")
+    assert reply().strip() == ("word " * 2000).strip() and js("return window.draws") < 100, js("return window.draws")
+    # a lone ``` in finished text is shown as typed, not as the start of an empty code block;
+    # in text still streaming it starts one; a user's one-line message is one line high
+    assert js("return render('see ``` here')") == "<p>see ``` here</p>"
+    assert js("return render('see ```py\\nx = 1', true)") == "<p>see </p><pre><code>x = 1</code></pre>"
+    js("window.answer = null")
+    by_id("new-chat").click()
+    by_id("input").send_keys("hi", Keys.ENTER)
+    mine = wait_for(lambda: d.find_elements(By.CSS_SELECTOR, ".msg.user"), what="the message")[-1]
+    line = float(mine.find_element(By.CSS_SELECTOR, "p").value_of_css_property("line-height").rstrip("px"))
+    assert mine.size["height"] < line + 2 * 10 + 2 * 1 + 8, mine.size  # its padding, no paragraph margins
+    wait_for(lambda: by_id("send").is_enabled(), timeout=60, what="the reply")
+    screenshot(d, tmp_path, "models.png")
+    js("window.fetch = window.realFetch")
