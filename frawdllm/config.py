@@ -156,18 +156,19 @@ class ModelConfig:
     def num_non_embedding_parameters(self) -> int:
         return self.num_parameters - self.num_embedding_parameters
 
-    def flops_per_token(self, seq_len: int | None = None) -> int:
+    def flops_per_token(self, seq_len: int | None = None, frozen: bool = False) -> int:
         """Training FLOPs per token (forward + backward): 6N + attention (PaLM appendix B).
 
         N counts every parameter but the embedding lookups, plus the LM head (which is the
         token embedding when tied): the matmul weights, and the norms' gains and biases too
-        (~0.3% of `tiny`'s N), as nanoGPT's count does.
+        (~0.3% of `tiny`'s N), as nanoGPT's count does. `frozen`: the weights do not train
+        (LoRA's base), so the backward computes no weight gradients: 4N.
         """
         seq_len = self.context_length if seq_len is None else seq_len
         matmul_params = self.num_non_embedding_parameters + self.vocab_size * self.n_embd
         if not self.tie_embeddings:
             matmul_params -= self.vocab_size * self.n_embd  # head already in non-embedding
-        return 6 * matmul_params + 12 * self.n_layer * self.n_embd * seq_len
+        return (4 if frozen else 6) * matmul_params + 12 * self.n_layer * self.n_embd * seq_len
 
     # ---- (de)serialisation ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -365,15 +366,17 @@ class Seq2SeqConfig(ModelConfig):
             total += self.vocab_size * d
         return total
 
-    def flops_per_token(self, seq_len: int | None = None) -> int:
+    def flops_per_token(self, seq_len: int | None = None, frozen: bool = False) -> int:
         """Training FLOPs per target token, source and target of `seq_len` tokens:
         6N for the parameters but the embedding lookups (the output projection included;
-        norms and biases counted as matmul weights) + the attention scores (encoder self, decoder self and cross)."""
+        norms and biases counted as matmul weights) + the attention scores (encoder self, decoder self and cross).
+        `frozen`: the weights do not train (LoRA's base): 4N, no weight gradients."""
         seq_len = self.context_length if seq_len is None else seq_len
         matmul_params = self.num_parameters - self.num_embedding_parameters + self.vocab_size * self.n_embd
         if not self.tie_embeddings:
             matmul_params -= self.vocab_size * self.n_embd
-        return 6 * matmul_params + 12 * (self.n_encoder_layer + 2 * self.n_layer) * self.n_embd * seq_len
+        attention = 12 * (self.n_encoder_layer + 2 * self.n_layer) * self.n_embd * seq_len
+        return (4 if frozen else 6) * matmul_params + attention
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_type": self.model_type, **asdict(self)}

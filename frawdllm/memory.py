@@ -93,8 +93,9 @@ def check_training_fits(model_cfg, batch_size: int, tokens_per_row: int, dtype: 
                          "available: a smaller model")
     if free is not None and need > free:
         shape = f"{rows:,} rows" if rows_per_example > 1 else "rows"
+        weights = "the frozen weights" if frozen else "weights, gradients, AdamW"
         raise FrawdError(f"--batch-size {batch_size} ({shape} of {tokens_per_row} tokens) needs at least "
-                         f"{need / 2**30:.1f} GiB to train (weights, gradients, AdamW and the MLP activations "
+                         f"{need / 2**30:.1f} GiB to train ({weights} and the MLP activations "
                          f"backward keeps), more than the {max(free, 0) / 2**30:.1f} GiB available: lower "
                          "--batch-size (--grad-accum N keeps the tokens per step)")
 

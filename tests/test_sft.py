@@ -254,6 +254,51 @@ def test_lora_starts_at_the_base_trains_adapters_only_and_merges_exactly():
     torch.testing.assert_close(merged(x)[0], adapted, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_lora_flops_per_token_match_a_count_of_the_training_steps_matmuls(style, tmp_path):
+    """MFU's FLOPs under LoRA: the frozen base computes no weight gradients (4N, not 6N), so
+    6N overstated an SFT or DPO step with adapters by ~1.45x, and its MFU with it. Checked
+    against PyTorch's count of one forward and backward (which does not see the attention
+    kernel: its 12 L d T, 4 L d T forward, is added), plain and with adapters; DPO adds the
+    reference's forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from frawdllm.align.dpo import DPOConfig, DPOTask, load_pairs
+    from frawdllm.align.sft import SFTTask
+
+    tok, length = byte_tokenizer(), 32
+    chats = write_jsonl(tmp_path / "c.jsonl", word_chats(20))
+    prefs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": c["prompt"], "chosen": c["response"].upper(),
+                                                "rejected": c["response"]} for c in word_chats(20)])
+    options = dict(out=str(tmp_path / "run"), progress=False, device="cpu", dtype="fp32", compile="false",
+                   sample_tokens=0, val_fraction=0.0)
+
+    def counted(model, train: bool) -> float:
+        cfg, x = model.config, torch.randint(0, 263, (2, length))
+        with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(train):
+            loss = model(x, targets=x)[1]
+            if train:
+                loss.backward()
+        return counter.get_total_flops() / x.numel() + (12 if train else 4) * cfg.n_layer * cfg.n_embd * length
+
+    torch.manual_seed(0)
+    reference = counted(tiny_model(style), train=False)
+    for rank in (0, 8):
+        model = tiny_model(style)
+        if rank:
+            lora.add_lora(model, rank)
+        step = counted(model, train=True)
+        sft = SFTTask(*load_examples(SFTConfig(data=str(chats), **options), tok, length)[:2], model, tok,
+                      SFTConfig(data=str(chats), **options), length)
+        dpo_cfg = DPOConfig(data=str(prefs), **options)
+        dpo = DPOTask(*load_pairs(dpo_cfg, tok, length)[:2], model, tok, dpo_cfg, length)
+        # (within 6%: the count also skips the first block's input gradient, nothing before it
+        # training: ~4% in this 2-block model; 6N was 40% over)
+        assert lora.flops_per_token(model, length) == pytest.approx(step, rel=0.06), rank
+        assert sft.flops_per_token == pytest.approx(step, rel=0.06), rank
+        assert dpo.flops_per_token == pytest.approx(step + reference, rel=0.06), rank
+
+
 def _adapted(style="llama"):
     """A LoRA model whose adapters change its function (B != 0), and its merged copy."""
     model = lora.add_lora(tiny_model(style), rank=4)

@@ -663,6 +663,9 @@ def test_lora_training_is_not_refused_for_state_it_does_not_keep(monkeypatch):
     memory.check_training_fits(cfg, 1, 8, "fp32", torch.device("cpu"), frozen=True)
     with pytest.raises(FrawdError, match="weights, gradients and AdamW's two moments"):
         memory.check_training_fits(cfg, 1, 8, "fp32", torch.device("cpu"))
+    # a batch too large names what was counted: the frozen weights (it said "gradients, AdamW")
+    with pytest.raises(FrawdError, match=r"needs at least .* \(the frozen weights and the MLP activations"):
+        memory.check_training_fits(cfg, 10**6, 8, "fp32", torch.device("cpu"), frozen=True)
 
 
 class BuildsOnFirstSampleTask(TimedTask):

@@ -46,6 +46,7 @@ from ..train.loop import TrainResult, content_hash, to_device
 from .config import LOSSES, DPOConfig  # noqa: F401 (re-exported: they live in config.py, torch-free)
 from .dealer import StepDealer
 from .examples import LoadSummary, NothingToLearn, Pair, load_records, preference, tokenize_pair
+from . import lora
 from .job import FinetuneTask, run_finetune
 
 
@@ -180,8 +181,9 @@ class DPOTask(FinetuneTask):
         self.loader = PairLoader(len(train), cfg.batch_size, cfg.seed,
                                  share=Share.of_this_rank(cfg.batch_size, cfg.grad_accum))
         without_dropout(model)  # (before the copy: the reference runs in eval mode anyway)
-        flops = model.config.flops_per_token(length)  # the policy's forward and backward: 6N per token
-        self.flops_per_token = flops if cfg.precompute_ref else flops * 4 // 3  # + the reference's forward, 2N
+        self.flops_per_token = lora.flops_per_token(model, length)  # the policy's forward and backward: 6N
+        if not cfg.precompute_ref:  # + the reference's forward: 2N, a third of a plain model's step
+            self.flops_per_token += model.config.flops_per_token(length) // 3
         reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.reference: nn.Module | None = reference
         self.ref_logps: dict[str, Tensor] = {}

@@ -71,6 +71,15 @@ def has_lora(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
+def flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """Training FLOPs per token of `model` (its config's `flops_per_token`): with adapters the
+    frozen base computes no weight gradients (4N, not 6N), and each adapter weight costs 6."""
+    if not has_lora(model):
+        return model.config.flops_per_token(seq_len)
+    adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    return model.config.flops_per_token(seq_len, frozen=True) + 6 * adapters
+
+
 def merged_copy(model: nn.Module) -> nn.Module:
     """A plain copy of `model` with every adapter merged into its layer, trainable as a
     plain model is (add_lora froze the base)."""

@@ -19,6 +19,7 @@ from ..train.loop import TrainResult, content_hash
 from ..train.losses import linear_cross_entropy
 from .config import SFTConfig
 from .examples import Example, LoadSummary, chat_messages, load_records, tokenize_chat, truncate
+from . import lora
 from .job import FinetuneTask, run_finetune
 from .packing import DocumentMask, PackedLoader, fixed_batches
 
@@ -68,7 +69,7 @@ class SFTTask(FinetuneTask):
         self.loader = PackedLoader(train, cfg.batch_size, length, cfg.seed, pack=cfg.pack,
                                    share=Share.of_this_rank(cfg.batch_size, cfg.grad_accum))
         self.val_batches = fixed_batches(val, cfg.batch_size, length, pack=cfg.pack)[:cfg.eval_batches]
-        self.flops_per_token = model.config.flops_per_token(length)
+        self.flops_per_token = lora.flops_per_token(model, length)
 
     def next_batch(self) -> dict[str, Tensor]:
         return self.loader.next_batch()
