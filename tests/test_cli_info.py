@@ -27,6 +27,18 @@ def test_info_prints_the_built_models_parameter_count(capsys):
     assert count == sum(p.numel() for p in FrawdLLM(get_config("tiny")).parameters())
 
 
+def test_info_prints_the_mlp_width_the_model_has(capsys):
+    """`mlp_hidden None` (derived from n_embd: 4 x, or 8/3 x rounded for SwiGLU) said nothing."""
+    for preset in ("tiny", "tiny-llama", "aiayn-tiny"):
+        result = frawd_here(capsys, "info", "--preset", preset)
+        width = int(re.search(r"^  mlp_hidden\s+(\S+)$", result.stdout, re.M).group(1))
+        model = FrawdLLM(get_config(preset)) if preset != "aiayn-tiny" else None
+        if model is not None:
+            assert width == model.blocks[0].mlp.down.in_features
+        else:
+            assert width == get_config(preset).mlp_hidden == 1024
+
+
 def test_info_set_overrides_a_field(capsys):
     result = frawd_here(capsys, "info", "--preset", "tiny", "--set", "n_layer=2", "--set", "tie_embeddings=false")
     assert result.returncode == 0, result.stderr

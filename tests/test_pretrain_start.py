@@ -1,6 +1,7 @@
 """`frawd pretrain` before the first step: settings checked before any work (a bad start
 fails at once and leaves nothing on disk), and `--init-from` an existing model directory."""
 
+import json
 import os
 import random
 import shutil
@@ -726,3 +727,24 @@ def test_a_run_folder_this_process_holds_is_not_called_in_use_by_another_run(tmp
     message = existing_run_message(run)
     assert "in use by another run" not in message and str(os.getpid()) not in message
     assert message.startswith(f"{run} holds a run that stopped before its first checkpoint")
+
+
+def test_a_dry_run_refuses_shards_shorter_than_one_window_as_the_run_does(tmp_path, capsys):
+    """`--dry-run` on prepared shards shorter than one window printed a plan; the run then
+    refused them (their meta.json says how many tokens they hold)."""
+    text = tmp_path / "small.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40, encoding="utf-8")
+    main(["tokenizer", "train", "--data", str(text), "--kind", "char", "--out", str(tmp_path / "tok")])
+    main(["data", "prepare", "--data", str(text), "--doc-split", "file", "--tokenizer",
+          str(tmp_path / "tok" / "tokenizer.json"), "--out", str(tmp_path / "shards")])
+    tokens = json.loads((tmp_path / "shards" / "meta.json").read_text())["train_tokens"]
+    assert 1000 < tokens < 2048
+    base = ["pretrain", "--data", str(tmp_path / "shards"), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+            "--max-steps", "1", "--batch-size", "1", "--set", "context_length=2048", "--dtype", "fp32",
+            "--compile", "false", "--no-progress", "--out", str(tmp_path / "run")]
+    said = f"frawd: error: only {tokens} tokens; a window of context_length 2048 needs 2049: use more data or a " \
+           "shorter context\n"
+    for dry in (["--dry-run"], []):
+        code, err, _ = frawd(capsys, *base, *dry)
+        assert (code, err) == (1, said), dry
+        assert not (tmp_path / "run").exists()

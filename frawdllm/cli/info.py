@@ -47,7 +47,8 @@ def info(preset: str, overrides: tuple[str, ...], seq_len: int | None, ranks: in
     if seq_len is not None and seq_len > cfg.context_length:
         raise FrawdError(f"--seq-len {seq_len} exceeds the model's context_length {cfg.context_length}")
     click.echo(f"preset: {preset}")
-    for key, value in cfg.to_dict().items():
+    # (settings: the MLP width as built, where the config leaves it to be derived)
+    for key, value in (cfg.settings() if hasattr(cfg, "settings") else cfg.to_dict()).items():
         click.echo(f"  {key:<18} {value}")
     n = cfg.num_parameters
     click.echo(f"parameters:               {n:,}")

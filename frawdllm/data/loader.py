@@ -60,11 +60,15 @@ def _check_layout(tokens: TokenArray, batch_size: int, context_length: int, rank
         raise FrawdError(f"rank {rank} is outside world_size {world_size}")
     if vocab_size is not None and (not is_integer(vocab_size) or vocab_size < 1):
         raise FrawdError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
-    n_tokens = len(tokens)
+    check_one_window(len(tokens), context_length)
+    return _IdBound(tokens, vocab_size)
+
+
+def check_one_window(n_tokens: int, context_length: int) -> None:
+    """Refuse data shorter than one window of `context_length` inputs and their targets."""
     if n_tokens < context_length + 1:
         raise FrawdError(f"only {n_tokens} tokens; a window of context_length {context_length} needs "
                          f"{context_length + 1}: use more data or a shorter context")
-    return _IdBound(tokens, vocab_size)
 
 
 def _windows(tokens: TokenArray, starts: np.ndarray, context_length: int,

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import PRESETS, ModelConfig, get_config
+from ..config import PRESETS, ModelConfig, get_config, is_integer
 from ..data import META_FILE, RandomWindowLoader, prepare_shards, read_split, split_files
+from ..data.loader import check_one_window
 from ..data.shards import print_warnings, read_shard_meta, resolved_source, shard_files, split_bytes_per_token
 from ..data.shard_format import TokenArray
 from ..errors import ConfigError, FrawdError
@@ -341,10 +342,7 @@ def check_pretrain(cfg: PretrainConfig) -> None:
     device = pick_device(cfg.device)
     model_cfg, window = init_model_config(cfg) if cfg.init_from is not None else (None, None)
     tok = given_tokenizer(cfg)
-    if is_shard_dir(cfg.data):
-        _shard_meta(Path(cfg.data), tok)
-    else:
-        _check_source(cfg)
+    meta = _shard_meta(Path(cfg.data), tok) if is_shard_dir(cfg.data) else _check_source(cfg)
     if model_cfg is not None:
         if tok.vocab_size > model_cfg.vocab_size:
             raise FrawdError(f"the tokenizer has {tok.vocab_size} tokens but the --init-from model "
@@ -354,6 +352,8 @@ def check_pretrain(cfg: PretrainConfig) -> None:
             check_bpe_vocab_size(_bpe_vocab_size(cfg))
         model_cfg = model_config_for(cfg, _known_vocab_size(cfg, tok) or len(SPECIAL_TOKENS), tok)
         window = model_cfg.context_length
+    if meta is not None and is_integer(meta.get("train_tokens")):  # (prepared shards say how many)
+        check_one_window(meta["train_tokens"], window)
     check_training_fits(model_cfg, cfg.batch_size, window, cfg.dtype, device)
 
 
