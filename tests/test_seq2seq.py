@@ -687,6 +687,8 @@ for call in [lambda: m(src, src[:1]), lambda: m.hidden_states(src, src[:1]),
              lambda: m(src, src, src_mask=torch.ones(2, 3, dtype=torch.bool)),
              lambda: greedy_decode(m, src, torch.ones(2, 5, dtype=torch.long), max_extra=2),
              lambda: beam_search(m, src, torch.ones(2, 5), beam_size=2, max_extra=2),
+             lambda: greedy_decode(m, src, torch.tensor([[True] * 5, [False, False, True, True, True]])),
+             lambda: beam_search(m, src, torch.tensor([[True] * 5, [True, False, True, True, False]]), beam_size=2),
              lambda: greedy_decode(gpt, src), lambda: translate_ids(gpt, [[5, 6]]),
              lambda: translate_ids(m, [10, 11]), lambda: translate_ids(m, ["hello"]),
              lambda: translate_ids(m, [[5, 6.0]]), lambda: translate_ids(m, "hello")]:
@@ -699,7 +701,8 @@ for call in [lambda: m(src, src[:1]), lambda: m.hidden_states(src, src[:1]),
 
 
 def test_inputs_that_do_not_fit_together_are_refused_in_one_line():
-    """Batch sizes that differ, a src_mask of the wrong shape or dtype, a decoder-only model,
+    """Batch sizes that differ, a src_mask of the wrong shape or dtype or padded on the left,
+    a decoder-only model,
     sources that are not lists of ids: each failed deep in attention or with a bare TypeError
     (a user's script, without the tests' shape checks, which would refuse them first)."""
     from cli_helpers import script_lines
@@ -712,6 +715,9 @@ def test_inputs_that_do_not_fit_together_are_refused_in_one_line():
         "src_mask must be a bool tensor of src's shape (2, 5), got a torch.bool tensor of shape (2, 3)",
         "src_mask must be a bool tensor of src's shape (2, 5), got a torch.int64 tensor of shape (2, 5)",
         "src_mask must be a bool tensor of src's shape (2, 5), got a torch.float32 tensor of shape (2, 5)",
+        # (left padding: positions count from column 0, so it translated otherwise, silently)
+        "src_mask has padding (False) before a real token (True); pad each row at its end",
+        "src_mask has padding (False) before a real token (True); pad each row at its end",
         decoder_only,
         decoder_only,
         "sources[0] must be a list of token ids, got int: sources is a list of sentences, each a list of ids",

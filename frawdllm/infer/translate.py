@@ -65,6 +65,10 @@ def _check_search(model: Seq2SeqTransformer, src: Tensor, beam_size: int, alpha:
             else type(src).__name__
         raise ValueError(f"src must be a 2-D integer tensor of token ids with at least one row, got {what}")
     check_src_mask(src, src_mask)
+    if src_mask is not None and bool((src_mask[:, 1:] & ~src_mask[:, :-1]).any()):
+        # (positions count from column 0: a left-padded sentence was encoded at shifted
+        # positions, and translated otherwise, silently)
+        raise ValueError("src_mask has padding (False) before a real token (True); pad each row at its end")
     _require_int("beam_size", beam_size, 1)
     _require_int("max_extra", max_extra, 0)
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha < 0:

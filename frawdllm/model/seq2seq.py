@@ -5,8 +5,9 @@
     target ids (B, T) -> embeddings -> decoder: n_layer blocks of causal self-attention,
                          cross-attention over the memory, MLP       -> logits (B, T, V)
 
-The encoder reads the whole source at once; padding (`src_mask` False) is masked out of
-every attention, so a sentence's encoding does not depend on what it was batched with.
+The encoder reads the whole source at once; padding (`src_mask` False), after each
+sentence's tokens (positions count from a row's first column), is masked out of every
+attention, so a sentence's encoding does not depend on what it was batched with.
 The decoder predicts target token t+1 from the target tokens <= t and the whole source.
 Training feeds the shifted target ("teacher forcing"): input [BOS, y1 .. yn], labels
 [y1 .. yn, EOS]. Generation (`infer/translate.py`) encodes the source once, projects the
@@ -115,7 +116,8 @@ class Seq2SeqTransformer(ModelDirectoryMixin, nn.Module):
     def encode(
         self, src: Int[Tensor, "B S"], src_mask: Bool[Tensor, "B S"] | None = None
     ) -> Float[Tensor, "B S D"]:
-        """The memory: the encoder's output for each source token. src_mask: True = a real token."""
+        """The memory: the encoder's output for each source token. src_mask: True = a real
+        token; padding goes after a row's tokens (right padding: positions count from column 0)."""
         check_ids("src", src)
         check_src_mask(src, src_mask)
         positions = first_positions(src, self.config.context_length, "source")  # (1, S)
