@@ -503,6 +503,8 @@ def test_a_dry_run_with_nproc_shows_each_ranks_share(tmp_path, capsys, monkeypat
     lines = proc.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("batch:"))
     assert lines[at + 1] == "processes:     2 (torchrun, --parallel ddp), each 4 x 3 rows a step and 3 torch threads"
+    # the device line (and the peak measured for MFU) is a rank's: it was this process's threads
+    assert "device:        cpu (3 threads)" in lines
     assert not (tmp_path / "run").exists()
 
 

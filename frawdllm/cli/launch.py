@@ -121,12 +121,11 @@ def rank_threads(nproc: int) -> int:
     return max(1, torch.get_num_threads() // nproc)
 
 
-def ranks_plan(cfg: Any, nproc: int) -> str:
-    """`--dry-run --nproc N`'s line: the ranks, each one's share of the batch and its threads."""
+def ranks_plan(cfg: Any, nproc: int, threads: int) -> str:
+    """`--dry-run --nproc N`'s line: the ranks, each one's share of the batch and its `threads`."""
     from ..train.distributed import batch_layout
 
     micro, accum = batch_layout(cfg.batch_size, cfg.grad_accum, nproc)
-    threads = rank_threads(nproc)
     return (f"processes:     {nproc} (torchrun, --parallel {cfg.parallel}), each {micro} x {accum} rows a step "
             f"and {threads} torch thread{'s' if threads != 1 else ''}")
 

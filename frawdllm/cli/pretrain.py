@@ -59,12 +59,7 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
             from ..train.distributed import check_ranks
 
             check_ranks(cfg, nproc)  # (before the plan, which may measure the machine)
-        lines = dry_run_plan(cfg)
-        if nproc is not None:
-            from .launch import ranks_plan
-
-            at = next(i for i, line in enumerate(lines) if line.startswith("batch:")) + 1
-            lines.insert(at, ranks_plan(cfg, nproc))
+        lines = dry_run_plan(cfg) if nproc is None else _ranks_dry_run_plan(cfg, nproc)
         for line in lines:
             click.echo(line)
         return
@@ -74,3 +69,23 @@ def pretrain(config_file: str | None, overrides: tuple[str, ...], dry_run: bool,
         check_pretrain(cfg)  # bad input: one line here, not one per rank
         relaunch_under_torchrun(nproc, cfg)
     train_on_this_rank(lambda: run_pretraining(cfg, started_at=started_at), "pretrain", cfg)
+
+
+def _ranks_dry_run_plan(cfg, nproc: int) -> list[str]:
+    """The plan as each of `nproc` ranks sees it: its device line and measured peak at a
+    rank's share of the threads (they were the launcher's: every thread), and a line for
+    the ranks."""
+    import torch
+
+    from ..train.pretrain import dry_run_plan
+    from .launch import rank_threads, ranks_plan
+
+    threads, before = rank_threads(nproc), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lines = dry_run_plan(cfg)
+    finally:
+        torch.set_num_threads(before)
+    at = next(i for i, line in enumerate(lines) if line.startswith("batch:")) + 1
+    lines.insert(at, ranks_plan(cfg, nproc, threads))
+    return lines
