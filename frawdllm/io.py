@@ -23,6 +23,7 @@ network filesystem): still atomic, no longer durable.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -416,16 +417,46 @@ def _swap_in(tmp: Path, path: Path, overwrite: bool) -> None:
         return
     _copy_owner_and_mode(path, tmp)
     old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-    try:
-        os.replace(path, old)  # a directory onto an empty directory: allowed
-    except OSError as exc:
-        old.rmdir()
-        if exc.errno != errno.EBUSY:
-            raise
-        raise FrawdError(f"{path} is a mount point: --overwrite cannot replace it; empty it first, or choose "
-                         "another folder") from None
-    os.replace(tmp, path)
+    if _exchange(tmp, path):  # in one step: `path` is never missing (a reader of RUN/model found no folder)
+        os.replace(tmp, old)  # (a directory onto an empty directory: allowed)
+    else:  # in two: set the old copy aside, then rename the new one in
+        try:
+            os.replace(path, old)
+        except OSError as exc:
+            old.rmdir()
+            if exc.errno != errno.EBUSY:
+                raise
+            raise FrawdError(f"{path} is a mount point: --overwrite cannot replace it; empty it first, or choose "
+                             "another folder") from None
+        os.replace(tmp, path)
     remove_tree_or_warn(old, f"replaced {path}, but its old copy")  # (the swap stands whatever happens here)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux's renameat2 with RENAME_EXCHANGE); False
+    where the system or file system cannot (or `b` is a mount point): the caller renames twice."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+@functools.cache
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2  # (glibc 2.28+, musl 1.1.24+)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
 
 
 def _written_meanwhile(path: Path) -> FrawdError:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from frawdllm import FrawdError, FrawdLLM, get_config
+import frawdllm.io as io_module
 from frawdllm.io import _mount_point, atomic_dir, atomic_path, sync_path, undo_on_error, write_text_atomic
 from frawdllm.tokenizer import byte_tokenizer
 from cli_helpers import run_cli
@@ -486,11 +487,34 @@ def test_overwrite_keeps_the_replaced_folders_mode_and_a_mount_point_is_one_line
         return real_replace(source, target)
 
     monkeypatch.setattr(os, "replace", busy)
+    monkeypatch.setattr(io_module, "_exchange", lambda a, b: False)  # (as renameat2 refuses a mount point)
     with pytest.raises(FrawdError, match=rf"^{re.escape(str(out))} is a mount point: --overwrite cannot replace "
                                          r"it; empty it first, or choose another folder$"):
         with atomic_dir(out, overwrite=True) as tmp:
             (tmp / "newer.txt").write_text("newer")
     assert os.listdir(out) == ["new.txt"] and sorted(os.listdir(tmp_path)) == ["out"]  # (no .old left)
+
+
+def test_overwrite_swaps_the_folder_in_one_step_so_it_is_never_missing(tmp_path, monkeypatch):
+    """--overwrite set the old folder aside, then renamed the new one in: between the two,
+    a reader (a server loading RUN/model while training published a better model) found no
+    folder. Linux swaps them in one step (renameat2's RENAME_EXCHANGE)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("an atomic swap of two folders is Linux's renameat2")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    real_replace, seen = os.replace, []
+
+    def watched(source, target):
+        real_replace(source, target)
+        seen.append(out.is_dir())
+
+    monkeypatch.setattr(os, "replace", watched)
+    with atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert os.listdir(out) == ["new.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    assert all(seen), seen
 
 
 @pytest.mark.parametrize("existing", [False, True])
