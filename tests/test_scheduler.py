@@ -472,6 +472,79 @@ def test_greedy_rows_with_a_repetition_penalty_are_penalised(model_tok):
     assert penalised == expected
 
 
+def test_greedy_rows_beside_sampled_ones_take_their_own_logits(model_tok):
+    """Plain greedy rows share one argmax over their rows of the batch's logits; beside a
+    sampled row (a server's usual batch) they must still be their own rows, the tokens
+    Engine.generate gives alone."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    expected = engine.generate(PROMPTS[5], greedy)[0].tokens
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        with scheduler._cond:  # (both in the first step's batch: the sampled row first)
+            sampled = scheduler.submit(PROMPTS[4], SamplingParams(temperature=1.0, seed=3, max_new_tokens=12,
+                                                                  ignore_eos=True))
+            plain = scheduler.submit(PROMPTS[5], greedy)
+        list(sampled)
+        assert [c.token for c in plain] == expected
+    finally:
+        scheduler.close()
+
+
+def test_prefill_admits_prompts_up_to_its_token_budget_a_step(model_tok):
+    """`prefill_tokens`: the prompt tokens a step admits before the rows already decoding get
+    their next token (a burst of long prompts stalled them). Past the budget, the next prompt
+    waits for the following step."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    forward, calls = engine.forward, []
+
+    def recorded(tokens, *args):
+        calls.append(f"P{tokens.shape[1]}" if tokens.shape[1] > 1 else f"D{tokens.shape[0]}")
+        return forward(tokens, *args)
+
+    engine.forward = recorded
+    scheduler = Scheduler(engine, max_batch=8, prefill_tokens=10)
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    try:
+        with scheduler._cond:
+            requests = [scheduler.submit("the quick", params) for _ in range(3)]  # 9 tokens each
+        for request in requests:
+            list(request)
+    finally:
+        scheduler.close()
+    # a step: prompts while the budget (10) lasts, the last one may pass it; then one decode
+    assert calls == ["P9", "P9", "D2", "P9", "D3", "D1"], calls
+
+
+def test_a_finished_requests_row_is_free_when_its_caller_hears_the_end(model_tok):
+    """The last chunk was handed out before the row left: a caller that sent its next
+    requests on hearing the end found the row still taken (QueueFull at --max-queue 1)."""
+    model, tok = model_tok
+    scheduler = Scheduler(Engine(model, tok), max_batch=1, max_queue=1)
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    heard, done = {}, threading.Event()
+
+    def listener(chunk):
+        if getattr(chunk, "finish_reason", None) is not None:
+            heard["running"] = scheduler.running
+            try:
+                heard["next"] = [scheduler.submit(p, params) for p in ("brown", "fox")]  # one runs, one waits
+            except QueueFull as exc:
+                heard["next"] = exc
+            done.set()
+
+    try:
+        scheduler.submit("the quick", params, listener)
+        assert done.wait(30)
+        assert heard["running"] == 0 and isinstance(heard["next"], list), heard
+        for request in heard["next"]:
+            assert len(list(request)) == 3
+    finally:
+        scheduler.close(drain=False)
+
+
 def test_a_dropped_scheduler_ends_its_thread(model_tok):
     """A scheduler nobody holds still finishes what it accepted, then is collected and its
     thread ends (the thread used to hold it, so both lived forever)."""

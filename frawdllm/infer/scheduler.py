@@ -334,7 +334,7 @@ class Scheduler:
         """Sample each row's next token, hand out its text, and remove finished rows."""
         engine = self.engine
         chosen = self._sample([self.rows[i] for i in batch_rows], logits)
-        finished = []
+        finished, chunks = [], []
         now = time.perf_counter()
         for j, (i, token) in enumerate(zip(batch_rows, chosen)):
             row = self.rows[i]
@@ -354,10 +354,14 @@ class Scheduler:
                 request.finished_samples += 1
             logprob = None if params.logprobs is None else \
                 engine.reported_logprob(token_logprobs(logits[j:j + 1], [token], params.logprobs)[0], reason, params)
-            if not request.cancelled:  # (cancelled since the step began: it hears nothing more)
-                request._deliver(StreamChunk(row.sample, text, token, reason, logprob))
+            chunks.append((request, StreamChunk(row.sample, text, token, reason, logprob)))
+        # finished rows leave before their last chunks are handed out: a caller told a request
+        # ended found its row still taken (a burst it then sent got a 429 at --max-queue 1)
         for i in sorted(finished, reverse=True):
             self._remove(i)
+        for request, chunk in chunks:
+            if not request.cancelled:  # (cancelled since the step began: it hears nothing more)
+                request._deliver(chunk)
 
     def _sample(self, rows: list[_Row], logits: Float[Tensor, "B V"]) -> list[int]:
         """The one sampler, per row (each has its own parameters and generator); plain
