@@ -156,6 +156,28 @@ def test_stop_strings_and_text_match_generate(model_tok):
     assert chunks[-1].finish_reason == "stop"
 
 
+def test_a_stop_token_ends_the_text_without_its_own(model_tok):
+    """A stop token (stop_token_ids, here a plain character) ends a completion and is not
+    text, in generate as in stream and the scheduler."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    free = engine.generate(PROMPTS[3], params)[0]
+    stop = free.tokens[3]
+    assert tok.decode([stop])  # (a character: text, were it not a stop token)
+    params = params.replace(stop_token_ids=[stop])
+    got = engine.generate(PROMPTS[3], params)[0]
+    index = free.tokens.index(stop)
+    assert got.tokens == free.tokens[:index + 1] and got.finish_reason == "stop"
+    assert got.text == tok.decode(free.tokens[:index])
+    assert "".join(c.text for c in engine.stream(PROMPTS[3], params)) == got.text
+    scheduler = Scheduler(engine)
+    try:
+        assert "".join(c.text for c in scheduler.submit(PROMPTS[3], params)) == got.text
+    finally:
+        scheduler.close()
+
+
 def paced(engine: Engine, seconds: float = 0.002) -> Engine:
     """`engine` with every forward taking at least `seconds` more: a test's next lines run
     while its requests are still decoding, however fast this machine (or however slow the

@@ -251,6 +251,7 @@ def test_a_list_of_prompts(server):
     assert [ch.text for ch in got.choices] == [w for w in want for _ in range(2)]
     assert got.usage.prompt_tokens == sum(len(engine.encode(p)) for p in texts)
     assert got.usage.completion_tokens == 6 * 8
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
     ids = [engine.encode(p) for p in texts[:2]]
     got = c.completions.create(model="varied", prompt=ids, max_tokens=8, temperature=0)
     assert [ch.text for ch in got.choices] == want[:2]
@@ -300,6 +301,10 @@ def test_n_seed_and_stop(server):
 def test_errors_are_openai_errors(server):
     with pytest.raises(openai.AuthenticationError):
         client(server, key="wrong").models.list()
+    for key in (KEY[:-1], KEY[:1], KEY + "4", KEY.upper()):  # (the whole key, no prefix of it, nothing more)
+        with pytest.raises(openai.AuthenticationError):
+            client(server, key=key).models.list()
+    assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": "Bearer"}).status_code == 401
     assert httpx.get(server["url"] + "/v1/models").status_code == 401
     c = client(server)
     with pytest.raises(openai.NotFoundError) as info:
@@ -335,6 +340,33 @@ def test_errors_are_openai_errors(server):
     for header in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"):  # (the scheme is case-blind, RFC 7235)
         assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": header}).status_code == 200, header
     assert httpx.get(server["url"] + "/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+
+
+def test_a_chat_reply_ends_at_a_role_token_the_model_writes():
+    """A chat model that goes on to write the next turn (`<|user|>`) ends its reply there, as
+    `frawd chat` does (infer/chat.py's ROLE_TOKEN_IDS), not at max_tokens with the next turn in it."""
+    from frawdllm.tokenizer import USER_ID
+
+    model, tok = varied_model()
+    engine = test_engine(model, tok)
+    forward, calls = engine.forward, [0]
+
+    def writes_a_turn(tokens, *args):  # the third forward (the third reply token) is <|user|>
+        logits = forward(tokens, *args)
+        calls[0] += 1
+        if calls[0] == 3:
+            logits = logits.clone()
+            logits[..., USER_ID] = 1e4
+        return logits
+
+    engine.forward = writes_a_turn
+    with live_server({"m": engine}, ServeOptions()) as url:
+        got = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "the quick"}], "max_tokens": 12,
+            "temperature": 0}).json()
+    choice = got["choices"][0]
+    assert (choice["finish_reason"], got["usage"]["completion_tokens"]) == ("stop", 3), got
+    assert len(choice["message"]["content"]) == 2  # two characters; the role token is not text
 
 
 def test_too_many_requests():
