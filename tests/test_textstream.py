@@ -170,6 +170,24 @@ def test_a_byte_fallback_group_is_held_until_it_closes(sentencepiece_tok):
     assert sum(1 for c in chunks if c) > 2  # (plain pieces still stream as they come)
 
 
+def test_a_byte_fallback_group_longer_than_the_hold_limit_is_whole(sentencepiece_tok):
+    """Six CJK characters (18 byte tokens) or five emoji (20): at the hold limit (16 ids) the
+    group went out decoded as it was, ending inside a character, so every byte was U+FFFD;
+    then the whole group decoded shorter than what was shown, and the text after it ("cd")
+    never came. Against the whole decode, at every split of the stream's ids."""
+    tok = sentencepiece_tok
+    for text in ("ab 日本語日本語 cd", "ab 😀😀😀😀😀 al", "日本語日本語日本語日本語", "al 日本語日本語\n日本語日本語 la"):
+        ids = tok.encode(text)
+        assert sum(i in tok.fallback_byte_ids for i in ids) > 16, text
+        assert "".join(push_all(TextStream(tok), ids)) == tok.decode(ids) == text
+        for stop in ("cd", "\u672c\u8a9e\u65e5"):  # a stop string in text after the group, or in it
+            if stop in text:
+                assert "".join(push_all(TextStream(tok, stop=[stop]), ids)) == text[:text.index(stop)], stop
+    # bytes that never form a character still stream, as U+FFFD
+    bad = [tok.backend.token_to_id("<0x80>")] * 20 + tok.encode(" al")
+    assert "".join(push_all(TextStream(tok), bad)) == tok.decode(bad)
+
+
 @pytest.fixture(scope="module", params=["llama", "metaspace"])
 def word_pieces_tok(request):
     """SentencePiece-style tokenizers whose pieces never span a space, as Llama-2's (its

@@ -11,7 +11,10 @@ Three things make streaming text harder than decoding at the end:
 - A SentencePiece-style tokenizer's byte tokens ("<0x0A>", ByteFallback) decode as a group,
   and a group that is not valid UTF-8 turns every byte into U+FFFD, an ASCII one before the
   broken character too: text is held while the newest token is such a byte, until the
-  group closes (at most HOLD_LIMIT ids), so what was shown never changes afterwards.
+  group closes, so what was shown never changes afterwards. A group longer than HOLD_LIMIT
+  (six CJK characters are 18 bytes) goes out up to its last whole character, and the
+  window starts again after it (its bytes shown as U+FFFD, they had turned the text after
+  them into nothing).
 - A prompt given as token ids can end inside a character: its last ids are read first
   (`context`), so the token that completes the character adds no U+FFFD of its own.
   Otherwise its last id is read first all the same: a SentencePiece-style decoder drops
@@ -73,6 +76,13 @@ class TextStream:
                 full_text.endswith(REPLACEMENT_CHAR)  # an incomplete character: wait for the rest of its bytes
                 or token_id in self._fallback_bytes):  # a byte group may still change ("\n" -> U+FFFD)
             return ""
+        if token_id in self._fallback_bytes and REPLACEMENT_CHAR in full_text[len(self._read_text):]:
+            cut = self._last_whole_character()
+            if cut is not None:  # a long byte group: out up to its last whole character
+                self._pending += self._decode(self.ids[self._prefix:cut])[len(self._read_text):]
+                self._prefix = self._read = cut
+                self._read_text = ""
+                return self._release(final=False)
         self._pending += full_text[len(self._read_text):]
         end = len(self.ids)
         if end - self._prefix > WINDOW:  # the window starts again at the ids read before this push
@@ -82,6 +92,15 @@ class TextStream:
             self._read_text = full_text
         self._read = end
         return self._release(final=False)
+
+    def _last_whole_character(self) -> int | None:
+        """The largest end among the held ids (not the last) whose text, from the window's
+        start, holds no U+FFFD past what was shown: a byte group cut there is valid UTF-8."""
+        for end in range(len(self.ids) - 1, self._read, -1):
+            text = self._decode(self.ids[self._prefix:end])
+            if len(text) > len(self._read_text) and REPLACEMENT_CHAR not in text[len(self._read_text):]:
+                return end
+        return None
 
     def finish(self) -> str:
         """The end of the stream: flush what was held back (but never a stop string)."""
