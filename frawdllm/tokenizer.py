@@ -124,6 +124,13 @@ class Tokenizer:
     """A FrawdLLM tokenizer: a thin wrapper around a `tokenizers.Tokenizer` (`.backend`)."""
 
     def __init__(self, backend: _HFTokenizer, kind: str | None = None):
+        # Truncation or padding saved in a tokenizer.json (a hub file saved after a call that
+        # asked for them) cut and padded every text, silently: transformers' fast tokenizers
+        # apply them only when a call asks, and here none does.
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
         self.backend = backend
         self.kind = kind or _detect_kind(backend)
         # A twin that never parses special tokens out of text (see the module docstring).

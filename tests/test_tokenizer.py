@@ -56,6 +56,24 @@ def test_special_tokens_sit_at_ids_0_to_6_in_every_kind(all_kinds, kind):
     assert tok.decode([BOS_ID, EOS_ID], skip_special_tokens=True) == ""
 
 
+def test_truncation_or_padding_saved_in_a_tokenizer_json_is_not_applied(bpe, tmp_path):
+    """A hub tokenizer.json saved after a call that asked for truncation and padding keeps
+    them: every text was cut to 8 ids and padded to 24, silently (data prepare wrote 25
+    tokens a document). transformers applies them only when a call asks."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(bpe.backend.to_str())
+    backend.enable_truncation(max_length=8)
+    backend.enable_padding(length=24, pad_id=0, pad_token=SPECIAL_TOKENS[0])
+    (tmp_path / "tokenizer.json").write_text(backend.to_str(), encoding="utf-8")
+    loaded = Tokenizer.load(tmp_path / "tokenizer.json")
+    long, short = CORPUS[1], "hi"
+    assert loaded.encode(long) == bpe.encode(long) and len(bpe.encode(long)) > 8
+    assert loaded.encode(short) == bpe.encode(short) and len(bpe.encode(short)) < 24
+    assert loaded.encode_batch([long, short]) == [bpe.encode(long), bpe.encode(short)]
+    assert loaded.fingerprint == bpe.fingerprint  # the same tokenization, the same tokenizer
+
+
 def test_special_tokens_at_other_ids_are_not_frawds(char):
     """A tokenizer whose <|bos|> and <|eos|> swapped ids has the tokens but not at the ids the
     chat template and the sampler use (EOS_ID would end replies at every <|bos|>)."""
