@@ -545,3 +545,26 @@ def test_max_completion_tokens_wins_over_max_tokens_and_the_default_fits_the_con
     status, body = post(server, "/v1/chat/completions", {**chat, "max_tokens": 8, "max_completion_tokens": 3,
                                                           "temperature": 0})
     assert status == 200 and body["usage"]["completion_tokens"] <= 3
+
+
+def test_chat_with_a_model_whose_tokenizer_has_no_role_tokens_is_not_a_context_error():
+    """Its 400 said code "context_length_exceeded" (clients shorten and retry on it) and
+    "this tokenizer"; completions still work."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.tokenizer import Tokenizer
+
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    plain = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(letters)}, unk_token="a"))
+    plain.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    model = FrawdLLM(get_config("tiny", vocab_size=len(letters), n_layer=1, n_embd=16, n_head=2, context_length=32))
+    with live_server({"plain": test_engine(model, Tokenizer(plain))}, ServeOptions()) as url:
+        chat = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "plain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        completion = httpx.post(url + "/v1/completions", timeout=30,
+                                json={"model": "plain", "prompt": "hi", "max_tokens": 2})
+    error = chat.json()["error"]
+    assert chat.status_code == 400 and (error["code"], error["param"]) == ("model_not_chat_capable", "model")
+    assert error["message"].startswith("model 'plain' cannot chat: its tokenizer lacks FrawdLLM's role tokens")
+    assert completion.status_code == 200, completion.text

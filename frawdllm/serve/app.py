@@ -289,6 +289,10 @@ def create_app(engines: dict[str, Engine], options: ServeOptions | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         scheduler = scheduler_for(body.model)
         engine = scheduler.engine
+        if not engine.tokenizer.has_frawd_specials():  # (not a prompt too long: no retry or truncate helps)
+            raise ApiError(400, f"model {body.model!r} cannot chat: its tokenizer lacks FrawdLLM's role tokens "
+                                "(an imported tokenizer without them); use /v1/completions", param="model",
+                           code="model_not_chat_capable")
         max_new = _max_new(body, options, engine)
         messages = [m.as_message() for m in body.messages]
         for i, message in enumerate(messages):
