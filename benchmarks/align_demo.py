@@ -49,6 +49,9 @@ def write_jsonl(path: Path, records: list[dict]) -> str:
     return str(path)
 
 
+TEST_WORDS = 200  # held out: the words the after-training accuracy is measured on
+
+
 def random_words(n: int, rng: random.Random, lengths: tuple[int, int], exclude: set[str] = frozenset()) -> list[str]:
     words: list[str] = []
     seen = set(exclude)
@@ -117,7 +120,7 @@ def part_a(work: Path, args) -> dict[str, float]:
 
     rng = random.Random(0)
     lengths = (args.min_letters, args.max_letters)
-    test_words = random_words(200, rng, lengths)
+    test_words = random_words(TEST_WORDS, rng, lengths)
     train_words = random_words(args.sft_examples, rng, lengths, exclude=set(test_words))
     sft_data = write_jsonl(work / "reverse.jsonl", [{"prompt": f"reverse {w}", "response": w[::-1]}
                                                   for w in train_words])
@@ -253,6 +256,12 @@ def main() -> None:
         parser.error(f"--demo-model {args.demo_model} is not a model directory (no config.json)")
     if args.min_letters > args.max_letters:
         parser.error(f"--min-letters ({args.min_letters}) is above --max-letters ({args.max_letters})")
+    possible = sum(26 ** n for n in range(args.min_letters, args.max_letters + 1))
+    wanted = TEST_WORDS + args.sft_examples + args.dpo_examples  # (all different: random_words draws until then)
+    if wanted > possible:
+        parser.error(f"{TEST_WORDS} test + --sft-examples {args.sft_examples} + --dpo-examples "
+                     f"{args.dpo_examples} different words need {wanted:,}, but words of {args.min_letters}.."
+                     f"{args.max_letters} letters are only {possible:,}: allow longer words or ask for fewer examples")
     temporary = []  # folders this script makes: removed at the end, also on failure
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # a fresh kernel cache, as on a first run
         temporary.append(tempfile.mkdtemp(prefix="frawd-inductor-"))

@@ -79,7 +79,8 @@ def main() -> None:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="A model directory (default: train one).")
     parser.add_argument("--run", default=None, help="Train into (or reuse the model of) this run directory.")
-    parser.add_argument("--data-dir", default=None, help="Its prepared shards (val.bin); default: the run's data/.")
+    parser.add_argument("--data-dir", default=None, help="The prepared shards to score on (val.bin); default: the "
+                                                          "run's data/ (the model's run's, with --model).")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="char", help="What to train.")
     parser.add_argument("--max-steps", type=positive_int, default=600, help="Training steps when training here.")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="Rows per batch when scoring.")
@@ -95,13 +96,13 @@ def main() -> None:
     where = args.model
     with tempfile.TemporaryDirectory(prefix="frawd-int8-") as tmp:
         if args.model is None:
-            run = Path(args.run) if args.run else Path(tmp) / "run"
+            run = Path(args.run).resolve() if args.run else Path(tmp) / "run"  # (training runs in the repo)
             if (run / "model").is_dir():
                 where = f"reused from {run / 'model'}"
             else:
                 train(run, args.recipe, args.max_steps)
                 where = f"trained here ({args.recipe}, {args.max_steps} steps)"
-            model_dir, data_dir = run / "model", run / "data"
+            model_dir, data_dir = run / "model", Path(args.data_dir) if args.data_dir else run / "data"
         else:
             model_dir = Path(args.model)
             data_dir = Path(args.data_dir) if args.data_dir else model_dir.parent / "data"

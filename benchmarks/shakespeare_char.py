@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--compile", default=None, choices=("auto", "true", "false"),
                         help="override the recipe's compile (auto)")
     args = parser.parse_args()
+    for name in ("config", "out", "data"):  # given relative to where the script is run (`run` moves to the repo)
+        if getattr(args, name) is not None:
+            setattr(args, name, os.path.abspath(os.path.expanduser(getattr(args, name))))
     temporary = []  # folders this script makes: removed at the end, also on failure
     try:
         if not args.warm_cache:
@@ -61,7 +64,7 @@ def main() -> None:
 
 
 def run(args, out: str) -> None:
-    os.chdir(ROOT)  # the recipe's data path is relative to the repository root
+    os.chdir(ROOT)  # the recipe's data path is relative to the repository root (the options' are absolute)
 
     import torch
 

@@ -232,6 +232,8 @@ def main() -> None:
         "hf": ([(f"hf_{d}", "hf", d, {}) for d in dtypes], False),
         "ours": ([(f"ours_{d}", "ours", d, {"compile": compile}) for d in dtypes], True),
     }
+    if args.detail and "bf16" not in dtypes:  # (as skipped_bf16 says why, where it was asked for)
+        print("detail=skipped (--detail times bf16 variants, and bf16 is not run here)", flush=True)
     if args.detail and "bf16" in dtypes:
         groups["hf_extra"] = ([("hf_bf16_fused_adamw", "hf", "bf16", {"fused": True}),
                                ("hf_bf16_compiled", "hf", "bf16", {"compile": True})], False)
