@@ -134,10 +134,12 @@ def _as_tokenizer(tokenizer: Any) -> Any:
 
 
 def save_tokenizer(tokenizer: Any, path: Path) -> None:
-    """Save a tokenizer object (anything with `.save(path)`) or copy a tokenizer.json path."""
+    """Save a tokenizer object (anything with `.save(path)`) or copy a tokenizer.json path
+    (or the one in a folder, as `Tokenizer.load` reads it)."""
     with atomic_path(path) as tmp:
         if isinstance(tokenizer, (str, Path)):
-            shutil.copyfile(tokenizer, tmp)
+            source = Path(tokenizer)
+            shutil.copyfile(source / TOKENIZER_FILE if source.is_dir() else source, tmp)
         else:
             tokenizer.save(str(tmp))
 

@@ -54,6 +54,21 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_anything_is_wr
     assert FrawdLLM.from_pretrained(tmp_path / "m").config.vocab_size == 50
 
 
+def test_a_tokenizer_given_as_its_folder_is_saved_with_the_model(tmp_path):
+    """`tokenizer=FOLDER` (as Tokenizer.load and Engine take it): the copy failed with a bare
+    IsADirectoryError after the weights were written, leaving an existing folder with the
+    new model and the old tokenizer."""
+    from frawdllm.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer
+
+    old, new = byte_tokenizer(), train_tokenizer(["abc"], "char")
+    new.save(tmp_path / "tok" / "tokenizer.json")
+    tiny().save_pretrained(tmp_path / "m", tokenizer=train_tokenizer(["xyz"], "char"))
+    for folder in (tmp_path / "m", tmp_path / "fresh"):
+        tiny(tie_embeddings=False).save_pretrained(folder, tokenizer=tmp_path / "tok")
+        assert Tokenizer.load(folder).fingerprint == new.fingerprint != old.fingerprint
+        assert not FrawdLLM.from_pretrained(folder).config.tie_embeddings
+
+
 def test_a_save_without_a_tokenizer_over_one_that_no_longer_fits_is_refused(tmp_path):
     """The folder's tokenizer.json from an earlier save stays; a smaller model saved over
     it without a tokenizer made a folder no command could load, without a word."""
