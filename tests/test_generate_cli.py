@@ -322,14 +322,16 @@ def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch, n_
     from types import SimpleNamespace
 
     import frawdllm.memory
-    from frawdllm.cli.sampling_flags import check_rows_fit
     from frawdllm.errors import FrawdError
-    from frawdllm.infer import SamplingParams
+    from frawdllm.infer import Engine, SamplingParams
 
     cfg = get_config("tiny", vocab_size=256, n_layer=2, n_embd=32, n_head=4, n_kv_head=n_kv_head, context_length=64)
 
     def engine(kv_dtype):
-        return SimpleNamespace(config=cfg, kv_dtype=kv_dtype, compile=False, encode=lambda text: [0] * len(text))
+        return SimpleNamespace(config=cfg, kv_dtype=kv_dtype, compile=False, device=torch.device("cpu"))
+
+    def check_rows_fit(engine, texts, params):
+        Engine.check_rows_fit(engine, [[0] * len(text) for text in texts], params)
 
     slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim  # elements of one token's keys and values
     # 2 prompts of 10 and 30 tokens, 20 new: 30 + 20 - 1 = 49 slots (under 64 + 30 - 10)
@@ -344,6 +346,19 @@ def test_the_memory_check_counts_the_cache_dtype_and_the_prompts(monkeypatch, n_
     monkeypatch.setattr(frawdllm.memory, "free_memory", lambda device: 2 * (slot * 49 * 2 + 4 * 256) - 1)
     with pytest.raises(FrawdError, match="2 sequences at once"):
         check_rows_fit(engine(torch.float16), ["x" * 10, "x" * 30], params)
+
+
+def test_the_engine_refuses_rows_that_cannot_fit_before_allocating_them(model_dir):
+    """The check was the CLI's: Engine.generate(num_samples=10**9) from Python was a
+    MemoryError, or the OOM killer ending the process without a word."""
+    from frawdllm.errors import FrawdError
+    from frawdllm.infer import Engine, SamplingParams
+
+    engine = Engine(FrawdLLM.from_pretrained(model_dir), model_dir, native=False)
+    params = SamplingParams(temperature=0, max_new_tokens=2, num_samples=10**9)
+    for call in (engine.generate, lambda *a: list(engine.stream(*a))):
+        with pytest.raises(FrawdError, match=r"^1,000,000,000 sequences at once \(prompts x num_samples\) need about"):
+            call("a", params)
 
 
 def test_threads_up_to_eight_a_cpu_are_taken(model_dir, monkeypatch):

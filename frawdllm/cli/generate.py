@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError, check_unicode, counted
-from .sampling_flags import (check_rows_fit, context_stop_note, engine_flags, load_engine, params_from_flags,
+from .sampling_flags import (context_stop_note, engine_flags, load_engine, params_from_flags,
                              sampling_flags, warn_unmatchable_stops)
 
 
@@ -68,7 +68,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
                    "not log-probabilities (frawd serve and Engine.stream give them)", err=True)
         params = params.replace(logprobs=None)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
-    check_rows_fit(engine, texts, params)
+    engine.check_rows_fit([engine.encode(text) for text in texts], params, "--num-samples")
     warn_unmatchable_stops(engine, params)
     unknown = sorted(set().union(*(engine.tokenizer.unknown_characters(text) for text in texts)))
     if unknown:  # (a char tokenizer: the model sees <|unk|> for them, as data prepare and eval warn)

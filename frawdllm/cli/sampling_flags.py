@@ -83,29 +83,6 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     return SamplingParams.from_dict(values)
 
 
-def check_rows_fit(engine: Any, prompts: list[str], params: Any) -> None:
-    """FrawdError if the prompts, `params.num_samples` rows each, would need a KV cache (and
-    a row of logits each) larger than the memory available. The cache is sized as the engine
-    sizes it (`engine.cache_slots`), at the engine's cache dtype (fp16 where the C forward
-    keeps it)."""
-    import torch
-
-    from ..infer.engine import cache_slots
-    from ..memory import free_memory
-
-    cfg = engine.config
-    rows = len(prompts) * params.num_samples
-    # (a prompt past the context slides to a shorter window with --overflow slide: near enough)
-    widths = [min(len(engine.encode(text)), cfg.context_length) for text in prompts]
-    slots = cache_slots(widths, cfg.context_length, params.max_new_tokens, engine.compile)
-    item = torch.empty(0, dtype=engine.kv_dtype).element_size()
-    per_row = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * slots * item + 4 * cfg.vocab_size  # (fp32 logits)
-    need, have = rows * per_row, free_memory(torch.device("cpu"))
-    if have is not None and need > have:
-        raise FrawdError(f"{rows:,} sequences at once (prompts x --num-samples) need about {need / 2**30:.1f} GiB "
-                         f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")
-
-
 def warn_unmatchable_stops(engine: Any, params: Any) -> None:
     """A warning on stderr for each stop string the model can never write: one with characters
     a char tokenizer lacks (it decodes them as nothing it can generate, so the stop never matches)."""
@@ -207,5 +184,5 @@ def load_engine(model_dir: str, quantize: str = "none", dtype: str = "fp32", ove
                   weights="auto" if native == "off" else native)
 
 
-__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine", "check_rows_fit",
-           "warn_unmatchable_stops", "context_stop_note"]
+__all__ = ["sampling_flags", "params_from_flags", "engine_flags", "load_engine", "warn_unmatchable_stops",
+           "context_stop_note"]

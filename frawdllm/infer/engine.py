@@ -353,6 +353,7 @@ class Engine:
         """
         params = self.checked_params(params)
         encoded = self._prompt_list(prompts)
+        self.check_rows_fit(encoded, params)
         n = params.num_samples
         tokens: list[list[int]] = [[] for _ in range(len(encoded) * n)]
         texts = [""] * len(tokens)
@@ -374,7 +375,29 @@ class Engine:
         """Text as it becomes printable: never half a character, never (part of) a stop
         string. `prompts` as in `generate`."""
         params = self.checked_params(params)
-        yield from self._chunks(self._prompt_list(prompts), params, need_text=True)
+        encoded = self._prompt_list(prompts)
+        self.check_rows_fit(encoded, params)
+        yield from self._chunks(encoded, params, need_text=True)
+
+    def check_rows_fit(self, encoded: list[list[int]], params: SamplingParams, samples: str = "num_samples") -> None:
+        """FrawdError if the prompts' ids, `params.num_samples` rows each, would need a KV
+        cache (and a row of logits each) larger than the memory available, before any of it
+        is allocated (num_samples=10**9 was a MemoryError, or the OOM killer). The cache is
+        sized as this engine sizes it (`cache_slots`), at its cache dtype. `samples`: what
+        the message calls the number of samples (the CLI's --num-samples)."""
+        from ..memory import free_memory
+
+        cfg = self.config
+        rows = len(encoded) * params.num_samples
+        # (a prompt past the context slides to a shorter window with overflow="slide": near enough)
+        widths = [min(len(ids), cfg.context_length) for ids in encoded]
+        slots = cache_slots(widths, cfg.context_length, params.max_new_tokens, self.compile)
+        item = torch.empty(0, dtype=self.kv_dtype).element_size()
+        per_row = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * slots * item + 4 * cfg.vocab_size  # (fp32 logits)
+        need, have = rows * per_row, free_memory(self.device)
+        if have is not None and need > have:
+            raise FrawdError(f"{rows:,} sequences at once (prompts x {samples}) need about {need / 2**30:.1f} GiB "
+                             f"for their KV cache; {have / 2**30:.1f} GiB is available; ask for fewer")
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: Any, k: int) -> list[TokenLogprob | None]:
