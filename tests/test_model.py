@@ -272,7 +272,8 @@ import torch
 from frawdllm import FrawdLLM, get_config
 m = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300, context_length=32))
 x = torch.randint(0, 300, (2, 8))
-for args in [(x[0],), ([[1, 2]],), (x.float(),), (x, x.reshape(8, 2)), (x, x > 3)]:
+for args in [(x[0],), ([[1, 2]],), (x.float(),), (x, x.reshape(8, 2)), (x, x > 3), (x.to(torch.uint8),),
+             (x.to(torch.int16), x)]:
     try:
         m(*args)
         print("accepted")
@@ -307,6 +308,9 @@ def test_bad_ids_and_targets_are_one_line_naming_them():
         "token_ids must be a (batch, time) integer tensor, got a 2-D torch.float32 tensor",
         "targets of shape (8, 2) do not match token_ids of shape (2, 8)",
         "targets must be a (batch, time) integer tensor, got a 2-D torch.bool tensor",
+        # (nn.Embedding takes int64 and int32 only: PyTorch's RuntimeError from inside it)
+        "token_ids must hold int64 or int32 ids, got a torch.uint8 tensor: convert it with .long()",
+        "token_ids must hold int64 or int32 ids, got a torch.int16 tensor: convert it with .long()",
         "True",
         "positions must be a (1 or batch 2, time 8) integer tensor, got a (8,) torch.int64 tensor",
         "positions must be a (1 or batch 2, time 8) integer tensor, got a (1, 1) torch.int64 tensor",

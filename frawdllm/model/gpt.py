@@ -113,6 +113,8 @@ def check_ids(name: str, ids: Any) -> None:
     if not is_id_tensor(ids) or ids.dim() != 2:
         what = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"{name} must be a (batch, time) integer tensor, got {what}")
+    if ids.dtype not in (torch.int64, torch.int32):  # (PyTorch's embedding takes these two, and said so deep inside)
+        raise ValueError(f"{name} must hold int64 or int32 ids, got a {ids.dtype} tensor: convert it with .long()")
 
 
 def check_length(n: int, context_length: int, what: str) -> None:
