@@ -51,6 +51,8 @@ TABLE_ALLOWANCE = 64 * 2**20  # position tables this size are fine whatever the 
 
 def save_model_dir(model: torch.nn.Module, directory: str | Path, tokenizer: Any = None,
                    generation_config: dict[str, Any] | None = None) -> Path:
+    if str(directory) == "":  # (Path("") is the current folder: the files landed there)
+        raise FrawdError("cannot save: the directory is an empty path")
     directory = Path(directory)
     cfg: ModelConfig = model.config
     if directory.exists() and not directory.is_dir():

@@ -378,9 +378,11 @@ class Tokenizer:
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path, replace: bool = True) -> None:
         """Write tokenizer.json atomically (`path` is the file, or a directory to hold it);
-        `replace` False: refuse a file that another process wrote there meanwhile."""
+        `replace` False: refuse a file that another process wrote there meanwhile. A path
+        ending in "/" is a directory, made if missing (it was a file of that name)."""
+        folder = str(path).endswith(("/", os.sep))
         path = Path(path)
-        if path.is_dir():
+        if path.is_dir() or folder:
             path = path / TOKENIZER_FILE
         write_text_atomic(path, self.to_json(), replace=replace)
 

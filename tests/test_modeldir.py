@@ -69,6 +69,14 @@ def test_a_tokenizer_given_as_its_folder_is_saved_with_the_model(tmp_path):
         assert not FrawdLLM.from_pretrained(folder).config.tie_embeddings
 
 
+def test_a_save_to_an_empty_path_is_refused(tmp_path, monkeypatch):
+    """Path("") is ".": save_pretrained("") wrote into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FrawdError, match="^cannot save: the directory is an empty path$"):
+        tiny().save_pretrained("")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_save_without_a_tokenizer_over_one_that_no_longer_fits_is_refused(tmp_path):
     """The folder's tokenizer.json from an earlier save stays; a smaller model saved over
     it without a tokenizer made a folder no command could load, without a word."""

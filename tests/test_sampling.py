@@ -199,6 +199,7 @@ def test_seeded_sampling_is_reproducible():
     ("temperature", float("nan"), "temperature must be 0 \\(greedy\\) or"),
     ("logprobs", -1, r"logprobs must be None \(off\) or an integer in \[0, 20\]"),
     ("logprobs", 21, r"logprobs must be None \(off\) or an integer in \[0, 20\]"),
+    ("stop_token_ids", [5, -1], r"^stop_token_ids must be >= 0, got \[-1\]$"),  # (the value, as every field's)
 ])
 def test_invalid_parameters_raise_one_clear_error(field, value, message):
     with pytest.raises(ConfigError, match=message) as info:

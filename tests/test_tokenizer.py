@@ -74,6 +74,12 @@ def test_truncation_or_padding_saved_in_a_tokenizer_json_is_not_applied(bpe, tmp
     assert loaded.fingerprint == bpe.fingerprint  # the same tokenization, the same tokenizer
 
 
+def test_save_to_a_path_ending_in_a_slash_makes_that_folder(byte, tmp_path):
+    """save("tok/new/") wrote a file named tok/new (the slash dropped by Path)."""
+    byte.save(f"{tmp_path / 'new'}/")
+    assert (tmp_path / "new").is_dir() and Tokenizer.load(tmp_path / "new").fingerprint == byte.fingerprint
+
+
 def test_special_tokens_at_other_ids_are_not_frawds(char):
     """A tokenizer whose <|bos|> and <|eos|> swapped ids has the tokens but not at the ids the
     chat template and the sampler use (EOS_ID would end replies at every <|bos|>)."""

@@ -88,7 +88,8 @@ class SamplingParams:
         for i, stop in enumerate(self.stop):  # (a lone surrogate can never match decoded text)
             if (at := utf8_error_at(stop)) is not None:
                 raise ConfigError(f"stop string {i} is not valid UTF-8 (a lone surrogate at character {at})")
-        _check(all(i >= 0 for i in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(all(i >= 0 for i in self.stop_token_ids),
+               f"stop_token_ids must be >= 0, got {[i for i in self.stop_token_ids if i < 0][:1] or ''}")
         # The rest (ignore_eos: "no" is not a bool) by declared type; the checks above say more.
         check_types(type(self), {f.name: getattr(self, f.name) for f in fields(self)})
 
