@@ -27,3 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(model, name)
     raise AttributeError(f"module 'frawdllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # (the lazily imported names too: help(), tab completion)
+    return sorted(set(globals()) | set(__all__))

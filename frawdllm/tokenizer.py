@@ -311,7 +311,9 @@ class Tokenizer:
                 raise FrawdError(f"encode_batch takes a list of texts, got {type(texts).__name__}") from None
             for i, text in enumerate(texts):
                 _check_text(text, "encode_batch", i)
-            raise
+            # texts all right, so the container was not one the tokenizers library takes (a generator)
+            raise FrawdError(f"encode_batch takes a list of texts, got {type(texts).__name__}: pass list(...)") \
+                from None
 
     def decode(self, ids: Iterable, skip_special_tokens: bool = False) -> str:
         """Ids (a list, numpy array or 1-D tensor) -> text. An id that is not a non-negative

@@ -349,3 +349,11 @@ def test_free_memory_is_what_the_cgroup_leaves_when_below_the_machines(monkeypat
     assert memory.free_memory(torch.device("cpu")) == 5_000_000_000
     files["/sys/fs/cgroup/memory.max"] = "max\n"
     assert memory.free_memory(torch.device("cpu")) == 50_000_000_000 * 1024 // 1000
+
+
+def test_the_package_lists_its_lazily_imported_model_classes():
+    """dir(frawdllm) (help(), tab completion) lacked FrawdLLM and Seq2SeqTransformer, which are
+    imported on first use."""
+    import frawdllm
+
+    assert {"FrawdLLM", "Seq2SeqTransformer", "get_config", "ModelConfig"} <= set(dir(frawdllm))

@@ -319,6 +319,8 @@ def test_read_shard_rejects_bad_files(tmp_path):
         read_shard(path)
     with pytest.raises(FrawdError, match="shard not found"):
         read_shard(tmp_path / "missing.bin")
+    with pytest.raises(FrawdError, match=r"is a folder, not a shard file \(a prepared folder holds"):
+        read_shard(tmp_path)  # (it said "not found")
 
 
 @pytest.mark.parametrize("tokens, error", [

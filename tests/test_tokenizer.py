@@ -392,7 +392,8 @@ from frawdllm.tokenizer import byte_tokenizer
 tok = byte_tokenizer()
 for call in [lambda: tok.encode(b"hi"), lambda: tok.encode(None), lambda: tok.decode(5), lambda: tok.decode("ab"),
              lambda: tok.encode_batch("ab"), lambda: tok.encode_batch(5), lambda: tok.encode_batch(["a", None]),
-             lambda: tok.encode_batch(["a", "\ud800"]), lambda: tok.token_bytes(2.0)]:
+             lambda: tok.encode_batch(["a", "\ud800"]), lambda: tok.encode_batch(t for t in ["a"]),
+             lambda: tok.token_bytes(2.0)]:
     try:
         call()
         print("accepted")
@@ -416,6 +417,7 @@ def test_arguments_of_the_wrong_type_are_one_line():
         "encode_batch takes a list of texts, got int",
         "encode_batch takes text (str), got NoneType as text 1",
         "text 1 is not valid UTF-8 (a lone surrogate or undecodable byte at character 0)",
+        "encode_batch takes a list of texts, got generator: pass list(...)",  # (the tokenizers library's TypeError)
         "token_bytes takes a non-negative integer token id, got 2.0",
     ]
 

@@ -49,6 +49,8 @@ def _pack_header(n_tokens: int, dtype: np.dtype, vocab_size: int) -> bytes:
 def read_header(path: str | Path) -> dict:
     """Validate a shard's header against its file size; return its fields."""
     path = Path(path)
+    if path.is_dir():  # ("not found" said of a folder that exists)
+        raise FrawdError(f"{path} is a folder, not a shard file (a prepared folder holds train.bin and val.bin)")
     if not path.is_file():
         raise FrawdError(f"shard not found: {path}")
     size = path.stat().st_size
