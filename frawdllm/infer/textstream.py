@@ -13,8 +13,8 @@ Three things make streaming text harder than decoding at the end:
   broken character too: text is held while the newest token is such a byte, until the
   group closes, so what was shown never changes afterwards. A group longer than HOLD_LIMIT
   (six CJK characters are 18 bytes) goes out up to its last whole character, and the
-  window starts again after it (its bytes shown as U+FFFD, they had turned the text after
-  them into nothing).
+  window starts again there (released whole at the limit, its bytes were all U+FFFD, and
+  the text after it was lost).
 - A prompt given as token ids can end inside a character: its last ids are read first
   (`context`), so the token that completes the character adds no U+FFFD of its own.
   Otherwise its last id is read first all the same: a SentencePiece-style decoder drops
