@@ -78,6 +78,9 @@ main()
 
 
 def start_slow_prepare(tmp_path, **popen):
+    # SIGHUP as a terminal's session has it, even where the suite runs under nohup (which
+    # the command, rightly, keeps ignoring: the hangup tests then saw exit 0)
+    popen.setdefault("preexec_fn", lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"document {i}: {'word ' * 20}\n\n" for i in range(200)))
     byte_tokenizer().save(tmp_path / "tok.json")
