@@ -954,6 +954,25 @@ def test_tensorboard_and_offline_wandb_receive_the_metrics(tmp_path, monkeypatch
     assert len(offline_runs) == 2 and len(ids) == 1, offline_runs
 
 
+def test_tensorboard_hides_the_steps_a_resume_computes_again(tmp_path):
+    """After a kill -9 between checkpoints, a resume computes the steps since the last one
+    again: TensorBoard showed each of them twice (metrics.jsonl drops them)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = generic_config(tmp_path, max_steps=6, eval_interval=3, tensorboard=True)
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), cfg).fit()
+    checkpoints = list_checkpoints(tmp_path / "run")
+    assert [step for step, _ in checkpoints][-1] == 6
+    shutil.rmtree(checkpoints[-1][1])  # as a kill before step 6's checkpoint leaves the run
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(
+        tmp_path, max_steps=6, eval_interval=3, tensorboard=True, resume=True)).fit()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(train_losses(tmp_path / "run"))
+
+
 def test_pretrain_on_prepared_shards_checks_their_tokenizer(corpus, tmp_path):
     from frawdllm.data import prepare_shards
     from frawdllm.errors import FrawdError
@@ -1124,6 +1143,26 @@ def test_the_summary_says_when_the_best_model_is_the_starting_weights(tmp_path):
                                    f"beat them; the latest weights are in {tmp_path / 'checkpoints' / 'step_00000083'})")
     trained = TrainResult(steps=83, best_step=80, checkpoint=None, **common)
     assert trained.summary().endswith(f"best val_loss 5.7000 at step 80; model in {tmp_path / 'model'}")
+
+
+def test_the_summary_of_a_run_stopped_between_evaluations_says_which_step_val_loss_is_of(tmp_path):
+    """It read as if the val_loss were the stopping step's."""
+    def stop_at_six(trainer, record):
+        if trainer.step == 6:
+            trainer.request_stop()
+
+    class Evaluated(ScriptedTask):
+        def evaluate(self, model, device):
+            return {"val_loss": F.mse_loss(model(self.x).squeeze(-1), self.y).item()}
+
+    cfg = generic_config(tmp_path, max_steps=20, eval_interval=4)
+    result = Trainer(torch.nn.Linear(4, 1), Evaluated(nan_steps=()), cfg, callbacks=[stop_at_six]).fit()
+    assert result.stop_reason == "interrupted" and result.steps == 6
+    val = [r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r][-1]
+    assert f"; val_loss {val:.4f} (at step 4); " in result.summary()
+    finished = Trainer(torch.nn.Linear(4, 1), Evaluated(nan_steps=()), generic_config(
+        tmp_path, max_steps=8, eval_interval=4, resume=True)).fit()
+    assert finished.steps == 8 and re.search(r"; val_loss [0-9.]+; ", finished.summary())
 
 
 def test_a_validation_split_shorter_than_a_window_is_said_and_the_last_model_published(corpus, tmp_path, capsys):

@@ -257,6 +257,7 @@ class TrainResult:
     run_dir: Path
     flops_known: bool = False  # the task counts its FLOPs (MFU is shown, n/a without a peak)
     ran_as: str = ""  # how this session's steps ran, e.g. "bf16, compiled" (what dtype/compile auto chose)
+    val_step: int | None = None  # the step of the evaluation val_loss comes from
 
     def summary(self) -> str:
         # steps, tokens and time count the whole run (earlier sessions of a resumed run too);
@@ -269,7 +270,8 @@ class TrainResult:
         if self.last_loss is not None:
             parts.append(f"loss {self.last_loss:.4f}")
         if self.val_loss is not None:
-            parts.append(f"val_loss {self.val_loss:.4f}")
+            parts.append(f"val_loss {self.val_loss:.4f}" + (  # (an interrupt comes between evaluations)
+                f" (at step {self.val_step})" if self.val_step not in (None, self.steps) else ""))
         if self.best_val_loss is not None:
             parts.append(f"best val_loss {self.best_val_loss:.4f} at step {self.best_step}")
         where = f"model in {self.run_dir / BEST_MODEL_DIR}"
@@ -375,6 +377,7 @@ class Trainer:
         self._last_checkpoint_step: int | None = None
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
+        self.last_val_step: int | None = None
         self.last_checkpoint: Path | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
@@ -394,6 +397,8 @@ class Trainer:
             _own_dropout_seed(self.dist.rank)
         self.metrics = MetricsLog(self.run_dir, cfg.tensorboard, cfg.wandb, cfg.wandb_project,
                                   config_for_loggers) if self.dist.is_main else _NoMetrics()
+        if self.resumes:
+            self.metrics.rewind(self.step)
 
     def _settle_run_dir(self) -> bool:
         """Whether the run resumes. A job's start (`prepare_run_dir`) leaves no loop output in
@@ -953,7 +958,7 @@ class Trainer:
         self._last_eval_step = self.step
         if results:
             results = checked_results(results)
-            self.last_val_loss = results.get("val_loss")
+            self.last_val_loss, self.last_val_step = results.get("val_loss"), self.step
             self.metrics.log({"step": self.step, "tokens": self.tokens, **results,
                               "elapsed_s": round(self.elapsed(), 3)})
         improved = self.last_val_loss is not None and self.last_val_loss < self.best_val_loss
@@ -1173,7 +1178,7 @@ class Trainer:
         speed = self._speed((self.tokens - self._session_tokens) / max(trained_s, 1e-9))
         return TrainResult(
             steps=self.step, tokens=self.tokens, elapsed_s=elapsed, stop_reason=self.stop_reason or "",
-            last_loss=self.last_loss, val_loss=self.last_val_loss,
+            last_loss=self.last_loss, val_loss=self.last_val_loss, val_step=self.last_val_step,
             best_val_loss=None if math.isinf(self.best_val_loss) else self.best_val_loss,
             best_step=self.best_step, tokens_per_s=speed["tokens_per_s"], mfu=speed.get("mfu"),
             checkpoint=self.last_checkpoint, run_dir=self.run_dir, flops_known=bool(self.task.flops_per_token),
@@ -1184,6 +1189,9 @@ class _NoMetrics:
     """The metrics log of ranks other than 0: they write nothing."""
 
     def log(self, record: dict) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
         pass
 
     def close(self) -> None:

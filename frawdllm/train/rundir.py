@@ -492,13 +492,16 @@ class MetricsLog:
                  wandb_project: str = "frawdllm", config: dict | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.file = open(self.path, "a", encoding="utf-8")
-        self.tb = self.wb = None
+        self.tb = self.wb = self._tensorboard = None
+        self._purge_step: int | None = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise FrawdError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            # (made at the first line: a resume first says where it goes on, see `rewind`)
+            self._tensorboard = lambda purge_step: SummaryWriter(str(Path(run_dir) / "tensorboard"),
+                                                                 purge_step=purge_step)
         if wandb:
             try:
                 import wandb as wandb_lib
@@ -508,9 +511,17 @@ class MetricsLog:
             self.wb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config,
                                      name=Path(run_dir).name, id=_wandb_run_id(Path(run_dir)), resume="allow")
 
+    def rewind(self, step: int) -> None:
+        """A resume from the checkpoint of `step`: the steps after it are computed again, and
+        TensorBoard hides what it was told of them before (the session a kill -9 ended
+        logged them; metrics.jsonl drops them itself, `truncate_metrics`)."""
+        self._purge_step = step + 1
+
     def log(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self.file.flush()
+        if self.tb is None and self._tensorboard is not None:
+            self.tb = self._tensorboard(self._purge_step)
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
