@@ -127,6 +127,40 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_repl(chat_model):
     assert child.exitstatus == 0
 
 
+def test_ctrl_c_before_a_reply_begins_keeps_the_repl_and_its_history(chat_model, monkeypatch, capsys):
+    """Ctrl-C while a long pasted message (or /system text) was being tokenized ended the
+    whole session ("aborted", status 130): only a reply's own Ctrl-C was caught."""
+    from frawdllm.cli.chat import _Repl
+
+    engine = Engine(FrawdLLM.from_pretrained(chat_model), Tokenizer.load(chat_model))
+    real_encode = engine.tokenizer.encode
+
+    def encode(text):
+        if text == "a long paste":
+            raise KeyboardInterrupt  # what Ctrl-C does to the tokenizer's call
+        return real_encode(text)
+
+    lines = iter(["he fed a badge", "a long paste", "/system a long paste", "a bad deed"])
+
+    def typed(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    monkeypatch.setattr("builtins.input", typed)
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=ROLE_TOKEN_IDS)
+    repl = _Repl(engine, params, None, str(chat_model))
+    repl.run()
+    assert capsys.readouterr().out.count(" [stopped]\n") == 2
+    first = expected_reply(chat_model, [{"role": "user", "content": "he fed a badge"}], 6)
+    history = [{"role": "user", "content": "he fed a badge"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "a bad deed"}]
+    assert repl.system is None and repl.turns == history + [
+        {"role": "assistant", "content": expected_reply(chat_model, history, 6)}]
+
+
 def test_old_turns_are_dropped_to_fit_the_context_and_said_once(tmp_path):
     model_dir = save_chat_model(tmp_path / "small", context_length=64)
     child = spawn(model_dir, "--temperature", "0", "--max-new-tokens", "10")
@@ -229,8 +263,9 @@ def test_history_keeps_every_system_message_wherever_it_stands():
 
 def test_fitting_a_long_history_tokenizes_each_message_a_bounded_number_of_times():
     """fit_history rendered the whole remaining chat again for each start it tried: 4000
-    short messages took 18 s in the server's event loop. Now each message is tokenized a
-    few times at most, and the result is what rendering the kept messages gives."""
+    short messages took 18 s in the server's event loop. Now each message is tokenized once
+    (a long pasted message was tokenized three times before it was refused), and the result
+    is what rendering the kept messages gives."""
     from frawdllm.infer.chat import fit_history
 
     tok = train_tokenizer([ALPHABET], kind="char")
@@ -243,7 +278,7 @@ def test_fitting_a_long_history_tokenizes_each_message_a_bounded_number_of_times
     tok.encode = lambda text: encoded.append(text) or real_encode(text)
     ids, dropped = fit_history(tok, messages, 64, reserve=16)
     tok.encode = real_encode
-    assert len(encoded) <= 3 * len(messages) + 10, len(encoded)
+    assert encoded == [m["content"] for m in messages]
     kept = [messages[0]] + messages[1 + dropped:]
     assert ids == tok.render_chat(kept, add_generation_prompt=True) and len(ids) <= 64 - 16
     earlier = [messages[0]] + messages[1 + dropped - 2:]  # from the user turn before: too long

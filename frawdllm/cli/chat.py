@@ -124,13 +124,18 @@ class _Repl:
             line = line.strip()
             if not line:
                 continue
-            if line.startswith("/") and not line.startswith("//"):
-                if self.command(line) == "quit":
-                    if not sys.stdin.isatty():  # (a terminal echoed the Enter; piped input did not)
-                        self.out("\n")
-                    return
-                continue
-            self.reply(line[1:] if line.startswith("//") else line)
+            try:
+                if line.startswith("/") and not line.startswith("//"):
+                    if self.command(line) == "quit":
+                        if not sys.stdin.isatty():  # (a terminal echoed the Enter; piped input did not)
+                            self.out("\n")
+                        return
+                    continue
+                self.reply(line[1:] if line.startswith("//") else line)
+            except Terminated:
+                raise
+            except KeyboardInterrupt:  # before a reply began (a long paste being tokenized): not sent
+                self.out(" [stopped]\n")
 
     def command(self, line: str) -> str | None:
         name, _, arg = line.partition(" ")

@@ -24,7 +24,7 @@ import itertools
 from typing import Any
 
 from ..errors import FrawdError
-from ..tokenizer import ASSISTANT_ID, SYSTEM_ID, USER_ID
+from ..tokenizer import ASSISTANT_ID, BOS_ID, SYSTEM_ID, USER_ID
 
 ROLE_TOKEN_IDS = (USER_ID, SYSTEM_ID, ASSISTANT_ID)
 
@@ -45,13 +45,25 @@ def fit_history(
 
     Each message is tokenized once (the template is <|bos|>, a part per message, then
     <|assistant|>): trying each start by rendering the rest again took time quadratic in
-    the number of messages, seconds for a few thousand."""
-    ids = tokenizer.render_chat(messages, add_generation_prompt=True)  # (also checks every message)
+    the number of messages, seconds for a few thousand (and a long pasted message was
+    tokenized three times before it was refused)."""
+    turns = tokenizer.chat_turns(messages)  # (also checks every message)
+
+    def render(kept: list[int]) -> list[int]:
+        """`tokenizer.render_chat` of messages[i] for i in kept, from the turns already made."""
+        ids = [BOS_ID]
+        for i in kept:
+            role_id, part = turns[i]
+            ids.append(role_id)
+            ids.extend(part)
+        return ids + [ASSISTANT_ID]
+
+    ids = render(list(range(len(messages))))
     budget = context_length - reserve
     if len(ids) <= budget:
         return ids, 0
     system = [m.get("role") == "system" for m in messages]
-    sizes = [1 + len(part) for _, part in tokenizer.chat_turns(messages)]  # role token, content, <|eos|>
+    sizes = [1 + len(part) for _, part in turns]  # role token, content, <|eos|>
     frame = len(ids) - sum(sizes)  # <|bos|>, <|assistant|>
 
     after = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # after[i]: sizes of messages[i:]
@@ -61,8 +73,8 @@ def fit_history(
     def from_turn(start: int) -> tuple[list[int], int]:
         """The prompt when the history restarts at `start` (the system messages before it
         kept), and the count of messages dropped."""
-        kept = [m for i, m in enumerate(messages) if i >= start or system[i]]
-        return tokenizer.render_chat(kept, add_generation_prompt=True), len(messages) - len(kept)
+        kept = [i for i in range(len(messages)) if i >= start or system[i]]
+        return render(kept), len(messages) - len(kept)
 
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
     for start in users:  # from a user turn on: never from an answer on
