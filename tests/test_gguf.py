@@ -23,7 +23,7 @@ from interop_helpers import small_model
 
 gguf = pytest.importorskip("gguf")
 SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
-CONTROL, NORMAL, UNUSED = 3, 1, 5  # llama.cpp token types
+CONTROL, NORMAL, USER_DEFINED, UNUSED = 3, 1, 4, 5  # llama.cpp token types
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,14 @@ def test_gguf_metadata_describes_the_model(tmp_path, tokenizer, variant):
     assert model_keys == {k for k in expected if k.startswith(arch + ".")}
 
 
+def test_a_runs_best_model_is_named_after_the_run(tmp_path, tokenizer):
+    """Every trained model was named "model" (the folder RUN/model)."""
+    model = small_model("llama-gqa", vocab_size=320)
+    model.save_pretrained(tmp_path / "shakespeare" / "model", tokenizer=tokenizer)
+    main(["export", "--model", str(tmp_path / "shakespeare" / "model"), "--out", str(tmp_path / "s.gguf")])
+    assert field(gguf.GGUFReader(str(tmp_path / "s.gguf")), "general.name") == "shakespeare"
+
+
 def test_gguf_embeds_the_tokenizer_and_chat_template(tmp_path, tokenizer):
     vocab = tokenizer.vocab_size + 3  # an embedding larger than the vocabulary: padded entries
     model = small_model("llama-gqa", vocab_size=vocab)
@@ -257,6 +265,46 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_by_name(tmp_path
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and reason in err[0] and "--format hf" in err[0], err
         assert not (tmp_path / "g").exists()
+
+
+def with_added_token(tokenizer, content: str, **flags):
+    """`tokenizer` with one more token added as transformers' `add_tokens` adds it (not special)."""
+    from tokenizers import AddedToken, Tokenizer as Backend
+
+    from frawdllm.tokenizer import Tokenizer
+
+    backend = Backend.from_str(tokenizer.backend.to_str())
+    backend.add_tokens([AddedToken(content, special=False, normalized=False, **flags)])
+    return Tokenizer(backend)
+
+
+def test_an_added_token_that_is_not_special_is_matched_whole_by_llama_cpp(tmp_path, tokenizer, capsys):
+    """It was written as a NORMAL token, so llama.cpp split "<tool>" into pieces where we and
+    transformers read one token (another prompt, without a word)."""
+    tok = with_added_token(tokenizer, "<tool>")
+    text = "call <tool> now, <tool>"
+    tool = tok.token_to_id("<tool>")
+    assert tool == tokenizer.vocab_size and tok.encode(text).count(tool) == 2
+    reader = export_gguf(tmp_path, small_model("llama-gqa", vocab_size=tok.vocab_size), tok)
+    types = field(reader, "tokenizer.ggml.token_type")
+    assert types[tool] == USER_DEFINED and types[:tool] == [CONTROL] * 7 + [NORMAL] * (tool - 7)
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "g" / "model.gguf"), vocab_only=True, verbose=False)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text)
+    finally:
+        llm.close()
+
+
+def test_an_added_token_with_spacing_rules_gguf_cannot_hold_is_refused(tmp_path, tokenizer, capsys):
+    tok = with_added_token(tokenizer, "<tool>", lstrip=True)
+    model_dir = tmp_path / "ours"
+    small_model("llama-gqa", vocab_size=tok.vocab_size).save_pretrained(model_dir, tokenizer=tok)
+    with pytest.raises(SystemExit):
+        main(["export", "--model", str(model_dir), "--format", "gguf", "--out", str(tmp_path / "g")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "added token '<tool>'" in err[0] and "--format hf" in err[0], err
+    assert not (tmp_path / "g").exists()
 
 
 def test_gguf_out_may_name_the_file_itself(tmp_path, tokenizer):

@@ -37,6 +37,7 @@ from ..io import atomic_dir, atomic_path
 from ..model import FrawdLLM
 from ..modeldir import load_config, plain_state
 from ..tokenizer import Tokenizer
+from ..train.rundir import BEST_MODEL_DIR
 from .hf import GPT2, hf_architecture, hf_parts
 from .hf_dir import CHAT_TEMPLATE, DTYPES, cast_within_range, load_for_export, special_token
 
@@ -109,7 +110,18 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
         raise FrawdError(f"GGUF embeds tokenizers as llama.cpp's byte-level BPE with GPT-2's pre-tokenizer, and this "
                          f"model's tokenizer {problem}: llama.cpp would split text into other tokens. "
                          "Export --format hf instead")
-    special = {t["id"] for t in setup.get("added_tokens", []) if t.get("special")}
+    added = setup.get("added_tokens", [])
+    special = {t["id"] for t in added if t.get("special")}
+    # A non-special added token (transformers' `add_tokens`) is matched whole in any text:
+    # llama.cpp does that for USER_DEFINED tokens, as its convert_hf_to_gguf.py writes them;
+    # as NORMAL tokens their text was split by BPE. It reads no lstrip/rstrip/single_word.
+    user_defined = {t["id"] for t in added if not t.get("special")}
+    odd = [t["content"] for t in added if t["id"] in user_defined
+           and any(t.get(flag) for flag in ("lstrip", "rstrip", "single_word"))]
+    if odd:
+        raise FrawdError(f"the tokenizer's added token {odd[0]!r} takes the spaces around it or matches only whole "
+                         "words (lstrip/rstrip/single_word), which GGUF cannot say: llama.cpp would split text into "
+                         "other tokens. Export --format hf instead")
     tokens, types = [], []
     for i in range(cfg.vocab_size):
         token = tokenizer.id_to_token(i)
@@ -118,7 +130,8 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
             types.append(gguf.TokenType.UNUSED)
         else:
             tokens.append(token)
-            types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+            types.append(gguf.TokenType.CONTROL if i in special else
+                         gguf.TokenType.USER_DEFINED if i in user_defined else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in setup["model"].get("merges", [])]
     if not merges:
         # The byte kind has no merges, but llama.cpp requires the key and gguf cannot write an
@@ -213,6 +226,13 @@ def write_gguf(model: FrawdLLM, tokenizer: Tokenizer | None, path: str | Path, d
     writer.close()
 
 
+def _model_name(model_dir: Path) -> str:
+    """general.name: the folder's name, or the run's for a run's best model (RUN/model: every
+    trained model was called "model")."""
+    folder = model_dir.resolve()
+    return folder.parent.name if folder.name == BEST_MODEL_DIR and folder.parent.name else folder.name
+
+
 def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False,
                 progress: bool = False) -> Path:
     """Export a FrawdLLM model directory to GGUF. `out` ending in .gguf is the file itself;
@@ -231,11 +251,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32", 
             raise FrawdError(f"{out} exists; choose a new path (or --overwrite)")
         model, tokenizer, _ = load_for_export(model_dir)
         with atomic_path(out, replace=overwrite) as tmp:  # (another export to `out` meanwhile: refused)
-            write_gguf(model, tokenizer, tmp, dtype, model_dir.resolve().name, progress)
+            write_gguf(model, tokenizer, tmp, dtype, _model_name(model_dir), progress)
         return out
     with atomic_dir(out, overwrite=overwrite, keep=(model_dir,)) as tmp:
         model, tokenizer, _ = load_for_export(model_dir)
-        write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype, model_dir.resolve().name, progress)
+        write_gguf(model, tokenizer, tmp / GGUF_FILE, dtype, _model_name(model_dir), progress)
     return out / GGUF_FILE
 
 
