@@ -343,8 +343,8 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False,
     if path.is_dir():
         for source in keep:
             if is_inside(source, path):
-                raise FrawdError(f"{path} holds {source}, the input: replacing it would delete it; "
-                                 "choose another output folder")
+                what = "is the input" if is_inside(path, source) else f"holds {source}, the input"
+                raise FrawdError(f"{path} {what}: replacing it would delete it; choose another output folder")
         if is_inside(Path.cwd(), path):
             raise FrawdError(f"{path} is the current folder or holds it; choose another output folder")
     in_place = path.is_dir() and not _holds_output(path)

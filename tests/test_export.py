@@ -456,7 +456,8 @@ def test_overwrite_never_deletes_the_model_being_exported(tmp_path, tokenizer, c
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "notes.txt").write_text("mine")
     monkeypatch.chdir(tmp_path / "work")
-    for out, says in ((model_dir, "the input"), (tmp_path, "the input"), (Path("."), "current folder")):
+    for out, says in ((model_dir, f"{model_dir} is the input: replacing"),
+                      (tmp_path, f"{tmp_path} holds {model_dir}, the input: replacing"), (Path("."), "current folder")):
         with pytest.raises(SystemExit):
             export(model_dir, out, "--format", fmt, "--overwrite")
         err = capsys.readouterr().err

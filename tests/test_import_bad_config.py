@@ -122,6 +122,18 @@ def test_a_file_given_to_import_is_named_a_file(checkpoints, tmp_path, capsys, n
     assert err == f"frawd: error: {tmp_path / name} {said}\n"
 
 
+@pytest.mark.parametrize("text, said", [(b"[1, 2]", "config.json: not a JSON object (a list)"),
+                                         (b"{bad", "config.json: not a JSON file (Expecting property name"),
+                                         (b'{"model_type": "gpt2\xff"}', "config.json: not a JSON file (")])
+def test_a_config_that_is_no_json_object_is_said_so(checkpoints, tmp_path, capsys, text, said):
+    """A list was "Unrecognized model in DIR. Should have a `model_type` key", invalid JSON
+    named the file twice."""
+    source = edited(checkpoints["gpt2"], tmp_path / "src")
+    (source / "config.json").write_bytes(text)
+    err = import_one_line(capsys, source, tmp_path / "out")
+    assert f"frawd: error: {source / said}" in err and err.count("config.json") == 1, err
+
+
 def test_a_huge_config_is_refused_without_allocating(checkpoints, tmp_path, capsys):
     """The 512 GB GPT-2 embedding of vocab_size 2e9 is refused from the header alone."""
     before = peak_rss_mb()

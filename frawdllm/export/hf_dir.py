@@ -23,6 +23,7 @@ once the headers bound its size: at most about twice the weights').
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import warnings
@@ -331,7 +332,14 @@ def _read_hf_config(directory: Path) -> tuple[str, ModelConfig]:
     from transformers.utils import logging as hf_logging
 
     path = directory / "config.json"
-    raw = read_json_object(path)
+    try:  # (transformers said "Unrecognized model in DIR" of a list, and named the file twice)
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # (invalid JSON or UTF-8; a missing file is transformers' to name below)
+        raise FrawdError(f"{path}: not a JSON file ({_first_line(exc)})") from None
+    except OSError:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise FrawdError(f"{path}: not a JSON object (a {type(raw).__name__})")
     for field in _SIZE_FIELDS:  # (0 heads was transformers' "integer modulo by zero"; -4 blamed head_dim)
         value = raw.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
