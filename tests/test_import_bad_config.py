@@ -112,8 +112,7 @@ def test_import_refuses_a_bad_config_in_one_line(checkpoints, tmp_path, capsys, 
 
 @pytest.mark.parametrize("name, said", [
     ("config.json", "is a file, not a transformers model directory"),
-    ("m.gguf", "is a file, not a transformers model directory (a GGUF file is not imported: give the "
-               "transformers directory it came from)"),
+    ("m.gguf", "is a file, not a transformers model directory (import a GGUF file with --from-gguf)"),
 ])
 def test_a_file_given_to_import_is_named_a_file(checkpoints, tmp_path, capsys, name, said):
     """`--from-hf DIR/config.json` said "DIR/config.json: no config.json"."""

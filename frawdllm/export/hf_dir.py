@@ -436,7 +436,7 @@ def _checked_hf_dir(hf_dir: str | Path) -> _Checked:
             "; --from-hf reads a local directory, it downloads nothing: fetch a Hub model first "
             f"(hf download {hf_dir} --local-dir DIR)" if hub_like else ""))
     if not directory.is_dir():
-        gguf = " (a GGUF file is not imported: give the transformers directory it came from)" \
+        gguf = " (import a GGUF file with --from-gguf)" \
             if directory.suffix.lower() == ".gguf" else ""
         raise FrawdError(f"{directory} is a file, not a transformers model directory{gguf}")
     if not (directory / "config.json").is_file():

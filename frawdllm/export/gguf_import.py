@@ -1,0 +1,249 @@
+"""Import a GGUF file (llama.cpp's format) as a FrawdLLM model directory: `gguf.py` backwards.
+
+llama.cpp's `llama` and `gpt2` architectures are the two transformers families FrawdLLM
+imports, so the file's hyperparameters are read as the transformers config they stand for
+and go through the same checks as `frawd import --from-hf` (`from_hf_config`), and its
+tensors are renamed to transformers' names (the `gguf` package's name map, inverted) and go
+through `from_hf_state_dict`. Two things differ from a transformers checkpoint:
+
+- llama.cpp rotates neighbouring pairs (x[2i], x[2i+1]) where we rotate (x[i], x[i+hd/2]):
+  the rows of q and k are put back from that order (the inverse of `interleave_rope_rows`).
+- Tensors may be stored in half precision or quantized (Q8_0, Q4_K, ...): the `gguf`
+  package dequantizes each to float32, the model directory's precision.
+
+The tokenizer is rebuilt where the file holds GPT-2-style byte-level BPE (`tokenizer.ggml.model`
+gpt2 with the gpt-2 pre-tokenizer: what `frawd export --format gguf` writes): its tokens,
+merges, control tokens (special) and user-defined tokens. Another tokenizer (SentencePiece's
+`llama`, another pre-tokenizer) has no exact equivalent here: the model is imported without
+one, with a warning, as an HF checkpoint without tokenizer.json is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..errors import FrawdError
+from ..io import atomic_dir
+from ..model import FrawdLLM
+from ..modeldir import _some, tables_too_large
+from ..tokenizer import Tokenizer
+from .hf import from_hf_config, from_hf_state_dict, tensor_layout
+
+_ARCHITECTURES = ("llama", "gpt2")
+# llama.cpp's token types (gguf.TokenType)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def unpair_rope_rows(weight: Float[Tensor, "rows *rest"], n_heads: int) -> Float[Tensor, "rows *rest"]:
+    """Rows of q or k (weight or bias) from llama.cpp's neighbour-pairs layout back to the
+    rotate-half layout: per head, row 2i -> i and row 2i + 1 -> i + hd/2."""
+    half = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _float32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-5, not 9.99999975e-06)."""
+    return float(str(np.float32(value)))
+
+
+class _File:
+    """A GGUF file's metadata and tensors, read through the `gguf` package."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        if not path.exists():
+            raise FrawdError(f"{path}: not found")
+        if not path.is_file():
+            raise FrawdError(f"{path} is not a file; --from-gguf takes one .gguf file")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise FrawdError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # noqa: BLE001 - a truncated or damaged file, whatever the reader says of it
+            raise FrawdError(f"{path}: cannot read it as GGUF ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        self.path = path
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise FrawdError(f"{self.path}: no {key} in its metadata")
+        return value
+
+    def tensor(self, name: str) -> Tensor:
+        """The tensor `name` as float32, in PyTorch's (out, in) layout."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise FrawdError(f"{self.path}: tensor {name} is stored as {t.tensor_type.name}, which the gguf "
+                             "package cannot dequantize") from None
+        return torch.from_numpy(array.astype("float32", copy=True))
+
+
+def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
+    """The transformers config the file's metadata stands for, and whether a bias is stored."""
+    arch = file.need("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise FrawdError(f"{file.path}: architecture {arch!r} cannot be imported; supported: "
+                         f"{', '.join(_ARCHITECTURES)} (llama.cpp's names for Llama and GPT-2)")
+    if "token_embd.weight" not in file.tensors:
+        raise FrawdError(f"{file.path}: no token_embd.weight tensor")
+    vocab_size = int(file.tensors["token_embd.weight"].shape[-1])  # (ggml order: (n_embd, vocab))
+    size = {key: int(file.need(f"{arch}.{key}")) for key in (
+        "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count")}
+    ids = {name: file.get(f"tokenizer.ggml.{key}_token_id") for name, key in (
+        ("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))}
+    tied = "output.weight" not in file.tensors
+    if arch == "gpt2":
+        if not tied:  # (the export writes a tied head out: llama.cpp's gpt2 reads one)
+            tied = torch.equal(file.tensor("output.weight"), file.tensor("token_embd.weight"))
+        return SimpleNamespace(
+            model_type="gpt2", activation_function="gelu_new", scale_attn_weights=True,  # (what llama.cpp computes)
+            scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, vocab_size=vocab_size,
+            n_embd=size["embedding_length"], n_layer=size["block_count"], n_head=size["attention.head_count"],
+            n_positions=size["context_length"], n_inner=size["feed_forward_length"],
+            layer_norm_epsilon=_float32(file.need("gpt2.attention.layer_norm_epsilon")), tie_word_embeddings=tied,
+            **ids), True
+    n_head = size["attention.head_count"]
+    head_dim = size["embedding_length"] // n_head
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = file.get(f"llama.{key}")
+        if value is not None and int(value) != head_dim:
+            raise FrawdError(f"{file.path}: llama.{key} {value} is not the head size {head_dim} "
+                             "(embedding_length / head_count), which FrawdLLM computes")
+    scaling = file.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise FrawdError(f"{file.path}: RoPE scaling {scaling!r} is not supported; only plain RoPE imports")
+    if "rope_freqs.weight" in file.tensors:
+        raise FrawdError(f"{file.path}: holds rope_freqs.weight (Llama 3's RoPE scaling), which FrawdLLM does "
+                         "not compute")
+    bias = "blk.0.attn_q.bias" in file.tensors
+    return SimpleNamespace(
+        model_type="llama", hidden_act="silu", head_dim=head_dim, hidden_size=size["embedding_length"],
+        num_attention_heads=n_head, num_key_value_heads=int(file.get("llama.attention.head_count_kv", n_head)),
+        num_hidden_layers=size["block_count"], max_position_embeddings=size["context_length"],
+        intermediate_size=size["feed_forward_length"], vocab_size=vocab_size,
+        rms_norm_eps=_float32(file.need("llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=_float32(file.get("llama.rope.freq_base", 10000.0)), attention_bias=bias,
+        mlp_bias="blk.0.ffn_up.bias" in file.tensors, tie_word_embeddings=tied, **ids), bias
+
+
+def _weights(file: _File, cfg: ModelConfig) -> dict[str, Tensor]:
+    """The file's tensors under transformers' names and layouts (q/k rows un-paired)."""
+    import gguf
+
+    arch = gguf.MODEL_ARCH.GPT2 if cfg.pos_encoding == "learned" else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(arch, cfg.n_layer)
+    state, used = {}, set()
+    for m in tensor_layout(cfg):
+        for hf_name in m.theirs:
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name not in file.tensors:
+                raise FrawdError(f"{file.path}: no {name} tensor, which a {arch.name.lower()} model of "
+                                 f"{cfg.n_layer} layers has")
+            tensor = file.tensor(name)
+            if ".q_proj." in hf_name:
+                tensor = unpair_rope_rows(tensor, cfg.n_head)
+            elif ".k_proj." in hf_name:
+                tensor = unpair_rope_rows(tensor, cfg.n_kv_head)
+            state[hf_name] = tensor.t().contiguous() if m.transpose else tensor
+            used.add(name)
+    if cfg.tie_embeddings:
+        used.add("output.weight")  # (a tied gpt2 head, written out: equal to token_embd)
+    extra = sorted(set(file.tensors) - used)
+    if extra:
+        raise FrawdError(f"{file.path}: holds tensors a FrawdLLM model has no place for: {_some(extra)}")
+    return state
+
+
+def _tokenizer(file: _File, vocab_size: int) -> Tokenizer | None:
+    """The file's tokenizer, where it is GPT-2-style byte-level BPE; else None, said."""
+    from tokenizers import AddedToken, Tokenizer as Backend, models, processors
+
+    from ..tokenizer import _byte_level, byte_tokenizer
+
+    kind, pre = file.get("tokenizer.ggml.model"), file.get("tokenizer.ggml.pre", "gpt-2")
+    if kind in (None, "none"):
+        warnings.warn(f"{file.path} holds no tokenizer: imported without one (token ids only)")
+        return None
+    if kind != "gpt2" or pre not in ("gpt-2", "default"):
+        warnings.warn(f"{file.path}: its tokenizer (tokenizer.ggml.model {kind!r}, pre {pre!r}) has no exact "
+                      "FrawdLLM equivalent (GPT-2-style byte-level BPE only): imported without one (token ids only)")
+        return None
+    tokens, types = file.need("tokenizer.ggml.tokens"), file.need("tokenizer.ggml.token_type")
+    while tokens and types[-1] == _UNUSED and tokens[-1] == f"[PAD{len(tokens) - 1}]":
+        tokens, types = tokens[:-1], types[:-1]  # (the export pads a larger embedding so)
+    control = [t for t, kind_ in zip(tokens, types) if kind_ == _CONTROL]
+    user = [t for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED]
+    merges = [tuple(m.split(" ", 1)) for m in file.get("tokenizer.ggml.merges", [])]
+    merges = [m for m in merges if not (m[0] in control and m[1] in control)]  # (the byte kind's stand-in)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        warnings.warn(f"{file.path}: its token list repeats a token: imported without a tokenizer (token ids only)")
+        return None
+    plain_bytes = byte_tokenizer()
+    if not merges and not user and vocab == plain_bytes.backend.get_vocab(with_added_tokens=True):
+        tok = plain_bytes  # what the export of the byte kind holds: that tokenizer itself
+    else:
+        backend = Backend(models.BPE(vocab=vocab, merges=merges))
+        _byte_level(backend, use_regex=True)
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        if file.get("tokenizer.ggml.add_bos_token"):  # llama.cpp starts every prompt with BOS: so will we
+            bos = int(file.need("tokenizer.ggml.bos_token_id"))
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+        tok = Tokenizer(backend, "bpe")
+    return tok.check_fits(vocab_size, file.path)
+
+
+def read_gguf(path: str | Path) -> tuple[FrawdLLM, Tokenizer | None]:
+    """The model (float32) and tokenizer (or None) a GGUF file holds."""
+    file = _File(Path(path))
+    hf_config, _ = _hf_config(file)
+    try:
+        cfg = from_hf_config(hf_config)
+    except FrawdError as exc:
+        raise FrawdError(f"{file.path}: {exc}") from None
+    problem = tables_too_large(cfg, file.path.stat().st_size)
+    if problem:
+        raise FrawdError(f"{file.path}: {problem}; refusing to build them")
+    state = from_hf_state_dict(_weights(file, cfg), cfg)
+    model = FrawdLLM(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise FrawdError(f"{file.path}: its tensors do not match its metadata "
+                         f"({str(exc).splitlines()[-1].strip()})") from None
+    return model.eval(), _tokenizer(file, cfg.vocab_size)
+
+
+def import_gguf(path: str | Path, out: str | Path, overwrite: bool = False) -> FrawdLLM:
+    """Convert a GGUF file into a FrawdLLM model directory `out`."""
+    model, tokenizer = read_gguf(path)  # (before --out is touched: nothing is written on a refusal)
+    with atomic_dir(out, overwrite=overwrite, keep=(Path(path),)) as tmp:
+        model.save_pretrained(tmp, tokenizer=tokenizer)
+    return model
+
+
+__all__ = ["import_gguf", "read_gguf", "unpair_rope_rows"]

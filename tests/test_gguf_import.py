@@ -1,0 +1,206 @@
+"""`frawd import --from-gguf`: a GGUF file back as a FrawdLLM model directory.
+
+Our own exports come back bit for bit (weights, config, tokenizer); a file quantized by
+llama.cpp itself (Q8_0) imports to a model whose logits are llama.cpp's on that file; what
+has no FrawdLLM equivalent is one clear line, and nothing is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from frawdllm import FrawdLLM
+from frawdllm.tokenizer import Tokenizer, byte_tokenizer, train_tokenizer
+from cli_helpers import run_cli
+from interop_helpers import small_model
+
+gguf = pytest.importorskip("gguf")
+SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="module")
+def text():
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not present")
+    return SHAKESPEARE.read_text(encoding="utf-8")[:40_000]
+
+
+@pytest.fixture(scope="module")
+def bpe(text):
+    return train_tokenizer([text[i:i + 2000] for i in range(0, len(text), 2000)], "bpe", 320)
+
+
+def exported(tmp_path: Path, model: FrawdLLM, tokenizer, *extra: str) -> Path:
+    from frawdllm.export.gguf import export_gguf
+
+    model.save_pretrained(tmp_path / "ours", tokenizer=tokenizer)
+    dtype = {"fp16": "float16"}.get(extra[-1], "float32") if extra else "float32"
+    return export_gguf(tmp_path / "ours", tmp_path / "m.gguf", dtype=dtype)
+
+
+def imported(tmp_path: Path, path: Path, capsys) -> Path:
+    out = tmp_path / "back"
+    code, stdout, err = run_cli(capsys, "import", "--from-gguf", path, "--out", out)
+    assert code == 0, err
+    assert stdout.startswith(f"imported {path} to {out}: ")
+    return out
+
+
+@pytest.mark.parametrize("variant", ["gpt2-tied", "gpt2-untied", "llama-gqa", "llama-mqa-untied", "llama-bias-gqa"])
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_our_export_comes_back_bit_for_bit(tmp_path, bpe, text, variant, kind, capsys):
+    tok = bpe if kind == "bpe" else byte_tokenizer()
+    model = small_model(variant, vocab_size=tok.vocab_size + 3)  # (+3: the export pads the token list)
+    back = imported(tmp_path, exported(tmp_path, model, tok), capsys)
+    again = FrawdLLM.from_pretrained(back)
+    assert again.config == model.config
+    ours, theirs = model.state_dict(), again.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    tok_back = Tokenizer.load(back)
+    assert tok_back.fingerprint == tok.fingerprint and tok_back.kind == tok.kind
+    assert tok_back.encode(text[:5000]) == tok.encode(text[:5000])
+
+
+def test_half_precision_comes_back_as_the_rounded_weights(tmp_path, bpe, capsys):
+    model = small_model("llama-gqa", vocab_size=bpe.vocab_size)
+    again = FrawdLLM.from_pretrained(imported(tmp_path, exported(tmp_path, model, bpe, "--dtype", "fp16"), capsys))
+    for name, value in model.state_dict().items():
+        rounded = value.half().float() if value.ndim == 2 else value  # (norms stay float32 in the file)
+        assert torch.equal(again.state_dict()[name], rounded), name
+
+
+def test_an_added_token_and_a_bos_adding_template_come_back(tmp_path, bpe, text, capsys):
+    """A user-defined token is matched whole again; llama.cpp's add_bos_token becomes the
+    tokenizer's own prefix, as an imported Llama's template gives it."""
+    from tokenizers import AddedToken, Tokenizer as Backend, processors
+
+    backend = Backend.from_str(bpe.backend.to_str())
+    backend.add_tokens([AddedToken("<tool>", special=False, normalized=False)])
+    backend.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 2)])
+    tok = Tokenizer(backend)
+    model = small_model("llama-gqa", vocab_size=tok.vocab_size)
+    tok_back = Tokenizer.load(imported(tmp_path, exported(tmp_path, model, tok), capsys))
+    sample = "call <tool> now: " + text[:300]
+    assert tok_back.encode(sample) == tok.encode(sample) and tok.token_to_id("<tool>") in tok.encode(sample)
+    assert tok_back.prompt_prefix == tok.prompt_prefix == [2]
+
+
+def q8_0_values(raw) -> torch.Tensor:
+    """A Q8_0 tensor's values by the format's definition: blocks of a float16 scale d and 32
+    int8 quants q, each value d * q (ggml-common.h's block_q8_0)."""
+    import numpy as np
+
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(raw.shape[0], -1, 34)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    return torch.from_numpy((d * q).reshape(raw.shape[0], -1))
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "gpt2-untied"])
+def test_a_file_llama_cpp_quantized_imports_its_values_and_computes_near_llama_cpp(tmp_path, bpe, text, variant,
+                                                                                     capsys):
+    """Q8_0, written by llama.cpp's own quantizer: the imported weights are the file's values
+    by the format's definition, and the logits are nearer llama.cpp's on that file than the
+    float32 model's are (llama.cpp also rounds activations to 8 bits: ~0.05-0.07 of logits up
+    to ~3 here; a wrong mapping is off by about the logits themselves)."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model = small_model(variant, vocab_size=bpe.vocab_size)
+    source, quantized = exported(tmp_path, model, bpe), tmp_path / "q8.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, 1
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
+    stored = {t.name: t for t in gguf.GGUFReader(str(quantized)).tensors}
+    assert stored["blk.0.ffn_down.weight"].tensor_type.name == "Q8_0"
+    again = FrawdLLM.from_pretrained(imported(tmp_path, quantized, capsys))
+    assert torch.equal(again.state_dict()["blocks.0.mlp.down.weight"], q8_0_values(stored["blk.0.ffn_down.weight"].data))
+    ids = bpe.encode(text)[: model.config.context_length]
+    llm = llama_cpp.Llama(model_path=str(quantized), n_ctx=len(ids), logits_all=True, n_threads=1,
+                          verbose=False, type_k=0, type_v=0)
+    try:
+        llm.eval(ids)
+        theirs = torch.from_numpy(llm.scores[: len(ids)].copy())
+    finally:
+        llm.close()
+    with torch.no_grad():
+        ours, float32 = again(torch.tensor([ids]))[0][0], model(torch.tensor([ids]))[0][0]
+    gap = (ours - theirs).abs().max().item()
+    assert gap < 0.05 * float32.abs().max().item() and gap < (float32 - theirs).abs().max().item(), gap
+
+
+def rewritten(source: Path, target: Path, arch: str | None = None, fields: dict | None = None,
+              drop: tuple[str, ...] = (), extra: dict | None = None) -> Path:
+    """A copy of a GGUF file with its architecture, some metadata values or tensors changed."""
+    reader = gguf.GGUFReader(str(source))
+    old_arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(target), arch or old_arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = (fields or {}).get(field.name, field.contents())
+        name = field.name.replace(f"{old_arch}.", f"{arch}.", 1) if arch else field.name
+        writer.add_key_value(name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for key, (value, vtype) in {k: v for k, v in (fields or {}).items() if k not in reader.fields}.items():
+        writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, t.data.copy())
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def refused(capsys, tmp_path, path: Path) -> str:
+    out = tmp_path / "back"
+    code, stdout, err = run_cli(capsys, "import", "--from-gguf", path, "--out", out)
+    assert code == 1 and "Traceback" not in err and err.count("\n") == 1, err
+    assert not out.exists()
+    return err
+
+
+def test_what_has_no_frawdllm_equivalent_is_one_line_and_nothing_written(tmp_path, bpe, capsys):
+    import numpy as np
+
+    source = exported(tmp_path, small_model("llama-gqa", vocab_size=bpe.vocab_size), bpe)
+    (tmp_path / "text.gguf").write_text("not a model")
+    assert "not a GGUF file (it starts with b'not '" in refused(capsys, tmp_path, tmp_path / "text.gguf")
+    (tmp_path / "cut.gguf").write_bytes(source.read_bytes()[:2000])
+    assert "cannot read it as GGUF" in refused(capsys, tmp_path, tmp_path / "cut.gguf")
+    (tmp_path / "dir.gguf").mkdir()
+    assert "dir.gguf is not a file; --from-gguf takes one .gguf file" in refused(capsys, tmp_path, tmp_path / "dir.gguf")
+    assert "not found" in refused(capsys, tmp_path, tmp_path / "missing.gguf")
+    phi = rewritten(source, tmp_path / "phi.gguf", arch="phi2")
+    assert "architecture 'phi2' cannot be imported; supported: llama, gpt2" in refused(capsys, tmp_path, phi)
+    scaled = rewritten(source, tmp_path / "scaled.gguf", fields={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)})
+    assert "RoPE scaling 'yarn' is not supported" in refused(capsys, tmp_path, scaled)
+    more = rewritten(source, tmp_path / "more.gguf", extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
+    assert "holds tensors a FrawdLLM model has no place for: blk.0.attn_sinks.weight" in refused(capsys, tmp_path, more)
+    less = rewritten(source, tmp_path / "less.gguf", drop=("blk.1.ffn_down.weight",))
+    assert "no blk.1.ffn_down.weight tensor" in refused(capsys, tmp_path, less)
+
+
+def test_a_tokenizer_without_an_equivalent_imports_the_model_alone_with_a_warning(tmp_path, bpe, capsys):
+    model = small_model("llama-gqa", vocab_size=bpe.vocab_size)
+    spm = rewritten(exported(tmp_path, model, bpe), tmp_path / "spm.gguf",
+                    fields={"tokenizer.ggml.model": "llama"})  # (SentencePiece's)
+    back = tmp_path / "back"
+    code, _, err = run_cli(capsys, "import", "--from-gguf", spm, "--out", back)
+    assert code == 0 and "its tokenizer (tokenizer.ggml.model 'llama', pre 'gpt-2') has no exact" in err
+    assert "imported without one (token ids only)" in err
+    assert not (back / "tokenizer.json").exists()
+    again = FrawdLLM.from_pretrained(back)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_import_takes_exactly_one_source(tmp_path, capsys):
+    for args in ([], ["--from-hf", "a", "--from-gguf", "b.gguf"]):
+        code, _, err = run_cli(capsys, "import", *args, "--out", tmp_path / "o")
+        assert code == 2 and "give one of --from-hf DIR and --from-gguf FILE" in err
