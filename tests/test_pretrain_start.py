@@ -439,6 +439,12 @@ def test_a_resume_on_data_changed_since_the_checkpoint_says_so(corpus, tmp_path,
     run_pretraining(tiny_config(data, run, resume=True, max_steps=6, val_fraction=0.3))
     err = capsys.readouterr().err
     assert "warning: the training split moved (val_fraction 0.1 -> 0.3) (" in err and "changed since" not in err, err
+    # Another file, given on purpose: said as that, not as the new file edited since the checkpoint.
+    other = tmp_path / "other.txt"
+    shutil.copy(corpus, other)
+    run_pretraining(tiny_config(other, run, resume=True, max_steps=7, val_fraction=0.3))
+    err = capsys.readouterr().err
+    assert f"warning: the run trains on other data now ({other}) (" in err and "changed since" not in err, err
 
 
 def test_a_resume_on_other_data_keeps_the_runs_tokenizer(corpus, tmp_path, capsys):

@@ -88,6 +88,56 @@ def test_resume_never_deletes_a_run_whose_checkpoint_lost_a_file(corpus, tmp_pat
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
 
 
+@pytest.mark.parametrize("removed", ["folder", "each checkpoint"])
+def test_resume_never_deletes_a_trained_run_whose_checkpoints_were_removed(corpus, tmp_path, capsys, removed):  # noqa: F811
+    """A finished run whose checkpoints were deleted to save space, its best model kept: a
+    plain rerun called it one that "stopped before its first checkpoint", and --resume
+    deleted its best model and trained a new one, exit 0."""
+    import shutil
+
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=8, eval_interval=4, compile=False))
+    if removed == "folder":
+        shutil.rmtree(run / "checkpoints")
+    else:
+        for _, path in list_checkpoints(run):
+            shutil.rmtree(path)
+    before = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    gone = f"evaluated up to step 8 and published {run / 'model'}, but its checkpoints are gone"
+    rerun = ("pretrain", "--config", run / "config.yaml", "--out", run, "--no-progress")
+    code, _, err = run_cli(capsys, *rerun)
+    assert code == 1 and err == f"frawd: error: {run} holds a run that {gone}; --overwrite starts over, or give " \
+                                 "another --out\n", err
+    code, out, err = run_cli(capsys, *rerun, "--resume", "--dry-run")
+    assert code == 0 and f"nothing to resume from: the run {gone}; --resume refuses it" in out, out
+    code, _, err = run_cli(capsys, *rerun, "--resume")
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{run}: nothing to resume from: the run {gone}; the run is left as it is (--init-from {run / 'model'} " \
+           "trains its model further in another --out; --overwrite starts over)" in err
+    assert {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("torn", ["state.pt", "model/model.safetensors"])
+def test_a_torn_newest_checkpoint_names_the_one_before_it(corpus, tmp_path, capsys, torn):  # noqa: F811
+    """The refusal named the torn file only, not the complete checkpoint --resume could use."""
+    import shutil
+
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=8, eval_interval=4, compile=False))
+    (earlier, _), (newest, _) = [(path, step) for step, path in list_checkpoints(run)]
+    with open(newest / torn, "r+b") as f:
+        f.truncate(1000)
+    rerun = ("pretrain", "--config", run / "config.yaml", "--out", run, "--no-progress", "--resume", "--max-steps", "9")
+    code, _, err = run_cli(capsys, *rerun)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{newest / torn}" in err and err.endswith(
+        f"; the checkpoint before it is {earlier}: move {newest} out of {run / 'checkpoints'} to resume from that one\n")
+    shutil.move(newest, tmp_path / "aside")
+    code, _, err = run_cli(capsys, *rerun)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 10))
+
+
 def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     kill_at_checkpoint(tiny_config(corpus, run, max_steps=12, eval_interval=4), nth=2)

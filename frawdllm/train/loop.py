@@ -37,6 +37,7 @@ rank 0 alone writes the logs, samples and model directories.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -48,7 +49,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1068,12 +1069,27 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             raise FrawdError(f"{self.run_dir}: no checkpoint to resume from")
-        self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
+        with self._naming_an_earlier_checkpoint(path):
+            self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
         return path
+
+    @contextlib.contextmanager
+    def _naming_an_earlier_checkpoint(self, path: Path) -> Iterator[None]:
+        """A checkpoint that cannot be read (a truncated file): the refusal also names the
+        one before it, which --resume takes once this one is moved aside."""
+        try:
+            yield
+        except FrawdError as exc:
+            earlier = [p for _, p in ckpt.list_checkpoints(self.run_dir) if p != path]
+            if not earlier:
+                raise
+            raise FrawdError(f"{exc}; the checkpoint before it is {earlier[-1]}: move {path} out of "
+                             f"{path.parent} to resume from that one") from None
 
     def _resume(self) -> None:
         path = self._resume_from
-        state = ckpt.load_state(path)
+        with self._naming_an_earlier_checkpoint(path):
+            state = ckpt.load_state(path)
         where = path / ckpt.STATE_FILE
         if state.get("version") != STATE_VERSION:
             raise FrawdError(f"{path}: training state version {state.get('version')!r}; "

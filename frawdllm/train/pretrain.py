@@ -55,7 +55,7 @@ from .device import pick_device, seed_everything
 from .evaluate import lm_loss, lm_metrics
 from .losses import linear_cross_entropy
 from .loop import Trainer, TrainResult, TrainTask, content_hash
-from .rundir import check_run_dir, has_run, prepare_run_dir, save_run_config, undo_failed_start
+from .rundir import check_run_dir, checkpoints_gone, has_run, prepare_run_dir, save_run_config, undo_failed_start
 
 DATA_DIR = "data"
 TOKENIZER_SOURCE_FILE = "tokenizer_source.json"  # what OUT/tokenizer.json was trained on
@@ -141,8 +141,12 @@ class PretrainTask(TrainTask):
             split, now = state.get("split") or {}, self._split()
             moved = [f"{name} {split[name]!r} -> {value!r}" for name, value in now.items()
                      if name != "data" and name in split and split[name] != value]
-            what = (f"the training split moved ({', '.join(moved)})" if moved and split.get("data") == now["data"]
-                    else f"the training data ({self.cfg.data}) changed since the checkpoint")
+            if split.get("data") not in (None, now["data"]):  # another source, given on purpose
+                what = f"the run trains on other data now ({self.cfg.data})"
+            elif moved:
+                what = f"the training split moved ({', '.join(moved)})"
+            else:
+                what = f"the training data ({self.cfg.data}) changed since the checkpoint"
             print(f"warning: {what} ({before['train_tokens']:,} -> {len(self.data.train):,} training tokens): the "
                   "run goes on with the new data, from a position that was drawn in the old", file=sys.stderr)
 
@@ -436,7 +440,9 @@ def dry_run_plan(cfg: PretrainConfig) -> list[str]:
     action = "resume" if cfg.resume else "overwrite" if has_run(run_dir) else "new run"
     if cfg.resume and latest_checkpoint(run_dir) is None:  # as `settle_run_dir` will do
         damage = damaged_checkpoint(run_dir) if not cfg.overwrite else None
+        gone = checkpoints_gone(run_dir) if not cfg.overwrite else None
         action = (f"no complete checkpoint to resume from: {damage}; --resume refuses it" if damage else
+                  f"nothing to resume from: the run {gone}; --resume refuses it" if gone else
                   "no complete checkpoint to resume from: --resume starts the run over")
     lines = ["dry run: nothing trained, nothing written",
              f"out:           {run_dir} ({action})",

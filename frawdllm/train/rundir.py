@@ -42,7 +42,7 @@ except ImportError:  # (Windows: runs are not locked)
     fcntl = None
 
 from ..errors import FrawdError
-from ..io import atomic_path, is_inside, write_text_atomic
+from ..io import atomic_path, is_inside, partial_write, write_text_atomic
 from .checkpoint import CHECKPOINTS_DIR, damaged_checkpoint, latest_checkpoint, list_checkpoints
 
 CONFIG_FILE = "config.yaml"
@@ -209,6 +209,30 @@ def has_run(run_dir: Path, names: tuple[str, ...] = RUN_FILES + RUN_DIRS) -> boo
     return any((Path(run_dir) / name).exists() for name in names)
 
 
+def checkpoints_gone(run_dir: Path) -> str | None:
+    """What a run without any checkpoint had done, where it had done more than a run killed
+    before its first one: an evaluation after step 0 comes with a checkpoint, so they were
+    deleted since (to save space, say). Its model/ is then the only copy of what it learned,
+    and starting over would delete it. None otherwise; also for a run killed while writing
+    its first checkpoint (a partial one is there, and no step was logged after the
+    evaluation it follows)."""
+    if latest_checkpoint(run_dir) is not None or damaged_checkpoint(run_dir) is not None:
+        return None
+    records = [r for r in read_metrics(run_dir) if isinstance(r.get("step"), int)]
+    evaluated = [r["step"] for r in records if r["step"] > 0 and any(key.startswith("val_") for key in r)]
+    if not evaluated:
+        return None
+    went_on = any("loss" in r and r["step"] > min(evaluated) for r in records)  # (past a complete checkpoint)
+    folder = run_dir / CHECKPOINTS_DIR
+    writing = folder.is_dir() and any(partial_write(entry.name) for entry in folder.iterdir())
+    if writing and not went_on:
+        return None
+    last = max(evaluated)
+    published = (run_dir / BEST_MODEL_DIR).is_dir()
+    return (f"evaluated up to step {last}" + (f" and published {run_dir / BEST_MODEL_DIR}" if published else "")
+            + ", but its checkpoints are gone")
+
+
 def existing_run_message(run_dir: Path) -> str:
     """Why a new run may not start in `run_dir`, which holds one, and what to do instead (a
     run still going there is not told apart by its files: it "stopped before its first
@@ -216,6 +240,8 @@ def existing_run_message(run_dir: Path) -> str:
     if (holder := lock_holder(run_dir)) not in (None, os.getpid()):  # (this process's own hold: its earlier run)
         return (f"{run_dir} is in use by another run (process {holder}): wait for it to end or stop it, or give "
                 "another --out")
+    if (gone := checkpoints_gone(run_dir)) is not None:
+        return f"{run_dir} holds a run that {gone}; --overwrite starts over, or give another --out"
     if latest_checkpoint(run_dir) is None:
         return (f"{run_dir} holds a run that stopped before its first checkpoint; --resume or --overwrite starts "
                 "it over, or give another --out")
@@ -258,6 +284,12 @@ def settle_run_dir(run_dir: Path, resume: bool, overwrite: bool,
         # a run with checkpoints, one of them damaged: never deleted for a start over
         raise FrawdError(f"{run_dir}: no complete checkpoint to resume from: {damage}; the run is left as it "
                          "is (restore the file, or --overwrite starts the run over)")
+    if resume and not overwrite and (gone := checkpoints_gone(run_dir)) is not None:
+        # a trained run whose checkpoints were deleted: starting over would delete its model too
+        further = (f"--init-from {run_dir / BEST_MODEL_DIR} trains its model further in another --out; "
+                   if (run_dir / BEST_MODEL_DIR).is_dir() else "")
+        raise FrawdError(f"{run_dir}: nothing to resume from: the run {gone}; the run is left as it is "
+                         f"({further}--overwrite starts over)")
     if resume:
         print(f"{run_dir}: no complete checkpoint to resume from; starting the run over", file=sys.stderr, flush=True)
     elif not overwrite:
