@@ -201,7 +201,7 @@ def test_sft_shapes_trl_and_mixed_tables_use():
     with pytest.raises(BadExample, match=r"expected \"messages\" or \"prompt\" and \"response\" \(fields: 'prompt'\)"):
         chat_messages({"messages": None, "prompt": "Hi", "response": None}, "r:1")
     # Both shapes in one record: the prompt/response pair was dropped without a word.
-    with pytest.raises(BadExample, match=r"r:1: has both \"messages\" and 'prompt', 'response'; give one shape"):
+    with pytest.raises(BadExample, match=r"r:1: has both \"messages\" and \"prompt\", \"response\"; give one shape"):
         chat_messages({"messages": turns, "prompt": "Hi", "response": "Other."}, "r:1")
     # Two names for the answer: "response" was learned and "completion" dropped without a word.
     with pytest.raises(BadExample, match=r"r:1: has both \"response\" and \"completion\" .two names for the "
@@ -881,9 +881,11 @@ def test_a_data_folder_ignores_other_files_but_a_named_one_is_refused(tmp_path, 
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", word_chats(10))
     (folder / "README.md").write_text("# chats\n")
+    (folder / "old").mkdir()
+    (folder / "old" / "README.md").write_text("# older chats\n")  # (both were shown as README.md)
     cfg = SFTConfig(init=None, data=str(folder), progress=False, max_steps=1, val_fraction=0.0)
     train, _, summary = load_examples(cfg, byte_tokenizer(), 64)
-    assert len(train) == 10 and "; 1 other file in --data ignored (README.md)" in summary.line()
+    assert len(train) == 10 and "; 2 other files in --data ignored (README.md, old/README.md)" in summary.line()
     from frawdllm.errors import FrawdError
 
     cfg.data = str(folder / "README.md")

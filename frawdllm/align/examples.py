@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import FrawdError, counted
 from ..tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, SYSTEM_ID, UNK_ID, USER_ID, Tokenizer, _role_and_content
@@ -98,7 +100,7 @@ class LoadSummary:
                      f"(in {counted(self.unknown_examples, what.removesuffix('s'))}; a char tokenizer knows only its corpus' characters)")
         if self.ignored:
             files = "file" if len(self.ignored) == 1 else "files"
-            shown = ", ".join(p.name for p in self.ignored[:3]) + (", ..." if len(self.ignored) > 3 else "")
+            shown = ", ".join(str(p) for p in self.ignored[:3]) + (", ..." if len(self.ignored) > 3 else "")
             text += f"; {len(self.ignored)} other {files} in --data ignored ({shown})"
         return text
 
@@ -152,7 +154,7 @@ def chat_messages(record: object, where: str) -> Chat:
     answer_key = next((k for k in ("response", "completion") if record.get(k) is not None), None)
     other = [k for k in ("prompt", "response", "completion") if record.get(k) is not None]
     if record.get("messages") is not None and other:  # which one to learn would be a guess
-        raise BadExample(f"{where}: has both \"messages\" and {', '.join(repr(k) for k in other)}; "
+        raise BadExample(f"{where}: has both \"messages\" and {', '.join(json.dumps(k) for k in other)}; "
                          "give one shape per record")
     if record.get("response") is not None and record.get("completion") is not None:  # (the same guess)
         raise BadExample(f"{where}: has both \"response\" and \"completion\" (two names for the answer); give one")
@@ -358,6 +360,8 @@ def load_records(cfg: Any, convert, what: str) -> tuple[list, list, LoadSummary]
                          cfg.skip_bad_lines, summary, source=cfg.data, what=what)
     if not train:
         raise FrawdError(f"--data {cfg.data}: every {what[:-1]} fell in the held-out split; lower --val-fraction")
+    if Path(cfg.data).is_dir():  # (named from the folder: two README.md in subfolders are told apart)
+        summary.ignored[:] = [Path(os.path.relpath(p, cfg.data)) for p in summary.ignored]
     return train, val, summary
 
 
