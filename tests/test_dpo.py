@@ -274,6 +274,20 @@ def test_a_precompute_that_cannot_end_within_max_time_is_refused_at_once(tmp_pat
     assert task.ref_logps["train"].shape == (2, len(train))
 
 
+def test_the_precomputes_bar_counts_the_pairs_its_refusal_counts(tmp_path, capsys):
+    """The bar read 0/766 (the training pairs, then a second bar for the held-out ones)
+    where the refusal said "scoring the 788 pairs"."""
+    tok = byte_tokenizer()
+    cfg = DPOConfig(data=str(write_jsonl(tmp_path / "p.jsonl", word_prefs(40))), out=str(tmp_path / "run"),
+                    progress=True, max_steps=1, device="cpu", dtype="fp32", compile="false", sample_tokens=0,
+                    batch_size=4, precompute_ref=True, val_fraction=0.2)
+    train, val, _ = load_pairs(cfg, tok, 64)
+    assert train and val
+    DPOTask(train, val, tiny_model(), tok, cfg, 64)
+    totals = set(re.findall(r"\| *\d+/(\d+) ", capsys.readouterr().err))
+    assert totals == {str(len(train) + len(val))}, totals
+
+
 def test_pairs_with_no_preference_or_an_answered_prompt_are_bad_records(tmp_path):
     from frawdllm.errors import FrawdError
 

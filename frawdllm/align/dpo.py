@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,21 +191,22 @@ class DPOTask(FinetuneTask):
         if cfg.precompute_ref:
             device = distributed.current().device or pick_device(cfg.device)  # every rank: all pairs
             reference.to(device)
+            from tqdm import tqdm
+
             self._scoring = _Scoring(len(train) + len(val), started_at, cfg.max_time_s)
-            self.ref_logps = {"train": self._reference_logps(train, reference, device),
-                              "val": self._reference_logps(val, reference, device)}
+            shown = cfg.progress and distributed.current().is_main and len(train) + len(val) > 0
+            with tqdm(total=len(train) + len(val), desc="reference log-probs (--precompute-ref)", unit="pair",
+                      dynamic_ncols=True, leave=False, disable=not shown) as bar:  # (one bar: both splits)
+                self.ref_logps = {"train": self._reference_logps(train, reference, device, bar),
+                                  "val": self._reference_logps(val, reference, device, bar)}
             self.reference = None  # freed: the loop never sees it
 
-    def _reference_logps(self, pairs: list[Pair], reference: nn.Module,
-                         device: torch.device) -> Float[Tensor, "2 n"]:
+    def _reference_logps(self, pairs: list[Pair], reference: nn.Module, device: torch.device,
+                         bar: Any) -> Float[Tensor, "2 n"]:
         """(2, n) summed log-probs (chosen, rejected) of every pair under the reference, fp32
-        (a bar: a forward of every pair before the first step, inside --max-time)."""
-        from tqdm import tqdm
-
+        (a forward of every pair before the first step, inside --max-time; `bar` counts them)."""
         out = torch.zeros(2, len(pairs))
-        shown = self.cfg.progress and distributed.current().is_main and len(pairs) > 0
-        with torch.no_grad(), tqdm(total=len(pairs), desc="reference log-probs (--precompute-ref)", unit="pair",
-                                   dynamic_ncols=True, leave=False, disable=not shown) as bar:
+        with torch.no_grad():
             for start in range(0, len(pairs), self.cfg.batch_size):
                 indices = list(range(start, min(start + self.cfg.batch_size, len(pairs))))
                 batch = to_device(collate_pairs(pairs, indices, self.length), device)
