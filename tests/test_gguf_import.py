@@ -138,14 +138,18 @@ def rewritten(source: Path, target: Path, arch: str | None = None, fields: dict 
     reader = gguf.GGUFReader(str(source))
     old_arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), arch or old_arch)
+    fields = fields or {}  # key: a new value of the same type, or (value, type, array item type)
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in fields:
             continue
-        value = (fields or {}).get(field.name, field.contents())
         name = field.name.replace(f"{old_arch}.", f"{arch}.", 1) if arch else field.name
-        writer.add_key_value(name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
-    for key, (value, vtype) in {k: v for k, v in (fields or {}).items() if k not in reader.fields}.items():
-        writer.add_key_value(key, value, vtype)
+        writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for key, value in fields.items():
+        if isinstance(value, tuple):
+            writer.add_key_value(key, *value)
+        else:
+            types = reader.fields[key].types
+            writer.add_key_value(key, value, types[0], types[-1] if len(types) > 1 else None)
     for t in reader.tensors:
         if t.name not in drop:
             writer.add_tensor(t.name, t.data.copy())
@@ -179,12 +183,30 @@ def test_what_has_no_frawdllm_equivalent_is_one_line_and_nothing_written(tmp_pat
     assert "not found" in refused(capsys, tmp_path, tmp_path / "missing.gguf")
     phi = rewritten(source, tmp_path / "phi.gguf", arch="phi2")
     assert "architecture 'phi2' cannot be imported; supported: llama, gpt2" in refused(capsys, tmp_path, phi)
-    scaled = rewritten(source, tmp_path / "scaled.gguf", fields={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)})
+    scaled = rewritten(source, tmp_path / "scaled.gguf", fields={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING, None)})
     assert "RoPE scaling 'yarn' is not supported" in refused(capsys, tmp_path, scaled)
     more = rewritten(source, tmp_path / "more.gguf", extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
     assert "holds tensors a FrawdLLM model has no place for: blk.0.attn_sinks.weight" in refused(capsys, tmp_path, more)
     less = rewritten(source, tmp_path / "less.gguf", drop=("blk.1.ffn_down.weight",))
     assert "no blk.1.ffn_down.weight tensor" in refused(capsys, tmp_path, less)
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_one_line(tmp_path, bpe, capsys):
+    """Sizes the tensors do not have failed inside the reshapes (a traceback); a zero or a
+    per-layer list of head counts too."""
+    source = exported(tmp_path, small_model("llama-gqa", vocab_size=bpe.vocab_size), bpe)
+    kv = gguf.GGUFReader(str(source)).fields["llama.attention.head_count_kv"].contents()
+    cases = [({"llama.attention.head_count_kv": 1 if kv != 1 else 2}, "its tensors do not match its metadata"),
+             ({"llama.embedding_length": 48}, "llama.rope.dimension_count 16 is not the head size 12"),
+             ({"llama.attention.head_count": 0}, "llama.attention.head_count is 0; FrawdLLM needs one whole number"),
+             ({"llama.block_count": 1}, "holds tensors a FrawdLLM model has no place for: blk.1."),
+             ({"llama.block_count": 3}, "no blk.2.")]
+    for i, (fields, said) in enumerate(cases):
+        bad = rewritten(source, tmp_path / f"bad{i}.gguf", fields=fields)
+        assert said in refused(capsys, tmp_path, bad), fields
+    per_layer = rewritten(source, tmp_path / "per_layer.gguf", fields={"llama.attention.head_count_kv": (
+        [2, 2], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)})
+    assert "llama.attention.head_count_kv is [2, 2]" in refused(capsys, tmp_path, per_layer)
 
 
 def test_a_tokenizer_without_an_equivalent_imports_the_model_alone_with_a_warning(tmp_path, bpe, capsys):
@@ -195,6 +217,12 @@ def test_a_tokenizer_without_an_equivalent_imports_the_model_alone_with_a_warnin
     code, _, err = run_cli(capsys, "import", "--from-gguf", spm, "--out", back)
     assert code == 0 and "its tokenizer (tokenizer.ggml.model 'llama', pre 'gpt-2') has no exact" in err
     assert "imported without one (token ids only)" in err
+    assert not (back / "tokenizer.json").exists()
+    merges = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["tokenizer.ggml.merges"].contents()
+    torn = rewritten(tmp_path / "m.gguf", tmp_path / "torn.gguf", fields={"tokenizer.ggml.merges": ["nospace"] + merges})
+    code, _, err = run_cli(capsys, "import", "--from-gguf", torn, "--out", tmp_path / "back2")
+    assert code == 0 and "its tokenizer cannot be rebuilt (" in err and "imported without one" in err, err
+    assert not (tmp_path / "back2" / "tokenizer.json").exists()
     assert not (back / "tokenizer.json").exists()
     again = FrawdLLM.from_pretrained(back)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))

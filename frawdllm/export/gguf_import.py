@@ -87,6 +87,14 @@ class _File:
             raise FrawdError(f"{self.path}: no {key} in its metadata")
         return value
 
+    def count(self, key: str, default: int | None = None) -> int:
+        """A size from the metadata: one whole number of at least 1 (a per-layer list, as
+        some architectures store head counts, has no FrawdLLM equivalent)."""
+        value = self.get(key, default) if default is not None else self.need(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FrawdError(f"{self.path}: {key} is {value!r}; FrawdLLM needs one whole number of at least 1")
+        return value
+
     def tensor(self, name: str) -> Tensor:
         """The tensor `name` as float32, in PyTorch's (out, in) layout."""
         from gguf import quants
@@ -109,7 +117,7 @@ def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
     if "token_embd.weight" not in file.tensors:
         raise FrawdError(f"{file.path}: no token_embd.weight tensor")
     vocab_size = int(file.tensors["token_embd.weight"].shape[-1])  # (ggml order: (n_embd, vocab))
-    size = {key: int(file.need(f"{arch}.{key}")) for key in (
+    size = {key: file.count(f"{arch}.{key}") for key in (
         "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count")}
     ids = {name: file.get(f"tokenizer.ggml.{key}_token_id") for name, key in (
         ("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))}
@@ -140,7 +148,7 @@ def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
     bias = "blk.0.attn_q.bias" in file.tensors
     return SimpleNamespace(
         model_type="llama", hidden_act="silu", head_dim=head_dim, hidden_size=size["embedding_length"],
-        num_attention_heads=n_head, num_key_value_heads=int(file.get("llama.attention.head_count_kv", n_head)),
+        num_attention_heads=n_head, num_key_value_heads=file.count("llama.attention.head_count_kv", n_head),
         num_hidden_layers=size["block_count"], max_position_embeddings=size["context_length"],
         intermediate_size=size["feed_forward_length"], vocab_size=vocab_size,
         rms_norm_eps=_float32(file.need("llama.attention.layer_norm_rms_epsilon")),
@@ -205,15 +213,20 @@ def _tokenizer(file: _File, vocab_size: int) -> Tokenizer | None:
     if not merges and not user and vocab == plain_bytes.backend.get_vocab(with_added_tokens=True):
         tok = plain_bytes  # what the export of the byte kind holds: that tokenizer itself
     else:
-        backend = Backend(models.BPE(vocab=vocab, merges=merges))
-        _byte_level(backend, use_regex=True)
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-        if file.get("tokenizer.ggml.add_bos_token"):  # llama.cpp starts every prompt with BOS: so will we
-            bos = int(file.need("tokenizer.ggml.bos_token_id"))
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
-        tok = Tokenizer(backend, "bpe")
+        try:
+            backend = Backend(models.BPE(vocab=vocab, merges=merges))
+            _byte_level(backend, use_regex=True)
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+            backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+            if file.get("tokenizer.ggml.add_bos_token"):  # llama.cpp starts every prompt with BOS: so will we
+                bos = file.get("tokenizer.ggml.bos_token_id")
+                backend.post_processor = processors.TemplateProcessing(
+                    single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+            tok = Tokenizer(backend, "bpe")
+        except Exception as exc:  # noqa: BLE001 - malformed merges, a BOS id outside the list, ...
+            warnings.warn(f"{file.path}: its tokenizer cannot be rebuilt ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}): imported without one (token ids only)")
+            return None
     return tok.check_fits(vocab_size, file.path)
 
 
@@ -228,11 +241,10 @@ def read_gguf(path: str | Path) -> tuple[FrawdLLM, Tokenizer | None]:
     problem = tables_too_large(cfg, file.path.stat().st_size)
     if problem:
         raise FrawdError(f"{file.path}: {problem}; refusing to build them")
-    state = from_hf_state_dict(_weights(file, cfg), cfg)
     model = FrawdLLM(cfg)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
+    try:  # (a shape the metadata does not give fails in the reshapes and concatenations too)
+        model.load_state_dict(from_hf_state_dict(_weights(file, cfg), cfg))
+    except (RuntimeError, ValueError) as exc:
         raise FrawdError(f"{file.path}: its tensors do not match its metadata "
                          f"({str(exc).splitlines()[-1].strip()})") from None
     return model.eval(), _tokenizer(file, cfg.vocab_size)
