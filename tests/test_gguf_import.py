@@ -133,14 +133,15 @@ def test_a_file_llama_cpp_quantized_imports_its_values_and_computes_near_llama_c
 
 
 def rewritten(source: Path, target: Path, arch: str | None = None, fields: dict | None = None,
-              drop: tuple[str, ...] = (), extra: dict | None = None) -> Path:
+              drop: tuple[str, ...] = (), extra: dict | None = None, drop_fields: tuple[str, ...] = ()) -> Path:
     """A copy of a GGUF file with its architecture, some metadata values or tensors changed."""
     reader = gguf.GGUFReader(str(source))
     old_arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), arch or old_arch)
     fields = fields or {}  # key: a new value of the same type, or (value, type, array item type)
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in fields:
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", *drop_fields) \
+                or field.name in fields:
             continue
         name = field.name.replace(f"{old_arch}.", f"{arch}.", 1) if arch else field.name
         writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
@@ -184,7 +185,13 @@ def test_what_has_no_frawdllm_equivalent_is_one_line_and_nothing_written(tmp_pat
     phi = rewritten(source, tmp_path / "phi.gguf", arch="phi2")
     assert "architecture 'phi2' cannot be imported; supported: llama, gpt2" in refused(capsys, tmp_path, phi)
     scaled = rewritten(source, tmp_path / "scaled.gguf", fields={"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING, None)})
-    assert "RoPE scaling 'yarn' is not supported" in refused(capsys, tmp_path, scaled)
+    assert "RoPE scaling (type 'yarn') is not supported" in refused(capsys, tmp_path, scaled)
+    # llama.cpp scales linearly by a factor given alone (or by its older name), and q.k by attn_factor
+    for i, (key, said) in enumerate((("llama.rope.scaling.factor", "(factor 4.0)"),
+                                     ("llama.rope.scale_linear", "(factor 4.0)"),
+                                     ("llama.rope.scaling.attn_factor", "(attn_factor 4.0)"))):
+        scaled = rewritten(source, tmp_path / f"scaled{i}.gguf", fields={key: (4.0, gguf.GGUFValueType.FLOAT32, None)})
+        assert f"RoPE scaling {said} is not supported" in refused(capsys, tmp_path, scaled), key
     more = rewritten(source, tmp_path / "more.gguf", extra={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
     assert "holds tensors a FrawdLLM model has no place for: blk.0.attn_sinks.weight" in refused(capsys, tmp_path, more)
     less = rewritten(source, tmp_path / "less.gguf", drop=("blk.1.ffn_down.weight",))
@@ -199,11 +206,16 @@ def test_metadata_that_disagrees_with_the_tensors_is_one_line(tmp_path, bpe, cap
     cases = [({"llama.attention.head_count_kv": 1 if kv != 1 else 2}, "its tensors do not match its metadata"),
              ({"llama.embedding_length": 48}, "llama.rope.dimension_count 16 is not the head size 12"),
              ({"llama.attention.head_count": 0}, "llama.attention.head_count is 0; FrawdLLM needs one whole number"),
-             ({"llama.block_count": 1}, "holds tensors a FrawdLLM model has no place for: blk.1."),
-             ({"llama.block_count": 3}, "no blk.2.")]
+             ({"llama.block_count": 1}, "llama.block_count 1 but its tensors hold 2 blocks"),
+             ({"llama.block_count": 10**6}, "llama.block_count 1,000,000 but its tensors hold 2 blocks"),  # (at once)
+             ({"tokenizer.ggml.bos_token_id": 9999}, "tokenizer.ggml.bos_token_id 9999 is outside the vocabulary"),
+             ({"tokenizer.ggml.token_type": [1, 1]}, "tokenizer.ggml.token_type has 2 entries for 320 tokens")]
     for i, (fields, said) in enumerate(cases):
         bad = rewritten(source, tmp_path / f"bad{i}.gguf", fields=fields)
         assert said in refused(capsys, tmp_path, bad), fields
+    no_ids = rewritten(source, tmp_path / "no_ids.gguf", drop_fields=("tokenizer.ggml.bos_token_id",
+                                                                     "tokenizer.ggml.eos_token_id"))
+    assert "no tokenizer.ggml.eos_token_id (nor bos) in its metadata" in refused(capsys, tmp_path, no_ids)
     per_layer = rewritten(source, tmp_path / "per_layer.gguf", fields={"llama.attention.head_count_kv": (
         [2, 2], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)})
     assert "llama.attention.head_count_kv is [2, 2]" in refused(capsys, tmp_path, per_layer)
@@ -226,6 +238,27 @@ def test_a_tokenizer_without_an_equivalent_imports_the_model_alone_with_a_warnin
     assert not (back / "tokenizer.json").exists()
     again = FrawdLLM.from_pretrained(back)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_a_pre_tokenizer_other_than_gpt2s_leaves_the_tokenizer_out(tmp_path, bpe, capsys):
+    """Without tokenizer.ggml.pre (or with "default") llama.cpp splits text its own way
+    (punctuation runs, digits by three): taken for GPT-2's, the ids differed, silently."""
+    source = exported(tmp_path, small_model("llama-gqa", vocab_size=bpe.vocab_size), bpe)
+    for i, changed in enumerate(({"fields": {"tokenizer.ggml.pre": "default"}},
+                                 {"drop_fields": ("tokenizer.ggml.pre",)})):
+        out = tmp_path / f"back{i}"
+        code, _, err = run_cli(capsys, "import", "--from-gguf", rewritten(source, tmp_path / f"p{i}.gguf", **changed),
+                               "--out", out)
+        assert code == 0 and "has no exact FrawdLLM equivalent" in err and not (out / "tokenizer.json").exists(), err
+
+
+def test_llama_cpps_bos_comes_back_for_a_byte_tokenizer_too(tmp_path, capsys):
+    """The byte kind came back as our byte tokenizer, without the BOS llama.cpp adds."""
+    tok = byte_tokenizer()
+    source = exported(tmp_path, small_model("llama-gqa", vocab_size=tok.vocab_size), tok)
+    bos = rewritten(source, tmp_path / "bos.gguf", fields={"tokenizer.ggml.add_bos_token": True})
+    back = Tokenizer.load(imported(tmp_path, bos, capsys))
+    assert back.prompt_prefix == [2] and back.encode("hi") == tok.encode("hi") and back.kind == "byte"
 
 
 def test_import_takes_exactly_one_source(tmp_path, capsys):

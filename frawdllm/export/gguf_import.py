@@ -72,8 +72,11 @@ class _File:
         try:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as exc:  # noqa: BLE001 - a truncated or damaged file, whatever the reader says of it
-            raise FrawdError(f"{path}: cannot read it as GGUF ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+            detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if "GGMLQuantizationType" in str(exc):  # (a newer llama.cpp's tensor type)
+                raise FrawdError(f"{path}: it stores a tensor type the installed gguf package does not know "
+                                 f"({detail}); a newer gguf (pip install -U gguf) may read it") from None
+            raise FrawdError(f"{path}: cannot read it as GGUF ({detail})") from None
         self.path = path
         self.tensors = {t.name: t for t in self.reader.tensors}
 
@@ -121,6 +124,17 @@ def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
         "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count")}
     ids = {name: file.get(f"tokenizer.ggml.{key}_token_id") for name, key in (
         ("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding"))}
+    for name, value in ids.items():  # (named as the file names them: it has no config.json to edit)
+        if value is not None and not 0 <= value < vocab_size:
+            raise FrawdError(f"{file.path}: tokenizer.ggml.{name.split('_')[0].replace('pad', 'padding')}_token_id "
+                             f"{value} is outside the vocabulary ({vocab_size} tokens)")
+    if ids["eos_token_id"] is None and ids["bos_token_id"] is None:
+        raise FrawdError(f"{file.path}: no tokenizer.ggml.eos_token_id (nor bos) in its metadata: generation "
+                         "would not know where a text ends")
+    blocks = {name.split(".")[1] for name in file.tensors if name.startswith("blk.")}
+    if len(blocks) != size["block_count"]:  # (before the name map is built: it takes a while per block)
+        raise FrawdError(f"{file.path}: {arch}.block_count {size['block_count']:,} but its tensors hold "
+                         f"{len(blocks):,} blocks")
     tied = "output.weight" not in file.tensors
     if arch == "gpt2":
         if not tied:  # (the export writes a tied head out: llama.cpp's gpt2 reads one)
@@ -140,8 +154,13 @@ def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
             raise FrawdError(f"{file.path}: llama.{key} {value} is not the head size {head_dim} "
                              "(embedding_length / head_count), which FrawdLLM computes")
     scaling = file.get("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise FrawdError(f"{file.path}: RoPE scaling {scaling!r} is not supported; only plain RoPE imports")
+    factor = file.get("llama.rope.scaling.factor", file.get("llama.rope.scale_linear"))  # (the older name)
+    attention = file.get("llama.rope.scaling.attn_factor")
+    if scaling != "none" and (scaling not in (None, "linear") or factor not in (None, 1.0)  # (llama.cpp: linear
+                              or attention not in (None, 1.0)):                              # when only a factor)
+        shown = ", ".join(f"{k} {v!r}" for k, v in (("type", scaling), ("factor", factor), ("attn_factor", attention))
+                          if v is not None)
+        raise FrawdError(f"{file.path}: RoPE scaling ({shown}) is not supported; only plain RoPE imports")
     if "rope_freqs.weight" in file.tensors:
         raise FrawdError(f"{file.path}: holds rope_freqs.weight (Llama 3's RoPE scaling), which FrawdLLM does "
                          "not compute")
@@ -190,43 +209,45 @@ def _tokenizer(file: _File, vocab_size: int) -> Tokenizer | None:
 
     from ..tokenizer import _byte_level, byte_tokenizer
 
-    kind, pre = file.get("tokenizer.ggml.model"), file.get("tokenizer.ggml.pre", "gpt-2")
+    kind, pre = file.get("tokenizer.ggml.model"), file.get("tokenizer.ggml.pre")
     if kind in (None, "none"):
         warnings.warn(f"{file.path} holds no tokenizer: imported without one (token ids only)")
         return None
-    if kind != "gpt2" or pre not in ("gpt-2", "default"):
+    if kind != "gpt2" or pre != "gpt-2":  # (no pre, or "default": llama.cpp splits text its own way)
         warnings.warn(f"{file.path}: its tokenizer (tokenizer.ggml.model {kind!r}, pre {pre!r}) has no exact "
                       "FrawdLLM equivalent (GPT-2-style byte-level BPE only): imported without one (token ids only)")
         return None
     tokens, types = file.need("tokenizer.ggml.tokens"), file.need("tokenizer.ggml.token_type")
+    if len(types) != len(tokens):  # (llama.cpp refuses such a file)
+        raise FrawdError(f"{file.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     while tokens and types[-1] == _UNUSED and tokens[-1] == f"[PAD{len(tokens) - 1}]":
         tokens, types = tokens[:-1], types[:-1]  # (the export pads a larger embedding so)
     control = [t for t, kind_ in zip(tokens, types) if kind_ == _CONTROL]
     user = [t for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED]
     merges = [tuple(m.split(" ", 1)) for m in file.get("tokenizer.ggml.merges", [])]
-    merges = [m for m in merges if not (m[0] in control and m[1] in control)]  # (the byte kind's stand-in)
+    merges = [m for m in merges if not (len(m) == 2 and m[0] in control and m[1] in control)]  # (the byte kind's)
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         warnings.warn(f"{file.path}: its token list repeats a token: imported without a tokenizer (token ids only)")
         return None
-    plain_bytes = byte_tokenizer()
-    if not merges and not user and vocab == plain_bytes.backend.get_vocab(with_added_tokens=True):
-        tok = plain_bytes  # what the export of the byte kind holds: that tokenizer itself
-    else:
-        try:
-            backend = Backend(models.BPE(vocab=vocab, merges=merges))
+    bos = file.get("tokenizer.ggml.bos_token_id") if file.get("tokenizer.ggml.add_bos_token") else None
+    try:
+        plain_bytes = byte_tokenizer().backend
+        if not merges and not user and vocab == plain_bytes.get_vocab(with_added_tokens=True):
+            backend, made = plain_bytes, "byte"  # what the export of the byte kind holds: that tokenizer itself
+        else:
+            backend, made = Backend(models.BPE(vocab=vocab, merges=merges)), "bpe"
             _byte_level(backend, use_regex=True)
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
             backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-            if file.get("tokenizer.ggml.add_bos_token"):  # llama.cpp starts every prompt with BOS: so will we
-                bos = file.get("tokenizer.ggml.bos_token_id")
-                backend.post_processor = processors.TemplateProcessing(
-                    single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
-            tok = Tokenizer(backend, "bpe")
-        except Exception as exc:  # noqa: BLE001 - malformed merges, a BOS id outside the list, ...
-            warnings.warn(f"{file.path}: its tokenizer cannot be rebuilt ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}): imported without one (token ids only)")
-            return None
+        if bos is not None:  # llama.cpp starts every prompt with BOS: so will we
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+        tok = Tokenizer(backend, made)
+    except Exception as exc:  # noqa: BLE001 - malformed merges, a BOS id outside the list, ...
+        warnings.warn(f"{file.path}: its tokenizer cannot be rebuilt ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}): imported without one (token ids only)")
+        return None
     return tok.check_fits(vocab_size, file.path)
 
 
