@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("generate", "generate", "Generate text from a prompt."),
     "chat": ("chat", "chat", "Chat with a model in the terminal."),
     "export": ("export", "export", "Export a model to Hugging Face transformers or GGUF."),
-    "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint."),
+    "import": ("import_", "import_", "Import a Hugging Face transformers checkpoint or a GGUF file."),
     "serve": ("serve", "serve", "Serve models over an OpenAI-compatible API, with a chat page."),
     "translate": ("translate", "translate", "Train, evaluate and run encoder-decoder translation models."),
 }
