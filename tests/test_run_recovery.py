@@ -74,8 +74,8 @@ def test_resume_never_deletes_a_run_whose_checkpoint_lost_a_file(corpus, tmp_pat
     before its first checkpoint: --resume deleted its checkpoints and its best model and
     trained a new one, exit 0."""
     run = tmp_path / "run"
-    run_pretraining(tiny_config(corpus, run, max_steps=4, eval_interval=4, compile=False))
-    for path in list_checkpoints(run):
+    run_pretraining(tiny_config(corpus, run, max_steps=4, eval_interval=2, compile=False))
+    for path in list_checkpoints(run):  # (steps 2 and 4: the refusal names the newest)
         (path[1] / "state.pt").unlink()
     before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     rerun = ("pretrain", "--config", run / "config.yaml", "--out", run, "--no-progress", "--resume")
@@ -85,10 +85,15 @@ def test_resume_never_deletes_a_run_whose_checkpoint_lost_a_file(corpus, tmp_pat
     assert code == 1 and err.count("\n") == 1, err
     assert f"{run}: no complete checkpoint to resume from: {run / 'checkpoints' / 'step_00000004'} lacks state.pt; " \
            "the run is left as it is" in err
+    # a plain rerun said "stopped before its first checkpoint; --resume or --overwrite starts it over"
+    code, _, err = run_cli(capsys, *rerun[:-1])
+    assert code == 1 and err == (f"frawd: error: {run} holds a run whose checkpoint is incomplete ("
+                                 f"{run / 'checkpoints' / 'step_00000004'} lacks state.pt); restore the file and "
+                                 "--resume, --overwrite starts over, or give another --out\n"), err
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
 
 
-@pytest.mark.parametrize("removed", ["folder", "each checkpoint"])
+@pytest.mark.parametrize("removed", ["folder", "each checkpoint", "each, a partial one left", "with model/"])
 def test_resume_never_deletes_a_trained_run_whose_checkpoints_were_removed(corpus, tmp_path, capsys, removed):  # noqa: F811
     """A finished run whose checkpoints were deleted to save space, its best model kept: a
     plain rerun called it one that "stopped before its first checkpoint", and --resume
@@ -102,8 +107,13 @@ def test_resume_never_deletes_a_trained_run_whose_checkpoints_were_removed(corpu
     else:
         for _, path in list_checkpoints(run):
             shutil.rmtree(path)
+    if removed == "each, a partial one left":  # (a stray of some earlier kill: steps went on after it)
+        (run / "checkpoints" / ".step_00000004.abcdefgh.tmp").mkdir()
+    if removed == "with model/":
+        shutil.rmtree(run / "model")
     before = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    gone = f"evaluated up to step 8 and published {run / 'model'}, but its checkpoints are gone"
+    published = "" if removed == "with model/" else f" and published {run / 'model'}"
+    gone = f"evaluated up to step 8{published}, but its checkpoints are gone"
     rerun = ("pretrain", "--config", run / "config.yaml", "--out", run, "--no-progress")
     code, _, err = run_cli(capsys, *rerun)
     assert code == 1 and err == f"frawd: error: {run} holds a run that {gone}; --overwrite starts over, or give " \
@@ -112,8 +122,9 @@ def test_resume_never_deletes_a_trained_run_whose_checkpoints_were_removed(corpu
     assert code == 0 and f"nothing to resume from: the run {gone}; --resume refuses it" in out, out
     code, _, err = run_cli(capsys, *rerun, "--resume")
     assert code == 1 and err.count("\n") == 1, err
-    assert f"{run}: nothing to resume from: the run {gone}; the run is left as it is (--init-from {run / 'model'} " \
-           "trains its model further in another --out; --overwrite starts over)" in err
+    further = "" if removed == "with model/" else f"--init-from {run / 'model'} trains its model further in another --out; "
+    assert f"{run}: nothing to resume from: the run {gone}; the run is left as it is ({further}--overwrite starts over)" \
+        in err
     assert {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
@@ -150,11 +161,15 @@ def test_resume_trims_samples_and_tidies_stray_temporary_folders(corpus, tmp_pat
     result = run_pretraining(tiny_config(corpus, run, max_steps=12, eval_interval=4, resume=True))
     assert result.steps == 12
     assert sample_steps(run) == [0, 4, 8, 12]  # step 8 once, from the resumed run
+    # every step's line once: those before the kill were on disk (flushed), those after the checkpoint dropped
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 13))
     assert "differ" not in capsys.readouterr().err  # a larger budget is what --resume is for
-    # other settings are taken, and said
-    run_pretraining(tiny_config(corpus, run, max_steps=14, eval_interval=4, lr=1e-3, resume=True))
+    # other settings are taken, and said; how often to evaluate and what to keep are not the run's shape
+    run_pretraining(tiny_config(corpus, run, max_steps=14, eval_interval=2, keep_last=3, lr=1e-3, resume=True))
     out = capsys.readouterr().err  # (notices go to stderr)
-    assert "resuming with settings that differ from its config.yaml: lr=0.001 (was " in out
+    notice = next(line for line in out.splitlines() if "settings that differ" in line)
+    assert "resuming with settings that differ from its config.yaml: lr=0.001 (was " in notice
+    assert "eval_interval" not in notice and "keep_last" not in notice, notice
     # but not the model or tokenizer the checkpoint was trained as: refused, the run left as it was
     from frawdllm.errors import FrawdError
 

@@ -898,6 +898,17 @@ def test_a_trainer_used_directly_guards_its_run_directory_like_the_cli(tmp_path)
     with pytest.raises(FrawdError, match="stopped before its first checkpoint; --resume or --overwrite starts it over"):
         fit()
     assert fit(resume=True, max_steps=2).steps == 2 and steps() == [1, 2]
+    # the folder is let go once fit() returns: another process (a CLI run) may take it
+    from frawdllm.train.rundir import lock_holder
+
+    assert lock_holder(run) is None
+    taker = subprocess.run([sys.executable, "-c", "import sys; from frawdllm.train.rundir import claim_run_dir; "
+                            "print(claim_run_dir(sys.argv[1]))", str(run)], capture_output=True, text=True, timeout=60)
+    assert taker.returncode == 0 and taker.stdout == "True\n", taker.stderr
+    # resume where no run is: refused, not a new run started as if resumed
+    with pytest.raises(FrawdError, match="no checkpoint to resume from"):
+        Trainer(torch.nn.Linear(4, 1), LinearTask(8), generic_config(tmp_path, out=str(tmp_path / "new"), resume=True,
+                                                                     max_steps=2))
 
 
 def test_no_budget_is_refused_before_anything_is_written(tmp_path):

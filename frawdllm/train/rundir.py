@@ -242,6 +242,9 @@ def existing_run_message(run_dir: Path) -> str:
                 "another --out")
     if (gone := checkpoints_gone(run_dir)) is not None:
         return f"{run_dir} holds a run that {gone}; --overwrite starts over, or give another --out"
+    if latest_checkpoint(run_dir) is None and (damage := damaged_checkpoint(run_dir)) is not None:
+        return (f"{run_dir} holds a run whose checkpoint is incomplete ({damage}); restore the file and --resume, "
+                "--overwrite starts over, or give another --out")  # (--resume refuses it: not "starts it over")
     if latest_checkpoint(run_dir) is None:
         return (f"{run_dir} holds a run that stopped before its first checkpoint; --resume or --overwrite starts "
                 "it over, or give another --out")
