@@ -76,3 +76,36 @@ def test_pruning_a_checkpoint_that_is_a_link_removes_the_link_only(tmp_path):
     prune(tmp_path / "run", keep_last=2, keep_steps=set())
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
     assert (elsewhere / STATE_FILE).is_file()  # the linked run's checkpoint untouched
+
+
+@pytest.mark.parametrize("files_json, present, complete", [
+    (None, (STATE_FILE, "model/model.safetensors", "model/config.json"), True),  # before files.json existed
+    (None, (STATE_FILE, "model/model.safetensors"), False),  # (its config.json gone)
+    ('["state.pt", "model/model.safetensors", "model/config.json", "model/tokenizer.json"]',
+     (STATE_FILE, "model/model.safetensors", "model/config.json"), False),  # a listed file gone
+    ("[]", ("model/model.safetensors", "model/config.json"), False),  # a damaged list: the three checked
+    ('["model/model.safetensors"]', ("model/model.safetensors",), False),  # a list without state.pt: the same
+    ("not json", (STATE_FILE, "model/model.safetensors", "model/config.json"), True),
+])
+def test_a_checkpoint_is_complete_when_it_holds_what_it_lists_or_the_three_files(tmp_path, files_json, present,
+                                                                                  complete):
+    """A folder that lacks a file a checkpoint needs is never resumed from (and is named)."""
+    from frawdllm.train.checkpoint import CHECKPOINTS_DIR, damaged_checkpoint, list_checkpoints
+
+    folder = tmp_path / CHECKPOINTS_DIR / "step_00000004"
+    (folder / "model").mkdir(parents=True)
+    for name in present:
+        (folder / name).write_bytes(b"x")
+    if files_json is not None:
+        (folder / "files.json").write_text(files_json)
+    assert list_checkpoints(tmp_path) == ([(4, folder)] if complete else [])
+    assert (damaged_checkpoint(tmp_path) is None) == complete
+
+
+def test_the_newest_damaged_checkpoint_is_the_one_named(tmp_path):
+    from frawdllm.train.checkpoint import CHECKPOINTS_DIR, damaged_checkpoint
+
+    for step in (2, 4):
+        (tmp_path / CHECKPOINTS_DIR / f"step_{step:08d}" / "model").mkdir(parents=True)
+    assert damaged_checkpoint(tmp_path) == (f"{tmp_path / CHECKPOINTS_DIR / 'step_00000004'} lacks state.pt and "
+                                            "model/model.safetensors and model/config.json")

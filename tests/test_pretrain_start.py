@@ -563,6 +563,25 @@ def test_a_resume_that_changes_the_model_names_the_values_not_the_overrides(corp
     assert run_pretraining(tiny_config(corpus, run, resume=True, model=same, max_steps=3)).steps == 3
 
 
+def test_a_resume_takes_a_config_yaml_without_a_later_setting_and_refuses_another_init_from(corpus, trained,
+                                                                                             tmp_path):
+    """A config.yaml an older FrawdLLM wrote (without a setting added since) resumes; the
+    starting model of an --init-from run is fixed once trained from."""
+    import yaml
+
+    run = tmp_path / "run"
+    run_pretraining(tiny_config(corpus, run, max_steps=2))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    del saved["grad_accum"]
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert run_pretraining(tiny_config(corpus, run, resume=True, max_steps=3)).steps == 3
+    more = tmp_path / "more"
+    run_pretraining(tiny_config(corpus, more, tokenizer=None, model={}, init_from=str(trained), max_steps=2))
+    with pytest.raises(FrawdError, match=r"init_from="):
+        run_pretraining(tiny_config(corpus, more, tokenizer=None, model={}, init_from=str(run / "model"),
+                                    resume=True, max_steps=3))
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 def test_the_training_memory_floor_is_below_what_backward_really_keeps(preset):
     """`training_floor_bytes` refuses runs: it must never exceed the real need. Autograd's
