@@ -151,6 +151,9 @@ def test_a_start_that_fails_after_the_checks_leaves_nothing_in_the_way(corpus, t
     with pytest.raises(Broken):
         run_pretraining(tiny_config(corpus, existing, max_steps=2))
     assert not (existing / "config.yaml").exists()  # the reusable tokenizer and shards may stay
+    from frawdllm.train.rundir import lock_holder
+
+    assert lock_holder(existing) is None  # let go: another process (a CLI run) may start there
     monkeypatch.undo()
     for directory in (out, existing):  # the retry needs no --overwrite
         assert run_pretraining(tiny_config(corpus, directory, max_steps=2)).steps == 2
