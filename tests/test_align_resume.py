@@ -115,3 +115,13 @@ def test_a_resume_that_turns_lora_off_names_the_rank(tmp_path, capsys, alpha):
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "--resume continues the run's own model" in err and "these settings differ: lora_rank=0 (the run has " \
         "4); drop them" in err, err
+
+
+def test_a_resume_that_types_the_runs_own_lora_alpha_goes_on(tmp_path, capsys):
+    """The alpha the run took by default (2 x rank), typed on --resume, is the run's own: no
+    change to refuse (it is compared by value, not by whether it was typed)."""
+    _, run = start(tmp_path, capsys, "sft", "--lora-rank", "4")
+    code, _, err = run_cli(capsys, "sft", "--out", run, "--resume", "--max-steps", "3", "--lora-rank", "4",
+                           "--lora-alpha", "8", "--no-progress")
+    assert code == 0, err
+    assert steps_logged(run) == [1, 2, 3]
