@@ -863,9 +863,11 @@ def test_existing_run_needs_resume_or_overwrite(corpus, tmp_path):
     assert result.steps == 3
     # --overwrite never deletes the model the new run starts from
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
-    with pytest.raises(FrawdError, match="lies inside --out .* --overwrite deletes"):
-        run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=0, overwrite=True,
-                                    init_from=str(tmp_path / "run" / "model")))
+    (step, checkpoint), = list_checkpoints(tmp_path / "run")
+    for start in (tmp_path / "run" / "model", checkpoint / "model"):  # (a checkpoint's model too)
+        with pytest.raises(FrawdError, match="lies inside --out .* --overwrite deletes"):
+            run_pretraining(tiny_config(corpus, tmp_path / "run", max_steps=2, eval_interval=0, overwrite=True,
+                                        init_from=str(start)))
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
 
 
