@@ -122,7 +122,8 @@ def test_resume_never_deletes_a_trained_run_whose_checkpoints_were_removed(corpu
     assert code == 0 and f"nothing to resume from: the run {gone}; --resume refuses it" in out, out
     code, _, err = run_cli(capsys, *rerun, "--resume")
     assert code == 1 and err.count("\n") == 1, err
-    further = "" if removed == "with model/" else f"--init-from {run / 'model'} trains its model further in another --out; "
+    further = "" if removed == "with model/" else (f"{run / 'model'} can start a new run in another --out: pretrain "
+                                                   "--init-from, sft and dpo --init; ")
     assert f"{run}: nothing to resume from: the run {gone}; the run is left as it is ({further}--overwrite starts over)" \
         in err
     assert {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

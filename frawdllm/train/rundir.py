@@ -289,8 +289,8 @@ def settle_run_dir(run_dir: Path, resume: bool, overwrite: bool,
                          "is (restore the file, or --overwrite starts the run over)")
     if resume and not overwrite and (gone := checkpoints_gone(run_dir)) is not None:
         # a trained run whose checkpoints were deleted: starting over would delete its model too
-        further = (f"--init-from {run_dir / BEST_MODEL_DIR} trains its model further in another --out; "
-                   if (run_dir / BEST_MODEL_DIR).is_dir() else "")
+        further = (f"{run_dir / BEST_MODEL_DIR} can start a new run in another --out: pretrain --init-from, sft "
+                   "and dpo --init; " if (run_dir / BEST_MODEL_DIR).is_dir() else "")
         raise FrawdError(f"{run_dir}: nothing to resume from: the run {gone}; the run is left as it is "
                          f"({further}--overwrite starts over)")
     if resume:
