@@ -111,8 +111,8 @@ class _File:
         return torch.from_numpy(array.astype("float32", copy=True))
 
 
-def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
-    """The transformers config the file's metadata stands for, and whether a bias is stored."""
+def _hf_config(file: _File) -> SimpleNamespace:
+    """The transformers config the file's metadata stands for."""
     arch = file.need("general.architecture")
     if arch not in _ARCHITECTURES:
         raise FrawdError(f"{file.path}: architecture {arch!r} cannot be imported; supported: "
@@ -137,15 +137,16 @@ def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
                          f"{len(blocks):,} blocks")
     tied = "output.weight" not in file.tensors
     if arch == "gpt2":
-        if not tied:  # (the export writes a tied head out: llama.cpp's gpt2 reads one)
-            tied = torch.equal(file.tensor("output.weight"), file.tensor("token_embd.weight"))
+        if not tied:  # (the export writes a tied head out, stored as the embedding is: llama.cpp's gpt2 reads one)
+            head, embedding = file.tensors["output.weight"], file.tensors["token_embd.weight"]
+            tied = head.tensor_type == embedding.tensor_type and np.array_equal(head.data, embedding.data)
         return SimpleNamespace(
             model_type="gpt2", activation_function="gelu_new", scale_attn_weights=True,  # (what llama.cpp computes)
             scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, vocab_size=vocab_size,
             n_embd=size["embedding_length"], n_layer=size["block_count"], n_head=size["attention.head_count"],
             n_positions=size["context_length"], n_inner=size["feed_forward_length"],
             layer_norm_epsilon=_float32(file.need("gpt2.attention.layer_norm_epsilon")), tie_word_embeddings=tied,
-            **ids), True
+            **ids)
     n_head = size["attention.head_count"]
     head_dim = size["embedding_length"] // n_head
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
@@ -164,15 +165,15 @@ def _hf_config(file: _File) -> tuple[SimpleNamespace, bool]:
     if "rope_freqs.weight" in file.tensors:
         raise FrawdError(f"{file.path}: holds rope_freqs.weight (Llama 3's RoPE scaling), which FrawdLLM does "
                          "not compute")
-    bias = "blk.0.attn_q.bias" in file.tensors
     return SimpleNamespace(
         model_type="llama", hidden_act="silu", head_dim=head_dim, hidden_size=size["embedding_length"],
         num_attention_heads=n_head, num_key_value_heads=file.count("llama.attention.head_count_kv", n_head),
         num_hidden_layers=size["block_count"], max_position_embeddings=size["context_length"],
         intermediate_size=size["feed_forward_length"], vocab_size=vocab_size,
         rms_norm_eps=_float32(file.need("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=_float32(file.get("llama.rope.freq_base", 10000.0)), attention_bias=bias,
-        mlp_bias="blk.0.ffn_up.bias" in file.tensors, tie_word_embeddings=tied, **ids), bias
+        rope_theta=_float32(file.get("llama.rope.freq_base", 10000.0)),
+        attention_bias="blk.0.attn_q.bias" in file.tensors, mlp_bias="blk.0.ffn_up.bias" in file.tensors,
+        tie_word_embeddings=tied, **ids)
 
 
 def _weights(file: _File, cfg: ModelConfig) -> dict[str, Tensor]:
@@ -254,7 +255,7 @@ def _tokenizer(file: _File, vocab_size: int) -> Tokenizer | None:
 def read_gguf(path: str | Path) -> tuple[FrawdLLM, Tokenizer | None]:
     """The model (float32) and tokenizer (or None) a GGUF file holds."""
     file = _File(Path(path))
-    hf_config, _ = _hf_config(file)
+    hf_config = _hf_config(file)
     try:
         cfg = from_hf_config(hf_config)
     except FrawdError as exc:

@@ -240,15 +240,15 @@ def existing_run_message(run_dir: Path) -> str:
     if (holder := lock_holder(run_dir)) not in (None, os.getpid()):  # (this process's own hold: its earlier run)
         return (f"{run_dir} is in use by another run (process {holder}): wait for it to end or stop it, or give "
                 "another --out")
+    if latest_checkpoint(run_dir) is not None:
+        return f"{run_dir} already holds a run; --resume continues it, --overwrite starts over, or give another --out"
+    if (damage := damaged_checkpoint(run_dir)) is not None:  # (--resume refuses it: not "starts it over")
+        return (f"{run_dir} holds a run whose checkpoint is incomplete ({damage}); restore the file and --resume, "
+                "--overwrite starts over, or give another --out")
     if (gone := checkpoints_gone(run_dir)) is not None:
         return f"{run_dir} holds a run that {gone}; --overwrite starts over, or give another --out"
-    if latest_checkpoint(run_dir) is None and (damage := damaged_checkpoint(run_dir)) is not None:
-        return (f"{run_dir} holds a run whose checkpoint is incomplete ({damage}); restore the file and --resume, "
-                "--overwrite starts over, or give another --out")  # (--resume refuses it: not "starts it over")
-    if latest_checkpoint(run_dir) is None:
-        return (f"{run_dir} holds a run that stopped before its first checkpoint; --resume or --overwrite starts "
-                "it over, or give another --out")
-    return f"{run_dir} already holds a run; --resume continues it, --overwrite starts over, or give another --out"
+    return (f"{run_dir} holds a run that stopped before its first checkpoint; --resume or --overwrite starts "
+            "it over, or give another --out")
 
 
 def _refuse_file(run_dir: Path) -> None:
