@@ -16,6 +16,7 @@ import click
 
 from ..errors import FrawdError, check_unicode
 from . import Terminated
+from .terminal import for_terminal
 from .sampling_flags import (context_stop_note, engine_flags, load_engine, params_from_flags, sampling_flags,
                              warn_unmatchable_stops)
 
@@ -226,7 +227,7 @@ class _Repl:
                 reply += chunk.text
                 n_tokens += chunk.token is not None
                 reason = chunk.finish_reason or reason
-                self.out(chunk.text)
+                self.out(for_terminal(chunk.text))
         except Terminated:
             raise
         except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import FrawdError, check_unicode, counted
+from .terminal import for_terminal
 from .sampling_flags import (context_stop_note, engine_flags, load_engine, params_from_flags,
                              sampling_flags, warn_unmatchable_stops)
 
@@ -85,12 +86,12 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
     start = time.perf_counter()
     if stream and single and not as_json:
         if echo_prompt:
-            click.echo(texts[0], nl=False)
+            click.echo(for_terminal(texts[0]), nl=False)
         n_tokens, reason = 0, None
         for chunk in engine.stream(texts[0], params):
             n_tokens += chunk.token is not None
             reason = chunk.finish_reason or reason
-            click.echo(chunk.text, nl=False)
+            click.echo(for_terminal(chunk.text), nl=False)
             sys.stdout.flush()
         click.echo()
         _note_context_stop(engine, params, [(reason, n_tokens)])
@@ -110,7 +111,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
         else:
             if not single:
                 click.echo(f"--- prompt {c.prompt_index + 1}, sample {c.sample_index + 1} ---")
-            click.echo((texts[c.prompt_index] if echo_prompt else "") + c.text)
+            click.echo(for_terminal((texts[c.prompt_index] if echo_prompt else "") + c.text))
     _report(stats, sum(len(c.tokens) for c in completions), seconds, engine)
 
 

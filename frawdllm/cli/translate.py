@@ -14,6 +14,7 @@ from ..train.translation_config import TranslateConfig  # (torch-free: the job i
 from .flags import dataclass_options
 from .launch import nproc_option, relaunch_under_torchrun, train_on_this_rank
 from .options import FiniteFloat, set_option
+from .terminal import for_terminal
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -260,11 +261,11 @@ def run(model_dir: str, beam: int, alpha: float, batch_size: int, sentences: tup
     translator = _Translator(model_dir, beam, alpha, batch_size)
     if sentences:
         for line in translator(list(sentences)):
-            click.echo(line)
+            click.echo(for_terminal(line))
     else:
         if sys.stdin.isatty():
             click.echo("type a sentence and Enter to translate it; Ctrl-D to end", err=True)
         for line in _stdin_lines():
-            click.echo(translator([line])[0])
+            click.echo(for_terminal(translator([line])[0]))
             sys.stdout.flush()
     translator.report()
