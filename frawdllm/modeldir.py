@@ -179,15 +179,28 @@ def _read_json(path: Path) -> Any:
         raise FrawdError(f"{path}: cannot read ({exc.strerror})") from None
 
 
+def _gguf_advice(path: Path) -> str:
+    """How to use `path` as a model when it is a GGUF file ("" when it is not)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return ""
+    return f"; convert it first: frawd import --from-gguf {path} --out NEW_DIR" if magic == b"GGUF" else ""
+
+
 def load_config(directory: str | Path) -> ModelConfig:
     directory = Path(directory)
     if directory.is_file():
-        raise FrawdError(f"{directory} is a file, not a model directory")
+        raise FrawdError(f"{directory} is a file, not a model directory" + _gguf_advice(directory))
     if not directory.is_dir():
         raise FrawdError(f"model directory not found: {directory}")
     inner = directory / "model"
     if not (directory / CONFIG_FILE).exists() and (inner / CONFIG_FILE).is_file():  # `frawd pretrain`'s --out
         raise FrawdError(f"{directory}: no {CONFIG_FILE}; a training run keeps its model in model/: give {inner}")
+    ggufs = [] if (directory / CONFIG_FILE).exists() else sorted(directory.glob("*.gguf"))
+    if ggufs:  # (`frawd export --format gguf`'s folder, a download)
+        raise FrawdError(f"{directory}: no {CONFIG_FILE}, and it holds a GGUF file" + _gguf_advice(ggufs[0]))
     path = model_file(directory, CONFIG_FILE)
     data = _read_json(path)
     if not isinstance(data, dict):

@@ -79,3 +79,36 @@ def test_tokenizer_training_runs_without_torch(tmp_path):
                           "--out", str(tmp_path / "tok")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
+
+
+def test_every_flag_a_help_names_is_a_flag_of_that_command():
+    """`frawd chat --help` said "--stats shows what ran", a flag only `frawd generate` has. A
+    flag of another command is named with it ("frawd generate --stats", "torchrun --standalone")."""
+    import re
+
+    import click
+    from click.testing import CliRunner
+
+    from frawdllm.cli import cli
+
+    def commands(command, path):
+        if isinstance(command, click.Group):
+            ctx = click.Context(command, info_name="frawd")
+            for name in command.list_commands(ctx):
+                yield from commands(command.get_command(ctx, name), [*path, name])
+        else:
+            yield tuple(path), command
+
+    every = dict(commands(cli, []))
+    flags = {" ".join(path): {o for p in c.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+             for path, c in every.items()}
+    wrong = []
+    for path, command in every.items():
+        text = re.sub(r"\s+", " ", CliRunner().invoke(cli, [*path, "--help"], terminal_width=1000).output)
+        for found in re.finditer(r"(?<![\w-])--[a-z][a-z0-9-]*", text):
+            before = text[max(0, found.start() - 40):found.start()]
+            named = re.findall(r"frawd ((?:translate |tokenizer |data )?[a-z]+)|(torchrun)", before)
+            other, torchrun = named[-1] if named else ("", "")
+            if not torchrun and found.group() not in flags[other or " ".join(path)]:
+                wrong.append(f"frawd {' '.join(path)} --help: {found.group()} ({before[-30:]}...)")
+    assert not wrong, wrong

@@ -302,6 +302,41 @@ def test_a_prompt_file_reaches_the_model_byte_for_byte(capsys, model_dir, tmp_pa
         assert record["prompt_tokens"] == 8 and record["prompt"] == "ab\r\ncd\r\n", (source, record)
 
 
+def test_a_prompt_file_that_is_a_pipe_or_a_device_is_read(capsys, model_dir, tmp_path):
+    """`--prompt-file <(cmd)`, a named pipe or /dev/null: "prompt file not found" (they are
+    no regular files, but they exist and read as files do)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(b"ab\r\ncd",))
+    writer.start()
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", str(fifo),
+                         "--max-new-tokens", "2", "--json", "--echo-prompt")
+    writer.join()
+    assert code == 0 and json.loads(out)["prompt"] == "ab\r\ncd", err
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", "/dev/null",
+                         "--max-new-tokens", "2", "--json", "--echo-prompt")
+    assert code == 0 and json.loads(out)["prompt"] == "", err
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt-file", str(tmp_path / "none.txt"))
+    assert code == 1 and err == f"frawd: error: prompt file not found: {tmp_path / 'none.txt'}\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_stop_id_outside_the_vocabulary_names_generation_config(capsys, model_dir, tmp_path, command):
+    """It said only "stop token id 99999 is outside the vocabulary", as if a flag had given it."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(model_dir, model)
+    (model / "generation_config.json").write_text('{"stop_token_ids": [99999]}')
+    code, out, err = run(capsys, command, "--model", str(model), *(["--prompt", "hi"] if command == "generate" else []))
+    assert (code, out) == (1, "")
+    assert err == (f"frawd: error: {model / 'generation_config.json'}: stop token id 99999 is outside the "
+                   "vocabulary (size 263)\n")
+
+
 def test_the_memory_check_sizes_the_cache_as_the_engine_does(capsys, model_dir, monkeypatch):
     """The check sized every row's cache for the whole context in fp32: 2,000 rows of one
     new token after a 1-token prompt were refused for 67 MB they never needed (1 slot a row)."""

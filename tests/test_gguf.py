@@ -256,7 +256,19 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_by_name(tmp_path
                                                        pre_tokenizers.ByteLevel(use_regex=False)])
     llama3ish.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=list(SPECIAL_TOKENS),
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    for backend, reason in [(spm, "is SentencePiece-style"), (llama3ish, "splits text another way")]:
+    byte_level = Backend(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=list(SPECIAL_TOKENS),
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    nfc, prefix_space, no_regex = (Backend.from_str(byte_level.to_str()) for _ in range(3))
+    nfc.normalizer = normalizers.NFC()
+    prefix_space.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    no_regex.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for backend, reason in [(spm, "is SentencePiece-style"),
+                            (llama3ish, "splits text another way (pre-tokenizer Sequence of Split, ByteLevel)"),
+                            (nfc, "normalizes text first (NFC)"),
+                            (prefix_space, "splits text another way (a ByteLevel pre-tokenizer with add_prefix_space"),
+                            (no_regex, "splits text another way (a ByteLevel pre-tokenizer without GPT-2's regex")]:
         tok = Tokenizer(backend)
         model_dir = tmp_path / "ours"
         small_model("llama-gqa", vocab_size=tok.vocab_size).save_pretrained(model_dir, tokenizer=tok)
@@ -296,8 +308,9 @@ def test_an_added_token_that_is_not_special_is_matched_whole_by_llama_cpp(tmp_pa
         llm.close()
 
 
-def test_an_added_token_with_spacing_rules_gguf_cannot_hold_is_refused(tmp_path, tokenizer, capsys):
-    tok = with_added_token(tokenizer, "<tool>", lstrip=True)
+@pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
+def test_an_added_token_with_spacing_rules_gguf_cannot_hold_is_refused(tmp_path, tokenizer, capsys, flag):
+    tok = with_added_token(tokenizer, "<tool>", **{flag: True})
     model_dir = tmp_path / "ours"
     small_model("llama-gqa", vocab_size=tok.vocab_size).save_pretrained(model_dir, tokenizer=tok)
     with pytest.raises(SystemExit):
@@ -305,6 +318,24 @@ def test_an_added_token_with_spacing_rules_gguf_cannot_hold_is_refused(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "added token '<tool>'" in err[0] and "--format hf" in err[0], err
     assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("prefix", [["<|bos|>"], ["<|user|>"], ["<|bos|>", "<|user|>"]])
+def test_add_bos_token_only_where_the_template_starts_with_bos_alone(tmp_path, tokenizer, capsys, prefix):
+    """llama.cpp can add one id, bos_token_id, before a prompt: any other prefix of the
+    tokenizer's template is a warning and add_bos_token false."""
+    from tokenizers import Tokenizer as Backend, processors
+
+    from frawdllm.tokenizer import Tokenizer
+
+    backend = Backend.from_str(tokenizer.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join(prefix) + " $A", special_tokens=[(t, tokenizer.token_to_id(t)) for t in prefix])
+    tok = Tokenizer(backend)
+    reader = export_gguf(tmp_path, small_model("llama-gqa", vocab_size=tok.vocab_size), tok)
+    alone = prefix == ["<|bos|>"]
+    assert field(reader, "tokenizer.ggml.add_bos_token") is alone
+    assert ("which GGUF cannot say" in capsys.readouterr().err) is not alone
 
 
 def test_gguf_out_may_name_the_file_itself(tmp_path, tokenizer):

@@ -7,6 +7,7 @@ has no FrawdLLM equivalent is one clear line, and nothing is written.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,11 @@ def exported(tmp_path: Path, model: FrawdLLM, tokenizer, *extra: str) -> Path:
     return export_gguf(tmp_path / "ours", tmp_path / "m.gguf", dtype=dtype)
 
 
-def imported(tmp_path: Path, path: Path, capsys) -> Path:
+def imported(tmp_path: Path, path: Path, capsys, said: str = "") -> Path:
+    """`path` imported; stderr is `said` (nothing, for a file with a tokenizer we read)."""
     out = tmp_path / "back"
     code, stdout, err = run_cli(capsys, "import", "--from-gguf", path, "--out", out)
-    assert code == 0, err
+    assert code == 0 and err == said, err
     assert stdout.startswith(f"imported {path} to {out}: ")
     return out
 
@@ -62,6 +64,14 @@ def test_our_export_comes_back_bit_for_bit(tmp_path, bpe, text, variant, kind, c
     tok_back = Tokenizer.load(back)
     assert tok_back.fingerprint == tok.fingerprint and tok_back.kind == tok.kind
     assert tok_back.encode(text[:5000]) == tok.encode(text[:5000])
+
+
+def test_rope_theta_and_norm_epsilon_come_back(tmp_path, bpe, capsys):
+    """Llama 3, Mistral and Qwen files rotate with theta 5e5-1e6: read as the default 10000,
+    every position would be rotated wrongly."""
+    model = small_model("llama-gqa", vocab_size=bpe.vocab_size, rope_theta=500000.0, norm_eps=1e-6)
+    again = FrawdLLM.from_pretrained(imported(tmp_path, exported(tmp_path, model, bpe), capsys))
+    assert (again.config.rope_theta, again.config.norm_eps) == (500000.0, 1e-6) and again.config == model.config
 
 
 def test_half_precision_comes_back_as_the_rounded_weights(tmp_path, bpe, capsys):
@@ -86,6 +96,34 @@ def test_an_added_token_and_a_bos_adding_template_come_back(tmp_path, bpe, text,
     sample = "call <tool> now: " + text[:300]
     assert tok_back.encode(sample) == tok.encode(sample) and tok.token_to_id("<tool>") in tok.encode(sample)
     assert tok_back.prompt_prefix == tok.prompt_prefix == [2]
+
+
+def test_a_model_without_a_tokenizer_comes_back_with_its_special_ids(tmp_path, capsys):
+    """Token ids only: the file still holds the bos, eos and pad ids, so it imports again (it
+    was refused: "no tokenizer.ggml.eos_token_id (nor bos)")."""
+    model = small_model("llama-gqa", vocab_size=300)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 5, 7, 1
+    path = exported(tmp_path, model, None)
+    fields = gguf.GGUFReader(str(path)).fields
+    assert {key: int(fields[f"tokenizer.ggml.{key}_token_id"].contents()) for key in ("bos", "eos", "padding")} == \
+        {"bos": 5, "eos": 7, "padding": 1}
+    back = imported(tmp_path, path, capsys, said=f"warning: {path} holds no tokenizer: imported without one "
+                                                  "(token ids only)\n")
+    again = FrawdLLM.from_pretrained(back)
+    assert again.config == model.config and not (back / "tokenizer.json").exists()
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "export"])
+@pytest.mark.parametrize("given", ["file", "folder"])
+def test_a_gguf_given_as_a_model_says_to_import_it(tmp_path, capsys, command, given):
+    """A GGUF file, or `frawd export --format gguf`'s folder, where a model directory goes."""
+    path = exported(tmp_path, small_model("llama-gqa", vocab_size=300), None)
+    model = path if given == "file" else path.parent  # (tmp_path: ours/ beside m.gguf, and no config.json)
+    rest = {"generate": ["--prompt", "hi"], "eval": ["--data", str(path)], "export": ["--out", str(tmp_path / "x")]}
+    code, _, err = run_cli(capsys, command, "--model", model, *rest[command])
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.endswith(f"; convert it first: frawd import --from-gguf {path} --out NEW_DIR\n"), err
 
 
 def q8_0_values(raw) -> torch.Tensor:
@@ -114,6 +152,7 @@ def test_a_file_llama_cpp_quantized_imports_its_values_and_computes_near_llama_c
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, 1
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
+    capsys.readouterr()  # (llama.cpp's log of the quantizing)
     stored = {t.name: t for t in gguf.GGUFReader(str(quantized)).tensors}
     assert stored["blk.0.ffn_down.weight"].tensor_type.name == "Q8_0"
     again = FrawdLLM.from_pretrained(imported(tmp_path, quantized, capsys))
@@ -213,12 +252,54 @@ def test_metadata_that_disagrees_with_the_tensors_is_one_line(tmp_path, bpe, cap
     for i, (fields, said) in enumerate(cases):
         bad = rewritten(source, tmp_path / f"bad{i}.gguf", fields=fields)
         assert said in refused(capsys, tmp_path, bad), fields
+    vocab = bpe.vocab_size
+    for i, key in enumerate(("bos", "eos", "padding")):  # (the first id past the vocabulary)
+        past = rewritten(source, tmp_path / f"past{i}.gguf", fields={f"tokenizer.ggml.{key}_token_id": vocab})
+        assert f"tokenizer.ggml.{key}_token_id {vocab} is outside the vocabulary ({vocab} tokens)" in \
+            refused(capsys, tmp_path, past)
+    reader = gguf.GGUFReader(str(source))
+    tokens, types = (reader.fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "token_type"))
+    longer = rewritten(source, tmp_path / "longer.gguf", fields={"tokenizer.ggml.tokens": tokens + ["zq", "zr"],
+                                                                "tokenizer.ggml.token_type": types + [1, 1]})
+    assert f"{longer}: the tokenizer has {vocab + 2} ids but the model only {vocab}" in refused(capsys, tmp_path, longer)
     no_ids = rewritten(source, tmp_path / "no_ids.gguf", drop_fields=("tokenizer.ggml.bos_token_id",
                                                                      "tokenizer.ggml.eos_token_id"))
     assert "no tokenizer.ggml.eos_token_id (nor bos) in its metadata" in refused(capsys, tmp_path, no_ids)
     per_layer = rewritten(source, tmp_path / "per_layer.gguf", fields={"llama.attention.head_count_kv": (
         [2, 2], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)})
     assert "llama.attention.head_count_kv is [2, 2]" in refused(capsys, tmp_path, per_layer)
+
+
+def test_what_llama_cpp_writes_for_plain_rope_and_an_eos_alone_imports(tmp_path, bpe, capsys):
+    """Scaling type "none" (llama.cpp's converters write it), a linear factor of 1 and an
+    attn_factor of 1 are plain RoPE; a file with eos and no bos takes eos for both."""
+    model = small_model("llama-gqa", vocab_size=bpe.vocab_size)
+    source = exported(tmp_path, model, bpe)
+    f32 = gguf.GGUFValueType.FLOAT32
+    for i, fields in enumerate(({"llama.rope.scaling.type": ("none", gguf.GGUFValueType.STRING, None),
+                                 "llama.rope.scaling.factor": (8.0, f32, None)},
+                                {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING, None),
+                                 "llama.rope.scaling.factor": (1.0, f32, None),
+                                 "llama.rope.scaling.attn_factor": (1.0, f32, None)})):
+        shutil.rmtree(tmp_path / "back", ignore_errors=True)
+        again = FrawdLLM.from_pretrained(imported(tmp_path, rewritten(source, tmp_path / f"r{i}.gguf", fields=fields),
+                                                  capsys))
+        assert again.config == model.config, fields
+    shutil.rmtree(tmp_path / "back")
+    eos_only = rewritten(source, tmp_path / "eos.gguf", drop_fields=("tokenizer.ggml.bos_token_id",))
+    cfg = FrawdLLM.from_pretrained(imported(tmp_path, eos_only, capsys)).config
+    assert cfg.bos_token_id == cfg.eos_token_id == model.config.eos_token_id
+
+
+def test_an_existing_out_is_kept_unless_overwrite(tmp_path, bpe, capsys):
+    source = exported(tmp_path, small_model("llama-gqa", vocab_size=bpe.vocab_size), bpe)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "import", "--from-gguf", source, "--out", out)
+    assert code == 1 and "exists and is not empty" in err and (out / "keep.txt").read_text() == "mine", err
+    code, _, err = run_cli(capsys, "import", "--from-gguf", source, "--out", out, "--overwrite")
+    assert code == 0 and (out / "model.safetensors").is_file() and not (out / "keep.txt").exists(), err
 
 
 def test_a_tokenizer_without_an_equivalent_imports_the_model_alone_with_a_warning(tmp_path, bpe, capsys):

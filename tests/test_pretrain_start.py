@@ -249,7 +249,9 @@ def test_init_from_may_change_dropout(corpus, trained, tmp_path):
 INIT_ERRORS = {
     "conflicting --set": (["--set", "n_layer=3"], "n_layer=3 (the model has 2)"),
     "longer context": (["--set", "context_length=64"], "context_length 64 exceeds"),
-    "a kind to train": (["--tokenizer", "bpe"], "not a kind to train"),
+    "a kind to train": (["--tokenizer", "bpe"], "with --tokenizer (or none, for the model's), not a kind to train"),
+    "a kind, and the model has no tokenizer": (["--init-from", "{bare}", "--tokenizer", "bpe"],
+                                               "give a tokenizer.json with --tokenizer, not a kind to train (bpe)"),
     "a preset as well": (["--preset", "tiny"], "--preset and --init-from"),
     "a bigger tokenizer": (["--tokenizer", "{big}"], "use the model's tokenizer"),
     "no tokenizer.json": (["--init-from", "{bare}"], "has no tokenizer.json"),

@@ -17,8 +17,8 @@ import click
 from ..errors import FrawdError, check_unicode
 from . import Terminated
 from .terminal import for_terminal
-from .sampling_flags import (context_stop_note, engine_flags, load_engine, params_from_flags, sampling_flags,
-                             warn_unmatchable_stops)
+from .sampling_flags import (check_stop_ids, context_stop_note, engine_flags, load_engine, params_from_flags,
+                             sampling_flags, warn_unmatchable_stops)
 
 PROMPT = "> "
 # What chat keeps whatever generation_config.json says: each setting's value, and why
@@ -64,6 +64,7 @@ def chat(model_dir: str, quantize: str, dtype: str, overflow: str, native: str, 
     params = params_from_flags(model_dir, sampling, **{key: value for key, (value, _) in CHAT_FIXED.items()})
     params = params.replace(stop_token_ids=sorted(set(params.stop_token_ids) | set(ROLE_TOKEN_IDS)))
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
+    check_stop_ids(engine, params, model_dir)
     warn_unmatchable_stops(engine, params)
     # (known before the first message: no message could be rendered)
     engine.tokenizer.require_frawd_specials(f"{model_dir}: the tokenizer", "which the chat template needs; "

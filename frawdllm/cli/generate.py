@@ -12,7 +12,7 @@ import click
 
 from ..errors import FrawdError, check_unicode, counted
 from .terminal import for_terminal
-from .sampling_flags import (context_stop_note, engine_flags, load_engine, params_from_flags,
+from .sampling_flags import (check_stop_ids, context_stop_note, engine_flags, load_engine, params_from_flags,
                              sampling_flags, warn_unmatchable_stops)
 
 
@@ -69,6 +69,7 @@ def generate(model_dir: str, quantize: str, dtype: str, overflow: str, native: s
                    "not log-probabilities (frawd serve and Engine.stream give them)", err=True)
         params = params.replace(logprobs=None)
     engine = load_engine(model_dir, quantize, dtype, overflow, compile_model, device, threads, native)
+    check_stop_ids(engine, params, model_dir)
     engine.check_rows_fit([engine.encode(text) for text in texts], params, "--num-samples")
     warn_unmatchable_stops(engine, params)
     unknown = sorted(set().union(*(engine.tokenizer.unknown_characters(text) for text in texts)))
@@ -133,9 +134,13 @@ def _read_prompt_file(path: str) -> str:
         file = Path(path)
         if file.is_dir():
             raise FrawdError(f"--prompt-file {file} is a folder, not a file")
-        if not file.is_file():
+        if not file.exists():
             raise FrawdError(f"prompt file not found: {file}")
-        raw, where = file.read_bytes(), f"--prompt-file {file}"
+        where = f"--prompt-file {file}"
+        try:  # (a pipe, /dev/stdin, <(command) read as a file is)
+            raw = file.read_bytes()
+        except OSError as exc:
+            raise FrawdError(f"{where}: cannot read ({exc.strerror or exc})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

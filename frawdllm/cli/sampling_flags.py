@@ -83,6 +83,18 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     return SamplingParams.from_dict(values)
 
 
+def check_stop_ids(engine: Any, params: Any, model_dir: str | Path) -> None:
+    """The stop token ids in the model's vocabulary, before any work, else one line naming
+    generation_config.json: only that file gives them (flags do not; the other values were
+    checked as the file and flags were read)."""
+    from ..modeldir import GENERATION_CONFIG_FILE
+
+    try:
+        engine.checked_params(params)
+    except FrawdError as error:
+        raise FrawdError(f"{Path(model_dir) / GENERATION_CONFIG_FILE}: {error}") from None
+
+
 def warn_unmatchable_stops(engine: Any, params: Any) -> None:
     """A warning on stderr for each stop string the model can never write: one with characters
     a char tokenizer lacks (it decodes them as nothing it can generate, so the stop never matches)."""
@@ -120,7 +132,7 @@ def engine_flags(command):
         click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
                      help="Precision of PyTorch's forward (weights and KV cache; bf16 runs PyTorch only). The "
                           "native C forward reads fp32 weights as --native says; with fp16 or int8 weights in every "
-                          "phase its KV cache is fp16 (--stats shows what ran)."),
+                          "phase its KV cache is fp16 (frawd generate --stats shows what ran)."),
         click.option("--overflow", type=click.Choice(["stop", "slide"]), default="stop", show_default=True,
                      help="Past the model's context: stop, or slide (keep the last 3/4, prefill again)."),
         click.option("--native", "native", type=click.Choice(["auto", "fp16", "fp32", "off"]), default="auto",

@@ -16,7 +16,7 @@ import click
 
 from ..errors import FrawdError
 from .options import FiniteFloat
-from .sampling_flags import load_engine, quantize_option
+from .sampling_flags import check_stop_ids, load_engine, quantize_option
 
 
 def default_name(directory: str) -> str:
@@ -156,10 +156,8 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, ma
             engine.plan()  # measured (once per machine) before the first request, not during it
             engines[name] = engine
             sampling[name] = load_generation_config(directory)  # (a request's fields override them)
-            try:  # (its stop ids in this model's vocabulary: else every request is refused, not the file)
-                engine.checked_params(SamplingParams.from_dict(sampling[name]))
-            except FrawdError as error:
-                raise FrawdError(f"{Path(directory) / 'generation_config.json'}: {error}") from None
+            # (else every request would be refused, and not the file)
+            check_stop_ids(engine, SamplingParams.from_dict(sampling[name]), directory)
         app = create_app(engines, options, sampling)
         access = logging.getLogger("frawdllm.serve.access")
         handler = logging.StreamHandler(sys.stderr)

@@ -98,6 +98,8 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
 
     if tokenizer is None:
         writer.add_tokenizer_model("none")  # llama.cpp can still run token ids
+        # (it reads no special ids without a vocabulary; `frawd import --from-gguf` needs them)
+        _special_ids(writer, cfg)
         return
     if tokenizer.kind == "char":
         raise FrawdError(
@@ -146,9 +148,7 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
     writer.add_token_merges(merges)
     for what in ("bos_token_id", "eos_token_id", "pad_token_id"):  # (refused as the HF export refuses them)
         special_token(tokenizer, getattr(cfg, what), what)
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-    writer.add_pad_token_id(cfg.pad_token_id)
+    _special_ids(writer, cfg)
     if tokenizer.token_to_id("<|unk|>") is not None:
         writer.add_unk_token_id(tokenizer.token_to_id("<|unk|>"))
     add_bos = _adds_bos(tokenizer, cfg)
@@ -156,6 +156,12 @@ def _tokenizer(writer: Any, tokenizer: Tokenizer | None, cfg: ModelConfig) -> No
     writer.add_add_eos_token(False)
     if tokenizer.has_frawd_specials():  # (llama.cpp adds the BOS itself when add_bos: not twice)
         writer.add_chat_template(CHAT_TEMPLATE.removeprefix(_TEMPLATE_BOS) if add_bos else CHAT_TEMPLATE)
+
+
+def _special_ids(writer: Any, cfg: ModelConfig) -> None:
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
 
 
 def _adds_bos(tokenizer: Tokenizer, cfg: ModelConfig) -> bool:
@@ -180,9 +186,14 @@ def _not_gpt2_byte_level(setup: dict) -> str | None:
         return "is SentencePiece-style (spaces as '\u2581', byte fallback)"
     if normalizer:
         return f"normalizes text first ({normalizer.get('type')})"
-    if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or \
-            (pre.get("use_regex") is False and model.get("merges")):
-        return f"splits text another way (pre-tokenizer {json.dumps(pre)[:80]})"
+    if pre.get("type") != "ByteLevel":
+        inner = ", ".join(str(p.get("type")) for p in pre.get("pretokenizers", []))
+        what = f"pre-tokenizer {pre['type']}" + (f" of {inner}" if inner else "") if pre else "no pre-tokenizer"
+        return f"splits text another way ({what})"
+    if pre.get("add_prefix_space"):
+        return "splits text another way (a ByteLevel pre-tokenizer with add_prefix_space: a space before every text)"
+    if pre.get("use_regex") is False and model.get("merges"):
+        return "splits text another way (a ByteLevel pre-tokenizer without GPT-2's regex split)"
     return None
 
 

@@ -202,11 +202,11 @@ def given_tokenizer(cfg: PretrainConfig) -> Tokenizer | None:
     if spec is not None and spec not in KINDS:
         return Tokenizer.load(tokenizer_path(spec))
     if cfg.init_from is not None:
-        if spec is not None:
-            raise FrawdError(f"--init-from {cfg.init_from}: the model's embeddings belong to its own tokenizer; "
-                             f"give a tokenizer.json with --tokenizer (or none, for the model's), "
-                             f"not a kind to train ({spec})")
         path = tokenizer_path(cfg.init_from)
+        if spec is not None:
+            own = " (or none, for the model's)" if path is not None else ""
+            raise FrawdError(f"--init-from {cfg.init_from}: the model's embeddings belong to its own tokenizer; "
+                             f"give a tokenizer.json with --tokenizer{own}, not a kind to train ({spec})")
         if path is None:
             raise FrawdError(f"--init-from {cfg.init_from} has no {TOKENIZER_FILE}; give the model's tokenizer "
                              "with --tokenizer PATH")
