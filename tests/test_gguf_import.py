@@ -235,6 +235,15 @@ def test_what_has_no_frawdllm_equivalent_is_one_line_and_nothing_written(tmp_pat
     assert "holds tensors a FrawdLLM model has no place for: blk.0.attn_sinks.weight" in refused(capsys, tmp_path, more)
     less = rewritten(source, tmp_path / "less.gguf", drop=("blk.1.ffn_down.weight",))
     assert "no blk.1.ffn_down.weight tensor" in refused(capsys, tmp_path, less)
+    headless = rewritten(source, tmp_path / "headless.gguf", drop=("token_embd.weight",))
+    assert "headless.gguf: no token_embd.weight tensor" in refused(capsys, tmp_path, headless)
+    raw = bytearray(source.read_bytes())  # a tensor type a newer llama.cpp may write: the info's type field
+    at = raw.index(b"output_norm.weight") + len(b"output_norm.weight")  # (then n_dims, the dims, the type)
+    at += 4 + 8 * int.from_bytes(raw[at:at + 4], "little")
+    raw[at:at + 4] = (200).to_bytes(4, "little")
+    (tmp_path / "newer.gguf").write_bytes(raw)
+    assert "it stores a tensor type the installed gguf package does not know" in \
+        refused(capsys, tmp_path, tmp_path / "newer.gguf")
 
 
 def test_metadata_that_disagrees_with_the_tensors_is_one_line(tmp_path, bpe, capsys):
@@ -245,6 +254,8 @@ def test_metadata_that_disagrees_with_the_tensors_is_one_line(tmp_path, bpe, cap
     cases = [({"llama.attention.head_count_kv": 1 if kv != 1 else 2}, "its tensors do not match its metadata"),
              ({"llama.embedding_length": 48}, "llama.rope.dimension_count 16 is not the head size 12"),
              ({"llama.attention.head_count": 0}, "llama.attention.head_count is 0; FrawdLLM needs one whole number"),
+             ({"llama.attention.head_count_kv": (True, gguf.GGUFValueType.BOOL, None)},
+              "llama.attention.head_count_kv is True; FrawdLLM needs one whole number"),
              ({"llama.block_count": 1}, "llama.block_count 1 but its tensors hold 2 blocks"),
              ({"llama.block_count": 10**6}, "llama.block_count 1,000,000 but its tensors hold 2 blocks"),  # (at once)
              ({"tokenizer.ggml.bos_token_id": 9999}, "tokenizer.ggml.bos_token_id 9999 is outside the vocabulary"),
