@@ -93,7 +93,7 @@ class EncodedPairs:
 
 
 def sentences(lines: list[str]) -> list[str]:
-    """Lines as the sentences a model reads and learns: without the spaces or tabs around
+    """Lines as the sentences a model reads and learns: without the whitespace around
     them, which are not part of a sentence (a trailing space became tokens the model had
     almost never seen, and "Two men are playing football. " translated differently)."""
     return [line.strip() for line in lines]
