@@ -32,7 +32,8 @@ def _per_rank_memory(n: int, ranks: int) -> None:
 @set_option()
 @click.option("--seq-len", type=int, default=None, help="Sequence length for FLOPs (default: context_length).")
 @click.option("--ranks", type=click.IntRange(min=1), default=None,
-              help="Also show each rank's share of the training memory with N ranks (frawd pretrain --parallel ddp and fsdp).")
+              help="Also show each rank's share of the training memory with N ranks "
+                   "(frawd pretrain --parallel ddp and fsdp).")
 def info(preset: str, overrides: tuple[str, ...], seq_len: int | None, ranks: int | None) -> None:
     """Print a config, its exact parameter count, training FLOPs per token and memory,
     and this machine: device, CPU features, the dtype and compile `auto` picks and why,
