@@ -232,6 +232,9 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(corpus, t
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert "interrupted" in stderr and "--resume" in stderr
+    # said when the signal came (a compile's warm-up can make that minutes before the checkpoint)
+    assert "\nSIGTERM: stopping after this step, with a checkpoint (another stops at once, without one)\n" in stderr
+    assert stderr.index("SIGTERM: stopping") < stderr.index("interrupted: checkpoint")
     (step, path), = list_checkpoints(out)
     assert step == max(r["step"] for r in read_metrics(out))
     resumed = frawd_here(capsys, "pretrain", "--out", str(out), "--resume", "--max-steps", str(step + 3))

@@ -1247,6 +1247,10 @@ def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
         trainer.request_stop("interrupted")
         for sig, old in previous.items():  # a second signal acts at once
             signal.signal(sig, old)
+        if trainer.dist.is_main:  # a step (a compile's warm-up above all) can take minutes: say so now,
+            # with os.write: the handler may run inside the progress bar's own write to stderr
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (another "
+                        "stops at once, without one)\n".encode())
 
     def on_launcher_gone(signum, frame) -> None:
         if not only_death or distributed.launcher_gone():
