@@ -173,6 +173,27 @@ def test_old_turns_are_dropped_to_fit_the_context_and_said_once(tmp_path):
     child.expect(pexpect.EOF)
 
 
+def test_the_repl_keeps_the_newest_whole_exchanges_that_fit(tmp_path, capsys):
+    """What the REPL keeps after dropping: the tail of the conversation, starting with a user
+    message, and each reply drawn from exactly the history `fit_history` gives."""
+    from frawdllm.cli.chat import _Repl
+
+    model_dir = save_chat_model(tmp_path / "small", context_length=64)
+    engine = Engine(FrawdLLM.from_pretrained(model_dir), Tokenizer.load(model_dir))
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=ROLE_TOKEN_IDS)
+    repl = _Repl(engine, params, "ab", str(model_dir))
+    everything = []
+    for i in range(6):
+        message = f"message number {'abcdef'[i]} here"
+        system = [{"role": "system", "content": "ab"}]
+        repl.reply(message)
+        everything += [{"role": "user", "content": message}, repl.turns[-1]]
+        assert repl.turns[0]["role"] == "user" and repl.turns == everything[-len(repl.turns):]
+        assert repl.turns[-1]["content"] == expected_reply(model_dir, system + repl.turns[:-1], 6)
+    assert len(repl.turns) < len(everything)  # (it did drop)
+    assert capsys.readouterr().out.count("no longer fit") == 1
+
+
 def test_an_undecodable_system_message_is_one_line_before_anything_runs(chat_model):
     import subprocess
 

@@ -1,8 +1,10 @@
 """Model text on a terminal: control characters a model writes (ESC starts the sequences that
 clear a screen or retitle a window) reach a terminal as `\\x1b`, and a pipe as written."""
 
+import shlex
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pexpect
@@ -34,6 +36,9 @@ def test_control_characters_become_escapes_on_a_terminal_only():
     assert for_terminal(text, FakeStream(True)) == "a\\x1b[2J\tb\r\n\\x00\\x07\\x7f\\x9b\\x85é€🙂"
     assert for_terminal(text, FakeStream(False)) == text
     assert for_terminal(text, object()) == text  # (a stream without isatty is no terminal)
+    for code in range(0x300):  # every C0 and C1 control (Unicode's Cc), but the three that lay text out
+        control = unicodedata.category(chr(code)) == "Cc" and chr(code) not in "\n\t\r"
+        assert for_terminal(chr(code), FakeStream(True)) == (f"\\x{code:02x}" if control else chr(code)), hex(code)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +88,26 @@ def test_generate_escapes_control_characters_on_a_terminal_and_not_in_a_pipe(esc
     assert "\x1b" not in seen and "\x07" not in seen
     piped = subprocess.run([FRAWD, *args], capture_output=True, check=True).stdout.decode()
     assert piped == "ab" + expected + "\n"  # (a file gets what the model wrote)
+
+
+def test_standard_output_decides_not_standard_error(escape_model, tmp_path):
+    """`frawd generate ... > out.txt` from a terminal (stderr one, stdout a file) writes the
+    text as generated; `2> log` on a terminal escapes it."""
+    expected = greedy(escape_model, "ab")
+    args = ["generate", "--model", str(escape_model), "--prompt", "ab", "--temperature", "0", "--ignore-eos",
+            "--max-new-tokens", str(N), "--threads", "1"]
+    command = " ".join(map(shlex.quote, [FRAWD, *args]))
+    for redirect, shown in (("> " + shlex.quote(str(tmp_path / "out.txt")), None),
+                            ("2> " + shlex.quote(str(tmp_path / "err.txt")), escaped(expected))):
+        child = pexpect.spawn("bash", ["-c", f"{command} {redirect}"], encoding="utf-8", timeout=60,
+                              dimensions=(40, 2000))
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0, child.before
+        if shown is None:
+            assert (tmp_path / "out.txt").read_bytes().decode() == expected + "\n"
+        else:
+            assert child.before.replace("\r\n", "\n") == shown + "\n"
 
 
 def test_chat_escapes_control_characters_of_the_reply(escape_model):
