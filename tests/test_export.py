@@ -315,6 +315,7 @@ def test_bfloat16_export_stores_bfloat16_weights_close_to_ours(tmp_path, tokeniz
         ("gpt2-tied", {"pos_encoding": "sinusoidal"}, "pos_encoding='sinusoidal'", "--set pos_encoding=learned"),
         ("gpt2-tied", {"norm_placement": "post"}, "norm_placement='post'", "--set norm_placement=pre"),
         ("llama-gqa", {"use_rmsnorm": False}, "use_rmsnorm=False", "--set use_rmsnorm=true"),
+        ("llama-gqa", {"norm_placement": "post"}, "norm_placement='post'", "--set norm_placement=pre"),
     ],
 )
 def test_unexportable_variant_is_one_clear_error_and_writes_nothing(

@@ -98,6 +98,9 @@ CASES = [
      ["config.json", "llama config with attention_bias/mlp_bias=True/False has no FrawdLLM equivalent"]),
     ("llama", {"attention_bias": False, "mlp_bias": True}, ["attention_bias/mlp_bias=False/True"]),
     ("gpt2", {"add_cross_attention": True}, ["config.json", "add_cross_attention", "no FrawdLLM equivalent"]),
+    # attention computed another way than FrawdLLM's (the logits would differ, silently)
+    ("gpt2", {"scale_attn_weights": False}, ["config.json: gpt2 config with scale_attn_weights=False has no"]),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, ["scale_attn_by_inverse_layer_idx=True has no FrawdLLM"]),
 ]
 
 
@@ -199,3 +202,50 @@ def test_a_config_without_special_ids_takes_them_from_the_other_files_or_is_refu
     (source / "tokenizer_config.json").unlink()  # only tokenizer.json's <|eos|> names an id (bos, pad: the eos)
     assert imported_ids(source, "end", "has no eos_token_id: took eos_token_id 3 (<|eos|>) from tokenizer.json") == \
         (3, 3, 3)
+
+
+@pytest.mark.parametrize("generation, said", [
+    (None, "config.json: end token id 500 (eos_token_id) is outside the vocabulary (vocab_size 101)"),
+    ({"eos_token_id": [3, 500]}, "generation_config.json: end token id 500 (eos_token_id) is outside the vocabulary"),
+    ({"do_sample": True, "temperature": -1}, "generation_config.json: temperature must be 0 (greedy) or a finite"),
+])
+def test_sampling_defaults_the_engine_would_refuse_are_refused_at_import(checkpoints, tmp_path, capsys, generation,
+                                                                         said):
+    """An end id past the vocabulary among several imported as a stop id the engine then
+    refused on every use ("stop token id 500 is outside the vocabulary")."""
+    source = edited(checkpoints["llama"], tmp_path / "hf", eos_token_id=[3, 500])
+    (source / "generation_config.json").unlink(missing_ok=True)
+    if generation is not None:
+        (source / "generation_config.json").write_text(json.dumps(generation))
+    assert said in import_one_line(capsys, source, tmp_path / "out")
+
+
+def test_original_gpt2_tensor_names_and_attention_buffers_import(checkpoints, tmp_path, capsys):
+    """The Hub's first GPT-2 files name tensors without `transformer.` and hold the causal
+    mask buffers (`attn.bias`, `attn.masked_bias`): the same model, the same logits."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = edited(checkpoints["gpt2"], tmp_path / "hf")
+    weights = load_file(source / "model.safetensors")
+    old = {name.removeprefix("transformer."): value for name, value in weights.items()}
+    old["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+    old["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    assert not any(name.startswith("transformer.") for name in old)
+    save_file({k: v.contiguous() for k, v in old.items()}, source / "model.safetensors")
+    code, _, err = run_cli(capsys, "import", "--from-hf", checkpoints["gpt2"], "--out", tmp_path / "new")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "import", "--from-hf", source, "--out", tmp_path / "old")
+    assert code == 0, err
+    ids = torch.tensor([[1, 5, 9, 40, 100, 7]])
+    new_model, old_model = FrawdLLM.from_pretrained(tmp_path / "new"), FrawdLLM.from_pretrained(tmp_path / "old")
+    assert torch.equal(new_model(ids)[0], old_model(ids)[0])
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_weights_file_that_is_a_folder_is_named(checkpoints, tmp_path, capsys, name):
+    """It said "no model.safetensors (or model.safetensors.index.json)" beside a folder of that name."""
+    source = edited(checkpoints["llama"], tmp_path / "hf")
+    (source / "model.safetensors").unlink()
+    (source / name).mkdir()
+    assert f"{source / name} is not a file" in import_one_line(capsys, source, tmp_path / "out")

@@ -287,6 +287,9 @@ def _hf_weight_files(directory: Path) -> list[Path]:
         return [single]
     if index.is_file():
         return _index_shards(index)
+    for path in (single, index):
+        if path.exists():
+            raise FrawdError(f"{path} is not a file")
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise FrawdError(
             f"{directory}: only pickle weights (*.bin); FrawdLLM never unpickles. Re-save them with "
@@ -571,9 +574,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
             raise FrawdError(f"{tokenizer} is not a file")
         if tokenizer.is_file():  # copied as is, once it has shown it loads and fits the model
             Tokenizer.load(tokenizer).check_fits(model.config.vocab_size, tokenizer)
-        if not tokenizer.is_file():
-            _note_no_tokenizer(directory)
-        model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
         source = directory / GENERATION_CONFIG_FILE
         if not source.is_file():  # transformers' generate() then stops at each of config.json's end ids
             source = directory / "config.json"
@@ -583,6 +583,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, overwrite: bool = False) -> F
         sampling = sampling_from_hf(generation, model.config.eos_token_id, model.config.context_length, source)
         if sampling:
             checked_sampling(sampling, source)
+            outside = [i for i in sampling.get("stop_token_ids", []) if i >= model.config.vocab_size]
+            if outside:  # (the engine would refuse the directory's own defaults)
+                raise FrawdError(f"{source}: end token id {outside[0]} (eos_token_id) is outside the vocabulary "
+                                 f"(vocab_size {model.config.vocab_size})")
+        if not tokenizer.is_file():  # (said once nothing is refused)
+            _note_no_tokenizer(directory)
+        model.save_pretrained(tmp, tokenizer=tokenizer if tokenizer.is_file() else None)
+        if sampling:
             write_json_atomic(tmp / GENERATION_CONFIG_FILE, sampling)
     return model
 
