@@ -219,6 +219,24 @@ def frawd_here(capsys, *args):
     return subprocess.CompletedProcess(list(args), code, out, err)
 
 
+def test_a_signal_stops_with_a_checkpoint_when_stderr_has_no_reader(corpus, tmp_path):
+    """`frawd pretrain ... 2>&1 | less`, and less has quit: the signal's acknowledgement
+    cannot be written, and the stop still comes with a checkpoint (then the exit status of a
+    command whose reader left, 141, as `| head` gives)."""
+    config = write_config(tmp_path, corpus, max_time="5m", eval_interval=0)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*FRAWD, "pretrain", "--config", str(config), "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 90
+    while time.time() < deadline and len(read_metrics(out)) < 3:
+        time.sleep(0.2)
+    proc.stderr.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 141
+    (step, _), = list_checkpoints(out)
+    assert step == max(r["step"] for r in read_metrics(out))
+
+
 def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(corpus, tmp_path, capsys):
     config = write_config(tmp_path, corpus, max_time="5m", eval_interval=0)
     out = tmp_path / "run"

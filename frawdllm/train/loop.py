@@ -1249,8 +1249,9 @@ def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
             signal.signal(sig, old)
         if trainer.dist.is_main:  # a step (a compile's warm-up above all) can take minutes: say so now,
             # with os.write: the handler may run inside the progress bar's own write to stderr
-            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (another "
-                        "stops at once, without one)\n".encode())
+            with contextlib.suppress(OSError):  # (a stderr whose reader left: the stop still holds)
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                            "(another stops at once, without one)\n".encode())
 
     def on_launcher_gone(signum, frame) -> None:
         if not only_death or distributed.launcher_gone():
