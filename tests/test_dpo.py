@@ -306,6 +306,36 @@ def test_pairs_with_no_preference_or_an_answered_prompt_are_bad_records(tmp_path
         assert len(train) == 10 and summary.skipped == 1 and message in summary.line("pairs")
 
 
+def test_empty_or_one_message_conversations_are_bad_pairs():
+    """An empty prompt list was an IndexError (a traceback in `frawd dpo`) without its check;
+    whole conversations of one message each share no prompt."""
+    from frawdllm.align.examples import BadExample, preference
+
+    def said(record):
+        with pytest.raises(BadExample) as caught:
+            preference(record, "p:1")
+        return str(caught.value)
+
+    assert said({"prompt": [], "chosen": "a", "rejected": "b"}) == "p:1: 'prompt' must be a non-empty list of messages"
+    assert said({"chosen": [], "rejected": [{"role": "assistant", "content": "b"}]}) \
+        == "p:1: 'chosen' must be a non-empty list of messages"
+    alone = said({"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]})
+    assert alone.startswith("p:1: without 'prompt', 'chosen' and 'rejected' must be conversations that differ only "
+                            "in their last message"), alone
+
+
+def test_characters_a_char_tokenizer_lacks_are_counted_in_the_answers_too(tmp_path):
+    from frawdllm.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["abcq "], kind="char")
+    pairs = [{"prompt": "q", "chosen": "ab", "rejected": "ba"}] * 3 + [{"prompt": "q", "chosen": "ab\u00e9",
+                                                                       "rejected": "bc"}]
+    cfg = DPOConfig(data=str(write_jsonl(tmp_path / "p.jsonl", pairs)), val_fraction=0.0)
+    *_, summary = load_pairs(cfg, tok, 64)
+    assert (summary.unknown, summary.unknown_examples) == (1, 1)
+    assert "1 character(s) outside the tokenizer's vocabulary became <|unk|> (in 1 pair;" in summary.line("pairs")
+
+
 def test_no_built_in_pair_rejects_its_own_answer():
     from frawdllm.align import stdlib_corpus
     from frawdllm.align.stdlib_corpus import Function, rejected_answer

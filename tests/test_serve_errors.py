@@ -106,7 +106,10 @@ def test_too_long_prompts_point_to_truncate(server):
         assert status == 400 and error["type"] == "invalid_request_error", error
         message = error["message"]
         assert f"has {tokens} tokens" in message and f"context is {CONTEXT}" in message, message
-        assert '"truncate": true' in message and "overflow" not in message, message
+        assert "overflow" not in message, message
+        chat = "messages" in body
+        assert message.endswith('"truncate": true keeps ' + ("the newest turns" if chat else "its last tokens")), message
+        assert error["param"] == ("messages" if chat else "prompt"), error
         ok = httpx.post(server["url"] + path, headers=JSON, json={"model": "m", "max_tokens": 2, "truncate": True,
                                                                    **body})
         assert ok.status_code == 200, ok.text
@@ -132,6 +135,27 @@ def test_truncate_leaves_room_for_the_reply(server):
             else:  # whole exchanges of 10 tokens go: 5 + 10k tokens are left
                 assert CONTEXT - room - 10 < prompt <= CONTEXT - room and (prompt - 5) % 10 == 0, \
                     (max_tokens, reply["usage"])
+
+
+def test_truncate_of_a_text_too_long_to_tokenize_keeps_its_end(server):
+    """A text longer than the context could hold in any tokenization is cut by characters
+    before tokenizing: to its end, as the tokens are cut after."""
+    prompt = "x" * 300 + "the quick brown fox jumps over the lazy dog"  # (the context's reach: 260 characters)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True, "truncate": True}
+    status, reply = post(server, "/v1/completions", body)
+    assert status == 200 and reply["choices"][0]["text"].startswith(prompt[-(CONTEXT - 5):]), reply
+
+
+def test_a_turn_too_long_to_tokenize_is_named(server):
+    """With "truncate" a long system message is the one refused (old turns would go), without
+    it the newest long turn."""
+    messages = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "u" * 301},
+                {"role": "user", "content": "q"}]
+    for truncate, named in [(True, "messages[0] has 300 characters"), (False, "messages[1] has 301 characters")]:
+        status, error = post(server, "/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": messages,
+                                                              "truncate": truncate})
+        assert status == 400 and error["code"] == "context_length_exceeded", error
+        assert error["message"].startswith(named + ", more than the model's context of 64 tokens"), error
 
 
 def test_truncate_keeps_a_scored_prompt_that_fits_whole(server):
@@ -232,6 +256,32 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(server, fie
     status, error = post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, field: value})
     assert status == 400 and error["param"] == param, error
     assert "not supported" in error["message"] or "only allowed when stream is true" in error["message"], error
+
+
+def test_chat_logprobs_need_the_switch_and_the_switch_alone_gives_the_sampled_tokens(server):
+    chat = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    status, error = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 3})
+    assert status == 400 and error["param"] == "top_logprobs" and error["message"] == "top_logprobs needs logprobs: true"
+    status, reply = post(server, "/v1/chat/completions", {**chat, "logprobs": True})
+    assert status == 200, reply
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert len(content) == reply["usage"]["completion_tokens"] == 4, reply
+    assert "".join(c["token"] for c in content) == reply["choices"][0]["message"]["content"]
+    assert all(c["top_logprobs"] == [] and c["logprob"] <= 0 for c in content), content
+
+
+def test_an_empty_stop_string_is_a_400_on_stop(server):
+    for stop in ("", ["a", ""]):
+        status, error = post(server, "/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 2, "stop": stop})
+        assert status == 400 and error["param"] == "stop" and error["message"] == "stop strings must not be empty", error
+
+
+def test_the_default_temperature_is_openais_1(server):
+    """(The test server's model has no generation_config.json.)"""
+    base = {"model": "m", "prompt": "ab", "max_tokens": 12, "seed": 5}
+    texts = [post(server, "/v1/completions", {**base, **extra})[1]["choices"][0]["text"]
+             for extra in ({}, {"temperature": 1.0}, {"temperature": 0})]
+    assert texts[0] == texts[1] != texts[2], texts
 
 
 def test_chat_tools_are_refused_and_neutral_values_pass(server):

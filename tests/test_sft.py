@@ -96,6 +96,12 @@ def test_truncation_keeps_the_prompts_tail_and_the_responses_head():
     cut, _ = truncate(both, 12)
     assert show(tok, cut) == "<2><4>89<3><5>a*b*c*d*e*f*"  # the prompt gets half the context
     assert truncate(both, 100) == (both, False)
+    assert truncate(both, len(both.ids)) == (both, False)  # exactly full: not counted as truncated
+    # --train-on all trains from <|bos|>'s next token: the prompt kept is <|bos|> alone
+    everything = tokenize_chat(tok, [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "yo"}],
+                               "all")
+    cut, was_cut = truncate(everything, 6)
+    assert was_cut and show(tok, cut) == "<2><4>*h*e*l*l*"
     pair, was_cut = tokenize_pair(tok, [{"role": "user", "content": "0123456789" * 3}], "abcdefghij", "xyz", 12)
     assert was_cut and pair.prompt == [BOS_ID, USER_ID, *tok.encode("89"), EOS_ID, ASSISTANT_ID]
     # a role that would head an empty turn right before the next is left out (a token fewer)
@@ -117,6 +123,7 @@ def test_packed_rows_give_each_example_its_unpacked_loss(style):
     assert pack_rows(examples, 64, pack=False) == [[i] for i in range(len(examples))]
     four = Example([2, 5, 6, 7, 3], [False, False, True, True, True])  # 4 input tokens
     assert pack_rows([four, four], 8) == [[0, 1]] and pack_rows([four, four], 7) == [[0], [1]]  # exactly full
+    assert pack_rows([four], 4) == [[0]]  # (every example truncated to a row has exactly its length)
     longest = max(len(e.ids) for e in examples) - 1
     for pack in (True, False):  # (unpacked, a too-long example failed later, inside collate's numpy)
         with pytest.raises(ValueError, match=rf"has {longest} input tokens, more than the row length {longest - 1}$"):
@@ -169,6 +176,14 @@ def test_a_bad_record_is_named_with_file_and_line_or_skipped_and_counted(tmp_pat
                            "--max-steps", "1", "--no-progress")
     assert code != 0 and len(err.strip().splitlines()) == 1
     assert f"data source not found: '{missing}'" in err and "expected stdlib-instruct," in err
+
+
+def test_empty_message_lists_are_bad_records():
+    """(An empty "prompt" list was taken as a conversation without a prompt.)"""
+    for record, name in [({"messages": []}, "messages"), ({"prompt": [], "response": "x"}, "prompt"),
+                         ({"prompt": "q", "response": []}, "response")]:
+        with pytest.raises(BadExample, match=rf"^r:1: '{name}' must be a non-empty list of messages$"):
+            chat_messages(record, "r:1")
 
 
 def test_a_byte_order_mark_does_not_cost_the_first_record(tmp_path):
