@@ -227,6 +227,20 @@ def test_invalid_utf8_in_jsonl_and_lone_surrogates_are_replaced_and_counted(tmp_
     stats = SourceStats()
     assert list(iter_documents(str(path), stats=stats)) == ["caf\ufffd", "lone \ufffd surrogate"]
     assert stats.replaced == 2
+    assert stats.replaced_in == [str(path)]  # (each record counts, the file is named once)
+    assert stats.warning().endswith(f"in 1 file(s): {path}"), stats.warning()
+
+
+def test_the_files_with_invalid_utf8_are_named_three_at_most(tmp_path):
+    for count in (3, 4):
+        folder = tmp_path / str(count)
+        folder.mkdir()
+        for name in "abcd"[:count]:
+            (folder / f"{name}.txt").write_bytes(b"x\xff y")
+        stats = SourceStats()
+        list(iter_documents(str(folder), stats=stats))
+        names = ", ".join(str(folder / f"{name}.txt") for name in "abc") + (", ..." if count > 3 else "")
+        assert stats.warning().endswith(f"in {count} file(s): {names}"), stats.warning()
 
 
 def test_clean_text_reports_nothing(tmp_path):
@@ -256,6 +270,7 @@ def test_hf_spec_parsing():
     assert parse_hf_spec("hf:/data/local@test") == ("/data/local", None, "test")
     with pytest.raises(FrawdError, match="bad dataset spec"):
         parse_hf_spec("hf:@train")
+    assert parse_hf_spec("hf:/data/v@2@test") == ("/data/v@2", None, "test")  # (the split is after the last @)
 
 
 def test_hf_source_reads_a_local_dataset_directory(tmp_path, monkeypatch):
@@ -372,6 +387,8 @@ def test_a_token_shard_file_in_a_text_source_is_refused(tmp_path, name):
     for spec in (tmp_path / "d", tmp_path / "d" / "*", shard):  # a folder, a glob, the file itself
         with pytest.raises(FrawdError, match=refused):
             list(iter_documents(str(spec)))
+    with pytest.raises(FrawdError, match=refused):
+        sources.source_files(str(tmp_path / "d" / "*.bin" if name.endswith(".bin") else shard))  # before any reading
     (tmp_path / "d" / "meta.json").write_text("{}", encoding="utf-8")  # beside a meta.json: only leave it out
     with pytest.raises(FrawdError, match=re.escape(f"{shard} is a FrawdLLM token shard (binary token ids), not "
                                                    "text; leave it out of the data source")):
@@ -575,3 +592,54 @@ def test_binary_files_in_a_folder_or_glob_are_skipped_and_named(tmp_path):
     with pytest.raises(FrawdError, match=r"^folder \S+only: no text files, only binary ones \(a NUL byte near the "
                                          r"start\): \S+x\.bin2$"):
         sources.resolve_files(str(only))
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "notes.bin"])
+def test_a_text_that_starts_with_the_shard_magics_letters_is_text_however_it_is_named(tmp_path, name):
+    """Named alone (or a .bin in a folder) it was refused as "a FrawdLLM token shard (binary
+    token ids)": only the magic's 8 bytes were compared, not the version's NULs after them."""
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / name
+    path.write_text("FRAWDTOK is my word\n\nsecond\n", encoding="utf-8")
+    for spec in (path, tmp_path / "d", tmp_path / "d" / "*"):
+        assert list(iter_documents(str(spec))) == ["FRAWDTOK is my word", "second"], spec
+
+
+def test_a_folder_reads_parquet_beside_text_and_skips_links_to_nothing_and_pipes(tmp_path):
+    """Parquet holds NULs near its start yet is no binary file to skip; a broken link and a
+    FIFO are not files (opening the FIFO would wait for a writer forever)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["row one", "row two"]}), folder / "a.parquet")
+    (folder / "b.txt").write_text("plain\n", encoding="utf-8")
+    (folder / "c.txt").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(folder / "d.txt")
+    import warnings
+
+    for spec in (folder, folder / "*"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert list(iter_documents(str(spec))) == ["row one", "row two", "plain"], spec
+
+
+@pytest.mark.parametrize("doc_split, expected", [
+    ("file", ["  indented\r\nline2\r\n\r\nnext\rsame line\r\n"]),
+    ("blank", ["  indented\r\nline2", "next\rsame line"]), ("line", ["  indented", "line2", "next\rsame line"])])
+def test_line_ends_are_kept_as_stored(tmp_path, doc_split, expected):
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(b"  indented\r\nline2\r\n\r\nnext\rsame line\r\n")
+    assert list(iter_documents(str(path), doc_split=doc_split)) == expected
+
+
+def test_a_json_file_opening_with_a_byte_order_mark_is_still_records(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hi"}\n{"text": "there"}\n')
+    assert list(iter_documents(str(path))) == ["hi", "there"]
+
+
+def test_json_lines_records_of_whitespace_only_are_skipped(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "  \\n\\t"}\n{"text": ""}\n{"text": "b"}\n', encoding="utf-8")
+    assert list(iter_documents(str(path))) == ["a", "b"]

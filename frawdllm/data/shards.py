@@ -60,8 +60,8 @@ from ..config import is_integer
 from ..errors import FrawdError
 from ..io import _fsync_wanted, atomic_path, clean_partial, new_folders, sync_path, undo_on_error, write_json_atomic
 from ..tokenizer import FOREIGN_DOCUMENT_ENDS, TOKENIZER_FILE, Tokenizer, cut_at_word_starts
-from .shard_format import (HEADER_BYTES, MAGIC, VERSION, ShardStream, ShardWriter, TokenArray, read_header,
-                           read_shard, token_dtype)
+from .shard_format import (HEADER_BYTES, SNIFF_BYTES, VERSION, ShardStream, ShardWriter, TokenArray, is_shard_head,
+                           read_header, read_shard, token_dtype)
 from .sources import (BUILTIN_SOURCES, SourceStats, hf_local_path, is_glob, iter_documents, parse_hf_spec,
                       plain_text_head, source_files, source_spec)
 
@@ -485,7 +485,7 @@ def remove_stale_shards(out: Path, meta: dict, keep_logs: str | None = None) -> 
 def _is_shard_file(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
+            return is_shard_head(f.read(SNIFF_BYTES))
     except OSError:
         return False
 

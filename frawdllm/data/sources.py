@@ -240,9 +240,9 @@ def _is_binary(path: Path) -> bool:
                 head = f.read(_BINARY_PROBE)
     except (FrawdError, OSError):  # (reading it says what is wrong)
         return False
-    from .shard_format import MAGIC
+    from .shard_format import is_shard_head
 
-    if head.startswith(MAGIC):  # a token shard: refused where it is read, saying where it goes
+    if is_shard_head(head):  # a token shard: refused where it is read, saying where it goes
         return False
     return not any(head.startswith(bom) for bom, _ in _BOMS) and b"\0" in head
 
@@ -340,16 +340,17 @@ def _shard_file_error(path: Path) -> FrawdError:
 
 
 def refuse_shard_files(paths: Iterable[Path]) -> None:
-    """One line for the first of `paths` that starts with the token shard magic."""
-    from .shard_format import MAGIC
+    """One line for the first of `paths` that is a token shard (a text file that starts with
+    the magic's letters is text, as it is where its text is read)."""
+    from .shard_format import SNIFF_BYTES, is_shard_head
 
     for path in paths:
         try:
             with open(path, "rb") as f:
-                head = f.read(len(MAGIC))
+                head = f.read(SNIFF_BYTES)
         except OSError:
             continue  # reading it later says what is wrong
-        if head == MAGIC:
+        if is_shard_head(head):
             raise _shard_file_error(path)
 
 
