@@ -194,6 +194,16 @@ def test_the_repl_keeps_the_newest_whole_exchanges_that_fit(tmp_path, capsys):
     assert capsys.readouterr().out.count("no longer fit") == 1
 
 
+def test_a_system_message_is_set_without_the_spaces_after_the_command(tmp_path, capsys):
+    from frawdllm.cli.chat import _Repl
+
+    model_dir = save_chat_model(tmp_path / "small", context_length=64)
+    engine = Engine(FrawdLLM.from_pretrained(model_dir), Tokenizer.load(model_dir))
+    repl = _Repl(engine, SamplingParams(temperature=0, max_new_tokens=6), None, str(model_dir))
+    repl.command("/system   be bad")  # (of the chat model's alphabet)
+    assert repl.system == "be bad" and capsys.readouterr().out == "(system message set)\n"
+
+
 def test_an_undecodable_system_message_is_one_line_before_anything_runs(chat_model):
     import subprocess
 

@@ -210,6 +210,9 @@ def test_stats_say_how_fast_and_which_forward_ran(capsys, model_dir):
                        "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--native", "off")
     assert code == 0, err
     assert "[4 tokens in " in err and "forward: PyTorch eager; KV cache fp32]" in err
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--max-new-tokens", "4",
+                       "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--dtype", "bf16")
+    assert code == 0 and "forward: PyTorch eager; KV cache bf16]" in err, err  # (the native forward is fp16/fp32)
     if has_fp16():  # the default: native fp16 weights, and (in C everywhere) an fp16 cache
         code, _, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "Hi", "--max-new-tokens", "4",
                            "--temperature", "0", "--ignore-eos", "--no-stream", "--stats", "--native", "fp16")
@@ -232,6 +235,10 @@ def test_a_completion_cut_by_the_context_says_so(capsys, model_dir, stream):
     assert code == 0 and "note" not in err, err
     if stream == "--json":
         assert json.loads(out)["completion_tokens"] == 100
+        # of two prompts, the longer ends first: the note gives the fewest new tokens
+        code, out, err = run(capsys, *common, "--prompt", "abcdefgh")
+        assert code == 0 and [r["completion_tokens"] for r in map(json.loads, out.splitlines())] == [62, 57], out
+        assert "context of 64 tokens after 57 new tokens" in err, err
 
 
 def test_prompt_characters_a_char_tokenizer_does_not_know_are_named(capsys, tmp_path):
@@ -250,6 +257,13 @@ def test_prompt_characters_a_char_tokenizer_does_not_know_are_named(capsys, tmp_
     code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "2",
                        "--stop", "é!", "--stop", "ca", "--json")
     assert code == 0 and err.splitlines() == ["warning: stop string 'é!' can never match: the tokenizer has no '!é'"], err
+    for more, said in [(1, "1 more stop string"), (2, "2 more stop strings")]:  # (the first three, then a count)
+        stops = [arg for i in range(3 + more) for arg in ("--stop", f"x{i}")]
+        code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "2",
+                           *stops, "--stop", "ca", "--json")
+        assert code == 0 and err.splitlines() == [
+            *(f"warning: stop string 'x{i}' can never match: the tokenizer has no '{i}x'" for i in range(3)),
+            f"warning: {said} can never match"], err
 
 
 def test_stream_asked_for_where_it_cannot_apply_says_so(capsys, model_dir):

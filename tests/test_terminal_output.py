@@ -79,15 +79,16 @@ def terminal_output(args):
 
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
 def test_generate_escapes_control_characters_on_a_terminal_and_not_in_a_pipe(escape_model, stream):
-    expected = greedy(escape_model, "ab")
+    prompt = "\x1bab"  # (--echo-prompt: the prompt is shown as the reply is)
+    expected = greedy(escape_model, prompt)
     assert "\x1b" in expected and "\x07" in expected  # (else the test shows nothing)
-    args = ["generate", "--model", str(escape_model), "--prompt", "ab", "--temperature", "0", "--ignore-eos",
+    args = ["generate", "--model", str(escape_model), "--prompt", prompt, "--temperature", "0", "--ignore-eos",
             "--max-new-tokens", str(N), "--threads", "1", "--echo-prompt", stream]
     seen = terminal_output(args)
-    assert "ab" + escaped(expected) in seen.replace("\r\n", "\n")
+    assert escaped(prompt) + escaped(expected) in seen.replace("\r\n", "\n")
     assert "\x1b" not in seen and "\x07" not in seen
     piped = subprocess.run([FRAWD, *args], capture_output=True, check=True).stdout.decode()
-    assert piped == "ab" + expected + "\n"  # (a file gets what the model wrote)
+    assert piped == prompt + expected + "\n"  # (a file gets what the model wrote)
 
 
 def test_standard_output_decides_not_standard_error(escape_model, tmp_path):

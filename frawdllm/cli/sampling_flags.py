@@ -104,7 +104,7 @@ def warn_unmatchable_stops(engine: Any, params: Any) -> None:
         click.echo(f"warning: stop string {stop!r} can never match: the tokenizer has no {''.join(missing)!r}",
                    err=True)
     if len(never) > 3:
-        click.echo(f"warning: {len(never) - 3} more stop strings can never match", err=True)
+        click.echo(f"warning: {counted(len(never) - 3, 'more stop string')} can never match", err=True)
 
 
 def context_stop_note(engine: Any, params: Any, ends: list[tuple[str | None, int]], what: str) -> str | None:
