@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from frawdllm.errors import FrawdError
 from frawdllm.tokenizer import (ASSISTANT_ID, BOS_ID, EOS_ID, SPECIAL_TOKENS, SYSTEM_ID, UNK_ID, USER_ID,
-                                Tokenizer, byte_tokenizer, render_chat_text, train_tokenizer)
+                                Tokenizer, byte_tokenizer, cut_at_word_starts, render_chat_text, train_tokenizer)
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -546,6 +546,56 @@ def test_token_bytes_of_a_sentencepiece_style_token_are_its_characters_utf8():
     tok = Tokenizer(backend)
     for char in "éü":
         assert tok.token_bytes(backend.token_to_id(char)) == char.encode()
+
+
+def test_token_bytes_after_a_vocabulary_that_opens_with_hundreds_of_byte_tokens():
+    """Llama-2's layout: specials, then <0x00>..<0xFF>, then the pieces. A token decoded alone
+    loses its leading space (the decoder strips the text's first); after a plain token
+    found past the byte tokens, it keeps it."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", "t", "h", "e", "\u2581t", "\u2581th", "\u2581the"]:
+        vocab[piece] = len(vocab)
+    merges = [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e")]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok = Tokenizer(backend)
+    the = backend.token_to_id("\u2581the")
+    assert backend.decode([the]) == "the" and tok.token_bytes(the) == b" the"
+    assert b"".join(tok.token_bytes(i) for i in tok.encode("the the")) == b" the the"  # (the text Metaspace encodes)
+
+
+def test_a_bpe_with_merges_whose_byte_level_has_no_regex_is_bpe_not_byte(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["ab ab abc"] * 20, trainers.BpeTrainer(vocab_size=270, special_tokens=SPECIAL_TOKENS,
+                                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    Tokenizer(backend).save(tmp_path)
+    loaded = Tokenizer.load(tmp_path)
+    assert loaded.kind == "bpe" and byte_tokenizer().kind == "byte"
+
+
+GPT2_PRE_TOKENS = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+@given(st.text(alphabet="ab1.' \t\n", max_size=80), st.integers(1, 12))
+@settings(max_examples=300, deadline=None)
+def test_cutting_at_word_starts_keeps_gpt2s_pre_tokens(text, chars):
+    """Training reads a long document in pieces: each piece must split into the pre-tokens
+    the whole does (a cut inside a run of spaces, "aaaa " + "   bbbb", changes them)."""
+    pieces = cut_at_word_starts(text, chars)
+    assert "".join(pieces) == text and all(len(piece) >= chars for piece in pieces[:-1])
+    assert [t for piece in pieces for t in GPT2_PRE_TOKENS.findall(piece)] == GPT2_PRE_TOKENS.findall(text)
+    assert cut_at_word_starts("aaaa    bbbb", 5) == ["aaaa    bbbb"]
 
 
 def test_cli_refuses_to_write_the_tokenizer_inside_its_source_folder(tmp_path, capsys):
