@@ -222,7 +222,8 @@ def frawd_here(capsys, *args):
 def test_a_signal_stops_with_a_checkpoint_when_stderr_has_no_reader(corpus, tmp_path):
     """`frawd pretrain ... 2>&1 | less`, and less has quit: the signal's acknowledgement
     cannot be written, and the stop still comes with a checkpoint (then the exit status of a
-    command whose reader left, 141, as `| head` gives)."""
+    command whose reader left, 141, as `| head` gives). (Any line written to stderr may find
+    the reader gone first: test_train_loop's test of a reader that leaves.)"""
     config = write_config(tmp_path, corpus, max_time="5m", eval_interval=0)
     out = tmp_path / "run"
     proc = subprocess.Popen([*FRAWD, "pretrain", "--config", str(config), "--out", str(out)], cwd=ROOT,

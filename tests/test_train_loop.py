@@ -1088,6 +1088,32 @@ def test_progress_in_a_log_is_whole_lines_at_an_interval(tmp_path, capsys, monke
     assert every[0].endswith("ETA ?") and all(line.endswith(("ETA 0:00", "ETA 0:01")) for line in every[1:]), every
 
 
+def test_a_run_whose_stderr_reader_leaves_stops_after_that_step_with_a_checkpoint(tmp_path, monkeypatch):
+    """`frawd pretrain ... 2>&1 | less`, and less quits: the next progress line raised
+    BrokenPipeError out of the loop, and the run ended without a checkpoint. It now stops
+    after that step with one, says nothing more, and then raises it (the command exits 141)."""
+    import io
+
+    import frawdllm.train.progress as progress
+
+    class ReaderLeaves(io.StringIO):
+        def write(self, text):
+            if "| step 2 |" in self.getvalue():
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    monkeypatch.setattr(progress, "LOG_LINE_INTERVAL_S", 0.0)
+    stream = ReaderLeaves()
+    monkeypatch.setattr(sys, "stderr", stream)
+    trainer = Trainer(torch.nn.Linear(4, 1), LinearTask(8),
+                      generic_config(tmp_path, max_steps=50, eval_interval=0, progress=True))
+    with pytest.raises(BrokenPipeError):
+        trainer.fit()
+    assert sys.stderr is stream and "| step 2 |" in stream.getvalue()
+    # (the line after step 2's failed: the compile decision's, else step 3's)
+    assert trainer.step in (2, 3) and [step for step, _ in list_checkpoints(tmp_path / "run")] == [trainer.step]
+
+
 def test_the_first_steps_do_not_make_the_eta_of_a_step_budget(tmp_path, capsys, monkeypatch):
     """The ETA was the session's time so far stretched over what is left: after a 1 s
     evaluation before step 1 (and the first step's one-time costs), a 2-minute run showed

@@ -535,6 +535,8 @@ class Trainer:
         if late:
             self._warn(f"start-up (tokenizer, data, model, native build) took {self.elapsed():.1f} s, the whole "
                           f"--max-time {cfg.max_time_s:g} s: the run makes one step and its evaluation, and runs over")
+        guard = _StderrGuard(sys.stderr, self.request_stop)
+        sys.stderr = guard  # (before the bar: tqdm keeps the stream it was made with)
         bar = progress_bar(cfg.progress, self._session_progress)
         restore = _install_signal_handlers(self)
         try:
@@ -553,8 +555,11 @@ class Trainer:
             restore()
             if bar is not None:
                 bar.close()
+            sys.stderr = guard.stream
             self.metrics.close()
             release_run_dir(self.run_dir)
+        if guard.reader_left:  # (the checkpoint is written: now the exit of a command whose reader left)
+            raise BrokenPipeError("standard error's reader left")
         self._check_cached_peak()
         if self._compiled and self._warmup_s is not None and not self._cost_remembered and self.dist.is_main:
             # a short run (fewer than 5 compiled steps after the warm-up): its warm-up, the
@@ -1230,6 +1235,41 @@ def _own_dropout_seed(rank: int) -> None:
     its own dropout masks (alike, two ranks' rows would share them). Rank 0 keeps the
     single-process stream."""
     torch.manual_seed(torch_seed(torch.initial_seed() + 1_000_003 * rank))
+
+
+class _StderrGuard:
+    """sys.stderr while training. Where its reader leaves (`frawd pretrain ... 2>&1 | less`,
+    and less quits), the next progress line raised BrokenPipeError and ended the run at once,
+    without a checkpoint: now that write asks for a stop after the step, with a checkpoint
+    (as a signal does), and the rest goes to /dev/null."""
+
+    def __init__(self, stream: Any, stop: Callable[[str], None]) -> None:
+        self.stream, self.stop, self.reader_left = stream, stop, False
+
+    def _left(self) -> None:
+        if not self.reader_left:
+            self.reader_left = True
+            self.stop("interrupted")
+            with contextlib.suppress(AttributeError, ValueError, OSError):  # (a stream that is no file)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.stream.fileno())
+                os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._left()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._left()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding...: the stream's
+        return getattr(self.stream, name)
 
 
 def _install_signal_handlers(trainer: Trainer) -> Callable[[], None]:
