@@ -32,16 +32,15 @@ from ..io import atomic_path
 
 MAGIC = b"FRAWDTOK"
 VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQQ")
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 SNIFF_BYTES = 16  # what tells a shard from a text that starts with the magic's letters
 
 
 def is_shard_head(head: bytes) -> bool:
     """Whether a file's first bytes are a token shard's: the magic, then its version's NULs."""
     return head[:len(MAGIC)] == MAGIC and b"\0" in head[len(MAGIC):SNIFF_BYTES]
-
-HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sIIQQ")
-_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -1251,8 +1251,9 @@ class _StderrGuard:
             self.reader_left = True
             self.stop("interrupted")
             with contextlib.suppress(AttributeError, ValueError, OSError):  # (a stream that is no file)
+                fd = self.stream.fileno()
                 devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, self.stream.fileno())
+                os.dup2(devnull, fd)
                 os.close(devnull)
 
     def write(self, text: str) -> int:
