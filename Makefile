@@ -26,8 +26,10 @@ demo: $(STAMP)
 	.venv/bin/frawd generate --model runs/demo/model --prompt "def fibonacci(n):" --echo-prompt \
 		--max-new-tokens 120 --temperature 0.7 --top-k 40 --seed 0
 
+# One pytest-xdist worker per CPU, each test file on one worker (a file's shared fixtures are
+# built once); `$(PY) -m pytest -q tests/test_x.py` runs one file alone.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf .venv runs frawdllm.egg-info

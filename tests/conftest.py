@@ -11,7 +11,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("FRAWD_SHARED_DATA") or ROOT.parent / "shared" / "data")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# `make test` runs the tests in one pytest-xdist worker per CPU: each worker gets its share of
+# the cores (OpenMP threads that wait on a core another worker holds slow every op down).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 
 @pytest.fixture
