@@ -2,7 +2,11 @@
 `--jaxtyping-packages=frawdllm,beartype.beartype` in pyproject's pytest options
 (`shape_checks_for_first_steps` below: a long training run checks its first steps only)."""
 
+import fcntl
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,42 @@ SHARED_DATA = Path(os.environ.get("FRAWD_SHARED_DATA") or ROOT.parent / "shared"
 # the cores (OpenMP threads that wait on a core another worker holds slow every op down).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+LOCKS = "FRAWD_TEST_LOCKS"  # the folder of `worker_turn`'s locks, made for one `pytest -n` run
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="frawd-tests-")  # (the workers start after this)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(LOCKS):
+        shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True)
+
+
+@contextmanager
+def worker_turn(alone: bool):
+    """Under pytest-xdist: a test marked `alone` (it times a run against the wall clock) runs
+    while no other worker runs a test; the others share the machine. Two file locks: every
+    test passes the gate and then holds the lock shared; an `alone` test holds the gate while
+    it waits for the lock alone, so the other workers cannot keep taking it meanwhile."""
+    folder = os.environ.get(LOCKS)
+    if not folder or WORKERS < 2:
+        yield
+        return
+    with open(Path(folder) / "gate", "a") as gate, open(Path(folder) / "lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # (closing the file lets the lock go)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test's whole run, its module's and session's fixtures set up or torn down with it,
+    takes its turn (`worker_turn`)."""
+    with worker_turn(alone=item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture

@@ -192,6 +192,7 @@ def test_truncate_answers_a_turn_that_fits_the_context_but_not_the_room_for_the_
                                 f"model's context is {CONTEXT}; shorten it")
 
 
+@pytest.mark.alone
 def test_a_megabyte_prompt_is_refused_by_its_length_and_stalls_no_one(server):
     """Tokenizing 1M characters held the event loop (and every stream) for ~1.4 s, even for a
     request then refused: a text too long to ever fit is refused by its length."""

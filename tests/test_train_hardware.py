@@ -420,6 +420,7 @@ main()
 """
 
 
+@pytest.mark.alone
 def test_max_time_bounds_the_whole_command(tmp_path, shared_data):
     # a BPE tokenizer trained on the corpus, imports, the C kernels' first build and the peak
     # measurement (a fresh cache) take part of the budget: the command still ends in time.

@@ -748,6 +748,7 @@ def test_a_budget_start_up_used_up_is_said(tmp_path):
     assert result.steps == 1 and result.stop_reason == "max_time"
 
 
+@pytest.mark.alone
 def test_max_time_is_obeyed_including_the_final_evaluation(corpus, tmp_path, one_thread):
     # the real clock: the budget counts from run_pretraining's start, so data preparation,
     # evaluations and the final checkpoint are inside it. One thread: on a busy shared machine
