@@ -44,6 +44,8 @@ def test_same_seed_same_batches_other_seed_other_batches(tokens):
     assert all(torch.equal(p, b.next_batch()[0]) for p in batches_a)
     assert not all(torch.equal(p, c.next_batch()[0]) for p in batches_a)
     assert not torch.equal(batches_a[0], batches_a[1])
+    # seed and step draw together, not as their sum: seed 2's first batch is not seed 1's second
+    assert not torch.equal(RandomWindowLoader(tokens, 4, 8, seed=2).next_batch()[0], batches_a[1])
 
 
 def test_resume_from_state_dict_equals_an_uninterrupted_run(tokens):
@@ -166,8 +168,9 @@ def test_loader_sizes_and_state_must_be_integers(tokens):
     for bad in ({"seed": 0, "step": -1}, {"seed": -1, "step": 0}):
         with pytest.raises(FrawdError, match=f"seed and step must be integers >= 0, got {bad}"):
             loader.load_state_dict(bad)
-    with pytest.raises(FrawdError, match="keys seed and step, got {'seed': 1}"):
-        loader.load_state_dict({"seed": 1})
+    for bad in ({"seed": 1}, {"seed": 1, "step": 2, "epoch": 3}):
+        with pytest.raises(FrawdError, match=re.escape(f"keys seed and step, got {bad}")):
+            loader.load_state_dict(bad)
     assert loader.state_dict() == {"seed": 0, "step": 0}  # a refused state changes nothing
 
 
@@ -191,6 +194,14 @@ def test_an_id_outside_the_shards_vocabulary_is_one_line_naming_file_id_and_posi
     with pytest.raises(FrawdError, match=expected):  # training: some batch reaches it
         for _ in range(200):
             loader.next_batch()
+
+
+def test_an_id_outside_a_vocabulary_the_model_shares_with_the_shard_is_a_damaged_shard(tmp_path):
+    """The model's vocabulary equals the shard's (as in pretraining and eval): the id is past
+    the shard's own vocabulary, so the shard is damaged, not made with another tokenizer."""
+    path = _shard_with_bad_id(tmp_path / "val.bin")
+    with pytest.raises(FrawdError, match=r"is outside the vocabulary \[0, 100\); the shard is damaged"):
+        list(SequentialLoader(read_shard(path), 4, 16, vocab_size=100))
 
 
 def test_an_id_outside_the_vocabulary_in_a_later_shard_of_a_stream_names_that_shard(tmp_path):

@@ -190,9 +190,12 @@ def test_shards_or_a_tokenizer_where_the_source_glob_finds_files_are_refused(tmp
     _write_corpus(tmp_path / "src" / "a.txt", _corpus(20))
     bpe.save(tmp_path / "tok.json")
     pattern = str(tmp_path / "src" / "**" / "*")
-    for command, out in ((["data", "prepare", "--tokenizer", tmp_path / "tok.json"], tmp_path / "src" / "shards"),
-                         (["tokenizer", "train", "--kind", "char"], tmp_path / "src" / "deep" / "tok"),
-                         (["tokenizer", "train", "--kind", "char"], tmp_path / "src")):
+    for command, out, pattern in (
+            (["data", "prepare", "--tokenizer", tmp_path / "tok.json"], tmp_path / "src" / "shards", pattern),
+            (["data", "prepare", "--tokenizer", tmp_path / "tok.json"], tmp_path / "src" / "shards",
+             str(tmp_path / "src" / "**")),  # (** alone finds folders, and what they hold)
+            (["tokenizer", "train", "--kind", "char"], tmp_path / "src" / "deep" / "tok", pattern),
+            (["tokenizer", "train", "--kind", "char"], tmp_path / "src", pattern)):
         code, stdout, err = run_cli(capsys, *command, "--data", pattern, "--out", out)
         assert (code, stdout) == (1, ""), err
         assert err == (f"frawd: error: the output folder {out} is where the glob {pattern!r} finds files: the next "
@@ -439,10 +442,15 @@ def one_document(path, hashed_to_val: bool, val_fraction: float = 0.1) -> str:
     raise AssertionError("no such document")
 
 
-@pytest.mark.parametrize("hashed_to_val", [False, True], ids=["hashed-to-train", "hashed-to-val"])
-def test_single_document_corpus_still_gets_a_validation_tail(tmp_path, bpe, hashed_to_val):
+@pytest.mark.parametrize("hashed_to_val, move_tokens", [(False, None), (True, None), (True, 7)],
+                         ids=["hashed-to-train", "hashed-to-val", "hashed-to-val-moved-in-pieces"])
+def test_single_document_corpus_still_gets_a_validation_tail(tmp_path, bpe, hashed_to_val, move_tokens,
+                                                               monkeypatch):
     """Whichever side its hash falls on: hashed to val, it was all val (train_tokens 0, and
-    pretraining refused the run as too short) for 1 in 10 such corpora."""
+    pretraining refused the run as too short) for 1 in 10 such corpora. (Val's tokens move
+    to train 16M at a time: in pieces of 7 here, so that the pieces' offsets are tested.)"""
+    if move_tokens:
+        monkeypatch.setattr(shards_module, "MOVE_TOKENS", move_tokens)
     doc = one_document(tmp_path / "one.txt", hashed_to_val)
     meta = prepare_shards(str(tmp_path / "one.txt"), bpe, tmp_path / "out", val_fraction=0.1, doc_split="file")
     train, val = read_shard(tmp_path / "out" / "train.bin"), read_shard(tmp_path / "out" / "val.bin")
@@ -509,6 +517,40 @@ def test_a_validation_tail_counts_the_spaces_of_tokens_that_do_not_spell_them(tm
     head = tok.decode(train.tolist())
     assert doc.startswith(head) and doc[len(head)] == " "  # (independent of the offsets the count uses)
     assert (meta["train_text_bytes"], meta["val_text_bytes"]) == (len(head), len(doc) - len(head))
+
+
+def test_a_validation_tail_cut_at_a_document_boundary_counts_each_side(tmp_path):
+    """Two documents of 9 words (10 tokens with their end) hashed to train, half for val: the
+    tail starts exactly where the second document does."""
+    docs, i = [], 0
+    while len(docs) < 2:
+        doc = " ".join(f"w{(i + j) % 7}" for j in range(9))
+        i += 1
+        if not shards_module._is_val(doc.encode(), 0.5) and doc not in docs:
+            docs.append(doc)
+    src = tmp_path / "two.txt"
+    src.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    tok = _foreign_tokenizer("wordlevel", " ".join(docs))
+    meta = prepare_shards(str(src), tok, tmp_path / "out", val_fraction=0.5, doc_split="line")
+    assert meta["val_split"] == "tail" and (meta["train_tokens"], meta["val_tokens"]) == (10, 10)
+    assert (meta["train_text_bytes"], meta["val_text_bytes"]) == (len(docs[0]), len(docs[1]))
+    assert (meta["train_documents"], meta["val_documents"]) == (1, 1)
+
+
+def test_a_rebuild_that_fails_writing_its_meta_json_leaves_none(tmp_path, bpe, monkeypatch):
+    """The new shards are in place once meta.json is written: until then the folder has none,
+    never the old one beside new shards."""
+    src = _write_corpus(tmp_path / "c.txt", _corpus(30))
+    out = tmp_path / "out"
+    prepare_shards(str(src), bpe, out, val_fraction=0.1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards_module, "write_json_atomic", full_disk)
+    with pytest.raises((FrawdError, OSError)):
+        prepare_shards(str(src), bpe, out, val_fraction=0.3)
+    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "val.bin"]
 
 
 def test_rerun_reuses_matching_shards_and_rebuilds_on_change_or_force(tmp_path, bpe):
@@ -645,6 +687,25 @@ def test_cli_prepare_refuses_to_replace_another_sources_shards_unless_overwrite(
     (out / "meta.json").unlink()
     code, _, err = prepare(second)
     assert code == 1 and err.startswith(f"frawd: error: {out} holds train.bin and val.bin but no meta.json")
+
+
+@pytest.mark.parametrize("damaged", ["[1]", '"x"', "{"])
+def test_overwrite_replaces_a_meta_json_that_is_not_an_object(tmp_path, bpe, capsys, damaged):
+    """What the refusal advises works: `--overwrite` over a meta.json of valid JSON that is no
+    object ended in an AttributeError traceback (the reuse check read it as one)."""
+    from cli_helpers import run_cli
+
+    src = _write_corpus(tmp_path / "c.txt", _corpus(40, seed=2))
+    bpe.save(tmp_path / "tok.json")
+    out = tmp_path / "shards"
+    args = ["data", "prepare", "--data", src, "--tokenizer", tmp_path / "tok.json", "--out", out]
+    assert run_cli(capsys, *args)[0] == 0
+    (out / "meta.json").write_text(damaged)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 1 and "give another --out, or --overwrite to replace it" in err, err
+    code, stdout, err = run_cli(capsys, *args, "--overwrite")
+    assert code == 0 and "wrote" in stdout, err
+    assert json.loads((out / "meta.json").read_text())["train_tokens"] == len(read_shard(out / "train.bin")) > 0
 
 
 def test_overwrite_leaves_only_the_new_shards_once_they_are_complete(tmp_path, bpe, capsys, monkeypatch):

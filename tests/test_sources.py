@@ -371,6 +371,9 @@ def test_a_folder_holding_a_folder_of_prepared_shards_is_refused_not_read_as_tex
     with pytest.raises(FrawdError, match=re.escape(f"{shards} holds prepared shards (meta.json), not text: "
                                                    f"move it out of {tmp_path / 'd'}")):
         sources.source_files(str(tmp_path / "d"))  # checked when the source is resolved, before any reading
+    (shards / "val.bin").unlink()  # a split lost: still a folder of shards, and named as one
+    with pytest.raises(FrawdError, match=re.escape(f"{shards} holds prepared shards (meta.json), not text: ")):
+        sources.source_files(str(tmp_path / "d"))
 
 
 @pytest.mark.parametrize("name", ["train-00003.bin", "tokens.dat"])

@@ -565,10 +565,10 @@ def refuse_other_shards(out: str | Path, data: str) -> None:
 
 
 def _reusable(out: Path, inputs_hash: str) -> dict | None:
+    meta, _ = _load_meta(out / META_FILE)
+    if meta is None or meta.get("inputs_hash") != inputs_hash:  # (none, or damaged: prepared again)
+        return None
     try:
-        meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
-        if meta.get("inputs_hash") != inputs_hash:
-            return None
         for split in ("train", "val"):
             if sum(read_header(f)["n_tokens"] for f in split_files(out, split, meta)) != meta[f"{split}_tokens"]:
                 return None
