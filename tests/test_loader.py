@@ -160,6 +160,9 @@ def test_loaders_refuse_tokens_that_are_not_a_1d_integer_array(bad, error):
 def test_loader_sizes_and_state_must_be_integers(tokens):
     with pytest.raises(FrawdError, match="^batch_size must be an integer, got True$"):
         RandomWindowLoader(tokens, True, 8)
+    for seed in (-1, True):  # (a float or a string: the tests' run-time type checks refuse them first)
+        with pytest.raises(FrawdError, match=re.escape(f"seed must be an integer >= 0, got {seed!r}")):
+            RandomWindowLoader(tokens, 2, 8, seed=seed)
     with pytest.raises(FrawdError, match="^max_batches must be a positive integer or None, got 0$"):
         SequentialLoader(tokens, 2, 8, max_batches=0)
     loader = RandomWindowLoader(tokens, 2, 8)

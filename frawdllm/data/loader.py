@@ -90,10 +90,12 @@ class RandomWindowLoader:
         self.id_bound = _check_layout(tokens, batch_size, context_length, rank, world_size, vocab_size)
         if not is_integer(grad_accum) or grad_accum < 1:
             raise FrawdError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+        if not is_integer(seed) or seed < 0:  # (numpy's own error came at the first batch)
+            raise FrawdError(f"seed must be an integer >= 0, got {seed!r}")
         self.tokens = tokens
         self.batch_size = batch_size
         self.context_length = context_length
-        self.seed = seed
+        self.seed = int(seed)
         self.rank = rank
         self.world_size = world_size
         self.grad_accum = grad_accum
