@@ -186,3 +186,27 @@ def test_output_the_terminal_cannot_encode_is_escaped_not_a_crash(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode("latin-1")
     assert f"wrote {tmp_path}/\\u65e5\\u672c/tok/tokenizer.json" in proc.stdout.decode("latin-1")
     assert (tmp_path / "日本" / "tok" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("value", ["", "0", "-1", "abc", "2x"])
+def test_an_empty_or_invalid_thread_count_variable_is_no_openmp_warning(value):
+    """OMP_NUM_THREADS set empty (an unset shell variable) or to no count: OpenMP printed its own
+    "libgomp: Invalid value" line into the output when torch loaded, and went on with its default.
+    Empty now means unset; anything else that is no count is refused in one line."""
+    proc = subprocess.run([*FRAWD, "info", "--preset", "tiny"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": value})
+    assert "libgomp" not in proc.stderr + proc.stdout
+    if value:
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr == (f"frawd: error: OMP_NUM_THREADS={value!r} is not a thread count: give a number "
+                               "from 1 (or a list such as 2,1), or unset it\n")
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "parameters" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["1", " 2 ", "2,1"])
+def test_a_thread_count_openmp_reads_is_kept(value):
+    proc = subprocess.run([*FRAWD, "info", "--preset", "tiny"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": value})
+    assert proc.returncode == 0 and "libgomp" not in proc.stderr, proc.stderr

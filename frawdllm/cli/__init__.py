@@ -239,6 +239,23 @@ def empty_path_option(args: list[str]) -> str | None:
     return next((name for name, value in _path_option_values(args, "x") if not value.strip()), None)
 
 
+_THREAD_COUNT = re.compile(r"\s*[1-9][0-9]*\s*(,\s*[1-9][0-9]*\s*)*")  # what OpenMP reads: 4, or 4,2 (nested levels)
+
+
+def check_thread_count_env() -> None:
+    """OMP_NUM_THREADS as OpenMP will read it when torch loads. Set empty (`OMP_NUM_THREADS=$UNSET`)
+    it means unset; set to what is not a count (0, -1, abc) it is refused here in one line:
+    OpenMP would print its own "Invalid value" warning into the command's output and ignore it."""
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value is None or "torch" in sys.modules:  # (OpenMP has read it already)
+        return
+    if not value.strip():
+        del os.environ["OMP_NUM_THREADS"]
+    elif not _THREAD_COUNT.fullmatch(value):
+        raise FrawdError(f"OMP_NUM_THREADS={value!r} is not a thread count: give a number from 1 "
+                         "(or a list such as 2,1), or unset it")
+
+
 def say_error(message: str, lost: bool = False) -> None:
     """`frawd: error: MESSAGE` on stderr; on a rank that `--nproc` started, in a file for the
     launcher instead, which says each different error once (N ranks refusing the same data
@@ -279,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     one_line_warnings()
     try:
         args = home_expanded(sys.argv[1:] if argv is None else list(argv))
+        check_thread_count_env()
         empty = empty_path_option(args)
         if empty is not None:
             raise click.UsageError(f"{empty} is empty: give a path (an unset shell variable?)")
