@@ -581,7 +581,8 @@ def byte_tokenizer() -> Tokenizer:
 
 
 class _CountingIterator:
-    """Pass texts through while counting them (to tell an empty corpus apart)."""
+    """Pass texts through while counting those with any text in them (to tell an empty
+    corpus apart: documents that are all "" are one too, as for a char tokenizer)."""
 
     def __init__(self, texts: Iterable[str]):
         self._it = iter(texts)
@@ -592,5 +593,5 @@ class _CountingIterator:
 
     def __next__(self) -> str:
         text = next(self._it)
-        self.count += 1
+        self.count += bool(text)
         return text

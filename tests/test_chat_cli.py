@@ -322,7 +322,7 @@ def test_quit_ends_the_line_and_a_system_message_too_long_is_named_at_start(chat
     # (piped from a file with a byte-order mark: "\ufeff/quit" was a message to the model, not /quit)
     done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1"],
                           input="\ufeff/quit\n".encode(), capture_output=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.endswith(b"> \n"), done.stdout  # the shell prompt on its own line
+    assert done.returncode == 0 and done.stdout.endswith(b"> /quit\n"), done.stdout  # the shell prompt on its own line
     assert done.stdout.count(b"> ") == 1, done.stdout  # no reply: it quit at the first line
     # (refused before it reads anything: in this process, without a fresh interpreter's `import torch`)
     code, out, err = run_cli(capsys, "chat", "--model", chat_model, "--threads", "1", "--max-new-tokens", "8",
@@ -473,3 +473,17 @@ def test_a_reply_cut_off_at_the_context_says_so(chat_model):
     assert re.fullmatch(REPLY + "{200}", reply)  # the whole reply, and no note
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+
+
+def test_a_piped_conversation_reads_as_a_transcript(chat_model):
+    """Piped input is not echoed by a terminal: each message is written after its prompt, so the
+    output reads "> message", then the reply (it read "> reply", the messages lost)."""
+    import subprocess
+
+    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1", "--max-new-tokens", "4",
+                           "--temperature", "0"], input=b"hello there\n/params\n", capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.decode()
+    assert out.split("\n")[1] == "> hello there", out
+    assert "\n> /params\nmax_new_tokens=4  temperature=0.0  " in out, out  # (after the reply's line)
+    assert out.endswith("\n> \n"), out  # (the end of input: the prompt's line ended)

@@ -248,6 +248,9 @@ def test_training_rejects_bad_inputs():
         train_tokenizer([], "bpe")
     with pytest.raises(FrawdError, match="empty corpus"):
         train_tokenizer([], "char")
+    for kind in ("bpe", "char"):  # (documents that are all "": bpe built a tokenizer of its alphabet alone)
+        with pytest.raises(FrawdError, match="empty corpus"):
+            train_tokenizer(["", ""], kind)
     with pytest.raises(FrawdError, match="unknown tokenizer kind"):
         train_tokenizer(CORPUS, "wordpiece")
 

@@ -109,6 +109,8 @@ class _Repl:
                 if first and line.startswith("\ufeff"):  # piped from a file saved with a byte-order mark
                     line = line[1:]
                 first = False
+                if not sys.stdin.isatty():  # (piped: a terminal echoed the message; without it the
+                    self.out(f"{for_terminal(line)}\n")  # transcript read "> reply", the message lost)
             except EOFError:
                 self.out("\n")
                 return
@@ -129,8 +131,6 @@ class _Repl:
             try:
                 if line.startswith("/") and not line.startswith("//"):
                     if self.command(line) == "quit":
-                        if not sys.stdin.isatty():  # (a terminal echoed the Enter; piped input did not)
-                            self.out("\n")
                         return
                     continue
                 self.reply(line[1:] if line.startswith("//") else line)
