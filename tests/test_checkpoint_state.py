@@ -86,6 +86,10 @@ def test_pruning_a_checkpoint_that_is_a_link_removes_the_link_only(tmp_path):
     ("[]", ("model/model.safetensors", "model/config.json"), False),  # a damaged list: the three checked
     ('["model/model.safetensors"]', ("model/model.safetensors",), False),  # a list without state.pt: the same
     ("not json", (STATE_FILE, "model/model.safetensors", "model/config.json"), True),
+    ('{"state.pt": {"bytes": 1}, "model/model.safetensors": {}}', (STATE_FILE, "model/model.safetensors"), True),
+    ('{"state.pt": {}, "model/x": {}}', (STATE_FILE, "model/model.safetensors", "model/config.json"), False),
+    ('{"state.pt": {}, "/dev/zero": {}}', (STATE_FILE, "model/model.safetensors", "model/config.json"), True),
+    ('["state.pt", "../../elsewhere"]', (STATE_FILE, "model/model.safetensors", "model/config.json"), True),
 ])
 def test_a_checkpoint_is_complete_when_it_holds_what_it_lists_or_the_three_files(tmp_path, files_json, present,
                                                                                   complete):

@@ -25,7 +25,7 @@ import pytest
 from frawdllm import FrawdLLM
 from frawdllm.data import prepare_shards
 from frawdllm.tokenizer import train_tokenizer
-from frawdllm.train.checkpoint import latest_checkpoint, load_state
+from frawdllm.train.checkpoint import latest_checkpoint, list_files, load_state
 
 SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 STEPS = 20
@@ -160,6 +160,7 @@ def test_a_planted_or_broken_sharded_index_is_one_line_and_runs_nothing(work, tw
     for content, reason in [(pickle.dumps(Payload()), "posix.system is not part of a checkpoint index"),
                             (b"", "EOFError: Ran out of input")]:
         index.write_bytes(content)
+        list_files(index.parent.parent)  # (files.json planted with it: its sizes and CRCs pass)
         proc = frawd_here(capsys, train_args(work, copy, "--resume"))
         assert proc.returncode == 1 and not planted.exists(), proc.stderr[-3000:]
         lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]
@@ -175,7 +176,15 @@ def test_a_truncated_optimizer_shard_is_one_line(work, two_ranks, capsys):
     copy = resumed_from_step_10(run, work / "truncated-shard")
     folder = copy / "checkpoints" / f"step_{10:08d}" / "optimizer"
     shard = sorted(folder.glob("*.distcp"))[-1]
+    size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:100])
+    proc = frawd_here(capsys, train_args(work, copy, "--resume"))
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]
+    assert proc.returncode == 1 and lines == [f"frawd: error: {shard}: changed since the checkpoint was written "
+                                              f"(100 bytes, not the {size:,} written: a damaged disk or copy)"], \
+        proc.stderr[-3000:]
+    listing = folder.parent / "files.json"  # as an earlier FrawdLLM listed it (names alone): read, and found short
+    listing.write_text(json.dumps(sorted(json.loads(listing.read_text()))))
     proc = frawd_here(capsys, train_args(work, copy, "--resume"))
     lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]
     assert proc.returncode == 1 and lines == [f"frawd: error: {folder}: cannot read the sharded checkpoint "

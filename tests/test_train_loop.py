@@ -21,7 +21,7 @@ from frawdllm import FrawdLLM
 from frawdllm.errors import FrawdError
 from frawdllm.tokenizer import Tokenizer
 from frawdllm.train import PretrainConfig, Trainer, TrainingDiverged, TrainTask, run_pretraining
-from frawdllm.train.checkpoint import latest_checkpoint, list_checkpoints, load_state, load_weights
+from frawdllm.train.checkpoint import latest_checkpoint, list_checkpoints, list_files, load_state, load_weights
 from frawdllm.train.config import TrainConfig, load_config_file
 from frawdllm.train.rundir import read_metrics
 
@@ -301,8 +301,45 @@ def test_a_damaged_training_state_is_one_line(tmp_path, damage, said):
         file.write_bytes(damage)
     else:
         torch.save(damage(load_state(file.parent)), file)
+    list_files(file.parent)  # (as its writer listed it: the state itself is what is wrong, not a copy of it)
     with pytest.raises(FrawdError, match=re.escape(said)):
         Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=8, resume=True))
+
+
+@pytest.mark.parametrize("name", ["model/model.safetensors", "state.pt"])
+@pytest.mark.parametrize("change", ["bytes", "size"])
+def test_a_checkpoint_changed_since_it_was_written_is_refused_naming_the_one_before(tmp_path, name, change):
+    """A checkpoint file damaged in place (a bad disk, a copy cut short): a few changed bytes of
+    the weights loaded, and the run trained to NaN. files.json records each file's size and
+    CRC-32 when written; --resume checks them and names the checkpoint before."""
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=4)).fit()
+    (_, earlier), (_, last) = list_checkpoints(tmp_path / "run")[-2:]
+    file = last / name
+    data = bytearray(file.read_bytes())
+    if change == "bytes":
+        data[-3] ^= 0xFF  # (in the weights' or the state's data, which still read)
+    else:
+        data += b"\0"
+    file.write_bytes(bytes(data))
+    said = ("its CRC-32 differs from the one recorded when it was written" if change == "bytes"
+            else f"{len(data):,} bytes, not the {len(data) - 1:,} written")
+    with pytest.raises(FrawdError) as refused:
+        Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=8, resume=True))
+    assert str(refused.value) == (f"{file}: changed since the checkpoint was written ({said}: a damaged disk or "
+                                  f"copy); the checkpoint before it is {earlier}: move {last} out of {last.parent} "
+                                  "to resume from that one")
+
+
+def test_a_checkpoint_listed_without_sizes_still_resumes(tmp_path):
+    """files.json of an earlier FrawdLLM: a list of names, nothing to check the files against."""
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=4)).fit()
+    last = latest_checkpoint(tmp_path / "run")
+    names = list(json.loads((last / "files.json").read_text()))
+    assert names == sorted(p.relative_to(last).as_posix() for p in last.rglob("*") if p.is_file() and p.name != "files.json")
+    (last / "files.json").write_text(json.dumps(names))
+    resumed = Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()),
+                      generic_config(tmp_path, max_steps=6, resume=True))
+    assert resumed.step == 4 and resumed.fit().steps == 6
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@
                     data loader position: tensors and plain values only, read back with
                     `torch.load(weights_only=True)` (never unpickled code)
         files.json  the files written (a task's own `save_model` may write others than
-                    a model directory's)
+                    a model directory's), each with its size and CRC-32, checked at --resume
 
 A checkpoint is built in a hidden temporary folder and renamed into place when complete
 (`io.atomic_dir`), so a kill at any moment leaves the earlier checkpoints intact and at
@@ -24,8 +24,9 @@ import pickle
 import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError
@@ -59,9 +60,60 @@ def save_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], objec
 
 def list_files(folder: Path) -> None:
     """Write files.json: the files of a checkpoint being built in `folder`, the last step
-    before it is renamed into place (what `_missing_files` checks against)."""
+    before it is renamed into place (what `_missing_files` checks against), each with its
+    size and CRC-32 (what `check_unchanged` checks against)."""
     written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    (folder / FILES_FILE).write_text(json.dumps(written), encoding="utf-8")
+    written = [name for name in written if name != FILES_FILE]  # (listed again: not itself)
+    files = {name: {"bytes": (folder / name).stat().st_size, "crc32": _crc32(folder / name)} for name in written}
+    (folder / FILES_FILE).write_text(json.dumps(files, indent=1), encoding="utf-8")
+
+
+def _crc32(file: Path) -> str:
+    """The file's CRC-32 (zlib's: ~2.5 GB/s, a small share of a checkpoint's save; it finds
+    damage, not tampering), as 8 hex digits."""
+    crc = 0
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 23), b""):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _listed(path: Path) -> dict | list | None:
+    """files.json of the checkpoint folder `path`: a mapping name -> {"bytes", "crc32"}, a
+    list of names (a checkpoint of an earlier FrawdLLM), or None where it is missing or damaged."""
+    try:
+        listed = json.loads((path / FILES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if isinstance(listed, (dict, list)) and STATE_FILE in listed and all(_inside(name) for name in listed):
+        return listed
+    return None
+
+
+def _inside(name: object) -> bool:
+    """`name` is a path inside the checkpoint folder (not /dev/zero, not ../../x)."""
+    return isinstance(name, str) and not PurePosixPath(name).is_absolute() and ".." not in PurePosixPath(name).parts
+
+
+def check_unchanged(path: Path) -> None:
+    """Refuse a checkpoint whose files changed since it was written (a damaged disk or copy:
+    weights that differ in a few bytes load, and trained to NaN), by the size and CRC-32
+    files.json records (a checkpoint without them passes)."""
+    listed = _listed(path)
+    if not isinstance(listed, dict):
+        return
+    for name, recorded in listed.items():
+        if not isinstance(recorded, dict):
+            continue
+        file = path / name
+        size, crc = recorded.get("bytes"), recorded.get("crc32")
+        if isinstance(size, int) and file.stat().st_size != size:
+            changed = f"{file.stat().st_size:,} bytes, not the {size:,} written"
+        elif isinstance(crc, str) and _crc32(file) != crc:
+            changed = "its CRC-32 differs from the one recorded when it was written"
+        else:
+            continue
+        raise FrawdError(f"{file}: changed since the checkpoint was written ({changed}: a damaged disk or copy)")
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -79,11 +131,8 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def _missing_files(path: Path) -> list[str]:
     """What a checkpoint folder lacks of a complete checkpoint's files: those files.json lists
     (without it, or where it is damaged: a model directory's two and state.pt)."""
-    try:
-        listed = json.loads((path / FILES_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        listed = None
-    if not (isinstance(listed, list) and all(isinstance(name, str) for name in listed) and STATE_FILE in listed):
+    listed = _listed(path)
+    if listed is None:
         listed = [STATE_FILE, f"{MODEL_SUBDIR}/{WEIGHTS_FILE}", f"{MODEL_SUBDIR}/{CONFIG_FILE}"]
     return [name for name in listed if not (path / name).is_file()]
 

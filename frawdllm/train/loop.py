@@ -1075,6 +1075,7 @@ class Trainer:
         if path is None:
             raise FrawdError(f"{self.run_dir}: no checkpoint to resume from")
         with self._naming_an_earlier_checkpoint(path):
+            ckpt.check_unchanged(path)
             self.task.load_model(self.model, path / ckpt.MODEL_SUBDIR)
         return path
 
