@@ -3,6 +3,7 @@ and commands, pressing Ctrl-C in the middle of a reply and Ctrl-D to leave."""
 
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -487,3 +488,102 @@ def test_a_piped_conversation_reads_as_a_transcript(chat_model):
     assert out.split("\n")[1] == "> hello there", out
     assert "\n> /params\nmax_new_tokens=4  temperature=0.0  " in out, out  # (after the reply's line)
     assert out.endswith("\n> \n"), out  # (the end of input: the prompt's line ended)
+
+
+
+def test_a_history_that_fits_exactly_is_kept_whole_even_when_it_opens_with_a_reply():
+    """A conversation that opens with the assistant's greeting and fills context - reserve
+    exactly is kept as it is: nothing needs dropping (dropping started at the first user turn)."""
+    from frawdllm.infer.chat import fit_history
+
+    tok = train_tokenizer([ALPHABET], kind="char")
+    greeted = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "abc"},
+               {"role": "assistant", "content": "de"}, {"role": "user", "content": "f"}]
+    full = tok.render_chat(greeted, add_generation_prompt=True)
+    assert fit_history(tok, greeted, len(full) + 4, reserve=4) == (full, 0)
+    assert fit_history(tok, greeted, len(full) + 3, reserve=4) == (tok.render_chat(greeted[1:], add_generation_prompt=True), 1)
+
+
+def test_a_system_message_that_leaves_exactly_the_room_asked_is_accepted():
+    """check_system_message refuses only a system message (with an empty user turn and the
+    template) longer than context - reserve; one that fills it exactly is accepted."""
+    from frawdllm.infer.chat import check_system_message
+
+    tok = train_tokenizer([ALPHABET], kind="char")
+    need = len(tok.render_chat([{"role": "system", "content": "be a bee"}, {"role": "user", "content": ""}],
+                               add_generation_prompt=True))
+    check_system_message(tok, "be a bee", need + 8, reserve=8)  # fits exactly: no error
+    check_system_message(tok, "be a bee", need, reserve=0)
+    with pytest.raises(FrawdError, match=f"needs {need} tokens .* leaves {need - 1} "):
+        check_system_message(tok, "be a bee", need + 7, reserve=8)
+
+
+def test_a_late_system_message_followed_by_a_reply_is_not_a_place_to_start():
+    """The kept history restarts at a user turn only: restarting at a system message that
+    an assistant turn follows would keep that reply without its question."""
+    from frawdllm.infer.chat import fit_history
+
+    tok = train_tokenizer([ALPHABET], kind="char")
+    messages = [{"role": "user", "content": "aaaa"}, {"role": "assistant", "content": "bbbb"},
+                {"role": "system", "content": "s"}, {"role": "assistant", "content": "eeee"},
+                {"role": "user", "content": "cc"}]
+    room = len(tok.render_chat(messages[2:], add_generation_prompt=True))  # fits, but starts at a system turn
+    ids, dropped = fit_history(tok, messages, room + 4, reserve=4)
+    assert (ids, dropped) == (tok.render_chat([messages[2], messages[4]], add_generation_prompt=True), 3)
+
+
+
+def test_a_system_message_too_long_for_slash_system_keeps_the_one_before(chat_model, capsys):
+    """/system with a message that leaves no room is refused and changes nothing."""
+    from frawdllm.cli.chat import _Repl
+
+    engine = Engine(FrawdLLM.from_pretrained(chat_model), Tokenizer.load(chat_model))
+    repl = _Repl(engine, SamplingParams(temperature=0, max_new_tokens=8), "be a bee", str(chat_model))
+    repl.command("/system " + "abc " * 39 + "abc")
+    assert "error: the system message needs 165 tokens" in capsys.readouterr().out
+    assert repl.system == "be a bee"
+
+
+def test_chat_stops_a_reply_at_every_role_token_whatever_the_flags(chat_model, capsys, monkeypatch):
+    """A role token inside a reply is the model writing the next turn: chat adds them to the
+    stop ids even when --stop-token-ids / generation_config name others."""
+    from frawdllm.cli import chat as chat_cli
+
+    seen = []
+    monkeypatch.setattr(chat_cli._Repl, "run", lambda self: seen.append(self.params))
+    code, _, err = run_cli(capsys, "chat", "--model", chat_model, "--threads", "1")
+    assert code == 0, err
+    assert set(ROLE_TOKEN_IDS) <= set(seen[0].stop_token_ids)
+
+
+def test_piped_input_that_is_not_utf8_ends_chat_with_one_error(chat_model):
+    """Piped (not a terminal): a line that is not UTF-8 is an error that ends the command (in a
+    terminal it is refused and the chat goes on)."""
+    done = subprocess.run([FRAWD, "chat", "--model", str(chat_model), "--threads", "1", "--max-new-tokens", "4",
+                           "--temperature", "0"], input=b"ab\xff\xfecd\nhello\n", capture_output=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.decode().strip().splitlines() == ["frawd: error: standard input is not UTF-8 text"]
+    assert b"not sent" not in done.stdout
+
+
+def test_the_repl_keeps_several_whole_exchanges_after_dropping(tmp_path, capsys):
+    """With short messages several exchanges fit: after dropping, the REPL's history is the
+    newest of them, starting at a user turn, exactly what fit_history kept (with one exchange
+    fitting, as in test_the_repl_keeps_the_newest_whole_exchanges_that_fit, an off-by-one in
+    the trimming went unseen)."""
+    from frawdllm.cli.chat import _Repl
+
+    model_dir = save_chat_model(tmp_path / "small", context_length=64)
+    engine = Engine(FrawdLLM.from_pretrained(model_dir), Tokenizer.load(model_dir))
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=ROLE_TOKEN_IDS)
+    repl = _Repl(engine, params, "ab", str(model_dir))
+    everything, longest = [], 0
+    for i in range(8):
+        message = f"ab {'abcdefgh'[i]}"
+        repl.reply(message)
+        everything += [{"role": "user", "content": message}, repl.turns[-1]]
+        assert repl.turns[0]["role"] == "user" and repl.turns == everything[-len(repl.turns):]
+        assert repl.turns[-1]["content"] == expected_reply(model_dir, [{"role": "system", "content": "ab"}]
+                                                           + repl.turns[:-1], 6)
+        longest = max(longest, len(repl.turns))
+    assert len(repl.turns) < len(everything) and longest >= 4  # it dropped, and kept more than one exchange

@@ -158,3 +158,65 @@ def test_transformers_generate_without_length_arguments_stops_where_frawd_does(t
     for row, their_row in zip(ours, theirs):  # BOS, then ours, the last one replaced by a forced EOS
         assert their_row == [cfg.bos_token_id] + row[:-1] + [cfg.eos_token_id]
     assert GenerationConfig.from_pretrained(tmp_path).max_length == cfg.context_length
+
+
+
+@pytest.mark.parametrize("field, value", [("norm_placement", "pre"), ("pos_encoding", "learned"),
+                                          ("scale_embeddings", False), ("use_rmsnorm", True),
+                                          ("tie_embeddings", False), ("bias", False), ("norm_eps", 1e-6)])
+def test_each_option_marian_cannot_express_is_named_alone(field, value):
+    """Marian's LayerNorm eps is fixed at 1e-5 (and so on): a model that differs in one option
+    only is refused, naming that option (norm_eps=1e-6 exported silently, with other logits)."""
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, **{field: value})
+    bad = marian_mismatches(cfg)
+    assert len(bad) == 1 and bad[0].startswith(f"{field}="), bad
+    assert marian_mismatches(get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4)) == []
+
+
+def test_a_gelu_model_exports_with_the_tanh_gelu_it_computes():
+    """Our seq2seq GELU is the tanh approximation (transformers' gelu_new), not the exact erf
+    GELU: with pre-activations near 2.7 the two differ by 5e-4 each."""
+    torch.manual_seed(0)
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=1, mlp_hidden=64,
+                     context_length=64, activation="gelu")
+    model = Seq2SeqTransformer(cfg).eval()
+    with torch.no_grad():  # large pre-activations, and an MLP output that outweighs the residual
+        for name, p in model.named_parameters():
+            if "mlp.up.weight" in name:
+                p.mul_(40)
+            if "mlp.down.weight" in name:
+                p.mul_(50)
+    hf = to_marian_model(model)
+    assert hf.config.activation_function == "gelu_new"
+    src, tgt = torch.randint(4, 60, (2, 9)), torch.randint(4, 60, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=src, decoder_input_ids=tgt).logits, model(src, tgt)[0],
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_a_trained_looking_model_exports_with_the_same_logits(activation):
+    """A fresh model's biases are 0 and its LayerNorm gains 1, so a bias or gain exported
+    unpermuted (or dropped) gave the same logits: give every parameter random values first,
+    as training would."""
+    torch.manual_seed(0)
+    cfg = get_config("aiayn-tiny", vocab_size=60, n_embd=32, n_head=4, n_layer=1, n_encoder_layer=3, mlp_hidden=64,
+                     context_length=64, activation=activation, dropout=0.3)  # (depths that differ)
+    model = Seq2SeqTransformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # biases, LayerNorm gains and shifts
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+            elif "qkv" in name or "cross.q" in name or "cross.kv" in name:
+                p.mul_(10)  # peaked attention: a fresh model's is nearly uniform, which hid a swapped k/v
+    hf = to_marian_model(model)
+    # what generate() pads finished rows with and fine-tuning's dropout are the model's own
+    assert (hf.config.pad_token_id, hf.config.dropout) == (cfg.pad_token_id, 0.3)
+    src = torch.randint(4, 60, (2, 9))
+    mask = torch.ones_like(src, dtype=torch.bool)
+    mask[1, 6:] = False
+    tgt = torch.randint(4, 60, (2, 7))
+    with torch.no_grad():
+        ours = model(src, tgt, src_mask=mask)[0]
+        theirs = hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
