@@ -872,3 +872,32 @@ def test_a_text_prompt_starts_with_the_bos_its_tokenizers_template_adds_truncate
         for key in ("tokens", "token_logprobs", "top_logprobs"):  # (the echo differs: ids are echoed decoded)
             assert as_ids["choices"][0]["logprobs"][key] == long["choices"][0]["logprobs"][key], key
         assert as_ids["usage"] == long["usage"]
+
+
+def test_truncate_leaves_the_reply_its_room_and_offsets_skip_the_template_bos():
+    """A tokenizer whose template adds a BOS (an imported Llama's): "truncate" keeps
+    context - reserve tokens in all, the BOS included (it left one token too many, eating the
+    reply's room), and the echo's text_offset counts from the text the echo shows (the BOS,
+    not shown, is at 0 and does not shift the rest by its name's length)."""
+    from tokenizers import processors
+
+    from frawdllm import FrawdLLM, get_config
+    from frawdllm.infer import Engine
+    from frawdllm.tokenizer import BOS_ID, Tokenizer, byte_tokenizer
+
+    backend = byte_tokenizer().backend
+    backend.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", BOS_ID)])
+    tok = Tokenizer(backend)
+    model = FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, context_length=32, vocab_size=tok.vocab_size))
+    engine = Engine(model, tok, weights="fp32")
+    with live_server({"m": engine}, ServeOptions()) as url:
+        got = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x" * 100, "max_tokens": 4,
+                                                         "truncate": True, "echo": True, "logprobs": 1,
+                                                         "temperature": 0}, timeout=60).json()
+    from frawdllm.infer.chat import reply_reserve
+
+    keep = 32 - reply_reserve(32, 4)
+    assert got["usage"]["prompt_tokens"] == keep, got["usage"]
+    logprobs = got["choices"][0]["logprobs"]
+    assert logprobs["tokens"][:2] == ["<|bos|>", "x"]
+    assert logprobs["text_offset"][:keep] == [0] + list(range(keep - 1))

@@ -407,3 +407,21 @@ def test_a_stream_whose_client_closed_without_reading_is_logged_and_counted_canc
     assert record["status"] == 499 and record["cancelled"], record
     assert 'frawd_requests_total{path="/v1/completions",status="499"} 1.0' in metrics
     assert 'path="/v1/completions",status="200"' not in metrics
+
+
+@pytest.mark.timeout(60)
+def test_a_generation_request_beyond_the_queue_is_a_429_queue_full():
+    """One request decoding (--max-batch 1) and one waiting (--max-queue 1): the next is a 429
+    `queue_full` (the scheduler's QueueFull), and the two before it complete."""
+    engine = paced_engine()
+    long = {"model": "m", "prompt": "a", "max_tokens": 200, "temperature": 0}
+    with live_server({"m": engine}, ServeOptions(max_batch=1, max_queue=1, max_tokens=1000)) as url:
+        running, running_reply = in_background(url, long)
+        wait_until(lambda: httpx.get(url + "/health").json()["running"] == 1)
+        waiting, waiting_reply = in_background(url, long)
+        wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 1)
+        full = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 2}, timeout=5)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full", full.text
+        for thread in (running, waiting):
+            thread.join(30)
+        assert [r.status_code for r in running_reply + waiting_reply] == [200, 200]

@@ -251,3 +251,39 @@ def test_a_live_server_reports_the_text_it_sends():
             assert choice["text"].startswith("<|bos|>the<|user|>c") and len(logprobs["tokens"]) == 6 + max_tokens
             for token, start in zip(logprobs["tokens"], logprobs["text_offset"]):
                 assert choice["text"][start:].startswith(token), (token, start, choice["text"])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_last_token_of_no_text_is_still_reported(char_tok, chat):
+    """A reply that reaches max_tokens on a special token (no text in a reply's decoding):
+    its entry starts and ends where the text ends, and it is reported, as every generated
+    token is (only a stop string's tokens, cut from the text, are dropped)."""
+    user = 4  # <|user|>: not a stop token of completions
+    assert user in char_tok.special_ids
+    ids = char_tok.encode("ab") + [user]
+    chunks = chunks_of(char_tok, ids)
+    assert "".join(c.text for c in chunks) == "ab" and chunks[-1].finish_reason == "length"
+    choice = whole(char_tok, chunks, chat)
+    if chat:
+        assert [e["token"] for e in choice["logprobs"]["content"]] == ["a", "b", "<|user|>"]
+    else:
+        assert choice["logprobs"]["tokens"] == ["a", "b", "<|user|>"]
+        assert choice["logprobs"]["text_offset"] == [0, 1, 2]
+    assert [t for _, tokens, _ in streamed(char_tok, chunks, chat) for t in tokens] == ["a", "b", "<|user|>"]
+
+
+def test_completions_top_logprobs_give_the_chosen_tokens_value_under_a_shared_name():
+    """Two tokens of one name (an added token spelling a vocabulary token's bytes): the
+    position's top_logprobs keeps the chosen token's own logprob under that name, so that
+    top_logprobs[i][tokens[i]] == token_logprobs[i] as clients assume."""
+    from types import SimpleNamespace
+
+    from frawdllm.infer.sampling import TokenLogprob
+    from frawdllm.serve.replies import _completion_logprobs
+
+    names = {7: b"x", 8: b"x", 9: b"y"}
+    tok = SimpleNamespace(token_bytes=lambda t: names[t])
+    entry = TokenLogprob(8, -2.0, ((7, -0.1), (8, -2.0), (9, -3.0)))
+    got = _completion_logprobs(tok, [(8, entry, 0)])
+    assert got["tokens"] == ["x"] and got["token_logprobs"] == [-2.0]
+    assert got["top_logprobs"] == [{"x": -2.0, "y": -3.0}]
