@@ -372,6 +372,7 @@ def test_a_compile_failure_is_one_bounded_line():
     assert compiling.failure_reason(RuntimeError()) == "RuntimeError: "
 
 
+@pytest.mark.alone
 def test_a_long_compile_warmup_is_not_taken_for_the_next_steps_time(tmp_path, monkeypatch):
     # torch.compile's warm-up took most of a minute of a 100 s budget: the run stopped after
     # that one step, as if every step would take as long. Here a 2 s warm-up in a 4 s budget.
