@@ -10,6 +10,7 @@ import torch
 
 from frawdllm.errors import ConfigError, FrawdError
 from frawdllm.infer.sampling import (
+    MAX_LOGPROBS,
     SamplingParams,
     apply_repetition_penalty,
     make_generator,
@@ -323,3 +324,22 @@ def test_seeds_2_to_the_32_apart_draw_differently():
     assert weights[0] != weights[1]
     assert all(0 <= torch_seed(s) < 2**32 for s in [*seeds, -1, -(2**63)]) and torch_seed(-1) != torch_seed(2**32 - 1)
     assert torch_seed(2**32) not in (0, 2**32) and torch_seed(2**32 - 1) == 2**32 - 1  # the range's edges
+
+
+def test_the_documented_edges_of_logprobs_are_accepted():
+    """logprobs is documented as an integer in [0, 20] (OpenAI's top_logprobs limit): 20 itself is in."""
+    assert SamplingParams(logprobs=MAX_LOGPROBS).logprobs == 20
+    assert SamplingParams(logprobs=0).logprobs == 0
+    with pytest.raises(ConfigError, match="logprobs"):
+        SamplingParams(logprobs=MAX_LOGPROBS + 1)
+
+
+def test_token_id_zero_is_a_valid_stop_token():
+    assert SamplingParams(stop_token_ids=[0]).stop_token_ids == (0,)
+
+
+def test_one_stop_string_or_one_stop_token_id_may_be_given_alone():
+    """`stop: Sequence[str] | str`, `stop_token_ids: Sequence[int] | int`: a lone value is a one-item tuple."""
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == (5,)
+    assert SamplingParams(stop="ab").stop == ("ab",)
+    assert SamplingParams(stop_token_ids=5) == SamplingParams(stop_token_ids=[5])

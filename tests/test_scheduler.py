@@ -690,3 +690,149 @@ def test_a_scheduler_left_open_at_exit_is_closed_not_aborted(left):
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert (done.returncode, done.stdout) == (0, "done\n"), done.stderr[-2000:]
     assert "terminate called" not in done.stderr
+
+
+def test_two_rows_cancelled_in_one_step_both_leave_the_batch(model_tok):
+    """Rows A, B, C; B and C (the last row) are cancelled between two steps: both leave at the
+    next step. (Removing front to back, C moved into B's place and was skipped: a cancelled
+    row went on decoding, holding a row of the batch.)"""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    forward, decode_sizes, state = engine.forward, [], {"cancelled_at": None}
+
+    def recorded(tokens, *args):
+        if tokens.shape[1] == 1:
+            decode_sizes.append(tokens.shape[0])
+        return forward(tokens, *args)
+
+    engine.forward = recorded
+    scheduler = Scheduler(engine, max_batch=3)
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    others = {}
+
+    def listener(chunk):  # runs at the end of a step: both flags are set before the next one
+        if isinstance(chunk, BaseException):
+            return
+        if chunk.finish_reason is not None:
+            state["a_done"] = True
+        if chunk.token is not None and state["cancelled_at"] is None and len(decode_sizes) >= 2:
+            others["b"].cancel()
+            others["c"].cancel()
+            state["cancelled_at"] = len(decode_sizes)
+
+    try:
+        with scheduler._cond:  # (admitted in one step, in this order: rows 0, 1, 2)
+            scheduler.submit(PROMPTS[0], params, listener)
+            others["b"] = scheduler.submit(PROMPTS[1], params.replace(max_new_tokens=60))
+            others["c"] = scheduler.submit(PROMPTS[2], params.replace(max_new_tokens=60))
+        deadline = time.time() + 30
+        while not (state.get("a_done") and scheduler.running == 0) and time.time() < deadline:
+            time.sleep(0.01)
+        assert scheduler.running == 0
+    finally:
+        scheduler.close(drain=False)
+    at = state["cancelled_at"]
+    assert at is not None and decode_sizes[:at] == [3] * at
+    assert set(decode_sizes[at:]) == {1}, decode_sizes  # only A decodes once B and C are cancelled
+
+
+def test_a_cancelled_waiting_request_no_longer_counts_against_the_queue(model_tok):
+    """max_batch 1, max_queue 1: A runs, B waits; B is cancelled (its client went away). At the
+    next step B leaves the queue, so a new request is accepted (not a 429 for a ghost)."""
+    model, tok = model_tok
+    scheduler = Scheduler(paced(Engine(model, tok)), max_batch=1, max_queue=1)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True)
+        running = scheduler.submit(PROMPTS[0], params)
+        next(iter(running))  # admitted
+        waiting = scheduler.submit(PROMPTS[1], params)
+        with pytest.raises(QueueFull):
+            scheduler.submit(PROMPTS[2], params)
+        waiting.cancel()
+        deadline = time.time() + 10
+        while scheduler.queue_depth and time.time() < deadline:
+            time.sleep(0.005)
+        assert scheduler.queue_depth == 0 and scheduler.running == 1  # A still runs
+        scheduler.submit(PROMPTS[2], params)  # accepted
+    finally:
+        scheduler.close(drain=False)
+
+
+def _decode_counter(engine):
+    forward, decodes = engine.forward, []
+
+    def recorded(tokens, *args):
+        if tokens.shape[1] == 1:
+            decodes.append(tokens.shape[0])
+        return forward(tokens, *args)
+
+    engine.forward = recorded
+    return decodes
+
+
+def test_a_failing_listeners_row_leaves_at_the_next_step(model_tok):
+    """The docstring: a listener that raises fails its request alone, *its rows leave*. (Not
+    cancelled, the row decoded all its max_new_tokens for nobody, holding a row.)"""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    decodes = _decode_counter(engine)
+    state = {}
+
+    def failing(item):
+        if not isinstance(item, BaseException) and len(decodes) >= 2 and "failed_at" not in state:
+            state["failed_at"] = len(decodes)
+            raise RuntimeError("listener broke")
+
+    scheduler = Scheduler(engine, max_batch=2)
+    try:
+        scheduler.submit(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=80, ignore_eos=True), failing)
+        deadline = time.time() + 30
+        while "failed_at" not in state and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)
+        assert scheduler.running == 0
+    finally:
+        scheduler.close(drain=False)
+    assert len(decodes) == state["failed_at"], decodes  # no decode step after the failure
+
+
+def test_close_without_drain_ends_waiting_requests_with_an_error(model_tok):
+    """close(drain=False): 'ends every open request with an error' - a request still waiting
+    for a row too (it was admitted after close and ran to its end)."""
+    model, tok = model_tok
+    scheduler = Scheduler(paced(Engine(model, tok)), max_batch=1)
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    running = scheduler.submit(PROMPTS[0], params)
+    next(iter(running))  # admitted: holds the only row
+    waiting = scheduler.submit(PROMPTS[1], params)
+    scheduler.close(drain=False, timeout=30.0)
+    with pytest.raises(FrawdError, match="the scheduler was closed"):
+        list(waiting)
+
+
+def test_a_request_whose_first_token_fails_leaves_its_rows(model_tok):
+    """A request failing inside its prefill step after its rows were taken (here: sampling its
+    first token) gets its error and its rows leave; the request beside it is undisturbed (the
+    rows left behind failed the next decode step, and with it every request in flight)."""
+    model, tok = model_tok
+    engine = Engine(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    expected = engine.generate(PROMPTS[2], params)[0].tokens
+    scheduler = Scheduler(engine, max_batch=4)
+    sample, bad = scheduler._sample, {}
+
+    def failing_sample(rows, logits):
+        if any(r.request is bad.get("r") and r.generated == 0 for r in rows):
+            raise RuntimeError("first token broke")
+        return sample(rows, logits)
+
+    scheduler._sample = failing_sample
+    try:
+        with scheduler._cond:
+            other = scheduler.submit(PROMPTS[2], params)
+            bad["r"] = scheduler.submit(PROMPTS[3], params.replace(num_samples=2))
+        with pytest.raises(RuntimeError, match="first token broke"):
+            list(bad["r"])
+        assert [c.token for c in other] == expected
+    finally:
+        scheduler.close(drain=False)
