@@ -1485,3 +1485,137 @@ def test_metrics_lines_are_strict_json_with_nan_and_inf_as_null(tmp_path):
 
     line = json.loads((tmp_path / METRICS_FILE).read_text(), parse_constant=refuse)
     assert line == {"step": 1, "loss": None, "grad_norm": None, "lr": None, "tokens": 8}
+
+
+def test_the_logged_loss_of_accumulated_micro_batches_is_their_mean(tmp_path):
+    """loop.py train_step: `float(total) / self.grad_accum` -> `float(total)` logged 4x the loss
+    (the weights were right: test_gradient_accumulation_equals_one_big_batch compares only them)."""
+    def losses(batch_size, accum, name):
+        torch.manual_seed(0)
+        cfg = generic_config(tmp_path / name, max_steps=3, grad_accum=accum, eval_interval=0, grad_clip=0.0)
+        result = Trainer(torch.nn.Linear(4, 1), LinearTask(batch_size), cfg).fit()
+        logged = [r["loss"] for r in read_metrics(tmp_path / name / "run") if "loss" in r]
+        assert result.last_loss == logged[-1]
+        return logged
+
+    big, accumulated = losses(16, 1, "big"), losses(4, 4, "accumulated")
+    assert len(big) == 3 and accumulated == pytest.approx(big, rel=1e-5)
+
+
+def _clipped_norms(tmp_path, grad_clip):
+    """The gradients' global norm as AdamW sees it, at each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=3, eval_interval=0,
+                                                                          grad_clip=grad_clip))
+    seen = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))))
+    trainer.fit()
+    logged = [r["grad_norm"] for r in read_metrics(tmp_path / "run") if "grad_norm" in r]
+    return seen, logged
+
+
+def test_grad_clip_bounds_the_norm_the_optimizer_steps_with(tmp_path):
+    """loop.py train_step: `max_norm = cfg.grad_clip if ...` -> `math.inf` (--grad-clip ignored) survived."""
+    seen, logged = _clipped_norms(tmp_path / "clipped", 0.01)
+    assert len(seen) == 3 and all(n <= 0.01 * (1 + 1e-4) for n in seen), seen
+    assert all(n > 0.01 for n in logged)  # the logged norm is the one before clipping
+    unclipped, _ = _clipped_norms(tmp_path / "off", 0.0)  # 0 = off
+    assert all(n > 0.01 for n in unclipped), unclipped
+
+
+class InfGradTask(ScriptedTask):
+    """A finite loss whose gradient is NaN at chosen calls (sqrt's gradient at 0 is inf)."""
+
+    def __init__(self, bad_calls):
+        super().__init__(nan_steps=())
+        self.bad_calls = set(bad_calls)
+
+    def loss(self, model, batch):
+        loss = super().loss(model, batch)
+        if self.calls in self.bad_calls:
+            loss = loss + (model.weight * 0.0).sum().sqrt()  # value 0, gradient inf * 0 = nan
+        return loss
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_skips_the_update(tmp_path):
+    """loop.py train_step: dropping `math.isfinite(grad_norm)` from `finite` stepped AdamW with
+    NaN gradients: the weights became NaN for the rest of the run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    seen = {}
+    trainer = Trainer(model, InfGradTask(bad_calls={3}), generic_config(tmp_path, max_steps=6),
+                      callbacks=[lambda t, record: seen.__setitem__(record["step"], model.weight.detach().clone())])
+    with pytest.warns(UserWarning, match=r"step 3: gradient norm nan; update skipped \(1 in a row\)"):
+        result = trainer.fit()
+    assert torch.equal(seen[2], seen[3]) and not torch.equal(seen[3], seen[4])
+    assert result.steps == 6 and torch.isfinite(model.weight).all()
+
+
+def test_a_task_without_evaluate_publishes_its_latest_model(tmp_path):
+    """loop.py _evaluate: `(improved or (not results and save))` -> `improved`: a task with no
+    val_loss never got OUT/model (only checkpoints), and the summary said none was published."""
+    model = torch.nn.Linear(4, 1)
+    result = Trainer(model, ScriptedTask(nan_steps=()), generic_config(tmp_path, max_steps=4, eval_interval=2)).fit()
+    published = tmp_path / "run" / "model" / "model.safetensors"
+    assert published.is_file()
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(published))["weight"], model.weight.detach())  # the last step's weights
+    assert "no model published yet" not in result.summary()
+
+
+class ScriptedValTask(ScriptedTask):
+    """val_loss read from a list, one value per evaluation (the first is the one before step 1)."""
+
+    def __init__(self, val_losses):
+        super().__init__(nan_steps=())
+        self.val_losses = list(val_losses)
+
+    def evaluate(self, model, device):
+        return {"val_loss": self.val_losses.pop(0)}
+
+
+def test_keep_last_never_prunes_the_best_checkpoint(tmp_path):
+    """loop.py _save_checkpoint: `keep = {self.best_step} ...` -> `set()` deleted the best model's
+    checkpoint (config: "Checkpoints to keep (the best one by val loss is kept too)")."""
+    from frawdllm.train.checkpoint import list_checkpoints
+
+    task = ScriptedValTask([5.0, 1.0, 3.0, 4.0, 6.0, 7.0])  # best at the evaluation of step 2
+    result = Trainer(torch.nn.Linear(4, 1), task, generic_config(tmp_path, max_steps=10, eval_interval=2,
+                                                                  keep_last=1)).fit()
+    assert result.best_step == 2
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [2, 10]
+
+
+def test_training_lines_are_logged_every_log_interval_steps(tmp_path):
+    """loop.py train_step: `self.step % cfg.log_interval == 0` -> `(self.step + 1) % ...` logged
+    steps 2 and 5 instead of 3 and 6 (every test ran with log_interval 1)."""
+    Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()),
+            generic_config(tmp_path, max_steps=6, eval_interval=0, log_interval=3)).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [3, 6]
+
+
+def test_a_schedule_past_its_budget_stays_at_the_floor():
+    """schedule.py: dropping `min(1.0, ...)` around t let the cosine rise again past progress 1
+    (the loop caps progress itself, so only direct LRSchedule users would see it)."""
+    from frawdllm.train.schedule import LRSchedule
+
+    for kind in ("cosine", "linear", "wsd"):
+        sched = LRSchedule(1.0, kind, warmup_steps=0, min_lr_ratio=0.1)
+        assert sched(0, 1.5) == pytest.approx(0.1) and sched(0, 1.0) == pytest.approx(0.1), kind
+
+
+def test_a_resumed_fp16_run_keeps_the_grad_scalers_scale(tmp_path):
+    """loop.py _restore: dropping `self.scaler.load_state_dict(state["scaler"])` restarted the
+    loss scale at 65536 after a resume (an fp16 run is then not the uninterrupted one)."""
+    cfg = dict(max_steps=4, eval_interval=2, dtype="fp16")
+    with pytest.warns(UserWarning):  # (fp16 is emulated on this CPU; the NaN step)
+        first = Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps={2}), generic_config(tmp_path, **cfg))
+        first.fit()
+    scale = first.scaler.get_scale()
+    assert scale < 65536.0  # the NaN step halved it
+    with pytest.warns(UserWarning):
+        resumed = Trainer(torch.nn.Linear(4, 1), ScriptedTask(nan_steps=()),
+                          generic_config(tmp_path, **{**cfg, "max_steps": 6}, resume=True))
+    assert resumed.scaler.get_scale() == scale
