@@ -27,9 +27,10 @@ demo: $(STAMP)
 		--max-new-tokens 120 --temperature 0.7 --top-k 40 --seed 0
 
 # One pytest-xdist worker per CPU, each test file on one worker (a file's shared fixtures are
-# built once); `$(PY) -m pytest -q tests/test_x.py` runs one file alone.
+# built once), the reason of each skip listed at the end; `$(PY) -m pytest -q tests/test_x.py` runs
+# one file alone.
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -rs -n auto --dist loadfile
 
 clean:
 	rm -rf .venv runs frawdllm.egg-info
