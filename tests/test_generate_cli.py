@@ -465,3 +465,49 @@ def test_flags_can_undo_what_generation_config_sets(capsys, model_dir, tmp_path)
     code, out, _ = run(capsys, "generate", "--help")
     help_text = " ".join(out.split())
     assert "--ignore-eos / --no-ignore-eos" in help_text and "--no-stop" in help_text and "'none'" in help_text
+
+
+def _json_text(capsys, model_dir, prompt):
+    _, out, _ = run(capsys, "generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "6",
+                    "--temperature", "0", "--json")
+    return json.loads(out)["text"]
+
+
+def test_several_plain_text_completions_each_get_a_header_and_one_does_not(capsys, model_dir):
+    common = ["generate", "--model", str(model_dir), "--max-new-tokens", "3", "--temperature", "0", "--no-stream"]
+    code, out, err = run(capsys, *common, "--prompt", "a", "--prompt", "b", "--num-samples", "2")
+    assert code == 0, err
+    headers = [line for line in out.splitlines() if line.startswith("--- prompt")]
+    assert headers == ["--- prompt 1, sample 1 ---", "--- prompt 1, sample 2 ---",
+                       "--- prompt 2, sample 1 ---", "--- prompt 2, sample 2 ---"], out
+    code, out, err = run(capsys, *common, "--prompt", "a")
+    assert code == 0 and "--- prompt" not in out, out
+
+
+def test_echo_prompt_puts_the_prompt_before_the_plain_text_completion(capsys, model_dir):
+    text = _json_text(capsys, model_dir, "abc")
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "abc", "--max-new-tokens", "6",
+                         "--temperature", "0", "--no-stream", "--echo-prompt")
+    assert code == 0 and out == "abc" + text + "\n", (out, err)
+
+
+def test_echo_prompt_puts_the_prompt_before_the_streamed_completion(capsys, model_dir):
+    text = _json_text(capsys, model_dir, "abc")
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "abc", "--max-new-tokens", "6",
+                         "--temperature", "0", "--stream", "--echo-prompt")
+    assert code == 0 and out == "abc" + text + "\n", (out, err)
+
+
+def test_the_unknown_character_warning_names_up_to_twenty_then_counts_the_rest(capsys, tmp_path):
+    tok = train_tokenizer(["abc abc"], kind="char")
+    torch.manual_seed(0)
+    FrawdLLM(get_config("tiny", vocab_size=tok.vocab_size, n_layer=1, n_embd=16, n_head=2,
+                        context_length=64)).save_pretrained(tmp_path, tokenizer=tok)
+    unknown = "ABCDEFGHIJKLMNOPQRSTU"  # 21, sorted
+    for n in (20, 21):
+        code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "ab" + unknown[:n],
+                           "--max-new-tokens", "1", "--json")
+        assert code == 0, err
+        shown = repr(unknown[:20] + (" and 1 more" if n == 21 else ""))
+        assert f"warning: {n} character(s) of the prompt are not in the tokenizer's vocabulary and become " \
+               f"<|unk|>: {shown}" in err, err
