@@ -752,3 +752,22 @@ def test_from_pretrained_names_a_bad_device_before_reading_anything(tmp_path):
     FrawdLLM(get_config("tiny", n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path / "m")
     with pytest.raises(FrawdError, match="unknown device 'gpu'"):  # (blamed the weights file before)
         FrawdLLM.from_pretrained(tmp_path / "m", device="gpu")
+
+
+def test_a_stop_token_that_is_a_character_is_not_streamed_as_generate_leaves_it_out(char_setup):
+    """A stop token id (stop_token_ids) ends the row and is no text: generate leaves it out
+    of the text; the stream must not print it either."""
+    model, tokenizer = char_setup
+    engine = Engine(model, tokenizer)
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=40, ignore_eos=True)
+    full = engine.generate(["abc"], params)[0]
+    stop_id = full.tokens[8]
+    first = full.tokens.index(stop_id)
+    expected = tokenizer.decode(full.tokens[:first], skip_special_tokens=True)
+    stopping = params.replace(stop_token_ids=[stop_id])
+    done = engine.generate(["abc"], stopping)[0]
+    assert done.tokens == full.tokens[:first + 1] and done.finish_reason == "stop"
+    assert done.text == expected
+    chunks = list(engine.stream("abc", stopping))
+    assert "".join(c.text for c in chunks) == expected
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].token == stop_id

@@ -511,3 +511,14 @@ def test_the_unknown_character_warning_names_up_to_twenty_then_counts_the_rest(c
         shown = repr(unknown[:20] + (" and 1 more" if n == 21 else ""))
         assert f"warning: {n} character(s) of the prompt are not in the tokenizer's vocabulary and become " \
                f"<|unk|>: {shown}" in err, err
+
+
+def test_plain_output_with_echo_prompt_prints_each_completions_own_prompt(capsys, model_dir):
+    """--echo-prompt without --json, several prompts: each completion follows its own prompt."""
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--prompt", "one", "--prompt", "two",
+                         "--max-new-tokens", "1", "--temperature", "0", "--no-stream", "--echo-prompt")
+    assert code == 0, err
+    blocks = out.split("--- prompt ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["1, sample 1 ---", "2, sample 1 ---"], out
+    assert blocks[0].split("---\n", 1)[1].startswith("one"), out
+    assert blocks[1].split("---\n", 1)[1].startswith("two"), out

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from frawdllm.infer.textstream import TextStream
+from frawdllm.infer.textstream import TextStream, text_after
 from frawdllm.tokenizer import EOS_ID, byte_tokenizer, train_tokenizer
 
 TEXT = "héllo wörld € 😀 ok – ñ"
@@ -218,8 +218,6 @@ def test_a_sentencepiece_reply_keeps_the_space_before_its_first_word(word_pieces
     "alpha"), and the stream decoded the reply alone: prompt "all" + reply "alpha" read
     "allalpha" where transformers (prompt and reply decoded together) reads "all alpha".
     A reply after the prompt's start of text (only <s>) still starts with its word."""
-    from frawdllm.infer.textstream import text_after
-
     tok = word_pieces_tok
     ids = tok.encode("all alpha along the lines")
     assert len(ids) == 5  # (a piece a word)
@@ -247,3 +245,29 @@ def test_a_sentencepiece_tokens_bytes_are_its_text_after_another(word_pieces_tok
 def test_only_a_byte_fallback_tokenizer_has_fallback_bytes(byte_tok):
     assert byte_tok.fallback_byte_ids == frozenset()
     assert train_tokenizer(["abc"], kind="char").fallback_byte_ids == frozenset()
+
+
+def test_a_long_sentencepiece_stream_keeps_every_words_space_after_the_window_moves(word_pieces_tok):
+    """The decode window restarts every few tokens; restarting it at the newest id (instead
+    of at the ids already read) decodes the next "\u2581word" alone, which drops its space."""
+    tok = word_pieces_tok
+    text = "all alpha along the lines of al and la all alpha along the lines of al and la"
+    ids = tok.encode(text)
+    assert len(ids) > 12
+    assert "".join(push_all(TextStream(tok), ids)) == tok.decode(ids) == text
+    prompt, reply = ids[:2], ids[2:]
+    assert "".join(push_all(TextStream(tok, (), prompt), reply)) == text_after(tok, prompt, reply) \
+        == tok.decode(ids)[len(tok.decode(prompt)):]
+
+
+def test_a_reply_after_a_prompt_ending_in_a_byte_fallback_character_is_whole(sentencepiece_tok):
+    """A prompt ending in "日" as byte tokens: its last byte must not be read before the reply
+    (alone it is not UTF-8, and with the reply's bytes the whole group turned to U+FFFD)."""
+    tok = sentencepiece_tok
+    prompt = tok.encode("al 日")
+    reply = tok.encode("al 日本 al")[len(prompt):]
+    assert prompt[-1] in tok.fallback_byte_ids and reply[0] in tok.fallback_byte_ids
+    want = tok.decode(prompt + reply)[len(tok.decode(prompt)):]
+    assert want == "本 al"
+    assert "".join(push_all(TextStream(tok, (), prompt), reply)) == want
+    assert text_after(tok, prompt, reply) == want
