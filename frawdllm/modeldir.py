@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -233,9 +233,10 @@ def load_config(directory: str | Path) -> ModelConfig:
         raise FrawdError(f"{path}: invalid config: {exc}") from None
 
 
-def load_generation_config(directory: str | Path) -> dict[str, Any]:
+def load_generation_config(directory: str | Path, overridden: Collection[str] = ()) -> dict[str, Any]:
     """The sampling defaults in generation_config.json ({} without one), checked as
-    `SamplingParams` so every value has the right type and range."""
+    `SamplingParams` so every value has the right type and range; those of `overridden`
+    (replaced by the caller, a flag given) are returned unchecked."""
     path = model_file(directory, GENERATION_CONFIG_FILE, required=False)
     if path is None:
         return {}
@@ -247,7 +248,8 @@ def load_generation_config(directory: str | Path) -> dict[str, Any]:
 
         config = load_config(directory)
         data = sampling_from_hf(data, config.eos_token_id, config.context_length, path)
-    return checked_sampling(data, path)
+    checked_sampling({key: value for key, value in data.items() if key not in overridden}, path)
+    return data
 
 
 # Keys only transformers' generation_config.json has (its settings mean other things: a

@@ -126,6 +126,13 @@ def test_generation_config_gives_defaults_and_flags_override_them(capsys, model_
     write_json_atomic(directory / "generation_config.json", {"temperature": "hot"})
     code, _, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x")
     assert code == 1 and "temperature must be a number, got 'hot'" in err, err  # (not "a number or an integer")
+    # a flag that replaces the bad value: the file's value is never used, so it is not refused
+    code, out, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--temperature", "0",
+                         "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["completion_tokens"] == 2, err
+    write_json_atomic(directory / "generation_config.json", {"temperature": "hot", "top_k": -1})
+    code, _, err = run(capsys, "generate", "--model", str(directory), "--prompt", "x", "--temperature", "0")
+    assert code == 1 and "top_k" in err and "hot" not in err, err  # (what no flag replaced is still checked)
     # a stop string JSON can hold but no text can: taken silently (a stop that never matches),
     # and frawd serve's /v1/models was a 500 serialising it
     (directory / "generation_config.json").write_text('{"stop": ["ok", "\\ud800"]}')

@@ -65,10 +65,12 @@ def params_from_flags(model_dir: str | Path, flags: dict[str, Any], **extra: Any
     from ..modeldir import load_config, load_generation_config
 
     load_config(model_dir)  # a missing or broken directory is named before its sampling defaults
-    values: dict[str, Any] = dict(load_generation_config(model_dir))
-    for _, name, _, _ in _SAMPLING:
-        if flags.get(name) is not None:
-            values[name] = flags[name]
+    typed = [name for _, name, _, _ in _SAMPLING if flags.get(name) is not None]
+    stops = ["stop"] if flags.get("stop") or flags.get("no_stop") else []
+    # (a value of the file that a flag replaces is not checked: `--temperature 0.7` overrides a bad one)
+    values: dict[str, Any] = dict(load_generation_config(model_dir, overridden=[*typed, *stops, *extra]))
+    for name in typed:
+        values[name] = flags[name]
     if flags.get("seed") == "none":  # --seed none: fresh entropy, whatever the file says
         values["seed"] = None
     if flags.get("no_stop"):
