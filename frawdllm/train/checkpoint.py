@@ -92,7 +92,10 @@ def _listed(path: Path) -> dict | list | None:
 
 def _inside(name: object) -> bool:
     """`name` is a path inside the checkpoint folder (not /dev/zero, not ../../x)."""
-    return isinstance(name, str) and not PurePosixPath(name).is_absolute() and ".." not in PurePosixPath(name).parts
+    if not isinstance(name, str):
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts
 
 
 def check_unchanged(path: Path) -> None:
@@ -106,9 +109,9 @@ def check_unchanged(path: Path) -> None:
         if not isinstance(recorded, dict):
             continue
         file = path / name
-        size, crc = recorded.get("bytes"), recorded.get("crc32")
-        if isinstance(size, int) and file.stat().st_size != size:
-            changed = f"{file.stat().st_size:,} bytes, not the {size:,} written"
+        size, crc, now = recorded.get("bytes"), recorded.get("crc32"), file.stat().st_size
+        if isinstance(size, int) and now != size:
+            changed = f"{now:,} bytes, not the {size:,} written"
         elif isinstance(crc, str) and _crc32(file) != crc:
             changed = "its CRC-32 differs from the one recorded when it was written"
         else:
